@@ -1,0 +1,3 @@
+from mpspool.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Conventions every mpspool process follows: reserved exit codes, the fatal-reason
+marker, and dying with the parent.
+
+Reserved exit codes (after gunicorn's WORKER_BOOT_ERROR / APP_LOAD_ERROR) let the
+controller tell "cannot start, stop retrying" from a crash worth a restart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+EXIT_OK = 0
+EXIT_CONFIG_ERROR = 3  # bad configuration or environment: retrying cannot help
+EXIT_LOAD_FAILED = 4  # the model could not be loaded
+RESERVED_EXIT_CODES = (EXIT_CONFIG_ERROR, EXIT_LOAD_FAILED)
+
+# A process that exits with a reserved code first writes one line starting with this to
+# stderr; the controller shows the rest of the line as the reason (`mpspool status`).
+FATAL_MARKER = "MPSPOOL-FATAL: "
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` when the parent exits, so no child outlives a killed pool.
+
+    A no-op where prctl is unavailable. If the parent is already gone (it died between
+    fork and here), exit at once.
+    """
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def fail(code: int, reason: str) -> "NoReturn":  # noqa: F821 - typing only
+    """Report `reason` in the marker format and exit with a reserved code."""
+    sys.stderr.write(f"{FATAL_MARKER}{reason}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)

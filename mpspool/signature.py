@@ -1,0 +1,134 @@
+"""Serving signatures as plain data, and the checks a request must pass against one.
+
+Built from a SignatureDef map (TensorFlow's own protos in the worker, mpspool's
+wire-compatible copies in the router: the same field names, so either works), and used by
+both sides: the router rejects bad requests before they cost a hop, the worker checks
+again so that nothing malformed ever reaches TensorFlow. Messages follow TF Serving's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpspool import dtypes
+from mpspool.errors import Code, ServingError
+
+DEFAULT_SIGNATURE = "serving_default"
+PREDICT_METHOD = "tensorflow/serving/predict"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: int
+    shape: tuple[int, ...] | None  # None: unknown rank; -1: unknown dimension
+
+    def shape_text(self) -> str:
+        return "<unknown>" if self.shape is None else _dims(self.shape)
+
+
+@dataclass(frozen=True)
+class SignatureSpec:
+    key: str
+    method_name: str
+    inputs: Mapping[str, TensorSpec]
+    outputs: Mapping[str, TensorSpec]
+
+
+def specs_from_signature_defs(signature_defs: Mapping[str, Any]) -> dict[str, SignatureSpec]:
+    """Specs for every signature that takes inputs (the init op's entry has none)."""
+    specs = {}
+    for key, sig in signature_defs.items():
+        if not sig.inputs:
+            continue
+        specs[key] = SignatureSpec(
+            key=key,
+            method_name=sig.method_name,
+            inputs={alias: _tensor_spec(info) for alias, info in sig.inputs.items()},
+            outputs={alias: _tensor_spec(info) for alias, info in sig.outputs.items()},
+        )
+    return specs
+
+
+def _tensor_spec(info: Any) -> TensorSpec:
+    shape_proto = info.tensor_shape
+    if shape_proto.unknown_rank:
+        shape = None
+    else:
+        shape = tuple(int(d.size) for d in shape_proto.dim)
+    return TensorSpec(dtype=int(info.dtype), shape=shape)
+
+
+def select_signature(specs: Mapping[str, SignatureSpec], name: str) -> SignatureSpec:
+    key = name or DEFAULT_SIGNATURE
+    try:
+        return specs[key]
+    except KeyError:
+        raise ServingError(
+            Code.FAILED_PRECONDITION, f'Serving signature key "{key}" not found.'
+        ) from None
+
+
+def check_inputs(
+    spec: SignatureSpec, given: Mapping[str, tuple[int, Sequence[int]]]
+) -> None:
+    """Raise INVALID_ARGUMENT unless `given` (alias → (dtype, shape)) fits the signature."""
+    expected = set(spec.inputs)
+    sent = set(given)
+    if sent != expected:
+        extra = sent - expected
+        missing = expected - sent
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            f"input size does not match signature: {len(sent)}!={len(expected)} "
+            f"len({_set(sent)}) != len({_set(expected)}). "
+            f"Sent extra: {_set(extra)}. Missing but required: {_set(missing)}.",
+        )
+    for alias, (dt, shape) in given.items():
+        want = spec.inputs[alias]
+        if dt != want.dtype:
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f'input "{alias}": expects dtype {dtypes.dtype_name(want.dtype)} '
+                f"but {dtypes.dtype_name(dt)} is provided",
+            )
+        if not shape_fits(want.shape, shape):
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f'input "{alias}": shape {_dims(shape)} is not compatible with the '
+                f"signature's shape {want.shape_text()}",
+            )
+
+
+def check_output_filter(spec: SignatureSpec, output_filter: Iterable[str]) -> list[str]:
+    """The output aliases to return: all of them when the filter is empty."""
+    names = list(output_filter)
+    if not names:
+        return list(spec.outputs)
+    for name in names:
+        if name not in spec.outputs:
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f"output tensor alias not found in signature: {name} "
+                f"Outputs expected to be in the set {_set(spec.outputs)}.",
+            )
+    if len(set(names)) != len(names):
+        raise ServingError(Code.INVALID_ARGUMENT, f"duplicate output tensor alias in {names}")
+    return names
+
+
+def shape_fits(want: tuple[int, ...] | None, got: Sequence[int]) -> bool:
+    if want is None:
+        return True
+    if len(want) != len(got):
+        return False
+    return all(w < 0 or w == g for w, g in zip(want, got, strict=True))
+
+
+def _set(names: Iterable[str]) -> str:
+    return "{" + ",".join(sorted(names)) + "}"
+
+
+def _dims(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"

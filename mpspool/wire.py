@@ -1,0 +1,152 @@
+"""The router ⇄ worker wire protocol, and the two small local control channels.
+
+Both ends import this module and neither owns it (as the ZeroMQ guide's Majordomo keeps
+MDP.py). Everything that crosses a socket is msgpack — never pickle — plus raw tensor
+buffers as separate frames, sent without copies.
+
+Worker channel: each worker's DEALER connects to the router's ROUTER at
+``ipc://<run-dir>/workers.ipc`` with the identity ``<slot>:<pid>`` (one per incarnation,
+so a late message from a replaced process is recognisable). A message is
+``[header, *tensor frames]`` where header is a msgpack map ``{"v": 1, "k": kind, ...}``.
+
+  worker → router
+    READY      {slot, pid, model, version}        + [serialized SignatureDefMap]
+    HEARTBEAT  {slot, pid, served}                 sent from the serving loop
+    REPLY      {id, tensors, busy_us}              + one frame per output tensor
+    ERROR      {id, code, message}                 code: a gRPC status code number
+    BYE        {slot, pid}                         draining: send nothing more
+  router → worker
+    REQUEST    {id, sig, tensors, outputs}         + one frame per input tensor
+    REREGISTER {}                                  "I do not know you": send READY again
+
+``tensors`` is a list of ``[name, dtype, shape]`` with dtype a TensorFlow DataType number;
+DT_STRING tensors travel as one msgpack list of bytes.
+
+Control channel: the controller's DEALER talks to the router's ROUTER at
+``ipc://<run-dir>/control.ipc``; admin channel: ``mpspool status|stop`` talk to the
+controller's ROUTER at ``ipc://<run-dir>/admin.ipc``. Both are request/reply with a msgpack
+map ``{"v": 1, "op": ..., ...}``; the run directory is private (0700), which is what makes
+them local-only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from mpspool import dtypes
+
+PROTOCOL_VERSION = 1
+
+WORKERS_ENDPOINT = "workers.ipc"
+CONTROL_ENDPOINT = "control.ipc"
+ADMIN_ENDPOINT = "admin.ipc"
+
+# Heartbeat interval of the worker's serving loop; the router's liveness window is a
+# configurable multiple of it (--worker-timeout, default 3 s).
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class Kind(str, enum.Enum):
+    READY = "ready"
+    HEARTBEAT = "hb"
+    REPLY = "reply"
+    ERROR = "error"
+    BYE = "bye"
+    REQUEST = "req"
+    REREGISTER = "who"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol (wrong version, bad framing)."""
+
+
+def endpoint(run_dir: str, name: str) -> str:
+    return f"ipc://{run_dir}/{name}"
+
+
+def worker_identity(slot: str, pid: int) -> bytes:
+    return f"{slot}:{pid}".encode()
+
+
+def pack(kind: Kind | None = None, **fields: Any) -> bytes:
+    """A header (kind set) or a control message (fields only)."""
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION}
+    if kind is not None:
+        message["k"] = kind.value
+    message.update(fields)
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(frame: bytes | memoryview) -> dict[str, Any]:
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable header: {exc}") from None
+    if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"expected protocol version {PROTOCOL_VERSION}, got {message!r:.80}")
+    return message
+
+
+def kind_of(message: Mapping[str, Any]) -> Kind:
+    try:
+        return Kind(message["k"])
+    except (KeyError, ValueError):
+        raise ProtocolError(f"unknown message kind {message.get('k')!r}") from None
+
+
+TensorMeta = list  # [name, dtype, shape]
+
+
+def encode_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[list[TensorMeta], list[Any]]:
+    """Header entries and frames for named arrays; numeric frames are the arrays themselves
+    (pyzmq sends them from their buffers when called with copy=False)."""
+    metas: list[TensorMeta] = []
+    frames: list[Any] = []
+    for name, array in tensors.items():
+        dt = dtypes.dt_of_array(array)
+        metas.append([name, dt, list(array.shape)])
+        if dt == dtypes.DT_STRING:
+            frames.append(msgpack.packb([_as_bytes(v) for v in array.reshape(-1)], use_bin_type=True))
+        else:
+            frames.append(np.ascontiguousarray(array))
+    return metas, frames
+
+
+def decode_tensors(metas: Sequence[Sequence[Any]], frames: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Arrays over the received frames' buffers (no copy; read-only views)."""
+    if len(metas) != len(frames):
+        raise ProtocolError(f"{len(metas)} tensors described but {len(frames)} frames sent")
+    out: dict[str, np.ndarray] = {}
+    for (name, dt, shape), frame in zip(metas, frames, strict=True):
+        buffer = frame.buffer if hasattr(frame, "buffer") else frame
+        if dt == dtypes.DT_STRING:
+            values = msgpack.unpackb(buffer, raw=True)
+            array = np.empty(len(values), dtype=object)
+            array[:] = values
+            out[name] = array.reshape(shape)
+            continue
+        try:
+            dtype = dtypes.numpy_dtype(dt)
+        except KeyError:
+            raise ProtocolError(f"tensor {name!r}: unsupported dtype {dt}") from None
+        array = np.frombuffer(buffer, dtype=dtype)
+        try:
+            out[name] = array.reshape(shape)
+        except ValueError:
+            raise ProtocolError(f"tensor {name!r}: {array.size} values for shape {shape}") from None
+    return out
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, np.bytes_):
+        return bytes(value)
+    raise TypeError(f"string tensor element of type {type(value).__name__}")

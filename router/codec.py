@@ -1,0 +1,127 @@
+"""TensorProto ⇄ numpy without TensorFlow, parsing exactly as TensorFlow does.
+
+The rules are those of TensorFlow's C++ ``Tensor::FromProto`` (what TF Serving runs):
+- a non-empty ``tensor_content`` holds the raw little-endian values and must be exactly
+  ``num_elements × itemsize`` bytes;
+- otherwise only the typed ``*_val`` field that matches the dtype is read (values in any
+  other field are ignored: an int64 tensor sent in ``bool_val`` is all zeros);
+- no values at all → zeros; fewer values than elements → the last value repeats;
+- more values than elements → the first ``num_elements`` are used. (Python's
+  ``tf.make_ndarray`` raises here instead; the server's rule is the one followed.)
+Half and bfloat16 travel in ``half_val`` as their 16-bit patterns; complex values as
+(real, imaginary) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpspool import dtypes
+from mpspool.errors import Code, ServingError
+from mpspool.protos import tensorflow_pb2
+
+# dtype → (typed field, numpy dtype the field's values are read as)
+_TYPED_FIELD: dict[int, tuple[str, str]] = {
+    dtypes.DT_FLOAT: ("float_val", "<f4"),
+    dtypes.DT_DOUBLE: ("double_val", "<f8"),
+    dtypes.DT_INT32: ("int_val", "<i4"),
+    dtypes.DT_INT16: ("int_val", "<i4"),
+    dtypes.DT_INT8: ("int_val", "<i4"),
+    dtypes.DT_UINT8: ("int_val", "<i4"),
+    dtypes.DT_UINT16: ("int_val", "<i4"),
+    dtypes.DT_INT64: ("int64_val", "<i8"),
+    dtypes.DT_UINT32: ("uint32_val", "<u4"),
+    dtypes.DT_UINT64: ("uint64_val", "<u8"),
+    dtypes.DT_BOOL: ("bool_val", "?"),
+    dtypes.DT_HALF: ("half_val", "<i4"),
+    dtypes.DT_BFLOAT16: ("half_val", "<i4"),
+    dtypes.DT_COMPLEX64: ("scomplex_val", "<f4"),
+    dtypes.DT_COMPLEX128: ("dcomplex_val", "<f8"),
+    dtypes.DT_STRING: ("string_val", ""),
+}
+
+
+def _invalid(name: str, what: str) -> ServingError:
+    return ServingError(Code.INVALID_ARGUMENT, f'tensor parsing error: input "{name}": {what}')
+
+
+def tensor_shape(proto: tensorflow_pb2.TensorProto, name: str = "") -> tuple[int, ...]:
+    shape_proto = proto.tensor_shape
+    if shape_proto.unknown_rank:
+        raise _invalid(name, "a tensor's shape must have a known rank")
+    shape = tuple(int(d.size) for d in shape_proto.dim)
+    if any(d < 0 for d in shape):
+        raise _invalid(name, f"negative dimension in shape {list(shape)}")
+    return shape
+
+
+def tensor_to_array(proto: tensorflow_pb2.TensorProto, name: str = "") -> np.ndarray:
+    """The array TensorFlow would build from `proto`; ServingError(INVALID_ARGUMENT) if none."""
+    dt = int(proto.dtype)
+    if dt not in _TYPED_FIELD:
+        raise _invalid(name, f"unsupported dtype {dtypes.dtype_name(dt)}")
+    shape = tensor_shape(proto, name)
+    n = math.prod(shape)
+    dtype = dtypes.numpy_dtype(dt)
+    content = proto.tensor_content
+    if dt == dtypes.DT_STRING:
+        if content:
+            raise _invalid(name, "string tensors must use string_val, not tensor_content")
+        return _fill(np.array(list(proto.string_val), dtype=object), n, dtype, shape)
+    if content:
+        if len(content) != n * dtype.itemsize:
+            raise _invalid(
+                name,
+                f"tensor_content has {len(content)} bytes, "
+                f"shape {list(shape)} of {dtypes.dtype_name(dt)} needs {n * dtype.itemsize}",
+            )
+        return np.frombuffer(content, dtype=dtype).reshape(shape)
+    if n == 0:
+        return np.zeros(shape, dtype=dtype)
+    field, field_dtype = _TYPED_FIELD[dt]
+    raw = np.asarray(getattr(proto, field), dtype=field_dtype)
+    if dt in (dtypes.DT_COMPLEX64, dtypes.DT_COMPLEX128):
+        raw = raw[: (raw.size // 2) * 2].view(dtype)  # (re, im) pairs; an odd tail is dropped
+    elif dt in (dtypes.DT_HALF, dtypes.DT_BFLOAT16):
+        raw = raw.astype("<u2").view(dtype)  # the low 16 bits are the value's bit pattern
+    elif raw.dtype != dtype:
+        raw = raw.astype(dtype)  # int_val → int8/int16/uint8/uint16 wraps like static_cast
+    return _fill(raw, n, dtype, shape)
+
+
+def _fill(values: np.ndarray, n: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    if values.size == 0:
+        if dtype == np.dtype(object):
+            out = np.empty(n, dtype=object)
+            out[:] = b""
+            return out.reshape(shape)
+        return np.zeros(shape, dtype=dtype)
+    if values.size >= n:
+        return values[:n].reshape(shape)
+    out = np.empty(n, dtype=dtype)
+    out[: values.size] = values
+    out[values.size :] = values[-1]
+    return out.reshape(shape)
+
+
+def array_to_tensor(
+    array: np.ndarray, proto: tensorflow_pb2.TensorProto | None = None
+) -> tensorflow_pb2.TensorProto:
+    """Fill `proto` (or a new TensorProto) from an array: tensor_content for numbers,
+    string_val for strings — both what TF Serving itself sends."""
+    if proto is None:
+        proto = tensorflow_pb2.TensorProto()
+    dt = dtypes.dt_of_array(array)
+    proto.dtype = dt
+    proto.tensor_shape.dim.extend(
+        tensorflow_pb2.TensorShapeProto.Dim(size=int(d)) for d in array.shape
+    )
+    if dt == dtypes.DT_STRING:
+        proto.string_val.extend(
+            v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1)
+        )
+    else:
+        proto.tensor_content = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    return proto

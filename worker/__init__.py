@@ -1,0 +1,1 @@
+"""One worker process: one model runtime serving requests from the router."""
