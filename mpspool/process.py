@@ -11,6 +11,7 @@ import ctypes
 import os
 import signal
 import sys
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_CONFIG_ERROR = 3  # bad configuration or environment: retrying cannot help
@@ -40,7 +41,12 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def fail(code: int, reason: str) -> "NoReturn":  # noqa: F821 - typing only
+def die_with_parent_sigterm() -> None:
+    """For subprocess preexec_fn: children that can shut down cleanly get SIGTERM."""
+    die_with_parent(signal.SIGTERM)
+
+
+def fail(code: int, reason: str) -> NoReturn:
     """Report `reason` in the marker format and exit with a reserved code."""
     sys.stderr.write(f"{FATAL_MARKER}{reason}\n")
     sys.stderr.flush()

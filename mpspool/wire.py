@@ -111,7 +111,7 @@ def encode_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[list[TensorMeta],
         dt = dtypes.dt_of_array(array)
         metas.append([name, dt, list(array.shape)])
         if dt == dtypes.DT_STRING:
-            frames.append(msgpack.packb([_as_bytes(v) for v in array.reshape(-1)], use_bin_type=True))
+            frames.append(string_frame(array))
         else:
             frames.append(np.ascontiguousarray(array))
     return metas, frames
@@ -125,7 +125,7 @@ def decode_tensors(metas: Sequence[Sequence[Any]], frames: Sequence[Any]) -> dic
     for (name, dt, shape), frame in zip(metas, frames, strict=True):
         buffer = frame.buffer if hasattr(frame, "buffer") else frame
         if dt == dtypes.DT_STRING:
-            values = msgpack.unpackb(buffer, raw=True)
+            values = string_values(buffer)
             array = np.empty(len(values), dtype=object)
             array[:] = values
             out[name] = array.reshape(shape)
@@ -140,6 +140,17 @@ def decode_tensors(metas: Sequence[Sequence[Any]], frames: Sequence[Any]) -> dic
         except ValueError:
             raise ProtocolError(f"tensor {name!r}: {array.size} values for shape {shape}") from None
     return out
+
+
+def string_frame(array: np.ndarray) -> bytes:
+    return msgpack.packb([_as_bytes(v) for v in array.reshape(-1)], use_bin_type=True)
+
+
+def string_values(buffer: bytes | memoryview) -> list[bytes]:
+    values = msgpack.unpackb(buffer, raw=True)
+    if not isinstance(values, list):
+        raise ProtocolError("a string tensor frame must hold a list")
+    return values
 
 
 def _as_bytes(value: Any) -> bytes:

@@ -43,6 +43,11 @@ _TYPED_FIELD: dict[int, tuple[str, str]] = {
 }
 
 
+# numpy's limit on ndim (TensorFlow's own is 254; no served model comes near either).
+_MAX_RANK = 64
+_INT64_MAX = 2**63 - 1
+
+
 def _invalid(name: str, what: str) -> ServingError:
     return ServingError(Code.INVALID_ARGUMENT, f'tensor parsing error: input "{name}": {what}')
 
@@ -51,9 +56,18 @@ def tensor_shape(proto: tensorflow_pb2.TensorProto, name: str = "") -> tuple[int
     shape_proto = proto.tensor_shape
     if shape_proto.unknown_rank:
         raise _invalid(name, "a tensor's shape must have a known rank")
+    if len(shape_proto.dim) > _MAX_RANK:
+        raise _invalid(name, f"rank {len(shape_proto.dim)} exceeds the maximum of {_MAX_RANK}")
     shape = tuple(int(d.size) for d in shape_proto.dim)
     if any(d < 0 for d in shape):
         raise _invalid(name, f"negative dimension in shape {list(shape)}")
+    # TensorShape::IsValid multiplies dim by dim and rejects the shape as soon as the
+    # running product overflows int64, even if a later dimension is 0.
+    n = 1
+    for d in shape:
+        n *= d
+        if n > _INT64_MAX:
+            raise _invalid(name, f"shape {list(shape)} has more than 2^63-1 elements")
     return shape
 
 
@@ -65,6 +79,10 @@ def tensor_to_array(proto: tensorflow_pb2.TensorProto, name: str = "") -> np.nda
     shape = tensor_shape(proto, name)
     n = math.prod(shape)
     dtype = dtypes.numpy_dtype(dt)
+    if n == 0:
+        # Tensor::FromProto reads no values for an empty shape: whatever tensor_content or
+        # typed values came along are ignored, not checked.
+        return np.zeros(shape, dtype=dtype)
     content = proto.tensor_content
     if dt == dtypes.DT_STRING:
         if content:
@@ -77,9 +95,12 @@ def tensor_to_array(proto: tensorflow_pb2.TensorProto, name: str = "") -> np.nda
                 f"tensor_content has {len(content)} bytes, "
                 f"shape {list(shape)} of {dtypes.dtype_name(dt)} needs {n * dtype.itemsize}",
             )
-        return np.frombuffer(content, dtype=dtype).reshape(shape)
-    if n == 0:
-        return np.zeros(shape, dtype=dtype)
+        array = np.frombuffer(content, dtype=dtype)
+        if dt == dtypes.DT_BOOL and np.frombuffer(content, dtype=np.uint8).max() > 1:
+            # TensorFlow refuses bool bytes other than 0 and 1; numpy would keep them as
+            # bools that are neither True nor False bit for bit.
+            raise _invalid(name, "tensor_content of a bool tensor holds bytes other than 0 and 1")
+        return array.reshape(shape)
     field, field_dtype = _TYPED_FIELD[dt]
     raw = np.asarray(getattr(proto, field), dtype=field_dtype)
     if dt in (dtypes.DT_COMPLEX64, dtypes.DT_COMPLEX128):
@@ -123,5 +144,6 @@ def array_to_tensor(
             v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1)
         )
     else:
-        proto.tensor_content = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        little_endian = array.dtype.newbyteorder("<")
+        proto.tensor_content = np.ascontiguousarray(array, dtype=little_endian).tobytes()
     return proto

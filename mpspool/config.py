@@ -1,0 +1,122 @@
+"""The one validated configuration object every process of a pool reads.
+
+`mpspool start` builds it from CLI flags (and, later, a config file and the environment
+variables of the seed documents), validates it once, and writes it to ``pool.json`` in the
+run directory; the router and the workers read that file instead of re-parsing flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+POOL_FILE = "pool.json"
+
+
+class ConfigError(ValueError):
+    """A configuration a pool cannot start with; the message says what to change."""
+
+
+def default_run_dir() -> Path:
+    """A per-user private directory: $XDG_RUNTIME_DIR/mpspool, else /tmp/mpspool-<uid>."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "mpspool"
+    return Path(f"/tmp/mpspool-{os.getuid()}")
+
+
+def default_log_dir() -> Path:
+    # Logs live outside the run directory so that they survive the pool's clean exit,
+    # which removes every file it made there.
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "mpspool" / "logs"
+
+
+def default_cache_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "mpspool"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    model_name: str
+    model_base_path: str
+    model_version: int
+    run_dir: str
+    log_dir: str
+    workers: int
+    host: str = "127.0.0.1"
+    port: int = 8500
+    # A worker silent this long is declared dead by the router (its requests are retried
+    # elsewhere) and replaced by the controller.
+    worker_timeout_s: float = 3.0
+    # On shutdown: health says NOT_SERVING this long before the server stops accepting
+    # (time for load balancers to notice), then in-flight requests get drain_timeout_s.
+    shutdown_delay_s: float = 1.0
+    drain_timeout_s: float = 10.0
+    # A worker that cannot load its model is retried this many times, with exponential
+    # back-off from backoff_s, then marked FATAL.
+    start_retries: int = 3
+    backoff_s: float = 1.0
+    intra_op_threads: int = 0  # 0: usable cores / workers
+    inter_op_threads: int = 1
+    max_message_bytes: int = 512 * 1024 * 1024
+    pool_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(4))
+
+    @property
+    def model_path(self) -> str:
+        return str(Path(self.model_base_path) / str(self.model_version))
+
+    @property
+    def slots(self) -> list[str]:
+        """Worker slot names. CPU slots for now; GPU slots will be (gpu, context) pairs."""
+        return [f"cpu-{i}" for i in range(self.workers)]
+
+    def threads_per_worker(self) -> int:
+        if self.intra_op_threads > 0:
+            return self.intra_op_threads
+        return max(1, usable_cores() // self.workers)
+
+    def validate(self) -> PoolConfig:
+        if not self.model_name or "/" in self.model_name:
+            raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.worker_timeout_s <= 0.5:
+            raise ConfigError(
+                f"--worker-timeout must exceed the 0.5 s heartbeat interval, got {self.worker_timeout_s}"
+            )
+        model_pb = Path(self.model_path) / "saved_model.pb"
+        if not model_pb.is_file():
+            raise ConfigError(f"no SavedModel at {self.model_path}: expected {model_pb}")
+        # ipc:// paths are unix socket paths: at most 107 bytes on Linux.
+        longest = len(str(Path(self.run_dir) / "supervisord.sock"))
+        if longest > 100:
+            raise ConfigError(f"--run-dir {self.run_dir} is too long for unix sockets; use a shorter path")
+        return self
+
+    def save(self, run_dir: Path) -> Path:
+        path = run_dir / POOL_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> PoolConfig:
+        data = json.loads((Path(run_dir) / POOL_FILE).read_text())
+        return cls(**data)

@@ -1,0 +1,198 @@
+"""The demo model: a small recommendation-style SavedModel, and where to find a servable version.
+
+It is what tests, benchmarks and the quick start serve: an embedding lookup (the part that
+makes real recommendation models big, and the part mpspool shares between workers) feeding an
+MLP. The table's row count is a parameter, so tests build a tiny one and benchmarks a
+2,000,000-row one (488 MiB of float32) without changing anything else.
+
+TensorFlow is imported inside the functions that need it: the router and the controller import
+mpspool modules and must never pay for (or depend on) TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+DEFAULT_ROWS = 1000
+ID_COUNT = 16  # ids per example, mean-pooled
+EMBEDDING_DIM = 64
+DENSE_FEATURES = 13
+HIDDEN_UNITS = (256, 128)
+
+SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
+
+
+class NoServableVersionError(FileNotFoundError):
+    """A model base path holds no numeric version directory with a SavedModel in it."""
+
+
+def build_demo_model(
+    out_dir: str | Path,
+    embedding_rows: int = DEFAULT_ROWS,
+    version: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Write the demo SavedModel to ``out_dir/<version>`` (TF Serving's layout); return that path.
+
+    The same ``seed`` gives bit-identical weights on every build (they come from numpy's
+    generator, not TensorFlow's global RNG), so two builds serve the same scores. The model is
+    written into a hidden directory beside the target and renamed into place only once it is
+    complete and on disk: a crashed build never leaves a directory that looks like a version.
+    Raises FileExistsError if the version already exists (versions are immutable, as TF Serving
+    treats them).
+    """
+    if embedding_rows < 1:
+        raise ValueError(f"embedding_rows must be at least 1, got {embedding_rows}")
+    if version < 0:
+        raise ValueError(f"version must be a non-negative integer, got {version}")
+    base = Path(out_dir)
+    target = base / str(version)
+    if target.exists():
+        raise FileExistsError(
+            f"model version directory {target} already exists; versions are immutable, "
+            "choose another --version or remove it"
+        )
+    base.mkdir(parents=True, exist_ok=True)
+
+    import tensorflow as tf
+
+    # Not numeric, so latest_version() never mistakes it for a version; named by PID so a
+    # leftover from a crashed build is easy to attribute. os.mkdir honours the umask (mkdtemp
+    # would make it 0700, and the rename would carry that onto the version directory).
+    staging = base / f".{version}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
+    try:
+        module = _make_module_class(tf)(embedding_rows, seed)
+        serve = module.serve.get_concrete_function()
+        tf.saved_model.save(module, str(staging), signatures={"serving_default": serve})
+        del module, serve
+        _fsync_tree(staging)
+        os.rename(staging, target)
+        _fsync_dir(base)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def demo_inputs(
+    batch: int, embedding_rows: int = DEFAULT_ROWS, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """A batch of realistic inputs: ids uniform over the table (int64), dense features N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "ids": rng.integers(0, embedding_rows, size=(batch, ID_COUNT), dtype=np.int64),
+        "dense": rng.standard_normal((batch, DENSE_FEATURES), dtype=np.float32),
+    }
+
+
+def latest_version(base_path: str | Path) -> int:
+    """The highest numeric subdirectory of ``base_path`` holding a SavedModel (TF Serving's rule).
+
+    Non-numeric entries (staging directories, README files) and numeric directories without
+    saved_model.pb / saved_model.pbtxt (a copy still in progress) are ignored.
+    """
+    base = Path(base_path)
+    expected = (
+        f"expected a numeric version subdirectory (e.g. {base / '1'}) "
+        f"containing {' or '.join(SAVED_MODEL_FILES)}"
+    )
+    if not base.is_dir():
+        raise NoServableVersionError(
+            f"model base path {base} does not exist or is not a directory; {expected}"
+        )
+    versions = [
+        int(entry.name)
+        for entry in base.iterdir()
+        # isascii(): str.isdigit() also accepts digits such as "²" that int() rejects.
+        if entry.name.isascii()
+        and entry.name.isdigit()
+        and entry.is_dir()
+        and any((entry / name).is_file() for name in SAVED_MODEL_FILES)
+    ]
+    if not versions:
+        raise NoServableVersionError(f"no servable model version found in {base}: {expected}")
+    return max(versions)
+
+
+def _make_module_class(tf: Any) -> type:
+    """The demo tf.Module class, defined here because its base class needs TensorFlow imported."""
+
+    class DemoModel(tf.Module):
+        def __init__(self, embedding_rows: int, seed: int) -> None:
+            super().__init__(name="demo_model")
+            # Separate streams, so the MLP's weights do not depend on the table's size.
+            mlp_seed, table_seed = np.random.SeedSequence(seed).spawn(2)
+            mlp_rng = np.random.default_rng(mlp_seed)
+            self.dense_layers = []
+            fan_in = EMBEDDING_DIM + DENSE_FEATURES
+            for i, units in enumerate((*HIDDEN_UNITS, 1)):
+                # He initialisation for the relu layers keeps activations (and so the scores)
+                # away from sigmoid saturation.
+                kernel = mlp_rng.standard_normal((fan_in, units), dtype=np.float32)
+                kernel *= np.float32(np.sqrt(2.0 / fan_in))
+                bias = (mlp_rng.standard_normal(units, dtype=np.float32) * 0.01).astype(np.float32)
+                self.dense_layers.append(
+                    (
+                        tf.Variable(kernel, name=f"dense_{i}/kernel"),
+                        tf.Variable(bias, name=f"dense_{i}/bias"),
+                    )
+                )
+                fan_in = units
+            # The table is the big allocation: draw it straight as float32 and scale in place,
+            # then drop the numpy copy once TensorFlow holds the variable (peak: two copies).
+            table = np.random.default_rng(table_seed).standard_normal(
+                (embedding_rows, EMBEDDING_DIM), dtype=np.float32
+            )
+            table *= np.float32(0.5)
+            self.embedding = tf.Variable(table, name="embedding")
+            del table
+
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None, ID_COUNT], tf.int64, name="ids"),
+                tf.TensorSpec([None, DENSE_FEATURES], tf.float32, name="dense"),
+            ]
+        )
+        def serve(self, ids: tf.Tensor, dense: tf.Tensor) -> dict[str, tf.Tensor]:
+            # Read the variable, then gather from the tensor. A gather straight on the resource
+            # variable (ResourceGather) makes TensorFlow copy the whole table before the gather
+            # once the variable's buffer is shared (zero-copy from shared memory), because it
+            # cannot prove no one else holds it; ReadVariableOp + GatherV2 just aliases it.
+            rows = tf.gather(self.embedding.read_value(), ids)
+            x = tf.concat([tf.reduce_mean(rows, axis=1), dense], axis=1)
+            *hidden, (out_kernel, out_bias) = self.dense_layers
+            for kernel, bias in hidden:
+                x = tf.nn.relu(tf.matmul(x, kernel) + bias)
+            return {"score": tf.sigmoid(tf.matmul(x, out_kernel) + out_bias)}
+
+    return DemoModel
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under root, so the rename publishes data that is on disk, not in cache."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,97 @@
+"""The pool's private run directory: sockets, the supervisord configuration, pool.json.
+
+0700 and owned by the user, because its unix sockets are the admin interface: whoever
+can reach them controls the pool. One pool per run directory; a directory left by a pool
+that died is recognised (its controller pid is gone) and cleaned before reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import psutil
+
+from mpspool.config import ConfigError
+
+CONTROLLER_FILE = "controller.json"
+
+
+class PoolRunning(ConfigError):
+    pass
+
+
+def read_controller(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / CONTROLLER_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def controller_alive(info: dict | None) -> bool:
+    if not info:
+        return False
+    try:
+        proc = psutil.Process(int(info["pid"]))
+        return abs(proc.create_time() - float(info["started"])) < 1.0
+    except (psutil.Error, KeyError, ValueError):
+        return False
+
+
+def prepare(run_dir: Path) -> bool:
+    """Create (or check and clean) the run directory; True if this call created it."""
+    created = False
+    try:
+        run_dir.mkdir(mode=0o700, parents=True)
+        created = True
+    except FileExistsError:
+        pass
+    st = run_dir.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"run dir {run_dir} is not a directory")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(
+            f"run dir {run_dir} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private: "
+            f"chmod 700 {run_dir}, or pass another --run-dir"
+        )
+    info = read_controller(run_dir)
+    if controller_alive(info):
+        raise PoolRunning(
+            f"a pool is already running in {run_dir} (pid {info['pid']}); "
+            f"stop it with `mpspool stop --run-dir {run_dir}` or pass another --run-dir"
+        )
+    clean(run_dir)  # whatever a dead pool left behind
+    return created
+
+
+def write_controller(run_dir: Path, info: dict) -> None:
+    path = run_dir / CONTROLLER_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+# Every name a pool creates in its run directory. Only these are ever removed: the
+# directory may be one the user chose, holding files of their own.
+POOL_FILES = (
+    "pool.json",
+    CONTROLLER_FILE,
+    "supervisord.conf",
+    "supervisord.sock",
+    "supervisord.pid",
+    "workers.ipc",
+    "control.ipc",
+    "admin.ipc",
+)
+
+
+def clean(run_dir: Path) -> None:
+    """Remove every file a pool makes in its run directory (not the directory itself)."""
+    for name in POOL_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+        (run_dir / name).with_suffix(".tmp").unlink(missing_ok=True)

@@ -1,0 +1,5 @@
+import sys
+
+from mpspool.router.server import main
+
+sys.exit(main())

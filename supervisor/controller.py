@@ -1,0 +1,348 @@
+"""The controller: the `mpspool start` process.
+
+Renders the pool into supervisord programs, starts supervisord, then runs one loop that
+owns every decision: which slot is READY, what to replace (a worker the router declared
+dead), how to back off a worker that cannot load its model and when to give up on it, and
+the shutdown order (router drains → workers stop → router stops → supervisord exits →
+run directory cleaned). Signal handlers and admin requests only enqueue; the loop acts.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import sys
+import time
+import xmlrpc.client
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from mpspool import process, rundir, wire
+from mpspool.config import PoolConfig
+from mpspool.supervisor import supervisord as sd
+from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.states import FINAL_STATES, WorkerState
+
+log = logging.getLogger("mpspool.controller")
+
+TICK_S = 0.1
+ROUTER_PROGRAM = "router:router"
+
+
+class PoolPhase(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class RouterLink:
+    """The controller's end of the control channel; None answers mean "router not up"."""
+
+    def __init__(self, context: zmq.Context, run_dir: str) -> None:
+        self._context = context
+        self._endpoint = wire.endpoint(run_dir, wire.CONTROL_ENDPOINT)
+        self._seq = 0
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoint)
+        return sock
+
+    def ask(self, op: str, timeout_s: float = 0.5, **fields: Any) -> dict[str, Any] | None:
+        self._seq += 1
+        self._socket.send_multipart([b"", wire.pack(op=op, n=self._seq, **fields)])
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._socket.poll(int(left * 1000) + 1):
+                break
+            reply = wire.unpack(self._socket.recv_multipart()[-1])
+            if reply.get("n") == self._seq:  # older replies (after a timeout) are dropped
+                return reply
+        return None
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class Controller:
+    def __init__(self, config: PoolConfig, created_run_dir: bool) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.created_run_dir = created_run_dir
+        self.log_dir = Path(config.log_dir)
+        self.phase = PoolPhase.STARTING
+        self.slots = {name: Slot(name) for name in config.slots}
+        self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
+        self.events: deque[str] = deque()  # signals and admin requests, in arrival order
+        self.exit_code = 0
+        self.exit_reason = ""
+        self.port: int | None = None
+        self.started = time.time()
+        self._zmq = zmq.Context()
+        self._admin = self._zmq.socket(zmq.ROUTER)
+        self._admin.setsockopt(zmq.LINGER, 0)
+        self._admin.bind(wire.endpoint(config.run_dir, wire.ADMIN_ENDPOINT))
+        self.router = RouterLink(self._zmq, config.run_dir)
+        self._announced = False
+
+    # -- programs -----------------------------------------------------------------
+    def programs(self) -> list[sd.Program]:
+        python = sys.executable
+        env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        router = sd.Program(
+            name="router",
+            command=[python, "-m", "mpspool.router", "--run-dir", str(self.run_dir)],
+            priority=10,
+            environment=env,
+            autorestart="unexpected",
+            exitcodes=(0, process.EXIT_CONFIG_ERROR),
+            stopwaitsecs=int(self.config.shutdown_delay_s + self.config.drain_timeout_s + 5),
+        )
+        workers = [
+            sd.Program(
+                name=f"worker-{slot}",
+                group="workers",
+                command=[python, "-m", "mpspool.worker", "--run-dir", str(self.run_dir), "--slot", slot],
+                priority=20,
+                environment=env,
+                # A crash is restarted by supervisord at once; a load failure (reserved
+                # exit code) is "expected" there, so the back-off decision stays here.
+                autorestart="unexpected",
+                exitcodes=(0, process.EXIT_LOAD_FAILED),
+            )
+            for slot in self.slots
+        ]
+        return [router, *workers]
+
+    # -- main loop ----------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self.events.append(signal.Signals(signum).name))
+        try:
+            text = sd.render_config(self.run_dir, self.log_dir, f"mpspool-{self.config.pool_id}", self.programs())
+            self.supervisord.start(text)
+            for slot in self.slots.values():
+                slot.change_state(WorkerState.STARTING, "spawned")
+            while self.phase in (PoolPhase.STARTING, PoolPhase.SERVING):
+                self._serve_admin(TICK_S)
+                if self.events:
+                    self._dispatch(self.events.popleft())
+                    continue
+                self.tick()
+        except Exception as exc:
+            log.exception("controller failed")
+            self.exit_code, self.exit_reason = 1, f"controller failed: {exc}"
+        finally:
+            self.stop_everything()
+        return self.exit_code
+
+    def _dispatch(self, event: str) -> None:
+        if event in ("SIGTERM", "SIGINT", "stop"):
+            log.info("%s: shutting down", event)
+            self.phase = PoolPhase.DRAINING
+
+    def tick(self) -> None:
+        infos = self.supervisord.process_info()
+        snap = self.router.ask("snapshot") or {}
+        router_info = infos.get(ROUTER_PROGRAM, {})
+        if router_info.get("state") in (sd.EXITED, sd.FATAL):
+            self._fail_pool(f"the router could not start: {self.supervisord.tail_reason(ROUTER_PROGRAM)}")
+            return
+        if snap.get("port"):
+            self.port = int(snap["port"])
+        workers = snap.get("workers", {})
+        dead = snap.get("declared_dead", {})
+        now = time.monotonic()
+        for slot in self.slots.values():
+            self._observe(slot, infos.get(slot.program, {}), workers.get(slot.name), dead.get(slot.name), now)
+        if all(s.state is WorkerState.FATAL for s in self.slots.values()):
+            reasons = {s.reason for s in self.slots.values()}
+            self._fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
+            return
+        if not self._announced and self.port and any(s.state is WorkerState.READY for s in self.slots.values()):
+            self._announce()
+
+    def _observe(
+        self, slot: Slot, info: dict[str, Any], registered: dict[str, Any] | None,
+        declared_dead_pid: int | None, now: float,
+    ) -> None:
+        """Bring one slot's state in line with what supervisord and the router report."""
+        state = info.get("state")
+        pid = int(info.get("pid") or 0)
+        if slot.state is WorkerState.BACKOFF:
+            if now >= slot.retry_at:
+                self.supervisord.rpc().startProcess(slot.program, False)
+                slot.change_state(WorkerState.STARTING, f"retry {slot.load_failures}")
+            return
+        if slot.state in FINAL_STATES:
+            return
+        if state in (sd.STARTING, sd.RUNNING) and pid:
+            if pid != slot.pid:
+                if slot.pid:
+                    self._forget(slot, "replaced")
+                    slot.restarts += 1
+                slot.pid = pid
+                slot.started_at = float(info.get("start") or time.time())
+                slot.change_state(WorkerState.STARTING, f"pid {pid}")
+            if declared_dead_pid == pid:
+                if slot.kill_sent_to != pid:
+                    # Silent past the liveness window (stopped, wedged): the router already
+                    # moved its requests elsewhere; replace the process.
+                    log.warning("slot %s: pid %d declared dead by the router; killing it", slot.name, pid)
+                    slot.kill_sent_to = pid
+                    self.supervisord.rpc().signalProcess(slot.program, "KILL")
+                return
+            if registered and int(registered["pid"]) == pid:
+                slot.answered = int(registered["answered"])
+                slot.inflight = int(registered["inflight"])
+                if slot.state is WorkerState.STARTING:
+                    slot.load_failures = 0
+                    slot.reason = ""
+                    slot.change_state(WorkerState.READY, "registered with the router")
+            elif slot.state is WorkerState.READY:
+                slot.change_state(WorkerState.STARTING, "no longer registered with the router")
+            return
+        if state == sd.BACKOFF:
+            return  # supervisord is retrying a process that died right after spawn
+        if state == sd.FATAL:
+            self._forget(slot, "supervisord gave up")
+            slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
+            slot.change_state(WorkerState.FATAL, slot.reason)
+            return
+        if state in (sd.EXITED, sd.STOPPED) and slot.pid:
+            exitstatus = int(info.get("exitstatus") or 0)
+            self._forget(slot, f"exited with {exitstatus}")
+            if exitstatus == process.EXIT_LOAD_FAILED:
+                slot.load_failures += 1
+                slot.reason = self.supervisord.tail_reason(slot.program)
+                if slot.load_failures > self.config.start_retries:
+                    slot.change_state(WorkerState.FATAL, slot.reason)
+                else:
+                    slot.retry_at = now + self.config.backoff_s * 2 ** (slot.load_failures - 1)
+                    slot.change_state(WorkerState.BACKOFF, slot.reason)
+            else:
+                # An exit supervisord considers expected (0) that nobody asked for.
+                self.supervisord.rpc().startProcess(slot.program, False)
+                slot.change_state(WorkerState.STARTING, f"exited with {exitstatus}; restarting")
+
+    def _forget(self, slot: Slot, why: str) -> None:
+        """The incarnation slot.pid is over: tell the router at once (its in-flight requests
+        are retried elsewhere now, not after the liveness window)."""
+        if slot.pid:
+            self.router.ask("gone", slot=slot.name, pid=slot.pid)
+            slot.served_before += slot.answered
+        slot.answered = 0
+        slot.inflight = 0
+        slot.pid = 0
+
+    def _fail_pool(self, reason: str) -> None:
+        log.error("%s", reason)
+        self.exit_code, self.exit_reason = 1, reason
+        self.phase = PoolPhase.DRAINING
+
+    def _announce(self) -> None:
+        self._announced = True
+        self.phase = PoolPhase.SERVING
+        ready = sum(s.state is WorkerState.READY for s in self.slots.values())
+        host = self.config.host
+        print(
+            f"mpspool: serving model {self.config.model_name!r} version {self.config.model_version} "
+            f"on {host}:{self.port} ({ready}/{len(self.slots)} workers ready)\n"
+            f"  TF Serving gRPC API: PredictionService/Predict, GetModelMetadata; ModelService; grpc.health.v1\n"
+            f"  status: mpspool status --run-dir {self.run_dir}    stop: mpspool stop --run-dir {self.run_dir} (or Ctrl-C)\n"
+            f"  logs:   {self.log_dir}",
+            flush=True,
+        )
+
+    # -- admin channel ------------------------------------------------------------
+    def _serve_admin(self, timeout_s: float) -> None:
+        if not self._admin.poll(int(timeout_s * 1000)):
+            return
+        identity, *rest = self._admin.recv_multipart()
+        try:
+            request = wire.unpack(rest[-1])
+            op = request.get("op")
+            if op == "status":
+                reply = self.status()
+            elif op == "stop":
+                self.events.append("stop")
+                reply = {"ok": True}
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except wire.ProtocolError as exc:
+            reply = {"error": str(exc)}
+        self._admin.send_multipart([identity, *rest[:-1], wire.pack(**reply)])
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "pool": {
+                "pid": os.getpid(),
+                "pool_id": self.config.pool_id,
+                "phase": self.phase.value,
+                "model": self.config.model_name,
+                "version": self.config.model_version,
+                "model_path": self.config.model_path,
+                "listen": f"{self.config.host}:{self.port}" if self.port else None,
+                "run_dir": str(self.run_dir),
+                "log_dir": str(self.log_dir),
+                "uptime_s": round(now - self.started, 1),
+                "exit_reason": self.exit_reason,
+            },
+            "slots": [slot.describe(now) for slot in self.slots.values()],
+        }
+
+    # -- shutdown -----------------------------------------------------------------
+    def stop_everything(self) -> None:
+        """Drain the router, stop the workers, stop the router, stop supervisord, clean up.
+
+        A second SIGINT/SIGTERM during the drain skips the rest of the drain."""
+        self.phase = PoolPhase.DRAINING
+        for slot in self.slots.values():
+            if slot.state in (WorkerState.STARTING, WorkerState.READY):
+                slot.change_state(WorkerState.DRAINING, "pool stopping")
+        try:
+            if self.supervisord.proc is not None and self.supervisord.proc.poll() is None:
+                self._drain_router()
+                rpc = self.supervisord.rpc(timeout=60.0)
+                rpc.stopProcessGroup("workers", True)
+                rpc.stopProcess("router", True)
+        except (OSError, xmlrpc.client.Error) as exc:
+            log.warning("orderly stop failed (%s); shutting supervisord down", exc)
+        self.supervisord.shutdown()
+        for slot in self.slots.values():
+            if slot.state is not WorkerState.STOPPED:
+                slot.change_state(WorkerState.STOPPED, "pool stopped")
+        self.phase = PoolPhase.STOPPED
+        self.router.close()
+        self._admin.close()
+        self._zmq.term()
+        rundir.clean(self.run_dir)
+        if self.created_run_dir:
+            try:
+                self.run_dir.rmdir()
+            except OSError:
+                pass
+        if self.exit_reason:
+            print(f"mpspool: {self.exit_reason}", file=sys.stderr, flush=True)
+
+    def _drain_router(self) -> None:
+        if self.router.ask("drain", delay=self.config.shutdown_delay_s, grace=self.config.drain_timeout_s) is None:
+            return  # no router to drain
+        deadline = time.monotonic() + self.config.shutdown_delay_s + self.config.drain_timeout_s + 2
+        while time.monotonic() < deadline:
+            self._serve_admin(TICK_S)
+            if any(e in ("SIGTERM", "SIGINT") for e in self.events):
+                log.warning("second stop request: not waiting for in-flight requests")
+                return
+            snap = self.router.ask("snapshot")
+            if snap is None or snap.get("phase") == "stopped":
+                return

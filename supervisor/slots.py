@@ -1,0 +1,54 @@
+"""A worker slot's record, and the one place that changes its state."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mpspool.supervisor.states import ALLOWED, IllegalTransition, WorkerState
+
+log = logging.getLogger("mpspool.controller")
+
+
+@dataclass
+class Slot:
+    name: str  # also the supervisord program name's suffix
+    state: WorkerState = WorkerState.STOPPED
+    pid: int = 0  # the incarnation we have accounted for; 0 when none
+    started_at: float = 0.0  # wall-clock start of the current incarnation
+    restarts: int = 0
+    load_failures: int = 0
+    retry_at: float = 0.0  # monotonic time of the next start, in BACKOFF
+    reason: str = ""
+    served_before: int = 0  # requests answered by earlier incarnations
+    answered: int = 0  # by the current incarnation, per the router
+    inflight: int = 0
+    kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
+
+    @property
+    def program(self) -> str:
+        return f"workers:worker-{self.name}"
+
+    def change_state(self, new: WorkerState, why: str = "") -> None:
+        if new is self.state and new is not WorkerState.STARTING:
+            return
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"slot {self.name}: {self.state.value} -> {new.value}")
+        log.info("slot %s: %s -> %s%s", self.name, self.state.value, new.value, f" ({why})" if why else "")
+        self.state = new
+
+    def describe(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        running = self.pid and self.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.DRAINING)
+        return {
+            "slot": self.name,
+            "state": self.state.value,
+            "pid": self.pid or None,
+            "uptime_s": round(now - self.started_at, 1) if running and self.started_at else None,
+            "restarts": self.restarts,
+            "inflight": self.inflight,
+            "served": self.served_before + self.answered,
+            "reason": self.reason,
+        }

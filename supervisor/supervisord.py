@@ -1,0 +1,215 @@
+"""supervisord, driven: render its configuration, start it, talk to it over XML-RPC.
+
+supervisord forks, execs, reaps, restarts crashed programs and captures their logs; the
+controller only decides. Its XML-RPC interface is reached over a unix socket inside the
+private run directory (never TCP), using the standard library's xmlrpc client — so
+nothing here imports supervisord's own `supervisor` package, which this project's
+`supervisor/` folder would shadow when run from the repository root.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import time
+import xmlrpc.client
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpspool import process
+
+CONF_FILE = "supervisord.conf"
+SOCKET_FILE = "supervisord.sock"
+PID_FILE = "supervisord.pid"
+
+# supervisord's process states (supervisor/states.py ProcessStates).
+STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL = 0, 10, 20, 30, 40, 100, 200
+
+
+@dataclass
+class Program:
+    name: str
+    command: Sequence[str]
+    group: str = ""
+    priority: int = 100
+    environment: Mapping[str, str] = field(default_factory=dict)
+    autorestart: str = "unexpected"
+    exitcodes: Sequence[int] = (0,)
+    startsecs: int = 1
+    startretries: int = 3
+    stopwaitsecs: int = 10
+
+    def render(self, run_dir: Path, log_dir: Path) -> str:
+        env = ",".join(f'{k}="{_escape(v)}"' for k, v in self.environment.items())
+        lines = [
+            f"[program:{self.name}]",
+            "command=" + " ".join(_quote(arg) for arg in self.command),
+            f"directory={run_dir}",
+            f"priority={self.priority}",
+            "autostart=true",
+            f"autorestart={self.autorestart}",
+            "exitcodes=" + ",".join(str(c) for c in self.exitcodes),
+            f"startsecs={self.startsecs}",
+            f"startretries={self.startretries}",
+            "stopsignal=TERM",
+            f"stopwaitsecs={self.stopwaitsecs}",
+            # A worker's children (none today, compilers or helpers tomorrow) go with it.
+            "stopasgroup=true",
+            "killasgroup=true",
+            "redirect_stderr=true",
+            f"stdout_logfile={log_dir / (self.name + '.log')}",
+            "stdout_logfile_maxbytes=20MB",
+            "stdout_logfile_backups=2",
+        ]
+        if env:
+            lines.append(f"environment={env}")
+        return "\n".join(lines) + "\n"
+
+
+def render_config(run_dir: Path, log_dir: Path, identifier: str, programs: Sequence[Program]) -> str:
+    sections = [
+        f"""[unix_http_server]
+file={run_dir / SOCKET_FILE}
+chmod=0700
+
+[supervisord]
+nodaemon=true
+identifier={identifier}
+logfile={log_dir / "supervisord.log"}
+logfile_maxbytes=20MB
+logfile_backups=2
+pidfile={run_dir / PID_FILE}
+childlogdir={log_dir}
+directory={run_dir}
+umask=077
+
+[rpcinterface:supervisor]
+supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+"""
+    ]
+    groups: dict[str, list[str]] = {}
+    for program in programs:
+        sections.append(program.render(run_dir, log_dir))
+        if program.group:
+            groups.setdefault(program.group, []).append(program.name)
+    for group, names in groups.items():
+        priority = min(p.priority for p in programs if p.group == group)
+        sections.append(f"[group:{group}]\nprograms={','.join(names)}\npriority={priority}\n")
+    return "\n".join(sections)
+
+
+def _quote(arg: str) -> str:
+    if arg and all(c.isalnum() or c in "-_./:=,@+" for c in arg):
+        return arg
+    return "'" + arg.replace("'", "'\"'\"'") + "'"
+
+
+def _escape(value: str) -> str:
+    # supervisord expands %(name)s in its values; a literal % must be doubled.
+    return value.replace("%", "%%").replace('"', '\\"')
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class _UnixTransport(xmlrpc.client.Transport):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__()
+        self._path = path
+        self._timeout = timeout
+
+    def make_connection(self, host: Any) -> http.client.HTTPConnection:
+        return _UnixConnection(self._path, self._timeout)
+
+
+class Supervisord:
+    """A supervisord child process and its XML-RPC interface."""
+
+    def __init__(self, run_dir: Path, log_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def rpc(self, timeout: float = 30.0) -> Any:
+        proxy = xmlrpc.client.ServerProxy(
+            "http://localhost/RPC2",
+            transport=_UnixTransport(str(self.run_dir / SOCKET_FILE), timeout),
+            allow_none=True,
+        )
+        return proxy.supervisor
+
+    def start(self, config_text: str, ready_timeout: float = 15.0) -> None:
+        conf = self.run_dir / CONF_FILE
+        conf.write_text(config_text)
+        os.chmod(conf, 0o600)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        err_path = self.log_dir / "supervisord.stderr"
+        with open(err_path, "wb") as err_file:
+            self.proc = self._spawn(conf, err_file)
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = err_path.read_text(errors="replace").strip()
+                raise RuntimeError(f"supervisord exited at start (code {self.proc.returncode}): {err}")
+            try:
+                if self.rpc(timeout=1.0).getState()["statename"] == "RUNNING":
+                    return
+            except (OSError, xmlrpc.client.Error):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"supervisord did not answer within {ready_timeout:.0f} s")
+
+    def _spawn(self, conf: Path, err_file: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-c", "from supervisor.supervisord import main; main()", "-c", str(conf)],
+            cwd=self.run_dir,  # never the repository root: see the module docstring
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            # Its own session: a Ctrl-C in the terminal reaches the controller only, which
+            # then drains in order instead of everything dying at once.
+            start_new_session=True,
+            preexec_fn=process.die_with_parent_sigterm,
+        )
+
+    def process_info(self) -> dict[str, dict[str, Any]]:
+        return {f"{i['group']}:{i['name']}": i for i in self.rpc().getAllProcessInfo()}
+
+    def tail_reason(self, program: str) -> str:
+        """The last FATAL_MARKER line a program wrote, or its last line."""
+        try:
+            text, _, _ = self.rpc().tailProcessStdoutLog(program, 0, 8192)
+        except (OSError, xmlrpc.client.Error):
+            return ""
+        lines = [line for line in text.splitlines() if line.strip()]
+        for line in reversed(lines):
+            if line.startswith(process.FATAL_MARKER):
+                return line[len(process.FATAL_MARKER):]
+        return lines[-1] if lines else ""
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.rpc(timeout=5.0).shutdown()
+        except (OSError, xmlrpc.client.Error):
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

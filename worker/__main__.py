@@ -1,0 +1,5 @@
+import sys
+
+from mpspool.worker.serve import main
+
+sys.exit(main())

@@ -1,0 +1,272 @@
+"""The model runtime a worker serves from: load a SavedModel, describe its signatures, run them.
+
+The worker talks to a model only through ModelRuntime, so that how the model gets its weights
+(plain loading here; attaching a shared-memory segment later) can change without touching
+the serving loop. Errors leave this module in two forms only: ModelLoadError while loading
+(the worker cannot serve; the supervisor should not respawn it in a loop), and
+mpspool.errors.ServingError while running (one request failed; the worker keeps serving).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from mpspool import dtypes
+from mpspool.errors import Code, ServingError
+from mpspool.protos import serving_pb2
+from mpspool.signature import SignatureSpec, specs_from_signature_defs
+
+SERVE_TAG = "serve"
+SAVED_MODEL_PB = "saved_model.pb"
+SAVED_MODEL_PBTXT = "saved_model.pbtxt"
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message says what failed and where."""
+
+
+class ModelRuntime(Protocol):
+    """One loaded model version, ready to run its signatures."""
+
+    model_name: str
+    version: int
+    # A serialized tensorflow.serving.SignatureDefMap: what GetModelMetadata returns.
+    signature_defs: bytes
+    specs: dict[str, SignatureSpec]
+
+    def run(
+        self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        """Run one signature on validated inputs; ServingError on failure."""
+        ...
+
+    def warm_up(self) -> None:
+        """Run every signature once so that the first real request is not the slow one."""
+        ...
+
+
+def load_saved_model(
+    model_dir: str,
+    model_name: str,
+    version: int,
+    intra_op_threads: int = 0,
+    inter_op_threads: int = 0,
+) -> ModelRuntime:
+    """Load the SavedModel in ``model_dir`` (a version directory) with the "serve" tag.
+
+    Thread counts of 0 leave TensorFlow's defaults. They can only be set before TensorFlow
+    runs its first op in this process, so a worker calls this before anything else touches
+    TensorFlow; asking for different counts afterwards is a ModelLoadError, not a silent no-op.
+    """
+    path = Path(model_dir)
+    where = f"model {model_name!r} version {version} at {path}"
+    if not path.is_dir():
+        raise ModelLoadError(f"cannot load {where}: the directory does not exist")
+    try:
+        import tensorflow as tf
+    except ImportError as exc:
+        raise ModelLoadError(f"cannot load {where}: TensorFlow is not installed ({exc})") from exc
+    signature_defs = _read_signature_defs(path, where)
+
+    _set_threads(tf, intra_op_threads, inter_op_threads, where)
+    try:
+        loaded = tf.saved_model.load(str(path), tags=[SERVE_TAG])
+    except Exception as exc:  # TF raises OpError, ValueError, OSError, ... for broken models
+        raise ModelLoadError(f"cannot load {where}: {_first_line(exc)}") from exc
+
+    specs = specs_from_signature_defs(
+        serving_pb2.SignatureDefMap.FromString(signature_defs).signature_def
+    )
+    missing = sorted(set(specs) - set(loaded.signatures.keys()))
+    if missing:
+        raise ModelLoadError(
+            f"cannot load {where}: signatures {missing} are in saved_model.pb "
+            "but TensorFlow did not restore them"
+        )
+    return SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
+
+
+class SavedModelRuntime:
+    """A SavedModel loaded in this process with tf.saved_model.load."""
+
+    def __init__(
+        self,
+        model_name: str,
+        version: int,
+        signature_defs: bytes,
+        specs: dict[str, SignatureSpec],
+        loaded: Any,
+    ) -> None:
+        self.model_name = model_name
+        self.version = version
+        self.signature_defs = signature_defs
+        self.specs = specs
+        # Holding the loaded object keeps its variables alive: signature functions alone do
+        # not, and would fail with "resource does not exist" once it is collected.
+        self._loaded = loaded
+        self._functions = {key: loaded.signatures[key] for key in specs}
+        import tensorflow as tf
+
+        self._op_error: type[Exception] = tf.errors.OpError
+
+    def run(
+        self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        """Run ``signature`` on ``inputs`` (already checked against ``specs``), keep ``outputs``.
+
+        TensorFlow's own error codes are gRPC's, so an op failure (an id outside the
+        embedding table: INVALID_ARGUMENT) reaches the client with its code and message.
+        """
+        try:
+            function = self._functions[signature]
+            result = function(**inputs)
+            return {alias: result[alias].numpy() for alias in outputs}
+        except self._op_error as exc:
+            raise ServingError(exc.error_code, _op_error_message(exc.message)) from exc
+        except ServingError:
+            raise
+        except Exception as exc:
+            raise ServingError(
+                Code.INTERNAL,
+                f"running signature {signature!r} of model {self.model_name!r} "
+                f"version {self.version} failed: {type(exc).__name__}: {_first_line(exc)}",
+            ) from exc
+
+    def warm_up(self) -> None:
+        """Run each signature on a batch of one zero example (unknown dimensions become 1).
+
+        The first call of a function pays for graph optimisation and kernel set-up; paying
+        here keeps it off a client's request. A failure means the model cannot serve at all,
+        so it is a ModelLoadError.
+        """
+        for key, spec in self.specs.items():
+            inputs = {alias: _zeros(info.dtype, info.shape) for alias, info in spec.inputs.items()}
+            try:
+                self.run(key, inputs, list(spec.outputs))
+            except ServingError as exc:
+                raise ModelLoadError(
+                    f"warm-up of model {self.model_name!r} version {self.version}, "
+                    f"signature {key!r} failed: {exc.code.name}: {exc.message}"
+                ) from exc
+
+
+def _read_signature_defs(path: Path, where: str) -> bytes:
+    """The "serve" MetaGraphDef's signature_def map, as a serialized SignatureDefMap.
+
+    Read from saved_model.pb with TensorFlow's protos rather than rebuilt from the loaded
+    functions, so clients see exactly what TF Serving would show for the same model (tensor
+    names included). TensorFlow's SignatureDef bytes parse into mpspool's wire-compatible
+    copy; fields the copy lacks ride along as unknown fields.
+    """
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = saved_model_pb2.SavedModel()
+    pb, pbtxt = path / SAVED_MODEL_PB, path / SAVED_MODEL_PBTXT
+    try:
+        if pb.is_file():
+            saved_model.ParseFromString(pb.read_bytes())
+        elif pbtxt.is_file():
+            from google.protobuf import text_format
+
+            text_format.Parse(pbtxt.read_text(), saved_model)
+        else:
+            raise ModelLoadError(
+                f"cannot load {where}: no {SAVED_MODEL_PB} or {SAVED_MODEL_PBTXT} in the directory"
+            )
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # DecodeError, ParseError, OSError
+        raise ModelLoadError(f"cannot load {where}: unreadable saved model: {exc}") from exc
+
+    for meta_graph in saved_model.meta_graphs:
+        if SERVE_TAG in meta_graph.meta_info_def.tags:
+            break
+    else:
+        found = [list(m.meta_info_def.tags) for m in saved_model.meta_graphs]
+        raise ModelLoadError(
+            f"cannot load {where}: no MetaGraphDef with tag {SERVE_TAG!r} (found tag sets {found})"
+        )
+
+    signature_map = serving_pb2.SignatureDefMap()
+    for key, signature_def in meta_graph.signature_def.items():
+        signature_map.signature_def[key].ParseFromString(signature_def.SerializeToString())
+    # Deterministic: the same model always yields the same bytes (map order is otherwise free).
+    return signature_map.SerializeToString(deterministic=True)
+
+
+def _set_threads(tf: Any, intra: int, inter: int, where: str) -> None:
+    threading = tf.config.threading
+    for kind, wanted, setter, getter in (
+        (
+            "intra-op",
+            intra,
+            threading.set_intra_op_parallelism_threads,
+            threading.get_intra_op_parallelism_threads,
+        ),
+        (
+            "inter-op",
+            inter,
+            threading.set_inter_op_parallelism_threads,
+            threading.get_inter_op_parallelism_threads,
+        ),
+    ):
+        if wanted < 0:
+            raise ModelLoadError(f"cannot load {where}: {kind} threads must be >= 0, got {wanted}")
+        if wanted == 0:
+            continue
+        try:
+            setter(wanted)
+        except RuntimeError as exc:
+            raise ModelLoadError(
+                f"cannot load {where}: cannot set {kind} threads to {wanted}: TensorFlow is "
+                f"already initialized in this process with {getter()} ({exc})"
+            ) from exc
+
+
+def _zeros(dt: int, shape: tuple[int, ...] | None) -> np.ndarray:
+    dims = () if shape is None else tuple(1 if d < 0 else d for d in shape)
+    if dt == dtypes.DT_STRING:
+        return np.full(dims, b"", dtype=object)
+    return np.zeros(dims, dtype=dtypes.numpy_dtype(dt))
+
+
+_GRAPH_ERROR_HEADER = "Graph execution error:"
+_OP_SUFFIX = re.compile(r"\s*\[Op:[^\]]*\]\s*$")
+_ROOT_ERRORS = re.compile(r"^\d+ root error\(s\) found\.?$")
+
+
+def _op_error_message(message: str) -> str:
+    """The kernel's own words from a TF function error, as TF Serving would report them.
+
+    Eager function calls wrap the kernel's status as "Graph execution error:", then per node
+    "Detected at node X defined at (most recent call last):" with its Python stack (indented
+    frames, or "<stack traces unavailable>" for a loaded SavedModel), then the original
+    message ("indices[1,3] = 5000 is not in [0, 1000)"), which is what a client can act on.
+    """
+    lines = message.strip().splitlines()
+    if lines and lines[0].strip() == _GRAPH_ERROR_HEADER:
+        lines = lines[1:]
+        while lines and (
+            not lines[0].strip()
+            or lines[0].startswith(("Detected at node", "<stack traces unavailable>", " "))
+        ):
+            lines = lines[1:]
+    lines = [line.strip() for line in lines if line.strip()]
+    if not lines:
+        return message.strip() or "TensorFlow op failed"
+    first = _OP_SUFFIX.sub("", lines[0])
+    if _ROOT_ERRORS.match(first) and len(lines) > 1:
+        first = f"{first} {_OP_SUFFIX.sub('', lines[1])}"
+    return first
+
+
+def _first_line(exc_or_text: BaseException | str) -> str:
+    text = str(exc_or_text).strip()
+    if text:
+        return text.splitlines()[0]
+    return "" if isinstance(exc_or_text, str) else type(exc_or_text).__name__

@@ -1,0 +1,169 @@
+"""The worker process: load the model, warm up, then serve the router until told to stop.
+
+One process, one model runtime, one (slot). The serving loop is single-threaded and is
+also what sends heartbeats, so a heartbeat proves the loop turns — not merely that the
+process exists (a side thread would keep beating while the loop is stuck).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from mpspool import process, wire
+from mpspool.config import PoolConfig
+from mpspool.errors import Code, ServingError
+from mpspool.signature import check_inputs, check_output_filter, select_signature
+
+log = logging.getLogger("mpspool.worker")
+
+
+class Worker:
+    def __init__(self, config: PoolConfig, slot: str, runtime: Any) -> None:
+        self.config = config
+        self.slot = slot
+        self.runtime = runtime
+        self.pid = os.getpid()
+        self.served = 0
+        self.stop_requested = False
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, wire.worker_identity(slot, self.pid))
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(wire.endpoint(config.run_dir, wire.WORKERS_ENDPOINT))
+
+    def request_stop(self, *_: Any) -> None:
+        # Signal handler: only record the wish; the loop acts on it between requests.
+        self.stop_requested = True
+
+    def send_ready(self) -> None:
+        header = wire.pack(
+            wire.Kind.READY,
+            slot=self.slot,
+            pid=self.pid,
+            model=self.runtime.model_name,
+            version=self.runtime.version,
+        )
+        self._socket.send_multipart([header, self.runtime.signature_defs])
+
+    def serve(self) -> None:
+        self.send_ready()
+        next_beat = time.monotonic() + wire.HEARTBEAT_INTERVAL_S
+        while not self.stop_requested:
+            timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+            try:
+                ready = self._socket.poll(timeout_ms)
+            except zmq.ZMQError as exc:  # EINTR when a signal lands mid-poll
+                if exc.errno != zmq.EINTR:
+                    raise
+                continue
+            if ready:
+                self._handle(self._socket.recv_multipart(copy=False))
+            now = time.monotonic()
+            if now >= next_beat:
+                self._socket.send(
+                    wire.pack(wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served)
+                )
+                next_beat = now + wire.HEARTBEAT_INTERVAL_S
+        # BYE: the router stops routing here and retries whatever it still had queued for
+        # this worker on another one, so stopping a worker loses no request.
+        self._socket.send(wire.pack(wire.Kind.BYE, slot=self.slot, pid=self.pid))
+        self._socket.close()
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            header = wire.unpack(frames[0].buffer)
+            kind = wire.kind_of(header)
+        except wire.ProtocolError as exc:
+            log.warning("dropping undecodable message: %s", exc)
+            return
+        if kind is wire.Kind.REREGISTER:
+            self.send_ready()
+            return
+        if kind is not wire.Kind.REQUEST:
+            log.warning("unexpected %s message from the router", kind.value)
+            return
+        request_id = header.get("id")
+        try:
+            reply = self._run(header, frames[1:])
+        except ServingError as exc:
+            reply = [wire.pack(wire.Kind.ERROR, id=request_id, code=int(exc.code), message=exc.message)]
+        except Exception as exc:  # a bad request must never kill the worker
+            log.exception("request %s failed", request_id)
+            reply = [
+                wire.pack(wire.Kind.ERROR, id=request_id, code=int(Code.INTERNAL), message=str(exc))
+            ]
+        self._socket.send_multipart(reply, copy=False)
+
+    def _run(self, header: dict[str, Any], frames: list[zmq.Frame]) -> list[Any]:
+        try:
+            inputs = wire.decode_tensors(header["tensors"], frames)
+        except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
+            raise ServingError(Code.INVALID_ARGUMENT, f"malformed request: {exc}") from None
+        spec = select_signature(self.runtime.specs, header.get("sig", ""))
+        given = {name: (meta[1], meta[2]) for name, meta in zip(inputs, header["tensors"], strict=True)}
+        check_inputs(spec, given)
+        outputs = check_output_filter(spec, header.get("outputs") or [])
+        start_us = time.time_ns() // 1000
+        result = self.runtime.run(spec.key, inputs, outputs)
+        end_us = time.time_ns() // 1000
+        self.served += 1
+        metas, out_frames = wire.encode_tensors(result)
+        head = wire.pack(wire.Kind.REPLY, id=header["id"], tensors=metas, t=[start_us, end_us])
+        return [head, *out_frames]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--slot", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s worker {args.slot} %(levelname)s %(message)s"
+    )
+    process.die_with_parent()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    config = PoolConfig.load(args.run_dir)
+    stop = {"requested": False}
+    # Until the serving loop exists, a stop request just ends the start-up.
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not the terminal
+
+    from mpspool.worker.runtime import ModelLoadError, load_saved_model
+
+    try:
+        runtime = load_saved_model(
+            config.model_path,
+            config.model_name,
+            config.model_version,
+            intra_op_threads=config.threads_per_worker(),
+            inter_op_threads=config.inter_op_threads,
+        )
+        runtime.warm_up()
+    except ModelLoadError as exc:
+        process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
+    except Exception as exc:  # a warm-up that fails means the model cannot serve either
+        log.exception("warm-up failed")
+        process.fail(
+            process.EXIT_LOAD_FAILED, f"model {config.model_name} failed its warm-up: {exc}"
+        )
+    if stop["requested"]:
+        return process.EXIT_OK
+    worker = Worker(config, args.slot, runtime)
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    log.info("serving %s version %d (pid %d)", config.model_name, config.model_version, worker.pid)
+    worker.serve()
+    log.info("stopped after %d requests", worker.served)
+    return process.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
