@@ -28,7 +28,9 @@ DEMO_MODEL_NAME = "demo"
 
 def _add_run_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--run-dir", type=Path, default=default_run_dir(),
+        "--run-dir",
+        type=Path,
+        default=default_run_dir(),
         help="private directory of the pool's sockets and state (default: %(default)s)",
     )
 
@@ -40,21 +42,76 @@ def build_parser() -> argparse.ArgumentParser:
 
     start = sub.add_parser("start", help="start a pool in the foreground")
     model = start.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model-base-path", type=Path, help="TF Serving model directory (numeric version subdirectories)")
-    model.add_argument("--demo", action="store_true", help="serve the built-in demo model as 'demo' (built on first use)")
-    start.add_argument("--model-name", help="name clients use in model_spec.name (default: the directory's name)")
-    start.add_argument("--workers", type=int, default=usable_cores(), help="worker processes (default: usable cores, %(default)s)")
-    start.add_argument("--host", default="127.0.0.1", help="address to listen on (containers: 0.0.0.0; default %(default)s)")
-    start.add_argument("--port", type=int, default=8500, help="gRPC port (default %(default)s; 0 picks a free one)")
+    model.add_argument(
+        "--model-base-path",
+        type=Path,
+        help="TF Serving model directory (numeric version subdirectories)",
+    )
+    model.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve the built-in demo model as 'demo' (built on first use)",
+    )
+    start.add_argument(
+        "--model-name", help="name clients use in model_spec.name (default: the directory's name)"
+    )
+    start.add_argument(
+        "--workers",
+        type=int,
+        default=usable_cores(),
+        help="worker processes (default: usable cores, %(default)s)",
+    )
+    start.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (containers: 0.0.0.0; default %(default)s)",
+    )
+    start.add_argument(
+        "--port", type=int, default=8500, help="gRPC port (default %(default)s; 0 picks a free one)"
+    )
     _add_run_dir(start)
-    start.add_argument("--log-dir", type=Path, default=default_log_dir(), help="program logs (default: %(default)s)")
-    start.add_argument("--demo-rows", type=int, default=100_000, help="embedding rows of the --demo model (default %(default)s)")
-    start.add_argument("--worker-timeout", type=float, default=3.0, help="seconds of silence before a worker is declared dead")
-    start.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
-    start.add_argument("--shutdown-delay", type=float, default=1.0, help="seconds health says NOT_SERVING before the server stops accepting")
-    start.add_argument("--start-retries", type=int, default=3, help="load failures per worker before it is FATAL")
-    start.add_argument("--intra-op-threads", type=int, default=0, help="TensorFlow intra-op threads per worker (0: cores / workers)")
-    start.add_argument("--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker")
+    start.add_argument(
+        "--log-dir",
+        type=Path,
+        default=default_log_dir(),
+        help="program logs (default: %(default)s)",
+    )
+    start.add_argument(
+        "--demo-rows",
+        type=int,
+        default=100_000,
+        help="embedding rows of the --demo model (default %(default)s)",
+    )
+    start.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=3.0,
+        help="seconds of silence before a worker is declared dead",
+    )
+    start.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get at shutdown",
+    )
+    start.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=1.0,
+        help="seconds health says NOT_SERVING before the server stops accepting",
+    )
+    start.add_argument(
+        "--start-retries", type=int, default=3, help="load failures per worker before it is FATAL"
+    )
+    start.add_argument(
+        "--intra-op-threads",
+        type=int,
+        default=0,
+        help="TensorFlow intra-op threads per worker (0: cores / workers)",
+    )
+    start.add_argument(
+        "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
+    )
 
     status = sub.add_parser("status", help="show the pool's slots")
     _add_run_dir(status)
@@ -62,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = sub.add_parser("stop", help="stop the pool gracefully and wait for it")
     _add_run_dir(stop)
-    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)")
+    stop.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)"
+    )
 
     demo = sub.add_parser("demo-model", help="write the demo SavedModel (TF Serving layout)")
     demo.add_argument("--out", type=Path, required=True)
@@ -74,9 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"start": cmd_start, "status": cmd_status, "stop": cmd_stop, "demo-model": cmd_demo_model}[
-            args.command
-        ](args)
+        return {
+            "start": cmd_start,
+            "status": cmd_status,
+            "stop": cmd_stop,
+            "demo-model": cmd_demo_model,
+        }[args.command](args)
     except ConfigError as exc:
         print(f"mpspool: {exc}", file=sys.stderr)
         return 2
@@ -84,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- start ------------------------------------------------------------------------
 def cmd_start(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s"
+    )
     if args.demo:
         base_path = _demo_model(args.demo_rows)
         name = args.model_name or DEMO_MODEL_NAME
@@ -118,11 +182,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     config.save(run_dir)
     import psutil
 
-    rundir.write_controller(run_dir, {"pid": os.getpid(), "started": psutil.Process().create_time()})
+    rundir.write_controller(
+        run_dir, {"pid": os.getpid(), "started": psutil.Process().create_time()}
+    )
     from mpspool.supervisor.controller import Controller
 
     print(
-        f"mpspool: starting {config.workers} worker(s) for {name!r} version {version} from {base_path}",
+        f"mpspool: starting {config.workers} worker(s) for {name!r} "
+        f"version {version} from {base_path}",
         flush=True,
     )
     return Controller(config, created).run()
@@ -150,7 +217,9 @@ def _ask_pool(run_dir: Path, op: str, timeout_s: float = 5.0) -> dict[str, Any]:
         sock.connect(wire.endpoint(str(run_dir), wire.ADMIN_ENDPOINT))
         sock.send_multipart([b"", wire.pack(op=op)])
         if not sock.poll(int(timeout_s * 1000)):
-            raise ConfigError(f"the pool in {run_dir} (pid {info['pid']}) did not answer within {timeout_s:.0f} s")
+            raise ConfigError(
+                f"the pool in {run_dir} (pid {info['pid']}) did not answer within {timeout_s:.0f} s"
+            )
         return wire.unpack(sock.recv_multipart()[-1])
     finally:
         sock.close()
@@ -167,7 +236,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"pool {pool['pool_id']} (pid {pool['pid']}) {pool['phase']}: model {pool['model']!r} "
         f"version {pool['version']} on {pool['listen']}, up {pool['uptime_s']} s"
     )
-    print(f"{'SLOT':<10} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} {'INFLIGHT':>8} {'SERVED':>9}  REASON")
+    print(
+        f"{'SLOT':<10} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
+        f"{'INFLIGHT':>8} {'SERVED':>9}  REASON"
+    )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
         print(
@@ -181,15 +253,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.resolve()
     info = rundir.read_controller(run_dir)
     _ask_pool(run_dir, "stop")
-    import psutil
-
-    try:
-        psutil.Process(int(info["pid"])).wait(args.timeout)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        print(f"mpspool: the pool (pid {info['pid']}) is still stopping after {args.timeout:.0f} s", file=sys.stderr)
-        return 1
+    deadline = time.monotonic() + args.timeout
+    # Not psutil's wait(): the controller may be someone else's child, a zombie until reaped.
+    while rundir.controller_alive(info):
+        if time.monotonic() > deadline:
+            print(
+                f"mpspool: the pool (pid {info['pid']}) is still stopping "
+                f"after {args.timeout:.0f} s",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.1)
     print(f"mpspool: pool in {run_dir} stopped")
     return 0
 
@@ -200,5 +274,8 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     rows = args.embedding_rows or DEFAULT_ROWS
     started = time.monotonic()
     path = build_demo_model(args.out, embedding_rows=rows, version=args.model_version)
-    print(f"mpspool: wrote the demo model ({rows} rows) to {path} in {time.monotonic() - started:.1f} s")
+    print(
+        f"mpspool: wrote the demo model ({rows} rows) to {path} "
+        f"in {time.monotonic() - started:.1f} s"
+    )
     return 0

@@ -97,7 +97,8 @@ class PoolConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.worker_timeout_s <= 0.5:
             raise ConfigError(
-                f"--worker-timeout must exceed the 0.5 s heartbeat interval, got {self.worker_timeout_s}"
+                "--worker-timeout must exceed the 0.5 s heartbeat interval, "
+                f"got {self.worker_timeout_s}"
             )
         model_pb = Path(self.model_path) / "saved_model.pb"
         if not model_pb.is_file():
@@ -105,7 +106,9 @@ class PoolConfig:
         # ipc:// paths are unix socket paths: at most 107 bytes on Linux.
         longest = len(str(Path(self.run_dir) / "supervisord.sock"))
         if longest > 100:
-            raise ConfigError(f"--run-dir {self.run_dir} is too long for unix sockets; use a shorter path")
+            raise ConfigError(
+                f"--run-dir {self.run_dir} is too long for unix sockets; use a shorter path"
+            )
         return self
 
     def save(self, run_dir: Path) -> Path:

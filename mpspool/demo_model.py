@@ -11,6 +11,7 @@ mpspool modules and must never pay for (or depend on) TensorFlow.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ ID_COUNT = 16  # ids per example, mean-pooled
 EMBEDDING_DIM = 64
 DENSE_FEATURES = 13
 HIDDEN_UNITS = (256, 128)
+_FILL_ROWS = 1 << 16  # table rows drawn and written per step while building (16 MiB)
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 
@@ -76,7 +78,15 @@ def build_demo_model(
         tf.saved_model.save(module, str(staging), signatures={"serving_default": serve})
         del module, serve
         _fsync_tree(staging)
-        os.rename(staging, target)
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # Another build of the same version won the race; its model stands.
+            raise FileExistsError(
+                f"model version directory {target} was created by another build meanwhile"
+            ) from exc
         _fsync_dir(base)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -148,14 +158,22 @@ def _make_module_class(tf: Any) -> type:
                     )
                 )
                 fan_in = units
-            # The table is the big allocation: draw it straight as float32 and scale in place,
-            # then drop the numpy copy once TensorFlow holds the variable (peak: two copies).
-            table = np.random.default_rng(table_seed).standard_normal(
-                (embedding_rows, EMBEDDING_DIM), dtype=np.float32
+            # The table is the big allocation (488 MiB at 2,000,000 rows). tf.Variable(ndarray)
+            # would hold three copies at once (numpy's, the converted tensor, the variable's),
+            # so the variable starts as zeros (which it takes over without a copy) and is
+            # filled in place, a chunk of numpy rows at a time: one copy plus a chunk.
+            self.embedding = tf.Variable(
+                tf.zeros([embedding_rows, EMBEDDING_DIM], tf.float32), name="embedding"
             )
-            table *= np.float32(0.5)
-            self.embedding = tf.Variable(table, name="embedding")
-            del table
+            table_rng = np.random.default_rng(table_seed)
+            for start in range(0, embedding_rows, _FILL_ROWS):
+                stop = min(start + _FILL_ROWS, embedding_rows)
+                rows = table_rng.standard_normal((stop - start, EMBEDDING_DIM), dtype=np.float32)
+                rows *= np.float32(0.5)
+                # A scatter writes into the variable's buffer; slicing the variable first
+                # (v[a:b].assign) would read it, and that lingering read makes the next write
+                # copy the whole table.
+                self.embedding.scatter_update(tf.IndexedSlices(rows, tf.range(start, stop)))
 
         @tf.function(
             input_signature=[

@@ -102,6 +102,8 @@ def dt_of_array(array: np.ndarray) -> int:
     if array.dtype == NUMPY_OF_DT[DT_BFLOAT16] and array.dtype.name == "bfloat16":
         return DT_BFLOAT16
     try:
-        return _DT_OF_NUMPY[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
+        return _DT_OF_NUMPY[
+            array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        ]
     except KeyError:
         raise TypeError(f"numpy dtype {array.dtype} has no TensorFlow counterpart") from None

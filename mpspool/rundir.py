@@ -35,7 +35,8 @@ def controller_alive(info: dict | None) -> bool:
         return False
     try:
         proc = psutil.Process(int(info["pid"]))
-        return abs(proc.create_time() - float(info["started"])) < 1.0
+        same = abs(proc.create_time() - float(info["started"])) < 1.0
+        return same and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, ValueError):
         return False
 
@@ -52,7 +53,9 @@ def prepare(run_dir: Path) -> bool:
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"run dir {run_dir} is not a directory")
     if st.st_uid != os.getuid():
-        raise ConfigError(f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})")
+        raise ConfigError(
+            f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise ConfigError(
             f"run dir {run_dir} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private: "

@@ -70,9 +70,7 @@ def select_signature(specs: Mapping[str, SignatureSpec], name: str) -> Signature
         ) from None
 
 
-def check_inputs(
-    spec: SignatureSpec, given: Mapping[str, tuple[int, Sequence[int]]]
-) -> None:
+def check_inputs(spec: SignatureSpec, given: Mapping[str, tuple[int, Sequence[int]]]) -> None:
     """Raise INVALID_ARGUMENT unless `given` (alias → (dtype, shape)) fits the signature."""
     expected = set(spec.inputs)
     sent = set(given)

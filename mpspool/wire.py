@@ -113,12 +113,15 @@ def encode_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[list[TensorMeta],
         if dt == dtypes.DT_STRING:
             frames.append(string_frame(array))
         else:
-            frames.append(np.ascontiguousarray(array))
+            # Little-endian bytes, as uint8: pyzmq's buffer export refuses some dtypes
+            # (ml_dtypes' bfloat16), and the receiver reads the dtype from the header.
+            little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+            frames.append(little.reshape(-1).view(np.uint8))
     return metas, frames
 
 
 def decode_tensors(metas: Sequence[Sequence[Any]], frames: Sequence[Any]) -> dict[str, np.ndarray]:
-    """Arrays over the received frames' buffers (no copy; read-only views)."""
+    """Arrays over the received frames' buffers (views, no copy)."""
     if len(metas) != len(frames):
         raise ProtocolError(f"{len(metas)} tensors described but {len(frames)} frames sent")
     out: dict[str, np.ndarray] = {}
@@ -128,12 +131,21 @@ def decode_tensors(metas: Sequence[Sequence[Any]], frames: Sequence[Any]) -> dic
             values = string_values(buffer)
             array = np.empty(len(values), dtype=object)
             array[:] = values
-            out[name] = array.reshape(shape)
+            try:
+                out[name] = array.reshape(shape)
+            except ValueError:
+                raise ProtocolError(
+                    f"tensor {name!r}: {len(values)} strings for shape {shape}"
+                ) from None
             continue
         try:
             dtype = dtypes.numpy_dtype(dt)
         except KeyError:
             raise ProtocolError(f"tensor {name!r}: unsupported dtype {dt}") from None
+        if len(buffer) % dtype.itemsize:
+            raise ProtocolError(
+                f"tensor {name!r}: {len(buffer)} bytes is no whole number of {dtype}"
+            )
         array = np.frombuffer(buffer, dtype=dtype)
         try:
             out[name] = array.reshape(shape)

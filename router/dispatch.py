@@ -50,9 +50,14 @@ class Dispatcher:
         self._table = table
         self._on_ready = on_ready  # (model, version, serialized SignatureDefMap)
         self._ids = itertools.count(1)
+        self._background: set[asyncio.Future[Any]] = set()  # sends nobody awaits
 
     async def call(
-        self, signature: str, metas: list[Any], frames: Sequence[Any], outputs: list[str],
+        self,
+        signature: str,
+        metas: list[Any],
+        frames: Sequence[Any],
+        outputs: list[str],
         deadline: float | None,
     ) -> Reply:
         """Run one request on some worker; `deadline` is a time.monotonic() value or None."""
@@ -64,7 +69,9 @@ class Dispatcher:
             request_id = next(self._ids)
             future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
             handle.inflight[request_id] = future
-            header = wire.pack(wire.Kind.REQUEST, id=request_id, sig=signature, tensors=metas, outputs=outputs)
+            header = wire.pack(
+                wire.Kind.REQUEST, id=request_id, sig=signature, tensors=metas, outputs=outputs
+            )
             try:
                 await self._socket.send_multipart([handle.identity, header, *frames], copy=False)
             except zmq.ZMQError as exc:
@@ -86,7 +93,11 @@ class Dispatcher:
                 raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
     async def _wait_for_worker(self, deadline: float | None) -> None:
-        limit = NO_WORKER_WAIT_S if deadline is None else min(NO_WORKER_WAIT_S, deadline - time.monotonic())
+        limit = (
+            NO_WORKER_WAIT_S
+            if deadline is None
+            else min(NO_WORKER_WAIT_S, deadline - time.monotonic())
+        )
         if limit <= 0:
             raise ServingError(Code.UNAVAILABLE, "no worker is ready to serve the request")
         self._table.changed.clear()
@@ -95,7 +106,9 @@ class Dispatcher:
         except TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
                 raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            raise ServingError(Code.UNAVAILABLE, "no worker is ready to serve the request") from None
+            raise ServingError(
+                Code.UNAVAILABLE, "no worker is ready to serve the request"
+            ) from None
 
     async def receive_forever(self) -> None:
         while True:
@@ -115,7 +128,9 @@ class Dispatcher:
             return
         if kind is wire.Kind.REPLY:
             handle = self._table.seen(identity)
-            reply = Reply(header["tensors"], frames[2:], handle.slot if handle else "", header.get("t"))
+            reply = Reply(
+                header["tensors"], frames[2:], handle.slot if handle else "", header.get("t")
+            )
             self._table.resolve(identity, header["id"], reply, None)
         elif kind is wire.Kind.ERROR:
             self._table.seen(identity)
@@ -125,12 +140,22 @@ class Dispatcher:
             if self._table.seen(identity) is None:
                 # A worker we do not know (this router restarted, or it was declared dead
                 # and woke up): ask it to introduce itself again.
-                asyncio.ensure_future(self._socket.send_multipart([identity, wire.pack(wire.Kind.REREGISTER)]))
+                task = asyncio.ensure_future(
+                    self._socket.send_multipart([identity, wire.pack(wire.Kind.REREGISTER)])
+                )
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         elif kind is wire.Kind.READY:
             if self._table.declared_dead.get(header["slot"]) == header["pid"]:
                 return  # declared dead and about to be replaced: it does not come back
             self._on_ready(header["model"], int(header["version"]), frames[2].bytes)
-            self._table.register(identity, header["slot"], int(header["pid"]), header["model"], int(header["version"]))
+            self._table.register(
+                identity,
+                header["slot"],
+                int(header["pid"]),
+                header["model"],
+                int(header["version"]),
+            )
             log.info("worker %s (pid %s) ready", header["slot"], header["pid"])
         elif kind is wire.Kind.BYE:
             self._table.leave(identity, "said bye")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
 from mpspool import signature as sigs
 from mpspool import wire
 from mpspool.errors import Code, ServingError
@@ -48,7 +49,9 @@ class ServedModel:
         choice = spec.WhichOneof("version_choice")
         if spec.name != self.name or (choice == "version" and spec.version.value != self.version):
             wanted = (
-                f"Specific({spec.name}, {spec.version.value})" if choice == "version" else f"Latest({spec.name})"
+                f"Specific({spec.name}, {spec.version.value})"
+                if choice == "version"
+                else f"Latest({spec.name})"
             )
             raise ServingError(Code.NOT_FOUND, f"Servable not found for request: {wanted}")
         # TF Serving resolves labels from its model config; this pool serves one version,
@@ -83,7 +86,9 @@ class TFServingAPI:
             grpc.method_handlers_generic_handler(
                 PREDICTION_SERVICE,
                 {
-                    "Predict": unary(self.predict, serving_pb2.PredictRequest, serving_pb2.PredictResponse),
+                    "Predict": unary(
+                        self.predict, serving_pb2.PredictRequest, serving_pb2.PredictResponse
+                    ),
                     "GetModelMetadata": unary(
                         self.get_model_metadata,
                         serving_pb2.GetModelMetadataRequest,
@@ -120,7 +125,9 @@ class TFServingAPI:
         deadline = None if remaining is None else time.monotonic() + remaining
         self.model.check(request.model_spec)
         spec = self._signature(request.model_spec.signature_name)
-        inputs = {alias: codec.tensor_to_array(proto, alias) for alias, proto in request.inputs.items()}
+        inputs = {
+            alias: codec.tensor_to_array(proto, alias) for alias, proto in request.inputs.items()
+        }
         metas, frames = wire.encode_tensors(inputs)
         sigs.check_inputs(spec, {alias: (dt, shape) for alias, dt, shape in metas})
         outputs = sigs.check_output_filter(spec, request.output_filter)
@@ -152,11 +159,14 @@ class TFServingAPI:
             self.model.check(request.model_spec)
             if not request.metadata_field:
                 raise ServingError(
-                    Code.INVALID_ARGUMENT, "GetModelMetadataRequest must specify at least one metadata_field"
+                    Code.INVALID_ARGUMENT,
+                    "GetModelMetadataRequest must specify at least one metadata_field",
                 )
             for name in request.metadata_field:
                 if name != "signature_def":
-                    raise ServingError(Code.INVALID_ARGUMENT, f"Metadata field {name} is not supported")
+                    raise ServingError(
+                        Code.INVALID_ARGUMENT, f"Metadata field {name} is not supported"
+                    )
             self._signature("")
         except ServingError as exc:
             await context.abort(_GRPC_CODE[int(exc.code)], exc.message)
@@ -174,8 +184,13 @@ class TFServingAPI:
     ) -> serving_pb2.GetModelStatusResponse:
         spec = request.model_spec
         if spec.name != self.model.name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"Could not find any versions of model {spec.name}")
-        if spec.WhichOneof("version_choice") == "version" and spec.version.value != self.model.version:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"Could not find any versions of model {spec.name}"
+            )
+        if (
+            spec.WhichOneof("version_choice") == "version"
+            and spec.version.value != self.model.version
+        ):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"Could not find version {spec.version.value} of model {spec.name}",
@@ -190,4 +205,3 @@ class TFServingAPI:
         )
         status.status.error_code = 0
         return response
-

@@ -66,6 +66,7 @@ class Router:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._serving_health: bool | None = None
+        self._background: set[asyncio.Future[Any]] = set()  # health updates in flight
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -80,17 +81,27 @@ class Router:
         if serving == self._serving_health:
             return
         self._serving_health = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in ("", PREDICTION_SERVICE):
-            asyncio.ensure_future(self.health.set(service, status))
+            task = asyncio.ensure_future(self.health.set(service, status))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # -- tasks --------------------------------------------------------------------
     async def sweep_liveness(self) -> None:
         while True:
             await asyncio.sleep(LIVENESS_SWEEP_S)
             for handle in self.table.expire():
-                log.warning("worker %s (pid %d) declared dead: silent > %.1f s",
-                            handle.slot, handle.pid, self.table.timeout_s)
+                log.warning(
+                    "worker %s (pid %d) declared dead: silent > %.1f s",
+                    handle.slot,
+                    handle.pid,
+                    self.table.timeout_s,
+                )
             self._update_health()
 
     async def serve_control(self) -> None:
@@ -181,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             router = Router(config)
         except RuntimeError as exc:  # grpc: the port cannot be bound
-            process.fail(process.EXIT_CONFIG_ERROR, f"cannot listen on {config.host}:{config.port}: {exc}")
+            process.fail(
+                process.EXIT_CONFIG_ERROR, f"cannot listen on {config.host}:{config.port}: {exc}"
+            )
         await router.run()
 
     asyncio.run(amain())

@@ -50,7 +50,9 @@ class WorkerTable:
         self.changed = asyncio.Event()  # set whenever the set of routable workers changes
 
     # -- membership ---------------------------------------------------------------
-    def register(self, identity: bytes, slot: str, pid: int, model: str, version: int) -> WorkerHandle:
+    def register(
+        self, identity: bytes, slot: str, pid: int, model: str, version: int
+    ) -> WorkerHandle:
         old = self._by_slot.get(slot)
         if old is not None and old.identity != identity:
             self._drop(old, f"slot {slot} re-registered by pid {pid}")
@@ -119,7 +121,9 @@ class WorkerTable:
             return None
         return workers[next(self._rotation) % len(workers)]
 
-    def resolve(self, identity: bytes, request_id: int, outcome: Any, error: BaseException | None) -> bool:
+    def resolve(
+        self, identity: bytes, request_id: int, outcome: Any, error: BaseException | None
+    ) -> bool:
         """Complete a request's future; False if nobody waits for it any more (a late
         reply after a retry or a timeout), which the caller just drops."""
         handle = self._by_identity.get(identity)

@@ -110,7 +110,15 @@ class Controller:
             sd.Program(
                 name=f"worker-{slot}",
                 group="workers",
-                command=[python, "-m", "mpspool.worker", "--run-dir", str(self.run_dir), "--slot", slot],
+                command=[
+                    python,
+                    "-m",
+                    "mpspool.worker",
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--slot",
+                    slot,
+                ],
                 priority=20,
                 environment=env,
                 # A crash is restarted by supervisord at once; a load failure (reserved
@@ -125,9 +133,13 @@ class Controller:
     # -- main loop ----------------------------------------------------------------
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: self.events.append(signal.Signals(signum).name))
+            signal.signal(
+                sig, lambda signum, _frame: self.events.append(signal.Signals(signum).name)
+            )
         try:
-            text = sd.render_config(self.run_dir, self.log_dir, f"mpspool-{self.config.pool_id}", self.programs())
+            text = sd.render_config(
+                self.run_dir, self.log_dir, f"mpspool-{self.config.pool_id}", self.programs()
+            )
             self.supervisord.start(text)
             for slot in self.slots.values():
                 slot.change_state(WorkerState.STARTING, "spawned")
@@ -154,7 +166,9 @@ class Controller:
         snap = self.router.ask("snapshot") or {}
         router_info = infos.get(ROUTER_PROGRAM, {})
         if router_info.get("state") in (sd.EXITED, sd.FATAL):
-            self._fail_pool(f"the router could not start: {self.supervisord.tail_reason(ROUTER_PROGRAM)}")
+            self._fail_pool(
+                f"the router could not start: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
+            )
             return
         if snap.get("port"):
             self.port = int(snap["port"])
@@ -162,17 +176,27 @@ class Controller:
         dead = snap.get("declared_dead", {})
         now = time.monotonic()
         for slot in self.slots.values():
-            self._observe(slot, infos.get(slot.program, {}), workers.get(slot.name), dead.get(slot.name), now)
+            self._observe(
+                slot, infos.get(slot.program, {}), workers.get(slot.name), dead.get(slot.name), now
+            )
         if all(s.state is WorkerState.FATAL for s in self.slots.values()):
             reasons = {s.reason for s in self.slots.values()}
             self._fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
             return
-        if not self._announced and self.port and any(s.state is WorkerState.READY for s in self.slots.values()):
+        if (
+            not self._announced
+            and self.port
+            and any(s.state is WorkerState.READY for s in self.slots.values())
+        ):
             self._announce()
 
     def _observe(
-        self, slot: Slot, info: dict[str, Any], registered: dict[str, Any] | None,
-        declared_dead_pid: int | None, now: float,
+        self,
+        slot: Slot,
+        info: dict[str, Any],
+        registered: dict[str, Any] | None,
+        declared_dead_pid: int | None,
+        now: float,
     ) -> None:
         """Bring one slot's state in line with what supervisord and the router report."""
         state = info.get("state")
@@ -196,7 +220,9 @@ class Controller:
                 if slot.kill_sent_to != pid:
                     # Silent past the liveness window (stopped, wedged): the router already
                     # moved its requests elsewhere; replace the process.
-                    log.warning("slot %s: pid %d declared dead by the router; killing it", slot.name, pid)
+                    log.warning(
+                        "slot %s: pid %d declared dead by the router; killing it", slot.name, pid
+                    )
                     slot.kill_sent_to = pid
                     self.supervisord.rpc().signalProcess(slot.program, "KILL")
                 return
@@ -252,12 +278,14 @@ class Controller:
         self._announced = True
         self.phase = PoolPhase.SERVING
         ready = sum(s.state is WorkerState.READY for s in self.slots.values())
-        host = self.config.host
+        host, model = self.config.host, self.config.model_name
         print(
-            f"mpspool: serving model {self.config.model_name!r} version {self.config.model_version} "
+            f"mpspool: serving model {model!r} version {self.config.model_version} "
             f"on {host}:{self.port} ({ready}/{len(self.slots)} workers ready)\n"
-            f"  TF Serving gRPC API: PredictionService/Predict, GetModelMetadata; ModelService; grpc.health.v1\n"
-            f"  status: mpspool status --run-dir {self.run_dir}    stop: mpspool stop --run-dir {self.run_dir} (or Ctrl-C)\n"
+            "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
+            "ModelService, grpc.health.v1\n"
+            f"  status: mpspool status --run-dir {self.run_dir}\n"
+            f"  stop:   mpspool stop --run-dir {self.run_dir}   (or Ctrl-C)\n"
             f"  logs:   {self.log_dir}",
             flush=True,
         )
@@ -335,7 +363,12 @@ class Controller:
             print(f"mpspool: {self.exit_reason}", file=sys.stderr, flush=True)
 
     def _drain_router(self) -> None:
-        if self.router.ask("drain", delay=self.config.shutdown_delay_s, grace=self.config.drain_timeout_s) is None:
+        if (
+            self.router.ask(
+                "drain", delay=self.config.shutdown_delay_s, grace=self.config.drain_timeout_s
+            )
+            is None
+        ):
             return  # no router to drain
         deadline = time.monotonic() + self.config.shutdown_delay_s + self.config.drain_timeout_s + 2
         while time.monotonic() < deadline:

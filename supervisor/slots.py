@@ -36,12 +36,22 @@ class Slot:
             return
         if new not in ALLOWED[self.state]:
             raise IllegalTransition(f"slot {self.name}: {self.state.value} -> {new.value}")
-        log.info("slot %s: %s -> %s%s", self.name, self.state.value, new.value, f" ({why})" if why else "")
+        log.info(
+            "slot %s: %s -> %s%s",
+            self.name,
+            self.state.value,
+            new.value,
+            f" ({why})" if why else "",
+        )
         self.state = new
 
     def describe(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
-        running = self.pid and self.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.DRAINING)
+        running = self.pid and self.state in (
+            WorkerState.STARTING,
+            WorkerState.READY,
+            WorkerState.DRAINING,
+        )
         return {
             "slot": self.name,
             "state": self.state.value,

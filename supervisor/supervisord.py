@@ -71,7 +71,9 @@ class Program:
         return "\n".join(lines) + "\n"
 
 
-def render_config(run_dir: Path, log_dir: Path, identifier: str, programs: Sequence[Program]) -> str:
+def render_config(
+    run_dir: Path, log_dir: Path, identifier: str, programs: Sequence[Program]
+) -> str:
     sections = [
         f"""[unix_http_server]
 file={run_dir / SOCKET_FILE}
@@ -164,7 +166,9 @@ class Supervisord:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = err_path.read_text(errors="replace").strip()
-                raise RuntimeError(f"supervisord exited at start (code {self.proc.returncode}): {err}")
+                raise RuntimeError(
+                    f"supervisord exited at start (code {self.proc.returncode}): {err}"
+                )
             try:
                 if self.rpc(timeout=1.0).getState()["statename"] == "RUNNING":
                     return
@@ -175,7 +179,13 @@ class Supervisord:
 
     def _spawn(self, conf: Path, err_file: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-c", "from supervisor.supervisord import main; main()", "-c", str(conf)],
+            [
+                sys.executable,
+                "-c",
+                "from supervisor.supervisord import main; main()",
+                "-c",
+                str(conf),
+            ],
             cwd=self.run_dir,  # never the repository root: see the module docstring
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -198,7 +208,7 @@ class Supervisord:
         lines = [line for line in text.splitlines() if line.strip()]
         for line in reversed(lines):
             if line.startswith(process.FATAL_MARKER):
-                return line[len(process.FATAL_MARKER):]
+                return line[len(process.FATAL_MARKER) :]
         return lines[-1] if lines else ""
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -28,12 +28,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
-from mpspool.router.codec import array_to_tensor, tensor_shape, tensor_to_array
 from tensorflow.core.framework import tensor_pb2 as tf_tensor_pb2
 
 from mpspool import dtypes
 from mpspool.errors import Code, ServingError
 from mpspool.protos import tensorflow_pb2 as our_pb2
+from mpspool.router.codec import array_to_tensor, tensor_shape, tensor_to_array
 
 # ---------------------------------------------------------------------------------------
 # dtypes, typed fields and value generators

@@ -94,7 +94,9 @@ class Worker:
         try:
             reply = self._run(header, frames[1:])
         except ServingError as exc:
-            reply = [wire.pack(wire.Kind.ERROR, id=request_id, code=int(exc.code), message=exc.message)]
+            reply = [
+                wire.pack(wire.Kind.ERROR, id=request_id, code=int(exc.code), message=exc.message)
+            ]
         except Exception as exc:  # a bad request must never kill the worker
             log.exception("request %s failed", request_id)
             reply = [
@@ -108,7 +110,9 @@ class Worker:
         except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
             raise ServingError(Code.INVALID_ARGUMENT, f"malformed request: {exc}") from None
         spec = select_signature(self.runtime.specs, header.get("sig", ""))
-        given = {name: (meta[1], meta[2]) for name, meta in zip(inputs, header["tensors"], strict=True)}
+        given = {
+            name: (meta[1], meta[2]) for name, meta in zip(inputs, header["tensors"], strict=True)
+        }
         check_inputs(spec, given)
         outputs = check_output_filter(spec, header.get("outputs") or [])
         start_us = time.time_ns() // 1000

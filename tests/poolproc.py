@@ -1,0 +1,178 @@
+"""A real `mpspool start` process for tests: start, wait, query, stop, and check that
+nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mpspool_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mpspool", *args]
+
+
+class Pool:
+    def __init__(self, tmp: Path, model_base_path: Path, workers: int = 2, *extra: str) -> None:
+        self.tmp = tmp
+        # Short paths: ipc:// endpoints are unix socket paths (≤ 107 bytes).
+        self.run_dir = Path(f"/tmp/mpt-{os.getpid()}-{tmp.name[-12:]}")
+        self.log_dir = tmp / "logs"
+        self.out_path = tmp / "start.out"
+        self.model_base_path = model_base_path
+        self.args = [
+            "start",
+            "--model-base-path",
+            str(model_base_path),
+            "--model-name",
+            "demo",
+            "--workers",
+            str(workers),
+            "--port",
+            "0",
+            "--run-dir",
+            str(self.run_dir),
+            "--log-dir",
+            str(self.log_dir),
+            *extra,
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self._descendants: set[int] = set()
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> Pool:
+        out = open(self.out_path, "wb")
+        # cwd outside the repository: `python -m` puts the cwd on sys.path, and the
+        # repository's supervisor/ folder must not shadow supervisord's package.
+        self.proc = subprocess.Popen(
+            mpspool_cmd(*self.args), cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT
+        )
+        return self
+
+    def wait_ready(self, workers: int, timeout: float = 90.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"pool exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                status = self.status()
+            except (subprocess.CalledProcessError, json.JSONDecodeError):
+                time.sleep(0.2)
+                continue
+            ready = [s for s in status["slots"] if s["state"] == "READY"]
+            if len(ready) >= workers and status["pool"]["listen"]:
+                self.port = int(status["pool"]["listen"].rsplit(":", 1)[1])
+                self._remember_descendants()
+                return status
+            time.sleep(0.2)
+        raise AssertionError(
+            f"{workers} workers not READY within {timeout} s: {status}\n{self.output()}"
+        )
+
+    def wait_for(
+        self, predicate: Any, timeout: float = 60.0, what: str = "condition"
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status = self.status()
+            if predicate(status):
+                return status
+            time.sleep(0.1)
+        raise AssertionError(
+            f"{what} not reached within {timeout} s: {json.dumps(status, indent=1)}"
+        )
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(
+            mpspool_cmd("status", "--json", "--run-dir", str(self.run_dir)),
+            cwd=self.tmp,
+            capture_output=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        return json.loads(out)
+
+    def slot(self, name: str) -> dict[str, Any]:
+        return next(s for s in self.status()["slots"] if s["slot"] == name)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        subprocess.run(
+            mpspool_cmd("stop", "--run-dir", str(self.run_dir)),
+            cwd=self.tmp,
+            check=True,
+            timeout=timeout,
+            capture_output=True,
+        )
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """Last resort at teardown: the whole tree, so a failed test leaks nothing."""
+        self._remember_descendants()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self._descendants:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
+
+    def _remember_descendants(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self._descendants |= {
+                p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
+            }
+        except psutil.Error:
+            pass
+
+    def leftovers(self) -> list[str]:
+        """Processes of this pool still alive, and files left in its run directory."""
+        left = []
+        for pid in self._descendants:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"process {pid}: {' '.join(proc.cmdline())[:120]}")
+            except psutil.Error:
+                pass
+        if self.run_dir.exists():
+            left.extend(f"file {p}" for p in self.run_dir.iterdir())
+            left.append(f"run dir {self.run_dir}")
+        return left
+
+    # -- clients --------------------------------------------------------------------
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(f"127.0.0.1:{self.port}")
+
+    def health(self, channel: grpc.Channel, service: str = "") -> int:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status

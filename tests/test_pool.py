@@ -1,0 +1,241 @@
+"""A real pool (supervisord, router, 2 TensorFlow workers) queried with the official
+tensorflow-serving-api client: answers, metadata, status, health, and every error code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from grpc_health.v1 import health_pb2
+from tensorflow_serving.apis import (
+    get_model_metadata_pb2,
+    get_model_status_pb2,
+    model_service_pb2_grpc,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+)
+
+from mpspool.demo_model import demo_inputs
+
+from conftest import DEMO_ROWS
+from poolproc import Pool
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
+    pool = Pool(tmp_path_factory.mktemp("pool"), demo_model_dir, 2).start()
+    try:
+        pool.wait_ready(2)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+@pytest.fixture(scope="module")
+def stub(pool: Pool) -> Iterator[prediction_service_pb2_grpc.PredictionServiceStub]:
+    with pool.channel() as channel:
+        yield prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+
+def make_request(inputs: dict[str, np.ndarray], **spec: object) -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for key, value in spec.items():
+        if key == "version":
+            request.model_spec.version.value = value  # type: ignore[assignment]
+        else:
+            setattr(request.model_spec, key, value)
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    return request
+
+
+def expect_error(stub, request, code: grpc.StatusCode, *fragments: str) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(request, timeout=30)
+    assert info.value.code() == code, info.value.details()
+    for fragment in fragments:
+        assert fragment in info.value.details()
+    return info.value.details()
+
+
+@pytest.mark.parametrize("batch", [1, 256])
+def test_predict_equals_in_process_tensorflow(stub, reference_model, batch: int) -> None:
+    inputs = demo_inputs(batch, DEMO_ROWS, seed=batch)
+    response = stub.Predict(make_request(inputs), timeout=30)
+    got = tf.make_ndarray(response.outputs["score"])
+    want = reference_model(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
+    assert got.shape == (batch, 1)
+    assert np.max(np.abs(got - want)) <= 1e-6
+    assert response.model_spec.name == "demo"
+    assert response.model_spec.version.value == 1
+    assert response.model_spec.signature_name == "serving_default"
+
+
+def test_requests_are_spread_over_both_workers(pool: Pool, stub) -> None:
+    before = {s["slot"]: s["served"] for s in pool.status()["slots"]}
+    for i in range(10):
+        stub.Predict(make_request(demo_inputs(1, DEMO_ROWS, seed=i)), timeout=30)
+    after = {s["slot"]: s["served"] for s in pool.status()["slots"]}
+    assert all(after[slot] - before[slot] == 5 for slot in after), (before, after)
+
+
+def test_typed_fields_parse_as_tensorflow_does(stub, reference_model) -> None:
+    """perf_analyzer 2.51 puts INT64 values in bool_val: TensorFlow reads int64_val only,
+    so the ids are all zeros — the pool must answer exactly that, not reject or guess."""
+    inputs = demo_inputs(2, DEMO_ROWS, seed=7)
+    request = make_request({"dense": inputs["dense"]})
+    ids = request.inputs["ids"]
+    ids.dtype = tf.int64.as_datatype_enum
+    ids.tensor_shape.dim.add(size=2)
+    ids.tensor_shape.dim.add(size=16)
+    ids.bool_val.extend([True] * 32)
+    response = stub.Predict(request, timeout=30)
+    zeros = np.zeros((2, 16), np.int64)
+    want = reference_model(ids=tf.constant(zeros), dense=tf.constant(inputs["dense"]))[
+        "score"
+    ].numpy()
+    assert np.max(np.abs(tf.make_ndarray(response.outputs["score"]) - want)) <= 1e-6
+
+
+def test_output_filter_and_version_choices(stub) -> None:
+    inputs = demo_inputs(3, DEMO_ROWS)
+    request = make_request(inputs, version=1)
+    request.output_filter.append("score")
+    assert list(stub.Predict(request, timeout=30).outputs) == ["score"]
+    assert list(stub.Predict(make_request(inputs, version_label="1"), timeout=30).outputs) == [
+        "score"
+    ]
+    request.output_filter[:] = ["nope"]
+    expect_error(
+        stub, request, grpc.StatusCode.INVALID_ARGUMENT, "output tensor alias not found", "{score}"
+    )
+
+
+def test_get_model_metadata(pool: Pool) -> None:
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+        request.model_spec.name = "demo"
+        response = stub.GetModelMetadata(request, timeout=30)
+        assert response.model_spec.name == "demo" and response.model_spec.version.value == 1
+        signatures = get_model_metadata_pb2.SignatureDefMap()
+        assert response.metadata["signature_def"].Unpack(signatures)
+        sig = signatures.signature_def["serving_default"]
+        assert sig.method_name == "tensorflow/serving/predict"
+        dims = {k: [d.size for d in v.tensor_shape.dim] for k, v in sig.inputs.items()}
+        assert dims == {"ids": [-1, 16], "dense": [-1, 13]}
+        assert sig.inputs["ids"].dtype == tf.int64.as_datatype_enum
+        assert sig.inputs["dense"].dtype == tf.float32.as_datatype_enum
+        assert [d.size for d in sig.outputs["score"].tensor_shape.dim] == [-1, 1]
+
+        request.ClearField("metadata_field")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelMetadata(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        request.metadata_field.append("bogus")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelMetadata(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "bogus" in info.value.details()
+
+
+def test_get_model_status_and_health(pool: Pool) -> None:
+    with pool.channel() as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        request = get_model_status_pb2.GetModelStatusRequest()
+        request.model_spec.name = "demo"
+        response = stub.GetModelStatus(request, timeout=30)
+        [status] = response.model_version_status
+        assert status.version == 1
+        assert status.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE
+        assert status.status.error_code == 0
+        request.model_spec.name = "other"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelStatus(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            pool.health(channel, "tensorflow.serving.PredictionService")
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+
+
+def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:
+    pids = {s["slot"]: s["pid"] for s in pool.status()["slots"]}
+    good = demo_inputs(2, DEMO_ROWS)
+
+    request = make_request(good)
+    request.model_spec.name = "nope"
+    expect_error(
+        stub, request, grpc.StatusCode.NOT_FOUND, "Servable not found for request: Latest(nope)"
+    )
+    expect_error(
+        stub, make_request(good, version=7), grpc.StatusCode.NOT_FOUND, "Specific(demo, 7)"
+    )
+    expect_error(
+        stub, make_request(good, version_label="canary"), grpc.StatusCode.INVALID_ARGUMENT, "canary"
+    )
+    expect_error(
+        stub,
+        make_request(good, signature_name="predict_v2"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        'Serving signature key "predict_v2" not found.',
+    )
+    expect_error(
+        stub,
+        make_request({"ids": good["ids"]}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input size does not match signature",
+        "Missing but required: {dense}",
+    )
+    expect_error(
+        stub,
+        make_request({**good, "extra": good["dense"]}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "Sent extra: {extra}",
+    )
+    expect_error(
+        stub,
+        make_request({"ids": good["ids"].astype(np.float32), "dense": good["dense"]}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        '"ids"',
+        "int64",
+        "float",
+    )
+    expect_error(
+        stub,
+        make_request({"ids": good["ids"][:, :8], "dense": good["dense"]}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        '"ids"',
+        "[2,8]",
+        "[-1,16]",
+    )
+    # Reaches TensorFlow and fails there: an id beyond the table.
+    expect_error(
+        stub,
+        make_request({"ids": good["ids"] + DEMO_ROWS, "dense": good["dense"]}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not in [0, 1000)",
+    )
+    # Batch sizes that disagree between inputs: only TensorFlow can tell.
+    expect_error(
+        stub,
+        make_request({"ids": good["ids"], "dense": demo_inputs(3, DEMO_ROWS)["dense"]}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    broken = make_request(good)
+    broken.inputs["dense"].tensor_content = b"\0" * 7
+    expect_error(stub, broken, grpc.StatusCode.INVALID_ARGUMENT, "tensor_content")
+
+    # Nothing above cost a worker its life.
+    assert {s["slot"]: s["pid"] for s in pool.status()["slots"]} == pids
+    assert (
+        stub.Predict(make_request(good), timeout=30).outputs["score"].tensor_shape.dim[0].size == 2
+    )

@@ -1,0 +1,244 @@
+"""The worker's model runtime against real TensorFlow: signatures, results, errors, loading."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpspool import dtypes
+from mpspool.demo_model import build_demo_model, demo_inputs
+from mpspool.errors import Code, ServingError
+from mpspool.protos import serving_pb2
+from mpspool.signature import PREDICT_METHOD, SignatureSpec, TensorSpec
+from mpspool.worker.runtime import ModelLoadError, ModelRuntime, load_saved_model
+
+ROWS = 100
+SIG = "serving_default"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_demo_model(tmp_path_factory.mktemp("demo"), embedding_rows=ROWS)
+
+
+@pytest.fixture(scope="module")
+def runtime(model_dir: Path) -> ModelRuntime:
+    runtime = load_saved_model(str(model_dir), "demo", 1)
+    runtime.warm_up()
+    return runtime
+
+
+@pytest.fixture(scope="module")
+def direct(model_dir: Path) -> Any:
+    """The same SavedModel called the plain TensorFlow way: the reference for results."""
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(str(model_dir))
+    serve = loaded.signatures[SIG]
+    serve.loaded = loaded  # keep the variables alive with the function
+    return serve
+
+
+@pytest.fixture(scope="module")
+def two_output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with two outputs and loosely specified inputs."""
+    import tensorflow as tf
+
+    class TwoOutputs(tf.Module):
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None, None], tf.float32, name="x"),
+                tf.TensorSpec(None, tf.int32, name="n"),  # unknown rank
+            ]
+        )
+        def serve(self, x: tf.Tensor, n: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"double": x * 2.0, "plus_n": x + tf.cast(tf.reduce_sum(n), tf.float32)}
+
+    path = tmp_path_factory.mktemp("two") / "1"
+    module = TwoOutputs()
+    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
+    return path
+
+
+def test_runtime_describes_itself(runtime: ModelRuntime) -> None:
+    assert runtime.model_name == "demo"
+    assert runtime.version == 1
+
+
+def test_specs_match_the_demo_signature(runtime: ModelRuntime) -> None:
+    assert runtime.specs == {
+        SIG: SignatureSpec(
+            key=SIG,
+            method_name=PREDICT_METHOD,
+            inputs={
+                "ids": TensorSpec(dtypes.DT_INT64, (-1, 16)),
+                "dense": TensorSpec(dtypes.DT_FLOAT, (-1, 13)),
+            },
+            outputs={"score": TensorSpec(dtypes.DT_FLOAT, (-1, 1))},
+        )
+    }
+
+
+def test_signature_defs_are_the_saved_models_own(runtime: ModelRuntime, model_dir: Path) -> None:
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    ours = serving_pb2.SignatureDefMap.FromString(runtime.signature_defs)
+    saved = saved_model_pb2.SavedModel.FromString((model_dir / "saved_model.pb").read_bytes())
+    (serve_graph,) = [m for m in saved.meta_graphs if "serve" in m.meta_info_def.tags]
+    assert set(ours.signature_def) == set(serve_graph.signature_def)
+    for key, tf_def in serve_graph.signature_def.items():
+        # Byte-for-byte the same message: nothing lost in the translation to our protos.
+        assert ours.signature_def[key].SerializeToString(deterministic=True) == (
+            tf_def.SerializeToString(deterministic=True)
+        )
+    sig = ours.signature_def[SIG]
+    assert sig.method_name == PREDICT_METHOD
+    assert sig.inputs["ids"].name == "serving_default_ids:0"
+    assert sig.inputs["dense"].name == "serving_default_dense:0"
+    assert sig.outputs["score"].dtype == dtypes.DT_FLOAT
+
+
+def test_signature_defs_parse_as_tf_servings_own_message(runtime: ModelRuntime) -> None:
+    apis = pytest.importorskip("tensorflow_serving.apis.get_model_metadata_pb2")
+    official = apis.SignatureDefMap.FromString(runtime.signature_defs)
+    assert [d.size for d in official.signature_def[SIG].inputs["ids"].tensor_shape.dim] == [-1, 16]
+
+
+@pytest.mark.parametrize("batch", [1, 256])
+def test_results_equal_plain_tensorflow_bit_for_bit(
+    runtime: ModelRuntime, direct: Any, batch: int
+) -> None:
+    import tensorflow as tf
+
+    inputs = demo_inputs(batch, ROWS, seed=batch)
+    got = runtime.run(SIG, inputs, ["score"])
+    want = direct(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
+    assert set(got) == {"score"}
+    assert isinstance(got["score"], np.ndarray)
+    assert got["score"].shape == (batch, 1) and got["score"].dtype == np.float32
+    np.testing.assert_array_equal(got["score"], want)
+
+
+@pytest.mark.parametrize("bad_id", [ROWS, -1])
+def test_id_outside_the_table_is_invalid_argument(
+    runtime: ModelRuntime, direct: Any, bad_id: int
+) -> None:
+    inputs = demo_inputs(3, ROWS)
+    inputs["ids"][2, 5] = bad_id
+    with pytest.raises(ServingError) as info:
+        runtime.run(SIG, inputs, ["score"])
+    assert info.value.code == Code.INVALID_ARGUMENT
+    # The kernel's words, not TensorFlow's "Graph execution error:" wrapper.
+    assert info.value.message == f"indices[2,5] = {bad_id} is not in [0, {ROWS})"
+
+    # The failure was one request's: the runtime keeps serving, with the same results.
+    good = demo_inputs(3, ROWS)
+    want = direct(**good)["score"].numpy()
+    np.testing.assert_array_equal(runtime.run(SIG, good, ["score"])["score"], want)
+
+
+def test_non_tensorflow_failure_is_internal(runtime: ModelRuntime) -> None:
+    with pytest.raises(ServingError) as info:
+        runtime.run("no_such_signature", demo_inputs(1, ROWS), ["score"])
+    assert info.value.code == Code.INTERNAL
+    assert "no_such_signature" in info.value.message
+
+
+def test_outputs_are_filtered_to_the_requested_aliases(two_output_dir: Path) -> None:
+    runtime = load_saved_model(str(two_output_dir), "two", 1)
+    assert runtime.specs[SIG].inputs["n"].shape is None
+    inputs = {"x": np.array([[1.0, 2.0]], np.float32), "n": np.array([3, 4], np.int32)}
+
+    got = runtime.run(SIG, inputs, ["plus_n"])
+    assert list(got) == ["plus_n"]
+    np.testing.assert_array_equal(got["plus_n"], [[8.0, 9.0]])
+    got = runtime.run(SIG, inputs, ["double"])
+    assert list(got) == ["double"]
+    np.testing.assert_array_equal(got["double"], [[2.0, 4.0]])
+    assert set(runtime.run(SIG, inputs, ["double", "plus_n"])) == {"double", "plus_n"}
+    assert runtime.run(SIG, inputs, []) == {}
+
+
+def test_warm_up_runs_each_signature_on_one_zero_example(
+    two_output_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = load_saved_model(str(two_output_dir), "two", 1)
+    calls: list[tuple[str, dict[str, np.ndarray], list[str]]] = []
+    real_run = runtime.run
+
+    def spy(signature: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> Any:
+        calls.append((signature, inputs, outputs))
+        return real_run(signature, inputs, outputs)
+
+    monkeypatch.setattr(runtime, "run", spy)
+    runtime.warm_up()
+    assert len(calls) == 1
+    signature, inputs, outputs = calls[0]
+    assert signature == SIG
+    assert sorted(outputs) == ["double", "plus_n"]
+    assert inputs["x"].shape == (1, 1) and inputs["x"].dtype == np.float32
+    assert inputs["n"].shape == () and inputs["n"].dtype == np.int32  # unknown rank: a scalar
+    assert not any(a.any() for a in inputs.values())
+
+
+def test_missing_directory_is_a_load_error(tmp_path: Path) -> None:
+    missing = tmp_path / "demo" / "1"
+    with pytest.raises(ModelLoadError, match="does not exist") as info:
+        load_saved_model(str(missing), "demo", 1)
+    assert str(missing) in str(info.value)
+
+
+def test_directory_without_saved_model_is_a_load_error(tmp_path: Path, model_dir: Path) -> None:
+    shutil.copytree(model_dir / "variables", tmp_path / "variables")  # weights but no graph
+    with pytest.raises(ModelLoadError, match=r"no saved_model\.pb") as info:
+        load_saved_model(str(tmp_path), "demo", 1)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_corrupt_saved_model_is_a_load_error(tmp_path: Path) -> None:
+    (tmp_path / "saved_model.pb").write_bytes(b"\xff\xff\xff not a protobuf")
+    with pytest.raises(ModelLoadError, match="unreadable") as info:
+        load_saved_model(str(tmp_path), "demo", 1)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_tensorflow_load_failure_is_a_load_error(tmp_path: Path, model_dir: Path) -> None:
+    # The graph is fine, the weights are gone: TensorFlow itself refuses to restore.
+    shutil.copy(model_dir / "saved_model.pb", tmp_path / "saved_model.pb")
+    with pytest.raises(ModelLoadError) as info:
+        load_saved_model(str(tmp_path), "demo", 1)
+    assert str(tmp_path) in str(info.value)
+    assert info.value.__cause__ is not None  # TensorFlow's own error stays attached
+
+
+def test_thread_counts_cannot_change_after_tensorflow_started(
+    runtime: ModelRuntime, model_dir: Path
+) -> None:
+    import tensorflow as tf
+
+    current = tf.config.threading.get_intra_op_parallelism_threads()
+    with pytest.raises(ModelLoadError, match="intra-op threads"):
+        load_saved_model(str(model_dir), "demo", 1, intra_op_threads=current + 3)
+
+
+def test_thread_counts_apply_in_a_fresh_process(model_dir: Path) -> None:
+    code = (
+        "import sys, tensorflow as tf\n"
+        "from mpspool.worker.runtime import load_saved_model\n"
+        "from mpspool.demo_model import demo_inputs\n"
+        "rt = load_saved_model(sys.argv[1], 'demo', 1, intra_op_threads=1, inter_op_threads=2)\n"
+        f"rt.run('{SIG}', demo_inputs(2, {ROWS}), ['score'])\n"
+        "t = tf.config.threading\n"
+        "print(t.get_intra_op_parallelism_threads(), t.get_inter_op_parallelism_threads())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "2"]
