@@ -1,0 +1,148 @@
+"""Faults in a real pool while clients keep sending: kill -9, SIGSTOP, a model that
+can no longer load. Requests must not fail, slots must come back (or give up clearly)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import tensorflow as tf
+from grpc_health.v1 import health_pb2
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from mpspool.demo_model import demo_inputs
+
+from conftest import DEMO_ROWS
+from poolproc import Pool
+from streamer import Streamer
+
+
+@pytest.fixture(scope="module")
+def model_copy(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
+    """A model directory this module may break."""
+    target = tmp_path_factory.mktemp("faultmodel") / "demo"
+    shutil.copytree(demo_model_dir, target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, model_copy: Path) -> Iterator[Pool]:
+    pool = Pool(tmp_path_factory.mktemp("faultpool"), model_copy, 2, "--start-retries", "1")
+    pool.start()
+    try:
+        pool.wait_ready(2)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def ready_again(slot: str, old_pid: int):
+    def check(status: dict) -> bool:
+        s = next(x for x in status["slots"] if x["slot"] == slot)
+        return s["state"] == "READY" and s["pid"] not in (None, old_pid)
+
+    return check
+
+
+def test_kill_9_of_a_worker_loses_no_request(pool: Pool) -> None:
+    victim = pool.slot("cpu-0")
+    streamer = Streamer(pool.port, DEMO_ROWS).start()
+    try:
+        streamer.wait_for_successes(20)
+        os.kill(victim["pid"], signal.SIGKILL)
+        status = pool.wait_for(ready_again("cpu-0", victim["pid"]), 60, "cpu-0 READY again")
+        served = len(streamer.ok())
+        streamer.wait_for_successes(served + 20)
+    finally:
+        streamer.stop()
+    assert streamer.failed() == []
+    slot = next(s for s in status["slots"] if s["slot"] == "cpu-0")
+    assert slot["restarts"] == victim["restarts"] + 1
+
+
+def test_sigstop_worker_is_declared_dead_and_replaced(pool: Pool) -> None:
+    victim = pool.slot("cpu-1")
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, array in demo_inputs(1, DEMO_ROWS).items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    os.kill(victim["pid"], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        # Four requests at once: round-robin sends two to the stopped worker, and a
+        # 1 s deadline ends before the 3 s liveness window does.
+        with pool.channel() as channel, ThreadPoolExecutor(4) as executor:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            futures = [executor.submit(stub.Predict, request, timeout=1.0) for _ in range(4)]
+            codes = []
+            for future in futures:
+                try:
+                    future.result()
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+        assert grpc.StatusCode.OK in codes
+        assert grpc.StatusCode.DEADLINE_EXCEEDED in codes
+
+        streamer = Streamer(pool.port, DEMO_ROWS).start()
+        try:
+            pool.wait_for(
+                lambda st: (
+                    next(s for s in st["slots"] if s["slot"] == "cpu-1")["pid"] != victim["pid"]
+                ),
+                20,
+                "cpu-1 replaced",
+            )
+            replaced_after = time.monotonic() - stopped_at
+            pool.wait_for(ready_again("cpu-1", victim["pid"]), 60, "cpu-1 READY again")
+            streamer.wait_for_successes(len(streamer.ok()) + 10)
+        finally:
+            streamer.stop()
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    # Declared dead after 3 s of silence, killed on the controller's next look.
+    assert 3.0 <= replaced_after < 6.0, replaced_after
+    assert streamer.failed() == []
+    assert streamer.ok()
+
+
+def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy: Path) -> None:
+    """The model disappears under a running pool; the slot whose process is replaced
+    cannot load it: BACKOFF, one retry (--start-retries 1), FATAL with the reason. The
+    other worker keeps serving the copy it has."""
+    (model_copy / "1" / "saved_model.pb").rename(model_copy / "1" / "saved_model.pb.gone")
+    victim = pool.slot("cpu-0")
+    os.kill(victim["pid"], signal.SIGKILL)
+    seen: set[str] = set()
+
+    def fatal(status: dict) -> bool:
+        slot = next(s for s in status["slots"] if s["slot"] == "cpu-0")
+        seen.add(slot["state"])
+        return slot["state"] == "FATAL"
+
+    status = pool.wait_for(fatal, 90, "cpu-0 FATAL")
+    slot = next(s for s in status["slots"] if s["slot"] == "cpu-0")
+    assert "BACKOFF" in seen
+    assert "cannot load model demo" in slot["reason"]
+    assert "saved_model.pb" in slot["reason"]
+    assert next(s for s in status["slots"] if s["slot"] == "cpu-1")["state"] == "READY"
+    with pool.channel() as channel:
+        assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
+    streamer = Streamer(pool.port, DEMO_ROWS).start()
+    try:
+        streamer.wait_for_successes(10)
+    finally:
+        streamer.stop()
+    assert streamer.failed() == []
