@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,12 +197,23 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def _demo_model(rows: int) -> Path:
-    from mpspool.demo_model import build_demo_model
-
     base = default_cache_dir() / f"demo-{rows}"
     if not (base / "1" / "saved_model.pb").is_file():
         print(f"mpspool: building the demo model ({rows} embedding rows) in {base}", flush=True)
-        build_demo_model(base, embedding_rows=rows, version=1)
+        # In a child process: the controller lives as long as the pool and should not carry
+        # TensorFlow's few hundred MiB for a one-off build.
+        command = [sys.executable, "-m", "mpspool", "demo-model", "--out", str(base)]
+        build = subprocess.run(
+            [*command, "--embedding-rows", str(rows), "--version", "1"],
+            cwd="/",  # not a source checkout, whose supervisor/ would shadow supervisord's
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if build.returncode != 0:
+            tail = "\n".join(build.stderr.strip().splitlines()[-5:])
+            raise ConfigError(f"building the demo model failed:\n{tail}")
     return base
 
 

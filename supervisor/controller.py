@@ -284,6 +284,7 @@ class Controller:
             f"on {host}:{self.port} ({ready}/{len(self.slots)} workers ready)\n"
             "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
             "ModelService, grpc.health.v1\n"
+            f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
             f"  status: mpspool status --run-dir {self.run_dir}\n"
             f"  stop:   mpspool stop --run-dir {self.run_dir}   (or Ctrl-C)\n"
             f"  logs:   {self.log_dir}",
