@@ -12,7 +12,9 @@ so a late message from a replaced process is recognisable). A message is
   worker → router
     READY      {slot, pid, model, version}        + [serialized SignatureDefMap]
     HEARTBEAT  {slot, pid, served}                 sent from the serving loop
-    REPLY      {id, tensors, busy_us}              + one frame per output tensor
+    REPLY      {id, tensors, t}                    + one frame per output tensor
+                                                   t: [start, end] of the model run, µs
+                                                   since the epoch (for task-density plots)
     ERROR      {id, code, message}                 code: a gRPC status code number
     BYE        {slot, pid}                         draining: send nothing more
   router → worker

@@ -88,7 +88,7 @@ class Dispatcher:
             except WorkerLost as lost:
                 log.info("retrying request %d elsewhere: %s", request_id, lost)
                 continue
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not TimeoutError: they differ before Python 3.11
                 handle.inflight.pop(request_id, None)
                 raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
@@ -98,12 +98,14 @@ class Dispatcher:
             if deadline is None
             else min(NO_WORKER_WAIT_S, deadline - time.monotonic())
         )
+        if deadline is not None and deadline <= time.monotonic():
+            raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if limit <= 0:
             raise ServingError(Code.UNAVAILABLE, "no worker is ready to serve the request")
         self._table.changed.clear()
         try:
             await asyncio.wait_for(self._table.changed.wait(), limit)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
                 raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
             raise ServingError(

@@ -9,6 +9,7 @@ run directory cleaned). Signal handlers and admin requests only enqueue; the loo
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -30,7 +31,11 @@ from mpspool.supervisor.states import FINAL_STATES, WorkerState
 
 log = logging.getLogger("mpspool.controller")
 
-TICK_S = 0.1
+# How often the controller reconciles; also the longest a dead worker's in-flight requests
+# wait before the router hears of it (sends to a dead worker fail at once).
+TICK_S = 0.2
+# How long the controller tolerates failing to see supervisord or the router.
+MAX_BLIND_S = 10.0
 ROUTER_PROGRAM = "router:router"
 
 
@@ -143,12 +148,25 @@ class Controller:
             self.supervisord.start(text)
             for slot in self.slots.values():
                 slot.change_state(WorkerState.STARTING, "spawned")
+            failures = 0
             while self.phase in (PoolPhase.STARTING, PoolPhase.SERVING):
                 self._serve_admin(TICK_S)
                 if self.events:
                     self._dispatch(self.events.popleft())
                     continue
-                self.tick()
+                if self.supervisord.proc is not None and self.supervisord.proc.poll() is not None:
+                    self._fail_pool(f"supervisord exited with {self.supervisord.proc.returncode}")
+                    break
+                try:
+                    self.tick()
+                    failures = 0
+                except (OSError, xmlrpc.client.Error, zmq.ZMQError) as exc:
+                    # One failed look (a slow supervisord) is no reason to take the pool down;
+                    # many in a row are.
+                    failures += 1
+                    log.warning("reconciling failed (%d in a row): %s", failures, exc)
+                    if failures * TICK_S >= MAX_BLIND_S:
+                        raise
         except Exception as exc:
             log.exception("controller failed")
             self.exit_code, self.exit_reason = 1, f"controller failed: {exc}"
@@ -170,8 +188,12 @@ class Controller:
                 f"the router could not start: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
             )
             return
-        if snap.get("port"):
+        if snap.get("port") and self.port is None:
             self.port = int(snap["port"])
+            if self.config.port == 0:
+                # Pin the port the OS picked, so a restarted router binds the same one.
+                self.config = dataclasses.replace(self.config, port=self.port)
+                self.config.save(self.run_dir)
         workers = snap.get("workers", {})
         dead = snap.get("declared_dead", {})
         now = time.monotonic()
@@ -203,7 +225,7 @@ class Controller:
         pid = int(info.get("pid") or 0)
         if slot.state is WorkerState.BACKOFF:
             if now >= slot.retry_at:
-                self.supervisord.rpc().startProcess(slot.program, False)
+                self._rpc("startProcess", slot.program, False)
                 slot.change_state(WorkerState.STARTING, f"retry {slot.load_failures}")
             return
         if slot.state in FINAL_STATES:
@@ -212,7 +234,7 @@ class Controller:
             if pid != slot.pid:
                 if slot.pid:
                     self._forget(slot, "replaced")
-                    slot.restarts += 1
+                slot.incarnations += 1
                 slot.pid = pid
                 slot.started_at = float(info.get("start") or time.time())
                 slot.change_state(WorkerState.STARTING, f"pid {pid}")
@@ -224,7 +246,7 @@ class Controller:
                         "slot %s: pid %d declared dead by the router; killing it", slot.name, pid
                     )
                     slot.kill_sent_to = pid
-                    self.supervisord.rpc().signalProcess(slot.program, "KILL")
+                    self._rpc("signalProcess", slot.program, "KILL")
                 return
             if registered and int(registered["pid"]) == pid:
                 slot.answered = int(registered["answered"])
@@ -240,7 +262,7 @@ class Controller:
             return  # supervisord is retrying a process that died right after spawn
         if state == sd.FATAL:
             self._forget(slot, "supervisord gave up")
-            slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
+            slot.reason = self.supervisord.tail_reason(slot.program) or info.get("spawnerr", "")
             slot.change_state(WorkerState.FATAL, slot.reason)
             return
         if state in (sd.EXITED, sd.STOPPED) and slot.pid:
@@ -254,10 +276,23 @@ class Controller:
                 else:
                     slot.retry_at = now + self.config.backoff_s * 2 ** (slot.load_failures - 1)
                     slot.change_state(WorkerState.BACKOFF, slot.reason)
+            elif exitstatus == 0:
+                # An exit supervisord considers expected, so it will not restart it; nobody
+                # asked for it either.
+                self._rpc("startProcess", slot.program, False)
+                slot.change_state(WorkerState.STARTING, "exited with 0 unasked; restarting")
             else:
-                # An exit supervisord considers expected (0) that nobody asked for.
-                self.supervisord.rpc().startProcess(slot.program, False)
-                slot.change_state(WorkerState.STARTING, f"exited with {exitstatus}; restarting")
+                # Crashed or killed (-1: by a signal): supervisord restarts it by itself.
+                slot.change_state(WorkerState.STARTING, f"exited with {exitstatus}")
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """A supervisord command whose refusal is news, not an error: between our look and
+        our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
+        try:
+            return getattr(self.supervisord.rpc(), method)(*args)
+        except xmlrpc.client.Fault as fault:
+            log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
+            return None
 
     def _forget(self, slot: Slot, why: str) -> None:
         """The incarnation slot.pid is over: tell the router at once (its in-flight requests

@@ -18,7 +18,7 @@ class Slot:
     state: WorkerState = WorkerState.STOPPED
     pid: int = 0  # the incarnation we have accounted for; 0 when none
     started_at: float = 0.0  # wall-clock start of the current incarnation
-    restarts: int = 0
+    incarnations: int = 0  # processes this slot has had
     load_failures: int = 0
     retry_at: float = 0.0  # monotonic time of the next start, in BACKOFF
     reason: str = ""
@@ -26,6 +26,10 @@ class Slot:
     answered: int = 0  # by the current incarnation, per the router
     inflight: int = 0
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.incarnations - 1)
 
     @property
     def program(self) -> str:

@@ -48,8 +48,8 @@ class Program:
         env = ",".join(f'{k}="{_escape(v)}"' for k, v in self.environment.items())
         lines = [
             f"[program:{self.name}]",
-            "command=" + " ".join(_quote(arg) for arg in self.command),
-            f"directory={run_dir}",
+            "command=" + _pct(" ".join(_quote(arg) for arg in self.command)),
+            f"directory={_pct(run_dir)}",
             f"priority={self.priority}",
             "autostart=true",
             f"autorestart={self.autorestart}",
@@ -62,7 +62,8 @@ class Program:
             "stopasgroup=true",
             "killasgroup=true",
             "redirect_stderr=true",
-            f"stdout_logfile={log_dir / (self.name + '.log')}",
+            # supervisord expands this value twice (4.3.0), so it is escaped twice.
+            f"stdout_logfile={_pct(_pct(log_dir / (self.name + '.log')))}",
             "stdout_logfile_maxbytes=20MB",
             "stdout_logfile_backups=2",
         ]
@@ -76,18 +77,18 @@ def render_config(
 ) -> str:
     sections = [
         f"""[unix_http_server]
-file={run_dir / SOCKET_FILE}
+file={_pct(run_dir / SOCKET_FILE)}
 chmod=0700
 
 [supervisord]
 nodaemon=true
 identifier={identifier}
-logfile={log_dir / "supervisord.log"}
+logfile={_pct(log_dir / "supervisord.log")}
 logfile_maxbytes=20MB
 logfile_backups=2
-pidfile={run_dir / PID_FILE}
-childlogdir={log_dir}
-directory={run_dir}
+pidfile={_pct(run_dir / PID_FILE)}
+childlogdir={_pct(log_dir)}
+directory={_pct(run_dir)}
 umask=077
 
 [rpcinterface:supervisor]
@@ -109,6 +110,11 @@ def _quote(arg: str) -> str:
     if arg and all(c.isalnum() or c in "-_./:=,@+" for c in arg):
         return arg
     return "'" + arg.replace("'", "'\"'\"'") + "'"
+
+
+def _pct(value: object) -> str:
+    """supervisord expands %(name)s in most values; a literal % must be doubled."""
+    return str(value).replace("%", "%%")
 
 
 def _escape(value: str) -> str:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -373,11 +374,12 @@ def test_no_worker_at_all_is_unavailable_after_the_wait(monkeypatch: pytest.Monk
         assert 0.15 <= elapsed < 2.0
 
         # A deadline shorter than the wait: the deadline is what the client hears about.
+        monkeypatch.setattr(dispatch, "NO_WORKER_WAIT_S", 5.0)
         start = time.monotonic()
         with pytest.raises(ServingError) as caught:
             await rig.call([1.0], deadline=start + 0.05)
         assert caught.value.code is Code.DEADLINE_EXCEEDED
-        assert time.monotonic() - start < 0.19
+        assert time.monotonic() - start < 2.5, "it waited for a worker past the deadline"
 
     run(body)
 
@@ -473,6 +475,4 @@ def test_bad_messages_do_not_stop_the_receive_loop():
 
 
 def msgpack_header(**fields: Any) -> bytes:
-    import msgpack
-
     return msgpack.packb(fields)

@@ -246,10 +246,11 @@ def test_declared_dead_is_kept_until_the_slot_registers_a_new_pid():
 
 def test_round_robin_alternates_over_slots_in_order():
     async def body(h: Harness) -> None:
-        # Registered out of order: the rotation follows slot order, not arrival order.
-        h.join("cpu-2", 103)
-        h.join("cpu-0", 101)
-        h.join("cpu-1", 102)
+        # Registered out of order, pids in yet another order: the rotation follows slot
+        # order, not arrival or pid order.
+        h.join("cpu-2", 101)
+        h.join("cpu-0", 303)
+        h.join("cpu-1", 202)
         picks = [h.table.pick().slot for _ in range(7)]
         start = picks.index("cpu-0")
         expected = ["cpu-0", "cpu-1", "cpu-2"]
@@ -257,7 +258,7 @@ def test_round_robin_alternates_over_slots_in_order():
         assert all(picks[i] != picks[i + 1] for i in range(len(picks) - 1))
         assert sorted(picks[:6]) == sorted(expected * 2)
 
-        h.table.leave(ident("cpu-1", 102), "bye")
+        h.table.leave(ident("cpu-1", 202), "bye")
         picks = [h.table.pick().slot for _ in range(4)]
         assert sorted(picks) == ["cpu-0", "cpu-0", "cpu-2", "cpu-2"]
         assert all(picks[i] != picks[i + 1] for i in range(3))

@@ -1,0 +1,856 @@
+"""supervisor/controller.py: the controller's decisions, against fakes at its two boundaries.
+
+A real Controller (with its admin socket in a short run directory) whose supervisord and
+router link are replaced by fakes: FakeSupervisord models the few XML-RPC behaviours the
+controller relies on (getAllProcessInfo entries, startProcess refusing a running program,
+signalProcess), FakeRouter answers "snapshot" from scripted state and records "gone". Time
+is a fake clock. Each test drives `tick()` step by step.
+
+Teardown invariant: every state change the controller attempted is an edge of
+states.ALLOWED.
+
+Also here: supervisord.render_config, checked with configparser and with supervisord's own
+option parser (in a child process, run outside the repository, whose `supervisor/` folder
+would shadow supervisord's package of that name).
+"""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import itertools
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import xmlrpc.client
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpspool import process
+from mpspool.config import PoolConfig
+from mpspool.supervisor import controller as controller_module
+from mpspool.supervisor import supervisord as sd
+from mpspool.supervisor.controller import ROUTER_PROGRAM, Controller, PoolPhase
+from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.states import ALLOWED, IllegalTransition, WorkerState
+
+S = WorkerState
+STATE_NAMES = {
+    sd.STOPPED: "STOPPED",
+    sd.STARTING: "STARTING",
+    sd.RUNNING: "RUNNING",
+    sd.BACKOFF: "BACKOFF",
+    sd.STOPPING: "STOPPING",
+    sd.EXITED: "EXITED",
+    sd.FATAL: "FATAL",
+}
+LOAD_ERROR = "cannot load model demo: no SavedModel at /models/demo/1"
+
+
+def program_of(slot: str) -> str:
+    return f"workers:worker-{slot}"
+
+
+# ---------------------------------------------------------------------------------------
+# fakes
+# ---------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """Stands in for the controller module's `time`: monotonic and wall clock."""
+
+    def __init__(self) -> None:
+        self.now = 5000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+
+class FakeRPC:
+    """supervisord's XML-RPC `supervisor` namespace, the calls the controller makes."""
+
+    def __init__(self, supervisord: FakeSupervisord) -> None:
+        self._sd = supervisord
+
+    def startProcess(self, name: str, wait: bool = True) -> bool:
+        self._sd.calls.append(("startProcess", name))
+        self._sd.meanwhile("startProcess", name)
+        info = self._sd.programs[name]
+        if info["state"] in (sd.STARTING, sd.RUNNING):
+            raise xmlrpc.client.Fault(60, f"ALREADY_STARTED: {name}")
+        self._sd.set(name, sd.STARTING, pid=next(self._sd.pids))
+        return True
+
+    def signalProcess(self, name: str, signal: str) -> bool:
+        self._sd.calls.append(("signalProcess", name, signal))
+        self._sd.meanwhile("signalProcess", name)
+        if self._sd.programs[name]["state"] not in (sd.STARTING, sd.RUNNING):
+            raise xmlrpc.client.Fault(70, f"NOT_RUNNING: {name}")
+        return True  # what the process does next, the test scripts
+
+
+class FakeSupervisord:
+    proc = None  # no real supervisord child: stop_everything skips the orderly stop
+
+    def __init__(self, clock: FakeClock, slots: list[str]) -> None:
+        self.clock = clock
+        self.calls: list[tuple[Any, ...]] = []
+        self.pids = itertools.count(1001)  # pids supervisord gives on startProcess
+        self.programs: dict[str, dict[str, Any]] = {}
+        self.logs: dict[str, str] = {}  # program → what tail_reason finds
+        self.tailed: list[str] = []
+        self.shut_down = False
+        # What supervisord does on its own between the controller's look and its call.
+        self.before_call: Callable[[str, str], None] | None = None
+        self.set(ROUTER_PROGRAM, sd.RUNNING, pid=10)
+        for slot in slots:
+            self.set(program_of(slot), sd.STARTING, pid=0)
+
+    def rpc(self, timeout: float = 30.0) -> FakeRPC:
+        return FakeRPC(self)
+
+    def set(self, program: str, state: int, pid: int = 0, **fields: Any) -> None:
+        group, name = program.split(":")
+        self.programs[program] = {
+            "group": group,
+            "name": name,
+            "state": state,
+            "statename": STATE_NAMES[state],
+            "pid": pid,
+            "start": self.clock.time() if pid else 0,
+            "stop": 0,
+            "now": self.clock.time(),
+            "exitstatus": 0,
+            "spawnerr": "",
+            "description": f"pid {pid}" if pid else "",
+            **fields,
+        }
+
+    # scripted events
+    def run(self, slot: str, pid: int) -> None:
+        self.set(program_of(slot), sd.RUNNING, pid=pid)
+
+    def exit(self, slot: str, status: int) -> None:
+        self.set(program_of(slot), sd.EXITED, exitstatus=status)
+
+    def meanwhile(self, method: str, program: str) -> None:
+        if self.before_call is not None:
+            self.before_call(method, program)
+
+    def pid_of(self, slot: str) -> int:
+        return self.programs[program_of(slot)]["pid"]
+
+    def rpc_calls(self, method: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == method]
+
+    # the Supervisord methods the controller calls
+    def process_info(self) -> dict[str, dict[str, Any]]:
+        return copy.deepcopy(self.programs)
+
+    def tail_reason(self, program: str) -> str:
+        self.tailed.append(program)
+        return self.logs.get(program, "")
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class FakeRouter:
+    """The router's end of the control channel, mirroring WorkerTable's rules."""
+
+    def __init__(self) -> None:
+        self.port = 8500
+        self.workers: dict[str, dict[str, Any]] = {}
+        self.declared_dead: dict[str, int] = {}
+        self.gone: list[tuple[str, int]] = []
+        self.closed = False
+
+    def register(self, slot: str, pid: int, answered: int = 0, inflight: int = 0) -> None:
+        self.workers[slot] = {"pid": pid, "inflight": inflight, "answered": answered}
+        if self.declared_dead.get(slot) != pid:
+            self.declared_dead.pop(slot, None)
+
+    def declare_dead(self, slot: str) -> int:
+        pid = self.workers.pop(slot)["pid"]
+        self.declared_dead[slot] = pid
+        return pid
+
+    def ask(self, op: str, timeout_s: float = 0.5, **fields: Any) -> dict[str, Any] | None:
+        if op == "snapshot":
+            return {
+                "phase": "serving",
+                "port": self.port,
+                "workers": copy.deepcopy(self.workers),
+                "declared_dead": dict(self.declared_dead),
+                "inflight": sum(w["inflight"] for w in self.workers.values()),
+            }
+        if op == "gone":
+            slot, pid = fields["slot"], int(fields["pid"])
+            self.gone.append((slot, pid))
+            if self.workers.get(slot, {}).get("pid") == pid:
+                del self.workers[slot]
+            return {"ok": True}
+        raise AssertionError(f"the controller asked the router for {op!r}")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# ---------------------------------------------------------------------------------------
+# harness
+# ---------------------------------------------------------------------------------------
+
+
+class Pool:
+    def __init__(self, controller: Controller, clock: FakeClock) -> None:
+        self.controller = controller
+        self.clock = clock
+        self.sd = FakeSupervisord(clock, list(controller.slots))
+        self.router = FakeRouter()
+        controller.router.close()  # the real link's socket: closed before the swap
+        controller.supervisord = self.sd  # type: ignore[assignment]
+        controller.router = self.router  # type: ignore[assignment]
+
+    def slot(self, name: str) -> Slot:
+        return self.controller.slots[name]
+
+    def start(self, pids: dict[str, int] | None = None) -> None:
+        """What Controller.run does after supervisord is up; the workers get pids."""
+        for name, slot in self.controller.slots.items():
+            slot.change_state(S.STARTING, "spawned")
+            self.sd.run(name, (pids or {}).get(name, 101 + int(name.split("-")[1])))
+        self.tick()
+
+    def tick(self, after_s: float = 0.0) -> None:
+        self.clock.now += after_s
+        self.controller.tick()
+
+    def make_ready(self, name: str, answered: int = 0) -> int:
+        pid = self.sd.pid_of(name)
+        self.router.register(name, pid, answered=answered)
+        self.tick()
+        assert self.slot(name).state is S.READY
+        return pid
+
+
+Attempt = tuple[str, WorkerState, WorkerState]
+
+
+@pytest.fixture
+def attempts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Attempt]]:
+    """Every state change attempted on any Slot; all must be allowed edges."""
+    seen: list[Attempt] = []
+    original = Slot.change_state
+
+    def recording(self: Slot, new: WorkerState, why: str = "") -> None:
+        seen.append((self.name, self.state, new))
+        original(self, new, why)
+
+    monkeypatch.setattr(Slot, "change_state", recording)
+    yield seen
+    illegal = [
+        (name, old.value, new.value)
+        for name, old, new in seen
+        if new not in ALLOWED[old] and not (new is old and new is not S.STARTING)
+    ]
+    assert not illegal, f"transitions outside states.ALLOWED: {illegal}"
+
+
+@pytest.fixture
+def make_pool(
+    monkeypatch: pytest.MonkeyPatch, attempts: list[Attempt]
+) -> Iterator[Callable[..., Pool]]:
+    made: list[tuple[Controller, str]] = []
+
+    def make(**overrides: Any) -> Pool:
+        run_dir = tempfile.mkdtemp(prefix="mpsc-", dir="/tmp")  # short: unix socket paths
+        settings: dict[str, Any] = {
+            "model_name": "demo",
+            "model_base_path": f"{run_dir}/models/demo",
+            "model_version": 1,
+            "run_dir": run_dir,
+            "log_dir": f"{run_dir}/logs",
+            "workers": 2,
+            "start_retries": 2,
+            "backoff_s": 1.0,
+            "pool_id": "t3st",
+        }
+        settings.update(overrides)
+        controller = Controller(PoolConfig(**settings), created_run_dir=False)
+        made.append((controller, run_dir))
+        clock = FakeClock()
+        monkeypatch.setattr(controller_module, "time", clock)
+        return Pool(controller, clock)
+
+    yield make
+    for controller, run_dir in made:
+        controller._admin.close(linger=0)
+        controller._zmq.term()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def pool(make_pool: Callable[..., Pool]) -> Pool:
+    return make_pool()
+
+
+def states_of(attempts: list[Attempt], name: str) -> list[str]:
+    """The slot's path through the states, from its first recorded state."""
+    path = [old.value for n, old, _ in attempts if n == name][:1]
+    path += [new.value for n, _, new in attempts if n == name]
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# readiness
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_slot_is_ready_once_registered_with_the_router(
+    pool: Pool, capsys: pytest.CaptureFixture[str]
+):
+    pool.start()
+    assert [s.state for s in pool.controller.slots.values()] == [S.STARTING, S.STARTING]
+    assert pool.slot("cpu-0").pid == 101
+    assert pool.controller.phase is PoolPhase.STARTING  # nobody can serve yet
+    assert capsys.readouterr().out == ""
+
+    pool.router.register("cpu-0", 101, answered=3)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.READY
+    assert pool.slot("cpu-1").state is S.STARTING
+    assert pool.slot("cpu-0").answered == 3
+    assert pool.controller.phase is PoolPhase.SERVING
+    assert pool.controller.port == 8500
+    banner = capsys.readouterr().out
+    assert "on 127.0.0.1:8500 (1/2 workers ready)" in banner
+
+    pool.router.register("cpu-1", 102)
+    pool.tick()
+    pool.tick()
+    assert pool.slot("cpu-1").state is S.READY
+    assert capsys.readouterr().out == "", "the pool is announced once"
+    described = {d["slot"]: d for d in pool.controller.status()["slots"]}
+    assert described["cpu-0"]["state"] == "READY"
+    assert described["cpu-0"]["pid"] == 101
+    assert described["cpu-0"]["served"] == 3
+    assert pool.sd.calls == [] and pool.router.gone == []
+
+
+def test_a_registration_from_another_pid_does_not_make_the_slot_ready(pool: Pool):
+    pool.start()
+    pool.router.register("cpu-0", 99)  # an incarnation supervisord no longer runs
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.STARTING
+
+
+def test_a_ready_slot_the_router_no_longer_knows_goes_back_to_starting(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-0")
+    del pool.router.workers["cpu-0"]  # e.g. it said BYE, process still running
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.STARTING
+    assert pool.slot("cpu-0").restarts == 0
+    pool.router.register("cpu-0", 101)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.READY
+
+
+# ---------------------------------------------------------------------------------------
+# replacement
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_killed_worker_is_counted_reported_gone_and_ready_again(
+    pool: Pool, attempts: list[Attempt]
+):
+    pool.start()
+    pool.make_ready("cpu-0", answered=5)
+    pool.make_ready("cpu-1")
+
+    # kill -9: supervisord restarted it before the next tick; the router has not noticed.
+    pool.sd.run("cpu-0", 201)
+    pool.tick()
+    slot = pool.slot("cpu-0")
+    assert slot.state is S.STARTING
+    assert slot.pid == 201
+    assert slot.restarts == 1
+    assert pool.router.gone == [("cpu-0", 101)]
+    assert "cpu-0" not in pool.router.workers
+    assert slot.describe()["served"] == 5, "the old incarnation's answers still count"
+
+    pool.tick()  # nothing new: no second "gone", no second restart
+    assert pool.router.gone == [("cpu-0", 101)]
+    assert slot.restarts == 1
+
+    pool.router.register("cpu-0", 201, answered=2)
+    pool.tick()
+    assert slot.state is S.READY
+    assert slot.describe()["served"] == 7
+    assert pool.slot("cpu-1").state is S.READY and pool.slot("cpu-1").restarts == 0
+    assert pool.sd.calls == [], "supervisord restarts crashes itself"
+    # spawned, its pid seen, registered, replaced, registered
+    assert states_of(attempts, "cpu-0") == [
+        "STOPPED",
+        "STARTING",
+        "STARTING",
+        "READY",
+        "STARTING",
+        "READY",
+    ]
+
+
+def test_a_worker_replaced_before_it_was_ready_counts_as_a_restart(pool: Pool):
+    pool.start()
+    pool.sd.run("cpu-1", 301)
+    pool.tick()
+    assert pool.slot("cpu-1").state is S.STARTING
+    assert pool.slot("cpu-1").pid == 301
+    assert pool.slot("cpu-1").restarts == 1
+    assert pool.router.gone == [("cpu-1", 102)]
+
+
+def test_a_worker_declared_dead_is_killed_once(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    dead = pool.router.declare_dead("cpu-0")  # silent past the liveness window
+    for _ in range(4):  # SIGKILL takes a moment; the verdict stays in every snapshot
+        pool.tick(0.1)
+    kill = ("signalProcess", program_of("cpu-0"), "KILL")
+    assert pool.sd.calls == [kill]
+    assert pool.slot("cpu-0").kill_sent_to == dead
+
+    # supervisord restarts it; the replacement registers and clears the verdict.
+    pool.sd.run("cpu-0", 202)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.STARTING
+    assert pool.slot("cpu-0").restarts == 1
+    assert pool.router.gone == [("cpu-0", dead)]
+    pool.router.register("cpu-0", 202)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.READY
+    assert pool.router.declared_dead == {}
+
+    # The new incarnation wedges too: it gets its own KILL, once.
+    pool.router.declare_dead("cpu-0")
+    pool.tick()
+    pool.tick()
+    assert pool.sd.calls == [kill, kill]
+    assert pool.slot("cpu-0").kill_sent_to == 202
+    assert pool.slot("cpu-1").state is S.READY
+
+
+def test_a_clean_exit_nobody_asked_for_is_restarted(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-0", answered=4)
+    pool.sd.exit("cpu-0", 0)  # expected by supervisord's exitcodes: it will not restart it
+    pool.tick()
+    assert pool.sd.calls == [("startProcess", program_of("cpu-0"))]
+    assert pool.router.gone == [("cpu-0", 101)]
+    slot = pool.slot("cpu-0")
+    assert slot.state is S.STARTING
+    assert slot.describe()["served"] == 4
+
+    new_pid = pool.sd.pid_of("cpu-0")
+    pool.tick()
+    assert slot.pid == new_pid
+    pool.router.register("cpu-0", new_pid)
+    pool.tick()
+    assert slot.state is S.READY
+    assert pool.sd.calls == [("startProcess", program_of("cpu-0"))]
+
+
+def test_a_crash_seen_as_exited_is_left_to_supervisords_restart(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.sd.exit("cpu-0", -1)  # kill -9, seen between supervisord's reap and its respawn
+    pool.tick()
+    slot = pool.slot("cpu-0")
+    assert slot.state is S.STARTING
+    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.sd.calls == [], "autorestart=unexpected: supervisord restarts it itself"
+    pool.sd.run("cpu-0", 401)
+    pool.tick()
+    assert slot.pid == 401
+    pool.router.register("cpu-0", 401)
+    pool.tick()
+    assert slot.state is S.READY
+
+
+def test_a_crash_seen_as_exited_counts_as_a_restart(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.sd.exit("cpu-0", -1)
+    pool.tick()
+    pool.sd.run("cpu-0", 401)
+    pool.tick()
+    assert pool.slot("cpu-0").restarts == 1, "the same kill -9 seen as a new pid counts 1"
+
+
+def test_supervisord_refusing_a_command_it_already_carried_out_is_not_an_error(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+
+    # cpu-0 exits 0 unasked; by the controller's startProcess it is already running again.
+    pool.sd.exit("cpu-0", 0)
+    pool.sd.before_call = lambda method, name: pool.sd.run("cpu-0", 501)
+    pool.tick()  # startProcess answers ALREADY_STARTED
+    assert pool.sd.rpc_calls("startProcess") == [("startProcess", program_of("cpu-0"))]
+    assert pool.slot("cpu-0").state is S.STARTING
+    pool.sd.before_call = None
+    pool.tick()
+    assert pool.slot("cpu-0").pid == 501
+
+    # cpu-1 is declared dead and exits on its own before the KILL lands: NOT_RUNNING.
+    pool.router.declare_dead("cpu-1")
+    pool.sd.before_call = lambda method, name: pool.sd.exit("cpu-1", -1)
+    pool.tick()
+    assert pool.sd.rpc_calls("signalProcess") == [("signalProcess", program_of("cpu-1"), "KILL")]
+    pool.sd.before_call = None
+    pool.tick()
+    assert pool.slot("cpu-1").state is S.STARTING
+    assert pool.router.gone == [("cpu-0", 101), ("cpu-1", 102)]
+    pool.tick()
+    assert len(pool.sd.rpc_calls("signalProcess")) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# load failures: back-off, then FATAL
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attempts: list[Attempt]):
+    program = program_of("cpu-0")
+    pool.sd.logs[program] = LOAD_ERROR
+    pool.start()
+    pool.make_ready("cpu-1")
+    slot = pool.slot("cpu-0")
+
+    # First failure: BACKOFF for backoff_s.
+    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert slot.state is S.BACKOFF
+    assert (slot.load_failures, slot.reason) == (1, LOAD_ERROR)
+    assert pool.router.gone == [("cpu-0", 101)]
+    pool.tick(0.9)
+    assert pool.sd.rpc_calls("startProcess") == [], "retried before the back-off ended"
+    pool.tick(0.1)
+    assert pool.sd.rpc_calls("startProcess") == [("startProcess", program)]
+    assert slot.state is S.STARTING
+    pool.tick()
+    assert slot.pid == pool.sd.pid_of("cpu-0") != 101
+    assert slot.restarts == 1, "every process after the first counts, load retries too"
+
+    # Second failure: twice the back-off.
+    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert slot.state is S.BACKOFF and slot.load_failures == 2
+    pool.tick(1.9)
+    assert len(pool.sd.rpc_calls("startProcess")) == 1
+    pool.tick(0.1)
+    assert len(pool.sd.rpc_calls("startProcess")) == 2
+    pool.tick()
+
+    # Third failure exceeds start_retries=2: FATAL, with the worker's own reason.
+    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert slot.state is S.FATAL
+    assert slot.reason == LOAD_ERROR
+    assert slot.pid == 0
+    for _ in range(3):
+        pool.tick(60.0)
+    assert len(pool.sd.rpc_calls("startProcess")) == 2, "a FATAL slot is not restarted"
+    described = {d["slot"]: d for d in pool.controller.status()["slots"]}["cpu-0"]
+    assert (described["state"], described["reason"], described["pid"]) == (
+        "FATAL",
+        LOAD_ERROR,
+        None,
+    )
+    # One bad slot does not fail a pool that still serves.
+    assert pool.controller.phase is PoolPhase.SERVING
+    assert pool.controller.exit_code == 0
+    # (STARTING twice: started, then its pid seen)
+    assert states_of(attempts, "cpu-0") == [
+        "STOPPED",
+        *["STARTING", "STARTING", "BACKOFF"],
+        *["STARTING", "STARTING", "BACKOFF"],
+        *["STARTING", "STARTING", "FATAL"],
+    ]
+
+
+def test_a_slot_that_loads_on_retry_forgets_its_failures(pool: Pool):
+    pool.sd.logs[program_of("cpu-0")] = LOAD_ERROR
+    pool.start()
+    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    pool.tick(1.0)
+    pool.tick()
+    slot = pool.slot("cpu-0")
+    assert (slot.state, slot.load_failures) == (S.STARTING, 1)
+    pool.make_ready("cpu-0")
+    assert (slot.load_failures, slot.reason) == (0, "")
+
+
+def test_supervisord_giving_up_makes_the_slot_fatal(pool: Pool):
+    pool.start()
+    pool.sd.set(program_of("cpu-0"), sd.FATAL, spawnerr="can't find command 'python'")
+    pool.sd.logs[program_of("cpu-1")] = "Traceback: ImportError: libcudart.so.12"
+    pool.sd.set(program_of("cpu-1"), sd.FATAL)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.FATAL
+    assert pool.slot("cpu-0").reason == "can't find command 'python'"
+    assert pool.slot("cpu-1").state is S.FATAL
+    assert pool.slot("cpu-1").reason == "Traceback: ImportError: libcudart.so.12"
+    assert pool.router.gone == [("cpu-0", 101), ("cpu-1", 102)]
+
+
+def test_supervisords_own_backoff_is_waited_out(pool: Pool):
+    pool.start()
+    pool.sd.set(program_of("cpu-0"), sd.BACKOFF)  # died within startsecs; it retries
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.STARTING
+    assert pool.sd.calls == []
+
+
+def test_the_pool_fails_when_every_slot_is_fatal(make_pool: Callable[..., Pool]):
+    pool = make_pool(start_retries=0)
+    pool.sd.logs[program_of("cpu-0")] = LOAD_ERROR
+    pool.start()
+    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.FATAL, "start_retries=0: no retry"
+    assert pool.controller.phase is PoolPhase.STARTING, "cpu-1 may still come up"
+
+    pool.sd.set(program_of("cpu-1"), sd.FATAL, spawnerr="Exited too quickly")
+    pool.tick()
+    assert pool.controller.phase is PoolPhase.DRAINING
+    assert pool.controller.exit_code == 1
+    assert pool.controller.exit_reason.startswith("no worker could start: ")
+    assert LOAD_ERROR in pool.controller.exit_reason
+    assert "Exited too quickly" in pool.controller.exit_reason
+
+
+def test_the_pool_fails_when_the_router_cannot_start(pool: Pool):
+    pool.sd.logs[ROUTER_PROGRAM] = "port 8500 is already in use"
+    pool.start()
+    pool.sd.set(ROUTER_PROGRAM, sd.EXITED, exitstatus=process.EXIT_CONFIG_ERROR)
+    pool.tick()
+    assert pool.controller.phase is PoolPhase.DRAINING
+    assert pool.controller.exit_code == 1
+    assert pool.controller.exit_reason == "the router could not start: port 8500 is already in use"
+
+
+# ---------------------------------------------------------------------------------------
+# shutdown, with the fakes
+# ---------------------------------------------------------------------------------------
+
+
+def test_stop_everything_ends_every_slot_stopped(
+    pool: Pool, attempts: list[Attempt], capsys: pytest.CaptureFixture[str]
+):
+    pool.controller._fail_pool("a reason to stop")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.sd.logs[program_of("cpu-1")] = LOAD_ERROR
+    pool.sd.exit("cpu-1", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert pool.slot("cpu-1").state is S.BACKOFF
+    pool.controller.stop_everything()
+    assert [s.state for s in pool.controller.slots.values()] == [S.STOPPED, S.STOPPED]
+    assert pool.controller.phase is PoolPhase.STOPPED
+    assert pool.sd.shut_down and pool.router.closed
+    assert states_of(attempts, "cpu-0")[-3:] == ["READY", "DRAINING", "STOPPED"]
+    assert states_of(attempts, "cpu-1")[-2:] == ["BACKOFF", "STOPPED"]
+    assert "mpspool: a reason to stop" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# the transition table itself
+# ---------------------------------------------------------------------------------------
+
+EDGES = [(old, new) for old in S for new in S]
+
+
+@pytest.mark.parametrize(("old", "new"), EDGES, ids=[f"{o.value}->{n.value}" for o, n in EDGES])
+def test_change_state_allows_exactly_the_table(old: WorkerState, new: WorkerState):
+    slot = Slot("cpu-0", state=old)
+    if new in ALLOWED[old] or (new is old and new is not S.STARTING):
+        slot.change_state(new, "test")  # allowed, or a no-op
+        assert slot.state is new
+    else:
+        with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
+            slot.change_state(new, "test")
+        assert slot.state is old
+
+
+def test_every_state_can_reach_stopped_and_final_states_lead_nowhere_else():
+    for state in S:
+        if state is not S.STOPPED:
+            assert S.STOPPED in ALLOWED[state], f"{state.value} cannot be stopped"
+    assert ALLOWED[S.FATAL] == {S.STOPPED}
+    assert S.READY not in ALLOWED[S.BACKOFF], "a retry must start before it is ready"
+
+
+# ---------------------------------------------------------------------------------------
+# supervisord.render_config
+# ---------------------------------------------------------------------------------------
+
+
+def render(run_dir: Path, programs: list[sd.Program]) -> str:
+    return sd.render_config(run_dir, run_dir / "logs", "mpspool-t3st", programs)
+
+
+def test_render_config_for_the_pools_programs(pool: Pool):
+    controller = pool.controller
+    run_dir = controller.run_dir
+    text = render(run_dir, controller.programs())
+    conf = configparser.ConfigParser()  # BasicInterpolation: a stray % would raise
+    conf.read_string(text)
+
+    assert conf["unix_http_server"]["file"] == str(run_dir / sd.SOCKET_FILE)
+    assert conf["unix_http_server"]["chmod"] == "0700"
+    assert not any(s.startswith("inet_http_server") for s in conf.sections()), "no TCP"
+    assert conf["supervisord"]["nodaemon"] == "true"
+    assert conf["supervisord"]["identifier"] == "mpspool-t3st"
+    assert conf["supervisord"]["umask"] == "077"
+    assert conf["supervisord"]["pidfile"] == str(run_dir / sd.PID_FILE)
+
+    router = conf["program:router"]
+    assert shlex.split(router["command"]) == [
+        sys.executable,
+        "-m",
+        "mpspool.router",
+        "--run-dir",
+        str(run_dir),
+    ]
+    assert router["exitcodes"] == f"0,{process.EXIT_CONFIG_ERROR}"
+    for name in ("cpu-0", "cpu-1"):
+        worker = conf[f"program:worker-{name}"]
+        assert shlex.split(worker["command"]) == [
+            sys.executable,
+            "-m",
+            "mpspool.worker",
+            "--run-dir",
+            str(run_dir),
+            "--slot",
+            name,
+        ]
+        # A load failure is an expected exit: supervisord leaves the retry to the controller.
+        assert worker["exitcodes"] == f"0,{process.EXIT_LOAD_FAILED}"
+        assert int(worker["priority"]) > int(router["priority"]), "router starts first"
+    for section in ("program:router", "program:worker-cpu-0", "program:worker-cpu-1"):
+        program = conf[section]
+        assert program["autorestart"] == "unexpected"
+        assert program["stopasgroup"] == "true"
+        assert program["killasgroup"] == "true"
+        assert program["directory"] == str(run_dir)
+        assert 'PYTHONUNBUFFERED="1"' in program["environment"]
+    assert conf["group:workers"]["programs"] == "worker-cpu-0,worker-cpu-1"
+    assert "group:router" not in conf
+
+
+def test_render_config_quotes_arguments_and_escapes_percent(tmp_path: Path):
+    program = sd.Program(
+        name="worker-cpu-0",
+        group="workers",
+        command=["/usr/bin/python3", "-c", "print('it''s')", "two words", ""],
+        environment={"LD_PRELOAD": "", "MSG": 'say "50%"', "PLAIN": "x"},
+    )
+    text = render(tmp_path, [program])
+    raw = configparser.RawConfigParser()
+    raw.read_string(text)
+    assert raw["program:worker-cpu-0"]["environment"] == (
+        'LD_PRELOAD="",MSG="say \\"50%%\\"",PLAIN="x"'
+    )
+    conf = configparser.ConfigParser()
+    conf.read_string(text)
+    assert 'MSG="say \\"50%\\""' in conf["program:worker-cpu-0"]["environment"]
+    assert shlex.split(conf["program:worker-cpu-0"]["command"]) == list(program.command)
+
+
+SUPERVISORD_PARSE = textwrap.dedent(
+    """
+    import json, sys
+    from supervisor.options import ServerOptions
+    options = ServerOptions()
+    options.realize(["-c", sys.argv[1]])
+    print(json.dumps({
+        "socket": [dict(file=c["file"], chmod=c["chmod"]) for c in options.server_configs],
+        "programs": {
+            p.name: dict(command=p.command, exitcodes=list(p.exitcodes),
+                         autorestart=p.autorestart.__name__, environment=p.environment,
+                         stopasgroup=p.stopasgroup, killasgroup=p.killasgroup,
+                         directory=p.directory, stdout_logfile=p.stdout_logfile)
+            for g in options.process_group_configs for p in g.process_configs
+        },
+    }))
+    """
+)
+
+
+def parse_with_supervisord(run_dir: Path, text: str) -> dict[str, Any]:
+    import json
+
+    (run_dir / "logs").mkdir(exist_ok=True)
+    conf = run_dir / sd.CONF_FILE
+    conf.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-c", SUPERVISORD_PARSE, str(conf)],
+        cwd=run_dir,  # never the repository root: its supervisor/ would shadow supervisord's
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def test_supervisord_itself_accepts_the_rendered_config(tmp_path: Path):
+    program = sd.Program(
+        name="worker-cpu-0",
+        group="workers",
+        command=[sys.executable, "-m", "mpspool.worker", "--slot", "cpu-0"],
+        environment={"MSG": "50% off"},
+        exitcodes=(0, process.EXIT_LOAD_FAILED),
+    )
+    parsed = parse_with_supervisord(tmp_path, render(tmp_path, [program]))
+    assert parsed["socket"] == [{"file": str(tmp_path / sd.SOCKET_FILE), "chmod": 0o700}]
+    worker = parsed["programs"]["worker-cpu-0"]
+    assert shlex.split(worker["command"]) == list(program.command)
+    assert worker["exitcodes"] == [0, process.EXIT_LOAD_FAILED]
+    assert worker["autorestart"] == "RestartWhenExitUnexpected"
+    assert worker["environment"] == {"MSG": "50% off"}
+    assert worker["stopasgroup"] and worker["killasgroup"]
+    assert worker["directory"] == str(tmp_path)
+    assert worker["stdout_logfile"] == str(tmp_path / "logs" / "worker-cpu-0.log")
+
+
+def test_supervisord_accepts_a_percent_in_paths_and_commands():
+    base = Path(tempfile.mkdtemp(prefix="mpsc-", dir="/tmp"))
+    try:
+        run_dir = base / "50%pool"
+        run_dir.mkdir()
+        program = sd.Program(
+            name="worker-cpu-0",
+            group="workers",
+            command=[sys.executable, "-c", "print('100%')", "--run-dir", str(run_dir)],
+        )
+        parsed = parse_with_supervisord(run_dir, render(run_dir, [program]))
+        worker = parsed["programs"]["worker-cpu-0"]
+        assert shlex.split(worker["command"]) == list(program.command)
+        assert worker["directory"] == str(run_dir)
+        assert worker["stdout_logfile"] == str(run_dir / "logs" / "worker-cpu-0.log")
+        assert parsed["socket"][0]["file"] == str(run_dir / sd.SOCKET_FILE)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
