@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="TensorFlow intra-op threads per worker (0: cores / workers)",
     )
     start.add_argument(
+        "--no-share-weights",
+        dest="share_weights",
+        action="store_false",
+        help="each worker loads its own copy of the weights instead of mapping one shared copy",
+    )
+    start.add_argument(
         "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
     )
 
@@ -178,6 +184,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         start_retries=args.start_retries,
         intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads,
+        share_weights=args.share_weights,
     ).validate()
     created = rundir.prepare(run_dir)
     config.save(run_dir)
@@ -250,15 +257,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     print(
         f"{'SLOT':<10} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
-        f"{'INFLIGHT':>8} {'SERVED':>9}  REASON"
+        f"{'INFLIGHT':>8} {'SERVED':>9}  {'WEIGHTS':<14} REASON"
     )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
         print(
             f"{s['slot']:<10} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} {s['restarts']:>8} "
-            f"{s['inflight']:>8} {s['served']:>9}  {s['reason']}"
+            f"{s['inflight']:>8} {s['served']:>9}  {_weights(s.get('weights')):<14} {s['reason']}"
         )
     return 0
+
+
+def _weights(report: dict[str, Any] | None) -> str:
+    """Short form of where a worker's variables live, for the status table."""
+    if not report:
+        return "-"
+    if report["copied"]:
+        return f"COPIED {sum(report['copied'].values()) / 2**20:.0f}MiB"
+    return f"shared {report['shared_bytes'] / 2**20:.0f}MiB"
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -72,11 +72,23 @@ class PoolConfig:
     intra_op_threads: int = 0  # 0: usable cores / workers
     inter_op_threads: int = 1
     max_message_bytes: int = 512 * 1024 * 1024
+    # Publish the variables once into shared memory and map them in every worker (the
+    # default); off, each worker loads its own copy from the checkpoint.
+    share_weights: bool = True
     pool_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(4))
 
     @property
     def model_path(self) -> str:
         return str(Path(self.model_base_path) / str(self.model_version))
+
+    @property
+    def weights_segment(self) -> str:
+        """The shared-memory file of this model version's weights; "" when not sharing."""
+        if not self.share_weights:
+            return ""
+        from mpspool.segment import segment_path
+
+        return str(segment_path(self.pool_id, self.model_name, self.model_version))
 
     @property
     def slots(self) -> list[str]:

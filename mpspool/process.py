@@ -51,3 +51,11 @@ def fail(code: int, reason: str) -> NoReturn:
     sys.stderr.write(f"{FATAL_MARKER}{reason}\n")
     sys.stderr.flush()
     raise SystemExit(code)
+
+
+def fatal_reason(text: str) -> str:
+    """The reason in the last FATAL_MARKER line of a process's output, or ""."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(FATAL_MARKER):
+            return line[len(FATAL_MARKER) :]
+    return ""

@@ -10,7 +10,8 @@ so a late message from a replaced process is recognisable). A message is
 ``[header, *tensor frames]`` where header is a msgpack map ``{"v": 1, "k": kind, ...}``.
 
   worker → router
-    READY      {slot, pid, model, version}        + [serialized SignatureDefMap]
+    READY      {slot, pid, model, version, weights} + [serialized SignatureDefMap]
+                                                   weights: where its variables live, or nil
     HEARTBEAT  {slot, pid, served}                 sent from the serving loop
     REPLY      {id, tensors, t}                    + one frame per output tensor
                                                    t: [start, end] of the model run, µs

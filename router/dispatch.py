@@ -151,13 +151,14 @@ class Dispatcher:
             if self._table.declared_dead.get(header["slot"]) == header["pid"]:
                 return  # declared dead and about to be replaced: it does not come back
             self._on_ready(header["model"], int(header["version"]), frames[2].bytes)
-            self._table.register(
+            handle = self._table.register(
                 identity,
                 header["slot"],
                 int(header["pid"]),
                 header["model"],
                 int(header["version"]),
             )
+            handle.weights = header.get("weights")
             log.info("worker %s (pid %s) ready", header["slot"], header["pid"])
         elif kind is wire.Kind.BYE:
             self._table.leave(identity, "said bye")

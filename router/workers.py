@@ -34,6 +34,7 @@ class WorkerHandle:
     last_seen: float
     inflight: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     answered: int = 0
+    weights: dict[str, Any] | None = None  # as the worker reported it in READY
 
 
 class WorkerTable:
@@ -150,6 +151,7 @@ class WorkerTable:
                 "inflight": len(h.inflight),
                 "answered": h.answered,
                 "silent_s": round(now - h.last_seen, 3),
+                "weights": h.weights,
             }
             for h in self._by_slot.values()
         }

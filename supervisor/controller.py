@@ -14,6 +14,7 @@ import enum
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 import xmlrpc.client
@@ -23,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from mpspool import process, rundir, wire
+from mpspool import process, rundir, segment, wire
 from mpspool.config import PoolConfig
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.slots import Slot
@@ -145,6 +146,10 @@ class Controller:
             text = sd.render_config(
                 self.run_dir, self.log_dir, f"mpspool-{self.config.pool_id}", self.programs()
             )
+            for stale in segment.remove_stale():
+                log.info("removed a weight segment left by a pool that died: %s", stale)
+            if self.config.share_weights and not self._publish():
+                return self.exit_code
             self.supervisord.start(text)
             for slot in self.slots.values():
                 slot.change_state(WorkerState.STARTING, "spawned")
@@ -251,6 +256,7 @@ class Controller:
             if registered and int(registered["pid"]) == pid:
                 slot.answered = int(registered["answered"])
                 slot.inflight = int(registered["inflight"])
+                slot.weights = registered.get("weights")
                 if slot.state is WorkerState.STARTING:
                     slot.load_failures = 0
                     slot.reason = ""
@@ -285,6 +291,36 @@ class Controller:
                 # Crashed or killed (-1: by a signal): supervisord restarts it by itself.
                 slot.change_state(WorkerState.STARTING, f"exited with {exitstatus}")
 
+    def _publish(self) -> bool:
+        """Publish the model's weights into shared memory before any worker starts: a
+        one-shot child (it needs TensorFlow, which the controller never loads)."""
+        started = time.monotonic()
+        log_path = self.log_dir / "publish.log"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            result = subprocess.run(
+                [sys.executable, "-m", "mpspool.worker.publish", "--run-dir", str(self.run_dir)],
+                cwd=self.run_dir,  # not a source checkout (see supervisord.py)
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=process.die_with_parent_sigterm,
+            )
+        if result.returncode != 0:
+            reason = process.fatal_reason(log_path.read_text(errors="replace"))
+            reason = reason or f"exit code {result.returncode}, see {log_path}"
+            self._fail_pool(f"publishing the weights failed: {reason}")
+            return False
+        size = Path(self.config.weights_segment).stat().st_size
+        log.info(
+            "weights published to %s (%.1f MiB) in %.1f s",
+            self.config.weights_segment,
+            size / 2**20,
+            time.monotonic() - started,
+        )
+        return True
+
     def _rpc(self, method: str, *args: Any) -> Any:
         """A supervisord command whose refusal is news, not an error: between our look and
         our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
@@ -302,6 +338,7 @@ class Controller:
             slot.served_before += slot.answered
         slot.answered = 0
         slot.inflight = 0
+        slot.weights = None
         slot.pid = 0
 
     def _fail_pool(self, reason: str) -> None:
@@ -382,6 +419,10 @@ class Controller:
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("orderly stop failed (%s); shutting supervisord down", exc)
         self.supervisord.shutdown()
+        if self.config.weights_segment:
+            # The version retires with the pool; workers, which map it, are gone.
+            Path(self.config.weights_segment).unlink(missing_ok=True)
+            Path(self.config.weights_segment + ".partial").unlink(missing_ok=True)
         for slot in self.slots.values():
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, "pool stopped")
@@ -415,3 +456,4 @@ class Controller:
             snap = self.router.ask("snapshot")
             if snap is None or snap.get("phase") == "stopped":
                 return
+

@@ -26,6 +26,7 @@ class Slot:
     answered: int = 0  # by the current incarnation, per the router
     inflight: int = 0
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
+    weights: dict[str, Any] | None = None  # where the current process's variables live
 
     @property
     def restarts(self) -> int:
@@ -65,4 +66,5 @@ class Slot:
             "inflight": self.inflight,
             "served": self.served_before + self.answered,
             "reason": self.reason,
+            "weights": self.weights,
         }

@@ -212,10 +212,7 @@ class Supervisord:
         except (OSError, xmlrpc.client.Error):
             return ""
         lines = [line for line in text.splitlines() if line.strip()]
-        for line in reversed(lines):
-            if line.startswith(process.FATAL_MARKER):
-                return line[len(process.FATAL_MARKER) :]
-        return lines[-1] if lines else ""
+        return process.fatal_reason(text) or (lines[-1] if lines else "")
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

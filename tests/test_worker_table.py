@@ -306,8 +306,8 @@ def test_snapshot_reports_each_slot():
         h.table.seen(b)
         assert h.table.inflight_total() == 2
         assert h.table.snapshot() == {
-            "cpu-0": {"pid": 101, "inflight": 2, "answered": 0, "silent_s": 1.75},
-            "cpu-1": {"pid": 102, "inflight": 0, "answered": 1, "silent_s": 0.0},
+            "cpu-0": {"pid": 101, "inflight": 2, "answered": 0, "silent_s": 1.75, "weights": None},
+            "cpu-1": {"pid": 102, "inflight": 0, "answered": 1, "silent_s": 0.0, "weights": None},
         }
         h.join("cpu-0", 201)  # replaced: the snapshot shows the new incarnation only
         assert h.table.snapshot()["cpu-0"] == {
@@ -315,6 +315,7 @@ def test_snapshot_reports_each_slot():
             "inflight": 0,
             "answered": 0,
             "silent_s": 0.0,
+            "weights": None,
         }
 
     run(body)

@@ -56,12 +56,16 @@ def load_saved_model(
     version: int,
     intra_op_threads: int = 0,
     inter_op_threads: int = 0,
+    weights_segment: str = "",
 ) -> ModelRuntime:
     """Load the SavedModel in ``model_dir`` (a version directory) with the "serve" tag.
 
     Thread counts of 0 leave TensorFlow's defaults. They can only be set before TensorFlow
     runs its first op in this process, so a worker calls this before anything else touches
     TensorFlow; asking for different counts afterwards is a ModelLoadError, not a silent no-op.
+
+    With `weights_segment`, the variables come from that published weight segment, mapped
+    and bound without copying (worker/shared_weights.py), instead of from the checkpoint.
     """
     path = Path(model_dir)
     where = f"model {model_name!r} version {version} at {path}"
@@ -74,10 +78,12 @@ def load_saved_model(
     signature_defs = _read_signature_defs(path, where)
 
     _set_threads(tf, intra_op_threads, inter_op_threads, where)
+    options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=bool(weights_segment))
     try:
-        loaded = tf.saved_model.load(str(path), tags=[SERVE_TAG])
+        loaded = tf.saved_model.load(str(path), tags=[SERVE_TAG], options=options)
     except Exception as exc:  # TF raises OpError, ValueError, OSError, ... for broken models
         raise ModelLoadError(f"cannot load {where}: {_first_line(exc)}") from exc
+    shared = _attach_weights(tf, loaded, weights_segment, where) if weights_segment else None
 
     specs = specs_from_signature_defs(
         serving_pb2.SignatureDefMap.FromString(signature_defs).signature_def
@@ -88,7 +94,20 @@ def load_saved_model(
             f"cannot load {where}: signatures {missing} are in saved_model.pb "
             "but TensorFlow did not restore them"
         )
-    return SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
+    runtime = SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
+    runtime.shared = shared
+    return runtime
+
+
+def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
+    from mpspool.segment import AttachedSegment, SegmentError
+    from mpspool.worker.shared_weights import NotShareable, attach
+
+    try:
+        segment = AttachedSegment(Path(segment_path))
+        return segment, attach(tf, loaded, segment)
+    except (SegmentError, NotShareable) as exc:
+        raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
 
 
 class SavedModelRuntime:
@@ -113,6 +132,18 @@ class SavedModelRuntime:
         import tensorflow as tf
 
         self._op_error: type[Exception] = tf.errors.OpError
+        self.shared: Any = None  # (AttachedSegment, bound variables) when weights are shared
+
+    def weights_report(self) -> dict[str, Any] | None:
+        """Where the variables' buffers live now (call after warm-up); None if not shared."""
+        if self.shared is None:
+            return None
+        import tensorflow as tf
+
+        from mpspool.worker.shared_weights import verify
+
+        segment, bound = self.shared
+        return verify(tf, bound, segment).to_wire()
 
     def run(
         self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]

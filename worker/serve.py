@@ -26,8 +26,11 @@ log = logging.getLogger("mpspool.worker")
 
 
 class Worker:
-    def __init__(self, config: PoolConfig, slot: str, runtime: Any) -> None:
+    def __init__(
+        self, config: PoolConfig, slot: str, runtime: Any, weights: dict[str, Any] | None = None
+    ) -> None:
         self.config = config
+        self.weights = weights  # where this worker's variables live (shared_weights.verify)
         self.slot = slot
         self.runtime = runtime
         self.pid = os.getpid()
@@ -50,6 +53,7 @@ class Worker:
             pid=self.pid,
             model=self.runtime.model_name,
             version=self.runtime.version,
+            weights=self.weights,
         )
         self._socket.send_multipart([header, self.runtime.signature_defs])
 
@@ -150,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             config.model_version,
             intra_op_threads=config.threads_per_worker(),
             inter_op_threads=config.inter_op_threads,
+            weights_segment=config.weights_segment,
         )
         runtime.warm_up()
+        weights = runtime.weights_report()
     except ModelLoadError as exc:
         process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
     except Exception as exc:  # a warm-up that fails means the model cannot serve either
@@ -161,7 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     if stop["requested"]:
         return process.EXIT_OK
-    worker = Worker(config, args.slot, runtime)
+    if weights and weights["copied"]:
+        log.warning(
+            "TensorFlow copied shared variables into this process: %s. A gather straight on a "
+            "variable (tf.nn.embedding_lookup, tf.gather(v, ids)) does that; reading the "
+            "variable first (tf.gather(v.read_value(), ids)) keeps it shared.",
+            ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in weights["copied"].items()),
+        )
+    elif weights:
+        log.info(
+            "weights: %.1f MiB shared from %s", weights["shared_bytes"] / 2**20, weights["segment"]
+        )
+    worker = Worker(config, args.slot, runtime, weights)
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, config.model_version, worker.pid)
     worker.serve()

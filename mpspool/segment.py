@@ -1,0 +1,232 @@
+"""The weight segment: one model version's variables in one shared-memory file.
+
+The publisher (worker/publish.py, run once per version by the controller) writes it; every
+worker maps it and binds its variables to views of it without copying. Layout:
+
+    [0:16)   magic  b"MPSPOOL-WEIGHTS1"
+    [16:24)  little-endian uint64: length of the manifest
+    [24:..)  manifest, JSON
+    [data_offset:..)  the tensors, each at a 64-byte-aligned offset
+
+64-byte alignment is not cosmetic: TensorFlow copies a buffer it is handed unless it is
+aligned to its 64-byte EIGEN_MAX_ALIGN_BYTES (numpy's default 16 makes it copy the whole
+table on every call). The data section starts on a page boundary.
+
+The manifest names the owner (the controller's pid and start time) so that a segment left
+by a pool that died can be recognised and removed by the next one. Segments are mode 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from mpspool import dtypes
+
+MAGIC = b"MPSPOOL-WEIGHTS1"
+_HEADER = struct.Struct("<16sQ")
+ALIGN = 64
+PAGE = mmap.PAGESIZE
+SHM_DIR = Path("/dev/shm")
+PREFIX = "mpspool-"
+
+
+class SegmentError(RuntimeError):
+    """A segment that cannot be made or read; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str  # the checkpoint key, e.g. "embedding/.ATTRIBUTES/VARIABLE_VALUE"
+    dtype: int  # TensorFlow DataType number (bfloat16 has no numpy dtype string)
+    shape: tuple[int, ...]
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    version: int
+    owner_pid: int
+    owner_started: float  # psutil create_time of the owner: pids get reused
+    tensors: tuple[TensorEntry, ...]
+    # Checkpointed values that are not plain variables (hash tables, ...): they cannot be
+    # shared, and a worker refuses the model rather than serve it without them.
+    unshared: tuple[str, ...] = ()
+    data_offset: int = 0
+    format: int = 1
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def data_bytes(self) -> int:
+        return max((t.offset + t.nbytes for t in self.tensors), default=0)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Manifest:
+        data = json.loads(raw)
+        tensors = tuple(
+            TensorEntry(t["key"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
+            for t in data.pop("tensors")
+        )
+        data["unshared"] = tuple(data.get("unshared", ()))
+        return cls(tensors=tensors, **data)
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def segment_path(pool_id: str, model: str, version: int, shm_dir: Path = SHM_DIR) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+    return shm_dir / f"{PREFIX}{pool_id}-{safe}-v{version}"
+
+
+def plan(
+    model: str,
+    version: int,
+    owner_pid: int,
+    owner_started: float,
+    tensors: Iterable[tuple[str, int, tuple[int, ...]]],
+    unshared: Iterable[str] = (),
+) -> Manifest:
+    """Offsets for each (key, DataType, shape), 64-byte aligned, and where data starts."""
+    entries = []
+    offset = 0
+    for key, dt, shape in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtypes.numpy_dtype(dt).itemsize
+        offset = _align(offset, ALIGN)
+        entries.append(TensorEntry(key, int(dt), tuple(int(d) for d in shape), offset, nbytes))
+        offset += nbytes
+    manifest = Manifest(model, version, owner_pid, owner_started, tuple(entries), tuple(unshared))
+    data_offset = _align(_HEADER.size + len(manifest.to_json()) + 64, PAGE)
+    # The manifest's own length depends on data_offset's digits: leave room, then fix it.
+    return Manifest(**{**manifest.__dict__, "data_offset": data_offset})
+
+
+def check_space(need: int, shm_dir: Path = SHM_DIR) -> None:
+    free = shutil.disk_usage(shm_dir).free
+    if need > free:
+        raise SegmentError(
+            f"shared memory too small: need {_mib(need)}, {shm_dir} has {_mib(free)} free "
+            "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class SegmentWriter:
+    """Create a segment under a temporary name; `commit()` renames it into place, so a
+    reader never sees a half-written one."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.total = manifest.data_offset + manifest.data_bytes
+        check_space(self.total, path.parent)
+        self._tmp = path.with_name(path.name + ".partial")
+        fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(self.total, 1))
+            self._map = mmap.mmap(fd, max(self.total, 1))
+        finally:
+            os.close(fd)
+        raw = manifest.to_json()
+        _HEADER.pack_into(self._map, 0, MAGIC, len(raw))
+        self._map[_HEADER.size : _HEADER.size + len(raw)] = raw
+        self._entries = {t.key: t for t in manifest.tensors}
+
+    def view(self, key: str) -> np.ndarray:
+        """The writable destination of one tensor."""
+        entry = self._entries[key]
+        start = self.manifest.data_offset + entry.offset
+        dtype = dtypes.numpy_dtype(entry.dtype)
+        count = entry.nbytes // dtype.itemsize
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=start).reshape(entry.shape)
+
+    def commit(self) -> Path:
+        self._entries.clear()
+        self._map.flush()
+        self._map.close()
+        os.rename(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass
+        self._tmp.unlink(missing_ok=True)
+
+
+def read_manifest(path: Path) -> Manifest:
+    try:
+        with open(path, "rb") as f:
+            magic, length = _HEADER.unpack(f.read(_HEADER.size))
+            if magic != MAGIC:
+                raise SegmentError(f"{path} is not an mpspool weight segment")
+            return Manifest.from_json(f.read(length))
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+        raise SegmentError(f"cannot read weight segment {path}: {exc}") from None
+
+
+class AttachedSegment:
+    """A segment mapped copy-on-write: views are writable (DLPack requires it) but a write
+    lands in this process's private copy, never in the shared pages other workers read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.manifest = read_manifest(path)
+        self._map = np.memmap(path, mode="c")
+        self.base = self._map.ctypes.data
+        self.size = self._map.size
+
+    def view(self, entry: TensorEntry) -> np.ndarray:
+        start = self.manifest.data_offset + entry.offset
+        raw = self._map[start : start + entry.nbytes]
+        return raw.view(dtypes.numpy_dtype(entry.dtype)).reshape(entry.shape)
+
+    def contains(self, address: int) -> bool:
+        return self.base <= address < self.base + self.size
+
+
+def owner_alive(manifest: Manifest) -> bool:
+    try:
+        proc = psutil.Process(manifest.owner_pid)
+        same = abs(proc.create_time() - manifest.owner_started) < 1.0
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def remove_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Unlink this user's segments whose owning pool is gone (killed, crashed)."""
+    removed = []
+    uid = os.getuid()
+    for path in shm_dir.glob(f"{PREFIX}*"):
+        try:
+            if path.stat().st_uid != uid:
+                continue
+            # A ".partial" one too: its header is written first, naming its owner.
+            stale = not owner_alive(read_manifest(path))
+        except (OSError, SegmentError):
+            stale = True
+        if stale:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

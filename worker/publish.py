@@ -1,0 +1,153 @@
+"""Publish a model version's variables into a weight segment, once, before its workers start.
+
+Runs as a one-shot child of the controller (it needs TensorFlow; the controller must not
+load it). Each variable's bytes are read from the checkpoint's data shard straight into
+the segment (worker/tensor_bundle.py finds them), so the publisher's memory stays at one
+copy of the weights: the segment itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpspool import process, segment
+from mpspool.config import PoolConfig
+from mpspool.rundir import read_controller
+from mpspool.worker import tensor_bundle
+
+log = logging.getLogger("mpspool.publish")
+
+VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+READ_CHUNK = 64 * 2**20
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+def publish(
+    model_dir: str | Path,
+    model_name: str,
+    version: int,
+    path: Path,
+    owner_pid: int,
+    owner_started: float,
+) -> segment.Manifest:
+    """Write `path` (a weight segment) from the SavedModel's checkpoint; its manifest back."""
+    import tensorflow as tf
+
+    prefix = str(Path(model_dir) / "variables" / "variables")
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+    except Exception as exc:  # NotFoundError, DataLossError, ValueError
+        raise PublishError(
+            f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
+        ) from None
+    shapes = reader.get_variable_to_shape_map()
+    dts = reader.get_variable_to_dtype_map()
+    shared, unshared = [], []
+    for key in sorted(shapes):
+        if key == OBJECT_GRAPH_KEY:
+            continue
+        dt = dts[key]
+        if key.endswith(VARIABLE_SUFFIX) and dt != tf.string and dt.as_datatype_enum in _CARRIED:
+            shared.append((key, dt.as_datatype_enum, tuple(shapes[key])))
+        else:
+            unshared.append(key)
+    try:
+        bundle = tensor_bundle.read_index(prefix)
+    except (OSError, tensor_bundle.BundleError) as exc:
+        log.warning("reading through TensorFlow (one extra copy per tensor): %s", exc)
+        bundle = (0, {})
+    manifest = segment.plan(model_name, version, owner_pid, owner_started, shared, unshared)
+    writer = segment.SegmentWriter(path, manifest)
+    try:
+        for key, _dt, _shape in shared:
+            _copy(reader, bundle, prefix, key, writer.view(key))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return manifest
+
+
+def _copy(
+    reader: Any, bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.ndarray
+) -> bool:
+    """One variable into its place in the segment. Straight from the data shard when the
+    index says where its bytes are (no copy in this process), through TensorFlow's reader
+    otherwise (a sliced or unusual entry). True when read directly."""
+    shards, entries = bundle
+    entry = entries.get(key)
+    if entry is not None and not entry.slices and entry.size == dest.nbytes:
+        target = memoryview(dest.reshape(-1).view(np.uint8))
+        with open(tensor_bundle.shard_path(prefix, entry.shard_id, shards), "rb") as shard:
+            shard.seek(entry.offset)
+            done = 0
+            while done < entry.size:
+                n = shard.readinto(target[done : done + READ_CHUNK])
+                if not n:
+                    raise PublishError(f"checkpoint shard ends inside {key}")
+                done += n
+        return True
+    dest[...] = reader.get_tensor(key)
+    return False
+
+
+def _carried() -> frozenset[int]:
+    from mpspool import dtypes
+
+    return frozenset(dt for dt in dtypes.NUMPY_OF_DT if dt != dtypes.DT_STRING)
+
+
+_CARRIED = _carried()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpspool.worker.publish")
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s publish %(levelname)s %(message)s")
+    process.die_with_parent()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    config = PoolConfig.load(args.run_dir)
+    owner = read_controller(Path(args.run_dir)) or {}
+    started = time.monotonic()
+    try:
+        manifest = publish(
+            config.model_path,
+            config.model_name,
+            config.model_version,
+            Path(config.weights_segment),
+            int(owner.get("pid", os.getppid())),
+            float(owner.get("started", 0.0)),
+        )
+    except segment.SegmentError as exc:
+        process.fail(process.EXIT_CONFIG_ERROR, str(exc))
+    except PublishError as exc:
+        process.fail(process.EXIT_LOAD_FAILED, str(exc))
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    log.info(
+        "published %d tensors, %.1f MiB, to %s in %.2f s (peak RSS %.0f MiB)%s",
+        len(manifest.tensors),
+        manifest.data_bytes / 2**20,
+        config.weights_segment,
+        time.monotonic() - started,
+        peak_kib / 1024,
+        f"; not shareable: {', '.join(manifest.unshared)}" if manifest.unshared else "",
+    )
+    return process.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Bind a loaded SavedModel's variables to a weight segment, without copying them.
+
+The model is loaded with `experimental_skip_checkpoint=True` (graph and functions, no
+values); each variable is then assigned a DLPack tensor over its view of the segment.
+TensorFlow adopts such a buffer instead of copying it when it is 64-byte aligned, and the
+mapping is copy-on-write, so a write to a variable lands in a private page and never in
+what the other workers read.
+
+Never wrong, never silent:
+- checkpointed state that is not a plain variable (a MutableHashTable's contents) would be
+  silently dropped by skip_checkpoint, so such a model is refused, naming the objects;
+- every variable of the loaded model must get its value from the segment, or the model is
+  refused;
+- after warm-up, `verify()` checks that each variable's buffer still lies inside the
+  mapping: ops such as ResourceGather (`tf.nn.embedding_lookup` / `tf.gather` straight on a
+  variable) make a private copy of the whole variable on first use, and that is reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpspool import dtypes
+from mpspool.segment import AttachedSegment, TensorEntry
+
+VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+class NotShareable(Exception):
+    """The model's weights cannot be served from shared memory; the message says why."""
+
+
+@dataclass
+class WeightsReport:
+    segment: str
+    shared_bytes: int = 0
+    copied: dict[str, int] = field(default_factory=dict)  # variable name → bytes copied
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"segment": self.segment, "shared_bytes": self.shared_bytes, "copied": self.copied}
+
+    def summary(self) -> str:
+        text = f"shared {self.shared_bytes / 2**20:.1f} MiB"
+        if self.copied:
+            names = ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in self.copied.items())
+            text += f"; COPIED: {names}"
+        return text
+
+
+def unescape_name(name: str) -> str:
+    """Undo TensorFlow's checkpoint-key escaping of one path element ("." → "..", "/" → ".S")."""
+    out = []
+    i = 0
+    while i < len(name):
+        if name[i] == "." and i + 1 < len(name):
+            out.append("/" if name[i + 1] == "S" else name[i + 1])
+            i += 2
+        else:
+            out.append(name[i])
+            i += 1
+    return "".join(out)
+
+
+def resolve(root: Any, key: str) -> Any | None:
+    """The object a checkpoint key's path names in the loaded object graph, or None."""
+    if not key.endswith(VARIABLE_SUFFIX):
+        return None
+    obj = root
+    for raw in key[: -len(VARIABLE_SUFFIX)].split("/"):
+        name = unescape_name(raw)
+        if hasattr(obj, name):
+            obj = getattr(obj, name)
+        elif _is_sequence(obj, name):
+            obj = obj[int(name)]
+        elif isinstance(obj, Mapping) and name in obj:
+            obj = obj[name]
+        else:
+            return None
+    return obj
+
+
+def _is_sequence(obj: Any, name: str) -> bool:
+    # TensorFlow's ListWrapper is list-like without subclassing list in every version.
+    return name.isdigit() and hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+
+def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[Any, TensorEntry]]:
+    """Assign every variable of `loaded` its view of the segment; NotShareable otherwise."""
+    manifest = segment.manifest
+    if manifest.unshared:
+        objects = sorted({k.split("/.ATTRIBUTES/")[0] for k in manifest.unshared})
+        raise NotShareable(
+            "checkpointed state other than variables cannot be shared (it would be silently "
+            f"lost): {', '.join(objects)} ({', '.join(manifest.unshared)}); "
+            "serve this model with --no-share-weights"
+        )
+    bound: dict[int, tuple[Any, TensorEntry]] = {}
+    for entry in manifest.tensors:
+        variable = resolve(loaded, entry.key)
+        if not isinstance(variable, tf.Variable):
+            continue  # not part of what was loaded (optimizer slots, say)
+        view = segment.view(entry)
+        if tuple(variable.shape) != entry.shape or variable.dtype.as_datatype_enum != entry.dtype:
+            raise NotShareable(
+                f"variable {variable.name} is {variable.dtype.name}{list(variable.shape)} but "
+                f"the checkpoint holds {dtypes.dtype_name(entry.dtype)}{list(entry.shape)} "
+                f"under {entry.key}"
+            )
+        variable.assign(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
+        bound[id(variable)] = (variable, entry)
+    unbound = [
+        t.name
+        for t in tf.train.TrackableView(loaded).descendants()
+        if isinstance(t, tf.Variable) and id(t) not in bound
+    ]
+    if unbound:
+        raise NotShareable(
+            f"variables {', '.join(sorted(unbound))} have no value in the weight segment "
+            "(their checkpoint keys could not be matched); serve this model with --no-share-weights"
+        )
+    return bound
+
+
+def verify(
+    tf: Any, bound: dict[int, tuple[Any, TensorEntry]], segment: AttachedSegment
+) -> WeightsReport:
+    """Which variables still read from the segment, and which TensorFlow copied."""
+    report = WeightsReport(segment=str(segment.path))
+    for variable, entry in bound.values():
+        if segment.contains(_buffer_address(tf, variable)):
+            report.shared_bytes += entry.nbytes
+        else:
+            report.copied[variable.name] = entry.nbytes
+    return report
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _buffer_address(tf: Any, variable: Any) -> int:
+    """Where the variable's current buffer lives. Through DLPack of its value, because
+    `variable.numpy()` would itself make a copy."""
+    capsule = tf.experimental.dlpack.to_dlpack(variable.value())
+    dl_tensor = _capsule_pointer(capsule, b"dltensor")
+    # DLTensor starts with `void* data`; byte_offset (after 3 more fields) is 0 for TF.
+    return ctypes.cast(dl_tensor, ctypes.POINTER(ctypes.c_void_p))[0]
