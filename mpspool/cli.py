@@ -191,13 +191,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     import psutil
 
     rundir.write_controller(
-        run_dir, {"pid": os.getpid(), "started": psutil.Process().create_time()}
+        run_dir,
+        {"pid": os.getpid(), "started": psutil.Process().create_time(), "created_run_dir": created},
     )
     from mpspool.supervisor.controller import Controller
 
     print(
         f"mpspool: starting {config.workers} worker(s) for {name!r} "
-        f"version {version} from {base_path}",
+        f"version {version} from {base_path} (pool {config.pool_id})",
         flush=True,
     )
     return Controller(config, created).run()

@@ -42,7 +42,8 @@ def controller_alive(info: dict | None) -> bool:
 
 
 def prepare(run_dir: Path) -> bool:
-    """Create (or check and clean) the run directory; True if this call created it."""
+    """Create (or check and clean) the run directory; True if it is a pool's to remove at
+    exit: this call created it, or a dead pool that had created it left it behind."""
     created = False
     try:
         run_dir.mkdir(mode=0o700, parents=True)
@@ -67,6 +68,8 @@ def prepare(run_dir: Path) -> bool:
             f"a pool is already running in {run_dir} (pid {info['pid']}); "
             f"stop it with `mpspool stop --run-dir {run_dir}` or pass another --run-dir"
         )
+    if info and info.get("created_run_dir"):
+        created = True  # inherited from the dead pool that made it
     clean(run_dir)  # whatever a dead pool left behind
     return created
 

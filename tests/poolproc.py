@@ -24,10 +24,17 @@ def mpspool_cmd(*args: str) -> list[str]:
 
 
 class Pool:
-    def __init__(self, tmp: Path, model_base_path: Path, workers: int = 2, *extra: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        model_base_path: Path,
+        workers: int = 2,
+        *extra: str,
+        run_dir: Path | None = None,
+    ) -> None:
         self.tmp = tmp
         # Short paths: ipc:// endpoints are unix socket paths (≤ 107 bytes).
-        self.run_dir = Path(f"/tmp/mpt-{os.getpid()}-{tmp.name[-12:]}")
+        self.run_dir = run_dir or Path(f"/tmp/mpt-{os.getpid()}-{tmp.name[-12:]}")
         self.log_dir = tmp / "logs"
         self.out_path = tmp / "start.out"
         self.model_base_path = model_base_path
@@ -49,6 +56,7 @@ class Pool:
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.pool_id = ""
         self._descendants: set[int] = set()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -76,6 +84,7 @@ class Pool:
             ready = [s for s in status["slots"] if s["state"] == "READY"]
             if len(ready) >= workers and status["pool"]["listen"]:
                 self.port = int(status["pool"]["listen"].rsplit(":", 1)[1])
+                self.pool_id = status["pool"]["pool_id"]
                 self._remember_descendants()
                 return status
             time.sleep(0.2)
@@ -167,7 +176,15 @@ class Pool:
         if self.run_dir.exists():
             left.extend(f"file {p}" for p in self.run_dir.iterdir())
             left.append(f"run dir {self.run_dir}")
+        left.extend(f"segment {p}" for p in self.segments())
         return left
+
+    def segments(self) -> list[Path]:
+        """This pool's shared-memory weight segments."""
+        return sorted(Path("/dev/shm").glob(f"mpspool-{self.pool_id}-*")) if self.pool_id else []
+
+    def worker_pids(self) -> list[int]:
+        return [s["pid"] for s in self.status()["slots"] if s["pid"]]
 
     # -- clients --------------------------------------------------------------------
     def channel(self) -> grpc.Channel:

@@ -3,6 +3,8 @@ start, and a controller killed outright — nothing may be left behind."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -13,8 +15,6 @@ import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2
-
-from mpspool import rundir
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
@@ -112,8 +112,10 @@ def test_refusals_at_start(tmp_path: Path, demo_model_dir: Path) -> None:
 
 def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_dir: Path) -> None:
     """kill -9 of `mpspool start`: supervisord and through it every worker and the router
-    die with it; the next start in that run directory cleans what was left there."""
+    die with it; the next start in that run directory cleans what was left there,
+    the dead pool's shared-memory weights included."""
     pool = Pool(tmp_path, demo_model_dir, 1).start()
+    second = Pool(tmp_path / "again", demo_model_dir, 1, run_dir=pool.run_dir)
     try:
         pool.wait_ready(1)
         pool.signal(signal.SIGKILL)
@@ -123,6 +125,8 @@ def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_
         ]:
             time.sleep(0.2)
         assert [x for x in pool.leftovers() if x.startswith("process")] == []
+        stale = pool.segments()
+        assert stale, "a killed pool cannot unlink its segment; the next start must"
         status = subprocess.run(
             mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
             cwd=tmp_path,
@@ -130,14 +134,40 @@ def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_
             text=True,
         )
         assert status.returncode == 2 and "no pool is running" in status.stderr
-        rundir.prepare(pool.run_dir)  # what `mpspool start` does first
-        assert list(pool.run_dir.iterdir()) == []
-        pool.run_dir.rmdir()
+
+        (tmp_path / "again").mkdir()
+        second.start().wait_ready(1)
+        assert not any(path.exists() for path in stale)
+        assert second.segments()
+        assert second.stop() == 0
+        assert second.leftovers() == []
     finally:
         pool.kill()
+        second.kill()
     leftover = [
         p.info["cmdline"]
         for p in psutil.process_iter(["cmdline"])
         if p.info["cmdline"] and str(pool.run_dir) in " ".join(p.info["cmdline"])
     ]
     assert leftover == []
+
+
+def test_unreadable_weights_fail_the_start_cleanly(tmp_path: Path, demo_model_dir: Path) -> None:
+    """A checkpoint that cannot be published: `start` exits 1 with the reason and leaves
+    no process, segment or run directory behind."""
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_model_dir, broken)
+    data = broken / "1" / "variables" / "variables.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    pool = Pool(tmp_path, broken, 1).start()
+    try:
+        assert pool.proc is not None
+        code = pool.proc.wait(60)
+        assert code == 1, pool.output()
+        last = pool.output().strip().splitlines()[-1]
+        assert last.startswith("mpspool: publishing the weights failed:"), pool.output()
+        assert not pool.run_dir.exists()
+        pool_id = re.search(r"\(pool (\w+)\)", pool.output()).group(1)
+        assert list(Path("/dev/shm").glob(f"mpspool-{pool_id}-*")) == []
+    finally:
+        pool.kill()

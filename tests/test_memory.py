@@ -1,0 +1,75 @@
+"""Memory is a feature: with shared weights, a worker costs the TensorFlow runtime and
+nothing more — measured as USS (pages only that process has), not RSS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mpspool.demo_model import build_demo_model
+
+from poolproc import Pool
+from streamer import Streamer
+
+BIG_ROWS = 1 << 20  # × 64 float32 = 256 MiB
+TABLE_BYTES = BIG_ROWS * 64 * 4
+WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("bigmodel") / "demo"
+    build_demo_model(base, embedding_rows=BIG_ROWS, version=1)
+    return base
+
+
+def _serve_and_measure(pool: Pool, rows: int) -> dict[int, tuple[int, int]]:
+    """Per worker pid: (USS, peak RSS) in bytes, after it has served requests."""
+    pool.wait_ready(WORKERS)
+    streamer = Streamer(pool.port, rows, threads=3).start()
+    try:
+        streamer.wait_for_successes(60)
+    finally:
+        streamer.stop()
+    assert streamer.failed() == []
+    out = {}
+    for pid in pool.worker_pids():
+        proc = psutil.Process(pid)
+        hwm_kib = int(Path(f"/proc/{pid}/status").read_text().split("VmHWM:")[1].split()[0])
+        out[pid] = (proc.memory_full_info().uss, hwm_kib * 1024)
+    return out
+
+
+def test_workers_do_not_copy_shared_weights(
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, big_model: Path
+) -> None:
+    # The TF-runtime reference: the same pool shape serving a model with a tiny table.
+    small = Pool(tmp_path_factory.mktemp("small"), demo_model_dir, WORKERS).start()
+    try:
+        reference = _serve_and_measure(small, 1000)
+        assert small.stop() == 0
+    finally:
+        small.kill()
+    big = Pool(tmp_path_factory.mktemp("big"), big_model, WORKERS).start()
+    try:
+        measured = _serve_and_measure(big, BIG_ROWS)
+        [segment] = big.segments()
+        assert segment.stat().st_size >= TABLE_BYTES
+        assert segment.stat().st_mode & 0o777 == 0o600
+        weights = [s["weights"] for s in big.status()["slots"]]
+        assert all(w and w["copied"] == {} and w["shared_bytes"] >= TABLE_BYTES for w in weights)
+        assert big.stop() == 0
+        assert big.leftovers() == []
+    finally:
+        big.kill()
+
+    runtime_uss = max(uss for uss, _ in reference.values())
+    runtime_peak = max(peak for _, peak in reference.values())
+    for pid, (uss, peak) in measured.items():
+        # Steady state: no private copy of the 256 MiB table (plain loading adds all of it).
+        assert uss < runtime_uss + 0.10 * TABLE_BYTES, (pid, uss >> 20, runtime_uss >> 20)
+        # Not even transiently at start: the peak RSS, which also counts the shared pages a
+        # worker touched, stays near the small model's.
+        assert peak < runtime_peak + 0.10 * TABLE_BYTES, (pid, peak >> 20, runtime_peak >> 20)
