@@ -8,9 +8,11 @@ worker maps it and binds its variables to views of it without copying. Layout:
     [24:..)  manifest, JSON
     [data_offset:..)  the tensors, each at a 64-byte-aligned offset
 
-64-byte alignment is not cosmetic: TensorFlow copies a buffer it is handed unless it is
-aligned to its 64-byte EIGEN_MAX_ALIGN_BYTES (numpy's default 16 makes it copy the whole
-table on every call). The data section starts on a page boundary.
+64-byte alignment is not cosmetic: TensorFlow's kernels require its 64-byte
+EIGEN_MAX_ALIGN_BYTES. A misaligned numpy array handed to TensorFlow is copied on every
+call (numpy's default 16 bytes made it copy the whole table each time), and a misaligned
+DLPack buffer is adopted as it is and aborts the process at the first kernel, so
+AttachedSegment refuses one. The data section starts on a page boundary.
 
 The manifest names the owner (the controller's pid and start time) so that a segment left
 by a pool that died can be recognised and removed by the next one. Segments are mode 0600.
@@ -23,6 +25,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -192,9 +195,26 @@ class AttachedSegment:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.manifest = read_manifest(path)
-        self._map = np.memmap(path, mode="c")
+        try:
+            self._map = np.memmap(path, mode="c")
+        except (OSError, ValueError) as exc:
+            raise SegmentError(f"cannot map weight segment {path}: {exc}") from None
         self.base = self._map.ctypes.data
         self.size = self._map.size
+        end = self.manifest.data_offset + self.manifest.data_bytes
+        if self.size < end:
+            raise SegmentError(
+                f"weight segment {path} is truncated: {self.size} bytes, its manifest needs {end}"
+            )
+        # TensorFlow adopts a DLPack buffer as it is and aborts the process (Check failed:
+        # IsAligned()) when a kernel meets one that is not 64-byte aligned.
+        start = self.base + self.manifest.data_offset
+        misaligned = [t.key for t in self.manifest.tensors if (start + t.offset) % ALIGN]
+        if misaligned:
+            raise SegmentError(
+                f"weight segment {path} has tensors not aligned to {ALIGN} bytes: "
+                + ", ".join(misaligned)
+            )
 
     def view(self, entry: TensorEntry) -> np.ndarray:
         start = self.manifest.data_offset + entry.offset
@@ -220,13 +240,20 @@ def remove_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
     uid = os.getuid()
     for path in shm_dir.glob(f"{PREFIX}*"):
         try:
-            if path.stat().st_uid != uid:
-                continue
+            info = path.lstat()  # not stat(): a symlink must not pass for its target
+        except OSError:
+            continue
+        if info.st_uid != uid or not stat.S_ISREG(info.st_mode):
+            continue  # a directory, a link, another user's: never ours to remove
+        try:
             # A ".partial" one too: its header is written first, naming its owner.
             stale = not owner_alive(read_manifest(path))
-        except (OSError, SegmentError):
+        except SegmentError:
             stale = True
         if stale:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink()
+            except OSError:
+                continue
             removed.append(path)
     return removed

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 
 from mpspool import process, segment
@@ -75,6 +76,11 @@ def publish(
         for key, _dt, _shape in shared:
             _copy(reader, bundle, prefix, key, writer.view(key))
         writer.commit()
+    except (OSError, tf.errors.OpError) as exc:
+        writer.abort()
+        raise PublishError(
+            f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
+        ) from None
     except BaseException:
         writer.abort()
         raise
@@ -94,14 +100,30 @@ def _copy(
         with open(tensor_bundle.shard_path(prefix, entry.shard_id, shards), "rb") as shard:
             shard.seek(entry.offset)
             done = 0
+            crc = 0
             while done < entry.size:
-                n = shard.readinto(target[done : done + READ_CHUNK])
-                if not n:
+                # bytes, not a view of the segment: google_crc32c takes read-only buffers only.
+                chunk = shard.read(min(READ_CHUNK, entry.size - done))
+                if not chunk:
                     raise PublishError(f"checkpoint shard ends inside {key}")
-                done += n
+                target[done : done + len(chunk)] = chunk
+                crc = google_crc32c.extend(crc, chunk)
+                done += len(chunk)
+        if _masked(crc) != entry.crc32c:
+            # What TensorFlow's own reader checks: without it a corrupted checkpoint that a
+            # plain load refuses would be served with wrong weights.
+            raise PublishError(
+                f"checkpoint data of {key} in {shard.name} is corrupted: checksum does not "
+                f"match (stored {entry.crc32c:#010x}, computed {_masked(crc):#010x})"
+            )
         return True
     dest[...] = reader.get_tensor(key)
     return False
+
+
+def _masked(crc: int) -> int:
+    """TensorFlow stores crc32c masked (tsl::crc32c::Mask)."""
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def _carried() -> frozenset[int]:

@@ -19,9 +19,10 @@ Never wrong, never silent:
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from mpspool import dtypes
 from mpspool.segment import AttachedSegment, TensorEntry
@@ -68,23 +69,16 @@ def resolve(root: Any, key: str) -> Any | None:
     """The object a checkpoint key's path names in the loaded object graph, or None."""
     if not key.endswith(VARIABLE_SUFFIX):
         return None
+    import tensorflow as tf
+
     obj = root
     for raw in key[: -len(VARIABLE_SUFFIX)].split("/"):
-        name = unescape_name(raw)
-        if hasattr(obj, name):
-            obj = getattr(obj, name)
-        elif _is_sequence(obj, name):
-            obj = obj[int(name)]
-        elif isinstance(obj, Mapping) and name in obj:
-            obj = obj[name]
-        else:
+        # The checkpoint's own child names, not Python attributes: a dict key "items" or a
+        # list index past the end must not resolve to a method or raise.
+        obj = tf.train.TrackableView(obj).children(obj).get(unescape_name(raw))
+        if obj is None:
             return None
     return obj
-
-
-def _is_sequence(obj: Any, name: str) -> bool:
-    # TensorFlow's ListWrapper is list-like without subclassing list in every version.
-    return name.isdigit() and hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
 
 
 def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[Any, TensorEntry]]:
@@ -109,7 +103,14 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
                 f"the checkpoint holds {dtypes.dtype_name(entry.dtype)}{list(entry.shape)} "
                 f"under {entry.key}"
             )
-        variable.assign(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
+        if entry.dtype == dtypes.DT_BFLOAT16:
+            # numpy exports no bfloat16 through DLPack: hand over the bits and reinterpret
+            # them (a bitcast aliases the buffer, it does not copy it).
+            bits = tf.experimental.dlpack.from_dlpack(view.view(np.uint16).__dlpack__())
+            value = tf.bitcast(bits, tf.bfloat16)
+        else:
+            value = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
+        variable.assign(value)
         bound[id(variable)] = (variable, entry)
     unbound = [
         t.name
