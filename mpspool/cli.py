@@ -119,6 +119,40 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
     )
+    gpu = start.add_argument_group("GPUs and MPS")
+    gpu.add_argument(
+        "--gpus",
+        help="GPU indices as this process sees them (after CUDA_VISIBLE_DEVICES), e.g. 0,2; "
+        "one worker per (GPU, context). Without it: CPU workers",
+    )
+    gpu.add_argument(
+        "--contexts-per-gpu",
+        type=int,
+        default=int(os.environ.get("CONTEXTS_COUNT_PER_GPU", "4")),
+        help="workers per GPU (env CONTEXTS_COUNT_PER_GPU; default %(default)s; at most 48)",
+    )
+    gpu.add_argument(
+        "--no-mps",
+        dest="mps",
+        action="store_false",
+        default=os.environ.get("ENABLE_MPS", "1").lower() not in ("0", "false", "no"),
+        help="run the GPU workers without MPS, for comparison (env ENABLE_MPS=0)",
+    )
+    gpu.add_argument(
+        "--active-thread-percentage",
+        type=float,
+        default=100.0,
+        help="MPS default active-thread percentage per client (default 100; 100/contexts "
+        "partitions the GPU's SMs)",
+    )
+    gpu.add_argument(
+        "--pinned-mem-limit",
+        type=int,
+        default=-1,
+        help="MPS pinned device memory limit per client in MiB (default: device memory / "
+        "contexts; 0: none)",
+    )
+    gpu.add_argument("--mps-control", help="path of nvidia-cuda-mps-control (default: PATH)")
 
     status = sub.add_parser("status", help="show the pool's slots")
     _add_run_dir(status)
@@ -156,6 +190,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s"
     )
+    # GPUs first: a pool that cannot have its GPUs should say so at once, before any
+    # model is built or loaded.
+    gpu_fields = _resolve_gpus(args) if args.gpus else {}
     if args.demo:
         base_path = _demo_model(args.demo_rows)
         name = args.model_name or DEMO_MODEL_NAME
@@ -185,6 +222,11 @@ def cmd_start(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
+        contexts_per_gpu=args.contexts_per_gpu,
+        mps=args.mps,
+        active_thread_percentage=args.active_thread_percentage,
+        pinned_mem_limit_mib=args.pinned_mem_limit,
+        **gpu_fields,
     ).validate()
     created = rundir.prepare(run_dir)
     config.save(run_dir)
@@ -197,11 +239,42 @@ def cmd_start(args: argparse.Namespace) -> int:
     from mpspool.supervisor.controller import Controller
 
     print(
-        f"mpspool: starting {config.workers} worker(s) for {name!r} "
+        f"mpspool: starting {len(config.slots)} worker(s) for {name!r} "
         f"version {version} from {base_path} (pool {config.pool_id})",
         flush=True,
     )
     return Controller(config, created).run()
+
+
+def _resolve_gpus(args: argparse.Namespace) -> dict[str, Any]:
+    """The selected GPUs' indices, UUIDs and memory, and the MPS binary; ConfigError (one
+    line) when they cannot be had."""
+    from mpspool.mps import gpus
+    from mpspool.mps.control import MpsError, find_control_binary
+
+    try:
+        wanted = gpus.parse_gpus(args.gpus)
+        backend = gpus.backend()
+        try:
+            selected = gpus.select(backend.devices(), wanted)
+        finally:
+            backend.close()
+    except gpus.GpuError as exc:
+        raise ConfigError(str(exc)) from None
+    for warning in gpus.compute_mode_warnings(selected):
+        print(f"mpspool: warning: {warning}", file=sys.stderr)
+    binary = ""
+    if args.mps:
+        try:
+            binary = find_control_binary(args.mps_control)
+        except MpsError as exc:
+            raise ConfigError(str(exc)) from None
+    return {
+        "gpus": tuple(g.index for g in selected),
+        "gpu_uuids": tuple(g.uuid for g in selected),
+        "gpu_memory": tuple(g.memory_total for g in selected),
+        "mps_control": binary,
+    }
 
 
 def _demo_model(rows: int) -> Path:
@@ -265,6 +338,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"{s['slot']:<10} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} {s['restarts']:>8} "
             f"{s['inflight']:>8} {s['served']:>9}  {_weights(s.get('weights')):<14} {s['reason']}"
+        )
+    for g in status.get("gpus", []):
+        servers = g.get("servers", {})
+        clients = sum(len(c) for c in servers.values()) if isinstance(servers, dict) else "?"
+        usage = (
+            f", {g['memory_used'] / 2**20:.0f} MiB used, {g['utilization_gpu']}% busy"
+            if "memory_used" in g
+            else ""
+        )
+        print(
+            f"GPU {g['index']} {g['uuid']}: MPS daemon {g['mps']}, "
+            f"{len(servers) if isinstance(servers, dict) else '?'} server(s), {clients} client(s), "
+            f"defaults {g.get('defaults', {})}{usage}"
         )
     return 0
 

@@ -75,6 +75,18 @@ class PoolConfig:
     # Publish the variables once into shared memory and map them in every worker (the
     # default); off, each worker loads its own copy from the checkpoint.
     share_weights: bool = True
+    # GPU mode: the GPUs (indices as this process sees them) and, resolved at start, their
+    # UUIDs (what workers get in CUDA_VISIBLE_DEVICES) and memory. Empty: CPU workers.
+    gpus: tuple[int, ...] = ()
+    gpu_uuids: tuple[str, ...] = ()
+    gpu_memory: tuple[int, ...] = ()
+    contexts_per_gpu: int = 4
+    # MPS: one control daemon per GPU; off (--no-mps, ENABLE_MPS=0), the same workers
+    # time-slice the GPU, for comparison.
+    mps: bool = True
+    mps_control: str = ""  # the nvidia-cuda-mps-control binary
+    active_thread_percentage: float = 100.0
+    pinned_mem_limit_mib: int = -1  # per client; -1: device memory / contexts; 0: none
     pool_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(4))
 
     @property
@@ -92,19 +104,46 @@ class PoolConfig:
 
     @property
     def slots(self) -> list[str]:
-        """Worker slot names. CPU slots for now; GPU slots will be (gpu, context) pairs."""
+        """Worker slot names: "cpu-<i>", or "gpu<g>-<context>" for each (GPU, context)."""
+        if self.gpus:
+            return [f"gpu{g}-{c}" for g in self.gpus for c in range(self.contexts_per_gpu)]
         return [f"cpu-{i}" for i in range(self.workers)]
+
+    def slot_gpu(self, slot: str) -> int | None:
+        """The GPU index of a slot, None for a CPU slot."""
+        if not slot.startswith("gpu"):
+            return None
+        return int(slot[3:].split("-", 1)[0])
+
+    def gpu_uuid(self, gpu: int) -> str:
+        return self.gpu_uuids[self.gpus.index(gpu)]
+
+    def pinned_limit_mib(self, gpu: int) -> int:
+        if self.pinned_mem_limit_mib >= 0:
+            return self.pinned_mem_limit_mib
+        return self.gpu_memory[self.gpus.index(gpu)] // self.contexts_per_gpu // 2**20
 
     def threads_per_worker(self) -> int:
         if self.intra_op_threads > 0:
             return self.intra_op_threads
-        return max(1, usable_cores() // self.workers)
+        return max(1, usable_cores() // len(self.slots))
 
     def validate(self) -> PoolConfig:
         if not self.model_name or "/" in self.model_name:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if not 1 <= self.contexts_per_gpu <= 48:
+            # MPS serves at most 48 client contexts per GPU.
+            raise ConfigError(
+                "--contexts-per-gpu must be in 1..48 (MPS's limit per GPU), "
+                f"got {self.contexts_per_gpu}"
+            )
+        if not 0 < self.active_thread_percentage <= 100:
+            raise ConfigError(
+                "--active-thread-percentage must be in (0, 100], "
+                f"got {self.active_thread_percentage}"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.worker_timeout_s <= 0.5:
@@ -134,4 +173,6 @@ class PoolConfig:
     @classmethod
     def load(cls, run_dir: str | Path) -> PoolConfig:
         data = json.loads((Path(run_dir) / POOL_FILE).read_text())
+        for name in ("gpus", "gpu_uuids", "gpu_memory"):
+            data[name] = tuple(data.get(name, ()))
         return cls(**data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -96,8 +97,14 @@ POOL_FILES = (
 )
 
 
+# Directories a pool makes there: the MPS daemons' pipe and log directories.
+POOL_DIRS = ("mps",)
+
+
 def clean(run_dir: Path) -> None:
     """Remove every file a pool makes in its run directory (not the directory itself)."""
+    for name in POOL_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in POOL_FILES:
         (run_dir / name).unlink(missing_ok=True)
         (run_dir / name).with_suffix(".tmp").unlink(missing_ok=True)

@@ -27,6 +27,7 @@ import zmq
 from mpspool import process, rundir, segment, wire
 from mpspool.config import PoolConfig
 from mpspool.supervisor import supervisord as sd
+from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.slots import Slot
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
 
@@ -97,6 +98,7 @@ class Controller:
         self._admin.setsockopt(zmq.LINGER, 0)
         self._admin.bind(wire.endpoint(config.run_dir, wire.ADMIN_ENDPOINT))
         self.router = RouterLink(self._zmq, config.run_dir)
+        self.gpu = GpuWatch(config, self.run_dir, _gpu_backend(config))
         self._announced = False
 
     # -- programs -----------------------------------------------------------------
@@ -112,6 +114,7 @@ class Controller:
             exitcodes=(0, process.EXIT_CONFIG_ERROR),
             stopwaitsecs=int(self.config.shutdown_delay_s + self.config.drain_timeout_s + 5),
         )
+        daemons = self.gpu.programs(env)
         workers = [
             sd.Program(
                 name=f"worker-{slot}",
@@ -126,7 +129,9 @@ class Controller:
                     slot,
                 ],
                 priority=20,
-                environment=env,
+                environment={**env, **self.gpu.worker_environment(slot)},
+                # Started by the controller once what they need is ready (MPS daemons).
+                autostart=False,
                 # A crash is restarted by supervisord at once; a load failure (reserved
                 # exit code) is "expected" there, so the back-off decision stays here.
                 autorestart="unexpected",
@@ -134,7 +139,7 @@ class Controller:
             )
             for slot in self.slots
         ]
-        return [router, *workers]
+        return [*daemons, router, *workers]
 
     # -- main loop ----------------------------------------------------------------
     def run(self) -> int:
@@ -151,6 +156,10 @@ class Controller:
             if self.config.share_weights and not self._publish():
                 return self.exit_code
             self.supervisord.start(text)
+            # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
+            # started before its daemon would silently run without MPS.
+            self.gpu.start(self.supervisord.process_info())
+            self._rpc("startProcessGroup", "workers", False)
             for slot in self.slots.values():
                 slot.change_state(WorkerState.STARTING, "spawned")
             failures = 0
@@ -199,6 +208,9 @@ class Controller:
                 # Pin the port the OS picked, so a restarted router binds the same one.
                 self.config = dataclasses.replace(self.config, port=self.port)
                 self.config.save(self.run_dir)
+        for gpu, why in self.gpu.faults(self.supervisord, infos).items():
+            self._restart_gpu(gpu, why)
+            infos = self.supervisord.process_info()
         workers = snap.get("workers", {})
         dead = snap.get("declared_dead", {})
         now = time.monotonic()
@@ -321,6 +333,23 @@ class Controller:
         )
         return True
 
+    def _restart_gpu(self, gpu: int, why: str) -> None:
+        """Every worker of one GPU goes, in slot order; its daemon must answer again; then
+        they come back. Other GPUs' workers are not touched."""
+        log.warning("GPU %d: restarting its workers: %s", gpu, why)
+        slots = [s for s in self.slots.values() if self.config.slot_gpu(s.name) == gpu]
+        for slot in slots:
+            if slot.state in FINAL_STATES:
+                continue
+            self._forget(slot, why)  # the router retries their requests elsewhere now
+            self._rpc("stopProcess", slot.program, True)
+            if slot.state is not WorkerState.BACKOFF:
+                slot.change_state(WorkerState.STARTING, f"GPU {gpu}: {why}")
+        self.gpu.recover(gpu, self.supervisord.process_info())
+        for slot in slots:
+            if slot.state is WorkerState.STARTING:
+                self._rpc("startProcess", slot.program, False)
+
     def _rpc(self, method: str, *args: Any) -> Any:
         """A supervisord command whose refusal is news, not an error: between our look and
         our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
@@ -329,6 +358,12 @@ class Controller:
         except xmlrpc.client.Fault as fault:
             log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
             return None
+
+    def _infos(self) -> dict[str, dict[str, Any]]:
+        try:
+            return self.supervisord.process_info()
+        except (OSError, xmlrpc.client.Error):
+            return {}
 
     def _forget(self, slot: Slot, why: str) -> None:
         """The incarnation slot.pid is over: tell the router at once (its in-flight requests
@@ -399,6 +434,7 @@ class Controller:
                 "exit_reason": self.exit_reason,
             },
             "slots": [slot.describe(now) for slot in self.slots.values()],
+            "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
 
     # -- shutdown -----------------------------------------------------------------
@@ -413,8 +449,10 @@ class Controller:
         try:
             if self.supervisord.proc is not None and self.supervisord.proc.poll() is None:
                 self._drain_router()
+                self.gpu.terminate_clients()
                 rpc = self.supervisord.rpc(timeout=60.0)
                 rpc.stopProcessGroup("workers", True)
+                self.gpu.quit()
                 rpc.stopProcess("router", True)
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("orderly stop failed (%s); shutting supervisord down", exc)
@@ -457,3 +495,11 @@ class Controller:
             if snap is None or snap.get("phase") == "stopped":
                 return
 
+
+def _gpu_backend(config: PoolConfig) -> Any:
+    """NVML (or the fake GPUs of MPSPOOL_FAKE_GPUS) for GPU pools; None for CPU pools."""
+    if not config.gpus:
+        return None
+    from mpspool.mps.gpus import backend
+
+    return backend()

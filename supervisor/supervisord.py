@@ -37,6 +37,7 @@ class Program:
     command: Sequence[str]
     group: str = ""
     priority: int = 100
+    autostart: bool = True
     environment: Mapping[str, str] = field(default_factory=dict)
     autorestart: str = "unexpected"
     exitcodes: Sequence[int] = (0,)
@@ -51,7 +52,7 @@ class Program:
             "command=" + _pct(" ".join(_quote(arg) for arg in self.command)),
             f"directory={_pct(run_dir)}",
             f"priority={self.priority}",
-            "autostart=true",
+            f"autostart={'true' if self.autostart else 'false'}",
             f"autorestart={self.autorestart}",
             "exitcodes=" + ",".join(str(c) for c in self.exitcodes),
             f"startsecs={self.startsecs}",

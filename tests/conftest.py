@@ -26,3 +26,13 @@ def reference_model(demo_model_dir: Path):
     import tensorflow as tf
 
     return tf.saved_model.load(str(demo_model_dir / "1")).signatures["serving_default"]
+
+
+# The real nvidia-cuda-mps-control that dev/setup unpacks; pools started by tests find it
+# through this variable (mps/control.py), like an administrator's explicit path.
+_MPS_CONTROL = (
+    Path(__file__).resolve().parent.parent
+    / ".tools/nvidia-cuda-mps/usr/bin/nvidia-cuda-mps-control"
+)
+if _MPS_CONTROL.exists():
+    os.environ.setdefault("MPSPOOL_MPS_CONTROL", str(_MPS_CONTROL))

@@ -98,7 +98,13 @@ class Pool:
         deadline = time.monotonic() + timeout
         status: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            status = self.status()
+            try:
+                status = self.status()
+            except subprocess.CalledProcessError:
+                # The controller can be busy for a few seconds (restarting a GPU's workers
+                # waits for its daemon); ask again.
+                time.sleep(0.2)
+                continue
             if predicate(status):
                 return status
             time.sleep(0.1)

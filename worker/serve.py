@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -128,6 +129,31 @@ class Worker:
         return [head, *out_frames]
 
 
+def _require_mps_daemon(timeout_s: float = 20.0) -> None:
+    """A GPU worker of an MPS pool must not start while its GPU's control daemon is down:
+    CUDA would silently run it without MPS. Wait a little (the controller restarts the
+    daemon), then give up as a load failure, which the controller backs off and retries."""
+    binary = os.environ.get("MPSPOOL_MPS_CONTROL")
+    if not binary:
+        return
+    from mpspool.mps.control import DaemonDown, MpsDaemon
+
+    daemon = MpsDaemon(
+        gpu_index=-1,
+        gpu_uuid=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        binary=binary,
+        pipe_dir=Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"]),
+        log_dir=Path(os.environ.get("CUDA_MPS_LOG_DIRECTORY", "")),
+    )
+    try:
+        daemon.wait_ready(timeout_s)
+    except DaemonDown:
+        process.fail(
+            process.EXIT_LOAD_FAILED,
+            f"no MPS control daemon answers in {daemon.pipe_dir}: refusing to run without MPS",
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
     parser.add_argument("--run-dir", required=True)
@@ -145,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not the terminal
 
+    _require_mps_daemon()
     from mpspool.worker.runtime import ModelLoadError, load_saved_model
 
     try:

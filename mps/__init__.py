@@ -1,0 +1,1 @@
+"""Everything about NVIDIA GPUs and the MPS control daemon."""

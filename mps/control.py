@@ -1,0 +1,178 @@
+"""The MPS control daemon: its command line, its environment, and talking to it.
+
+mpspool runs one control daemon per GPU, each with its own pipe directory and
+CUDA_VISIBLE_DEVICES set to that GPU alone. The MPS server a daemon spawns then serves one
+GPU only, so a server fault takes down the clients of that GPU and no other — the unit of
+recovery is the GPU. Daemons run in the foreground (`-f`) as supervisord programs under
+the workers' UID (MPS refuses clients of another user).
+
+Queries go through the same binary in client mode: `echo CMD | nvidia-cuda-mps-control`
+with the daemon's CUDA_MPS_PIPE_DIRECTORY. What it answers, as observed:
+- a known command: exit 0, the answer on stdout (possibly empty);
+- an unknown one: exit 0 and `Unknown command "..."` — so exit codes alone prove nothing;
+- no daemon behind the pipe directory: exit 1 and `Cannot find MPS control daemon
+  process`. Socket files left by a daemon that was killed do not mean it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROL_BINARY = "nvidia-cuda-mps-control"
+BINARY_ENV = "MPSPOOL_MPS_CONTROL"  # an explicit path, e.g. one unpacked from a .deb
+
+# Lines of a daemon's output (with -f, its log goes to stdout) that mean its MPS server,
+# and so every client on that GPU, is gone.
+FAULT_PATTERNS = (
+    re.compile(r"Server encountered a fatal exception"),
+    re.compile(r"Server \d+ exited"),
+    re.compile(r"CUDA_ERROR_MPS_SERVER_NOT_READY"),
+)
+
+# MPS's own limit: a server accepts at most 48 client contexts per GPU (Volta and later).
+MAX_CLIENTS_PER_GPU = 48
+
+
+class MpsError(RuntimeError):
+    """The daemon answered, but not as expected (an unknown command, a refused value)."""
+
+
+class DaemonDown(MpsError):
+    """No control daemon answers behind the pipe directory."""
+
+
+def find_control_binary(explicit: str | None = None) -> str:
+    """The control binary: an explicit path, $MPSPOOL_MPS_CONTROL, or PATH."""
+    for candidate in (explicit, os.environ.get(BINARY_ENV)):
+        if candidate:
+            if not os.access(candidate, os.X_OK):
+                raise MpsError(f"{candidate} is not an executable {CONTROL_BINARY}")
+            return candidate
+    found = shutil.which(CONTROL_BINARY)
+    if not found:
+        raise MpsError(
+            f"{CONTROL_BINARY} not found on PATH (it comes with the NVIDIA driver's utilities; "
+            f"set {BINARY_ENV} to its path, or pass --no-mps)"
+        )
+    return found
+
+
+def fault_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if any(p.search(line) for p in FAULT_PATTERNS)]
+
+
+@dataclass(frozen=True)
+class MpsDaemon:
+    """One GPU's control daemon: where its pipes and logs live, and how to query it."""
+
+    gpu_index: int
+    gpu_uuid: str
+    binary: str
+    pipe_dir: Path
+    log_dir: Path
+
+    @property
+    def program(self) -> str:
+        return f"mps-gpu{self.gpu_index}"
+
+    def command(self) -> list[str]:
+        return [self.binary, "-f"]
+
+    def environment(self) -> dict[str, str]:
+        """For the daemon and for every client of it (workers, queries)."""
+        return {
+            "CUDA_VISIBLE_DEVICES": self.gpu_uuid,
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
+
+    def prepare_dirs(self) -> None:
+        for path in (self.pipe_dir, self.log_dir):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def query(self, command: str, timeout_s: float = 5.0) -> str:
+        env = {**os.environ, **self.environment()}
+        try:
+            result = subprocess.run(
+                [self.binary],
+                input=command + "\n",
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            raise MpsError(
+                f"{self.program}: {command!r} got no answer in {timeout_s:.0f} s"
+            ) from None
+        out = (result.stdout + result.stderr).strip()
+        if result.returncode != 0:
+            if "Cannot find MPS control daemon" in out:
+                raise DaemonDown(f"{self.program}: no control daemon answers in {self.pipe_dir}")
+            raise MpsError(f"{self.program}: {command!r} failed ({result.returncode}): {out}")
+        if out.startswith("Unknown command"):
+            raise MpsError(f"{self.program}: {command!r}: {out}")
+        return out
+
+    def ready(self) -> bool:
+        try:
+            self.query("get_server_list")
+            return True
+        except DaemonDown:
+            return False
+
+    def wait_ready(self, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise DaemonDown(
+                    f"{self.program}: the control daemon did not answer within {timeout_s:.0f} s"
+                )
+            time.sleep(0.1)
+
+    def apply_defaults(
+        self, active_thread_percentage: float, pinned_mem_limit_mib: int
+    ) -> dict[str, str]:
+        """Set the defaults every new MPS server of this daemon gives its clients, and read
+        them back. Device 0: the daemon sees only its own GPU."""
+        self.query(f"set_default_active_thread_percentage {active_thread_percentage:g}")
+        if pinned_mem_limit_mib > 0:
+            self.query(f"set_default_device_pinned_mem_limit 0 {pinned_mem_limit_mib}M")
+        applied = self.defaults()
+        if float(applied["active_thread_percentage"]) != float(active_thread_percentage):
+            raise MpsError(f"{self.program}: active thread percentage reads back as {applied}")
+        return applied
+
+    def defaults(self) -> dict[str, str]:
+        return {
+            "active_thread_percentage": self.query("get_default_active_thread_percentage"),
+            "pinned_mem_limit": self.query("get_default_device_pinned_mem_limit 0"),
+        }
+
+    def servers(self) -> list[int]:
+        return [int(x) for x in self.query("get_server_list").split()]
+
+    def clients(self, server: int) -> list[int]:
+        return [int(x) for x in self.query(f"get_client_list {server}").split()]
+
+    def terminate_clients(self) -> list[tuple[int, int]]:
+        """Ask the server to end each client's GPU work before the client is signalled: a
+        client killed with work in flight can otherwise wedge the server."""
+        done = []
+        for server in self.servers():
+            for client in self.clients(server):
+                self.query(f"terminate_client {server} {client}")
+                done.append((server, client))
+        return done
+
+    def quit(self) -> None:
+        try:
+            self.query("quit")
+        except DaemonDown:
+            pass

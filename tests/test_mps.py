@@ -1,0 +1,200 @@
+"""MPS with the real nvidia-cuda-mps-control (its control daemon runs without a GPU), and
+GPU pools whose GPUs are the one thing faked (MPSPOOL_FAKE_GPUS, behind mps/gpus.py's
+interface): daemons, supervisord, router and workers are real."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mpspool.mps.control import DaemonDown, MpsDaemon, MpsError, fault_lines, find_control_binary
+
+from conftest import DEMO_ROWS
+from poolproc import Pool, mpspool_cmd
+from streamer import Streamer
+
+FAKE_GPUS = [
+    {
+        "uuid": "GPU-0a0a0a0a-0000-4000-8000-000000000000",
+        "name": "Fake GPU",
+        "memory_total": 16 << 30,
+    },
+    {
+        "uuid": "GPU-1b1b1b1b-1111-4111-8111-111111111111",
+        "name": "Fake GPU",
+        "memory_total": 16 << 30,
+    },
+]
+
+
+@pytest.fixture
+def daemon() -> Iterator[MpsDaemon]:
+    base = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+    d = MpsDaemon(0, FAKE_GPUS[0]["uuid"], find_control_binary(), base / "pipe", base / "log")
+    d.prepare_dirs()
+    yield d
+    for proc in psutil.process_iter(["environ"]):
+        try:
+            if (proc.info["environ"] or {}).get("CUDA_MPS_PIPE_DIRECTORY") == str(d.pipe_dir):
+                proc.kill()
+        except psutil.Error:
+            pass
+    subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def spawn(daemon: MpsDaemon) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        daemon.command(),
+        env={**os.environ, **daemon.environment()},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_control_daemon_readiness_defaults_and_quit(daemon: MpsDaemon) -> None:
+    assert not daemon.ready()
+    with pytest.raises(DaemonDown):
+        daemon.query("get_server_list")
+    proc = spawn(daemon)
+    try:
+        daemon.wait_ready(10)
+        assert daemon.apply_defaults(25, 2048) == {
+            "active_thread_percentage": "25.0",
+            "pinned_mem_limit": "2G",
+        }
+        with pytest.raises(MpsError, match="Unknown command"):
+            daemon.query("no_such_command")
+        assert daemon.servers() == []  # no GPU work, so no MPS server
+        assert daemon.terminate_clients() == []
+
+        proc.kill()
+        proc.wait(10)
+        # kill -9 leaves its socket files behind; they do not make a daemon.
+        assert (daemon.pipe_dir / "control").exists()
+        assert not daemon.ready()
+
+        proc = spawn(daemon)
+        daemon.wait_ready(10)
+        assert daemon.defaults()["active_thread_percentage"] == "100.0"  # a new daemon
+        daemon.quit()
+        assert proc.wait(10) == 0
+        assert not daemon.ready()
+    finally:
+        proc.kill()
+
+
+def test_fault_lines_pick_out_server_failures() -> None:
+    text = (
+        "[2026-11-21 10:00:00.000 Control 12] Accepting connection...\n"
+        "[2026-11-21 10:00:01.000 Control 12] Server encountered a fatal exception. Shutting down\n"
+        "[2026-11-21 10:00:01.100 Control 12] Server 4242 exited with status 1\n"
+        "[2026-11-21 10:00:02.000 Control 12] NEW UI\n"
+    )
+    assert len(fault_lines(text)) == 2
+
+
+def _daemon_pid(pool: Pool, uuid: str) -> int:
+    for pid in pool._descendants | {
+        c.pid for c in psutil.Process(pool.proc.pid).children(recursive=True)
+    }:
+        try:
+            proc = psutil.Process(pid)
+            if "nvidia-cuda-mps-control" in " ".join(proc.cmdline()):
+                if proc.environ().get("CUDA_VISIBLE_DEVICES") == uuid:
+                    return pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no MPS daemon for {uuid}")
+
+
+def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MPSPOOL_FAKE_GPUS", json.dumps(FAKE_GPUS))
+    pool = Pool(
+        tmp_path, demo_model_dir, 1,
+        "--gpus", "0,1", "--contexts-per-gpu", "1", "--active-thread-percentage", "50",
+    )  # fmt: skip
+    pool.start()
+    try:
+        status = pool.wait_ready(2)
+        assert [s["slot"] for s in status["slots"]] == ["gpu0-0", "gpu1-0"]
+        gpus = status["gpus"]
+        assert [g["uuid"] for g in gpus] == [g["uuid"] for g in FAKE_GPUS]
+        assert all(g["mps"] == "RUNNING" for g in gpus)
+        assert all(g["defaults"]["active_thread_percentage"] == "50.0" for g in gpus)
+        # Each worker runs with its GPU's UUID and its daemon's pipe directory.
+        for slot, fake in zip(status["slots"], FAKE_GPUS, strict=True):
+            env = psutil.Process(slot["pid"]).environ()
+            assert env["CUDA_VISIBLE_DEVICES"] == fake["uuid"]
+            assert env["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"mps/gpu{slot['slot'][3]}/pipe")
+
+        before = {s["slot"]: s["pid"] for s in status["slots"]}
+        streamer = Streamer(pool.port, DEMO_ROWS).start()
+        try:
+            streamer.wait_for_successes(10)
+            os.kill(_daemon_pid(pool, FAKE_GPUS[1]["uuid"]), signal.SIGKILL)
+
+            def gpu1_back(st: dict) -> bool:
+                s = {x["slot"]: x for x in st["slots"]}["gpu1-0"]
+                return s["state"] == "READY" and s["pid"] != before["gpu1-0"]
+
+            status = pool.wait_for(gpu1_back, 90, "gpu1-0 replaced and READY")
+            streamer.wait_for_successes(len(streamer.ok()) + 10)
+        finally:
+            streamer.stop()
+        slots = {s["slot"]: s for s in status["slots"]}
+        assert slots["gpu0-0"]["pid"] == before["gpu0-0"]  # the other GPU is untouched
+        assert slots["gpu0-0"]["restarts"] == 0
+        assert slots["gpu1-0"]["restarts"] == 1
+        assert streamer.failed() == []
+        assert "GPU 1: restarting its workers" in pool.output()
+        assert "GPU 0: restarting" not in pool.output()
+
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+        # `quit` on stop: each daemon ended itself (exit 0), not killed.
+        for gpu in (0, 1):
+            assert "Exit with status 0" in (pool.log_dir / f"mps-gpu{gpu}.log").read_text()
+    finally:
+        pool.kill()
+
+
+def test_gpus_on_a_machine_without_them_fail_fast(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MPSPOOL_FAKE_GPUS", raising=False)
+    started = time.monotonic()
+    result = subprocess.run(
+        mpspool_cmd("start", "--gpus", "0", "--model-base-path", str(demo_model_dir),
+                    "--run-dir", str(tmp_path / "r")),
+        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert time.monotonic() - started < 10
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "NVIDIA" in lines[0], result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_gpu_that_is_not_visible_is_named(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MPSPOOL_FAKE_GPUS", json.dumps(FAKE_GPUS))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", FAKE_GPUS[1]["uuid"])
+    result = subprocess.run(
+        mpspool_cmd("start", "--gpus", "1", "--model-base-path", str(demo_model_dir),
+                    "--run-dir", str(tmp_path / "r")),
+        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "no such GPU 1" in result.stderr and "CUDA_VISIBLE_DEVICES" in result.stderr
