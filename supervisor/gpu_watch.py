@@ -24,7 +24,8 @@ from mpspool.supervisor import supervisord as sd
 
 log = logging.getLogger("mpspool.controller")
 
-WORKER_MPS_ENV = "MPSPOOL_MPS_CONTROL"  # tells a worker to refuse to start without its daemon
+# Set for MPS workers to the control binary: a worker refuses to start without its daemon.
+WORKER_MPS_ENV = "MPSPOOL_REQUIRE_MPS"
 
 
 class GpuWatch:

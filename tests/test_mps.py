@@ -137,6 +137,7 @@ def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
             env = psutil.Process(slot["pid"]).environ()
             assert env["CUDA_VISIBLE_DEVICES"] == fake["uuid"]
             assert env["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"mps/gpu{slot['slot'][3]}/pipe")
+            assert env["MPSPOOL_REQUIRE_MPS"].endswith("nvidia-cuda-mps-control")
 
         before = {s["slot"]: s["pid"] for s in status["slots"]}
         streamer = Streamer(pool.port, DEMO_ROWS).start()

@@ -133,7 +133,7 @@ def _require_mps_daemon(timeout_s: float = 20.0) -> None:
     """A GPU worker of an MPS pool must not start while its GPU's control daemon is down:
     CUDA would silently run it without MPS. Wait a little (the controller restarts the
     daemon), then give up as a load failure, which the controller backs off and retries."""
-    binary = os.environ.get("MPSPOOL_MPS_CONTROL")
+    binary = os.environ.get("MPSPOOL_REQUIRE_MPS")  # set by the controller for MPS workers
     if not binary:
         return
     from mpspool.mps.control import DaemonDown, MpsDaemon
