@@ -93,8 +93,15 @@ class Router:
 
     # -- tasks --------------------------------------------------------------------
     async def sweep_liveness(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + LIVENESS_SWEEP_S
             await asyncio.sleep(LIVENESS_SWEEP_S)
+            # Silence is only evidence if this router was listening: after a late wake-up
+            # (the machine was starved of CPU) the heartbeats may be queued unread. Read
+            # them first (the receive loop runs before the next sweep), judge next round.
+            if loop.time() - due > LIVENESS_SWEEP_S:
+                continue
             for handle in self.table.expire():
                 log.warning(
                     "worker %s (pid %d) declared dead: silent > %.1f s",

@@ -195,7 +195,11 @@ class Controller:
 
     def tick(self) -> None:
         infos = self.supervisord.process_info()
-        snap = self.router.ask("snapshot") or {}
+        answer = self.router.ask("snapshot")
+        # No answer (a router busy or restarting) is not "no workers registered": slots keep
+        # the state they have until the router speaks again.
+        router_answered = answer is not None
+        snap = answer or {}
         router_info = infos.get(ROUTER_PROGRAM, {})
         if router_info.get("state") in (sd.EXITED, sd.FATAL):
             self._fail_pool(
@@ -216,7 +220,12 @@ class Controller:
         now = time.monotonic()
         for slot in self.slots.values():
             self._observe(
-                slot, infos.get(slot.program, {}), workers.get(slot.name), dead.get(slot.name), now
+                slot,
+                infos.get(slot.program, {}),
+                workers.get(slot.name),
+                dead.get(slot.name),
+                now,
+                router_answered,
             )
         if all(s.state is WorkerState.FATAL for s in self.slots.values()):
             reasons = {s.reason for s in self.slots.values()}
@@ -236,6 +245,7 @@ class Controller:
         registered: dict[str, Any] | None,
         declared_dead_pid: int | None,
         now: float,
+        router_answered: bool = True,
     ) -> None:
         """Bring one slot's state in line with what supervisord and the router report."""
         state = info.get("state")
@@ -273,7 +283,7 @@ class Controller:
                     slot.load_failures = 0
                     slot.reason = ""
                     slot.change_state(WorkerState.READY, "registered with the router")
-            elif slot.state is WorkerState.READY:
+            elif slot.state is WorkerState.READY and router_answered:
                 slot.change_state(WorkerState.STARTING, "no longer registered with the router")
             return
         if state == sd.BACKOFF:
