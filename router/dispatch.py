@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from mpspool import wire
 from mpspool.errors import Code, ServingError
@@ -42,7 +41,7 @@ class Reply:
 class Dispatcher:
     def __init__(
         self,
-        socket: zmq.asyncio.Socket,
+        socket: zmq.Socket,
         table: WorkerTable,
         on_ready: Callable[[str, int, bytes], None],
     ) -> None:
@@ -50,7 +49,8 @@ class Dispatcher:
         self._table = table
         self._on_ready = on_ready  # (model, version, serialized SignatureDefMap)
         self._ids = itertools.count(1)
-        self._background: set[asyncio.Future[Any]] = set()  # sends nobody awaits
+        self._drain_scheduled = False
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # start()
 
     async def call(
         self,
@@ -67,30 +67,42 @@ class Dispatcher:
                 await self._wait_for_worker(deadline)
                 continue
             request_id = next(self._ids)
-            future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            future: asyncio.Future[Reply] = loop.create_future()
             handle.inflight[request_id] = future
             header = wire.pack(
                 wire.Kind.REQUEST, id=request_id, sig=signature, tensors=metas, outputs=outputs
             )
             try:
-                await self._socket.send_multipart([handle.identity, header, *frames], copy=False)
+                self._send([handle.identity, header, *frames])
             except zmq.ZMQError as exc:
-                # ROUTER_MANDATORY: the worker's connection is gone (killed); do not wait
-                # for the liveness window to notice.
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._table.leave(handle.identity, "its connection is gone")
-                continue
+                handle.inflight.pop(request_id, None)
+                if exc.errno == zmq.EHOSTUNREACH:
+                    # ROUTER_MANDATORY: the worker's connection is gone (killed); do not
+                    # wait for the liveness window to notice.
+                    self._table.leave(handle.identity, "its connection is gone")
+                    continue
+                if exc.errno == zmq.EAGAIN:
+                    raise ServingError(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"worker {handle.slot} has too many requests queued",
+                    ) from None
+                raise
+            # A timer, not asyncio.wait_for: that wraps every request in a task of its own.
+            timer = None
+            if deadline is not None:
+                timer = loop.call_at(loop.time() + deadline - time.monotonic(), _expire, future)
             try:
-                if deadline is None:
-                    return await future
-                return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+                return await future
             except WorkerLost as lost:
                 log.info("retrying request %d elsewhere: %s", request_id, lost)
                 continue
-            except asyncio.TimeoutError:  # not TimeoutError: they differ before Python 3.11
+            except _DeadlinePassed:
                 handle.inflight.pop(request_id, None)
                 raise ServingError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     async def _wait_for_worker(self, deadline: float | None) -> None:
         limit = (
@@ -112,9 +124,33 @@ class Dispatcher:
                 Code.UNAVAILABLE, "no worker is ready to serve the request"
             ) from None
 
-    async def receive_forever(self) -> None:
-        while True:
-            frames = await self._socket.recv_multipart(copy=False)
+    # -- the socket ----------------------------------------------------------------
+    # A plain (not zmq.asyncio) socket, read from the event loop through its FD: pyzmq's
+    # asyncio layer costs a future, callbacks and bookkeeping per message, a large share of
+    # the router's CPU per request. The FD is edge-triggered: after it fires, and after any
+    # send (which can swallow a pending edge), everything queued must be read.
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._socket.getsockopt(zmq.FD), self._drain)
+        self._loop.call_soon(self._drain)
+
+    def stop(self) -> None:
+        self._loop.remove_reader(self._socket.getsockopt(zmq.FD))
+
+    def _send(self, frames: list[Any]) -> None:
+        self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        socket = self._socket
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
             try:
                 self._receive(frames)
             except Exception:  # one bad message must not stop the router
@@ -142,11 +178,7 @@ class Dispatcher:
             if self._table.seen(identity) is None:
                 # A worker we do not know (this router restarted, or it was declared dead
                 # and woke up): ask it to introduce itself again.
-                task = asyncio.ensure_future(
-                    self._socket.send_multipart([identity, wire.pack(wire.Kind.REREGISTER)])
-                )
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._send([identity, wire.pack(wire.Kind.REREGISTER)])
         elif kind is wire.Kind.READY:
             if self._table.declared_dead.get(header["slot"]) == header["pid"]:
                 return  # declared dead and about to be replaced: it does not come back
@@ -164,3 +196,12 @@ class Dispatcher:
             self._table.leave(identity, "said bye")
         else:
             log.warning("unexpected %s message from %r", kind.value, identity)
+
+
+class _DeadlinePassed(Exception):
+    pass
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(_DeadlinePassed())

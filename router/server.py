@@ -46,7 +46,9 @@ class Router:
         self.model = ServedModel(config.model_name, config.model_version)
         self.health = health.aio.HealthServicer()
         self._zmq = zmq.asyncio.Context()
-        self._workers = self._zmq.socket(zmq.ROUTER)
+        # The worker socket is a plain one, read through its FD (see dispatch.py).
+        self._zmq_sync = zmq.Context()
+        self._workers = self._zmq_sync.socket(zmq.ROUTER)
         self._workers.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._workers.setsockopt(zmq.LINGER, 0)
         self._workers.bind(wire.endpoint(config.run_dir, wire.WORKERS_ENDPOINT))
@@ -166,8 +168,8 @@ class Router:
         # Handlers only record the request; draining happens on the loop.
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
+        self.dispatcher.start()
         tasks = [
-            asyncio.ensure_future(self.dispatcher.receive_forever()),
             asyncio.ensure_future(self.sweep_liveness()),
             asyncio.ensure_future(self.serve_control()),
         ]
@@ -182,9 +184,11 @@ class Router:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.dispatcher.stop()
         self._workers.close()
         self._control.close()
         self._zmq.term()
+        self._zmq_sync.term()
 
 
 def main(argv: list[str] | None = None) -> int:
