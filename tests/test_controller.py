@@ -90,6 +90,14 @@ class FakeRPC:
         self._sd.set(name, sd.STARTING, pid=next(self._sd.pids))
         return True
 
+    def stopProcess(self, name: str, wait: bool = True) -> bool:
+        self._sd.calls.append(("stopProcess", name))
+        self._sd.meanwhile("stopProcess", name)
+        if self._sd.programs[name]["state"] not in (sd.STARTING, sd.RUNNING):
+            raise xmlrpc.client.Fault(70, f"NOT_RUNNING: {name}")
+        self._sd.set(name, sd.STOPPED)
+        return True
+
     def signalProcess(self, name: str, signal: str) -> bool:
         self._sd.calls.append(("signalProcess", name, signal))
         self._sd.meanwhile("signalProcess", name)

@@ -1,0 +1,126 @@
+"""GPU pools in the controller, against the fakes of test_controller.py and a fake GPU
+backend (mps/gpus.py's FakeGpuBackend, behind the same interface as NVML): slot layout,
+and a fault on one GPU restarting exactly that GPU's workers, in slot order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_controller import Pool, attempts, make_pool  # noqa: F401 - fixtures
+
+from mpspool.config import PoolConfig
+from mpspool.mps.gpus import EXCLUSIVE_PROCESS, FakeGpuBackend, GpuInfo
+from mpspool.supervisor import controller as controller_module
+from mpspool.supervisor import supervisord as sd
+from mpspool.supervisor.gpu_watch import GpuWatch
+from mpspool.supervisor.states import WorkerState
+
+U0 = "GPU-00000000-0000-4000-8000-000000000000"
+U1 = "GPU-11111111-1111-4111-8111-111111111111"
+PIDS = {"gpu0-0": 101, "gpu0-1": 102, "gpu1-0": 103, "gpu1-1": 104}
+
+
+def gpu_pool(make_pool: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Pool, FakeGpuBackend]:
+    fake = FakeGpuBackend(
+        [
+            GpuInfo(0, U0, "Fake", 16 << 30, EXCLUSIVE_PROCESS),
+            GpuInfo(1, U1, "Fake", 16 << 30, EXCLUSIVE_PROCESS),
+        ]
+    )
+    monkeypatch.setattr(controller_module, "_gpu_backend", lambda config: fake)
+    pool = make_pool(
+        gpus=(0, 1),
+        gpu_uuids=(U0, U1),
+        gpu_memory=(16 << 30, 16 << 30),
+        contexts_per_gpu=2,
+        mps=False,
+    )
+    return pool, fake
+
+
+def test_slots_are_gpu_context_pairs_with_their_gpu(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, _ = gpu_pool(make_pool, monkeypatch)
+    assert list(pool.controller.slots) == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
+    env = {s: pool.controller.gpu.worker_environment(s) for s in pool.controller.slots}
+    assert env["gpu0-1"]["CUDA_VISIBLE_DEVICES"] == U0
+    assert env["gpu1-0"]["CUDA_VISIBLE_DEVICES"] == U1
+    assert "MPSPOOL_REQUIRE_MPS" not in env["gpu1-0"]  # --no-mps: no daemon to require
+
+
+def test_an_xid_on_one_gpu_restarts_exactly_its_workers_in_order(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, fake = gpu_pool(make_pool, monkeypatch)
+    pool.start(PIDS)
+    for name in PIDS:
+        pool.make_ready(name)
+    pool.sd.calls.clear()
+
+    fake.queue_xid(U1, 79)  # "GPU has fallen off the bus"
+    pool.tick()
+    gpu1 = ["workers:worker-gpu1-0", "workers:worker-gpu1-1"]
+    assert pool.sd.calls == [
+        ("stopProcess", gpu1[0]),
+        ("stopProcess", gpu1[1]),
+        ("startProcess", gpu1[0]),
+        ("startProcess", gpu1[1]),
+    ]
+    assert pool.router.gone == [("gpu1-0", 103), ("gpu1-1", 104)]
+    for name in ("gpu0-0", "gpu0-1"):  # the other GPU keeps serving, same processes
+        assert pool.slot(name).state is WorkerState.READY
+        assert pool.slot(name).pid == PIDS[name]
+    for name in ("gpu1-0", "gpu1-1"):
+        assert pool.slot(name).state is WorkerState.STARTING
+        pool.sd.run(name, pool.sd.pid_of(name))
+        pool.tick()
+        pool.make_ready(name)
+        assert pool.slot(name).restarts == 1
+    assert pool.slot("gpu0-0").restarts == 0
+
+
+class _TailRPC:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def tailProcessStdoutLog(self, name: str, offset: int, length: int) -> list[Any]:
+        text = "".join(self.log)
+        return [text[offset:], len(text), False]
+
+
+class _TailSupervisor:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def rpc(self) -> _TailRPC:
+        return _TailRPC(self.log)
+
+
+def test_daemon_output_and_daemon_death_are_faults_of_their_gpu(tmp_path: Path) -> None:
+    config = PoolConfig(
+        model_name="demo", model_base_path="/m", model_version=1, run_dir=str(tmp_path),
+        log_dir=str(tmp_path / "logs"), workers=1, gpus=(0, 1), gpu_uuids=(U0, U1),
+        gpu_memory=(16 << 30, 16 << 30), contexts_per_gpu=1, mps=True, mps_control="/bin/false",
+    )  # fmt: skip
+    watch = GpuWatch(config, tmp_path)
+    supervisor = _TailSupervisor()
+    infos = {
+        "mps:mps-gpu0": {"state": sd.RUNNING, "statename": "RUNNING", "pid": 50},
+        "mps:mps-gpu1": {"state": sd.RUNNING, "statename": "RUNNING", "pid": 51},
+    }
+    watch._daemon_pid = {0: 50, 1: 51}
+    supervisor.log.append("[t Control 50] Starting control daemon\n")
+    assert watch.faults(supervisor, infos) == {}  # the first look only sets the offset
+    supervisor.log.append("[t Control 50] Server encountered a fatal exception. Shutting down\n")
+    faults = watch.faults(supervisor, infos)
+    assert set(faults) == {0, 1}  # both tail the same fake log here
+    assert all("MPS server fault" in why for why in faults.values())
+    assert watch.faults(supervisor, infos) == {}  # reported once
+
+    infos["mps:mps-gpu1"] = {"state": sd.RUNNING, "statename": "RUNNING", "pid": 77}
+    assert list(watch.faults(supervisor, infos)) == [1]  # a new daemon pid: it died
+    infos["mps:mps-gpu0"] = {"state": sd.BACKOFF, "statename": "BACKOFF", "pid": 0}
+    assert 0 in watch.faults(supervisor, infos)
