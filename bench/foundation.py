@@ -43,7 +43,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -158,12 +158,22 @@ def ensure_model(rows: int, env: dict[str, str]) -> Path:
 class Pool:
     """One `mpspool start` in its own session; a context manager that always stops it."""
 
-    def __init__(self, model_base: Path, workers: int, log_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        model_base: Path,
+        workers: int,
+        log_dir: Path,
+        env: dict[str, str],
+        label: str = "",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        """``label`` names the pool in messages and its run directory (default "<N>w");
+        ``extra_args`` are appended to `mpspool start` (e.g. "--no-share-weights")."""
         self.workers = workers
         self.env = env
-        self.label = f"{workers}w"
+        self.label = label or f"{workers}w"
         # Short: ipc:// endpoints in it are unix socket paths (at most 107 bytes).
-        self.run_dir = Path(_OUTSIDE) / f"mpb-{os.getpid()}-{workers}w"
+        self.run_dir = Path(_OUTSIDE) / f"mpb-{os.getpid()}-{self.label}"
         self.log_dir = log_dir
         self.args = [
             "start",
@@ -174,6 +184,7 @@ class Pool:
             "--port", "0",
             "--run-dir", str(self.run_dir),
             "--log-dir", str(log_dir),
+            *extra_args,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
@@ -668,11 +679,11 @@ def summarise(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
 
 # -- context --------------------------------------------------------------------------
-def command_line() -> str:
+def command_line(module: str = "bench.foundation") -> str:
     python = sys.executable
     if python.startswith(f"{REPO}{os.sep}"):
         python = os.path.relpath(python, REPO)
-    return shlex.join([python, "-m", "bench.foundation", *sys.argv[1:]])
+    return shlex.join([python, "-m", module, *sys.argv[1:]])
 
 
 def machine() -> dict[str, Any]:
