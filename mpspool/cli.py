@@ -140,10 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument(
         "--active-thread-percentage",
-        type=float,
-        default=100.0,
-        help="MPS default active-thread percentage per client (default 100; 100/contexts "
-        "partitions the GPU's SMs)",
+        default="100",
+        help="MPS default active-thread percentage per client: a number, or 'split' for "
+        "100 / contexts-per-gpu, which partitions the GPU's SMs between the workers "
+        "(default %(default)s: each may use all of them)",
     )
     gpu.add_argument(
         "--pinned-mem-limit",
@@ -224,7 +224,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         share_weights=args.share_weights,
         contexts_per_gpu=args.contexts_per_gpu,
         mps=args.mps,
-        active_thread_percentage=args.active_thread_percentage,
+        active_thread_percentage=_thread_percentage(
+            args.active_thread_percentage, args.contexts_per_gpu
+        ),
         pinned_mem_limit_mib=args.pinned_mem_limit,
         **gpu_fields,
     ).validate()
@@ -244,6 +246,17 @@ def cmd_start(args: argparse.Namespace) -> int:
         flush=True,
     )
     return Controller(config, created).run()
+
+
+def _thread_percentage(text: str, contexts: int) -> float:
+    if text == "split":
+        return round(100.0 / max(1, contexts), 2)
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"--active-thread-percentage must be a number or 'split', got {text!r}"
+        ) from None
 
 
 def _resolve_gpus(args: argparse.Namespace) -> dict[str, Any]:

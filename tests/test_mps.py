@@ -199,3 +199,14 @@ def test_a_gpu_that_is_not_visible_is_named(
     )  # fmt: skip
     assert result.returncode == 2
     assert "no such GPU 1" in result.stderr and "CUDA_VISIBLE_DEVICES" in result.stderr
+
+
+def test_split_active_thread_percentage_divides_the_gpu() -> None:
+    from mpspool.cli import _thread_percentage
+    from mpspool.config import ConfigError
+
+    assert _thread_percentage("split", 4) == 25.0
+    assert _thread_percentage("split", 3) == 33.33
+    assert _thread_percentage("60", 4) == 60.0
+    with pytest.raises(ConfigError, match="'split'"):
+        _thread_percentage("half", 4)
