@@ -52,6 +52,11 @@ def _invalid(name: str, what: str) -> ServingError:
     return ServingError(Code.INVALID_ARGUMENT, f'tensor parsing error: input "{name}": {what}')
 
 
+# The largest tensor a request may describe (2 GiB: protobuf's own limit on a message, so
+# no request that spells its values out can be refused by this).
+MAX_TENSOR_BYTES = 2**31
+
+
 def tensor_shape(proto: tensorflow_pb2.TensorProto, name: str = "") -> tuple[int, ...]:
     shape_proto = proto.tensor_shape
     if shape_proto.unknown_rank:
@@ -83,6 +88,14 @@ def tensor_to_array(proto: tensorflow_pb2.TensorProto, name: str = "") -> np.nda
         # Tensor::FromProto reads no values for an empty shape: whatever tensor_content or
         # typed values came along are ignored, not checked.
         return np.zeros(shape, dtype=dtype)
+    if n * dtype.itemsize > MAX_TENSOR_BYTES:
+        # Typed fields repeat their last value to fill the shape, so a request of a few
+        # bytes can ask for terabytes. TensorFlow would try; a shared front door must not.
+        raise _invalid(
+            name,
+            f"shape {list(shape)} of {dtypes.dtype_name(dt)} needs {n * dtype.itemsize} bytes, "
+            f"more than the {MAX_TENSOR_BYTES} one tensor may have",
+        )
     content = proto.tensor_content
     if dt == dtypes.DT_STRING:
         if content:

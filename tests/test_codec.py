@@ -544,3 +544,13 @@ def test_array_to_tensor_fills_a_given_proto():
 def test_make_tensor_proto_is_read_back_by_the_codec(array):
     data = tf.make_tensor_proto(array).SerializeToString()
     assert_same(ours(data), _expected(array))
+
+
+def test_a_tiny_request_cannot_ask_for_a_huge_tensor() -> None:
+    """One value and a shape of 2^40 floats: TensorFlow would repeat the value 2^40 times."""
+    proto = our_pb2.TensorProto(dtype=our_pb2.DT_FLOAT, float_val=[1.0])
+    proto.tensor_shape.dim.add(size=2**40)
+    with pytest.raises(ServingError) as info:
+        tensor_to_array(proto, "x")
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert "more than the" in info.value.message
