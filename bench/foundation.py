@@ -184,6 +184,7 @@ class Pool:
             "--port", "0",
             "--run-dir", str(self.run_dir),
             "--log-dir", str(log_dir),
+            "--metrics-port", "0",
             *extra_args,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None

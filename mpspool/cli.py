@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to listen on (containers: 0.0.0.0; default %(default)s)",
     )
     start.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8502,
+        help="Prometheus metrics at http://HOST:PORT/metrics (default %(default)s; 0 picks a "
+        "free port, -1 turns them off)",
+    )
+    start.add_argument(
         "--port", type=int, default=8500, help="gRPC port (default %(default)s; 0 picks a free one)"
     )
     _add_run_dir(start)
@@ -215,6 +222,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         workers=args.workers,
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         worker_timeout_s=args.worker_timeout,
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,

@@ -58,6 +58,7 @@ class PoolConfig:
     workers: int
     host: str = "127.0.0.1"
     port: int = 8500
+    metrics_port: int = 8502  # Prometheus /metrics; 0 picks a free port, -1 turns it off
     # A worker silent this long is declared dead by the router (its requests are retried
     # elsewhere) and replaced by the controller.
     worker_timeout_s: float = 3.0

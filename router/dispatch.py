@@ -44,7 +44,9 @@ class Dispatcher:
         socket: zmq.Socket,
         table: WorkerTable,
         on_ready: Callable[[str, int, bytes], None],
+        on_retry: Callable[[], None] = lambda: None,
     ) -> None:
+        self._on_retry = on_retry
         self._socket = socket
         self._table = table
         self._on_ready = on_ready  # (model, version, serialized SignatureDefMap)
@@ -96,6 +98,7 @@ class Dispatcher:
                 return await future
             except WorkerLost as lost:
                 log.info("retrying request %d elsewhere: %s", request_id, lost)
+                self._on_retry()
                 continue
             except _DeadlinePassed:
                 handle.inflight.pop(request_id, None)

@@ -20,6 +20,7 @@ from mpspool.errors import Code, ServingError
 from mpspool.protos import serving_pb2, tensorflow_pb2
 from mpspool.router import codec
 from mpspool.router.dispatch import Dispatcher
+from mpspool.router.metrics import Metrics
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
@@ -69,7 +70,10 @@ class ServedModel:
 
 
 class TFServingAPI:
-    def __init__(self, model: ServedModel, dispatcher: Dispatcher, is_ready: Any) -> None:
+    def __init__(
+        self, model: ServedModel, dispatcher: Dispatcher, is_ready: Any, metrics: Metrics
+    ) -> None:
+        self.metrics = metrics
         self.model = model
         self.dispatcher = dispatcher
         self._is_ready = is_ready  # () -> bool: at least one worker routable
@@ -112,11 +116,13 @@ class TFServingAPI:
     async def predict(
         self, request: serving_pb2.PredictRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PredictResponse:
-        try:
-            return await self._predict(request, context)
-        except ServingError as exc:
-            await context.abort(_GRPC_CODE[int(exc.code)], exc.message)
-            raise  # unreachable: abort raises
+        with self.metrics.request("Predict") as outcome:
+            try:
+                return await self._predict(request, context)
+            except ServingError as exc:
+                outcome[0] = exc.code.name
+                await context.abort(_GRPC_CODE[int(exc.code)], exc.message)
+                raise  # unreachable: abort raises
 
     async def _predict(
         self, request: serving_pb2.PredictRequest, context: grpc.aio.ServicerContext
@@ -155,6 +161,15 @@ class TFServingAPI:
     async def get_model_metadata(
         self, request: serving_pb2.GetModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.GetModelMetadataResponse:
+        with self.metrics.request("GetModelMetadata") as outcome:
+            return await self._get_model_metadata(request, context, outcome)
+
+    async def _get_model_metadata(
+        self,
+        request: serving_pb2.GetModelMetadataRequest,
+        context: grpc.aio.ServicerContext,
+        outcome: list[str],
+    ) -> serving_pb2.GetModelMetadataResponse:
         try:
             self.model.check(request.model_spec)
             if not request.metadata_field:
@@ -169,6 +184,7 @@ class TFServingAPI:
                     )
             self._signature("")
         except ServingError as exc:
+            outcome[0] = exc.code.name
             await context.abort(_GRPC_CODE[int(exc.code)], exc.message)
             raise
         response = serving_pb2.GetModelMetadataResponse()

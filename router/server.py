@@ -25,6 +25,7 @@ from mpspool import process, wire
 from mpspool.config import PoolConfig
 from mpspool.router.dispatch import Dispatcher
 from mpspool.router.grpc_api import PREDICTION_SERVICE, ServedModel, TFServingAPI
+from mpspool.router.metrics import Metrics
 from mpspool.router.workers import WorkerTable
 
 log = logging.getLogger("mpspool.router")
@@ -55,8 +56,13 @@ class Router:
         self._control = self._zmq.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.bind(wire.endpoint(config.run_dir, wire.CONTROL_ENDPOINT))
-        self.dispatcher = Dispatcher(self._workers, self.table, self.model.learn_signatures)
-        self.api = TFServingAPI(self.model, self.dispatcher, lambda: bool(self.table.ready()))
+        self.metrics = Metrics(config.model_name)
+        self.dispatcher = Dispatcher(
+            self._workers, self.table, self.model.learn_signatures, self.metrics.retries.inc
+        )
+        self.api = TFServingAPI(
+            self.model, self.dispatcher, lambda: bool(self.table.ready()), self.metrics
+        )
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -79,7 +85,9 @@ class Router:
         self._update_health()
 
     def _update_health(self) -> None:
-        serving = self.phase is Phase.SERVING and bool(self.table.ready())
+        ready = len(self.table.ready())
+        self.metrics.ready_workers.set(ready)
+        serving = self.phase is Phase.SERVING and bool(ready)
         if serving == self._serving_health:
             return
         self._serving_health = serving
@@ -131,6 +139,7 @@ class Router:
             return {
                 "phase": self.phase.value,
                 "port": self.port,
+                "metrics_port": self.metrics.port,
                 "workers": self.table.snapshot(),
                 "declared_dead": self.table.declared_dead,
                 "inflight": self.table.inflight_total(),
@@ -162,6 +171,8 @@ class Router:
         self._serving_health = False
         for service in ("", PREDICTION_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.config.metrics_port >= 0:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
         await self.server.start()
         log.info("listening on %s:%d", self.config.host, self.port)
         loop = asyncio.get_running_loop()

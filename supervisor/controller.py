@@ -92,6 +92,7 @@ class Controller:
         self.exit_code = 0
         self.exit_reason = ""
         self.port: int | None = None
+        self.metrics_port = 0
         self.started = time.time()
         self._zmq = zmq.Context()
         self._admin = self._zmq.socket(zmq.ROUTER)
@@ -208,9 +209,14 @@ class Controller:
             return
         if snap.get("port") and self.port is None:
             self.port = int(snap["port"])
-            if self.config.port == 0:
-                # Pin the port the OS picked, so a restarted router binds the same one.
-                self.config = dataclasses.replace(self.config, port=self.port)
+            self.metrics_port = int(snap.get("metrics_port") or 0)
+            if self.config.port == 0 or self.config.metrics_port == 0:
+                # Pin the ports the OS picked, so a restarted router binds the same ones.
+                self.config = dataclasses.replace(
+                    self.config,
+                    port=self.port,
+                    metrics_port=self.metrics_port or self.config.metrics_port,
+                )
                 self.config.save(self.run_dir)
         for gpu, why in self.gpu.faults(self.supervisord, infos).items():
             self._restart_gpu(gpu, why)
@@ -438,6 +444,11 @@ class Controller:
                 "version": self.config.model_version,
                 "model_path": self.config.model_path,
                 "listen": f"{self.config.host}:{self.port}" if self.port else None,
+                "metrics": (
+                    f"http://{self.config.host}:{self.metrics_port}/metrics"
+                    if self.metrics_port
+                    else None
+                ),
                 "run_dir": str(self.run_dir),
                 "log_dir": str(self.log_dir),
                 "uptime_s": round(now - self.started, 1),

@@ -52,6 +52,8 @@ class Pool:
             str(self.run_dir),
             "--log-dir",
             str(self.log_dir),
+            "--metrics-port",
+            "0",
             *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None

@@ -239,3 +239,27 @@ def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:
     assert (
         stub.Predict(make_request(good), timeout=30).outputs["score"].tensor_shape.dim[0].size == 2
     )
+
+
+def test_prometheus_metrics(pool: Pool, stub) -> None:
+    import urllib.request
+
+    from mpspool.router.metrics import INFLIGHT_METRIC, READY_WORKERS_METRIC
+
+    stub.Predict(make_request(demo_inputs(1, DEMO_ROWS)), timeout=30)
+    with pytest.raises(grpc.RpcError):
+        stub.Predict(make_request(demo_inputs(1, DEMO_ROWS), version=7), timeout=30)
+    url = pool.status()["pool"]["metrics"]
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples[f'{INFLIGHT_METRIC}{{model="demo"}}'] == 0.0
+    assert samples[READY_WORKERS_METRIC] == 2.0
+    ok = 'mpspool_requests_total{code="OK",method="Predict",model="demo"}'
+    not_found = 'mpspool_requests_total{code="NOT_FOUND",method="Predict",model="demo"}'
+    assert samples[ok] >= 1
+    assert samples[not_found] >= 1
+    assert samples['mpspool_request_duration_seconds_count{method="Predict",model="demo"}'] >= 2
