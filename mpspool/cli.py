@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "free port, -1 turns them off)",
     )
     start.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=0.0,
+        help="seconds after which the router closes a client connection (gracefully), so "
+        "clients balancing across pods find new ones (default 0: never)",
+    )
+    start.add_argument(
         "--port", type=int, default=8500, help="gRPC port (default %(default)s; 0 picks a free one)"
     )
     _add_run_dir(start)
@@ -223,6 +230,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        max_connection_age_s=args.max_connection_age,
         worker_timeout_s=args.worker_timeout,
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,

@@ -59,6 +59,9 @@ class PoolConfig:
     host: str = "127.0.0.1"
     port: int = 8500
     metrics_port: int = 8502  # Prometheus /metrics; 0 picks a free port, -1 turns it off
+    # Close client connections after this long (0: never), so clients balancing over
+    # several pods re-resolve and find new ones; in-flight calls get the same again to end.
+    max_connection_age_s: float = 0.0
     # A worker silent this long is declared dead by the router (its requests are retried
     # elsewhere) and replaced by the controller.
     worker_timeout_s: float = 3.0

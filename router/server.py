@@ -63,13 +63,18 @@ class Router:
         self.api = TFServingAPI(
             self.model, self.dispatcher, lambda: bool(self.table.ready()), self.metrics
         )
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", config.max_message_bytes),
-                ("grpc.max_send_message_length", config.max_message_bytes),
-                ("grpc.so_reuseport", 0),
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        if config.max_connection_age_s > 0:
+            age_ms = int(config.max_connection_age_s * 1000)
+            options += [
+                ("grpc.max_connection_age_ms", age_ms),
+                ("grpc.max_connection_age_grace_ms", age_ms),
             ]
-        )
+        self.server = grpc.aio.server(options=options)
         self.server.add_generic_rpc_handlers(self.api.handlers())
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")

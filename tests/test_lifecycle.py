@@ -171,3 +171,25 @@ def test_unreadable_weights_fail_the_start_cleanly(tmp_path: Path, demo_model_di
         assert list(Path("/dev/shm").glob(f"mpspool-{pool_id}-*")) == []
     finally:
         pool.kill()
+
+
+def test_max_connection_age_closes_client_connections(tmp_path: Path, demo_model_dir: Path) -> None:
+    """--max-connection-age: the router ends each connection after that long (GOAWAY), so a
+    client balancing over several pods re-resolves and finds new ones."""
+    pool = Pool(tmp_path, demo_model_dir, 1, "--max-connection-age", "1").start()
+    try:
+        pool.wait_ready(1)
+        states: list[grpc.ChannelConnectivity] = []
+        with pool.channel() as channel:
+            channel.subscribe(states.append, try_to_connect=True)
+            assert pool.health(channel) == SERVING
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and grpc.ChannelConnectivity.IDLE not in states[2:]:
+                time.sleep(0.1)
+            ready_at = states.index(grpc.ChannelConnectivity.READY)
+            assert grpc.ChannelConnectivity.IDLE in states[ready_at:], states
+            assert pool.health(channel) == SERVING  # and the client simply reconnects
+            channel.unsubscribe(states.append)
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
