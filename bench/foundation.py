@@ -443,15 +443,23 @@ def run_point(
     return result
 
 
-def run_scenario(args: argparse.Namespace, stamp: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def frozen_code(kind: str) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    """The code under test frozen into a temporary copy (see freeze_source), and the
+    environment whose processes run that copy."""
     with tempfile.TemporaryDirectory(prefix="mpb-src-") as frozen:
-        source = freeze_source(args.source, Path(frozen))
+        source = freeze_source(kind, Path(frozen))
         env = dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if "path" in source:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (source["path"], env.get("PYTHONPATH", "")) if p
             )
+        yield source, env
+
+
+def run_scenario(args: argparse.Namespace, stamp: str) -> dict[str, Any]:
+    with frozen_code(args.source) as (source, env):
         return _run_scenario(args, stamp, source, env)
 
 

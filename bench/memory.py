@@ -51,7 +51,6 @@ import select
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -73,7 +72,7 @@ from bench.foundation import (
     _sigterm_as_exit,
     command_line,
     ensure_model,
-    freeze_source,
+    frozen_code,
     machine,
     shm_leftovers,
     versions,
@@ -480,14 +479,7 @@ def _pool_line(record: dict[str, Any]) -> str:
 
 # -- the scenario ---------------------------------------------------------------------
 def run_scenario(args: argparse.Namespace, stamp: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="mpb-src-") as frozen:
-        source = freeze_source(args.source, Path(frozen))
-        env = dict(os.environ)
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        if "path" in source:
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (source["path"], env.get("PYTHONPATH", "")) if p
-            )
+    with frozen_code(args.source) as (source, env):
         return _run_scenario(args, stamp, source, env)
 
 
