@@ -3,6 +3,7 @@ tensorflow-serving-api client: answers, metadata, status, health, and every erro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,10 +80,21 @@ def test_predict_equals_in_process_tensorflow(stub, reference_model, batch: int)
 
 
 def test_requests_are_spread_over_both_workers(pool: Pool, stub) -> None:
-    before = {s["slot"]: s["served"] for s in pool.status()["slots"]}
+    # Counts reach `status` on the controller's next look (every 0.2 s): let earlier
+    # tests' requests settle first.
+    before: dict[str, int] = {}
+    while (now := {s["slot"]: s["served"] for s in pool.status()["slots"]}) != before:
+        before = now
+        time.sleep(0.5)
     for i in range(10):
         stub.Predict(make_request(demo_inputs(1, DEMO_ROWS, seed=i)), timeout=30)
-    after = {s["slot"]: s["served"] for s in pool.status()["slots"]}
+    # The controller folds the router's counts in on its next look (every 0.2 s).
+    status = pool.wait_for(
+        lambda st: sum(s["served"] for s in st["slots"]) >= sum(before.values()) + 10,
+        10,
+        "10 more requests counted",
+    )
+    after = {s["slot"]: s["served"] for s in status["slots"]}
     assert all(after[slot] - before[slot] == 5 for slot in after), (before, after)
 
 
