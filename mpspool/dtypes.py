@@ -7,6 +7,7 @@ travel: the router never needs to interpret them, only carry their bytes.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 DT_INVALID = 0
@@ -48,19 +49,6 @@ DTYPE_NAMES: dict[int, str] = {
 }
 
 
-def _bfloat16() -> np.dtype:
-    """ml_dtypes' bfloat16 where installed (it comes with TensorFlow); raw 16-bit words otherwise.
-
-    The router carries bfloat16 tensors as their bit patterns and never computes on them.
-    """
-    try:
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    except ImportError:  # pragma: no cover - depends on the environment
-        return np.dtype("<u2")
-
-
 NUMPY_OF_DT: dict[int, np.dtype] = {
     DT_FLOAT: np.dtype("<f4"),
     DT_DOUBLE: np.dtype("<f8"),
@@ -72,7 +60,8 @@ NUMPY_OF_DT: dict[int, np.dtype] = {
     DT_COMPLEX64: np.dtype("<c8"),
     DT_INT64: np.dtype("<i8"),
     DT_BOOL: np.dtype("?"),
-    DT_BFLOAT16: _bfloat16(),
+    # numpy has no bfloat16; ml_dtypes (a dependency, and TensorFlow's own) provides it.
+    DT_BFLOAT16: np.dtype(ml_dtypes.bfloat16),
     DT_UINT16: np.dtype("<u2"),
     DT_COMPLEX128: np.dtype("<c16"),
     DT_HALF: np.dtype("<f2"),
@@ -99,7 +88,7 @@ def dt_of_array(array: np.ndarray) -> int:
     kind = array.dtype.kind
     if kind in ("O", "S", "U"):
         return DT_STRING
-    if array.dtype == NUMPY_OF_DT[DT_BFLOAT16] and array.dtype.name == "bfloat16":
+    if array.dtype == NUMPY_OF_DT[DT_BFLOAT16]:
         return DT_BFLOAT16
     try:
         return _DT_OF_NUMPY[
