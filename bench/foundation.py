@@ -911,17 +911,23 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results_md(path: Path, section: str) -> None:
-    """Replace the foundation section of ``path`` (or add it), leaving the rest alone."""
+def write_section(path: Path, section: str, begin_mark: str, end_mark: str) -> None:
+    """Replace one scenario's section of ``path`` (between its markers), or add it, leaving
+    the rest alone: each bench script owns its own section of RESULTS.md."""
     text = path.read_text() if path.exists() else "# mpspool benchmark results\n\n"
-    begin, end = text.find(BEGIN_MARK), text.find(END_MARK)
+    begin, end = text.find(begin_mark), text.find(end_mark)
     if begin != -1 and end != -1:
-        text = text[:begin] + section + text[end + len(END_MARK) :].lstrip("\n")
+        text = text[:begin] + section + text[end + len(end_mark) :].lstrip("\n")
         if not text.endswith("\n"):
             text += "\n"
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+def write_results_md(path: Path, section: str) -> None:
+    """Replace the foundation section of ``path`` (or add it), leaving the rest alone."""
+    write_section(path, section, BEGIN_MARK, END_MARK)
 
 
 # -- command line -------------------------------------------------------------------

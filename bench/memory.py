@@ -76,6 +76,7 @@ from bench.foundation import (
     machine,
     shm_leftovers,
     versions,
+    write_section,
 )
 from mpspool import process
 from mpspool.cli import _ask_pool
@@ -982,15 +983,7 @@ def reading(report: dict[str, Any]) -> list[str]:
 
 def write_results_md(path: Path, section: str) -> None:
     """Replace the memory section of ``path`` (or add it), leaving the rest alone."""
-    text = path.read_text() if path.exists() else "# mpspool benchmark results\n\n"
-    begin, end = text.find(BEGIN_MARK), text.find(END_MARK)
-    if begin != -1 and end != -1:
-        text = text[:begin] + section + text[end + len(END_MARK) :].lstrip("\n")
-        if not text.endswith("\n"):
-            text += "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_section(path, section, BEGIN_MARK, END_MARK)
 
 
 # -- command line -------------------------------------------------------------------

@@ -51,6 +51,7 @@ from bench.foundation import (
     machine,
     shm_leftovers,
     versions,
+    write_section,
 )
 
 BEGIN_MARK = "<!-- perf_analyzer:begin (written by bench/perf_analyzer.py; edits here are lost) -->"
@@ -384,15 +385,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
 
 def write_results_md(path: Path, section: str) -> None:
     """Replace the perf_analyzer section of ``path`` (or add it), leaving the rest alone."""
-    text = path.read_text() if path.exists() else "# mpspool benchmark results\n\n"
-    begin, end = text.find(BEGIN_MARK), text.find(END_MARK)
-    if begin != -1 and end != -1:
-        text = text[:begin] + section + text[end + len(END_MARK) :].lstrip("\n")
-        if not text.endswith("\n"):
-            text += "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_section(path, section, BEGIN_MARK, END_MARK)
 
 
 # -- command line -------------------------------------------------------------------
