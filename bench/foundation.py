@@ -917,9 +917,8 @@ def write_section(path: Path, section: str, begin_mark: str, end_mark: str) -> N
     text = path.read_text() if path.exists() else "# mpspool benchmark results\n\n"
     begin, end = text.find(begin_mark), text.find(end_mark)
     if begin != -1 and end != -1:
-        text = text[:begin] + section + text[end + len(end_mark) :].lstrip("\n")
-        if not text.endswith("\n"):
-            text += "\n"
+        rest = text[end + len(end_mark) :].lstrip("\n")
+        text = text[:begin] + section + ("\n" + rest if rest else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
