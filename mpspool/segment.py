@@ -28,7 +28,7 @@ import shutil
 import stat
 import struct
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +117,7 @@ def plan(
     manifest = Manifest(model, version, owner_pid, owner_started, tuple(entries), tuple(unshared))
     data_offset = _align(_HEADER.size + len(manifest.to_json()) + 64, PAGE)
     # The manifest's own length depends on data_offset's digits: leave room, then fix it.
-    return Manifest(**{**manifest.__dict__, "data_offset": data_offset})
+    return replace(manifest, data_offset=data_offset)
 
 
 def check_space(need: int, shm_dir: Path = SHM_DIR) -> None:
