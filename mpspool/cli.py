@@ -178,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)"
     )
 
+    timeline = sub.add_parser(
+        "timeline",
+        help="print the worker-side span of each recently answered request (JSON)",
+        description='Prints {"now_us", "spans": [[slot, start_us, end_us], ...], '
+        '"dropped"}: when each worker started and finished the model call of each request '
+        "answered since the last --clear (wall clock, microseconds; the most recent 200,000).",
+    )
+    _add_run_dir(timeline)
+    timeline.add_argument(
+        "--clear", action="store_true", help="forget the spans after printing them"
+    )
+
     demo = sub.add_parser("demo-model", help="write the demo SavedModel (TF Serving layout)")
     demo.add_argument("--out", type=Path, required=True)
     demo.add_argument("--embedding-rows", type=int, default=None)
@@ -192,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             "start": cmd_start,
             "status": cmd_status,
             "stop": cmd_stop,
+            "timeline": cmd_timeline,
             "demo-model": cmd_demo_model,
         }[args.command](args)
     except ConfigError as exc:
@@ -328,7 +341,15 @@ def _demo_model(rows: int) -> Path:
 
 
 # -- status and stop ----------------------------------------------------------------
-def _ask_pool(run_dir: Path, op: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def _ask_pool(
+    run_dir: Path,
+    op: str,
+    timeout_s: float = 5.0,
+    endpoint: str = wire.ADMIN_ENDPOINT,
+    **fields: Any,
+) -> dict[str, Any]:
+    """One request to the pool's controller (admin endpoint) or router (control endpoint),
+    both unix sockets in the private run dir: admin actions are local only."""
     info = rundir.read_controller(run_dir)
     if not rundir.controller_alive(info):
         raise ConfigError(f"no pool is running in {run_dir}")
@@ -336,8 +357,8 @@ def _ask_pool(run_dir: Path, op: str, timeout_s: float = 5.0) -> dict[str, Any]:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(wire.endpoint(str(run_dir), wire.ADMIN_ENDPOINT))
-        sock.send_multipart([b"", wire.pack(op=op)])
+        sock.connect(wire.endpoint(str(run_dir), endpoint))
+        sock.send_multipart([b"", wire.pack(op=op, **fields)])
         if not sock.poll(int(timeout_s * 1000)):
             raise ConfigError(
                 f"the pool in {run_dir} (pid {info['pid']}) did not answer within {timeout_s:.0f} s"
@@ -346,6 +367,17 @@ def _ask_pool(run_dir: Path, op: str, timeout_s: float = 5.0) -> dict[str, Any]:
     finally:
         sock.close()
         context.term()
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    taken = _ask_pool(
+        args.run_dir.resolve(), "timeline", endpoint=wire.CONTROL_ENDPOINT, clear=args.clear
+    )
+    if "error" in taken:
+        raise ConfigError(f"the router refused: {taken['error']}")
+    taken.pop("n", None)
+    print(json.dumps(taken, separators=(",", ":")))
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

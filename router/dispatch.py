@@ -19,6 +19,7 @@ import zmq
 
 from mpspool import wire
 from mpspool.errors import Code, ServingError
+from mpspool.router.timeline import Timeline
 from mpspool.router.workers import WorkerLost, WorkerTable
 
 log = logging.getLogger("mpspool.router")
@@ -45,8 +46,10 @@ class Dispatcher:
         table: WorkerTable,
         on_ready: Callable[[str, int, bytes], None],
         on_retry: Callable[[], None] = lambda: None,
+        timeline: Timeline | None = None,
     ) -> None:
         self._on_retry = on_retry
+        self.timeline = timeline if timeline is not None else Timeline()
         self._socket = socket
         self._table = table
         self._on_ready = on_ready  # (model, version, serialized SignatureDefMap)
@@ -169,10 +172,12 @@ class Dispatcher:
             return
         if kind is wire.Kind.REPLY:
             handle = self._table.seen(identity)
-            reply = Reply(
-                header["tensors"], frames[2:], handle.slot if handle else "", header.get("t")
+            slot = handle.slot if handle else ""
+            timing = header.get("t")
+            self.timeline.record(slot, timing)
+            self._table.resolve(
+                identity, header["id"], Reply(header["tensors"], frames[2:], slot, timing), None
             )
-            self._table.resolve(identity, header["id"], reply, None)
         elif kind is wire.Kind.ERROR:
             self._table.seen(identity)
             error = ServingError(header.get("code", Code.INTERNAL), header.get("message", ""))

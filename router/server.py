@@ -155,6 +155,8 @@ class Router:
                 log.info("worker %s (pid %d) exited", handle.slot, handle.pid)
             self._update_health()
             return {"ok": True}
+        if op == "timeline":
+            return self.dispatcher.timeline.take(clear=bool(request.get("clear")))
         if op == "drain":
             if self._drain_task is None:
                 self._drain_task = asyncio.ensure_future(

@@ -3,6 +3,9 @@ tensorflow-serving-api client: answers, metadata, status, health, and every erro
 
 from __future__ import annotations
 
+import itertools
+import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from tensorflow_serving.apis import (
 from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
-from poolproc import Pool
+from poolproc import Pool, mpspool_cmd
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +278,33 @@ def test_prometheus_metrics(pool: Pool, stub) -> None:
     assert samples[ok] >= 1
     assert samples[not_found] >= 1
     assert samples['mpspool_request_duration_seconds_count{method="Predict",model="demo"}'] >= 2
+
+
+def test_timeline_shows_each_request_on_the_worker_that_ran_it(pool: Pool, stub) -> None:
+    def timeline(*flags: str) -> dict:
+        done = subprocess.run(
+            mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), *flags),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    timeline("--clear")
+    before_us = time.time_ns() // 1000
+    for i in range(6):
+        stub.Predict(make_request(demo_inputs(4, DEMO_ROWS, seed=i)), timeout=30)
+    after_us = time.time_ns() // 1000
+    taken = timeline("--clear")
+    spans = taken["spans"]
+    assert len(spans) == 6 and taken["dropped"] == 0
+    slots = {s["slot"] for s in pool.status()["slots"]}
+    # Round robin over two workers; one worker runs one request at a time, in order.
+    assert {slot for slot, _, _ in spans} == slots
+    for _slot, start_us, end_us in spans:
+        assert before_us <= start_us <= end_us <= after_us
+    for slot in slots:
+        mine = [(s, e) for name, s, e in spans if name == slot]
+        assert all(e1 <= s2 for (_, e1), (s2, _) in itertools.pairwise(mine))
+    assert timeline()["spans"] == []  # cleared
