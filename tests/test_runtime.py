@@ -178,7 +178,9 @@ def test_warm_up_runs_each_signature_on_one_zero_example(
 
     monkeypatch.setattr(runtime, "run", spy)
     runtime.warm_up()
-    assert len(calls) == 1
+    # Twice: the flat call, then the keyword call it is checked against.
+    assert len(calls) == 2 and runtime.call_paths == {SIG: "flat"}
+    assert calls[0][0] == calls[1][0] and calls[0][1] is calls[1][1]
     signature, inputs, outputs = calls[0]
     assert signature == SIG
     assert sorted(outputs) == ["double", "plus_n"]
@@ -242,3 +244,40 @@ def test_thread_counts_apply_in_a_fresh_process(model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["1", "2"]
+
+
+def test_signatures_are_called_flat_when_their_parameters_are_their_aliases(
+    runtime: ModelRuntime,
+) -> None:
+    # The demo model: TensorFlow's flat argument list, checked against the keyword call at
+    # warm-up (test_results_equal_plain_tensorflow_bit_for_bit covers the answers).
+    assert runtime.call_paths == {SIG: "flat"}
+
+
+def test_an_alias_tensorflow_sanitizes_is_called_with_keywords(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import tensorflow as tf
+
+    class Dashed(tf.Module):
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None, 2], tf.float32, name="in-put"),
+                tf.TensorSpec([None], tf.int32, name="n"),
+            ]
+        )
+        def serve(self, x: tf.Tensor, n: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"out": x * 2.0, "n": n + 1}
+
+    path = tmp_path_factory.mktemp("dashed") / "1"
+    module = Dashed()
+    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
+    runtime = load_saved_model(str(path), "dashed", 1)
+    runtime.warm_up()
+    assert runtime.call_paths == {SIG: "keywords"}
+    (alias,) = [a for a in runtime.specs[SIG].inputs if a != "n"]
+    got = runtime.run(
+        SIG, {alias: np.ones((2, 2), np.float32), "n": np.arange(2, dtype=np.int32)}, ["out", "n"]
+    )
+    np.testing.assert_array_equal(got["out"], np.full((2, 2), 2.0, np.float32))
+    np.testing.assert_array_equal(got["n"], np.array([1, 2], np.int32))
