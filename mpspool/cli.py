@@ -133,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
     )
+    start.add_argument(
+        "--enable-batching",
+        dest="batching",
+        action="store_true",
+        help="a worker runs the requests queued at it as one model call where they fit "
+        "(same signature and input shapes but the first dimension); nothing waits for a "
+        "batch to fill. Only for models whose output rows depend on their own input row",
+    )
+    start.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=1000,
+        help="rows in one batched model call (default %(default)s)",
+    )
     gpu = start.add_argument_group("GPUs and MPS")
     gpu.add_argument(
         "--gpus",
@@ -251,6 +265,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
+        batching=args.batching,
+        max_batch_size=args.max_batch_size,
         contexts_per_gpu=args.contexts_per_gpu,
         mps=args.mps,
         active_thread_percentage=_thread_percentage(

@@ -76,6 +76,11 @@ class PoolConfig:
     intra_op_threads: int = 0  # 0: usable cores / workers
     inter_op_threads: int = 1
     max_message_bytes: int = 512 * 1024 * 1024
+    # Opportunistic batching (worker/batching.py): requests already queued at a worker share
+    # one model call, up to max_batch_size rows (TF Serving's max_batch_size default). Off by
+    # default, as in TF Serving: only correct for models whose rows are independent.
+    batching: bool = False
+    max_batch_size: int = 1000
     # Publish the variables once into shared memory and map them in every worker (the
     # default); off, each worker loads its own copy from the checkpoint.
     share_weights: bool = True
@@ -137,6 +142,8 @@ class PoolConfig:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"--max-batch-size must be at least 1, got {self.max_batch_size}")
         if not 1 <= self.contexts_per_gpu <= 48:
             # MPS serves at most 48 client contexts per GPU.
             raise ConfigError(

@@ -22,8 +22,13 @@ from mpspool import process, wire
 from mpspool.config import PoolConfig
 from mpspool.errors import Code, ServingError
 from mpspool.signature import check_inputs, check_output_filter, select_signature
+from mpspool.worker import batching
 
 log = logging.getLogger("mpspool.worker")
+
+# With batching, at most this many queued messages are taken per turn of the loop, so a
+# flood of requests cannot delay the next heartbeat for long.
+MAX_DRAIN = 64
 
 
 class Worker:
@@ -36,6 +41,7 @@ class Worker:
         self.runtime = runtime
         self.pid = os.getpid()
         self.served = 0
+        self.merged_calls = 0  # model calls that answered several requests (batching)
         self.stop_requested = False
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
@@ -70,7 +76,7 @@ class Worker:
                     raise
                 continue
             if ready:
-                self._handle(self._socket.recv_multipart(copy=False))
+                self._handle_queued()
             now = time.monotonic()
             if now >= next_beat:
                 self._socket.send(
@@ -82,34 +88,59 @@ class Worker:
         self._socket.send(wire.pack(wire.Kind.BYE, slot=self.slot, pid=self.pid))
         self._socket.close()
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle_queued(self) -> None:
+        """Answer what the socket holds: one message, or with batching every request queued
+        (up to MAX_DRAIN), merged where they can share a model call."""
+        socket = self._socket
+        messages = [socket.recv_multipart(copy=False)]
+        if self.config.batching:
+            while len(messages) < MAX_DRAIN:
+                try:
+                    messages.append(socket.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+        pending: list[batching.Pending] = []
+        for frames in messages:
+            request = self._accept(frames)
+            if request is not None:
+                pending.append(request)
+        if not pending:
+            return
+        if self.config.batching:
+            groups = batching.plan(pending, self.config.max_batch_size)
+        else:
+            groups = [[request] for request in pending]
+        for group in groups:
+            for reply in self._execute(group):
+                socket.send_multipart(reply, copy=False)
+
+    def _accept(self, frames: list[zmq.Frame]) -> batching.Pending | None:
+        """A checked request ready to run; anything else is handled (or refused) here."""
         try:
             header = wire.unpack(frames[0].buffer)
             kind = wire.kind_of(header)
         except wire.ProtocolError as exc:
             log.warning("dropping undecodable message: %s", exc)
-            return
+            return None
         if kind is wire.Kind.REREGISTER:
             self.send_ready()
-            return
+            return None
         if kind is not wire.Kind.REQUEST:
             log.warning("unexpected %s message from the router", kind.value)
-            return
+            return None
         request_id = header.get("id")
         try:
-            reply = self._run(header, frames[1:])
+            return self._check(request_id, header, frames[1:])
         except ServingError as exc:
-            reply = [
-                wire.pack(wire.Kind.ERROR, id=request_id, code=int(exc.code), message=exc.message)
-            ]
+            self._socket.send(self._error(request_id, exc.code, exc.message))
         except Exception as exc:  # a bad request must never kill the worker
             log.exception("request %s failed", request_id)
-            reply = [
-                wire.pack(wire.Kind.ERROR, id=request_id, code=int(Code.INTERNAL), message=str(exc))
-            ]
-        self._socket.send_multipart(reply, copy=False)
+            self._socket.send(self._error(request_id, Code.INTERNAL, str(exc)))
+        return None
 
-    def _run(self, header: dict[str, Any], frames: list[zmq.Frame]) -> list[Any]:
+    def _check(
+        self, request_id: Any, header: dict[str, Any], frames: list[zmq.Frame]
+    ) -> batching.Pending:
         try:
             inputs = wire.decode_tensors(header["tensors"], frames)
         except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
@@ -120,13 +151,55 @@ class Worker:
         }
         check_inputs(spec, given)
         outputs = check_output_filter(spec, header.get("outputs") or [])
-        start_us = time.time_ns() // 1000
-        result = self.runtime.run(spec.key, inputs, outputs)
-        end_us = time.time_ns() // 1000
-        self.served += 1
+        return batching.Pending(request_id, spec.key, outputs, inputs)
+
+    def _execute(self, group: list[batching.Pending]) -> list[list[Any]]:
+        """Replies for a group: one model call for all of it when it merges and splits
+        cleanly; otherwise (one request, a failure, outputs without a row per input row)
+        each request on its own, so one bad request fails alone."""
+        if len(group) > 1:
+            first = group[0]
+            start_us = time.time_ns() // 1000
+            try:
+                merged = self.runtime.run(first.signature, batching.merge(group), first.outputs)
+                parts = batching.split(group, merged)
+            except Exception:  # the requests alone say whose fault it was
+                parts = None
+            end_us = time.time_ns() // 1000
+            if parts is not None:
+                self.served += len(group)
+                self.merged_calls += 1
+                return [
+                    self._reply(request.request_id, part, start_us, end_us)
+                    for request, part in zip(group, parts, strict=True)
+                ]
+        replies = []
+        for request in group:
+            start_us = time.time_ns() // 1000
+            try:
+                result = self.runtime.run(request.signature, request.inputs, request.outputs)
+            except ServingError as exc:
+                replies.append([self._error(request.request_id, exc.code, exc.message)])
+                continue
+            except Exception as exc:  # a bad request must never kill the worker
+                log.exception("request %s failed", request.request_id)
+                replies.append([self._error(request.request_id, Code.INTERNAL, str(exc))])
+                continue
+            self.served += 1
+            replies.append(
+                self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
+            )
+        return replies
+
+    @staticmethod
+    def _reply(request_id: Any, result: dict[str, Any], start_us: int, end_us: int) -> list[Any]:
         metas, out_frames = wire.encode_tensors(result)
-        head = wire.pack(wire.Kind.REPLY, id=header["id"], tensors=metas, t=[start_us, end_us])
+        head = wire.pack(wire.Kind.REPLY, id=request_id, tensors=metas, t=[start_us, end_us])
         return [head, *out_frames]
+
+    @staticmethod
+    def _error(request_id: Any, code: int, message: str) -> bytes:
+        return wire.pack(wire.Kind.ERROR, id=request_id, code=int(code), message=message)
 
 
 def _require_mps_daemon(timeout_s: float = 20.0) -> None:
@@ -209,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, config.model_version, worker.pid)
     worker.serve()
-    log.info("stopped after %d requests", worker.served)
+    log.info(
+        "stopped after %d requests (%d model calls answered several)",
+        worker.served,
+        worker.merged_calls,
+    )
     return process.EXIT_OK
 
 

@@ -1,0 +1,159 @@
+"""Opportunistic batching: the merge/split rules (worker/batching.py), then a real pool with
+--enable-batching answering queued requests from one model call each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from mpspool.demo_model import demo_inputs
+from mpspool.worker.batching import Pending, merge, plan, split
+
+from conftest import DEMO_ROWS
+from poolproc import Pool, mpspool_cmd
+
+
+def pending(
+    i: int, rows: int, sig: str = "s", outputs: tuple[str, ...] = ("y",), **extra
+) -> Pending:
+    inputs = {"x": np.full((rows, 3), i, np.float32), **extra}
+    return Pending(i, sig, list(outputs), inputs)
+
+
+# -- the rules ------------------------------------------------------------------------
+def test_plan_merges_compatible_requests_in_arrival_order_up_to_max_rows() -> None:
+    a, b, c, d = pending(1, 2), pending(2, 3), pending(3, 4), pending(4, 1)
+    groups = plan([a, b, c, d], max_rows=6)
+    # c does not fit beside a and b: it opens the next group, which d then joins.
+    assert [[p.request_id for p in g] for g in groups] == [[1, 2], [3, 4]]
+
+
+def test_plan_keeps_apart_what_cannot_share_a_call() -> None:
+    other_sig = pending(2, 1, sig="t")
+    other_outputs = pending(3, 1, outputs=("z",))
+    other_width = Pending(4, "s", ["y"], {"x": np.zeros((1, 4), np.float32)})
+    other_dtype = Pending(5, "s", ["y"], {"x": np.zeros((1, 3), np.float64)})
+    ragged = pending(6, 2, n=np.zeros((3,), np.int32))  # inputs disagree on rows
+    scalar = Pending(7, "s", ["y"], {"x": np.float32(1.0) * np.ones((), np.float32)})
+    empty = pending(8, 0)
+    too_big = pending(9, 11)
+    requests = [pending(1, 1), other_sig, other_outputs, other_width, other_dtype, ragged,
+                scalar, empty, too_big, pending(10, 1)]  # fmt: skip
+    groups = plan(requests, max_rows=10)
+    assert [[p.request_id for p in g] for g in groups] == [
+        [1, 10], [2], [3], [4], [5], [6], [7], [8], [9]
+    ]  # fmt: skip
+
+
+def test_merge_then_split_gives_each_request_its_own_rows() -> None:
+    group = [pending(1, 2), pending(2, 1), pending(3, 3)]
+    merged = merge(group)
+    assert merged["x"].shape == (6, 3)
+    parts = split(group, {"y": merged["x"][:, :1] * 10})
+    assert parts is not None
+    for request, part in zip(group, parts, strict=True):
+        np.testing.assert_array_equal(part["y"], request.inputs["x"][:, :1] * 10)
+
+
+def test_split_refuses_outputs_without_a_row_per_input_row() -> None:
+    group = [pending(1, 2), pending(2, 1)]
+    assert split(group, {"y": np.zeros((2, 1))}) is None  # reduced over the batch
+    assert split(group, {"y": np.float32(0) * np.ones(())}) is None  # a scalar
+
+
+# -- a real pool ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
+    pool = Pool(
+        tmp_path_factory.mktemp("batching"), demo_model_dir, 1, "--enable-batching",
+        "--max-batch-size", "8",
+    ).start()  # fmt: skip
+    try:
+        pool.wait_ready(1)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def request_for(inputs: dict[str, np.ndarray]) -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    return request
+
+
+def timeline(pool: Pool, *flags: str) -> list[list]:
+    done = subprocess.run(
+        mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), *flags),
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout)["spans"]
+
+
+def test_queued_requests_share_model_calls_and_each_gets_its_own_answer(
+    pool: Pool, reference_model
+) -> None:
+    sizes = [1, 3, 2, 1, 4, 1, 2, 2, 5, 1]  # 22 rows: at least 3 calls of <= 8 rows
+    inputs = [demo_inputs(rows, DEMO_ROWS, seed=100 + i) for i, rows in enumerate(sizes)]
+    bad = demo_inputs(2, DEMO_ROWS, seed=7)
+    bad["ids"][1, 3] = DEMO_ROWS + 5  # outside the table: this request alone must fail
+    (worker_pid,) = pool.worker_pids()
+    timeline(pool, "--clear")
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        stub.Predict(request_for(inputs[0]), timeout=30)  # the channel is up
+        timeline(pool, "--clear")
+        # Hold the worker so that every request is queued at it when it wakes up (well
+        # within the 3 s the router allows a silent worker).
+        os.kill(worker_pid, signal.SIGSTOP)
+        try:
+            futures = [stub.Predict.future(request_for(x), timeout=30) for x in inputs[:5]]
+            futures.append(stub.Predict.future(request_for(bad), timeout=30))
+            futures += [stub.Predict.future(request_for(x), timeout=30) for x in inputs[5:]]
+            time.sleep(0.5)
+        finally:
+            os.kill(worker_pid, signal.SIGCONT)
+        bad_future = futures.pop(5)
+        answers = [f.result() for f in futures]
+        with pytest.raises(grpc.RpcError) as info:
+            bad_future.result()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert f"{DEMO_ROWS + 5} is not in [0, {DEMO_ROWS})" in info.value.details()
+    for x, answer in zip(inputs, answers, strict=True):
+        got = tf.make_ndarray(answer.outputs["score"])
+        want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+    # Requests answered by one call share their span; the failed call's group was rerun
+    # one by one, so the bad request's neighbours still got answers.
+    spans = timeline(pool)
+    assert len(spans) == len(sizes)
+    calls = Counter((start, end) for _, start, end in spans)
+    assert max(calls.values()) > 1, spans
+    assert pool.slot("cpu-0")["restarts"] == 0
+
+
+def test_requests_that_cannot_merge_are_answered_alone(pool: Pool, reference_model) -> None:
+    # Batch 12 exceeds --max-batch-size 8: it runs by itself, whole.
+    x = demo_inputs(12, DEMO_ROWS, seed=3)
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        got = tf.make_ndarray(stub.Predict(request_for(x), timeout=30).outputs["score"])
+    want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
