@@ -1,5 +1,5 @@
 """A load generator for TensorFlow Serving's Predict API (any server speaking it, mpspool's router
-included), in closed-loop and open-loop form.
+included), in closed-loop and open-loop form; also for KServe v2's ModelInfer (Triton's gRPC API).
 
 Closed loop (``--concurrency C``): C coroutines each send a request, wait for its answer and send
 the next, back to back. It measures the throughput a server reaches when C clients keep it
@@ -18,6 +18,11 @@ cores with the server: requests are serialized once before the run (a few distin
 cycled) and sent as bytes, and answers are not parsed (one answer is parsed and checked
 before the run starts). Every run is bounded: by its duration, a per-request deadline, a cap on
 requests sent, and an overall time limit.
+
+Protocols (``--protocol``): "tfserving" sends TF Serving PredictRequests (tensor_content bytes);
+"kserve" sends KServe v2 ModelInferRequests with the tensors in ``raw_input_contents``, the
+fast path Triton's own clients take. Both carry the same demo inputs, so the servers compared
+do the same work.
 """
 
 from __future__ import annotations
@@ -37,11 +42,24 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench.protos import kserve_pb2
 from mpspool.demo_model import demo_inputs
 from mpspool.protos import serving_pb2
 from mpspool.router.codec import array_to_tensor, tensor_to_array
 
 PREDICT_METHOD = "/tensorflow.serving.PredictionService/Predict"
+KSERVE_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+# --protocol: the gRPC method each protocol's requests go to.
+PROTOCOL_METHODS = {"tfserving": PREDICT_METHOD, "kserve": KSERVE_INFER_METHOD}
+# KServe v2 tensor datatypes of the numpy dtypes the demo inputs use.
+KSERVE_DATATYPES = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.int32): "INT32",
+    np.dtype(np.int64): "INT64",
+    np.dtype(np.float16): "FP16",
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.float64): "FP64",
+}
 # Sending raw bytes over big batches: lift gRPC's 4 MiB default on both directions.
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 # After an error a closed-loop client pauses this long, so that a server answering every
@@ -84,6 +102,38 @@ def demo_requests(
     return payloads
 
 
+def kserve_requests(
+    batch: int, rows: int, count: int = 8, model_name: str = "demo", seed: int = 0
+) -> list[bytes]:
+    """``count`` distinct serialized KServe v2 ModelInferRequests for the demo model at ``batch``.
+
+    The same inputs as ``demo_requests`` (same seeds, so the same ids), each tensor sent as
+    little-endian bytes in ``raw_input_contents``. No outputs are named: the server returns
+    all of them (the demo model has one, ``score``).
+    """
+    payloads = []
+    for i in range(count):
+        request = kserve_pb2.ModelInferRequest(model_name=model_name)
+        for name, values in demo_inputs(batch, rows, seed=seed + i).items():
+            datatype = KSERVE_DATATYPES.get(values.dtype)
+            if datatype is None:
+                raise ValueError(f"input {name!r}: no KServe datatype for numpy {values.dtype}")
+            request.inputs.add(name=name, datatype=datatype, shape=values.shape)
+            little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+            request.raw_input_contents.append(little.tobytes())
+        payloads.append(request.SerializeToString())
+    return payloads
+
+
+def _protocol_method(protocol: str) -> str:
+    try:
+        return PROTOCOL_METHODS[protocol]
+    except KeyError:
+        raise ValueError(
+            f"protocol must be one of {sorted(PROTOCOL_METHODS)}, got {protocol!r}"
+        ) from None
+
+
 def _channel(target: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(
         target,
@@ -98,13 +148,23 @@ def _channel(target: str) -> grpc.aio.Channel:
 
 
 async def check_target(
-    target: str, payload: bytes, batch: int, output: str = "score", timeout_s: float = 30.0
+    target: str,
+    payload: bytes,
+    batch: int,
+    output: str = "score",
+    timeout_s: float = 30.0,
+    protocol: str = "tfserving",
 ) -> None:
     """Send one request and check the answer's ``output`` has ``batch`` rows.
 
     A load run that counts fast errors as throughput would be worse than no run, so a
     misconfigured target (wrong model name, wrong row count) fails here, loudly.
+    ``protocol`` says what ``payload`` is and how to read the answer ("tfserving" or "kserve").
     """
+    _protocol_method(protocol)  # an unknown protocol fails before anything is sent
+    if protocol == "kserve":
+        await _check_kserve_target(target, payload, batch, output, timeout_s)
+        return
     async with _channel(target) as channel:
         call = channel.unary_unary(
             PREDICT_METHOD, response_deserializer=serving_pb2.PredictResponse.FromString
@@ -126,6 +186,42 @@ async def check_target(
         )
 
 
+async def _check_kserve_target(
+    target: str, payload: bytes, batch: int, output: str, timeout_s: float
+) -> None:
+    async with _channel(target) as channel:
+        call = channel.unary_unary(
+            KSERVE_INFER_METHOD, response_deserializer=kserve_pb2.ModelInferResponse.FromString
+        )
+        try:
+            response = await call(payload, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise RuntimeError(
+                f"{target} did not answer a ModelInfer request: {exc.code().name}: {exc.details()}"
+            ) from exc
+    names = [tensor.name for tensor in response.outputs]
+    if output not in names:
+        raise RuntimeError(f"{target} answered without output {output!r}: got {sorted(names)}")
+    index = names.index(output)
+    tensor = response.outputs[index]
+    shape = tuple(tensor.shape)
+    if not shape or shape[0] != batch:
+        raise RuntimeError(
+            f"{target} answered {output!r} with shape {shape}, expected {batch} rows"
+        )
+    # Raw contents, when sent, come one per output in the outputs' order: their size must
+    # agree with the shape, or the server answered something other than it says.
+    itemsize = {v: k.itemsize for k, v in KSERVE_DATATYPES.items()}.get(tensor.datatype)
+    if response.raw_output_contents and itemsize is not None:
+        got = len(response.raw_output_contents[index])
+        expected = int(np.prod(shape)) * itemsize
+        if got != expected:
+            raise RuntimeError(
+                f"{target} answered {output!r} ({tensor.datatype}, shape {shape}) with {got} "
+                f"bytes, expected {expected}"
+            )
+
+
 # -- one run ------------------------------------------------------------------------
 class _Run:
     """The shared machinery of one run: channels, the window clock, records, progress."""
@@ -142,7 +238,9 @@ class _Run:
         max_requests: int,
         on_window: WindowHook | None,
         progress: str | None,
+        protocol: str = "tfserving",
     ) -> None:
+        self.method = _protocol_method(protocol)
         if not payloads:
             raise ValueError("at least one request payload is needed")
         if duration_s <= 0 or warmup_s < 0 or timeout_s <= 0:
@@ -182,7 +280,7 @@ class _Run:
             # Connect before the clock starts: connection set-up is not the server's latency.
             await asyncio.wait_for(channel.channel_ready(), self.timeout_s)
             # No serializer/deserializer: requests are bytes already, answers stay bytes.
-            self.calls.append(channel.unary_unary(PREDICT_METHOD))
+            self.calls.append(channel.unary_unary(self.method))
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -303,17 +401,19 @@ async def closed_loop(
     max_requests: int = DEFAULT_MAX_REQUESTS,
     on_window: WindowHook | None = None,
     progress: str | None = None,
+    protocol: str = "tfserving",
 ) -> dict[str, Any]:
     """C = ``concurrency`` clients sending back to back; see the module docstring.
 
     Returns the summary dict (throughput_rps, rows_per_s, p50/p90/p99_ms, errors by status
-    code, ...) of the requests answered within the measured window.
+    code, ...) of the requests answered within the measured window. ``protocol`` ("tfserving"
+    or "kserve") must match what ``payloads`` are; it picks the gRPC method.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     run = _Run(
         target, payloads, batch, duration_s, warmup_s, timeout_s, channels, max_requests,
-        on_window, progress,
+        on_window, progress, protocol,
     )  # fmt: skip
 
     async def client(index: int) -> None:
@@ -340,7 +440,9 @@ async def closed_loop(
         await run.drive([client(i) for i in range(concurrency)])
     finally:
         await run.close()
-    return run.summary("closed", concurrency=concurrency, channels=run.channel_count)
+    return run.summary(
+        "closed", concurrency=concurrency, channels=run.channel_count, **_protocol_key(protocol)
+    )
 
 
 async def open_loop(
@@ -358,17 +460,18 @@ async def open_loop(
     seed: int = 0,
     on_window: WindowHook | None = None,
     progress: str | None = None,
+    protocol: str = "tfserving",
 ) -> dict[str, Any]:
     """Requests at ``rate`` per second (``arrivals``: "poisson" or "uniform"); see the module
     docstring. The summary adds ``offered_rps`` and the client's worst send lag, which says
-    whether the client itself kept up with the schedule."""
+    whether the client itself kept up with the schedule. ``protocol`` as in closed_loop."""
     if rate <= 0:
         raise ValueError(f"rate must be positive, got {rate}")
     if arrivals not in ("poisson", "uniform"):
         raise ValueError(f"arrivals must be 'poisson' or 'uniform', got {arrivals!r}")
     run = _Run(
         target, payloads, batch, duration_s, warmup_s, timeout_s, channels, max_requests,
-        on_window, progress,
+        on_window, progress, protocol,
     )  # fmt: skip
     rng = random.Random(seed)
     max_lag = 0.0
@@ -416,10 +519,18 @@ async def open_loop(
         await run.drive([scheduler()])
     finally:
         await run.close()
-    result = run.summary("open", rate=rate, arrivals=arrivals, channels=run.channel_count)
+    result = run.summary(
+        "open", rate=rate, arrivals=arrivals, channels=run.channel_count,
+        **_protocol_key(protocol),
+    )  # fmt: skip
     result["offered_rps"] = scheduled_in_window / result["duration_s"]
     result["max_send_lag_ms"] = max_lag * 1e3
     return result
+
+
+def _protocol_key(protocol: str) -> dict[str, str]:
+    # TF Serving runs keep the summary they always had; others say what they spoke.
+    return {} if protocol == "tfserving" else {"protocol": protocol}
 
 
 # -- command line ---------------------------------------------------------------------
@@ -455,13 +566,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-request deadline, s")
     parser.add_argument(
+        "--protocol",
+        choices=sorted(PROTOCOL_METHODS),
+        default="tfserving",
+        help="TF Serving Predict or KServe v2 ModelInfer (Triton) (%(default)s)",
+    )
+    parser.add_argument(
         "--rows",
         type=int,
         default=1000,
         help="embedding rows of the served demo model; ids are drawn below it (%(default)s)",
     )
     parser.add_argument("--model-name", default="demo")
-    parser.add_argument("--signature-name", default="")
+    parser.add_argument("--signature-name", default="", help="tfserving only")
     parser.add_argument("--distinct", type=int, default=8, help="distinct requests, cycled")
     parser.add_argument("--channels", type=int, default=1, help="gRPC channels (connections)")
     parser.add_argument("--max-requests", type=int, default=DEFAULT_MAX_REQUESTS)
@@ -472,10 +589,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _amain(args: argparse.Namespace) -> dict[str, Any]:
-    payloads = demo_requests(
-        args.batch, args.rows, args.distinct, args.model_name, args.signature_name
+    if args.protocol == "kserve":
+        if args.signature_name:
+            raise ValueError("--signature-name is TF Serving's; KServe v2 has no signatures")
+        payloads = kserve_requests(args.batch, args.rows, args.distinct, args.model_name)
+    else:
+        payloads = demo_requests(
+            args.batch, args.rows, args.distinct, args.model_name, args.signature_name
+        )
+    await check_target(
+        args.target, payloads[0], args.batch, timeout_s=args.timeout, protocol=args.protocol
     )
-    await check_target(args.target, payloads[0], args.batch, timeout_s=args.timeout)
     label = None if args.quiet else "loadgen"
     common = {
         "duration_s": args.duration,
@@ -484,6 +608,7 @@ async def _amain(args: argparse.Namespace) -> dict[str, Any]:
         "channels": args.channels,
         "max_requests": args.max_requests,
         "progress": label,
+        "protocol": args.protocol,
     }
     if args.rate is not None:
         return await open_loop(

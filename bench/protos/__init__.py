@@ -1,0 +1,1 @@
+"""Message definitions the load generator speaks besides TF Serving's (KServe v2 gRPC)."""
