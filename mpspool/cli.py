@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "batch to fill. Only for models whose output rows depend on their own input row",
     )
     start.add_argument(
+        "--dispatch",
+        choices=("round-robin", "least-loaded"),
+        default="round-robin",
+        help="how the router picks a worker: in turn (default), or the one with the fewest "
+        "requests in flight, the first in slot order among equals",
+    )
+    start.add_argument(
         "--max-batch-size",
         type=int,
         default=1000,
@@ -266,6 +273,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         batching=args.batching,
+        dispatch=args.dispatch,
         max_batch_size=args.max_batch_size,
         contexts_per_gpu=args.contexts_per_gpu,
         mps=args.mps,

@@ -80,6 +80,8 @@ class PoolConfig:
     # one model call, up to max_batch_size rows (TF Serving's max_batch_size default). Off by
     # default, as in TF Serving: only correct for models whose rows are independent.
     batching: bool = False
+    # How the router picks a worker: router.workers.DISPATCH_POLICIES.
+    dispatch: str = "round-robin"
     max_batch_size: int = 1000
     # Publish the variables once into shared memory and map them in every worker (the
     # default); off, each worker loads its own copy from the checkpoint.
@@ -142,6 +144,10 @@ class PoolConfig:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if self.dispatch not in ("round-robin", "least-loaded"):
+            raise ConfigError(
+                f"--dispatch must be round-robin or least-loaded, got {self.dispatch!r}"
+            )
         if self.max_batch_size < 1:
             raise ConfigError(f"--max-batch-size must be at least 1, got {self.max_batch_size}")
         if not 1 <= self.contexts_per_gpu <= 48:

@@ -43,7 +43,7 @@ class Router:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.phase = Phase.SERVING
-        self.table = WorkerTable(timeout_s=config.worker_timeout_s)
+        self.table = WorkerTable(timeout_s=config.worker_timeout_s, policy=config.dispatch)
         self.model = ServedModel(config.model_name, config.model_version)
         self.health = health.aio.HealthServicer()
         self._zmq = zmq.asyncio.Context()

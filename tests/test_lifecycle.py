@@ -3,18 +3,24 @@ start, and a controller killed outright — nothing may be left behind."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
 import pytest
+import tensorflow as tf
 from grpc_health.v1 import health_pb2
+
+from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
@@ -190,6 +196,46 @@ def test_max_connection_age_closes_client_connections(tmp_path: Path, demo_model
             assert grpc.ChannelConnectivity.IDLE in states[ready_at:], states
             assert pool.health(channel) == SERVING  # and the client simply reconnects
             channel.unsubscribe(states.append)
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
+
+
+def test_dispatch_least_loaded_keeps_one_worker_busy_at_low_load(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """--dispatch least-loaded: requests one at a time all go to the first idle worker (the
+    default, round-robin, would alternate); concurrent ones spread over both."""
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    pool = Pool(tmp_path, demo_model_dir, 2, "--dispatch", "least-loaded").start()
+    try:
+        pool.wait_ready(2)
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "demo"
+        for name, array in demo_inputs(64, DEMO_ROWS).items():
+            request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+
+        def slots_answering(send: Callable[[Any], None]) -> list[str]:
+            cli = mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), "--clear")
+            subprocess.run(cli, check=True, capture_output=True, timeout=30)
+            with pool.channel() as channel:
+                send(prediction_service_pb2_grpc.PredictionServiceStub(channel))
+            out = subprocess.run(cli, check=True, capture_output=True, timeout=30).stdout
+            return [slot for slot, _, _ in json.loads(out)["spans"]]
+
+        def one_at_a_time(stub: Any) -> None:
+            for _ in range(6):
+                stub.Predict(request, timeout=30)
+
+        def together(stub: Any) -> None:
+            for _ in range(5):
+                futures = [stub.Predict.future(request, timeout=30) for _ in range(8)]
+                for future in futures:
+                    future.result()
+
+        assert slots_answering(one_at_a_time) == ["cpu-0"] * 6
+        assert set(slots_answering(together)) == {"cpu-0", "cpu-1"}
         assert pool.stop() == 0
     finally:
         pool.kill()

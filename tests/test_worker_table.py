@@ -36,9 +36,9 @@ def ident(slot: str, pid: int) -> bytes:
 class Harness:
     """A table on a fake clock, plus every future handed out, checked at teardown."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "round-robin") -> None:
         self.clock = FakeClock()
-        self.table = WorkerTable(TIMEOUT_S, clock=self.clock)
+        self.table = WorkerTable(TIMEOUT_S, clock=self.clock, policy=policy)
         self.futures: list[asyncio.Future[Any]] = []
 
     def join(self, slot: str, pid: int) -> bytes:
@@ -63,9 +63,9 @@ class Harness:
                 future.exception()
 
 
-def run(body: Callable[[Harness], Coroutine[Any, Any, None]]) -> None:
+def run(body: Callable[[Harness], Coroutine[Any, Any, None]], policy: str = "round-robin") -> None:
     async def main() -> None:
-        harness = Harness()
+        harness = Harness(policy)
         await body(harness)
         # Leave the table empty: every request still parked must fail, none stay pending.
         for handle in harness.table.ready():
@@ -264,6 +264,33 @@ def test_round_robin_alternates_over_slots_in_order():
         assert all(picks[i] != picks[i + 1] for i in range(3))
 
     run(body)
+
+
+def test_least_loaded_picks_the_fewest_in_flight_first_slot_among_equals():
+    async def body(h: Harness) -> None:
+        c2, c0, c1 = h.join("cpu-2", 101), h.join("cpu-0", 303), h.join("cpu-1", 202)
+        # All idle: the first in slot order, every time (it stays warm).
+        assert [h.table.pick().slot for _ in range(3)] == ["cpu-0"] * 3
+        long_request = h.send(c0, 1)
+        assert h.table.pick().slot == "cpu-1"
+        h.send(c1, 2)
+        h.send(c1, 3)
+        assert h.table.pick().slot == "cpu-2"  # cpu-0 has 1, cpu-1 has 2
+        h.send(c2, 4)
+        assert h.table.pick().slot == "cpu-0"  # 1, 2, 1: first among equals
+        h.table.resolve(c1, 2, "done", None)
+        h.table.resolve(c1, 3, "done", None)
+        assert h.table.pick().slot == "cpu-1"  # idle again
+        h.table.resolve(c0, 1, "done", None)
+        h.table.resolve(c2, 4, "done", None)
+        assert long_request.done()
+
+    run(body, "least-loaded")
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="least-loaded"):
+        WorkerTable(TIMEOUT_S, policy="random")
 
 
 def test_resolve_completes_once_and_refuses_unknown_or_late_replies():
