@@ -211,34 +211,41 @@ def _plain_log_labels(ax: Any) -> None:
 
 
 def plot_density(
-    occ: Occupancy, path: Path, title: str, xlabel: str = "ms since the first span"
+    panels: Sequence[tuple[Occupancy, str]],
+    path: Path,
+    title: str,
+    xlabel: str = "ms since the first span",
 ) -> Path:
-    """Stacked per-worker occupancy over time (one color per worker) and the total."""
+    """Stacked per-worker occupancy over time (one color per worker) and the total, one
+    panel per (occupancy, subtitle): e.g. the whole window in coarse bins, then an excerpt
+    in fine ones where single requests show."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(12, 4))
-    if occ.busy.size:
-        left_ms = occ.edges_us[:-1] / 1000.0
-        # Steps: each bin's value holds over the whole bin.
-        x = np.repeat(occ.edges_us / 1000.0, 2)[1:-1]
-        stacked = np.repeat(occ.busy, 2, axis=1)
-        palette = plt.get_cmap("tab10").colors
-        ax.stackplot(
-            x,
-            stacked,
-            labels=[f"worker {slot}" for slot in occ.slots],
-            colors=[palette[i % len(palette)] for i in range(len(occ.slots))],
-            alpha=0.8,
-            linewidth=0,
-        )
-        ax.plot(x, np.repeat(occ.total, 2), color="black", linewidth=0.8, label="total")
-        ax.set_xlim(0, left_ms[-1] + np.diff(occ.edges_us)[-1] / 1000.0)
-        ax.legend(loc="upper right", fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no spans", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("requests in execution")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.2 * len(panels)), squeeze=False)
+    palette = plt.get_cmap("tab10").colors
+    for ax, (occ, subtitle) in zip(axes[:, 0], panels, strict=True):
+        if occ.busy.size:
+            left_ms = occ.edges_us[:-1] / 1000.0
+            # Steps: each bin's value holds over the whole bin.
+            x = np.repeat(occ.edges_us / 1000.0, 2)[1:-1]
+            stacked = np.repeat(occ.busy, 2, axis=1)
+            ax.stackplot(
+                x,
+                stacked,
+                labels=[f"worker {slot}" for slot in occ.slots],
+                colors=[palette[i % len(palette)] for i in range(len(occ.slots))],
+                alpha=0.8,
+                linewidth=0,
+            )
+            ax.plot(x, np.repeat(occ.total, 2), color="black", linewidth=0.8, label="total")
+            ax.set_xlim(left_ms[0], left_ms[-1] + np.diff(occ.edges_us)[-1] / 1000.0)
+            ax.legend(loc="upper right", fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no spans", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("requests in execution")
+        ax.set_title(subtitle, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
