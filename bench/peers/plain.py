@@ -30,15 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import tensorflow as tf
-from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+from tensorflow_serving.apis import prediction_service_pb2_grpc
 
+from bench.peers.tfserving import PredictModel, Refused
 from mpspool import process
 from mpspool.config import usable_cores
 
 log = logging.getLogger("bench.peers.plain")
 
-SIGNATURE = "serving_default"
 # Enough handler threads for the comparison's highest concurrency (16): every request in
 # flight is being served, none waits for a thread.
 DEFAULT_GRPC_THREADS = 16
@@ -79,67 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class PlainPredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
-    """PredictionService.Predict over one loaded SavedModel, answering like TF Serving does
-    for the cases a client meets: unknown model or version, unknown signature, bad inputs.
-    The other methods answer UNIMPLEMENTED (the generated base class)."""
+    """PredictionService.Predict over one loaded SavedModel (bench.peers.tfserving); the
+    other methods answer UNIMPLEMENTED (the generated base class)."""
 
     def __init__(self, model_dir: Path, name: str, intra_op_threads: int) -> None:
-        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        self.name = name
-        # TF Serving's layout: the version is the directory's name.
-        self.version = int(model_dir.name) if model_dir.name.isdigit() else 0
-        self.loaded = tf.saved_model.load(str(model_dir), tags=["serve"])
-        self.serve = self.loaded.signatures[SIGNATURE]
-        self.input_names = sorted(self.serve.structured_input_signature[1])
+        self.model = PredictModel(model_dir, name, intra_op_threads)
 
     def Predict(self, request: Any, context: Any) -> Any:
-        spec = request.model_spec
-        choice = spec.WhichOneof("version_choice")
-        if spec.name != self.name or (choice == "version" and spec.version.value != self.version):
-            wanted = (
-                f"Specific({spec.name}, {spec.version.value})"
-                if choice == "version"
-                else f"Latest({spec.name})"
-            )
-            context.abort(grpc.StatusCode.NOT_FOUND, f"Servable not found for request: {wanted}")
-        if choice == "version_label" and spec.version_label != str(self.version):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"Unrecognized servable version label: {spec.version_label}",
-            )
-        signature = spec.signature_name or SIGNATURE
-        if signature != SIGNATURE:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f'Serving signature key "{signature}" not found.',
-            )
-        sent = sorted(request.inputs)
-        if sent != self.input_names:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"input size does not match signature: {len(sent)}!={len(self.input_names)} "
-                f"for inputs {sent}, signature expects {self.input_names}",
-            )
         try:
-            inputs = {k: tf.make_ndarray(v) for k, v in request.inputs.items()}
-            outputs = self.serve(**inputs)
-        except (tf.errors.InvalidArgumentError, TypeError, ValueError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).strip()[:1000])
-        wanted_outputs = list(request.output_filter) or list(outputs)
-        unknown = [k for k in wanted_outputs if k not in outputs]
-        if unknown:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"output tensor alias not found in signature: {unknown[0]}",
-            )
-        response = predict_pb2.PredictResponse()
-        response.model_spec.name = self.name
-        response.model_spec.version.value = self.version
-        response.model_spec.signature_name = signature
-        for key in wanted_outputs:
-            response.outputs[key].CopyFrom(tf.make_tensor_proto(outputs[key].numpy()))
-        return response
+            return self.model.predict(request)
+        except Refused as refused:
+            context.abort(getattr(grpc.StatusCode, refused.code), refused.message)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -176,7 +125,7 @@ def serve(args: argparse.Namespace) -> int:
         log.error("cannot listen on 127.0.0.1:%d", args.port)
         return 1
     server.start()
-    log.info("serving %r version %d on 127.0.0.1:%d", args.model_name, service.version, port)
+    log.info("serving %r version %d on 127.0.0.1:%d", args.model_name, service.model.version, port)
     while not stop.wait(1.0):
         pass
     server.stop(STOP_GRACE_S).wait()

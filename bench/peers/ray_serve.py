@@ -59,7 +59,6 @@ from mpspool import process
 
 log = logging.getLogger("bench.peers.ray_serve")
 
-SIGNATURE = "serving_default"
 SERVICER = (
     "tensorflow_serving.apis.prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server"
 )
@@ -151,18 +150,9 @@ class PredictReplica:
     """
 
     def __init__(self, model_dir: str, model_name: str, intra_op_threads: int) -> None:
-        import tensorflow as tf
+        from bench.peers.tfserving import PredictModel
 
-        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        self.tf = tf
-        self.name = model_name
-        # TF Serving's layout: the version is the directory's name.
-        base = Path(model_dir).name
-        self.version = int(base) if base.isdigit() else 0
-        self.loaded = tf.saved_model.load(model_dir, tags=["serve"])
-        self.serve = self.loaded.signatures[SIGNATURE]
-        self.input_names = sorted(self.serve.structured_input_signature[1])
+        self.model = PredictModel(model_dir, model_name, intra_op_threads)
 
     def _refuse(self, grpc_context: Any, code_name: str, details: str) -> Any:
         import grpc
@@ -173,55 +163,12 @@ class PredictReplica:
         return predict_pb2.PredictResponse()
 
     def Predict(self, request: Any, grpc_context: Any) -> Any:  # the RPC's name
-        from tensorflow_serving.apis import predict_pb2
+        from bench.peers.tfserving import Refused
 
-        tf = self.tf
-        spec = request.model_spec
-        choice = spec.WhichOneof("version_choice")
-        if spec.name != self.name or (choice == "version" and spec.version.value != self.version):
-            wanted = (
-                f"Specific({spec.name}, {spec.version.value})"
-                if choice == "version"
-                else f"Latest({spec.name})"
-            )
-            return self._refuse(
-                grpc_context, "NOT_FOUND", f"Servable not found for request: {wanted}"
-            )
-        signature = spec.signature_name or SIGNATURE
-        if signature != SIGNATURE:
-            return self._refuse(
-                grpc_context,
-                "FAILED_PRECONDITION",
-                f'Serving signature key "{signature}" not found.',
-            )
-        sent = sorted(request.inputs)
-        if sent != self.input_names:
-            return self._refuse(
-                grpc_context,
-                "INVALID_ARGUMENT",
-                f"input size does not match signature: {len(sent)}!={len(self.input_names)} "
-                f"for inputs {sent}, signature expects {self.input_names}",
-            )
         try:
-            inputs = {k: tf.make_ndarray(v) for k, v in request.inputs.items()}
-            outputs = self.serve(**inputs)
-        except (tf.errors.InvalidArgumentError, TypeError, ValueError) as exc:
-            return self._refuse(grpc_context, "INVALID_ARGUMENT", str(exc).strip()[:1000])
-        wanted_outputs = list(request.output_filter) or list(outputs)
-        unknown = [k for k in wanted_outputs if k not in outputs]
-        if unknown:
-            return self._refuse(
-                grpc_context,
-                "INVALID_ARGUMENT",
-                f"output tensor alias not found in signature: {unknown[0]}",
-            )
-        response = predict_pb2.PredictResponse()
-        response.model_spec.name = self.name
-        response.model_spec.version.value = self.version
-        response.model_spec.signature_name = signature
-        for key in wanted_outputs:
-            response.outputs[key].CopyFrom(tf.make_tensor_proto(outputs[key].numpy()))
-        return response
+            return self.model.predict(request)
+        except Refused as refused:
+            return self._refuse(grpc_context, refused.code, refused.message)
 
 
 def start(
