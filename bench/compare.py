@@ -67,6 +67,7 @@ from bench.foundation import (
     _f,
     _ints,
     _sigterm_as_exit,
+    add_output_arguments,
     best_of,
     command_line,
     ensure_model,
@@ -1318,21 +1319,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="smoke run: 1,000-row model, C 1,4, 1 s points; RESULTS.md untouched unless --results",
     )
-    parser.add_argument(
-        "--source",
-        choices=("worktree", "HEAD", "live"),
-        default="worktree",
-        help="mpspool code under test, frozen at the start (see bench.foundation) (%(default)s)",
-    )
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="raw results and plots")
-    parser.add_argument("--results", type=Path, help=f"markdown to update (default {RESULTS_MD})")
-    parser.add_argument("--no-results", action="store_true", help="JSON and plots only")
-    parser.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="run nothing: redraw the plots and rewrite the markdown from a raw results file",
-    )
+    add_output_arguments(parser, writes="the JSON and the plots")
     return parser
 
 

@@ -963,6 +963,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="smoke run: 1,000-row model, 1 s points; RESULTS.md untouched unless --results",
     )
+    add_output_arguments(parser)
+    return parser
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, writes: str = "the JSON") -> None:
+    """--source, --results, --no-results, --render: what every scenario script takes."""
     parser.add_argument(
         "--source",
         choices=("worktree", "HEAD", "live"),
@@ -971,14 +977,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(uncommitted changes included), the last commit, or live (no copy) (%(default)s)",
     )
     parser.add_argument("--results", type=Path, help=f"markdown to update (default {RESULTS_MD})")
-    parser.add_argument("--no-results", action="store_true", help="write the JSON only")
+    parser.add_argument("--no-results", action="store_true", help=f"write {writes} only")
     parser.add_argument(
         "--render",
         type=Path,
         metavar="JSON",
-        help="run nothing: rewrite the markdown section from a raw results file",
+        help=f"run nothing: rewrite {writes.replace('the JSON', 'the markdown section')} "
+        "from a raw results file",
     )
-    return parser
 
 
 @contextlib.contextmanager

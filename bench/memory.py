@@ -70,6 +70,7 @@ from bench.foundation import (
     _describe_source,
     _ints,
     _sigterm_as_exit,
+    add_output_arguments,
     command_line,
     ensure_model,
     frozen_code,
@@ -1007,20 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"smoke run: {QUICK_ROWS:,}-row model, N = 1, 2; RESULTS.md untouched unless "
         "--results",
     )
-    parser.add_argument(
-        "--source",
-        choices=("worktree", "HEAD", "live"),
-        default="worktree",
-        help="code under test, frozen into a temporary copy at the start (%(default)s)",
-    )
-    parser.add_argument("--results", type=Path, help=f"markdown to update (default {RESULTS_MD})")
-    parser.add_argument("--no-results", action="store_true", help="write the JSON only")
-    parser.add_argument(
-        "--render",
-        type=Path,
-        metavar="JSON",
-        help="run nothing: rewrite the markdown section from a raw results file",
-    )
+    add_output_arguments(parser)
     return parser
 
 
