@@ -66,13 +66,14 @@ from bench.foundation import (
     _describe_source,
     _f,
     _ints,
-    _sigterm_as_exit,
     add_output_arguments,
     best_of,
     command_line,
     ensure_model,
     frozen_code,
     machine,
+    print_targets,
+    run_to_json,
     shm_leftovers,
     versions,
     write_section,
@@ -1344,29 +1345,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    args.out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    started = time.monotonic()
-    try:
-        with _sigterm_as_exit():
-            report = run_comparison(args, stamp)
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        _say("compare: interrupted; everything it started has been stopped")
+
+    def summarise_for_readers(report: dict[str, Any]) -> None:
+        report["summary"] = summarise(report)  # for readers of the JSON; --render recomputes it
+
+    done = run_to_json(
+        "compare",
+        args.quick,
+        lambda stamp: run_comparison(args, stamp),
+        out_dir=args.out,
+        before_writing=summarise_for_readers,
+    )
+    if done is None:
         return 130
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    report["summary"] = summarise(report)  # for readers of the JSON; --render recomputes it
-    json_path = args.out / f"compare-{'quick-' if args.quick else ''}{stamp}.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    _say(f"compare: raw results in {json_path}")
+    report, json_path = done
     rendered = render(report, json_path, results_md)
     for path in rendered["plots"].values():
         _say(f"compare: plot {path}")
     if results_md is not None:
         _say(f"compare: updated {results_md}")
-    for t in rendered["summary"]["targets"]:
-        state = "----" if t["met"] is None else "MET " if t["met"] else "MISS"
-        _say(f"{state} {t['target']}: {_x(t['measured'])} {t['unit']}")
+    print_targets(rendered["summary"]["targets"], _x)
     for item in report["leftovers"]:
         _say(f"compare: LEFT BEHIND: {item}")
     failed = [name for name, e in report["systems"].items() if e["status"] in ("failed", "partial")]

@@ -43,7 +43,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -1006,6 +1006,42 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def run_to_json(
+    name: str,
+    quick: bool,
+    run: Callable[[str], dict[str, Any]],
+    out_dir: Path = OUT_DIR,
+    before_writing: Callable[[dict[str, Any]], None] = lambda report: None,
+) -> tuple[dict[str, Any], Path] | None:
+    """What every scenario's main() does around its run: a UTC stamp, the run with SIGTERM
+    unwinding like Ctrl-C, its wall time, and the raw JSON in ``out_dir``
+    (``<name>-[quick-]<stamp>.json``). None, said on stderr, when it was interrupted."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    started = time.monotonic()
+    try:
+        with _sigterm_as_exit():
+            report = run(stamp)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        # An interrupt inside a load run surfaces as the run's cancellation; either way the
+        # context managers have stopped every pool and process by now.
+        print(f"{name}: interrupted; everything it started has been stopped", file=sys.stderr)
+        return None
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    before_writing(report)
+    json_path = out_dir / f"{name}-{'quick-' if quick else ''}{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{name}: raw results in {json_path}", file=sys.stderr)
+    return report, json_path
+
+
+def print_targets(targets: Sequence[dict[str, Any]], measured: Callable[[float], str]) -> None:
+    for t in targets:
+        state = "----" if t["met"] is None else "MET " if t["met"] else "MISS"
+        print(f"{state} {t['target']}: {measured(t['measured'])} {t['unit']}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
@@ -1019,31 +1055,14 @@ def main(argv: list[str] | None = None) -> int:
         write_results_md(args.results or RESULTS_MD, render_markdown(report, args.render.resolve()))
         print(f"foundation: rendered {args.render} into {args.results or RESULTS_MD}")
         return 0
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    started = time.monotonic()
-    try:
-        with _sigterm_as_exit():
-            report = run_scenario(args, stamp)
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        # An interrupt inside a load run surfaces as the run's cancellation; either way the
-        # context managers have stopped every pool and process by now.
-        print("foundation: interrupted; everything it started has been stopped", file=sys.stderr)
+    done = run_to_json("foundation", args.quick, lambda stamp: run_scenario(args, stamp))
+    if done is None:
         return 130
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    name = f"foundation-{'quick-' if args.quick else ''}{stamp}.json"
-    json_path = OUT_DIR / name
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"foundation: raw results in {json_path}", file=sys.stderr)
+    report, json_path = done
     if results_md is not None:
         write_results_md(results_md, render_markdown(report, json_path))
         print(f"foundation: updated {results_md}", file=sys.stderr)
-    for t in report["summary"]["targets"]:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['target']}: {t['measured']:.2f} {t['unit']}",
-            file=sys.stderr,
-        )
+    print_targets(report["summary"]["targets"], lambda v: f"{v:.2f}")
     for item in report["leftovers"]:
         print(f"foundation: LEFT BEHIND: {item}", file=sys.stderr)
     print(f"foundation: done in {report['wall_s']:.0f} s", file=sys.stderr)

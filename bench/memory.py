@@ -69,12 +69,13 @@ from bench.foundation import (
     Pool,
     _describe_source,
     _ints,
-    _sigterm_as_exit,
     add_output_arguments,
     command_line,
     ensure_model,
     frozen_code,
     machine,
+    print_targets,
+    run_to_json,
     shm_leftovers,
     versions,
     write_section,
@@ -1026,28 +1027,14 @@ def main(argv: list[str] | None = None) -> int:
         write_results_md(args.results or RESULTS_MD, render_markdown(report, args.render.resolve()))
         print(f"memory: rendered {args.render} into {args.results or RESULTS_MD}")
         return 0
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    started = time.monotonic()
-    try:
-        with _sigterm_as_exit():
-            report = run_scenario(args, stamp)
-    except KeyboardInterrupt:
-        print("memory: interrupted; everything it started has been stopped", file=sys.stderr)
+    done = run_to_json("memory", args.quick, lambda stamp: run_scenario(args, stamp))
+    if done is None:
         return 130
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    json_path = OUT_DIR / f"memory-{'quick-' if args.quick else ''}{stamp}.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"memory: raw results in {json_path}", file=sys.stderr)
+    report, json_path = done
     if results_md is not None:
         write_results_md(results_md, render_markdown(report, json_path))
         print(f"memory: updated {results_md}", file=sys.stderr)
-    for t in report["summary"]["targets"]:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['target']}: {t['measured']:.2f} {t['unit']}",
-            file=sys.stderr,
-        )
+    print_targets(report["summary"]["targets"], lambda v: f"{v:.2f}")
     for item in report["summary"]["oddities"]:
         print(f"memory: ODD: {item}", file=sys.stderr)
     for item in report["leftovers"]:

@@ -44,11 +44,11 @@ from bench.foundation import (
     Pool,
     _describe_source,
     _ints,
-    _sigterm_as_exit,
     command_line,
     ensure_model,
     frozen_code,
     machine,
+    run_to_json,
     shm_leftovers,
     versions,
     write_section,
@@ -443,21 +443,21 @@ def main(argv: list[str] | None = None) -> int:
         args.interval_ms = min(args.interval_ms, 1000)
     results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
     binary = find_perf_analyzer(args.perf_analyzer)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
-        with _sigterm_as_exit():
-            report = run_scenario(args, stamp, binary)
-    except KeyboardInterrupt:
-        print("perf_analyzer: interrupted; everything it started has been stopped", file=sys.stderr)
+
+    def drop_raw_rows(report: dict[str, Any]) -> None:
+        for run in report["runs"]:
+            for row in run["rows"]:
+                row.pop("raw", None)  # the CSV is kept; the JSON keeps the parsed figures
+
+    done = run_to_json(
+        "perf_analyzer",
+        args.quick,
+        lambda stamp: run_scenario(args, stamp, binary),
+        before_writing=drop_raw_rows,
+    )
+    if done is None:
         return 130
-    json_path = OUT_DIR / f"perf_analyzer-{'quick-' if args.quick else ''}{stamp}.json"
-    for run in report["runs"]:
-        for row in run["rows"]:
-            row.pop("raw", None)  # the CSV is kept; the JSON keeps the parsed figures
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"perf_analyzer: raw results in {json_path}", file=sys.stderr)
+    report, json_path = done
     if results_md is not None:
         write_results_md(results_md, render_markdown(report, json_path))
         print(f"perf_analyzer: updated {results_md}", file=sys.stderr)
