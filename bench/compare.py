@@ -670,7 +670,10 @@ class SpanRecorder:
             return
         try:
             if edge == "start":
+                began = time.perf_counter()
                 self.record["start_us"] = int(self._take(clear=True)["now_us"])
+                # The load generator sends nothing while this runs (it is on its loop).
+                self.record["clear_ms"] = round((time.perf_counter() - began) * 1000, 1)
             else:
                 taken = self._take(clear=False)
                 self.record["end_us"] = int(taken["now_us"])
@@ -1241,8 +1244,12 @@ def render_markdown(
             "worker runs one request at a time, so 1.0 is a worker fully busy; below 1.0 it "
             "waited for the router. Empty stretches in the first tens of ms coincide with the "
             "load generator's own work at the window's start (it clears the router's timeline "
-            "and samples CPU times from its event loop, sending nothing meanwhile); that "
-            "cause is inferred, not measured."
+            "and samples CPU times from its event loop, sending nothing meanwhile)"
+            + (
+                f"; the clear alone held it {density['clear_ms']:g} ms."
+                if "clear_ms" in density
+                else "; that cause is inferred, not measured."
+            )
             + (
                 f" {density['dropped']} spans were dropped (buffer full)."
                 if density.get("dropped")
