@@ -1042,6 +1042,38 @@ def print_targets(targets: Sequence[dict[str, Any]], measured: Callable[[float],
         print(f"{state} {t['target']}: {measured(t['measured'])} {t['unit']}", file=sys.stderr)
 
 
+def scenario_main(
+    name: str,
+    args: argparse.Namespace,
+    run: Callable[[str], dict[str, Any]],
+    render_markdown: Callable[[dict[str, Any], Path], str],
+    notes: Callable[[dict[str, Any]], Sequence[str]] = lambda report: (),
+) -> int:
+    """A scenario's main() after its arguments are settled: --render, or the run, its raw
+    JSON, its section of RESULTS.md, the targets, ``notes`` and leftovers on stderr. Exit
+    code 130 when interrupted, 1 when the run left anything behind."""
+    results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
+    if args.render is not None:
+        report = json.loads(args.render.read_text())
+        write_results_md(args.results or RESULTS_MD, render_markdown(report, args.render.resolve()))
+        print(f"{name}: rendered {args.render} into {args.results or RESULTS_MD}")
+        return 0
+    done = run_to_json(name, args.quick, run)
+    if done is None:
+        return 130
+    report, json_path = done
+    if results_md is not None:
+        write_results_md(results_md, render_markdown(report, json_path))
+        print(f"{name}: updated {results_md}", file=sys.stderr)
+    print_targets(report["summary"]["targets"], lambda v: f"{v:.2f}")
+    for line in notes(report):
+        print(f"{name}: {line}", file=sys.stderr)
+    for item in report["leftovers"]:
+        print(f"{name}: LEFT BEHIND: {item}", file=sys.stderr)
+    print(f"{name}: done in {report['wall_s']:.0f} s", file=sys.stderr)
+    return 1 if report["leftovers"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
@@ -1049,24 +1081,9 @@ def main(argv: list[str] | None = None) -> int:
         args.duration = min(args.duration, 1.0)
         args.warmup = min(args.warmup, 0.5)
         args.repeat = 1
-    results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
-    if args.render is not None:
-        report = json.loads(args.render.read_text())
-        write_results_md(args.results or RESULTS_MD, render_markdown(report, args.render.resolve()))
-        print(f"foundation: rendered {args.render} into {args.results or RESULTS_MD}")
-        return 0
-    done = run_to_json("foundation", args.quick, lambda stamp: run_scenario(args, stamp))
-    if done is None:
-        return 130
-    report, json_path = done
-    if results_md is not None:
-        write_results_md(results_md, render_markdown(report, json_path))
-        print(f"foundation: updated {results_md}", file=sys.stderr)
-    print_targets(report["summary"]["targets"], lambda v: f"{v:.2f}")
-    for item in report["leftovers"]:
-        print(f"foundation: LEFT BEHIND: {item}", file=sys.stderr)
-    print(f"foundation: done in {report['wall_s']:.0f} s", file=sys.stderr)
-    return 1 if report["leftovers"] else 0
+    return scenario_main(
+        "foundation", args, lambda stamp: run_scenario(args, stamp), render_markdown
+    )
 
 
 if __name__ == "__main__":

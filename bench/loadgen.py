@@ -165,16 +165,9 @@ async def check_target(
     if protocol == "kserve":
         await _check_kserve_target(target, payload, batch, output, timeout_s)
         return
-    async with _channel(target) as channel:
-        call = channel.unary_unary(
-            PREDICT_METHOD, response_deserializer=serving_pb2.PredictResponse.FromString
-        )
-        try:
-            response = await call(payload, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise RuntimeError(
-                f"{target} did not answer a Predict request: {exc.code().name}: {exc.details()}"
-            ) from exc
+    response = await _call_once(
+        target, PREDICT_METHOD, serving_pb2.PredictResponse.FromString, payload, timeout_s
+    )
     if output not in response.outputs:
         raise RuntimeError(
             f"{target} answered without output {output!r}: got {sorted(response.outputs)}"
@@ -186,19 +179,28 @@ async def check_target(
         )
 
 
+async def _call_once(
+    target: str, method: str, parse: Callable[[bytes], Any], payload: bytes, timeout_s: float
+) -> Any:
+    """One call of ``method`` with a pre-serialized ``payload``; its parsed answer, or a
+    RuntimeError naming the method and the status."""
+    async with _channel(target) as channel:
+        call = channel.unary_unary(method, response_deserializer=parse)
+        try:
+            return await call(payload, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            what = method.rsplit("/", 1)[-1]
+            raise RuntimeError(
+                f"{target} did not answer a {what} request: {exc.code().name}: {exc.details()}"
+            ) from exc
+
+
 async def _check_kserve_target(
     target: str, payload: bytes, batch: int, output: str, timeout_s: float
 ) -> None:
-    async with _channel(target) as channel:
-        call = channel.unary_unary(
-            KSERVE_INFER_METHOD, response_deserializer=kserve_pb2.ModelInferResponse.FromString
-        )
-        try:
-            response = await call(payload, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise RuntimeError(
-                f"{target} did not answer a ModelInfer request: {exc.code().name}: {exc.details()}"
-            ) from exc
+    response = await _call_once(
+        target, KSERVE_INFER_METHOD, kserve_pb2.ModelInferResponse.FromString, payload, timeout_s
+    )
     names = [tensor.name for tensor in response.outputs]
     if output not in names:
         raise RuntimeError(f"{target} answered without output {output!r}: got {sorted(names)}")

@@ -65,7 +65,6 @@ from bench.foundation import (
     MODEL_NAME,
     OUT_DIR,
     REPO,
-    RESULTS_MD,
     Pool,
     _describe_source,
     _ints,
@@ -74,8 +73,7 @@ from bench.foundation import (
     ensure_model,
     frozen_code,
     machine,
-    print_targets,
-    run_to_json,
+    scenario_main,
     shm_leftovers,
     versions,
     write_section,
@@ -1021,26 +1019,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows <= SMALL_ROWS:
         print(f"memory: --rows must exceed the reference's {SMALL_ROWS:,}", file=sys.stderr)
         return 2
-    results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
-    if args.render is not None:
-        report = json.loads(args.render.read_text())
-        write_results_md(args.results or RESULTS_MD, render_markdown(report, args.render.resolve()))
-        print(f"memory: rendered {args.render} into {args.results or RESULTS_MD}")
-        return 0
-    done = run_to_json("memory", args.quick, lambda stamp: run_scenario(args, stamp))
-    if done is None:
-        return 130
-    report, json_path = done
-    if results_md is not None:
-        write_results_md(results_md, render_markdown(report, json_path))
-        print(f"memory: updated {results_md}", file=sys.stderr)
-    print_targets(report["summary"]["targets"], lambda v: f"{v:.2f}")
-    for item in report["summary"]["oddities"]:
-        print(f"memory: ODD: {item}", file=sys.stderr)
-    for item in report["leftovers"]:
-        print(f"memory: LEFT BEHIND: {item}", file=sys.stderr)
-    print(f"memory: done in {report['wall_s']:.0f} s", file=sys.stderr)
-    return 1 if report["leftovers"] else 0
+    return scenario_main(
+        "memory",
+        args,
+        lambda stamp: run_scenario(args, stamp),
+        render_markdown,
+        notes=lambda report: [f"ODD: {item}" for item in report["summary"]["oddities"]],
+    )
 
 
 if __name__ == "__main__":
