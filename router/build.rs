@@ -1,0 +1,19 @@
+//! Generates the TF Serving messages and services from the project's own .proto files with a
+//! protoc that ships inside a crate (nothing to install beside cargo).
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    std::env::set_var("PROTOC", protoc);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let services = root.join("router/proto/tfserving_services.proto");
+    println!("cargo:rerun-if-changed={}", services.display());
+    for name in ["serving.proto", "tensorflow.proto"] {
+        println!("cargo:rerun-if-changed={}", root.join("mpspool/protos").join(name).display());
+    }
+    tonic_prost_build::configure()
+        .build_client(false)
+        .bytes(".")
+        .compile_protos(&[services], &[root])?;
+    Ok(())
+}

@@ -1,0 +1,65 @@
+//! What the front door's parts share: the lifecycle phase (one writer: `server`), the ports
+//! it got, counters the dispatcher bumps and metrics read, and the controller's drain request.
+
+use std::sync::atomic::{AtomicU16, AtomicU64};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Accepting requests (health follows worker readiness).
+    Serving,
+    /// Health NOT_SERVING; finishing in-flight requests.
+    Draining,
+    /// gRPC server stopped; waiting to be told to exit.
+    Stopped,
+}
+
+impl Phase {
+    /// The name the controller reads in a snapshot (`phase`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Serving => "serving",
+            Phase::Draining => "draining",
+            Phase::Stopped => "stopped",
+        }
+    }
+}
+
+/// The controller asked the front door to drain: say NOT_SERVING, keep answering for `delay`,
+/// then stop accepting and give in-flight requests up to `grace`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrainRequest {
+    pub delay: Duration,
+    pub grace: Duration,
+}
+
+pub struct RouterState {
+    /// Written only by the server's lifecycle code.
+    pub phase: watch::Sender<Phase>,
+    pub grpc_port: AtomicU16,
+    /// 0 when metrics are off or could not be served.
+    pub metrics_port: AtomicU16,
+    /// Requests sent again because their worker left before answering.
+    pub retries: AtomicU64,
+    /// Drain requests from the control channel; the server acts on the first.
+    pub drain: mpsc::UnboundedSender<DrainRequest>,
+}
+
+impl RouterState {
+    pub fn new() -> (RouterState, mpsc::UnboundedReceiver<DrainRequest>) {
+        let (drain, drain_rx) = mpsc::unbounded_channel();
+        let (phase, _) = watch::channel(Phase::Serving);
+        (
+            RouterState {
+                phase,
+                grpc_port: AtomicU16::new(0),
+                metrics_port: AtomicU16::new(0),
+                retries: AtomicU64::new(0),
+                drain,
+            },
+            drain_rx,
+        )
+    }
+}

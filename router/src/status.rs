@@ -1,0 +1,124 @@
+//! The one error a request can fail with: a gRPC status code and TF Serving's message.
+//!
+//! Codes are gRPC's (TensorFlow's `error::Code` uses the same numbers), so a worker's error
+//! crosses ZeroMQ as an integer and reaches the client unchanged. Mapped to `tonic::Status` in
+//! exactly one place (`From<ServingError> for tonic::Status`).
+
+/// gRPC status codes, numbered as on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum Code {
+    Ok = 0,
+    Cancelled = 1,
+    Unknown = 2,
+    InvalidArgument = 3,
+    DeadlineExceeded = 4,
+    NotFound = 5,
+    AlreadyExists = 6,
+    PermissionDenied = 7,
+    ResourceExhausted = 8,
+    FailedPrecondition = 9,
+    Aborted = 10,
+    OutOfRange = 11,
+    Unimplemented = 12,
+    Internal = 13,
+    Unavailable = 14,
+    DataLoss = 15,
+    Unauthenticated = 16,
+}
+
+impl Code {
+    /// The code for a number a worker sent; numbers outside gRPC's range are UNKNOWN.
+    pub fn from_i32(value: i32) -> Code {
+        match value {
+            0 => Code::Ok,
+            1 => Code::Cancelled,
+            3 => Code::InvalidArgument,
+            4 => Code::DeadlineExceeded,
+            5 => Code::NotFound,
+            6 => Code::AlreadyExists,
+            7 => Code::PermissionDenied,
+            8 => Code::ResourceExhausted,
+            9 => Code::FailedPrecondition,
+            10 => Code::Aborted,
+            11 => Code::OutOfRange,
+            12 => Code::Unimplemented,
+            13 => Code::Internal,
+            14 => Code::Unavailable,
+            15 => Code::DataLoss,
+            16 => Code::Unauthenticated,
+            _ => Code::Unknown,
+        }
+    }
+
+    /// The upper-case name Prometheus labels and logs use (`INVALID_ARGUMENT`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::Ok => "OK",
+            Code::Cancelled => "CANCELLED",
+            Code::Unknown => "UNKNOWN",
+            Code::InvalidArgument => "INVALID_ARGUMENT",
+            Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+            Code::NotFound => "NOT_FOUND",
+            Code::AlreadyExists => "ALREADY_EXISTS",
+            Code::PermissionDenied => "PERMISSION_DENIED",
+            Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+            Code::FailedPrecondition => "FAILED_PRECONDITION",
+            Code::Aborted => "ABORTED",
+            Code::OutOfRange => "OUT_OF_RANGE",
+            Code::Unimplemented => "UNIMPLEMENTED",
+            Code::Internal => "INTERNAL",
+            Code::Unavailable => "UNAVAILABLE",
+            Code::DataLoss => "DATA_LOSS",
+            Code::Unauthenticated => "UNAUTHENTICATED",
+        }
+    }
+}
+
+/// A request failed with a TF Serving status code and message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", code.name())]
+pub struct ServingError {
+    pub code: Code,
+    pub message: String,
+}
+
+impl ServingError {
+    pub fn new(code: Code, message: impl Into<String>) -> ServingError {
+        ServingError {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn invalid_argument(message: impl Into<String>) -> ServingError {
+        ServingError::new(Code::InvalidArgument, message)
+    }
+}
+
+impl From<ServingError> for tonic::Status {
+    fn from(error: ServingError) -> tonic::Status {
+        tonic::Status::new(tonic::Code::from_i32(error.code as i32), error.message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_through_their_numbers() {
+        for n in 0..=16 {
+            assert_eq!(Code::from_i32(n) as i32, n);
+        }
+        assert_eq!(Code::from_i32(99), Code::Unknown);
+        assert_eq!(Code::from_i32(-1), Code::Unknown);
+    }
+
+    #[test]
+    fn maps_to_the_same_grpc_status() {
+        let status: tonic::Status = ServingError::new(Code::NotFound, "gone").into();
+        assert_eq!(status.code(), tonic::Code::NotFound);
+        assert_eq!(status.message(), "gone");
+    }
+}

@@ -1,0 +1,261 @@
+//! The router ⇄ worker wire protocol, the Rust side of `mpspool/wire.py` (the one
+//! definition: read its docstring for the message table).
+//!
+//! A message is `[header, *tensor frames]`: the header a msgpack map `{"v": 1, "k": kind,
+//! ...}`, each tensor a separate frame of raw little-endian bytes, except DT_STRING tensors,
+//! which travel as one msgpack array of byte strings. The router sees each worker message
+//! behind the worker's ZeroMQ identity (`<slot>:<pid>`). Never pickle: msgpack only.
+//! The test vectors in `tests/vectors/wire.json` are checked by both sides.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+pub const PROTOCOL_VERSION: i64 = 1;
+
+pub const WORKERS_ENDPOINT: &str = "workers.ipc";
+pub const CONTROL_ENDPOINT: &str = "control.ipc";
+
+/// How often a worker's serving loop sends a heartbeat (`wire.HEARTBEAT_INTERVAL_S`).
+pub const HEARTBEAT_INTERVAL_S: f64 = 0.5;
+
+pub fn endpoint(run_dir: &str, name: &str) -> String {
+    format!("ipc://{run_dir}/{name}")
+}
+
+/// `[name, dtype, shape]`: dtype a TensorFlow DataType number.
+pub type TensorMeta = (String, i32, Vec<i64>);
+
+/// A message that does not follow the protocol (wrong version, bad framing, bad msgpack).
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("undecodable header: {0}")]
+    Undecodable(#[from] rmp_serde::decode::Error),
+    #[error("expected protocol version {PROTOCOL_VERSION}, got {0}")]
+    Version(i64),
+    #[error("a string tensor frame must hold an array of byte strings: {0}")]
+    StringFrame(String),
+}
+
+/// Everything a worker sends. Unknown kinds fail to decode (and are logged and dropped).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "k")]
+pub enum WorkerMessage {
+    /// `+ [serialized SignatureDefMap]`; weights: where its variables live, or nil.
+    #[serde(rename = "ready")]
+    Ready {
+        slot: String,
+        pid: i64,
+        model: String,
+        version: i64,
+        #[serde(default)]
+        weights: Option<rmpv::Value>,
+    },
+    #[serde(rename = "hb")]
+    Heartbeat {
+        slot: String,
+        pid: i64,
+        #[serde(default)]
+        served: i64,
+    },
+    /// `+ one frame per output tensor`; t: `[start, end]` of the model run, µs since the epoch.
+    #[serde(rename = "reply")]
+    Reply {
+        id: u64,
+        tensors: Vec<TensorMeta>,
+        #[serde(default)]
+        t: Option<(i64, i64)>,
+    },
+    #[serde(rename = "error")]
+    Error { id: u64, code: i32, message: String },
+    #[serde(rename = "bye")]
+    Bye { slot: String, pid: i64 },
+}
+
+#[derive(Deserialize)]
+struct Envelope {
+    v: i64,
+    #[serde(flatten)]
+    message: WorkerMessage,
+}
+
+/// Decode a worker's header frame.
+pub fn decode_worker_header(frame: &[u8]) -> Result<WorkerMessage, ProtocolError> {
+    #[derive(Deserialize)]
+    struct VersionOnly {
+        v: i64,
+    }
+    match rmp_serde::from_slice::<Envelope>(frame) {
+        Ok(envelope) if envelope.v == PROTOCOL_VERSION => Ok(envelope.message),
+        Ok(envelope) => Err(ProtocolError::Version(envelope.v)),
+        // Say "wrong version" rather than "bad field" when that is the reason.
+        Err(error) => match rmp_serde::from_slice::<VersionOnly>(frame) {
+            Ok(only) if only.v != PROTOCOL_VERSION => Err(ProtocolError::Version(only.v)),
+            _ => Err(ProtocolError::Undecodable(error)),
+        },
+    }
+}
+
+#[derive(Serialize)]
+struct RequestHeader<'a> {
+    v: i64,
+    k: &'static str,
+    id: u64,
+    sig: &'a str,
+    tensors: &'a [TensorMeta],
+    outputs: &'a [String],
+}
+
+/// The REQUEST header: `{v, k: "req", id, sig, tensors, outputs}`; its tensors follow as frames.
+pub fn encode_request(id: u64, signature: &str, tensors: &[TensorMeta], outputs: &[String]) -> Vec<u8> {
+    let header = RequestHeader {
+        v: PROTOCOL_VERSION,
+        k: "req",
+        id,
+        sig: signature,
+        tensors,
+        outputs,
+    };
+    // Serializing plain strings, integers and arrays into a Vec cannot fail.
+    rmp_serde::to_vec_named(&header).unwrap_or_default()
+}
+
+/// The REREGISTER message: "I do not know you, send READY again".
+pub fn encode_reregister() -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Who {
+        v: i64,
+        k: &'static str,
+    }
+    rmp_serde::to_vec_named(&Who {
+        v: PROTOCOL_VERSION,
+        k: "who",
+    })
+    .unwrap_or_default()
+}
+
+/// A DT_STRING tensor's frame: one msgpack array of byte strings.
+pub fn encode_strings<S: AsRef<[u8]>>(values: &[S]) -> Vec<u8> {
+    let payload: usize = values.iter().map(|v| v.as_ref().len() + 5).sum();
+    let mut out = Vec::with_capacity(payload + 5);
+    // Writes into a Vec cannot fail; lengths above u32 cannot reach here (2 GiB limit).
+    let _ = rmp::encode::write_array_len(&mut out, values.len() as u32);
+    for value in values {
+        let _ = rmp::encode::write_bin(&mut out, value.as_ref());
+    }
+    out
+}
+
+/// The byte strings of a DT_STRING frame (msgpack str or bin elements, as Python sends either).
+pub fn decode_strings(frame: &Bytes) -> Result<Vec<Bytes>, ProtocolError> {
+    let bad = |what: &str| ProtocolError::StringFrame(what.to_string());
+    let mut cursor: &[u8] = frame;
+    let total = frame.len();
+    let count = rmp::decode::read_array_len(&mut cursor).map_err(|e| bad(&e.to_string()))?;
+    // Each element takes at least one byte: a count beyond the frame is a lie, not an allocation.
+    if count as usize > cursor.len() {
+        return Err(bad(&format!("{count} elements in {} bytes", cursor.len())));
+    }
+    let mut values = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let marker = rmp::decode::read_marker(&mut cursor).map_err(|_| bad("truncated"))?;
+        let len = match marker {
+            rmp::Marker::FixStr(n) => n as usize,
+            rmp::Marker::Str8 | rmp::Marker::Bin8 => read_len(&mut cursor, 1)?,
+            rmp::Marker::Str16 | rmp::Marker::Bin16 => read_len(&mut cursor, 2)?,
+            rmp::Marker::Str32 | rmp::Marker::Bin32 => read_len(&mut cursor, 4)?,
+            other => return Err(bad(&format!("element of type {other:?}"))),
+        };
+        if len > cursor.len() {
+            return Err(bad("truncated"));
+        }
+        let start = total - cursor.len();
+        values.push(frame.slice(start..start + len));
+        cursor = &cursor[len..];
+    }
+    if !cursor.is_empty() {
+        return Err(bad(&format!("{} bytes after the array", cursor.len())));
+    }
+    Ok(values)
+}
+
+fn read_len(cursor: &mut &[u8], width: usize) -> Result<usize, ProtocolError> {
+    if cursor.len() < width {
+        return Err(ProtocolError::StringFrame("truncated".to_string()));
+    }
+    let (head, rest) = cursor.split_at(width);
+    *cursor = rest;
+    Ok(head.iter().fold(0usize, |n, b| (n << 8) | *b as usize))
+}
+
+/// A control-channel message (`{"v": 1, "op": ..., "n": ..., ...}`) as a msgpack map.
+pub fn decode_control(frame: &[u8]) -> Result<Vec<(String, rmpv::Value)>, ProtocolError> {
+    let value: rmpv::Value = rmp_serde::from_slice(frame)?;
+    let rmpv::Value::Map(entries) = value else {
+        return Err(ProtocolError::Version(-1));
+    };
+    let fields: Vec<(String, rmpv::Value)> = entries
+        .into_iter()
+        .filter_map(|(k, v)| k.as_str().map(|k| (k.to_string(), v)))
+        .collect();
+    match fields.iter().find(|(k, _)| k == "v").and_then(|(_, v)| v.as_i64()) {
+        Some(PROTOCOL_VERSION) => Ok(fields),
+        Some(other) => Err(ProtocolError::Version(other)),
+        None => Err(ProtocolError::Version(-1)),
+    }
+}
+
+/// A control-channel reply: `{"v": 1, **fields}`.
+pub fn encode_control(fields: Vec<(&str, rmpv::Value)>) -> Vec<u8> {
+    let mut entries = vec![(rmpv::Value::from("v"), rmpv::Value::from(PROTOCOL_VERSION))];
+    entries.extend(fields.into_iter().map(|(k, v)| (rmpv::Value::from(k), v)));
+    let mut out = Vec::new();
+    // Writing a Value into a Vec cannot fail.
+    let _ = rmpv::encode::write_value(&mut out, &rmpv::Value::Map(entries));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strings_round_trip() {
+        let values: Vec<&[u8]> = vec![b"", b"a", &[0u8; 300], &[7u8; 70_000]];
+        let frame = Bytes::from(encode_strings(&values));
+        let back = decode_strings(&frame).unwrap();
+        assert_eq!(back.len(), 4);
+        for (a, b) in values.iter().zip(back.iter()) {
+            assert_eq!(*a, &b[..]);
+        }
+    }
+
+    #[test]
+    fn string_frames_that_lie_are_refused() {
+        // An array header claiming 2^32-1 elements in a 5-byte frame.
+        let frame = Bytes::from_static(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+        assert!(decode_strings(&frame).is_err());
+        let frame = Bytes::from_static(&[0x91, 0xc4, 0x05, b'a']);
+        assert!(decode_strings(&frame).is_err());
+        let frame = Bytes::from_static(&[0x91, 0x01]);
+        assert!(decode_strings(&frame).is_err());
+    }
+
+    #[test]
+    fn worker_headers_decode_by_kind() {
+        let header = rmp_serde::to_vec_named(&serde_json::json!({
+            "v": 1, "k": "error", "id": 7, "code": 3, "message": "bad"
+        }))
+        .unwrap();
+        assert_eq!(
+            decode_worker_header(&header).unwrap(),
+            WorkerMessage::Error {
+                id: 7,
+                code: 3,
+                message: "bad".into()
+            }
+        );
+        let header = rmp_serde::to_vec_named(&serde_json::json!({"v": 2, "k": "bye", "slot": "cpu-0", "pid": 1})).unwrap();
+        assert!(matches!(decode_worker_header(&header), Err(ProtocolError::Version(2))));
+        assert!(decode_worker_header(b"\xc1").is_err());
+    }
+}
