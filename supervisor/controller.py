@@ -39,6 +39,8 @@ TICK_S = 0.2
 # How long the controller tolerates failing to see supervisord or the router.
 MAX_BLIND_S = 10.0
 ROUTER_PROGRAM = "router:router"
+# The router's expected exit codes: supervisord restarts it after any other.
+ROUTER_EXIT_CODES = (process.EXIT_OK, process.EXIT_CONFIG_ERROR)
 
 
 class PoolPhase(enum.Enum):
@@ -46,6 +48,24 @@ class PoolPhase(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
     STOPPED = "stopped"
+
+
+def _router_down_for_good(info: dict[str, Any]) -> str:
+    """Why the front door will not come back, or "" while it runs or supervisord is
+    restarting it. A killed or crashed router passes through EXITED on its way back to
+    STARTING (autorestart="unexpected"): seeing it there is no evidence of anything. The
+    evidence is supervisord giving up (FATAL: it kept failing to start) or an exit code it
+    does not restart (0, or the configuration error of a port that cannot be bound)."""
+    state = info.get("state")
+    if state == sd.FATAL:
+        return "could not start"
+    if state == sd.EXITED:
+        code = int(info.get("exitstatus") or 0)
+        if code == process.EXIT_CONFIG_ERROR:
+            return "could not start"
+        if code in ROUTER_EXIT_CODES:
+            return f"exited with {code}"
+    return ""
 
 
 class RouterLink:
@@ -112,7 +132,7 @@ class Controller:
             priority=10,
             environment=env,
             autorestart="unexpected",
-            exitcodes=(0, process.EXIT_CONFIG_ERROR),
+            exitcodes=ROUTER_EXIT_CODES,
             stopwaitsecs=int(self.config.shutdown_delay_s + self.config.drain_timeout_s + 5),
         )
         daemons = self.gpu.programs(env)
@@ -201,10 +221,10 @@ class Controller:
         # the state they have until the router speaks again.
         router_answered = answer is not None
         snap = answer or {}
-        router_info = infos.get(ROUTER_PROGRAM, {})
-        if router_info.get("state") in (sd.EXITED, sd.FATAL):
+        router_down = _router_down_for_good(infos.get(ROUTER_PROGRAM, {}))
+        if router_down:
             self._fail_pool(
-                f"the router could not start: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
+                f"the router {router_down}: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
             )
             return
         if snap.get("port") and self.port is None:

@@ -659,6 +659,28 @@ def test_the_pool_fails_when_the_router_cannot_start(pool: Pool):
     assert pool.controller.exit_reason == "the router could not start: port 8500 is already in use"
 
 
+@pytest.mark.parametrize("exitstatus", [-9, 1, 2])
+def test_a_router_on_its_way_back_is_no_pool_failure(pool: Pool, exitstatus: int):
+    """kill -9 of the router: supervisord reports EXITED for a moment, then restarts it."""
+    pool.start()
+    pool.sd.set(ROUTER_PROGRAM, sd.EXITED, exitstatus=exitstatus)
+    pool.tick()
+    assert pool.controller.phase is not PoolPhase.DRAINING
+    assert pool.controller.exit_code == 0
+    pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=11)
+    pool.tick()
+    assert pool.controller.phase is not PoolPhase.DRAINING
+
+
+def test_the_pool_fails_when_supervisord_gives_up_on_the_router(pool: Pool):
+    pool.sd.logs[ROUTER_PROGRAM] = "thread 'main' panicked"
+    pool.start()
+    pool.sd.set(ROUTER_PROGRAM, sd.FATAL, spawnerr="Exited too quickly")
+    pool.tick()
+    assert pool.controller.phase is PoolPhase.DRAINING
+    assert pool.controller.exit_reason == "the router could not start: thread 'main' panicked"
+
+
 # ---------------------------------------------------------------------------------------
 # shutdown, with the fakes
 # ---------------------------------------------------------------------------------------
