@@ -1,1 +1,488 @@
-//! (being written)
+//! TensorProto ⇄ worker frames, parsing exactly as TensorFlow's C++ `Tensor::FromProto`
+//! (what TF Serving runs):
+//! - a non-empty `tensor_content` holds the raw little-endian values and must be exactly
+//!   `num_elements × itemsize` bytes;
+//! - otherwise only the typed `*_val` field that matches the dtype is read (values in any other
+//!   field are ignored: an int64 tensor sent in `bool_val` is all zeros);
+//! - no values at all → zeros; fewer values than elements → the last value repeats;
+//! - more values than elements → the first `num_elements` are used.
+//!
+//! Half and bfloat16 travel in `half_val` as their 16-bit patterns; complex values as
+//! (real, imaginary) pairs. `declared()` reads only dtype and shape, so a request is checked
+//! against the signature before any value is expanded: a 180-byte request that declares a
+//! shape of billions of elements costs microseconds to refuse, never an allocation.
+
+use bytes::{Bytes, BytesMut};
+
+use crate::proto::mpspool::tfs::{TensorProto, TensorShapeProto};
+use crate::status::ServingError;
+use crate::wire;
+
+pub const DT_FLOAT: i32 = 1;
+pub const DT_DOUBLE: i32 = 2;
+pub const DT_INT32: i32 = 3;
+pub const DT_UINT8: i32 = 4;
+pub const DT_INT16: i32 = 5;
+pub const DT_INT8: i32 = 6;
+pub const DT_STRING: i32 = 7;
+pub const DT_COMPLEX64: i32 = 8;
+pub const DT_INT64: i32 = 9;
+pub const DT_BOOL: i32 = 10;
+pub const DT_BFLOAT16: i32 = 14;
+pub const DT_UINT16: i32 = 17;
+pub const DT_COMPLEX128: i32 = 18;
+pub const DT_HALF: i32 = 19;
+pub const DT_UINT32: i32 = 22;
+pub const DT_UINT64: i32 = 23;
+
+/// numpy's limit on ndim (TensorFlow's own is 254; no served model comes near either).
+const MAX_RANK: usize = 64;
+
+/// The largest tensor a request may describe (2 GiB: protobuf's own limit on a message, so no
+/// request that spells its values out can be refused by this). Typed fields repeat their last
+/// value to fill the shape, so a request of a few bytes could otherwise ask for terabytes.
+pub const MAX_TENSOR_BYTES: u64 = 1 << 31;
+
+/// Short names as TensorFlow prints them ("expects dtype int64 but float is provided").
+pub fn dtype_name(dtype: i32) -> String {
+    let name = match dtype {
+        DT_FLOAT => "float",
+        DT_DOUBLE => "double",
+        DT_INT32 => "int32",
+        DT_UINT8 => "uint8",
+        DT_INT16 => "int16",
+        DT_INT8 => "int8",
+        DT_STRING => "string",
+        DT_COMPLEX64 => "complex64",
+        DT_INT64 => "int64",
+        DT_BOOL => "bool",
+        DT_BFLOAT16 => "bfloat16",
+        DT_UINT16 => "uint16",
+        DT_COMPLEX128 => "complex128",
+        DT_HALF => "half",
+        DT_UINT32 => "uint32",
+        DT_UINT64 => "uint64",
+        other => return format!("DataType({other})"),
+    };
+    name.to_string()
+}
+
+/// Bytes per element of a numeric dtype; None for strings and types mpspool does not carry.
+pub fn itemsize(dtype: i32) -> Option<usize> {
+    match dtype {
+        DT_UINT8 | DT_INT8 | DT_BOOL => Some(1),
+        DT_INT16 | DT_UINT16 | DT_HALF | DT_BFLOAT16 => Some(2),
+        DT_FLOAT | DT_INT32 | DT_UINT32 => Some(4),
+        DT_DOUBLE | DT_INT64 | DT_UINT64 | DT_COMPLEX64 => Some(8),
+        DT_COMPLEX128 => Some(16),
+        _ => None,
+    }
+}
+
+fn invalid(name: &str, what: impl std::fmt::Display) -> ServingError {
+    ServingError::invalid_argument(format!("tensor parsing error: input \"{name}\": {what}"))
+}
+
+fn dims_text(shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("[{}]", dims.join(", "))
+}
+
+/// The dtype and shape a tensor declares, validated (supported dtype, known rank, no negative
+/// dimension, element count within int64) without reading or expanding any value.
+pub fn declared(proto: &TensorProto, name: &str) -> Result<(i32, Vec<i64>), ServingError> {
+    let dtype = proto.dtype;
+    if dtype != DT_STRING && itemsize(dtype).is_none() {
+        return Err(invalid(
+            name,
+            format!("unsupported dtype {}", dtype_name(dtype)),
+        ));
+    }
+    let shape = shape_of(proto.tensor_shape.as_ref(), name)?;
+    Ok((dtype, shape))
+}
+
+fn shape_of(shape: Option<&TensorShapeProto>, name: &str) -> Result<Vec<i64>, ServingError> {
+    let Some(shape) = shape else {
+        return Ok(Vec::new()); // no shape: a scalar, as in TensorFlow
+    };
+    if shape.unknown_rank {
+        return Err(invalid(name, "a tensor's shape must have a known rank"));
+    }
+    if shape.dim.len() > MAX_RANK {
+        return Err(invalid(
+            name,
+            format!("rank {} exceeds the maximum of {MAX_RANK}", shape.dim.len()),
+        ));
+    }
+    let dims: Vec<i64> = shape.dim.iter().map(|d| d.size).collect();
+    if dims.iter().any(|&d| d < 0) {
+        return Err(invalid(
+            name,
+            format!("negative dimension in shape {}", dims_text(&dims)),
+        ));
+    }
+    // TensorShape::IsValid multiplies dim by dim and rejects the shape as soon as the running
+    // product overflows int64, even if a later dimension is 0.
+    let mut n: i64 = 1;
+    for &d in &dims {
+        n = n.checked_mul(d).ok_or_else(|| {
+            invalid(
+                name,
+                format!("shape {} has more than 2^63-1 elements", dims_text(&dims)),
+            )
+        })?;
+    }
+    Ok(dims)
+}
+
+fn element_count(shape: &[i64]) -> u64 {
+    // declared() has bounded the product by i64::MAX.
+    shape.iter().fold(1u64, |n, &d| n.saturating_mul(d as u64))
+}
+
+fn too_big(name: &str, dtype: i32, shape: &[i64], bytes: u64) -> ServingError {
+    invalid(
+        name,
+        format!(
+            "shape {} of {} needs {bytes} bytes, more than the {MAX_TENSOR_BYTES} one tensor may have",
+            dims_text(shape),
+            dtype_name(dtype)
+        ),
+    )
+}
+
+/// The worker frame for a tensor already declared as (`dtype`, `shape`): little-endian values
+/// for numbers (the request's own `tensor_content` buffer when it is present, no copy), or
+/// one msgpack array of byte strings for DT_STRING.
+pub fn materialize(
+    proto: &TensorProto,
+    name: &str,
+    dtype: i32,
+    shape: &[i64],
+) -> Result<Bytes, ServingError> {
+    let n = element_count(shape);
+    if dtype == DT_STRING {
+        return materialize_strings(proto, name, shape, n);
+    }
+    let size = itemsize(dtype)
+        .ok_or_else(|| invalid(name, format!("unsupported dtype {}", dtype_name(dtype))))?;
+    if n == 0 {
+        // Tensor::FromProto reads no values for an empty shape: whatever came along is ignored.
+        return Ok(Bytes::new());
+    }
+    let bytes = n.saturating_mul(size as u64);
+    if bytes > MAX_TENSOR_BYTES {
+        return Err(too_big(name, dtype, shape, bytes));
+    }
+    let n = n as usize;
+    let content = &proto.tensor_content;
+    if !content.is_empty() {
+        if content.len() as u64 != bytes {
+            return Err(invalid(
+                name,
+                format!(
+                    "tensor_content has {} bytes, shape {} of {} needs {bytes}",
+                    content.len(),
+                    dims_text(shape),
+                    dtype_name(dtype)
+                ),
+            ));
+        }
+        if dtype == DT_BOOL && content.iter().any(|&b| b > 1) {
+            // TensorFlow refuses bool bytes other than 0 and 1.
+            return Err(invalid(
+                name,
+                "tensor_content of a bool tensor holds bytes other than 0 and 1",
+            ));
+        }
+        return Ok(content.clone());
+    }
+    let mut out = BytesMut::with_capacity(n * size);
+    match dtype {
+        DT_FLOAT => fill(&mut out, &proto.float_val, n, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        DT_DOUBLE => fill(&mut out, &proto.double_val, n, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        DT_INT32 => fill(&mut out, &proto.int_val, n, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        // int_val → narrower integers wraps like static_cast.
+        DT_INT16 => fill(&mut out, &proto.int_val, n, |v, o| {
+            o.extend_from_slice(&(*v as i16).to_le_bytes())
+        }),
+        DT_UINT16 => fill(&mut out, &proto.int_val, n, |v, o| {
+            o.extend_from_slice(&(*v as u16).to_le_bytes())
+        }),
+        DT_INT8 => fill(&mut out, &proto.int_val, n, |v, o| {
+            o.extend_from_slice(&(*v as i8).to_le_bytes())
+        }),
+        DT_UINT8 => fill(&mut out, &proto.int_val, n, |v, o| {
+            o.extend_from_slice(&(*v as u8).to_le_bytes())
+        }),
+        DT_INT64 => fill(&mut out, &proto.int64_val, n, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        DT_UINT32 => fill(&mut out, &proto.uint32_val, n, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        DT_UINT64 => fill(&mut out, &proto.uint64_val, n, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        DT_BOOL => fill(&mut out, &proto.bool_val, n, |v, o| {
+            o.extend_from_slice(&[u8::from(*v)])
+        }),
+        // The low 16 bits are the value's bit pattern.
+        DT_HALF | DT_BFLOAT16 => fill(&mut out, &proto.half_val, n, |v, o| {
+            o.extend_from_slice(&(*v as u16).to_le_bytes())
+        }),
+        DT_COMPLEX64 => fill(&mut out, &pairs(&proto.scomplex_val), n, |v, o| {
+            o.extend_from_slice(&v[0].to_le_bytes());
+            o.extend_from_slice(&v[1].to_le_bytes());
+        }),
+        DT_COMPLEX128 => fill(&mut out, &pairs(&proto.dcomplex_val), n, |v, o| {
+            o.extend_from_slice(&v[0].to_le_bytes());
+            o.extend_from_slice(&v[1].to_le_bytes());
+        }),
+        other => {
+            return Err(invalid(
+                name,
+                format!("unsupported dtype {}", dtype_name(other)),
+            ))
+        }
+    }
+    Ok(out.freeze())
+}
+
+/// (real, imaginary) pairs; an odd tail is dropped, as TensorFlow does.
+fn pairs<T: Copy>(values: &[T]) -> Vec<[T; 2]> {
+    values.chunks_exact(2).map(|p| [p[0], p[1]]).collect()
+}
+
+/// Write `n` values: those given, the last one repeated, or zeros when none are given.
+fn fill<T: Copy + Default>(
+    out: &mut BytesMut,
+    values: &[T],
+    n: usize,
+    write: impl Fn(&T, &mut BytesMut),
+) {
+    let zero = T::default();
+    let last = values.last().copied().unwrap_or(zero);
+    for value in values.iter().take(n) {
+        write(value, out);
+    }
+    for _ in values.len().min(n)..n {
+        write(&last, out);
+    }
+}
+
+fn materialize_strings(
+    proto: &TensorProto,
+    name: &str,
+    shape: &[i64],
+    n: u64,
+) -> Result<Bytes, ServingError> {
+    if !proto.tensor_content.is_empty() && n > 0 {
+        return Err(invalid(
+            name,
+            "string tensors must use string_val, not tensor_content",
+        ));
+    }
+    let values = &proto.string_val;
+    let given = values.len() as u64;
+    // The frame's size if the last value repeats to fill the shape: bounded before allocating.
+    let last_len = values.last().map_or(0, |v| v.len() as u64);
+    let spelled: u64 = values
+        .iter()
+        .take(n.min(given) as usize)
+        .map(|v| v.len() as u64 + 5)
+        .sum();
+    let repeated = n.saturating_sub(given).saturating_mul(last_len + 5);
+    let bytes = spelled.saturating_add(repeated);
+    if bytes > MAX_TENSOR_BYTES || n > MAX_TENSOR_BYTES {
+        return Err(too_big(name, DT_STRING, shape, bytes.max(n)));
+    }
+    let n = n as usize;
+    let empty = Bytes::new();
+    let last = values.last().unwrap_or(&empty);
+    let mut all: Vec<&Bytes> = values.iter().take(n).collect();
+    all.resize(n, last);
+    Ok(Bytes::from(wire::encode_strings(&all)))
+}
+
+/// A PredictResponse output from a worker's frame: `tensor_content` for numbers, `string_val`
+/// for strings (what the Python front door sent, and TF Serving with
+/// `--enable_serialization_as_tensor_content`).
+pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorProto, ServingError> {
+    let mut proto = TensorProto {
+        dtype,
+        tensor_shape: Some(TensorShapeProto {
+            dim: shape
+                .iter()
+                .map(
+                    |&size| crate::proto::mpspool::tfs::tensor_shape_proto::Dim {
+                        size,
+                        name: String::new(),
+                    },
+                )
+                .collect(),
+            unknown_rank: false,
+        }),
+        ..TensorProto::default()
+    };
+    if dtype == DT_STRING {
+        proto.string_val = wire::decode_strings(&frame).map_err(|e| {
+            ServingError::new(
+                crate::status::Code::Internal,
+                format!("a worker sent a bad string tensor: {e}"),
+            )
+        })?;
+    } else {
+        proto.tensor_content = frame;
+    }
+    Ok(proto)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::mpspool::tfs::tensor_shape_proto::Dim;
+
+    fn tensor(dtype: i32, dims: &[i64]) -> TensorProto {
+        TensorProto {
+            dtype,
+            tensor_shape: Some(TensorShapeProto {
+                dim: dims
+                    .iter()
+                    .map(|&size| Dim {
+                        size,
+                        name: String::new(),
+                    })
+                    .collect(),
+                unknown_rank: false,
+            }),
+            ..TensorProto::default()
+        }
+    }
+
+    fn frame(proto: &TensorProto) -> Result<Bytes, ServingError> {
+        let (dtype, shape) = declared(proto, "x")?;
+        materialize(proto, "x", dtype, &shape)
+    }
+
+    #[test]
+    fn typed_values_repeat_the_last_one_to_fill_the_shape() {
+        let mut t = tensor(DT_INT64, &[2, 2]);
+        t.int64_val = vec![1, 2];
+        let expect: Vec<u8> = [1i64, 2, 2, 2]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(&frame(&t).unwrap()[..], &expect[..]);
+    }
+
+    #[test]
+    fn no_values_are_zeros_and_other_fields_are_ignored() {
+        let mut t = tensor(DT_INT64, &[3]);
+        t.bool_val = vec![true, true, true];
+        assert_eq!(&frame(&t).unwrap()[..], &[0u8; 24][..]);
+    }
+
+    #[test]
+    fn tensor_content_must_be_exact() {
+        let mut t = tensor(DT_FLOAT, &[2]);
+        t.tensor_content = Bytes::from_static(&[0; 7]);
+        let err = frame(&t).unwrap_err();
+        assert_eq!(
+            err.message,
+            "tensor parsing error: input \"x\": tensor_content has 7 bytes, shape [2] of float needs 8"
+        );
+    }
+
+    #[test]
+    fn huge_declared_shapes_are_refused_without_allocating() {
+        let mut t = tensor(DT_STRING, &[1 << 21, 16]);
+        t.string_val = vec![Bytes::from_static(b"abcdefgh")];
+        // 2^25 copies of a 8-byte string: 436 MB of frame, under 2 GiB: allowed. Grow it.
+        let mut t2 = t.clone();
+        t2.tensor_shape = tensor(DT_STRING, &[1 << 28, 16]).tensor_shape;
+        assert!(frame(&t2)
+            .unwrap_err()
+            .message
+            .contains("more than the 2147483648"));
+        let mut f = tensor(DT_FLOAT, &[1 << 40]);
+        f.float_val = vec![1.0];
+        assert!(frame(&f)
+            .unwrap_err()
+            .message
+            .contains("more than the 2147483648"));
+        t.tensor_shape = tensor(DT_STRING, &[4]).tensor_shape;
+        assert_eq!(wire::decode_strings(&frame(&t).unwrap()).unwrap().len(), 4);
+    }
+
+    #[test]
+    fn shapes_are_validated() {
+        let t = tensor(DT_FLOAT, &[-1]);
+        assert!(declared(&t, "x")
+            .unwrap_err()
+            .message
+            .contains("negative dimension"));
+        let t = tensor(DT_FLOAT, &[1 << 40, 1 << 40, 0]);
+        assert!(declared(&t, "x")
+            .unwrap_err()
+            .message
+            .contains("more than 2^63-1"));
+        let mut t = tensor(DT_FLOAT, &[]);
+        t.tensor_shape = Some(TensorShapeProto {
+            dim: vec![],
+            unknown_rank: true,
+        });
+        assert!(declared(&t, "x")
+            .unwrap_err()
+            .message
+            .contains("known rank"));
+        let t = tensor(99, &[1]);
+        assert!(declared(&t, "x")
+            .unwrap_err()
+            .message
+            .contains("unsupported dtype DataType(99)"));
+    }
+
+    #[test]
+    fn bools_and_narrow_integers() {
+        let mut t = tensor(DT_BOOL, &[2]);
+        t.tensor_content = Bytes::from_static(&[1, 2]);
+        assert!(frame(&t).is_err());
+        let mut t = tensor(DT_UINT8, &[2]);
+        t.int_val = vec![257, -1];
+        assert_eq!(&frame(&t).unwrap()[..], &[1, 255]);
+        let mut t = tensor(DT_BFLOAT16, &[1]);
+        t.half_val = vec![0x3f80];
+        assert_eq!(&frame(&t).unwrap()[..], &[0x80, 0x3f]);
+    }
+
+    #[test]
+    fn complex_values_are_pairs() {
+        let mut t = tensor(DT_COMPLEX64, &[2]);
+        t.scomplex_val = vec![1.0, 2.0, 3.0];
+        let expect: Vec<u8> = [1.0f32, 2.0, 1.0, 2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(&frame(&t).unwrap()[..], &expect[..]);
+    }
+
+    #[test]
+    fn outputs_carry_bytes_or_strings() {
+        let out = output_tensor(DT_FLOAT, &[1], Bytes::from_static(&[0, 0, 128, 63])).unwrap();
+        assert_eq!(&out.tensor_content[..], &[0, 0, 128, 63]);
+        let strings = Bytes::from(wire::encode_strings(&[b"a".as_slice(), b"bc"]));
+        let out = output_tensor(DT_STRING, &[2], strings).unwrap();
+        assert_eq!(
+            out.string_val,
+            vec![Bytes::from_static(b"a"), Bytes::from_static(b"bc")]
+        );
+    }
+}

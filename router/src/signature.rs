@@ -1,1 +1,313 @@
-//! (being written)
+//! Serving signatures as plain data, and the checks a request must pass against one: the Rust
+//! side of `mpspool/signature.py` (the worker checks again with that module, so nothing
+//! malformed reaches TensorFlow). Messages follow TF Serving's, byte for byte.
+
+use std::collections::{BTreeSet, HashMap};
+
+use bytes::Bytes;
+use prost::Message;
+
+use crate::codec::dtype_name;
+use crate::proto::mpspool::tfs::{SignatureDefMap, TensorInfo};
+use crate::status::{Code, ServingError};
+
+pub const DEFAULT_SIGNATURE: &str = "serving_default";
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub dtype: i32,
+    /// None: unknown rank; -1: unknown dimension.
+    pub shape: Option<Vec<i64>>,
+}
+
+impl TensorSpec {
+    fn shape_text(&self) -> String {
+        match &self.shape {
+            None => "<unknown>".to_string(),
+            Some(shape) => dims(shape),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SignatureSpec {
+    pub key: String,
+    pub method_name: String,
+    pub inputs: HashMap<String, TensorSpec>,
+    pub outputs: HashMap<String, TensorSpec>,
+    /// Output aliases in name order: what an empty output_filter asks for.
+    pub output_names: Vec<String>,
+}
+
+/// The served model's signatures, as its first READY worker sent them.
+#[derive(Clone, Debug)]
+pub struct ModelSignatures {
+    pub model: String,
+    pub version: i64,
+    /// The serialized SignatureDefMap, served back in GetModelMetadata.
+    pub signature_defs: Bytes,
+    pub specs: HashMap<String, SignatureSpec>,
+}
+
+/// Specs for every signature that takes inputs (the init op's entry has none).
+pub fn parse(
+    model: &str,
+    version: i64,
+    signature_defs: Bytes,
+) -> Result<ModelSignatures, prost::DecodeError> {
+    let map = SignatureDefMap::decode(signature_defs.clone())?;
+    let mut specs = HashMap::new();
+    for (key, sig) in map.signature_def {
+        if sig.inputs.is_empty() {
+            continue;
+        }
+        let mut output_names: Vec<String> = sig.outputs.keys().cloned().collect();
+        output_names.sort();
+        specs.insert(
+            key.clone(),
+            SignatureSpec {
+                key,
+                method_name: sig.method_name,
+                inputs: sig
+                    .inputs
+                    .iter()
+                    .map(|(k, v)| (k.clone(), tensor_spec(v)))
+                    .collect(),
+                outputs: sig
+                    .outputs
+                    .iter()
+                    .map(|(k, v)| (k.clone(), tensor_spec(v)))
+                    .collect(),
+                output_names,
+            },
+        );
+    }
+    Ok(ModelSignatures {
+        model: model.to_string(),
+        version,
+        signature_defs,
+        specs,
+    })
+}
+
+fn tensor_spec(info: &TensorInfo) -> TensorSpec {
+    let shape = match &info.tensor_shape {
+        Some(shape) if shape.unknown_rank => None,
+        Some(shape) => Some(shape.dim.iter().map(|d| d.size).collect()),
+        None => None,
+    };
+    TensorSpec {
+        dtype: info.dtype,
+        shape,
+    }
+}
+
+impl ModelSignatures {
+    pub fn select(&self, name: &str) -> Result<&SignatureSpec, ServingError> {
+        let key = if name.is_empty() {
+            DEFAULT_SIGNATURE
+        } else {
+            name
+        };
+        self.specs.get(key).ok_or_else(|| {
+            ServingError::new(
+                Code::FailedPrecondition,
+                format!("Serving signature key \"{key}\" not found."),
+            )
+        })
+    }
+}
+
+/// INVALID_ARGUMENT unless `given` (alias, dtype, shape) fits the signature.
+pub fn check_inputs(
+    spec: &SignatureSpec,
+    given: &[(&str, i32, &[i64])],
+) -> Result<(), ServingError> {
+    let expected: BTreeSet<&str> = spec.inputs.keys().map(String::as_str).collect();
+    let sent: BTreeSet<&str> = given.iter().map(|(alias, _, _)| *alias).collect();
+    if sent != expected || sent.len() != given.len() {
+        let extra: BTreeSet<&str> = sent.difference(&expected).copied().collect();
+        let missing: BTreeSet<&str> = expected.difference(&sent).copied().collect();
+        return Err(ServingError::invalid_argument(format!(
+            "input size does not match signature: {}!={} len({}) != len({}). Sent extra: {}. Missing but required: {}.",
+            sent.len(),
+            expected.len(),
+            set(&sent),
+            set(&expected),
+            set(&extra),
+            set(&missing)
+        )));
+    }
+    for (alias, dtype, shape) in given {
+        let Some(want) = spec.inputs.get(*alias) else {
+            continue; // unreachable: the alias sets are equal
+        };
+        if *dtype != want.dtype {
+            return Err(ServingError::invalid_argument(format!(
+                "input \"{alias}\": expects dtype {} but {} is provided",
+                dtype_name(want.dtype),
+                dtype_name(*dtype)
+            )));
+        }
+        if !shape_fits(want.shape.as_deref(), shape) {
+            return Err(ServingError::invalid_argument(format!(
+                "input \"{alias}\": shape {} is not compatible with the signature's shape {}",
+                dims(shape),
+                want.shape_text()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The output aliases to return: all of them (in name order) when the filter is empty.
+pub fn check_output_filter(
+    spec: &SignatureSpec,
+    filter: &[String],
+) -> Result<Vec<String>, ServingError> {
+    if filter.is_empty() {
+        return Ok(spec.output_names.clone());
+    }
+    for name in filter {
+        if !spec.outputs.contains_key(name) {
+            let all: BTreeSet<&str> = spec.outputs.keys().map(String::as_str).collect();
+            return Err(ServingError::invalid_argument(format!(
+                "output tensor alias not found in signature: {name} Outputs expected to be in the set {}.",
+                set(&all)
+            )));
+        }
+    }
+    let unique: BTreeSet<&String> = filter.iter().collect();
+    if unique.len() != filter.len() {
+        let quoted: Vec<String> = filter.iter().map(|n| format!("'{n}'")).collect();
+        return Err(ServingError::invalid_argument(format!(
+            "duplicate output tensor alias in [{}]",
+            quoted.join(", ")
+        )));
+    }
+    Ok(filter.to_vec())
+}
+
+pub fn shape_fits(want: Option<&[i64]>, got: &[i64]) -> bool {
+    match want {
+        None => true,
+        Some(want) => {
+            want.len() == got.len() && want.iter().zip(got).all(|(w, g)| *w < 0 || w == g)
+        }
+    }
+}
+
+fn set(names: &BTreeSet<&str>) -> String {
+    format!(
+        "{{{}}}",
+        names.iter().copied().collect::<Vec<_>>().join(",")
+    )
+}
+
+fn dims(shape: &[i64]) -> String {
+    let d: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("[{}]", d.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> SignatureSpec {
+        let mut inputs = HashMap::new();
+        inputs.insert(
+            "ids".to_string(),
+            TensorSpec {
+                dtype: 9,
+                shape: Some(vec![-1, 16]),
+            },
+        );
+        inputs.insert(
+            "dense".to_string(),
+            TensorSpec {
+                dtype: 1,
+                shape: None,
+            },
+        );
+        let mut outputs = HashMap::new();
+        outputs.insert(
+            "score".to_string(),
+            TensorSpec {
+                dtype: 1,
+                shape: Some(vec![-1, 1]),
+            },
+        );
+        outputs.insert(
+            "logit".to_string(),
+            TensorSpec {
+                dtype: 1,
+                shape: Some(vec![-1, 1]),
+            },
+        );
+        SignatureSpec {
+            key: "serving_default".into(),
+            method_name: "tensorflow/serving/predict".into(),
+            inputs,
+            outputs,
+            output_names: vec!["logit".into(), "score".into()],
+        }
+    }
+
+    #[test]
+    fn missing_and_extra_inputs_are_named_as_tf_serving_does() {
+        let err = check_inputs(&spec(), &[("ids", 9, &[1, 16]), ("b", 1, &[1])]).unwrap_err();
+        assert_eq!(
+            err.message,
+            "input size does not match signature: 2!=2 len({b,ids}) != len({dense,ids}). Sent extra: {b}. Missing but required: {dense}."
+        );
+    }
+
+    #[test]
+    fn dtype_and_shape_mismatches() {
+        let err = check_inputs(&spec(), &[("ids", 1, &[1, 16]), ("dense", 1, &[1])]).unwrap_err();
+        assert_eq!(
+            err.message,
+            "input \"ids\": expects dtype int64 but float is provided"
+        );
+        let err = check_inputs(&spec(), &[("ids", 9, &[1, 15]), ("dense", 1, &[1])]).unwrap_err();
+        assert_eq!(
+            err.message,
+            "input \"ids\": shape [1,15] is not compatible with the signature's shape [-1,16]"
+        );
+        assert!(check_inputs(&spec(), &[("ids", 9, &[7, 16]), ("dense", 1, &[1, 2, 3])]).is_ok());
+    }
+
+    #[test]
+    fn output_filters() {
+        assert_eq!(
+            check_output_filter(&spec(), &[]).unwrap(),
+            vec!["logit", "score"]
+        );
+        let err = check_output_filter(&spec(), &["nope".into()]).unwrap_err();
+        assert_eq!(
+            err.message,
+            "output tensor alias not found in signature: nope Outputs expected to be in the set {logit,score}."
+        );
+        let err = check_output_filter(&spec(), &["score".into(), "score".into()]).unwrap_err();
+        assert_eq!(
+            err.message,
+            "duplicate output tensor alias in ['score', 'score']"
+        );
+    }
+
+    #[test]
+    fn unknown_signature_is_failed_precondition() {
+        let mut specs = HashMap::new();
+        specs.insert("serving_default".to_string(), spec());
+        let model = ModelSignatures {
+            model: "m".into(),
+            version: 1,
+            signature_defs: Bytes::new(),
+            specs,
+        };
+        assert!(model.select("").is_ok());
+        let err = model.select("other").unwrap_err();
+        assert_eq!(err.code, Code::FailedPrecondition);
+        assert_eq!(err.message, "Serving signature key \"other\" not found.");
+    }
+}
