@@ -9,7 +9,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let services = root.join("router/proto/tfserving_services.proto");
     println!("cargo:rerun-if-changed={}", services.display());
     for name in ["serving.proto", "tensorflow.proto"] {
-        println!("cargo:rerun-if-changed={}", root.join("mpspool/protos").join(name).display());
+        println!(
+            "cargo:rerun-if-changed={}",
+            root.join("mpspool/protos").join(name).display()
+        );
     }
     tonic_prost_build::configure()
         .build_client(false)

@@ -106,7 +106,12 @@ struct RequestHeader<'a> {
 }
 
 /// The REQUEST header: `{v, k: "req", id, sig, tensors, outputs}`; its tensors follow as frames.
-pub fn encode_request(id: u64, signature: &str, tensors: &[TensorMeta], outputs: &[String]) -> Vec<u8> {
+pub fn encode_request(
+    id: u64,
+    signature: &str,
+    tensors: &[TensorMeta],
+    outputs: &[String],
+) -> Vec<u8> {
     let header = RequestHeader {
         v: PROTOCOL_VERSION,
         k: "req",
@@ -197,7 +202,11 @@ pub fn decode_control(frame: &[u8]) -> Result<Vec<(String, rmpv::Value)>, Protoc
         .into_iter()
         .filter_map(|(k, v)| k.as_str().map(|k| (k.to_string(), v)))
         .collect();
-    match fields.iter().find(|(k, _)| k == "v").and_then(|(_, v)| v.as_i64()) {
+    match fields
+        .iter()
+        .find(|(k, _)| k == "v")
+        .and_then(|(_, v)| v.as_i64())
+    {
         Some(PROTOCOL_VERSION) => Ok(fields),
         Some(other) => Err(ProtocolError::Version(other)),
         None => Err(ProtocolError::Version(-1)),
@@ -254,8 +263,14 @@ mod tests {
                 message: "bad".into()
             }
         );
-        let header = rmp_serde::to_vec_named(&serde_json::json!({"v": 2, "k": "bye", "slot": "cpu-0", "pid": 1})).unwrap();
-        assert!(matches!(decode_worker_header(&header), Err(ProtocolError::Version(2))));
+        let header = rmp_serde::to_vec_named(
+            &serde_json::json!({"v": 2, "k": "bye", "slot": "cpu-0", "pid": 1}),
+        )
+        .unwrap();
+        assert!(matches!(
+            decode_worker_header(&header),
+            Err(ProtocolError::Version(2))
+        ));
         assert!(decode_worker_header(b"\xc1").is_err());
     }
 }
