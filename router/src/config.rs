@@ -1,1 +1,155 @@
-//! (being written)
+//! The front door's part of the pool's one validated configuration: `pool.json` in the run
+//! directory, written by `mpspool start` (mpspool/config.py, PoolConfig). Only the fields the
+//! front door reads; the rest are ignored.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+pub const POOL_FILE: &str = "pool.json";
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct Config {
+    pub model_name: String,
+    pub model_version: i64,
+    pub run_dir: String,
+    #[serde(default = "default_host")]
+    pub host: String,
+    #[serde(default = "default_port")]
+    pub port: u16,
+    /// 0 picks a free port, -1 turns metrics off.
+    #[serde(default = "default_metrics_port")]
+    pub metrics_port: i32,
+    #[serde(default)]
+    pub max_connection_age_s: f64,
+    #[serde(default = "default_worker_timeout")]
+    pub worker_timeout_s: f64,
+    #[serde(default = "default_shutdown_delay")]
+    pub shutdown_delay_s: f64,
+    #[serde(default = "default_drain_timeout")]
+    pub drain_timeout_s: f64,
+    #[serde(default = "default_max_message")]
+    pub max_message_bytes: usize,
+    #[serde(default = "default_dispatch")]
+    pub dispatch: String,
+}
+
+fn default_host() -> String {
+    "127.0.0.1".to_string()
+}
+fn default_port() -> u16 {
+    8500
+}
+fn default_metrics_port() -> i32 {
+    8502
+}
+fn default_worker_timeout() -> f64 {
+    3.0
+}
+fn default_shutdown_delay() -> f64 {
+    1.0
+}
+fn default_drain_timeout() -> f64 {
+    10.0
+}
+fn default_max_message() -> usize {
+    512 * 1024 * 1024
+}
+fn default_dispatch() -> String {
+    "round-robin".to_string()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a pool configuration: {source}")]
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Seconds from the configuration as a Duration; negative or non-finite values are refused.
+pub fn seconds(name: &str, value: f64) -> Result<Duration, ConfigError> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| ConfigError::Invalid(format!("{name} must be seconds >= 0, got {value}")))
+}
+
+impl Config {
+    pub fn load(run_dir: &Path) -> Result<Config, ConfigError> {
+        let path = run_dir.join(POOL_FILE);
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|error| match error {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: shown,
+                source,
+            },
+            other => other,
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = serde_json::from_str(text).map_err(|source| ConfigError::Parse {
+            path: POOL_FILE.to_string(),
+            source,
+        })?;
+        for (name, value) in [
+            ("max_connection_age_s", config.max_connection_age_s),
+            ("worker_timeout_s", config.worker_timeout_s),
+            ("shutdown_delay_s", config.shutdown_delay_s),
+            ("drain_timeout_s", config.drain_timeout_s),
+        ] {
+            seconds(name, value)?;
+        }
+        if crate::workers::Policy::parse(&config.dispatch).is_none() {
+            return Err(ConfigError::Invalid(format!(
+                "dispatch must be round-robin or least-loaded, got {:?}",
+                config.dispatch
+            )));
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_what_it_needs_and_ignores_the_rest() {
+        let config = Config::parse(
+            r#"{"model_name": "demo", "model_version": 3, "run_dir": "/r", "port": 0,
+                "metrics_port": -1, "workers": 2, "gpus": [], "dispatch": "least-loaded"}"#,
+        )
+        .unwrap();
+        assert_eq!(config.model_name, "demo");
+        assert_eq!(config.port, 0);
+        assert_eq!(config.metrics_port, -1);
+        assert_eq!(config.worker_timeout_s, 3.0);
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_run_with() {
+        let bad =
+            r#"{"model_name": "m", "model_version": 1, "run_dir": "/r", "drain_timeout_s": -1}"#;
+        assert!(Config::parse(bad)
+            .unwrap_err()
+            .to_string()
+            .contains("drain_timeout_s"));
+        let bad =
+            r#"{"model_name": "m", "model_version": 1, "run_dir": "/r", "dispatch": "random"}"#;
+        assert!(Config::parse(bad).is_err());
+        assert!(Config::parse("{").is_err());
+    }
+}

@@ -1,1 +1,176 @@
-//! (being written)
+//! The controller's control channel: request/reply over a ROUTER socket in the private run
+//! directory (`control.ipc`), msgpack maps `{"v": 1, "op": ..., "n": ...}`; every reply echoes
+//! `n`, which lets the controller drop replies it gave up on. A bad message gets
+//! `{"error": ...}`, never a crash.
+//!
+//! Ops: `snapshot` (what `mpspool status` and the controller's reconciling read), `gone`
+//! (the controller saw a worker's process exit), `timeline` (`mpspool timeline`), `drain`
+//! (start a graceful stop; the server performs it).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use rmpv::Value;
+
+use crate::state::{DrainRequest, RouterState};
+use crate::timeline::Timeline;
+use crate::wire;
+use crate::workers::{Departure, WorkerTable};
+
+/// What the ops read and change.
+pub struct Pool<'a, P> {
+    pub table: &'a mut WorkerTable<P>,
+    pub timeline: &'a mut Timeline,
+    pub state: &'a RouterState,
+    pub now: Instant,
+}
+
+pub struct Reply<P> {
+    pub message: Vec<u8>,
+    /// Workers the op removed (`gone`): their requests are to be retried.
+    pub departures: Vec<Departure<P>>,
+}
+
+pub fn answer<P>(body: &[u8], pool: &mut Pool<'_, P>) -> Reply<P> {
+    let mut departures = Vec::new();
+    let (n, mut fields) = match wire::decode_control(body) {
+        Ok(request) => {
+            let n = field(&request, "n").cloned().unwrap_or(Value::Nil);
+            (n, op(&request, pool, &mut departures))
+        }
+        Err(error) => (Value::Nil, vec![("error", Value::from(error.to_string()))]),
+    };
+    fields.push(("n", n));
+    Reply {
+        message: wire::encode_control(fields),
+        departures,
+    }
+}
+
+fn field<'a>(request: &'a [(String, Value)], name: &str) -> Option<&'a Value> {
+    request.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+}
+
+fn seconds(request: &[(String, Value)], name: &str) -> Option<Duration> {
+    let value = field(request, name)?;
+    let secs = value
+        .as_f64()
+        .or_else(|| value.as_i64().map(|v| v as f64))?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}
+
+fn op<P>(
+    request: &[(String, Value)],
+    pool: &mut Pool<'_, P>,
+    departures: &mut Vec<Departure<P>>,
+) -> Vec<(&'static str, Value)> {
+    let error = |message: String| vec![("error", Value::from(message))];
+    let name = field(request, "op").and_then(Value::as_str).unwrap_or("");
+    match name {
+        "snapshot" => {
+            let dead = pool
+                .table
+                .declared_dead
+                .iter()
+                .map(|(slot, pid)| (Value::from(slot.as_str()), Value::from(*pid)))
+                .collect();
+            vec![
+                ("phase", Value::from(pool.state.phase.borrow().name())),
+                (
+                    "port",
+                    Value::from(pool.state.grpc_port.load(Ordering::Relaxed)),
+                ),
+                (
+                    "metrics_port",
+                    Value::from(pool.state.metrics_port.load(Ordering::Relaxed)),
+                ),
+                ("workers", pool.table.snapshot(pool.now)),
+                ("declared_dead", Value::Map(dead)),
+                ("inflight", Value::from(pool.table.inflight_total() as u64)),
+            ]
+        }
+        "gone" => {
+            let slot = field(request, "slot").and_then(Value::as_str);
+            let pid = field(request, "pid").and_then(Value::as_i64);
+            let (Some(slot), Some(pid)) = (slot, pid) else {
+                return error("gone needs slot and pid".to_string());
+            };
+            departures.extend(pool.table.gone(slot, pid));
+            vec![("ok", Value::from(true))]
+        }
+        "timeline" => {
+            let clear = field(request, "clear")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            pool.timeline.take(clear)
+        }
+        "drain" => {
+            let (Some(delay), Some(grace)) = (seconds(request, "delay"), seconds(request, "grace"))
+            else {
+                return error("drain needs delay and grace in seconds".to_string());
+            };
+            let _ = pool.state.drain.send(DrainRequest { delay, grace });
+            vec![("ok", Value::from(true))]
+        }
+        other => error(format!("unknown op '{other}'")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workers::Policy;
+
+    fn ask(pool: &mut Pool<'_, u32>, fields: serde_json::Value) -> serde_json::Value {
+        let body = rmp_serde::to_vec_named(&fields).unwrap();
+        let reply = answer(&body, pool);
+        rmp_serde::from_slice(&reply.message).unwrap()
+    }
+
+    #[test]
+    fn ops_answer_with_n_echoed() {
+        let (state, mut drains) = RouterState::new();
+        let mut table = WorkerTable::<u32>::new(Duration::from_secs(3), Policy::RoundRobin);
+        let now = Instant::now();
+        table.register(b"cpu-0:10", "cpu-0", 10, Value::Nil, now);
+        let mut timeline = Timeline::new(10);
+        let mut pool = Pool {
+            table: &mut table,
+            timeline: &mut timeline,
+            state: &state,
+            now,
+        };
+
+        let snap = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "snapshot", "n": 7}),
+        );
+        assert_eq!(snap["n"], 7);
+        assert_eq!(snap["phase"], "serving");
+        assert_eq!(snap["workers"]["cpu-0"]["pid"], 10);
+        assert_eq!(snap["inflight"], 0);
+
+        let gone = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "gone", "slot": "cpu-0", "pid": 10, "n": 8}),
+        );
+        assert_eq!(gone["ok"], true);
+        assert_eq!(pool.table.ready(), 0);
+
+        let drain = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "drain", "delay": 0.5, "grace": 2, "n": 9}),
+        );
+        assert_eq!(drain["ok"], true);
+        assert_eq!(drains.try_recv().unwrap().grace, Duration::from_secs(2));
+
+        let bad = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "dance", "n": 10}),
+        );
+        assert_eq!(bad["error"], "unknown op 'dance'");
+        let reply = answer(b"\xc1garbage", &mut pool);
+        let bad: serde_json::Value = rmp_serde::from_slice(&reply.message).unwrap();
+        assert!(bad["error"].as_str().unwrap().contains("undecodable"));
+    }
+}

@@ -1,1 +1,317 @@
-//! (being written)
+//! TF Serving's gRPC API: PredictionService (Predict, GetModelMetadata) and ModelService
+//! (GetModelStatus), under TF Serving's own service names, so any TF Serving client works
+//! unchanged. Status codes and messages follow TF Serving's; errors become `tonic::Status`
+//! only through `From<ServingError>`.
+//!
+//! A Predict is checked completely here before it costs a hop: model spec, signature, each
+//! input's dtype and shape against the signature (before any value is expanded), the output
+//! filter; then its tensors become worker frames and the dispatcher runs it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+
+use crate::codec;
+use crate::dispatch::{Dispatcher, WorkRequest};
+use crate::metrics::{Method, Metrics};
+use crate::proto::mpspool::tfs::{
+    model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
+    GetModelMetadataResponse, GetModelStatusRequest, GetModelStatusResponse, ModelSpec,
+    ModelVersionStatus, PredictRequest, PredictResponse, StatusProto,
+};
+use crate::proto::tensorflow::serving::model_service_server::ModelService;
+use crate::proto::tensorflow::serving::prediction_service_server::PredictionService;
+use crate::signature::{self, ModelSignatures};
+use crate::status::{Code, ServingError};
+
+pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.SignatureDefMap";
+
+#[derive(Clone)]
+pub struct Api {
+    pub model: String,
+    pub version: i64,
+    pub dispatcher: Dispatcher,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Api {
+    /// NOT_FOUND unless the request names this model and (if any) this version.
+    fn check_spec(&self, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
+        let Some(spec) = spec.filter(|s| !s.name.is_empty()) else {
+            return Err(ServingError::invalid_argument(
+                "ModelSpec has no name specified",
+            ));
+        };
+        let wanted = match &spec.version_choice {
+            Some(VersionChoice::Version(v)) if *v != self.version => {
+                format!("Specific({}, {v})", spec.name)
+            }
+            _ if spec.name != self.model => match &spec.version_choice {
+                Some(VersionChoice::Version(v)) => format!("Specific({}, {v})", spec.name),
+                _ => format!("Latest({})", spec.name),
+            },
+            _ => String::new(),
+        };
+        if !wanted.is_empty() {
+            return Err(ServingError::new(
+                Code::NotFound,
+                format!("Servable not found for request: {wanted}"),
+            ));
+        }
+        // TF Serving resolves labels from its model config; this pool serves one version,
+        // which answers to its own number as a label (perf_analyzer sends -x that way).
+        if let Some(VersionChoice::VersionLabel(label)) = &spec.version_choice {
+            if *label != self.version.to_string() {
+                return Err(ServingError::invalid_argument(format!(
+                    "Unrecognized servable version label: {label}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn signatures(&self) -> Result<Arc<ModelSignatures>, ServingError> {
+        self.dispatcher
+            .signatures()
+            .borrow()
+            .clone()
+            .ok_or_else(|| {
+                ServingError::new(
+                    Code::Unavailable,
+                    format!(
+                        "model {} version {} is still loading",
+                        self.model, self.version
+                    ),
+                )
+            })
+    }
+
+    fn served_spec(&self, signature_name: &str) -> ModelSpec {
+        ModelSpec {
+            name: self.model.clone(),
+            version_choice: Some(VersionChoice::Version(self.version)),
+            signature_name: signature_name.to_string(),
+        }
+    }
+
+    async fn predict_checked(
+        &self,
+        request: PredictRequest,
+        deadline: Option<Instant>,
+    ) -> Result<PredictResponse, ServingError> {
+        self.check_spec(request.model_spec.as_ref())?;
+        let signatures = self.signatures()?;
+        let name = request
+            .model_spec
+            .as_ref()
+            .map_or("", |s| s.signature_name.as_str());
+        let spec = signatures.select(name)?;
+        let mut declared = Vec::with_capacity(request.inputs.len());
+        for (alias, proto) in &request.inputs {
+            let (dtype, shape) = codec::declared(proto, alias)?;
+            declared.push((alias.as_str(), dtype, shape));
+        }
+        let given: Vec<(&str, i32, &[i64])> = declared
+            .iter()
+            .map(|(a, d, s)| (*a, *d, s.as_slice()))
+            .collect();
+        signature::check_inputs(spec, &given)?;
+        let outputs = signature::check_output_filter(spec, &request.output_filter)?;
+        let mut tensors = Vec::with_capacity(declared.len());
+        let mut frames = Vec::with_capacity(declared.len());
+        for (alias, dtype, shape) in declared {
+            let proto = &request.inputs[alias];
+            frames.push(codec::materialize(proto, alias, dtype, &shape)?);
+            tensors.push((alias.to_string(), dtype, shape));
+        }
+        let work = WorkRequest {
+            signature: spec.key.clone(),
+            tensors,
+            frames,
+            outputs,
+        };
+        let reply = self.dispatcher.call(work, deadline).await?;
+        let mut response = PredictResponse {
+            model_spec: Some(self.served_spec(&spec.key)),
+            ..PredictResponse::default()
+        };
+        for ((name, dtype, shape), frame) in reply.tensors.into_iter().zip(reply.frames) {
+            response
+                .outputs
+                .insert(name, codec::output_tensor(dtype, &shape, frame)?);
+        }
+        Ok(response)
+    }
+
+    fn metadata_checked(
+        &self,
+        request: &GetModelMetadataRequest,
+    ) -> Result<GetModelMetadataResponse, ServingError> {
+        self.check_spec(request.model_spec.as_ref())?;
+        if request.metadata_field.is_empty() {
+            return Err(ServingError::invalid_argument(
+                "GetModelMetadataRequest must specify at least one metadata_field",
+            ));
+        }
+        if let Some(other) = request
+            .metadata_field
+            .iter()
+            .find(|f| *f != "signature_def")
+        {
+            return Err(ServingError::invalid_argument(format!(
+                "Metadata field {other} is not supported"
+            )));
+        }
+        let signatures = self.signatures()?;
+        let mut response = GetModelMetadataResponse {
+            model_spec: Some(self.served_spec("")),
+            ..GetModelMetadataResponse::default()
+        };
+        response.metadata.insert(
+            "signature_def".to_string(),
+            prost_types::Any {
+                type_url: SIGNATURE_DEF_MAP_URL.to_string(),
+                value: signatures.signature_defs.to_vec(),
+            },
+        );
+        Ok(response)
+    }
+
+    fn status_checked(
+        &self,
+        request: &GetModelStatusRequest,
+    ) -> Result<GetModelStatusResponse, ServingError> {
+        let name = request.model_spec.as_ref().map_or("", |s| s.name.as_str());
+        if name != self.model {
+            return Err(ServingError::new(
+                Code::NotFound,
+                format!("Could not find any versions of model {name}"),
+            ));
+        }
+        if let Some(VersionChoice::Version(v)) = request
+            .model_spec
+            .as_ref()
+            .and_then(|s| s.version_choice.as_ref())
+        {
+            if *v != self.version {
+                return Err(ServingError::new(
+                    Code::NotFound,
+                    format!("Could not find version {v} of model {name}"),
+                ));
+            }
+        }
+        let available = *self.dispatcher.ready_workers().borrow() > 0
+            && self.dispatcher.signatures().borrow().is_some();
+        let state = if available {
+            model_version_status::State::Available
+        } else {
+            model_version_status::State::Loading
+        };
+        Ok(GetModelStatusResponse {
+            model_version_status: vec![ModelVersionStatus {
+                version: self.version,
+                state: state as i32,
+                status: Some(StatusProto::default()),
+            }],
+        })
+    }
+}
+
+/// The client's deadline from the `grpc-timeout` header ("<digits><unit>", unit one of
+/// H M S m u n), as gRPC's HTTP/2 protocol defines it; None when absent or malformed.
+pub fn deadline_of(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    let timeout = match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    now.checked_add(timeout)
+}
+
+fn finish<T>(
+    result: Result<T, ServingError>,
+    guard: &mut crate::metrics::InFlight<'_>,
+) -> Result<Response<T>, Status> {
+    match result {
+        Ok(value) => {
+            guard.set_code(Code::Ok);
+            Ok(Response::new(value))
+        }
+        Err(error) => {
+            guard.set_code(error.code);
+            Err(error.into())
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl PredictionService for Api {
+    async fn predict(
+        &self,
+        request: Request<PredictRequest>,
+    ) -> Result<Response<PredictResponse>, Status> {
+        let mut guard = self.metrics.start(Method::Predict);
+        let deadline = deadline_of(request.metadata(), Instant::now());
+        let result = self.predict_checked(request.into_inner(), deadline).await;
+        finish(result, &mut guard)
+    }
+
+    async fn get_model_metadata(
+        &self,
+        request: Request<GetModelMetadataRequest>,
+    ) -> Result<Response<GetModelMetadataResponse>, Status> {
+        let mut guard = self.metrics.start(Method::GetModelMetadata);
+        let result = self.metadata_checked(request.get_ref());
+        finish(result, &mut guard)
+    }
+}
+
+#[tonic::async_trait]
+impl ModelService for Api {
+    async fn get_model_status(
+        &self,
+        request: Request<GetModelStatusRequest>,
+    ) -> Result<Response<GetModelStatusResponse>, Status> {
+        let mut guard = self.metrics.start(Method::GetModelStatus);
+        let result = self.status_checked(request.get_ref());
+        finish(result, &mut guard)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_as_the_protocol_says() {
+        let now = Instant::now();
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        assert_eq!(deadline_of(&metadata, now), None);
+        metadata.insert("grpc-timeout", "250m".parse().unwrap());
+        assert_eq!(
+            deadline_of(&metadata, now),
+            Some(now + Duration::from_millis(250))
+        );
+        metadata.insert("grpc-timeout", "3S".parse().unwrap());
+        assert_eq!(
+            deadline_of(&metadata, now),
+            Some(now + Duration::from_secs(3))
+        );
+        metadata.insert("grpc-timeout", "123456789S".parse().unwrap());
+        assert_eq!(deadline_of(&metadata, now), None, "more than 8 digits");
+        metadata.insert("grpc-timeout", "5x".parse().unwrap());
+        assert_eq!(deadline_of(&metadata, now), None);
+    }
+}

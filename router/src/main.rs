@@ -1,5 +1,10 @@
-//! mpspool's front door (work in progress: the modules below are being written).
-#![allow(dead_code)]
+//! `mpspool-router --run-dir DIR`: mpspool's front door. Speaks TensorFlow Serving's gRPC API
+//! (PredictionService, ModelService, grpc.health.v1) and Prometheus metrics, checks each
+//! request against the model's signature, and runs it on one of the pool's Python workers
+//! over ZeroMQ (`mpspool/wire.py`). No Python runs per request. Started and stopped by the
+//! pool's supervisord; configured by the pool's `pool.json`; watched by the controller over
+//! the control channel.
+
 mod codec;
 mod config;
 mod control;
@@ -16,4 +21,146 @@ mod timeline;
 mod wire;
 mod workers;
 
-fn main() {}
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::config::{seconds, Config};
+use crate::dispatch::{Dispatcher, ServedModel};
+use crate::state::{DrainRequest, RouterState};
+use crate::workers::Policy;
+
+/// Reserved exit codes and the fatal-reason marker of mpspool/process.py: the controller tells
+/// "cannot start, stop retrying" from a crash worth a restart, and shows the reason.
+const EXIT_CONFIG_ERROR: u8 = 3;
+const FATAL_MARKER: &str = "MPSPOOL-FATAL: ";
+
+fn fail(reason: impl std::fmt::Display) -> ExitCode {
+    eprintln!("{FATAL_MARKER}{reason}");
+    ExitCode::from(EXIT_CONFIG_ERROR)
+}
+
+fn run_dir_argument() -> Result<PathBuf, String> {
+    let mut args = std::env::args().skip(1);
+    let mut run_dir = None;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--run-dir" => run_dir = args.next(),
+            other => match other.strip_prefix("--run-dir=") {
+                Some(value) => run_dir = Some(value.to_string()),
+                None => {
+                    return Err(format!(
+                        "unknown argument {other:?}; usage: mpspool-router --run-dir DIR"
+                    ))
+                }
+            },
+        }
+    }
+    run_dir
+        .map(PathBuf::from)
+        .ok_or_else(|| "usage: mpspool-router --run-dir DIR".to_string())
+}
+
+/// Ask Linux to kill this process when its parent (supervisord) exits, so no front door
+/// outlives a killed pool (what process.die_with_parent() does for the Python processes).
+fn die_with_parent() {
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and no pointers.
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
+    }
+}
+
+fn main() -> ExitCode {
+    die_with_parent();
+    let run_dir = match run_dir_argument() {
+        Ok(run_dir) => run_dir,
+        Err(usage) => return fail(usage),
+    };
+    let config = match Config::load(&run_dir) {
+        Ok(config) => config,
+        Err(error) => return fail(error),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => return fail(format!("cannot start the async runtime: {error}")),
+    };
+    runtime.block_on(serve(config))
+}
+
+async fn serve(config: Config) -> ExitCode {
+    let (state, drains) = RouterState::new();
+    let state = Arc::new(state);
+    let durations = (
+        seconds("worker_timeout_s", config.worker_timeout_s),
+        seconds("shutdown_delay_s", config.shutdown_delay_s),
+        seconds("drain_timeout_s", config.drain_timeout_s),
+        seconds("max_connection_age_s", config.max_connection_age_s),
+    );
+    let (Ok(worker_timeout), Ok(delay), Ok(grace), Ok(age)) = durations else {
+        return fail("pool.json holds a negative duration"); // Config::parse refuses these
+    };
+    let policy = Policy::parse(&config.dispatch).unwrap_or(Policy::RoundRobin);
+    let model = ServedModel {
+        name: config.model_name.clone(),
+        version: config.model_version,
+    };
+    let dispatcher = match Dispatcher::start(
+        &config.run_dir,
+        model,
+        worker_timeout,
+        policy,
+        state.clone(),
+    ) {
+        Ok(dispatcher) => dispatcher,
+        Err(error) => return fail(error),
+    };
+    let listener = match tokio::net::TcpListener::bind((config.host.as_str(), config.port)).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            return fail(format!(
+                "cannot listen on {}:{}: {error}",
+                config.host, config.port
+            ))
+        }
+    };
+    let port = listener
+        .local_addr()
+        .map(|a| a.port())
+        .unwrap_or(config.port);
+    server::record_port(&state, port);
+    let metrics = Arc::new(metrics::Metrics::new(
+        &config.model_name,
+        dispatcher.ready_workers(),
+        state.clone(),
+    ));
+    if let Ok(metrics_port) = u16::try_from(config.metrics_port) {
+        let bound = metrics::serve(metrics.clone(), &config.host, metrics_port).await;
+        state.metrics_port.store(bound, Ordering::Relaxed);
+    }
+    let api = grpc::Api {
+        model: config.model_name.clone(),
+        version: config.model_version,
+        dispatcher,
+        metrics,
+    };
+    let limits = server::Limits {
+        max_message_bytes: config.max_message_bytes,
+        max_connection_age: (!age.is_zero()).then_some(age),
+    };
+    log_info!("listening on {}:{port}", config.host);
+    server::Server::new(listener, api, limits, state)
+        .run(DrainRequest { delay, grace }, drains)
+        .await;
+    log_info!("stopped");
+    ExitCode::SUCCESS
+}

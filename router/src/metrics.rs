@@ -1,1 +1,269 @@
-//! (being written)
+//! Prometheus metrics at http://host:metrics_port/metrics: what an operator (or a
+//! HorizontalPodAutoscaler on `mpspool_inflight_requests`) watches. The exposition is written
+//! by hand (a few families, no registry needed); recording a request costs a few atomic adds
+//! and one short uncontended lock, never a lock held across an await.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::state::RouterState;
+use crate::status::Code;
+use crate::{log_error, log_info};
+
+/// Small-batch inference lives between a fraction of a millisecond and a few hundred.
+pub const BUCKETS: [f64; 13] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+];
+
+pub const METHODS: [&str; 3] = ["Predict", "GetModelMetadata", "GetModelStatus"];
+
+#[derive(Clone, Copy)]
+pub enum Method {
+    Predict = 0,
+    GetModelMetadata = 1,
+    GetModelStatus = 2,
+}
+
+#[derive(Default)]
+struct Histogram {
+    buckets: [AtomicU64; 13],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+pub struct Metrics {
+    model: String,
+    requests: Mutex<BTreeMap<(usize, &'static str), u64>>,
+    latency: [Histogram; 3],
+    inflight: AtomicI64,
+    ready: watch::Receiver<usize>,
+    state: Arc<RouterState>,
+}
+
+/// Counts a request as in flight until dropped; `finish` records its code and latency.
+pub struct InFlight<'a> {
+    metrics: &'a Metrics,
+    method: Method,
+    started: std::time::Instant,
+    code: Code,
+}
+
+impl InFlight<'_> {
+    pub fn set_code(&mut self, code: Code) {
+        self.code = code;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .record(self.method, self.code, self.started.elapsed());
+        self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Metrics {
+    pub fn new(model: &str, ready: watch::Receiver<usize>, state: Arc<RouterState>) -> Metrics {
+        Metrics {
+            model: model.to_string(),
+            requests: Mutex::new(BTreeMap::new()),
+            latency: Default::default(),
+            inflight: AtomicI64::new(0),
+            ready,
+            state,
+        }
+    }
+
+    /// One request of `method`: counted in flight now, finished when the guard drops (with
+    /// code UNKNOWN unless the handler set one: a cancelled handler counts too).
+    pub fn start(&self, method: Method) -> InFlight<'_> {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            metrics: self,
+            method,
+            started: std::time::Instant::now(),
+            code: Code::Cancelled,
+        }
+    }
+
+    fn record(&self, method: Method, code: Code, took: Duration) {
+        let histogram = &self.latency[method as usize];
+        let secs = took.as_secs_f64();
+        for (bucket, le) in histogram.buckets.iter().zip(BUCKETS) {
+            if secs <= le {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        histogram.count.fetch_add(1, Ordering::Relaxed);
+        histogram
+            .sum_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if let Ok(mut requests) = self.requests.lock() {
+            *requests.entry((method as usize, code.name())).or_insert(0) += 1;
+        }
+    }
+
+    /// The Prometheus text exposition (labels in name order, as prometheus_client writes them).
+    pub fn render(&self) -> String {
+        let model = escape(&self.model);
+        let mut out = String::new();
+        out.push_str(
+            "# HELP mpspool_requests_total Requests answered, by method and gRPC status code.\n",
+        );
+        out.push_str("# TYPE mpspool_requests_total counter\n");
+        if let Ok(requests) = self.requests.lock() {
+            for ((method, code), n) in requests.iter() {
+                out.push_str(&format!(
+                    "mpspool_requests_total{{code=\"{code}\",method=\"{}\",model=\"{model}\"}} {n}\n",
+                    METHODS[*method]
+                ));
+            }
+        }
+        out.push_str("# HELP mpspool_request_duration_seconds Time from receiving a request to answering it.\n");
+        out.push_str("# TYPE mpspool_request_duration_seconds histogram\n");
+        for (method, histogram) in METHODS.iter().zip(&self.latency) {
+            let count = histogram.count.load(Ordering::Relaxed);
+            if count == 0 {
+                continue;
+            }
+            for (bucket, le) in histogram.buckets.iter().zip(BUCKETS) {
+                out.push_str(&format!(
+                    "mpspool_request_duration_seconds_bucket{{le=\"{le}\",method=\"{method}\",model=\"{model}\"}} {}\n",
+                    bucket.load(Ordering::Relaxed)
+                ));
+            }
+            out.push_str(&format!(
+                "mpspool_request_duration_seconds_bucket{{le=\"+Inf\",method=\"{method}\",model=\"{model}\"}} {count}\n"
+            ));
+            out.push_str(&format!(
+                "mpspool_request_duration_seconds_count{{method=\"{method}\",model=\"{model}\"}} {count}\n"
+            ));
+            let sum = histogram.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+            out.push_str(&format!(
+                "mpspool_request_duration_seconds_sum{{method=\"{method}\",model=\"{model}\"}} {sum}\n"
+            ));
+        }
+        out.push_str("# HELP mpspool_inflight_requests Requests this front door is handling now (a per-pod load signal).\n");
+        out.push_str("# TYPE mpspool_inflight_requests gauge\n");
+        out.push_str(&format!(
+            "mpspool_inflight_requests{{model=\"{model}\"}} {}\n",
+            self.inflight.load(Ordering::Relaxed)
+        ));
+        out.push_str("# HELP mpspool_workers_ready Workers registered and receiving requests.\n");
+        out.push_str("# TYPE mpspool_workers_ready gauge\n");
+        out.push_str(&format!("mpspool_workers_ready {}\n", *self.ready.borrow()));
+        out.push_str("# HELP mpspool_worker_retries_total Requests sent again because their worker left before answering.\n");
+        out.push_str("# TYPE mpspool_worker_retries_total counter\n");
+        out.push_str(&format!(
+            "mpspool_worker_retries_total {}\n",
+            self.state.retries.load(Ordering::Relaxed)
+        ));
+        out
+    }
+}
+
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Serve /metrics on `host:port` (0: any free port); the port it got, 0 if it could not:
+/// metrics are for watching the pool, and losing them must not stop it serving.
+pub async fn serve(metrics: Arc<Metrics>, host: &str, port: u16) -> u16 {
+    let listener = match TcpListener::bind((host, port)).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            log_error!("metrics endpoint {host}:{port} unavailable: {error}");
+            return 0;
+        }
+    };
+    let bound = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+    log_info!("metrics on http://{host}:{bound}/metrics");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                        let metrics = metrics.clone();
+                        async move { Ok::<_, std::convert::Infallible>(answer(&metrics, &request)) }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    bound
+}
+
+fn answer(metrics: &Metrics, request: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    let (status, content_type, body) = if request.uri().path() == "/metrics" {
+        (
+            200,
+            "text/plain; version=0.0.4; charset=utf-8",
+            metrics.render(),
+        )
+    } else {
+        (404, "text/plain", "not found: try /metrics\n".to_string())
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
+    if let Ok(value) = hyper::header::HeaderValue::from_str(content_type) {
+        response
+            .headers_mut()
+            .insert(hyper::header::CONTENT_TYPE, value);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counts_latency_and_gauges() {
+        let (state, _drain) = RouterState::new();
+        let (_tx, ready) = watch::channel(2usize);
+        let metrics = Metrics::new("demo", ready, Arc::new(state));
+        {
+            let mut request = metrics.start(Method::Predict);
+            request.set_code(Code::Ok);
+        }
+        {
+            let mut request = metrics.start(Method::Predict);
+            request.set_code(Code::NotFound);
+        }
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "mpspool_requests_total{code=\"OK\",method=\"Predict\",model=\"demo\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            "mpspool_requests_total{code=\"NOT_FOUND\",method=\"Predict\",model=\"demo\"} 1\n"
+        ));
+        assert!(text.contains(
+            "mpspool_request_duration_seconds_count{method=\"Predict\",model=\"demo\"} 2\n"
+        ));
+        assert!(text.contains("mpspool_request_duration_seconds_bucket{le=\"+Inf\",method=\"Predict\",model=\"demo\"} 2\n"));
+        assert!(text.contains("mpspool_inflight_requests{model=\"demo\"} 0\n"));
+        assert!(text.contains("mpspool_workers_ready 2\n"));
+        assert!(text.contains("mpspool_worker_retries_total 0\n"));
+    }
+}

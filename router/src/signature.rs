@@ -42,19 +42,13 @@ pub struct SignatureSpec {
 /// The served model's signatures, as its first READY worker sent them.
 #[derive(Clone, Debug)]
 pub struct ModelSignatures {
-    pub model: String,
-    pub version: i64,
     /// The serialized SignatureDefMap, served back in GetModelMetadata.
     pub signature_defs: Bytes,
     pub specs: HashMap<String, SignatureSpec>,
 }
 
 /// Specs for every signature that takes inputs (the init op's entry has none).
-pub fn parse(
-    model: &str,
-    version: i64,
-    signature_defs: Bytes,
-) -> Result<ModelSignatures, prost::DecodeError> {
+pub fn parse(signature_defs: Bytes) -> Result<ModelSignatures, prost::DecodeError> {
     let map = SignatureDefMap::decode(signature_defs.clone())?;
     let mut specs = HashMap::new();
     for (key, sig) in map.signature_def {
@@ -83,8 +77,6 @@ pub fn parse(
         );
     }
     Ok(ModelSignatures {
-        model: model.to_string(),
-        version,
         signature_defs,
         specs,
     })
@@ -300,8 +292,6 @@ mod tests {
         let mut specs = HashMap::new();
         specs.insert("serving_default".to_string(), spec());
         let model = ModelSignatures {
-            model: "m".into(),
-            version: 1,
             signature_defs: Bytes::new(),
             specs,
         };

@@ -15,9 +15,6 @@ pub const PROTOCOL_VERSION: i64 = 1;
 pub const WORKERS_ENDPOINT: &str = "workers.ipc";
 pub const CONTROL_ENDPOINT: &str = "control.ipc";
 
-/// How often a worker's serving loop sends a heartbeat (`wire.HEARTBEAT_INTERVAL_S`).
-pub const HEARTBEAT_INTERVAL_S: f64 = 0.5;
-
 pub fn endpoint(run_dir: &str, name: &str) -> String {
     format!("ipc://{run_dir}/{name}")
 }
