@@ -43,9 +43,9 @@ import grpc
 import numpy as np
 
 from bench.protos import kserve_pb2
+from bench.tensors import array_to_tensor, tensor_to_array
 from mpspool.demo_model import demo_inputs
 from mpspool.protos import serving_pb2
-from mpspool.router.codec import array_to_tensor, tensor_to_array
 
 PREDICT_METHOD = "/tensorflow.serving.PredictionService/Predict"
 KSERVE_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"

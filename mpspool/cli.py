@@ -241,6 +241,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     # GPUs first: a pool that cannot have its GPUs should say so at once, before any
     # model is built or loaded.
     gpu_fields = _resolve_gpus(args) if args.gpus else {}
+    # Likewise a pool without its front door (BinaryNotFound is a ConfigError).
+    from mpspool.router import binary_path as router_binary
+
+    router_binary()
     if args.demo:
         base_path = _demo_model(args.demo_rows)
         name = args.model_name or DEMO_MODEL_NAME

@@ -1,1 +1,47 @@
-"""The front door: TF Serving's gRPC API, request routing to workers, liveness of workers."""
+"""The front door: a Rust binary, `mpspool-router`, built from this folder's Cargo crate by the
+package's install (setuptools-rust). It speaks TF Serving's gRPC API, routes requests to the
+workers over ZeroMQ and watches their liveness; no Python runs per request. This Python
+package only tells the controller where the binary is, and names what other parts refer to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mpspool.config import ConfigError
+
+BINARY = "mpspool-router"
+# For development: run a front door built elsewhere (e.g. `cargo build` in router/).
+BINARY_ENV = "MPSPOOL_ROUTER"
+
+# Metric names that deploy/ (the HorizontalPodAutoscaler) and the tests refer to; the Rust
+# front door's src/metrics.rs exports them.
+INFLIGHT_METRIC = "mpspool_inflight_requests"
+READY_WORKERS_METRIC = "mpspool_workers_ready"
+
+
+class BinaryNotFound(ConfigError):
+    """The front door's binary is not installed where this Python can find it."""
+
+
+def binary_path() -> str:
+    """$MPSPOOL_ROUTER, else the binary installed beside this interpreter's scripts, else PATH."""
+    override = os.environ.get(BINARY_ENV)
+    if override:
+        if not os.access(override, os.X_OK):
+            raise BinaryNotFound(f"{BINARY_ENV}={override} is not an executable file")
+        return override
+    beside = Path(sys.executable).parent / BINARY
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(BINARY)
+    if found:
+        return found
+    raise BinaryNotFound(
+        f"{BINARY} is not installed beside {sys.executable} nor on PATH: install mpspool with "
+        "pip (it builds the front door with cargo), or set "
+        f"{BINARY_ENV} to a built binary"
+    )

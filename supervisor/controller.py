@@ -26,6 +26,7 @@ import zmq
 
 from mpspool import process, rundir, segment, wire
 from mpspool.config import PoolConfig
+from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.slots import Slot
@@ -128,7 +129,7 @@ class Controller:
         env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         router = sd.Program(
             name="router",
-            command=[python, "-m", "mpspool.router", "--run-dir", str(self.run_dir)],
+            command=[router_binary(), "--run-dir", str(self.run_dir)],
             priority=10,
             environment=env,
             autorestart="unexpected",

@@ -34,6 +34,7 @@ import pytest
 
 from mpspool import process
 from mpspool.config import PoolConfig
+from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import controller as controller_module
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.controller import ROUTER_PROGRAM, Controller, PoolPhase
@@ -757,13 +758,7 @@ def test_render_config_for_the_pools_programs(pool: Pool):
     assert conf["supervisord"]["pidfile"] == str(run_dir / sd.PID_FILE)
 
     router = conf["program:router"]
-    assert shlex.split(router["command"]) == [
-        sys.executable,
-        "-m",
-        "mpspool.router",
-        "--run-dir",
-        str(run_dir),
-    ]
+    assert shlex.split(router["command"]) == [router_binary(), "--run-dir", str(run_dir)]
     assert router["exitcodes"] == f"0,{process.EXIT_CONFIG_ERROR}"
     for name in ("cpu-0", "cpu-1"):
         worker = conf[f"program:worker-{name}"]

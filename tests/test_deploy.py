@@ -207,7 +207,7 @@ def test_termination_grace_covers_the_drain() -> None:
 
 
 def test_pdb_and_hpa_target_the_deployment() -> None:
-    from mpspool.router.metrics import INFLIGHT_METRIC
+    from mpspool.router import INFLIGHT_METRIC
 
     dep = deployment()
     labels = dep["spec"]["template"]["metadata"]["labels"]

@@ -1,5 +1,5 @@
-"""The router and the controller must never load TensorFlow (≈2-3 s and hundreds of MiB per
-process); only workers do."""
+"""The controller and the CLI must never load TensorFlow (≈2-3 s and hundreds of MiB per
+process); only workers do. (The front door is a Rust binary.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["mpspool.router.server", "mpspool.supervisor.controller", "mpspool.cli", "mpspool.demo_model"],
+    ["mpspool.router", "mpspool.supervisor.controller", "mpspool.cli", "mpspool.demo_model"],
 )
 def test_module_does_not_import_tensorflow(module: str) -> None:
     code = (

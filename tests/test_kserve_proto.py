@@ -23,9 +23,9 @@ sys.path.insert(0, str(REPO))  # bench/ is a folder of the checkout, not an inst
 
 from bench import loadgen  # noqa: E402
 from bench.protos import kserve_pb2  # noqa: E402
+from bench.tensors import tensor_to_array  # noqa: E402
 from mpspool.demo_model import demo_inputs  # noqa: E402
 from mpspool.protos import serving_pb2  # noqa: E402
-from mpspool.router.codec import tensor_to_array  # noqa: E402
 
 PROTO = "bench/protos/kserve.proto"
 GENERATED = "bench/protos/kserve_pb2.py"

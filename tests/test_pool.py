@@ -259,18 +259,14 @@ def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:
 def test_prometheus_metrics(pool: Pool, stub) -> None:
     import urllib.request
 
-    from mpspool.router.metrics import INFLIGHT_METRIC, READY_WORKERS_METRIC
+    from mpspool.router import INFLIGHT_METRIC, READY_WORKERS_METRIC
 
     stub.Predict(make_request(demo_inputs(1, DEMO_ROWS)), timeout=30)
     with pytest.raises(grpc.RpcError):
         stub.Predict(make_request(demo_inputs(1, DEMO_ROWS), version=7), timeout=30)
     url = pool.status()["pool"]["metrics"]
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    samples = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+    samples = _parse_prometheus(text)
     assert samples[f'{INFLIGHT_METRIC}{{model="demo"}}'] == 0.0
     assert samples[READY_WORKERS_METRIC] == 2.0
     ok = 'mpspool_requests_total{code="OK",method="Predict",model="demo"}'
@@ -308,3 +304,18 @@ def test_timeline_shows_each_request_on_the_worker_that_ran_it(pool: Pool, stub)
         mine = [(s, e) for name, s, e in spans if name == slot]
         assert all(e1 <= s2 for (_, e1), (s2, _) in itertools.pairwise(mine))
     assert timeline()["spans"] == []  # cleared
+
+
+def _parse_prometheus(text: str) -> dict[str, float]:
+    """Samples by name and labels, the labels put in name order (their order in the text
+    carries no meaning in Prometheus's format)."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        if "{" in key:
+            name, labels = key[:-1].split("{", 1)
+            key = name + "{" + ",".join(sorted(labels.split(","))) + "}"
+        samples[key] = float(value)
+    return samples

@@ -88,7 +88,7 @@ fn dims_text(shape: &[i64]) -> String {
     format!("[{}]", dims.join(", "))
 }
 
-/// The dtype and shape a tensor declares, validated (supported dtype, known rank, no negative
+/// The dtype and shape a tensor declares, validated (supported dtype, rank, no negative
 /// dimension, element count within int64) without reading or expanding any value.
 pub fn declared(proto: &TensorProto, name: &str) -> Result<(i32, Vec<i64>), ServingError> {
     let dtype = proto.dtype;
@@ -106,9 +106,8 @@ fn shape_of(shape: Option<&TensorShapeProto>, name: &str) -> Result<Vec<i64>, Se
     let Some(shape) = shape else {
         return Ok(Vec::new()); // no shape: a scalar, as in TensorFlow
     };
-    if shape.unknown_rank {
-        return Err(invalid(name, "a tensor's shape must have a known rank"));
-    }
+    // `unknown_rank` is ignored, as TensorFlow's parser does: the dimensions given are the
+    // shape (none: a scalar). The vectors hold both cases.
     if shape.dim.len() > MAX_RANK {
         return Err(invalid(
             name,
@@ -349,6 +348,7 @@ pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorPr
 mod tests {
     use super::*;
     use crate::proto::mpspool::tfs::tensor_shape_proto::Dim;
+    use crate::status::Code;
 
     fn tensor(dtype: i32, dims: &[i64]) -> TensorProto {
         TensorProto {
@@ -434,15 +434,6 @@ mod tests {
             .unwrap_err()
             .message
             .contains("more than 2^63-1"));
-        let mut t = tensor(DT_FLOAT, &[]);
-        t.tensor_shape = Some(TensorShapeProto {
-            dim: vec![],
-            unknown_rank: true,
-        });
-        assert!(declared(&t, "x")
-            .unwrap_err()
-            .message
-            .contains("known rank"));
         let t = tensor(99, &[1]);
         assert!(declared(&t, "x")
             .unwrap_err()
@@ -472,6 +463,76 @@ mod tests {
             .flat_map(|v| v.to_le_bytes())
             .collect();
         assert_eq!(&frame(&t).unwrap()[..], &expect[..]);
+    }
+
+    fn unhex(text: &str) -> Vec<u8> {
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// tests/vectors/tensor_proto.json: serialized protos and what TensorFlow's C++ parser
+    /// makes of them (tests/vectors/make_vectors.py writes it; tests/test_vectors.py checks it
+    /// against TensorFlow), or the error the front door must answer.
+    #[test]
+    fn shared_vectors_parse_as_tensorflow_does() {
+        use prost::Message;
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/vectors/tensor_proto.json"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let cases: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+        assert!(cases.len() > 500);
+        for case in &cases {
+            let name = case["name"].as_str().unwrap();
+            let proto =
+                TensorProto::decode(Bytes::from(unhex(case["proto"].as_str().unwrap()))).unwrap();
+            let expect = &case["expect"];
+            let got = frame(&proto);
+            if let Some(error) = expect.get("error") {
+                let err = got.expect_err(name);
+                assert_eq!(err.code, Code::InvalidArgument, "{name}");
+                assert!(
+                    err.message.contains(error.as_str().unwrap()),
+                    "{name}: {}",
+                    err.message
+                );
+                continue;
+            }
+            let got = got.unwrap_or_else(|e| panic!("{name}: {e}"));
+            let (dtype, shape) = declared(&proto, "x").unwrap();
+            assert_eq!(
+                i64::from(dtype),
+                expect["dtype"].as_i64().unwrap(),
+                "{name}"
+            );
+            let want_shape: Vec<i64> = expect["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_i64().unwrap())
+                .collect();
+            assert_eq!(shape, want_shape, "{name}");
+            if let Some(strings) = expect.get("strings") {
+                let values = wire::decode_strings(&got).unwrap();
+                let want: Vec<Vec<u8>> = strings
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| unhex(s.as_str().unwrap()))
+                    .collect();
+                let values: Vec<Vec<u8>> = values.iter().map(|v| v.to_vec()).collect();
+                assert_eq!(values, want, "{name}");
+            } else {
+                assert_eq!(
+                    got.to_vec(),
+                    unhex(expect["content"].as_str().unwrap()),
+                    "{name}"
+                );
+            }
+        }
     }
 
     #[test]

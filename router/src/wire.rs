@@ -224,6 +224,68 @@ pub fn encode_control(fields: Vec<(&str, rmpv::Value)>) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    fn unhex(text: &str) -> Vec<u8> {
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// tests/vectors/wire.json, written from mpspool/wire.py (tests/vectors/make_vectors.py).
+    #[test]
+    fn shared_vectors_match_the_python_side() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/vectors/wire.json");
+        let vectors: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let request = &vectors["request"];
+        let fields = &request["fields"];
+        let tensors: Vec<TensorMeta> = serde_json::from_value(fields["tensors"].clone()).unwrap();
+        let outputs: Vec<String> = serde_json::from_value(fields["outputs"].clone()).unwrap();
+        let encoded = encode_request(
+            fields["id"].as_u64().unwrap(),
+            fields["sig"].as_str().unwrap(),
+            &tensors,
+            &outputs,
+        );
+        assert_eq!(encoded, unhex(request["bytes"].as_str().unwrap()));
+        assert_eq!(
+            encode_reregister(),
+            unhex(vectors["reregister"].as_str().unwrap())
+        );
+        for case in vectors["worker"].as_array().unwrap() {
+            let message = decode_worker_header(&unhex(case["bytes"].as_str().unwrap())).unwrap();
+            let kind = match message {
+                WorkerMessage::Ready { .. } => "ready",
+                WorkerMessage::Heartbeat { .. } => "hb",
+                WorkerMessage::Reply { id, ref t, .. } => {
+                    assert_eq!(id, 1 << 40);
+                    assert_eq!(*t, Some((1_700_000_000_000_000, 1_700_000_000_000_250)));
+                    "reply"
+                }
+                WorkerMessage::Error { code, .. } => {
+                    assert_eq!(code, 3);
+                    "error"
+                }
+                WorkerMessage::Bye { .. } => "bye",
+            };
+            assert_eq!(kind, case["kind"].as_str().unwrap());
+        }
+        let strings = &vectors["strings"];
+        let values: Vec<Vec<u8>> = strings["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| unhex(v.as_str().unwrap()))
+            .collect();
+        let frame = unhex(strings["bytes"].as_str().unwrap());
+        assert_eq!(encode_strings(&values), frame);
+        let decoded = decode_strings(&Bytes::from(frame)).unwrap();
+        assert_eq!(
+            decoded.iter().map(|v| v.to_vec()).collect::<Vec<_>>(),
+            values
+        );
+    }
+
     #[test]
     fn strings_round_trip() {
         let values: Vec<&[u8]> = vec![b"", b"a", &[0u8; 300], &[7u8; 70_000]];

@@ -1,5 +1,0 @@
-import sys
-
-from mpspool.router.server import main
-
-sys.exit(main())
