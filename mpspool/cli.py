@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="each worker loads its own copy of the weights instead of mapping one shared copy",
     )
     start.add_argument(
+        "--allow-copied-weights",
+        action="store_true",
+        help="serve even if TensorFlow copied shared variables into a worker (refused by "
+        "default: each such worker would hold its own copy)",
+    )
+    start.add_argument(
         "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
     )
     start.add_argument(
@@ -276,6 +282,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
+        allow_copied_weights=args.allow_copied_weights,
         batching=args.batching,
         dispatch=args.dispatch,
         max_batch_size=args.max_batch_size,

@@ -86,6 +86,9 @@ class PoolConfig:
     # Publish the variables once into shared memory and map them in every worker (the
     # default); off, each worker loads its own copy from the checkpoint.
     share_weights: bool = True
+    # A worker whose TensorFlow copied shared variables at warm-up (an op that writes them,
+    # say) refuses to serve unless this is set: then each such worker holds its own copy.
+    allow_copied_weights: bool = False
     # GPU mode: the GPUs (indices as this process sees them) and, resolved at start, their
     # UUIDs (what workers get in CUDA_VISIBLE_DEVICES) and memory. Empty: CPU workers.
     gpus: tuple[int, ...] = ()

@@ -97,8 +97,10 @@ POOL_FILES = (
 )
 
 
-# Directories a pool makes there: the MPS daemons' pipe and log directories.
-POOL_DIRS = ("mps",)
+# Directories a pool makes there: the MPS daemons' pipe and log directories, and the workers'
+# rewritten copies of the model (worker/gather_rewrite.py; links to the model's files).
+POOL_DIRS = ("mps", "models")
+MODELS_DIR = "models"
 
 
 def clean(run_dir: Path) -> None:

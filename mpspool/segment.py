@@ -105,15 +105,28 @@ def plan(
     owner_started: float,
     tensors: Iterable[tuple[str, int, tuple[int, ...]]],
     unshared: Iterable[str] = (),
+    same_as: dict[str, str] | None = None,
 ) -> Manifest:
-    """Offsets for each (key, DataType, shape), 64-byte aligned, and where data starts."""
+    """Offsets for each (key, DataType, shape), 64-byte aligned, and where data starts.
+
+    `same_as` maps a key to an earlier key whose bytes are identical (Keras 3's `export()`
+    saves each variable under two checkpoint keys): it gets that key's offset, so /dev/shm
+    (which is RAM) holds the tensor once."""
+    same_as = same_as or {}
     entries = []
+    by_key: dict[str, TensorEntry] = {}
     offset = 0
     for key, dt, shape in tensors:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtypes.numpy_dtype(dt).itemsize
-        offset = _align(offset, ALIGN)
-        entries.append(TensorEntry(key, int(dt), tuple(int(d) for d in shape), offset, nbytes))
-        offset += nbytes
+        original = by_key.get(same_as.get(key, ""))
+        if original is not None:
+            entry = TensorEntry(key, int(dt), tuple(int(d) for d in shape), original.offset, nbytes)
+        else:
+            offset = _align(offset, ALIGN)
+            entry = TensorEntry(key, int(dt), tuple(int(d) for d in shape), offset, nbytes)
+            offset += nbytes
+        entries.append(entry)
+        by_key[key] = entry
     manifest = Manifest(model, version, owner_pid, owner_started, tuple(entries), tuple(unshared))
     data_offset = _align(_HEADER.size + len(manifest.to_json()) + 64, PAGE)
     # The manifest's own length depends on data_offset's digits: leave room, then fix it.

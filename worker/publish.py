@@ -70,11 +70,15 @@ def publish(
     except (OSError, tensor_bundle.BundleError) as exc:
         log.warning("reading through TensorFlow (one extra copy per tensor): %s", exc)
         bundle = (0, {})
-    manifest = segment.plan(model_name, version, owner_pid, owner_started, shared, unshared)
+    same_as = _duplicates(bundle, prefix, shared)
+    manifest = segment.plan(
+        model_name, version, owner_pid, owner_started, shared, unshared, same_as
+    )
     writer = segment.SegmentWriter(path, manifest)
     try:
         for key, _dt, _shape in shared:
-            _copy(reader, bundle, prefix, key, writer.view(key))
+            if key not in same_as:
+                _copy(reader, bundle, prefix, key, writer.view(key))
         writer.commit()
     except (OSError, tf.errors.OpError) as exc:
         writer.abort()
@@ -119,6 +123,47 @@ def _copy(
         return True
     dest[...] = reader.get_tensor(key)
     return False
+
+
+def _duplicates(
+    bundle: tuple[int, dict[str, Any]], prefix: str, shared: list[tuple[str, int, tuple[int, ...]]]
+) -> dict[str, str]:
+    """key → an earlier key with the same dtype, shape and bytes (checked byte for byte after
+    the index's checksums agree). Keras 3's `model.export()` checkpoints every variable under
+    two keys (`_all_variables/N` and `variables/M`), which load as two variables over one
+    value: published once, both are bound to the same bytes."""
+    shards, entries = bundle
+    first: dict[tuple[Any, ...], list[str]] = {}
+    same_as: dict[str, str] = {}
+    for key, dt, shape in shared:
+        entry = entries.get(key)
+        if entry is None or entry.slices:
+            continue
+        signature = (dt, shape, entry.size, entry.crc32c)
+        for earlier in first.get(signature, []):
+            if _same_bytes(prefix, shards, entry, entries[earlier]):
+                same_as[key] = earlier
+                break
+        else:
+            first.setdefault(signature, []).append(key)
+    return same_as
+
+
+def _same_bytes(prefix: str, shards: int, a: Any, b: Any) -> bool:
+    if a.size != b.size:
+        return False
+    path_a = tensor_bundle.shard_path(prefix, a.shard_id, shards)
+    path_b = tensor_bundle.shard_path(prefix, b.shard_id, shards)
+    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
+        fa.seek(a.offset)
+        fb.seek(b.offset)
+        left = a.size
+        while left:
+            n = min(READ_CHUNK, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
 
 
 def _masked(crc: int) -> int:

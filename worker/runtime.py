@@ -9,8 +9,10 @@ mpspool.errors.ServingError while running (one request failed; the worker keeps 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,6 +62,7 @@ def load_saved_model(
     intra_op_threads: int = 0,
     inter_op_threads: int = 0,
     weights_segment: str = "",
+    work_dir: str = "",
 ) -> ModelRuntime:
     """Load the SavedModel in ``model_dir`` (a version directory) with the "serve" tag.
 
@@ -68,7 +71,9 @@ def load_saved_model(
     TensorFlow; asking for different counts afterwards is a ModelLoadError, not a silent no-op.
 
     With `weights_segment`, the variables come from that published weight segment, mapped
-    and bound without copying (worker/shared_weights.py), instead of from the checkpoint.
+    and bound without copying (worker/shared_weights.py), instead of from the checkpoint; the
+    model's gathers on variables are rewritten first (worker/gather_rewrite.py), in a private
+    copy under `work_dir` that lives as long as this process, so that they do not copy them.
     """
     path = Path(model_dir)
     where = f"model {model_name!r} version {version} at {path}"
@@ -82,9 +87,16 @@ def load_saved_model(
 
     _set_threads(tf, intra_op_threads, inter_op_threads, where)
     options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=bool(weights_segment))
+    load_from, rewritten = path, None
+    if weights_segment:
+        rewritten = _rewrite_gathers(path, Path(work_dir or tempfile.gettempdir()), where)
+        if rewritten is not None:
+            load_from = rewritten.model_dir
     try:
-        loaded = tf.saved_model.load(str(path), tags=[SERVE_TAG], options=options)
+        loaded = tf.saved_model.load(str(load_from), tags=[SERVE_TAG], options=options)
     except Exception as exc:  # TF raises OpError, ValueError, OSError, ... for broken models
+        if rewritten is not None:
+            rewritten.remove()
         raise ModelLoadError(f"cannot load {where}: {_first_line(exc)}") from exc
     shared = _attach_weights(tf, loaded, weights_segment, where) if weights_segment else None
 
@@ -100,6 +112,26 @@ def load_saved_model(
     runtime = SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
     runtime.shared = shared
     return runtime
+
+
+def _rewrite_gathers(path: Path, work_dir: Path, where: str) -> Any:
+    """The model with its variable gathers rewritten (None if it has none), removed when
+    this process exits normally; a pool's stop removes what a killed worker left."""
+    from mpspool.worker.gather_rewrite import rewrite_saved_model
+
+    try:
+        rewritten = rewrite_saved_model(path, work_dir)
+    except Exception as exc:  # a saved_model.pb protobuf cannot parse, an unwritable dir
+        raise ModelLoadError(f"cannot load {where}: rewriting its gathers failed: {exc}") from exc
+    if rewritten is not None:
+        atexit.register(rewritten.remove)
+        log.info(
+            "rewrote %d gather(s) on variables to read-then-gather so they do not copy the "
+            "shared weights (%s)",
+            rewritten.count,
+            ", ".join(f"{name}: {n}" for name, n in sorted(rewritten.gathers.items())),
+        )
+    return rewritten
 
 
 def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from mpspool import process, wire
+from mpspool import process, rundir, wire
 from mpspool.config import PoolConfig
 from mpspool.errors import Code, ServingError
 from mpspool.signature import check_inputs, check_output_filter, select_signature
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             intra_op_threads=config.threads_per_worker(),
             inter_op_threads=config.inter_op_threads,
             weights_segment=config.weights_segment,
+            work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),
         )
         runtime.warm_up()
         weights = runtime.weights_report()
@@ -268,12 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     if stop["requested"]:
         return process.EXIT_OK
     if weights and weights["copied"]:
-        log.warning(
-            "TensorFlow copied shared variables into this process: %s. A gather straight on a "
-            "variable (tf.nn.embedding_lookup, tf.gather(v, ids)) does that; reading the "
-            "variable first (tf.gather(v.read_value(), ids)) keeps it shared.",
-            ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in weights["copied"].items()),
-        )
+        copied = ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in weights["copied"].items())
+        # A worker holding private copies of the weights defeats the pool's memory promise
+        # (N workers, N copies): refused by default, like any other model that cannot load
+        # as asked; --allow-copied-weights serves it anyway, and status shows COPIED.
+        if not config.allow_copied_weights:
+            process.fail(
+                process.EXIT_LOAD_FAILED,
+                f"TensorFlow copied shared variables into this worker: {copied}; an op that "
+                "writes a variable, or reads it other than by ReadVariableOp and the gathers "
+                "mpspool rewrites, does that. Serve it with --allow-copied-weights (each "
+                "worker then holds its own copy) or --no-share-weights",
+            )
+        log.warning("TensorFlow copied shared variables into this worker: %s", copied)
     elif weights:
         log.info(
             "weights: %.1f MiB shared from %s", weights["shared_bytes"] / 2**20, weights["segment"]

@@ -12,8 +12,9 @@ Never wrong, never silent:
 - every variable of the loaded model must get its value from the segment, or the model is
   refused;
 - after warm-up, `verify()` checks that each variable's buffer still lies inside the
-  mapping: ops such as ResourceGather (`tf.nn.embedding_lookup` / `tf.gather` straight on a
-  variable) make a private copy of the whole variable on first use, and that is reported.
+  mapping: an op that puts a variable in copy-on-read mode (a write, a ResourceGather that
+  worker/gather_rewrite.py did not rewrite) makes a private copy of the whole variable, and
+  the worker then refuses to serve unless copies are allowed.
 """
 
 from __future__ import annotations
@@ -146,7 +147,10 @@ _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 def _buffer_address(tf: Any, variable: Any) -> int:
     """Where the variable's current buffer lives. Through DLPack of its value, because
     `variable.numpy()` would itself make a copy."""
-    capsule = tf.experimental.dlpack.to_dlpack(variable.value())
+    # Not variable.value(): once a variable is in copy-on-read mode a ReadVariableOp copies
+    # the whole buffer, and the check itself would make the copy it looks for.
+    value = variable.read_value_no_copy() if hasattr(variable, "read_value_no_copy") else None
+    capsule = tf.experimental.dlpack.to_dlpack(value if value is not None else variable.value())
     dl_tensor = _capsule_pointer(capsule, b"dltensor")
     # DLTensor starts with `void* data`; byte_offset (after 3 more fields) is 0 for TF.
     return ctypes.cast(dl_tensor, ctypes.POINTER(ctypes.c_void_p))[0]

@@ -1,0 +1,342 @@
+"""Shared weights hold for the ways people export models, not only for the demo.
+
+Each style below is built by the test (small tables, so the suite stays fast), published into a
+weight segment and loaded by the worker runtime with its variables bound to the segment; after
+warm-up no variable may have been copied out of it, and the answers must equal a plain
+TensorFlow load's. Then every style is served by a real 2-worker pool and answered through the
+official TF Serving client, compared with a direct TensorFlow call of the same SavedModel.
+
+The styles: `tf.nn.embedding_lookup(var, ids)`, `tf.gather(var, ids)`,
+`tf.gather(var.read_value(), ids)`, a gather with `batch_dims`, `tf.gather_nd(var, ...)`, a table
+split into several variables, a `tf.lookup.StaticHashTable` vocabulary (string input) in front
+of the embedding, a bfloat16 table, a table read densely as well (a matmul over all of it), and
+a Keras 3 functional model with `keras.layers.Embedding` exported with `model.export()`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from mpspool import segment
+from mpspool.worker.publish import publish
+from mpspool.worker.runtime import load_saved_model
+
+from poolproc import Pool
+
+SIG = "serving_default"
+ROWS, DIM = 50, 8
+
+
+def _tf() -> Any:
+    import tensorflow as tf
+
+    return tf
+
+
+def _table(seed: int, rows: int = ROWS, dim: int = DIM) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
+
+
+def _save_module(module: Any, path: Path) -> None:
+    tf = _tf()
+    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
+
+
+def _ids(batch: int = 3, width: int = 4) -> np.ndarray:
+    return np.random.default_rng(batch).integers(0, ROWS, (batch, width), dtype=np.int64)
+
+
+# -- the styles: each builds its SavedModel version directory and gives example inputs ------
+def embedding_lookup(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(1), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.reduce_mean(tf.nn.embedding_lookup(self.table, ids), axis=1)}
+
+    _save_module(M(), path)
+    return {"ids": _ids()}
+
+
+def gather_on_variable(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(2), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.gather(self.table, ids) * 2.0}
+
+    _save_module(M(), path)
+    return {"ids": np.array([0, 49, 7, 7], np.int64)}
+
+
+def gather_on_value(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(3), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.gather(self.table.read_value(), ids)}
+
+    _save_module(M(), path)
+    return {"ids": np.array([1, 2, 3], np.int64)}
+
+
+def gather_batch_dims(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            # One small table per "user slot": [4, ROWS, DIM], gathered per row (batch_dims=1).
+            self.tables = tf.Variable(np.stack([_table(10 + i) for i in range(4)]), name="tables")
+
+        @tf.function(input_signature=[tf.TensorSpec([4, None], tf.int32, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.gather(self.tables, ids, axis=1, batch_dims=1)}
+
+    _save_module(M(), path)
+    return {"ids": np.random.default_rng(5).integers(0, ROWS, (4, 3), dtype=np.int32)}
+
+
+def gather_nd_on_variable(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(4), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.int64, name="coords")])
+        def serve(self, coords):
+            return {"out": tf.gather_nd(self.table, coords)}
+
+    _save_module(M(), path)
+    return {"coords": np.array([[0, 0], [49, 7], [3, 5]], np.int64)}
+
+
+def split_table(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            whole = _table(5, rows=48)
+            self.shards = [
+                tf.Variable(part, name=f"shard_{i}") for i, part in enumerate(np.split(whole, 3))
+            ]
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.reduce_sum(tf.nn.embedding_lookup(self.shards, ids), axis=1)}
+
+    _save_module(M(), path)
+    return {"ids": np.random.default_rng(6).integers(0, 48, (3, 5), dtype=np.int64)}
+
+
+def vocabulary_lookup(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+    words = [f"w{i}".encode() for i in range(ROWS - 1)]
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.vocab = tf.lookup.StaticHashTable(
+                tf.lookup.KeyValueTensorInitializer(
+                    tf.constant(words), tf.range(1, ROWS, dtype=tf.int64)
+                ),
+                default_value=0,  # out-of-vocabulary → row 0
+            )
+            self.table = tf.Variable(_table(7), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="words")])
+        def serve(self, words):
+            return {"out": tf.nn.embedding_lookup(self.table, self.vocab.lookup(words))}
+
+    _save_module(M(), path)
+    return {"words": np.array([b"w3", b"nope", b"w48"], dtype=object)}
+
+
+def bfloat16_table(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(tf.cast(_table(8), tf.bfloat16), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.cast(tf.nn.embedding_lookup(self.table, ids), tf.float32)}
+
+    _save_module(M(), path)
+    return {"ids": np.array([4, 0, 31], np.int64)}
+
+
+def dense_and_sparse(path: Path) -> dict[str, np.ndarray]:
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(9), name="table")
+
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None], tf.int64, name="ids"),
+                tf.TensorSpec([None, DIM], tf.float32, name="query"),
+            ]
+        )
+        def serve(self, ids, query):
+            scores = tf.matmul(query, self.table, transpose_b=True)  # every row, densely
+            return {"scores": scores, "rows": tf.nn.embedding_lookup(self.table, ids)}
+
+    _save_module(M(), path)
+    return {
+        "ids": np.array([2, 9], np.int64),
+        "query": np.random.default_rng(9).standard_normal((2, DIM)).astype(np.float32),
+    }
+
+
+def keras_export(path: Path) -> dict[str, np.ndarray]:
+    import keras
+
+    ids = keras.Input(shape=(4,), dtype="int64", name="ids")
+    dense = keras.Input(shape=(3,), dtype="float32", name="features")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(ROWS, DIM)(ids))
+    hidden = keras.layers.Dense(5, activation="relu")(keras.layers.Concatenate()([pooled, dense]))
+    model = keras.Model(inputs=[ids, dense], outputs=keras.layers.Dense(1)(hidden))
+    model.export(str(path), verbose=False)
+    return {"ids": _ids(2), "features": np.ones((2, 3), np.float32)}
+
+
+STYLES: dict[str, Callable[[Path], dict[str, np.ndarray]]] = {
+    "embedding_lookup": embedding_lookup,
+    "gather_on_variable": gather_on_variable,
+    "gather_on_value": gather_on_value,
+    "gather_batch_dims": gather_batch_dims,
+    "gather_nd": gather_nd_on_variable,
+    "split_table": split_table,
+    "vocabulary": vocabulary_lookup,
+    "bfloat16": bfloat16_table,
+    "dense_and_sparse": dense_and_sparse,
+    "keras_export": keras_export,
+}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, np.ndarray]]]:
+    """style → (model base path, example inputs); each built once, as version 1."""
+    built = {}
+    for name, build in STYLES.items():
+        base = tmp_path_factory.mktemp(name)
+        built[name] = (base, build(base / "1"))
+    return built
+
+
+def _direct(version_dir: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What TensorFlow itself answers, the SavedModel loaded plainly."""
+    tf = _tf()
+    function = tf.saved_model.load(str(version_dir)).signatures[SIG]
+    result = function(**{k: tf.constant(v) for k, v in inputs.items()})
+    return {k: v.numpy() for k, v in result.items()}
+
+
+@pytest.fixture
+def segment_path() -> Iterator[Path]:
+    path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-zoo"
+    yield path
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".partial").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_worker_runtime_serves_each_style_without_copying(
+    style: str, zoo, segment_path: Path, tmp_path: Path
+) -> None:
+    base, inputs = zoo[style]
+    manifest = publish(base / "1", style, 1, segment_path, os.getpid(), 0.0)
+    runtime = load_saved_model(
+        str(base / "1"), style, 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
+    )
+    runtime.warm_up()
+    got = runtime.run(SIG, inputs, list(runtime.specs[SIG].outputs))
+    report = runtime.weights_report()
+    assert report["copied"] == {}, f"{style}: TensorFlow copied {report['copied']}"
+    assert report["shared_bytes"] == sum(t.nbytes for t in manifest.tensors)
+    want = _direct(base / "1", inputs)
+    assert got.keys() == want.keys()
+    for alias in want:
+        np.testing.assert_allclose(got[alias], want[alias], rtol=0, atol=1e-6, err_msg=alias)
+
+
+def test_a_keras_export_is_published_once(zoo, segment_path: Path) -> None:
+    """Keras 3 checkpoints each variable under `_all_variables/N` and `variables/M`."""
+    base, _ = zoo["keras_export"]
+    manifest = publish(base / "1", "k", 1, segment_path, os.getpid(), 0.0)
+    by_key = {t.key: t for t in manifest.tensors}
+    table = [t for t in manifest.tensors if t.shape == (ROWS, DIM)]
+    assert len(table) == 2, sorted(by_key)
+    assert table[0].offset == table[1].offset
+    distinct = {t.offset: t.nbytes for t in manifest.tensors}
+    assert manifest.data_bytes <= sum(distinct.values()) + 64 * len(distinct)
+    assert manifest.data_bytes < sum(t.nbytes for t in manifest.tensors)
+
+
+def test_an_out_of_range_id_keeps_tensorflows_error(zoo, segment_path: Path, tmp_path: Path):
+    from mpspool.errors import Code, ServingError
+
+    base, _ = zoo["gather_on_variable"]
+    publish(base / "1", "g", 1, segment_path, os.getpid(), 0.0)
+    runtime = load_saved_model(
+        str(base / "1"), "g", 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
+    )
+    runtime.warm_up()
+    with pytest.raises(ServingError) as caught:
+        runtime.run(SIG, {"ids": np.array([ROWS + 5], np.int64)}, ["out"])
+    assert caught.value.code is Code.INVALID_ARGUMENT
+    assert f"indices[0] = {ROWS + 5} is not in [0, {ROWS})" in caught.value.message
+    assert runtime.weights_report()["copied"] == {}
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_a_two_worker_pool_serves_each_style_shared(style: str, zoo, tmp_path: Path) -> None:
+    """The official client against a real pool: the answers TensorFlow gives, no copies."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    base, inputs = zoo[style]
+    pool = Pool(tmp_path, base, 2).start()
+    try:
+        status = pool.wait_ready(2)
+        for slot in status["slots"]:
+            weights = slot["weights"]
+            assert weights and weights["copied"] == {}, slot
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(pool.channel())
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "demo"
+        for alias, values in inputs.items():
+            request.inputs[alias].CopyFrom(tf.make_tensor_proto(values))
+        want = _direct(base / "1", inputs)
+        for _ in range(4):  # both workers
+            response = stub.Predict(request, timeout=30)
+            for alias in want:
+                got = tf.make_ndarray(response.outputs[alias])
+                np.testing.assert_allclose(got, want[alias], rtol=0, atol=1e-6, err_msg=alias)
+    except grpc.RpcError as exc:
+        pytest.fail(f"{style}: {exc.code()} {exc.details()}\n{pool.output()}")
+    finally:
+        assert pool.stop() == 0
+    assert pool.leftovers() == []
