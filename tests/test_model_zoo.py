@@ -340,3 +340,62 @@ def test_a_two_worker_pool_serves_each_style_shared(style: str, zoo, tmp_path: P
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+def _writing_model(path: Path) -> dict[str, np.ndarray]:
+    """A model that writes a variable as it serves (a request counter): TensorFlow must copy
+    the written variable out of the shared segment."""
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(11), name="table")
+            self.calls = tf.Variable(tf.zeros([2], tf.float32), name="calls")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            self.calls.assign_add(tf.ones([2]))
+            return {"out": tf.gather(self.table, ids)}
+
+    _save_module(M(), path)
+    return {"ids": np.array([1], np.int64)}
+
+
+def test_a_worker_with_copied_weights_refuses_to_serve(tmp_path: Path) -> None:
+    base = tmp_path / "writer"
+    _writing_model(base / "1")
+    (tmp_path / "refused").mkdir()
+    pool = Pool(tmp_path / "refused", base, 1, "--start-retries", "0").start()
+    try:
+        assert pool.proc is not None
+        assert pool.proc.wait(120) == 1, pool.output()
+        out = pool.output()
+        assert "no worker could start" in out, out
+        assert "copied shared variables into this worker: calls:0" in out, out
+        assert "--allow-copied-weights" in out
+    finally:
+        pool.kill()
+    assert pool.leftovers() == []
+
+
+def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
+    base = tmp_path / "writer"
+    inputs = _writing_model(base / "1")
+    (tmp_path / "allowed").mkdir()
+    pool = Pool(tmp_path / "allowed", base, 1, "--allow-copied-weights").start()
+    try:
+        status = pool.wait_ready(1)
+        (slot,) = status["slots"]
+        assert slot["weights"]["copied"] == {"calls:0": 8}, slot
+        import tensorflow as tf
+        from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(pool.channel())
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "demo"
+        request.inputs["ids"].CopyFrom(tf.make_tensor_proto(inputs["ids"]))
+        got = tf.make_ndarray(stub.Predict(request, timeout=30).outputs["out"])
+        np.testing.assert_array_equal(got, _table(11)[[1]])
+    finally:
+        assert pool.stop() == 0
+    assert pool.leftovers() == []
