@@ -268,7 +268,7 @@ class Pool:
         for child in top.children(recursive=True):
             self._descendants[child.pid] = child
             cmdline = " ".join(child.cmdline())
-            if "mpspool.router" in cmdline:
+            if "mpspool-router" in cmdline:
                 self.roles["router"].append(child)
             elif "mpspool.worker" in cmdline:
                 self.roles["workers"].append(child)
