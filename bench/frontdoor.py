@@ -106,7 +106,7 @@ def h2load(
     argv = [
         shutil.which("h2load") or "h2load",
         f"--clients={connections}", f"--max-concurrent-streams={streams}",
-        f"--duration={duration_s}", "--threads=1",
+        f"--duration={int(duration_s * 1000)}ms", "--threads=1",
         f"--data={body_path}", f"--log-file={log_path}",
         "-H", "content-type: application/grpc", "-H", "te: trailers",
         f"http://127.0.0.1:{port}{PREDICT_PATH}",
