@@ -182,11 +182,10 @@ def _make_module_class(tf: Any) -> type:
             ]
         )
         def serve(self, ids: tf.Tensor, dense: tf.Tensor) -> dict[str, tf.Tensor]:
-            # Read the variable, then gather from the tensor. A gather straight on the resource
-            # variable (ResourceGather) makes TensorFlow copy the whole table before the gather
-            # once the variable's buffer is shared (zero-copy from shared memory), because it
-            # cannot prove no one else holds it; ReadVariableOp + GatherV2 just aliases it.
-            rows = tf.gather(self.embedding.read_value(), ids)
+            # Written the way recommendation models are: a lookup straight on the variable
+            # (ResourceGather). Workers rewrite it to read-then-gather as they load the model
+            # (worker/gather_rewrite.py), so the shared table is not copied.
+            rows = tf.nn.embedding_lookup(self.embedding, ids)
             x = tf.concat([tf.reduce_mean(rows, axis=1), dense], axis=1)
             *hidden, (out_kernel, out_bias) = self.dense_layers
             for kernel, bias in hidden:
