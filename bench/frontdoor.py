@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bodies = {b: grpc_body("demo", demo_inputs(b, args.rows, seed=1)) for b in args.batches}
     echo_body = grpc_body(ECHO_MODEL, {"x": np.zeros((1, 29), dtype=np.float32)})
     try:
-        for workers in (1, 2):
+        for workers in () if "echo" in args.skip else (1, 2):
             with echo_pool(workers) as (port, metrics, roles):
                 for c in args.echo_concurrency:
                     windows.append(measure(
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         args.duration, workdir,
                     ))  # fmt: skip
                     print_window(windows[-1])
-        for processes in (1, 2):
+        for processes in () if "inprocess" in args.skip else (1, 2):
             with InProcessLimit(base / "1", args.rows, processes) as limit:
                 for b in args.batches:
                     point = limit.run(b, args.duration, warmup_s=1.0)
@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="1,000 rows, 1 s windows, no RESULTS.md"
     )
     parser.add_argument("--json", type=Path, help="also write the raw report here")
+    parser.add_argument("--no-results", action="store_true", help="leave RESULTS.md alone")
+    parser.add_argument("--skip", default="", help="parts to skip: echo,inprocess (comma list)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.duration = 1000, 1.0
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    if not args.quick:
+    if not (args.quick or args.no_results):
         write_section(RESULTS_MD, text, BEGIN_MARK, END_MARK)
     return 0
 

@@ -77,6 +77,12 @@ fn die_with_parent() {
     }
 }
 
+/// `MPSPOOL_ROUTER_THREADS`: the async runtime's worker threads (default: one per core).
+fn runtime_threads() -> Option<usize> {
+    let value = std::env::var("MPSPOOL_ROUTER_THREADS").ok()?;
+    value.parse().ok().filter(|n| *n >= 1)
+}
+
 fn main() -> ExitCode {
     die_with_parent();
     let run_dir = match run_dir_argument() {
@@ -87,10 +93,11 @@ fn main() -> ExitCode {
         Ok(config) => config,
         Err(error) => return fail(error),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = runtime_threads() {
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => return fail(format!("cannot start the async runtime: {error}")),
     };
