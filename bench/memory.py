@@ -231,6 +231,18 @@ def segment_resident(pid: int) -> dict[str, int]:
     return found
 
 
+def peak_rss(pid: int) -> int:
+    """VmHWM: the process's peak RSS so far, in bytes (a transient copy of the weights at
+    start would show here even after it was freed); 0 if it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def memory_of(proc: psutil.Process) -> dict[str, Any]:
     """USS, PSS, RSS (psutil) and the weight segment's share of them, in bytes."""
     full = proc.memory_full_info()
@@ -240,6 +252,7 @@ def memory_of(proc: psutil.Process) -> dict[str, Any]:
         "pss": full.pss,
         "rss": full.rss,
         "swap": full.swap,
+        "hwm": peak_rss(proc.pid),
     }
     result.update(segment_resident(proc.pid))
     # Its own memory: USS less the segment pages it maps alone (they stay in /dev/shm without
@@ -405,6 +418,10 @@ def run_pool(
         seen_all_ready = time.time()
         record["target"] = pool.target
         record["pool_id"] = pool.pool_id
+        # Peak RSS through start-up (load, bind, warm-up), before requests touch table rows:
+        # a transient copy of the weights would show here; rows read while serving are
+        # shared pages, which RSS counts too, so later readings say nothing about copies.
+        start_hwm = {proc.pid: peak_rss(proc.pid) for proc in pool.roles["workers"]}
         record["requests"] = asyncio.run(exercise(pool.target, rows, workers))
         status = settled_status(pool, record["requests"])
         slots = {s["pid"]: s for s in status["slots"]}
@@ -413,6 +430,8 @@ def run_pool(
             memory[role] = []
             for proc in procs:
                 entry = memory_of(proc)
+                if proc.pid in start_hwm:
+                    entry["hwm_at_ready"] = start_hwm[proc.pid]
                 slot = slots.get(proc.pid)
                 if slot is not None:
                     entry.update(
@@ -571,6 +590,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
                 "uss_mean": _mean([x["uss"] for x in w]),
                 "own_uss_mean": _mean([x["own_uss"] for x in w]),
                 "own_uss_max": max(x["own_uss"] for x in w),
+                "hwm_mean": _mean([x.get("hwm_at_ready", 0) for x in w]),
                 "pss_mean": _mean([x["pss"] for x in w]),
                 "pss_outside_segment_mean": _mean([x["pss_outside_segment"] for x in w]),
                 "pss_sum": pss_sum,
@@ -832,6 +852,24 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
             f"{_m(row.get('saved_bytes', math.nan))} | {added} | {_m(sh['router_pss'])} | "
             f"{_m(sh['control_pss'])} |"
         )
+    peaks = []
+    for n in s["workers"]:
+        row = summary["per_n"][str(n)]
+        if "runtime" in row and "shared" in row:
+            extra = row["shared"]["hwm_mean"] - row["runtime"]["hwm_mean"]
+            peaks.append(
+                f"N={n}: {_m(row['shared']['hwm_mean'])} vs {_m(row['runtime']['hwm_mean'])} "
+                f"(+{_m(extra)}, "
+                f"{extra / max(1, row['shared']['segment_bytes']) * 100:.1f}% of the segment)"
+            )
+    lines += [
+        "",
+        "**Peak RSS (VmHWM) of a worker through start-up, shared weights vs runtime-only, "
+        "MiB** (read when every worker is READY, before any request; a transient copy of the "
+        "table at load, bind or warm-up would show here): "
+        + "; ".join(peaks)
+        + ". Target: ≤ runtime + 5% of the table.",
+    ]
     in_pool = ", ".join(
         f"N={n} {_m(summary['per_n'][str(n)]['runtime']['own_uss_mean'])}"
         for n in s["workers"]

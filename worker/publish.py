@@ -19,6 +19,7 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from mpspool import process, segment
 from mpspool.config import PoolConfig
@@ -44,32 +45,27 @@ def publish(
     owner_pid: int,
     owner_started: float,
 ) -> segment.Manifest:
-    """Write `path` (a weight segment) from the SavedModel's checkpoint; its manifest back."""
-    import tensorflow as tf
+    """Write `path` (a weight segment) from the SavedModel's checkpoint; its manifest back.
 
+    The checkpoint's index says each tensor's dtype, shape and place in the data shards, so
+    no TensorFlow is needed (its import costs seconds at every pool start): only a tensor
+    stored in slices (a partitioned variable) is read through TensorFlow's reader."""
     prefix = str(Path(model_dir) / "variables" / "variables")
     try:
-        reader = tf.train.load_checkpoint(prefix)
-    except Exception as exc:  # NotFoundError, DataLossError, ValueError
+        bundle = tensor_bundle.read_index(prefix)
+    except (OSError, tensor_bundle.BundleError, DecodeError) as exc:
         raise PublishError(
             f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
         ) from None
-    shapes = reader.get_variable_to_shape_map()
-    dts = reader.get_variable_to_dtype_map()
     shared, unshared = [], []
-    for key in sorted(shapes):
+    for key, entry in sorted(bundle[1].items()):
         if key == OBJECT_GRAPH_KEY:
             continue
-        dt = dts[key]
-        if key.endswith(VARIABLE_SUFFIX) and dt != tf.string and dt.as_datatype_enum in _CARRIED:
-            shared.append((key, dt.as_datatype_enum, tuple(shapes[key])))
+        if key.endswith(VARIABLE_SUFFIX) and entry.dtype in _CARRIED:
+            shape = tuple(int(d.size) for d in entry.shape.dim)
+            shared.append((key, int(entry.dtype), shape))
         else:
             unshared.append(key)
-    try:
-        bundle = tensor_bundle.read_index(prefix)
-    except (OSError, tensor_bundle.BundleError) as exc:
-        log.warning("reading through TensorFlow (one extra copy per tensor): %s", exc)
-        bundle = (0, {})
     same_as = _duplicates(bundle, prefix, shared)
     manifest = segment.plan(
         model_name, version, owner_pid, owner_started, shared, unshared, same_as
@@ -78,9 +74,9 @@ def publish(
     try:
         for key, _dt, _shape in shared:
             if key not in same_as:
-                _copy(reader, bundle, prefix, key, writer.view(key))
+                _copy(bundle, prefix, key, writer.view(key))
         writer.commit()
-    except (OSError, tf.errors.OpError) as exc:
+    except OSError as exc:
         writer.abort()
         raise PublishError(
             f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
@@ -91,9 +87,7 @@ def publish(
     return manifest
 
 
-def _copy(
-    reader: Any, bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.ndarray
-) -> bool:
+def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.ndarray) -> bool:
     """One variable into its place in the segment. Straight from the data shard when the
     index says where its bytes are (no copy in this process), through TensorFlow's reader
     otherwise (a sliced or unusual entry). True when read directly."""
@@ -121,8 +115,19 @@ def _copy(
                 f"match (stored {entry.crc32c:#010x}, computed {_masked(crc):#010x})"
             )
         return True
-    dest[...] = reader.get_tensor(key)
+    dest[...] = _read_through_tensorflow(prefix, key)
     return False
+
+
+def _read_through_tensorflow(prefix: str, key: str) -> np.ndarray:
+    """A tensor the index does not lay out in one piece (a partitioned variable's slices),
+    assembled by TensorFlow's checkpoint reader: one extra copy of that tensor."""
+    import tensorflow as tf
+
+    try:
+        return tf.train.load_checkpoint(prefix).get_tensor(key)
+    except Exception as exc:  # NotFoundError, DataLossError, ValueError
+        raise PublishError(f"cannot read {key} from the checkpoint at {prefix}: {exc}") from None
 
 
 def _duplicates(

@@ -76,7 +76,8 @@ def _entries(block: bytes) -> Iterator[tuple[bytes, bytes]]:
 def read_index(prefix: str | Path) -> tuple[int, dict[str, Any]]:
     """The number of data shards, and checkpoint key → tensorflow BundleEntryProto, from
     `<prefix>.index`."""
-    from tensorflow.core.protobuf import tensor_bundle_pb2
+    # mpspool's wire-compatible copies of TensorFlow's messages: no TensorFlow import.
+    from mpspool.protos import tensorflow_pb2 as tensor_bundle_pb2
 
     data = Path(f"{prefix}.index").read_bytes()
     if len(data) < FOOTER_SIZE:
@@ -92,6 +93,11 @@ def read_index(prefix: str | Path) -> tuple[int, dict[str, Any]]:
     for _, handle in _entries(_block(data, index_offset, index_size)):
         offset, size, _ = _handle(handle, 0)
         for key, value in _entries(_block(data, offset, size)):
+            if key.startswith(b"\x00"):
+                # A slice of a partitioned variable (TensorFlow's binary slice-key encoding):
+                # its variable's own entry lists the slices, and only TensorFlow's reader
+                # assembles them.
+                continue
             if key:
                 entries[key.decode()] = tensor_bundle_pb2.BundleEntryProto.FromString(value)
             else:  # the empty key holds the BundleHeaderProto

@@ -149,3 +149,48 @@ class SignatureDef(_message.Message):
     method_name: str
     defaults: _containers.MessageMap[str, TensorProto]
     def __init__(self, inputs: _Optional[_Mapping[str, TensorInfo]] = ..., outputs: _Optional[_Mapping[str, TensorInfo]] = ..., method_name: _Optional[str] = ..., defaults: _Optional[_Mapping[str, TensorProto]] = ...) -> None: ...
+
+class BundleHeaderProto(_message.Message):
+    __slots__ = ("num_shards", "endianness")
+    class Endianness(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        LITTLE: _ClassVar[BundleHeaderProto.Endianness]
+        BIG: _ClassVar[BundleHeaderProto.Endianness]
+    LITTLE: BundleHeaderProto.Endianness
+    BIG: BundleHeaderProto.Endianness
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ENDIANNESS_FIELD_NUMBER: _ClassVar[int]
+    num_shards: int
+    endianness: BundleHeaderProto.Endianness
+    def __init__(self, num_shards: _Optional[int] = ..., endianness: _Optional[_Union[BundleHeaderProto.Endianness, str]] = ...) -> None: ...
+
+class TensorSliceProto(_message.Message):
+    __slots__ = ("extent",)
+    class Extent(_message.Message):
+        __slots__ = ("start", "length")
+        START_FIELD_NUMBER: _ClassVar[int]
+        LENGTH_FIELD_NUMBER: _ClassVar[int]
+        start: int
+        length: int
+        def __init__(self, start: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    EXTENT_FIELD_NUMBER: _ClassVar[int]
+    extent: _containers.RepeatedCompositeFieldContainer[TensorSliceProto.Extent]
+    def __init__(self, extent: _Optional[_Iterable[_Union[TensorSliceProto.Extent, _Mapping]]] = ...) -> None: ...
+
+class BundleEntryProto(_message.Message):
+    __slots__ = ("dtype", "shape", "shard_id", "offset", "size", "crc32c", "slices")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    dtype: DataType
+    shape: TensorShapeProto
+    shard_id: int
+    offset: int
+    size: int
+    crc32c: int
+    slices: _containers.RepeatedCompositeFieldContainer[TensorSliceProto]
+    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Union[TensorShapeProto, _Mapping]] = ..., shard_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSliceProto, _Mapping]]] = ...) -> None: ...
