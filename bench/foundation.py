@@ -924,7 +924,7 @@ def write_section(path: Path, section: str, begin_mark: str, end_mark: str) -> N
     path.write_text(text)
 
 
-def write_results_md(path: Path, section: str) -> None:
+def write_foundation_md(path: Path, section: str) -> None:
     """Replace the foundation section of ``path`` (or add it), leaving the rest alone."""
     write_section(path, section, BEGIN_MARK, END_MARK)
 
@@ -1048,10 +1048,13 @@ def scenario_main(
     run: Callable[[str], dict[str, Any]],
     render_markdown: Callable[[dict[str, Any], Path], str],
     notes: Callable[[dict[str, Any]], Sequence[str]] = lambda report: (),
+    write_results: Callable[[Path, str], None] | None = None,
 ) -> int:
     """A scenario's main() after its arguments are settled: --render, or the run, its raw
-    JSON, its section of RESULTS.md, the targets, ``notes`` and leftovers on stderr. Exit
-    code 130 when interrupted, 1 when the run left anything behind."""
+    JSON, its section of RESULTS.md (through ``write_results``, which knows the scenario's
+    own markers), the targets, ``notes`` and leftovers on stderr. Exit code 130 when
+    interrupted, 1 when the run left anything behind."""
+    write_results_md = write_results or write_foundation_md
     results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
     if args.render is not None:
         report = json.loads(args.render.read_text())

@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     if not (args.quick or args.no_results):
-        write_section(RESULTS_MD, text, BEGIN_MARK, END_MARK)
+        write_section(RESULTS_MD, f"{BEGIN_MARK}\n{text}{END_MARK}\n", BEGIN_MARK, END_MARK)
     return 0
 
 

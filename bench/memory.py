@@ -1063,6 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda stamp: run_scenario(args, stamp),
         render_markdown,
         notes=lambda report: [f"ODD: {item}" for item in report["summary"]["oddities"]],
+        write_results=write_results_md,
     )
 
 
