@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -396,6 +397,9 @@ def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
         request.inputs["ids"].CopyFrom(tf.make_tensor_proto(inputs["ids"]))
         got = tf.make_ndarray(stub.Predict(request, timeout=30).outputs["out"])
         np.testing.assert_array_equal(got, _table(11)[[1]])
+        # The operator sees it as a metric too.
+        metrics = urllib.request.urlopen(status["pool"]["metrics"], timeout=10).read().decode()
+        assert 'mpspool_worker_copied_weight_bytes{slot="cpu-0"} 8' in metrics, metrics
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []

@@ -89,6 +89,7 @@ pub struct Dispatcher {
     ids: Arc<AtomicU64>,
     signatures: watch::Receiver<Option<Arc<ModelSignatures>>>,
     ready: watch::Receiver<usize>,
+    copied: watch::Receiver<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
 }
 
@@ -130,6 +131,7 @@ impl Dispatcher {
         let (commands, commands_rx) = mpsc::unbounded_channel();
         let (signatures_tx, signatures) = watch::channel(None);
         let (ready_tx, ready) = watch::channel(0);
+        let (copied_tx, copied) = watch::channel(Default::default());
         let actor = Actor {
             workers_fd: signal_fd(&workers)?,
             control_fd: signal_fd(&control)?,
@@ -141,6 +143,7 @@ impl Dispatcher {
             model,
             signatures: signatures_tx,
             ready: ready_tx,
+            copied: copied_tx,
             state: state.clone(),
             _context: context,
         };
@@ -150,6 +153,7 @@ impl Dispatcher {
             ids: Arc::new(AtomicU64::new(1)),
             signatures,
             ready,
+            copied,
             state,
         })
     }
@@ -160,6 +164,12 @@ impl Dispatcher {
 
     pub fn ready_workers(&self) -> watch::Receiver<usize> {
         self.ready.clone()
+    }
+
+    /// Slot → bytes of shared weights TensorFlow copied into its worker, for the
+    /// `mpspool_worker_copied_weight_bytes` gauge.
+    pub fn copied_weights(&self) -> watch::Receiver<std::collections::BTreeMap<String, u64>> {
+        self.copied.clone()
     }
 
     pub fn shutdown(&self) {
@@ -285,6 +295,7 @@ struct Actor {
     model: ServedModel,
     signatures: watch::Sender<Option<Arc<ModelSignatures>>>,
     ready: watch::Sender<usize>,
+    copied: watch::Sender<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
     _context: zmq::Context,
 }
@@ -422,7 +433,11 @@ impl Actor {
         self.publish_ready();
     }
 
+    /// Membership changed: the ready count and the copied-weights gauge follow.
     fn publish_ready(&self) {
+        let copied = self.table.copied_bytes();
+        self.copied
+            .send_if_modified(|c| std::mem::replace(c, copied.clone()) != copied);
         let ready = self.table.ready();
         self.ready
             .send_if_modified(|n| std::mem::replace(n, ready) != ready);

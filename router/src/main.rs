@@ -148,6 +148,7 @@ async fn serve(config: Config) -> ExitCode {
     let metrics = Arc::new(metrics::Metrics::new(
         &config.model_name,
         dispatcher.ready_workers(),
+        dispatcher.copied_weights(),
         state.clone(),
     ));
     if let Ok(metrics_port) = u16::try_from(config.metrics_port) {

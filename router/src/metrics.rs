@@ -46,6 +46,7 @@ pub struct Metrics {
     latency: [Histogram; 3],
     inflight: AtomicI64,
     ready: watch::Receiver<usize>,
+    copied: watch::Receiver<BTreeMap<String, u64>>,
     state: Arc<RouterState>,
 }
 
@@ -72,13 +73,19 @@ impl Drop for InFlight<'_> {
 }
 
 impl Metrics {
-    pub fn new(model: &str, ready: watch::Receiver<usize>, state: Arc<RouterState>) -> Metrics {
+    pub fn new(
+        model: &str,
+        ready: watch::Receiver<usize>,
+        copied: watch::Receiver<BTreeMap<String, u64>>,
+        state: Arc<RouterState>,
+    ) -> Metrics {
         Metrics {
             model: model.to_string(),
             requests: Mutex::new(BTreeMap::new()),
             latency: Default::default(),
             inflight: AtomicI64::new(0),
             ready,
+            copied,
             state,
         }
     }
@@ -161,6 +168,14 @@ impl Metrics {
         out.push_str("# HELP mpspool_workers_ready Workers registered and receiving requests.\n");
         out.push_str("# TYPE mpspool_workers_ready gauge\n");
         out.push_str(&format!("mpspool_workers_ready {}\n", *self.ready.borrow()));
+        out.push_str("# HELP mpspool_worker_copied_weight_bytes Bytes of shared weights TensorFlow copied into the worker of each slot (0: it shares them all; more only with --allow-copied-weights).\n");
+        out.push_str("# TYPE mpspool_worker_copied_weight_bytes gauge\n");
+        for (slot, bytes) in self.copied.borrow().iter() {
+            out.push_str(&format!(
+                "mpspool_worker_copied_weight_bytes{{slot=\"{}\"}} {bytes}\n",
+                escape(slot)
+            ));
+        }
         out.push_str("# HELP mpspool_worker_retries_total Requests sent again because their worker left before answering.\n");
         out.push_str("# TYPE mpspool_worker_retries_total counter\n");
         out.push_str(&format!(
@@ -239,7 +254,9 @@ mod tests {
     fn renders_counts_latency_and_gauges() {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(2usize);
-        let metrics = Metrics::new("demo", ready, Arc::new(state));
+        let copied = BTreeMap::from([("cpu-0".to_string(), 0u64), ("cpu-1".to_string(), 8)]);
+        let (_copied_tx, copied) = watch::channel(copied);
+        let metrics = Metrics::new("demo", ready, copied, Arc::new(state));
         {
             let mut request = metrics.start(Method::Predict);
             request.set_code(Code::Ok);
@@ -265,5 +282,7 @@ mod tests {
         assert!(text.contains("mpspool_inflight_requests{model=\"demo\"} 0\n"));
         assert!(text.contains("mpspool_workers_ready 2\n"));
         assert!(text.contains("mpspool_worker_retries_total 0\n"));
+        assert!(text.contains("mpspool_worker_copied_weight_bytes{slot=\"cpu-1\"} 8\n"));
+        assert!(text.contains("mpspool_worker_copied_weight_bytes{slot=\"cpu-0\"} 0\n"));
     }
 }

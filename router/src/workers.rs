@@ -218,6 +218,28 @@ impl<P> WorkerTable<P> {
         Some(pending)
     }
 
+    /// Per routable slot, the bytes of shared weights its worker reported TensorFlow copied
+    /// into it (READY's `weights.copied`, variable name → bytes; 0 when it shares them all).
+    pub fn copied_bytes(&self) -> std::collections::BTreeMap<String, u64> {
+        self.by_slot
+            .iter()
+            .filter_map(|(slot, identity)| self.by_identity.get(identity).map(|h| (slot, h)))
+            .map(|(slot, h)| {
+                let copied = h.weights.as_map().and_then(|fields| {
+                    fields
+                        .iter()
+                        .find(|(k, _)| k.as_str() == Some("copied"))
+                        .map(|(_, v)| v)
+                });
+                let bytes = copied
+                    .and_then(rmpv::Value::as_map)
+                    .map(|entries| entries.iter().filter_map(|(_, v)| v.as_u64()).sum())
+                    .unwrap_or(0);
+                (slot.clone(), bytes)
+            })
+            .collect()
+    }
+
     pub fn inflight_total(&self) -> usize {
         self.by_identity.values().map(|h| h.inflight.len()).sum()
     }
@@ -323,6 +345,23 @@ mod tests {
         assert!(t.gone("cpu-0", 10).is_some());
         assert_eq!(t.ready(), 0);
         assert!(t.pick().is_none());
+    }
+
+    #[test]
+    fn copied_bytes_come_from_each_workers_report() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        let report = rmpv::Value::Map(vec![(
+            rmpv::Value::from("copied"),
+            rmpv::Value::Map(vec![
+                (rmpv::Value::from("a:0"), rmpv::Value::from(8u64)),
+                (rmpv::Value::from("b:0"), rmpv::Value::from(4u64)),
+            ]),
+        )]);
+        t.register(b"cpu-0:10", "cpu-0", 10, report, now);
+        join(&mut t, "cpu-1", 11, now);
+        let copied = t.copied_bytes();
+        assert_eq!(copied.get("cpu-0"), Some(&12));
+        assert_eq!(copied.get("cpu-1"), Some(&0));
     }
 
     #[test]
