@@ -349,6 +349,7 @@ mod tests {
     use super::*;
     use crate::proto::mpspool::tfs::tensor_shape_proto::Dim;
     use crate::status::Code;
+    use crate::wire::unhex;
 
     fn tensor(dtype: i32, dims: &[i64]) -> TensorProto {
         TensorProto {
@@ -463,13 +464,6 @@ mod tests {
             .flat_map(|v| v.to_le_bytes())
             .collect();
         assert_eq!(&frame(&t).unwrap()[..], &expect[..]);
-    }
-
-    fn unhex(text: &str) -> Vec<u8> {
-        (0..text.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-            .collect()
     }
 
     /// tests/vectors/tensor_proto.json: serialized protos and what TensorFlow's C++ parser

@@ -220,16 +220,18 @@ pub fn encode_control(fields: Vec<(&str, rmpv::Value)>) -> Vec<u8> {
     out
 }
 
+/// Hex text → bytes: the shared test vectors store bytes as hex.
+#[cfg(test)]
+pub fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn unhex(text: &str) -> Vec<u8> {
-        (0..text.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-            .collect()
-    }
 
     /// tests/vectors/wire.json, written from mpspool/wire.py (tests/vectors/make_vectors.py).
     #[test]
