@@ -19,7 +19,7 @@ from google.protobuf import any_pb2, descriptor_pool, unknown_fields
 from google.protobuf.descriptor import FieldDescriptor
 
 # Registers the official messages mpspool copies for the checkpoint reader in the default pool.
-from tensorflow.core.protobuf import tensor_bundle_pb2  # noqa: F401
+from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2  # noqa: F401
 from tensorflow_serving.apis import (
     get_model_metadata_pb2,
     get_model_status_pb2,

@@ -57,10 +57,13 @@ def publish(
         raise PublishError(
             f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
         ) from None
+    served = served_keys(Path(model_dir), bundle, prefix)
     shared, unshared = [], []
     for key, entry in sorted(bundle[1].items()):
         if key == OBJECT_GRAPH_KEY:
             continue
+        if served is not None and key.endswith(VARIABLE_SUFFIX) and key not in served:
+            continue  # no serving signature reads it (optimizer state, say): not in /dev/shm
         if key.endswith(VARIABLE_SUFFIX) and entry.dtype in _CARRIED:
             shape = tuple(int(d.size) for d in entry.shape.dim)
             shared.append((key, int(entry.dtype), shape))
@@ -128,6 +131,79 @@ def _read_through_tensorflow(prefix: str, key: str) -> np.ndarray:
         return tf.train.load_checkpoint(prefix).get_tensor(key)
     except Exception as exc:  # NotFoundError, DataLossError, ValueError
         raise PublishError(f"cannot read {key} from the checkpoint at {prefix}: {exc}") from None
+
+
+def served_keys(
+    model_dir: Path, bundle: tuple[int, dict[str, Any]], prefix: str
+) -> set[str] | None:
+    """The checkpoint keys of the variables the SavedModel's signatures capture, or None when
+    that cannot be told (a TF1 model without an object graph, anything unexpected): then
+    every variable is published.
+
+    The signatures are children of the object graph's root ("signatures"); each names its
+    concrete function, whose `bound_inputs` are the object-graph nodes it captures. A TF2
+    SavedModel's checkpoint object graph numbers its nodes the same way, and a variable
+    node's VARIABLE_VALUE attribute is its checkpoint key.
+    """
+    from mpspool.protos import tensorflow_pb2 as pb
+
+    try:
+        saved = pb.SavedModel.FromString((model_dir / "saved_model.pb").read_bytes())
+        graph = saved.meta_graphs[0].object_graph_def if saved.meta_graphs else None
+        entry = bundle[1].get(OBJECT_GRAPH_KEY)
+        if graph is None or not graph.nodes or entry is None:
+            return None
+        checkpoint = pb.TrackableObjectGraph.FromString(_string_scalar(prefix, bundle[0], entry))
+    except (OSError, DecodeError, ValueError):
+        return None
+    signatures = [c.node_id for c in graph.nodes[0].children if c.local_name == "signatures"]
+    if not signatures:
+        return None
+    bound: set[int] = set()
+    for child in graph.nodes[signatures[0]].children:
+        node = graph.nodes[child.node_id]
+        kind = node.WhichOneof("kind")
+        if kind == "bare_concrete_function":
+            names = [node.bare_concrete_function.concrete_function_name]
+        elif kind == "function":
+            names = list(node.function.concrete_functions)
+        else:
+            return None
+        for name in names:
+            if name not in graph.concrete_functions:
+                return None
+            bound.update(graph.concrete_functions[name].bound_inputs)
+    keys = set()
+    for node_id in bound:
+        if node_id >= len(checkpoint.nodes) or node_id >= len(graph.nodes):
+            return None
+        if graph.nodes[node_id].WhichOneof("kind") is not None:
+            continue  # a function or another captured object, not a variable
+        for attribute in checkpoint.nodes[node_id].attributes:
+            if attribute.checkpoint_key.endswith(VARIABLE_SUFFIX):
+                keys.add(attribute.checkpoint_key)
+    return keys
+
+
+def _string_scalar(prefix: str, shards: int, entry: Any) -> bytes:
+    """A DT_STRING scalar's bytes in a bundle shard: its length as a varint, a 4-byte
+    checksum of the lengths, then the bytes."""
+    with open(tensor_bundle.shard_path(prefix, entry.shard_id, shards), "rb") as shard:
+        shard.seek(entry.offset)
+        data = shard.read(entry.size)
+    length, shift, pos = 0, 0, 0
+    while True:
+        if pos >= len(data):
+            raise ValueError("truncated string tensor")
+        byte = data[pos]
+        length |= (byte & 0x7F) << shift
+        pos += 1
+        shift += 7
+        if not byte & 0x80:
+            break
+    if pos + 4 + length != len(data):
+        raise ValueError("not a scalar string tensor")
+    return data[pos + 4 :]
 
 
 def _duplicates(

@@ -113,10 +113,15 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
             value = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
         variable.assign(value)
         bound[id(variable)] = (variable, entry)
+    # Every variable a serving signature captures must read from the segment; others (the
+    # publisher leaves them out: optimizer state, Keras' second reference list) serve nothing.
+    captured = {
+        id(t) for signature in loaded.signatures.values() for t in signature.captured_inputs
+    }
     unbound = [
         t.name
         for t in tf.train.TrackableView(loaded).descendants()
-        if isinstance(t, tf.Variable) and id(t) not in bound
+        if isinstance(t, tf.Variable) and id(t) not in bound and id(t.handle) in captured
     ]
     if unbound:
         raise NotShareable(

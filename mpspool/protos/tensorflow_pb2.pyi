@@ -194,3 +194,89 @@ class BundleEntryProto(_message.Message):
     crc32c: int
     slices: _containers.RepeatedCompositeFieldContainer[TensorSliceProto]
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Union[TensorShapeProto, _Mapping]] = ..., shard_id: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[TensorSliceProto, _Mapping]]] = ...) -> None: ...
+
+class SavedModel(_message.Message):
+    __slots__ = ("saved_model_schema_version", "meta_graphs")
+    SAVED_MODEL_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    META_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    saved_model_schema_version: int
+    meta_graphs: _containers.RepeatedCompositeFieldContainer[MetaGraphDef]
+    def __init__(self, saved_model_schema_version: _Optional[int] = ..., meta_graphs: _Optional[_Iterable[_Union[MetaGraphDef, _Mapping]]] = ...) -> None: ...
+
+class MetaGraphDef(_message.Message):
+    __slots__ = ("object_graph_def",)
+    OBJECT_GRAPH_DEF_FIELD_NUMBER: _ClassVar[int]
+    object_graph_def: SavedObjectGraph
+    def __init__(self, object_graph_def: _Optional[_Union[SavedObjectGraph, _Mapping]] = ...) -> None: ...
+
+class SavedObjectGraph(_message.Message):
+    __slots__ = ("nodes", "concrete_functions")
+    class ConcreteFunctionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SavedConcreteFunction
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SavedConcreteFunction, _Mapping]] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CONCRETE_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[SavedObject]
+    concrete_functions: _containers.MessageMap[str, SavedConcreteFunction]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[SavedObject, _Mapping]]] = ..., concrete_functions: _Optional[_Mapping[str, SavedConcreteFunction]] = ...) -> None: ...
+
+class SavedObject(_message.Message):
+    __slots__ = ("children", "function", "bare_concrete_function")
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    BARE_CONCRETE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    children: _containers.RepeatedCompositeFieldContainer[TrackableObjectGraph.TrackableObject.ObjectReference]
+    function: SavedFunction
+    bare_concrete_function: SavedBareConcreteFunction
+    def __init__(self, children: _Optional[_Iterable[_Union[TrackableObjectGraph.TrackableObject.ObjectReference, _Mapping]]] = ..., function: _Optional[_Union[SavedFunction, _Mapping]] = ..., bare_concrete_function: _Optional[_Union[SavedBareConcreteFunction, _Mapping]] = ...) -> None: ...
+
+class SavedFunction(_message.Message):
+    __slots__ = ("concrete_functions",)
+    CONCRETE_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    concrete_functions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, concrete_functions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SavedBareConcreteFunction(_message.Message):
+    __slots__ = ("concrete_function_name",)
+    CONCRETE_FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    concrete_function_name: str
+    def __init__(self, concrete_function_name: _Optional[str] = ...) -> None: ...
+
+class SavedConcreteFunction(_message.Message):
+    __slots__ = ("bound_inputs",)
+    BOUND_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    bound_inputs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, bound_inputs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TrackableObjectGraph(_message.Message):
+    __slots__ = ("nodes",)
+    class TrackableObject(_message.Message):
+        __slots__ = ("children", "attributes")
+        class ObjectReference(_message.Message):
+            __slots__ = ("node_id", "local_name")
+            NODE_ID_FIELD_NUMBER: _ClassVar[int]
+            LOCAL_NAME_FIELD_NUMBER: _ClassVar[int]
+            node_id: int
+            local_name: str
+            def __init__(self, node_id: _Optional[int] = ..., local_name: _Optional[str] = ...) -> None: ...
+        class SerializedTensor(_message.Message):
+            __slots__ = ("name", "full_name", "checkpoint_key")
+            NAME_FIELD_NUMBER: _ClassVar[int]
+            FULL_NAME_FIELD_NUMBER: _ClassVar[int]
+            CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+            name: str
+            full_name: str
+            checkpoint_key: str
+            def __init__(self, name: _Optional[str] = ..., full_name: _Optional[str] = ..., checkpoint_key: _Optional[str] = ...) -> None: ...
+        CHILDREN_FIELD_NUMBER: _ClassVar[int]
+        ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+        children: _containers.RepeatedCompositeFieldContainer[TrackableObjectGraph.TrackableObject.ObjectReference]
+        attributes: _containers.RepeatedCompositeFieldContainer[TrackableObjectGraph.TrackableObject.SerializedTensor]
+        def __init__(self, children: _Optional[_Iterable[_Union[TrackableObjectGraph.TrackableObject.ObjectReference, _Mapping]]] = ..., attributes: _Optional[_Iterable[_Union[TrackableObjectGraph.TrackableObject.SerializedTensor, _Mapping]]] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[TrackableObjectGraph.TrackableObject]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[TrackableObjectGraph.TrackableObject, _Mapping]]] = ...) -> None: ...

@@ -3,6 +3,9 @@
 #![allow(clippy::all, clippy::pedantic)]
 
 pub mod mpspool {
+    // The .proto files also describe messages only the Python side reads (the checkpoint
+    // index and object graph the weight publisher parses).
+    #[allow(dead_code)]
     pub mod tfs {
         tonic::include_proto!("mpspool.tfs");
     }
