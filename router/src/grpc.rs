@@ -37,39 +37,8 @@ pub struct Api {
 }
 
 impl Api {
-    /// NOT_FOUND unless the request names this model and (if any) this version.
     fn check_spec(&self, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
-        let Some(spec) = spec.filter(|s| !s.name.is_empty()) else {
-            return Err(ServingError::invalid_argument(
-                "ModelSpec has no name specified",
-            ));
-        };
-        let wanted = match &spec.version_choice {
-            Some(VersionChoice::Version(v)) if *v != self.version => {
-                format!("Specific({}, {v})", spec.name)
-            }
-            _ if spec.name != self.model => match &spec.version_choice {
-                Some(VersionChoice::Version(v)) => format!("Specific({}, {v})", spec.name),
-                _ => format!("Latest({})", spec.name),
-            },
-            _ => String::new(),
-        };
-        if !wanted.is_empty() {
-            return Err(ServingError::new(
-                Code::NotFound,
-                format!("Servable not found for request: {wanted}"),
-            ));
-        }
-        // TF Serving resolves labels from its model config; this pool serves one version,
-        // which answers to its own number as a label (perf_analyzer sends -x that way).
-        if let Some(VersionChoice::VersionLabel(label)) = &spec.version_choice {
-            if *label != self.version.to_string() {
-                return Err(ServingError::invalid_argument(format!(
-                    "Unrecognized servable version label: {label}"
-                )));
-            }
-        }
-        Ok(())
+        check_spec(&self.model, self.version, spec)
     }
 
     fn signatures(&self) -> Result<Arc<ModelSignatures>, ServingError> {
@@ -183,25 +152,7 @@ impl Api {
         &self,
         request: &GetModelStatusRequest,
     ) -> Result<GetModelStatusResponse, ServingError> {
-        let name = request.model_spec.as_ref().map_or("", |s| s.name.as_str());
-        if name != self.model {
-            return Err(ServingError::new(
-                Code::NotFound,
-                format!("Could not find any versions of model {name}"),
-            ));
-        }
-        if let Some(VersionChoice::Version(v)) = request
-            .model_spec
-            .as_ref()
-            .and_then(|s| s.version_choice.as_ref())
-        {
-            if *v != self.version {
-                return Err(ServingError::new(
-                    Code::NotFound,
-                    format!("Could not find version {v} of model {name}"),
-                ));
-            }
-        }
+        check_status_spec(&self.model, self.version, request.model_spec.as_ref())?;
         let available = *self.dispatcher.ready_workers().borrow() > 0
             && self.dispatcher.signatures().borrow().is_some();
         let state = if available {
@@ -216,6 +167,65 @@ impl Api {
                 status: Some(StatusProto::default()),
             }],
         })
+    }
+}
+
+/// NOT_FOUND unless the request names this model and (if any) this version; an empty name is
+/// INVALID_ARGUMENT, as TF Serving answers it.
+pub fn check_spec(model: &str, version: i64, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
+    let Some(spec) = spec.filter(|s| !s.name.is_empty()) else {
+        return Err(ServingError::invalid_argument(
+            "ModelSpec has no name specified.",
+        ));
+    };
+    let wanted = match &spec.version_choice {
+        Some(VersionChoice::Version(v)) if spec.name != model || *v != version => {
+            Some(format!("Specific({}, {v})", spec.name))
+        }
+        Some(VersionChoice::Version(_)) => None,
+        _ if spec.name != model => Some(format!("Latest({})", spec.name)),
+        _ => None,
+    };
+    if let Some(wanted) = wanted {
+        return Err(ServingError::new(
+            Code::NotFound,
+            format!("Servable not found for request: {wanted}"),
+        ));
+    }
+    // TF Serving resolves labels from its model config; this pool serves one version,
+    // which answers to its own number as a label (perf_analyzer sends -x that way).
+    if let Some(VersionChoice::VersionLabel(label)) = &spec.version_choice {
+        if *label != version.to_string() {
+            return Err(ServingError::invalid_argument(format!(
+                "Unrecognized servable version label: {label}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// GetModelStatus's own checks (TF Serving's GetModelStatusImpl): a spec is required; with a
+/// version, that exact version of that model must exist; without one, any version of it.
+pub fn check_status_spec(
+    model: &str,
+    version: i64,
+    spec: Option<&ModelSpec>,
+) -> Result<(), ServingError> {
+    let Some(spec) = spec else {
+        return Err(ServingError::invalid_argument("Missing ModelSpec"));
+    };
+    match &spec.version_choice {
+        Some(VersionChoice::Version(v)) if spec.name != model || *v != version => {
+            Err(ServingError::new(
+                Code::NotFound,
+                format!("Could not find version {v} of model {}", spec.name),
+            ))
+        }
+        _ if spec.name != model => Err(ServingError::new(
+            Code::NotFound,
+            format!("Could not find any versions of model {}", spec.name),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -293,6 +303,99 @@ impl ModelService for Api {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn spec(name: &str, choice: Option<VersionChoice>) -> ModelSpec {
+        ModelSpec {
+            name: name.to_string(),
+            version_choice: choice,
+            signature_name: String::new(),
+        }
+    }
+
+    fn refusal(spec: Option<&ModelSpec>) -> Option<(Code, String)> {
+        check_spec("demo", 3, spec)
+            .err()
+            .map(|e| (e.code, e.message))
+    }
+
+    #[test]
+    fn model_specs_are_checked_as_tf_serving_does() {
+        use VersionChoice::{Version, VersionLabel};
+        assert_eq!(refusal(Some(&spec("demo", None))), None);
+        assert_eq!(refusal(Some(&spec("demo", Some(Version(3))))), None);
+        assert_eq!(
+            refusal(Some(&spec("demo", Some(VersionLabel("3".into()))))),
+            None
+        );
+        let not_found = |what: &str| {
+            Some((
+                Code::NotFound,
+                format!("Servable not found for request: {what}"),
+            ))
+        };
+        assert_eq!(
+            refusal(Some(&spec("nope", None))),
+            not_found("Latest(nope)")
+        );
+        assert_eq!(
+            refusal(Some(&spec("demo", Some(Version(7))))),
+            not_found("Specific(demo, 7)")
+        );
+        assert_eq!(
+            refusal(Some(&spec("nope", Some(Version(3))))),
+            not_found("Specific(nope, 3)")
+        );
+        assert_eq!(
+            refusal(Some(&spec("nope", Some(VersionLabel("3".into()))))),
+            not_found("Latest(nope)")
+        );
+        assert_eq!(
+            refusal(Some(&spec("demo", Some(VersionLabel("stable".into()))))),
+            Some((
+                Code::InvalidArgument,
+                "Unrecognized servable version label: stable".to_string()
+            ))
+        );
+        let no_name = Some((
+            Code::InvalidArgument,
+            "ModelSpec has no name specified.".to_string(),
+        ));
+        assert_eq!(refusal(None), no_name);
+        assert_eq!(refusal(Some(&spec("", Some(Version(3))))), no_name);
+    }
+
+    #[test]
+    fn status_specs_are_checked_as_tf_serving_does() {
+        use VersionChoice::{Version, VersionLabel};
+        let refusal = |spec: Option<&ModelSpec>| {
+            check_status_spec("demo", 3, spec)
+                .err()
+                .map(|e| (e.code, e.message))
+        };
+        assert_eq!(refusal(Some(&spec("demo", None))), None);
+        assert_eq!(refusal(Some(&spec("demo", Some(Version(3))))), None);
+        assert_eq!(
+            refusal(Some(&spec("demo", Some(VersionLabel("x".into()))))),
+            None
+        );
+        let not_found = |text: &str| Some((Code::NotFound, text.to_string()));
+        assert_eq!(
+            refusal(Some(&spec("nope", None))),
+            not_found("Could not find any versions of model nope")
+        );
+        assert_eq!(
+            refusal(Some(&spec("demo", Some(Version(7))))),
+            not_found("Could not find version 7 of model demo")
+        );
+        assert_eq!(
+            refusal(Some(&spec("nope", Some(Version(3))))),
+            not_found("Could not find version 3 of model nope")
+        );
+        assert_eq!(
+            refusal(None),
+            Some((Code::InvalidArgument, "Missing ModelSpec".to_string()))
+        );
+    }
 
     #[test]
     fn grpc_timeouts_parse_as_the_protocol_says() {

@@ -1,11 +1,11 @@
 //! Prometheus metrics at http://host:metrics_port/metrics: what an operator (or a
 //! HorizontalPodAutoscaler on `mpspool_inflight_requests`) watches. The exposition is written
-//! by hand (a few families, no registry needed); recording a request costs a few atomic adds
-//! and one short uncontended lock, never a lock held across an await.
+//! by hand (a few families, no registry needed); recording a request costs a few relaxed
+//! atomic adds and takes no lock.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -26,6 +26,28 @@ pub const BUCKETS: [f64; 13] = [
 
 pub const METHODS: [&str; 3] = ["Predict", "GetModelMetadata", "GetModelStatus"];
 
+/// Every gRPC code, in the order their names sort (the order the counter's samples are
+/// written in, as prometheus_client writes labels).
+const CODES_BY_NAME: [Code; 17] = [
+    Code::Aborted,
+    Code::AlreadyExists,
+    Code::Cancelled,
+    Code::DataLoss,
+    Code::DeadlineExceeded,
+    Code::FailedPrecondition,
+    Code::Internal,
+    Code::InvalidArgument,
+    Code::NotFound,
+    Code::Ok,
+    Code::OutOfRange,
+    Code::PermissionDenied,
+    Code::ResourceExhausted,
+    Code::Unauthenticated,
+    Code::Unavailable,
+    Code::Unimplemented,
+    Code::Unknown,
+];
+
 #[derive(Clone, Copy)]
 pub enum Method {
     Predict = 0,
@@ -42,7 +64,8 @@ struct Histogram {
 
 pub struct Metrics {
     model: String,
-    requests: Mutex<BTreeMap<(usize, &'static str), u64>>,
+    /// Answers by method and code (indexed by the code's number, 0..=16).
+    requests: [[AtomicU64; 17]; 3],
     latency: [Histogram; 3],
     inflight: AtomicI64,
     ready: watch::Receiver<usize>,
@@ -81,7 +104,7 @@ impl Metrics {
     ) -> Metrics {
         Metrics {
             model: model.to_string(),
-            requests: Mutex::new(BTreeMap::new()),
+            requests: Default::default(),
             latency: Default::default(),
             inflight: AtomicI64::new(0),
             ready,
@@ -91,7 +114,8 @@ impl Metrics {
     }
 
     /// One request of `method`: counted in flight now, finished when the guard drops (with
-    /// code UNKNOWN unless the handler set one: a cancelled handler counts too).
+    /// code CANCELLED unless the handler set one: a handler dropped because its client went
+    /// away counts too).
     pub fn start(&self, method: Method) -> InFlight<'_> {
         self.inflight.fetch_add(1, Ordering::Relaxed);
         InFlight {
@@ -105,18 +129,16 @@ impl Metrics {
     fn record(&self, method: Method, code: Code, took: Duration) {
         let histogram = &self.latency[method as usize];
         let secs = took.as_secs_f64();
-        for (bucket, le) in histogram.buckets.iter().zip(BUCKETS) {
-            if secs <= le {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
+        // One add in the first bucket that holds it; render() sums them into Prometheus's
+        // cumulative buckets (past the last bound, only count and sum see it: +Inf).
+        if let Some(first) = BUCKETS.iter().position(|le| secs <= *le) {
+            histogram.buckets[first].fetch_add(1, Ordering::Relaxed);
         }
         histogram.count.fetch_add(1, Ordering::Relaxed);
         histogram
             .sum_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        if let Ok(mut requests) = self.requests.lock() {
-            *requests.entry((method as usize, code.name())).or_insert(0) += 1;
-        }
+        self.requests[method as usize][code as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition (labels in name order, as prometheus_client writes them).
@@ -127,12 +149,15 @@ impl Metrics {
             "# HELP mpspool_requests_total Requests answered, by method and gRPC status code.\n",
         );
         out.push_str("# TYPE mpspool_requests_total counter\n");
-        if let Ok(requests) = self.requests.lock() {
-            for ((method, code), n) in requests.iter() {
-                out.push_str(&format!(
-                    "mpspool_requests_total{{code=\"{code}\",method=\"{}\",model=\"{model}\"}} {n}\n",
-                    METHODS[*method]
-                ));
+        for (method, counts) in METHODS.iter().zip(&self.requests) {
+            for code in CODES_BY_NAME {
+                let n = counts[code as usize].load(Ordering::Relaxed);
+                if n > 0 {
+                    out.push_str(&format!(
+                        "mpspool_requests_total{{code=\"{}\",method=\"{method}\",model=\"{model}\"}} {n}\n",
+                        code.name()
+                    ));
+                }
             }
         }
         out.push_str("# HELP mpspool_request_duration_seconds Time from receiving a request to answering it.\n");
@@ -142,10 +167,11 @@ impl Metrics {
             if count == 0 {
                 continue;
             }
+            let mut cumulative = 0;
             for (bucket, le) in histogram.buckets.iter().zip(BUCKETS) {
+                cumulative += bucket.load(Ordering::Relaxed);
                 out.push_str(&format!(
-                    "mpspool_request_duration_seconds_bucket{{le=\"{le}\",method=\"{method}\",model=\"{model}\"}} {}\n",
-                    bucket.load(Ordering::Relaxed)
+                    "mpspool_request_duration_seconds_bucket{{le=\"{le:?}\",method=\"{method}\",model=\"{model}\"}} {cumulative}\n"
                 ));
             }
             out.push_str(&format!(
@@ -156,7 +182,7 @@ impl Metrics {
             ));
             let sum = histogram.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
             out.push_str(&format!(
-                "mpspool_request_duration_seconds_sum{{method=\"{method}\",model=\"{model}\"}} {sum}\n"
+                "mpspool_request_duration_seconds_sum{{method=\"{method}\",model=\"{model}\"}} {sum:?}\n"
             ));
         }
         out.push_str("# HELP mpspool_inflight_requests Requests this front door is handling now (a per-pod load signal).\n");
@@ -249,6 +275,77 @@ fn answer(metrics: &Metrics, request: &Request<hyper::body::Incoming>) -> Respon
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn latency_buckets_are_cumulative() {
+        let (state, _drain) = RouterState::new();
+        let (_tx, ready) = watch::channel(0usize);
+        let (_copied_tx, copied) = watch::channel(BTreeMap::new());
+        let metrics = Metrics::new("m", ready, copied, Arc::new(state));
+        for ms in [0, 3, 3, 40, 9000] {
+            metrics.record(Method::Predict, Code::Ok, Duration::from_millis(ms));
+        }
+        let text = metrics.render();
+        let bucket = |le: &str| {
+            format!("mpspool_request_duration_seconds_bucket{{le=\"{le}\",method=\"Predict\",model=\"m\"}} ")
+        };
+        for (le, n) in [
+            ("0.0005", 1),
+            ("0.002", 1),
+            ("0.005", 3),
+            ("0.05", 4),
+            ("5.0", 4),
+            ("+Inf", 5),
+        ] {
+            assert!(
+                text.contains(&format!("{}{n}\n", bucket(le))),
+                "{le}: {text}"
+            );
+        }
+        assert!(
+            text.contains(
+                "mpspool_request_duration_seconds_sum{method=\"Predict\",model=\"m\"} 9.046\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn codes_are_listed_once_each_in_name_order() {
+        let names: Vec<&str> = CODES_BY_NAME.iter().map(|c| c.name()).collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(names, sorted);
+        let mut numbers: Vec<i32> = CODES_BY_NAME.iter().map(|c| *c as i32).collect();
+        numbers.sort_unstable();
+        assert_eq!(numbers, (0..=16).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_dropped_handler_counts_as_cancelled_and_leaves_the_gauge() {
+        let (state, _drain) = RouterState::new();
+        let (_tx, ready) = watch::channel(0usize);
+        let (_copied_tx, copied) = watch::channel(BTreeMap::new());
+        let metrics = Metrics::new("m\"x", ready, copied, Arc::new(state));
+        let request = metrics.start(Method::GetModelStatus);
+        assert!(metrics
+            .render()
+            .contains("mpspool_inflight_requests{model=\"m\\\"x\"} 1\n"));
+        drop(request);
+        let text = metrics.render();
+        assert!(
+            text.contains("mpspool_inflight_requests{model=\"m\\\"x\"} 0\n"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "mpspool_requests_total{code=\"CANCELLED\",method=\"GetModelStatus\",model=\"m\\\"x\"} 1\n"
+        ));
+        assert!(
+            !text.contains("method=\"Predict\""),
+            "no samples for unused methods"
+        );
+    }
 
     #[test]
     fn renders_counts_latency_and_gauges() {
