@@ -4,12 +4,13 @@
 //! `watch` shutdown signal and an `mpsc` sender it drops when done, so "every connection has
 //! finished" is the receiver returning None (tokio's mini-redis pattern). A connection older
 //! than `max_connection_age` is ended gracefully (GOAWAY; its calls get the same again to
-//! finish), so clients balancing over several pods find new ones.
+//! finish, then it is closed), so clients balancing over several pods find new ones: grpc's
+//! max_connection_age with max_connection_age_grace equal to it.
 //!
 //! Phases, one writer (`set_phase`): SERVING → DRAINING (health NOT_SERVING, still answering
 //! for `delay` so load balancers notice; then no new connections, in-flight calls get
-//! `grace`) → STOPPED. A signal ends the process after the drain; a drain the controller asked
-//! for leaves it STOPPED until the controller stops it.
+//! `grace`, then their connections are closed) → STOPPED. A signal ends the process after the
+//! drain; a drain the controller asked for leaves it STOPPED until the controller stops it.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -38,6 +39,17 @@ pub struct Limits {
     pub max_message_bytes: usize,
     /// None: connections live as long as their clients keep them.
     pub max_connection_age: Option<Duration>,
+}
+
+/// What the lifecycle tells every connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    /// Serving as usual.
+    No,
+    /// GOAWAY: finish the calls under way, take no new ones.
+    Gracefully,
+    /// The drain's grace is over: close now (calls still running are cancelled).
+    Now,
 }
 
 /// Why the server is draining.
@@ -106,13 +118,20 @@ impl Server {
             };
         let mut interrupt =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
+        // tonic-health starts "" as SERVING; nothing is ready yet.
+        for service in ["", SERVICE_NAME] {
+            health
+                .set_service_status(service, ServingStatus::NotServing)
+                .await;
+        }
         let health_task = tokio::spawn(follow_health(
             health,
             api.dispatcher.ready_workers(),
             state.phase.subscribe(),
         ));
-        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let (shutdown_tx, shutdown_rx) = watch::channel(Ending::No);
         let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+        let mut drains_open = true;
 
         let (drain, cause) = loop {
             tokio::select! {
@@ -136,11 +155,10 @@ impl Server {
                         done_tx.clone(),
                     ));
                 }
-                request = drains.recv() => {
-                    if let Some(request) = request {
-                        break (request, Cause::Controller);
-                    }
-                }
+                request = drains.recv(), if drains_open => match request {
+                    Some(request) => break (request, Cause::Controller),
+                    None => drains_open = false,
+                },
                 _ = recv_signal(&mut terminate) => break (default_drain, Cause::Signal),
                 _ = recv_signal(&mut interrupt) => break (default_drain, Cause::Signal),
             }
@@ -166,7 +184,7 @@ impl Server {
             }
         }
         drop(listener); // no new connections
-        let _ = shutdown_tx.send(true);
+        let _ = shutdown_tx.send(Ending::Gracefully);
         drop(done_tx);
         if tokio::time::timeout(drain.grace, done_rx.recv())
             .await
@@ -176,6 +194,9 @@ impl Server {
                 "in-flight calls still running after {:?}: closing",
                 drain.grace
             );
+            let _ = shutdown_tx.send(Ending::Now);
+            // Closing is immediate; this only lets the connection tasks observe it.
+            let _ = tokio::time::timeout(Duration::from_secs(1), done_rx.recv()).await;
         }
         set_phase(&state, Phase::Stopped);
         if cause == Cause::Controller {
@@ -210,7 +231,7 @@ async fn serve_connection<S>(
     stream: tokio::net::TcpStream,
     service: S,
     max_age: Option<Duration>,
-    mut shutdown: watch::Receiver<bool>,
+    mut ending: watch::Receiver<Ending>,
     _done: mpsc::Sender<()>,
 ) where
     S: hyper::service::Service<
@@ -231,31 +252,71 @@ async fn serve_connection<S>(
         .max_frame_size(MAX_FRAME);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
-    let aged = async {
-        match max_age {
-            Some(age) => tokio::time::sleep(age).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(aged);
-    let mut ending = false;
+    let mut age = Age::new(max_age);
+    let timer = tokio::time::sleep_until(age.next_deadline(tokio::time::Instant::now()));
+    tokio::pin!(timer);
+    let mut going_away = false;
     loop {
         tokio::select! {
             _ = &mut connection => return,
-            _ = &mut aged, if !ending => {
-                connection.as_mut().graceful_shutdown();
-                // The calls under way get the same age again to finish, then the connection goes.
-                if let Some(age) = max_age {
-                    let _ = tokio::time::timeout(age, &mut connection).await;
+            _ = &mut timer, if max_age.is_some() => match age.expired() {
+                AgeStep::GoAway => {
+                    if !going_away {
+                        going_away = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
+                    let now = tokio::time::Instant::now();
+                    timer.as_mut().reset(age.next_deadline(now));
                 }
-                return;
-            }
-            changed = shutdown.changed(), if !ending => {
-                if changed.is_err() || *shutdown.borrow() {
-                    ending = true;
-                    connection.as_mut().graceful_shutdown();
+                AgeStep::Close => return,
+            },
+            changed = ending.changed() => {
+                let now = if changed.is_err() { Ending::Now } else { *ending.borrow_and_update() };
+                match now {
+                    Ending::No => {}
+                    Ending::Gracefully => if !going_away {
+                        going_away = true;
+                        connection.as_mut().graceful_shutdown();
+                    },
+                    // Dropping the connection resets its streams; hyper drops their handlers.
+                    Ending::Now => return,
                 }
             }
+        }
+    }
+}
+
+/// What a connection does when its age timer fires: first GOAWAY, then (the same age later,
+/// its grace) close whatever is still running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AgeStep {
+    GoAway,
+    Close,
+}
+
+/// A connection's max-connection-age clock (None: it may live forever).
+struct Age {
+    max_age: Option<Duration>,
+    fired: u8,
+}
+
+impl Age {
+    fn new(max_age: Option<Duration>) -> Age {
+        Age { max_age, fired: 0 }
+    }
+
+    /// When the timer should next fire, from `now`; far away when there is no age limit.
+    fn next_deadline(&self, now: tokio::time::Instant) -> tokio::time::Instant {
+        const FOREVER: Duration = Duration::from_secs(100 * 365 * 86_400);
+        now + self.max_age.unwrap_or(FOREVER)
+    }
+
+    fn expired(&mut self) -> AgeStep {
+        self.fired = self.fired.saturating_add(1);
+        if self.fired == 1 {
+            AgeStep::GoAway
+        } else {
+            AgeStep::Close
         }
     }
 }
@@ -292,4 +353,171 @@ async fn follow_health(
 /// The ports for the controller's snapshot.
 pub fn record_port(state: &RouterState, port: u16) {
     state.grpc_port.store(port, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tokio::time::Instant;
+
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    const SETTINGS: u8 = 4;
+    const PING: u8 = 6;
+    const GOAWAY: u8 = 7;
+    const HEADERS: u8 = 1;
+    const ACK: u8 = 1;
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len() as u32;
+        let mut out = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// What a bare HTTP/2 client saw, in time since `started`.
+    #[derive(Debug)]
+    struct Seen {
+        goaway: Option<Duration>,
+        closed: Duration,
+    }
+
+    /// Speaks just enough HTTP/2 (preface, SETTINGS and PING acks; with `call`, one POST
+    /// whose answer never comes) to watch how the server ends the connection.
+    async fn client(mut stream: TcpStream, call: bool, started: Instant) -> Seen {
+        let mut hello = PREFACE.to_vec();
+        hello.extend(frame(SETTINGS, 0, 0, &[]));
+        if call {
+            // :method POST, :scheme http, :path / (HPACK static table 3, 6, 4); END_HEADERS.
+            hello.extend(frame(HEADERS, 0x4, 1, &[0x83, 0x86, 0x84]));
+        }
+        stream.write_all(&hello).await.unwrap();
+        let mut goaway = None;
+        loop {
+            let mut head = [0u8; 9];
+            if stream.read_exact(&mut head).await.is_err() {
+                break;
+            }
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            if stream.read_exact(&mut payload).await.is_err() {
+                break;
+            }
+            let (kind, flags) = (head[3], head[4]);
+            let reply = match kind {
+                GOAWAY => {
+                    goaway.get_or_insert(started.elapsed());
+                    None
+                }
+                SETTINGS if flags & ACK == 0 => Some(frame(SETTINGS, ACK, 0, &[])),
+                PING if flags & ACK == 0 => Some(frame(PING, ACK, 0, &payload)),
+                _ => None,
+            };
+            if let Some(reply) = reply {
+                if stream.write_all(&reply).await.is_err() {
+                    break;
+                }
+            }
+        }
+        Seen {
+            goaway,
+            closed: started.elapsed(),
+        }
+    }
+
+    /// A connection served as the server serves one, whose calls never answer.
+    async fn connect(
+        max_age: Option<Duration>,
+        call: bool,
+    ) -> (
+        tokio::task::JoinHandle<Seen>,
+        watch::Sender<Ending>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (ending_tx, ending_rx) = watch::channel(Ending::No);
+        let (done_tx, _done_rx) = mpsc::channel(1);
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = hyper::service::service_fn(|_request| {
+                std::future::pending::<Result<http::Response<tonic::body::Body>, Infallible>>()
+            });
+            serve_connection(stream, service, max_age, ending_rx, done_tx).await;
+        });
+        let started = Instant::now();
+        let stream = TcpStream::connect(address).await.unwrap();
+        (
+            tokio::spawn(client(stream, call, started)),
+            ending_tx,
+            server,
+        )
+    }
+
+    #[test]
+    fn the_age_timer_first_says_goaway_then_closes() {
+        let mut age = Age::new(Some(Duration::from_secs(5)));
+        let now = tokio::time::Instant::now();
+        assert_eq!(age.next_deadline(now), now + Duration::from_secs(5));
+        assert_eq!(age.expired(), AgeStep::GoAway);
+        assert_eq!(age.expired(), AgeStep::Close);
+        assert_eq!(age.expired(), AgeStep::Close);
+        let ageless = Age::new(None);
+        assert!(ageless.next_deadline(now) > now + Duration::from_secs(86_400 * 365));
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_gets_goaway_at_its_age_and_closes() {
+        let age = Duration::from_millis(300);
+        let (seen, _ending, _server) = connect(Some(age), false).await;
+        let seen = seen.await.unwrap();
+        let goaway = seen.goaway.expect("a GOAWAY");
+        assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
+        assert!(seen.closed < 2 * age, "nothing to wait for: {seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_call_outliving_its_connection_gets_the_age_again_as_grace() {
+        let age = Duration::from_millis(300);
+        let (seen, _ending, _server) = connect(Some(age), true).await;
+        let seen = seen.await.unwrap();
+        let goaway = seen.goaway.expect("a GOAWAY");
+        assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
+        assert!(seen.closed >= 2 * age && seen.closed < 3 * age, "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn without_an_age_connections_stay_until_the_drain() {
+        let (seen, ending, _server) = connect(None, false).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(!seen.is_finished());
+        ending.send(Ending::Gracefully).unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(2), seen)
+            .await
+            .expect("closed after GOAWAY")
+            .unwrap();
+        assert!(seen.goaway.is_some(), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_drain_past_its_grace_closes_connections_with_calls_under_way() {
+        let (seen, ending, server) = connect(None, true).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        ending.send(Ending::Gracefully).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!seen.is_finished(), "the call under way keeps it open");
+        ending.send(Ending::Now).unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(2), seen)
+            .await
+            .expect("closed at once")
+            .unwrap();
+        assert!(seen.goaway.is_some(), "{seen:?}");
+        tokio::time::timeout(Duration::from_secs(2), server)
+            .await
+            .expect("connection task ended")
+            .unwrap();
+    }
 }
