@@ -291,31 +291,70 @@ fn materialize_strings(
     }
     let values = &proto.string_val;
     let given = values.len() as u64;
-    // The frame's size if the last value repeats to fill the shape: bounded before allocating.
-    let last_len = values.last().map_or(0, |v| v.len() as u64);
-    let spelled: u64 = values
-        .iter()
-        .take(n.min(given) as usize)
-        .map(|v| v.len() as u64 + 5)
-        .sum();
-    let repeated = n.saturating_sub(given).saturating_mul(last_len + 5);
-    let bytes = spelled.saturating_add(repeated);
-    if bytes > MAX_TENSOR_BYTES || n > MAX_TENSOR_BYTES {
-        return Err(too_big(name, DT_STRING, shape, bytes.max(n)));
-    }
-    let n = n as usize;
     let empty = Bytes::new();
     let last = values.last().unwrap_or(&empty);
-    let mut all: Vec<&Bytes> = values.iter().take(n).collect();
-    all.resize(n, last);
-    Ok(Bytes::from(wire::encode_strings(&all)))
+    // The frame's exact size, the last value repeated to fill the shape, is bounded before
+    // anything is allocated: a few bytes of request must not become gigabytes of frame.
+    let spelled = values
+        .iter()
+        .take(n.min(given) as usize)
+        .fold(0u64, |sum, v| sum.saturating_add(bin_size(v.len() as u64)));
+    let repeated = n
+        .saturating_sub(given)
+        .saturating_mul(bin_size(last.len() as u64));
+    let bytes = array_header_size(n)
+        .saturating_add(spelled)
+        .saturating_add(repeated);
+    if bytes > MAX_TENSOR_BYTES {
+        return Err(too_big(name, DT_STRING, shape, bytes));
+    }
+    // Written in place, with no list of n references first.
+    let sent = values.iter().take(n as usize).map(|v| &v[..]);
+    let fill = std::iter::repeat_n(&last[..], n.saturating_sub(given) as usize);
+    // n < 2^30 here: each element takes at least 2 bytes of a frame of at most 2^31.
+    let out = wire::encode_strings_iter(n as u32, sent.chain(fill), bytes as usize);
+    debug_assert_eq!(out.len() as u64, bytes);
+    Ok(Bytes::from(out))
 }
 
-/// A PredictResponse output from a worker's frame: `tensor_content` for numbers, `string_val`
-/// for strings (what the Python front door sent, and TF Serving with
-/// `--enable_serialization_as_tensor_content`).
-pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorProto, ServingError> {
-    let mut proto = TensorProto {
+/// Bytes msgpack spends on an array header of `n` elements.
+fn array_header_size(n: u64) -> u64 {
+    match n {
+        0..16 => 1,
+        16..65_536 => 3,
+        _ => 5,
+    }
+}
+
+/// Bytes msgpack spends on a bin element of `len` bytes, header included.
+fn bin_size(len: u64) -> u64 {
+    len + match len {
+        0..256 => 2,
+        256..65_536 => 3,
+        _ => 5,
+    }
+}
+
+fn worker_error(what: impl std::fmt::Display) -> ServingError {
+    ServingError::new(
+        crate::status::Code::Internal,
+        format!("a worker sent a bad output tensor: {what}"),
+    )
+}
+
+/// The element count of an output's shape as a worker declared it.
+fn output_elements(shape: &[i64]) -> Result<u64, ServingError> {
+    shape.iter().try_fold(1u64, |n, &d| {
+        u64::try_from(d)
+            .ok()
+            .and_then(|d| n.checked_mul(d))
+            .ok_or_else(|| worker_error(format!("shape {}", dims_text(shape))))
+    })
+}
+
+/// An output TensorProto with its dtype and shape and no values yet.
+fn output_shell(dtype: i32, shape: &[i64]) -> TensorProto {
+    TensorProto {
         dtype,
         tensor_shape: Some(TensorShapeProto {
             dim: shape
@@ -330,18 +369,104 @@ pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorPr
             unknown_rank: false,
         }),
         ..TensorProto::default()
-    };
+    }
+}
+
+/// The values of a worker's DT_STRING frame, which must hold one per element of `shape`.
+fn output_strings(shape: &[i64], frame: &Bytes) -> Result<Vec<Bytes>, ServingError> {
+    let n = output_elements(shape)?;
+    let values = wire::decode_strings(frame).map_err(worker_error)?;
+    if values.len() as u64 != n {
+        return Err(worker_error(format!(
+            "{} strings for shape {}",
+            values.len(),
+            dims_text(shape)
+        )));
+    }
+    Ok(values)
+}
+
+/// Checks that a worker's numeric frame holds exactly `shape` of `dtype`: a client must never
+/// get a tensor whose bytes and shape disagree (TensorFlow would refuse to parse it).
+fn check_output_frame(dtype: i32, shape: &[i64], frame: &Bytes) -> Result<(), ServingError> {
+    let size = itemsize(dtype)
+        .ok_or_else(|| worker_error(format!("unsupported dtype {}", dtype_name(dtype))))?;
+    let n = output_elements(shape)?;
+    if n.checked_mul(size as u64) != Some(frame.len() as u64) {
+        return Err(worker_error(format!(
+            "{} bytes for shape {} of {}",
+            frame.len(),
+            dims_text(shape),
+            dtype_name(dtype)
+        )));
+    }
+    Ok(())
+}
+
+/// A PredictResponse output from a worker's frame: `tensor_content` for numbers, `string_val`
+/// for strings (what the Python front door sent, and TF Serving with
+/// `--enable_serialization_as_tensor_content`).
+pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorProto, ServingError> {
+    let mut proto = output_shell(dtype, shape);
     if dtype == DT_STRING {
-        proto.string_val = wire::decode_strings(&frame).map_err(|e| {
-            ServingError::new(
-                crate::status::Code::Internal,
-                format!("a worker sent a bad string tensor: {e}"),
-            )
-        })?;
+        proto.string_val = output_strings(shape, &frame)?;
     } else {
+        check_output_frame(dtype, shape, &frame)?;
         proto.tensor_content = frame;
     }
     Ok(proto)
+}
+
+/// A PredictResponse output with its values in the typed field, as TF Serving answers by
+/// default (`Tensor::AsProtoField`): clients that read `float_val` and the like directly need
+/// this form. Half and bfloat16 go into `half_val` as bit patterns, complex numbers as
+/// (real, imaginary) pairs, 8- and 16-bit integers into `int_val`.
+// grpc.rs chooses between this and output_tensor; until it calls this, only tests do.
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn output_tensor_typed(
+    dtype: i32,
+    shape: &[i64],
+    frame: Bytes,
+) -> Result<TensorProto, ServingError> {
+    let mut proto = output_shell(dtype, shape);
+    if dtype == DT_STRING {
+        proto.string_val = output_strings(shape, &frame)?;
+        return Ok(proto);
+    }
+    check_output_frame(dtype, shape, &frame)?;
+    let f = &frame[..];
+    match dtype {
+        DT_FLOAT => proto.float_val = decode(f, f32::from_le_bytes),
+        DT_DOUBLE => proto.double_val = decode(f, f64::from_le_bytes),
+        DT_INT32 => proto.int_val = decode(f, i32::from_le_bytes),
+        DT_INT16 => proto.int_val = decode(f, |b| i32::from(i16::from_le_bytes(b))),
+        DT_UINT16 => proto.int_val = decode(f, |b| i32::from(u16::from_le_bytes(b))),
+        DT_INT8 => proto.int_val = decode(f, |b: [u8; 1]| i32::from(b[0] as i8)),
+        DT_UINT8 => proto.int_val = decode(f, |b: [u8; 1]| i32::from(b[0])),
+        DT_INT64 => proto.int64_val = decode(f, i64::from_le_bytes),
+        DT_UINT32 => proto.uint32_val = decode(f, u32::from_le_bytes),
+        DT_UINT64 => proto.uint64_val = decode(f, u64::from_le_bytes),
+        DT_BOOL => proto.bool_val = decode(f, |b: [u8; 1]| b[0] != 0),
+        DT_HALF | DT_BFLOAT16 => {
+            proto.half_val = decode(f, |b| i32::from(u16::from_le_bytes(b)));
+        }
+        DT_COMPLEX64 => proto.scomplex_val = decode(f, f32::from_le_bytes),
+        DT_COMPLEX128 => proto.dcomplex_val = decode(f, f64::from_le_bytes),
+        other => return Err(worker_error(format!("unsupported dtype {other}"))),
+    }
+    Ok(proto)
+}
+
+/// Little-endian values of `N` bytes each; `bytes` holds a whole number of them (checked).
+fn decode<T, const N: usize>(bytes: &[u8], from: impl Fn([u8; N]) -> T) -> Vec<T> {
+    bytes
+        .chunks_exact(N)
+        .map(|chunk| {
+            let mut b = [0u8; N];
+            b.copy_from_slice(chunk);
+            from(b)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -509,6 +634,14 @@ mod tests {
                 .map(|d| d.as_i64().unwrap())
                 .collect();
             assert_eq!(shape, want_shape, "{name}");
+            // Both output forms, serialized and parsed back by the TensorFlow-checked rules,
+            // give the same frame: what the client's make_ndarray will see.
+            for output in [output_tensor, output_tensor_typed] {
+                let out =
+                    output(dtype, &shape, got.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let back = TensorProto::decode(out.encode_to_vec().as_slice()).unwrap();
+                assert_eq!(frame(&back).unwrap(), got, "{name}: output round trip");
+            }
             if let Some(strings) = expect.get("strings") {
                 let values = wire::decode_strings(&got).unwrap();
                 let want: Vec<Vec<u8>> = strings
@@ -527,6 +660,86 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn string_frames_are_sized_exactly_and_bounded_before_allocating() {
+        let long = |n: usize| Bytes::from(vec![b'z'; n]);
+        for (values, n) in [
+            (vec![], 3usize),
+            (vec![Bytes::new()], 15),
+            (vec![long(255)], 16),
+            (vec![long(1), long(256)], 17),
+            (vec![long(65_535), long(3)], 2),
+            (vec![long(65_536)], 3),
+            (vec![long(2), long(7)], 65_536),
+        ] {
+            let mut t = tensor(DT_STRING, &[n as i64]);
+            t.string_val = values.clone();
+            let got = frame(&t).unwrap();
+            let mut want: Vec<Bytes> = values.iter().take(n).cloned().collect();
+            want.resize(n, values.last().cloned().unwrap_or_default());
+            assert_eq!(got.to_vec(), wire::encode_strings(&want), "{n} values");
+            let header = array_header_size(n as u64);
+            let sizes: u64 = want.iter().map(|v| bin_size(v.len() as u64)).sum();
+            assert_eq!(got.len() as u64, header + sizes, "{n} values");
+        }
+        // 2^30 empty strings: 2 bytes each, one frame of 2^31 + 5 bytes: refused unbuilt.
+        let mut t = tensor(DT_STRING, &[1 << 30]);
+        t.string_val = vec![Bytes::new()];
+        assert!(frame(&t)
+            .unwrap_err()
+            .message
+            .ends_with("needs 2147483653 bytes, more than the 2147483648 one tensor may have"));
+    }
+
+    #[test]
+    fn outputs_must_match_their_declared_shape() {
+        let err = output_tensor(DT_FLOAT, &[2], Bytes::from_static(&[0; 4])).unwrap_err();
+        assert_eq!(err.code, Code::Internal);
+        assert_eq!(
+            err.message,
+            "a worker sent a bad output tensor: 4 bytes for shape [2] of float"
+        );
+        let err = output_tensor_typed(DT_INT8, &[-1], Bytes::new()).unwrap_err();
+        assert_eq!(err.code, Code::Internal);
+        let strings = Bytes::from(wire::encode_strings(&[b"a".as_slice()]));
+        for output in [output_tensor, output_tensor_typed] {
+            let err = output(DT_STRING, &[2], strings.clone()).unwrap_err();
+            assert_eq!(
+                err.message,
+                "a worker sent a bad output tensor: 1 strings for shape [2]"
+            );
+            assert!(output(DT_STRING, &[1], Bytes::from_static(&[0x91])).is_err());
+            assert!(output(DT_STRING, &[], strings.clone()).is_ok());
+        }
+    }
+
+    #[test]
+    fn typed_outputs_fill_the_field_tensorflow_fills() {
+        let out = output_tensor_typed(DT_INT8, &[2], Bytes::from_static(&[0xff, 1])).unwrap();
+        assert_eq!(out.int_val, vec![-1, 1]);
+        assert!(out.tensor_content.is_empty());
+        let out = output_tensor_typed(DT_UINT8, &[2], Bytes::from_static(&[0xff, 1])).unwrap();
+        assert_eq!(out.int_val, vec![255, 1]);
+        let out = output_tensor_typed(DT_UINT16, &[1], Bytes::from_static(&[0xff, 0xff])).unwrap();
+        assert_eq!(out.int_val, vec![65_535]);
+        let out = output_tensor_typed(DT_INT16, &[1], Bytes::from_static(&[0xff, 0xff])).unwrap();
+        assert_eq!(out.int_val, vec![-1]);
+        // Half and bfloat16: the 16-bit pattern, never sign-extended.
+        let out = output_tensor_typed(DT_HALF, &[1], Bytes::from_static(&[0x00, 0xbc])).unwrap();
+        assert_eq!(out.half_val, vec![0xbc00]);
+        let out = output_tensor_typed(DT_BOOL, &[3], Bytes::from_static(&[1, 0, 1])).unwrap();
+        assert_eq!(out.bool_val, vec![true, false, true]);
+        let c: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let out = output_tensor_typed(DT_COMPLEX64, &[1], Bytes::from(c)).unwrap();
+        assert_eq!(out.scomplex_val, vec![1.5, -2.0]);
+        let out = output_tensor_typed(DT_FLOAT, &[0, 3], Bytes::new()).unwrap();
+        assert!(out.float_val.is_empty());
+        assert_eq!(out.tensor_shape.unwrap().dim.len(), 2);
     }
 
     #[test]

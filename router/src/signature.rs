@@ -130,7 +130,11 @@ pub fn check_inputs(
             set(&missing)
         )));
     }
-    for (alias, dtype, shape) in given {
+    // In alias order, so that a request with several wrong inputs always hears of the same one
+    // (the request's inputs arrive as a map, in no particular order).
+    let mut in_order: Vec<&(&str, i32, &[i64])> = given.iter().collect();
+    in_order.sort_by_key(|(alias, _, _)| *alias);
+    for (alias, dtype, shape) in in_order {
         let Some(want) = spec.inputs.get(*alias) else {
             continue; // unreachable: the alias sets are equal
         };
@@ -267,6 +271,12 @@ mod tests {
             "input \"ids\": shape [1,15] is not compatible with the signature's shape [-1,16]"
         );
         assert!(check_inputs(&spec(), &[("ids", 9, &[7, 16]), ("dense", 1, &[1, 2, 3])]).is_ok());
+        // Two wrong inputs: the first in alias order is named, whatever order they came in.
+        let err = check_inputs(&spec(), &[("ids", 1, &[1, 16]), ("dense", 9, &[1])]).unwrap_err();
+        assert_eq!(
+            err.message,
+            "input \"dense\": expects dtype float but int64 is provided"
+        );
     }
 
     #[test]

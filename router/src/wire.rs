@@ -136,13 +136,29 @@ pub fn encode_reregister() -> Vec<u8> {
 }
 
 /// A DT_STRING tensor's frame: one msgpack array of byte strings.
+// The front door builds its frames with encode_strings_iter; tests build them from lists.
+#[cfg_attr(not(test), allow(dead_code))]
 pub fn encode_strings<S: AsRef<[u8]>>(values: &[S]) -> Vec<u8> {
     let payload: usize = values.iter().map(|v| v.as_ref().len() + 5).sum();
-    let mut out = Vec::with_capacity(payload + 5);
+    encode_strings_iter(
+        values.len() as u32,
+        values.iter().map(AsRef::as_ref),
+        payload + 5,
+    )
+}
+
+/// The same frame from `count` values yielded one by one into a buffer of `capacity` bytes:
+/// the codec repeats a request's last value to fill a shape without listing it n times.
+pub fn encode_strings_iter<'a>(
+    count: u32,
+    values: impl IntoIterator<Item = &'a [u8]>,
+    capacity: usize,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(capacity);
     // Writes into a Vec cannot fail; lengths above u32 cannot reach here (2 GiB limit).
-    let _ = rmp::encode::write_array_len(&mut out, values.len() as u32);
+    let _ = rmp::encode::write_array_len(&mut out, count);
     for value in values {
-        let _ = rmp::encode::write_bin(&mut out, value.as_ref());
+        let _ = rmp::encode::write_bin(&mut out, value);
     }
     out
 }

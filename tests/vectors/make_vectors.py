@@ -142,6 +142,23 @@ def cases() -> list[dict[str, Any]]:
         _proto(s, (1 << 15,), fields={"string_val": [b"x" * (1 << 16)]}),
         ours="more than the 2147483648 one tensor may have",
     )
+    add(
+        "string [2^30] of one empty value (a 2^31+5-byte frame)",
+        _proto(s, (1 << 30,), fields={"string_val": [b""]}),
+        ours="needs 2147483653 bytes, more than the 2147483648 one tensor may have",
+    )
+    add(
+        "string tensor_content (TensorFlow's own encoding; the front door reads string_val only)",
+        _proto(s, (1,), content=b"\x01a"),
+        ours="string tensors must use string_val, not tensor_content",
+    )
+    add(
+        "rank 65 (TensorFlow allows 254; numpy, which the workers use, 64)",
+        _proto(dtypes.DT_FLOAT, (1,) * 65),
+        ours="rank 65 exceeds the maximum of 64",
+    )
+    no_shape = tensorflow_pb2.TensorProto(dtype=dtypes.DT_INT32, int_val=[5])
+    add("no tensor_shape at all (a scalar)", no_shape.SerializeToString())
     add("empty shape ignores tensor_content", _proto(dtypes.DT_FLOAT, (0, 3), content=b"\x01\x02"))
     add("bool tensor_content byte 2", _proto(dtypes.DT_BOOL, (2,), content=b"\x01\x02"))
     add("negative dimension", _proto(dtypes.DT_FLOAT, (2, -1)))
@@ -149,7 +166,10 @@ def cases() -> list[dict[str, Any]]:
     add("unknown rank with dimensions", _proto(dtypes.DT_FLOAT, (2,), unknown_rank=True))
     add("element count over int64", _proto(dtypes.DT_FLOAT, (1 << 40, 1 << 40, 0)))
     add("unsupported dtype (qint8)", _proto(11, (1,)), ours="unsupported dtype DataType(11)")
-    add("complex64 odd number of parts", _proto(dtypes.DT_COMPLEX64, (2,), fields={"scomplex_val": [1.0, 2.0, 3.0]}))  # noqa: E501
+    add(
+        "complex64 odd number of parts",
+        _proto(dtypes.DT_COMPLEX64, (2,), fields={"scomplex_val": [1.0, 2.0, 3.0]}),
+    )
     return out
 
 
@@ -166,7 +186,11 @@ def expectation(case: dict[str, Any], tf: Any) -> dict[str, Any]:
     array = np.asarray(tensor.numpy())  # a scalar string comes back as bytes
     shape = list(array.shape)
     if proto.dtype == dtypes.DT_STRING:
-        return {"dtype": proto.dtype, "shape": shape, "strings": [v.hex() for v in array.reshape(-1)]}  # noqa: E501
+        return {
+            "dtype": proto.dtype,
+            "shape": shape,
+            "strings": [v.hex() for v in array.reshape(-1)],
+        }
     little = array.astype(array.dtype.newbyteorder("<"), copy=False)
     return {"dtype": proto.dtype, "shape": shape, "content": little.tobytes().hex()}
 
@@ -184,16 +208,47 @@ def wire_vectors() -> dict[str, Any]:
         "reregister": wire.pack(wire.Kind.REREGISTER).hex(),
         # Python workers build these; Rust must decode them.
         "worker": [
-            {"kind": "ready", "bytes": wire.pack(wire.Kind.READY, slot="cpu-0", pid=7, model="demo", version=3, weights={"segment": "/dev/shm/x", "copied": {}}).hex()},  # noqa: E501
-            {"kind": "ready", "bytes": wire.pack(wire.Kind.READY, slot="cpu-1", pid=8, model="demo", version=3, weights=None).hex()},  # noqa: E501
-            {"kind": "hb", "bytes": wire.pack(wire.Kind.HEARTBEAT, slot="cpu-0", pid=7, served=12).hex()},  # noqa: E501
-            {"kind": "reply", "bytes": wire.pack(wire.Kind.REPLY, id=2**40, tensors=[["score", 1, [2, 1]]], t=[1_700_000_000_000_000, 1_700_000_000_000_250]).hex()},  # noqa: E501
-            {"kind": "error", "bytes": wire.pack(wire.Kind.ERROR, id=5, code=3, message="bad id 99").hex()},  # noqa: E501
+            {
+                "kind": "ready",
+                "bytes": wire.pack(
+                    wire.Kind.READY,
+                    slot="cpu-0",
+                    pid=7,
+                    model="demo",
+                    version=3,
+                    weights={"segment": "/dev/shm/x", "copied": {}},
+                ).hex(),
+            },
+            {
+                "kind": "ready",
+                "bytes": wire.pack(
+                    wire.Kind.READY, slot="cpu-1", pid=8, model="demo", version=3, weights=None
+                ).hex(),
+            },
+            {
+                "kind": "hb",
+                "bytes": wire.pack(wire.Kind.HEARTBEAT, slot="cpu-0", pid=7, served=12).hex(),
+            },
+            {
+                "kind": "reply",
+                "bytes": wire.pack(
+                    wire.Kind.REPLY,
+                    id=2**40,
+                    tensors=[["score", 1, [2, 1]]],
+                    t=[1_700_000_000_000_000, 1_700_000_000_000_250],
+                ).hex(),
+            },
+            {
+                "kind": "error",
+                "bytes": wire.pack(wire.Kind.ERROR, id=5, code=3, message="bad id 99").hex(),
+            },
             {"kind": "bye", "bytes": wire.pack(wire.Kind.BYE, slot="cpu-0", pid=7).hex()},
         ],
         "strings": {
             "values": [b"".hex(), b"a".hex(), bytes(range(256)).hex(), (b"z" * 300).hex()],
-            "bytes": wire.string_frame(np.array([b"", b"a", bytes(range(256)), b"z" * 300], dtype=object)).hex(),  # noqa: E501
+            "bytes": wire.string_frame(
+                np.array([b"", b"a", bytes(range(256)), b"z" * 300], dtype=object)
+            ).hex(),
         },
     }
 
