@@ -276,6 +276,7 @@ def test_worker_runtime_serves_each_style_without_copying(
     got = runtime.run(SIG, inputs, list(runtime.specs[SIG].outputs))
     report = runtime.weights_report()
     assert report["copied"] == {}, f"{style}: TensorFlow copied {report['copied']}"
+    assert report["at_risk"] == {}, f"{style}: {report['at_risk']}"
     assert report["shared_bytes"] == sum(t.nbytes for t in manifest.tensors)
     want = _direct(base / "1", inputs)
     assert got.keys() == want.keys()
@@ -385,6 +386,60 @@ def _writing_model(path: Path) -> dict[str, np.ndarray]:
     return {"ids": np.array([1], np.int64)}
 
 
+def _branch_writing_model(path: Path) -> dict[str, np.ndarray]:
+    """Writes its table only when the ids sum past 1000, which warm-up's zeros never do, and
+    counts its calls inside a called function and a loop."""
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(12), name="table")
+            self.calls = tf.Variable(tf.zeros([], tf.int64), name="calls")
+            self.clean = tf.Variable(_table(13), name="clean")
+
+        @tf.function
+        def count(self):
+            for _ in tf.range(2):
+                self.calls.assign_add(1)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            def poison():
+                self.table.scatter_add(tf.IndexedSlices(tf.ones([1, DIM]), [0]))
+                return tf.constant(1)
+
+            tf.cond(tf.reduce_sum(ids) > 1000, poison, lambda: tf.constant(0))
+            self.count()
+            dense = tf.reduce_sum(self.clean)
+            return {"out": tf.gather(self.table, ids) + tf.gather(self.clean, ids) + dense}
+
+    _save_module(M(), path)
+    return {"ids": np.array([1, 2], np.int64)}
+
+
+def test_what_may_copy_a_variable_is_said_at_start_with_its_name_and_op(
+    tmp_path: Path, segment_path: Path
+) -> None:
+    """audit() follows each variable's handle through the served functions (calls, branches,
+    loops): the write in a branch that warm-up never takes is reported before it happens, the
+    loop's write (which warm-up runs) is both at risk and copied, and a variable that is only
+    read is neither."""
+    version = tmp_path / "m" / "1"
+    inputs = _branch_writing_model(version)
+    publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    runtime = load_saved_model(
+        str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+    )
+    runtime.warm_up()
+    report = runtime.weights_report()
+    assert set(report["at_risk"]) == {"table:0", "calls:0"}, report
+    assert report["at_risk"]["table:0"].startswith("ResourceScatterAdd writes it"), report
+    assert "AssignAddVariableOp writes it" in report["at_risk"]["calls:0"], report
+    assert report["copied"] == {"calls:0": 8}, report
+    got = runtime.run(SIG, inputs, ["out"])
+    np.testing.assert_allclose(got["out"], _direct(version, inputs)["out"], rtol=0, atol=1e-6)
+
+
 def test_a_worker_with_copied_weights_refuses_to_serve(tmp_path: Path) -> None:
     base = tmp_path / "writer"
     _writing_model(base / "1")
@@ -397,6 +452,11 @@ def test_a_worker_with_copied_weights_refuses_to_serve(tmp_path: Path) -> None:
         assert "no worker could start" in out, out
         assert "copied shared variables into this worker: calls:0" in out, out
         assert "--allow-copied-weights" in out
+        # Why, said by the worker at start, before its warm-up made the copy.
+        logs = "".join(
+            p.read_text(errors="replace") for p in pool.log_dir.rglob("*") if p.is_file()
+        )
+        assert "shared variable calls:0 may be copied into this worker: AssignAddVariableOp" in logs
     finally:
         pool.kill()
     assert pool.leftovers() == []
@@ -411,6 +471,7 @@ def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
         status = pool.wait_ready(1)
         (slot,) = status["slots"]
         assert slot["weights"]["copied"] == {"calls:0": 8}, slot
+        assert list(slot["weights"]["at_risk"]) == ["calls:0"], slot
         import tensorflow as tf
         from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 

@@ -110,7 +110,8 @@ def load_saved_model(
             "but TensorFlow did not restore them"
         )
     runtime = SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
-    runtime.shared = shared
+    if shared is not None:
+        runtime.shared, runtime.at_risk = shared[:2], shared[2]
     return runtime
 
 
@@ -136,13 +137,20 @@ def _rewrite_gathers(path: Path, work_dir: Path, where: str) -> Any:
 
 def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
     from mpspool.segment import AttachedSegment, SegmentError
-    from mpspool.worker.shared_weights import NotShareable, attach
+    from mpspool.worker.shared_weights import NotShareable, attach, audit
 
     try:
         segment = AttachedSegment(Path(segment_path))
-        return segment, attach(tf, loaded, segment)
+        bound = attach(tf, loaded, segment)
     except (SegmentError, NotShareable) as exc:
         raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
+    # Said at start, before warm-up: what in the served functions may copy a variable out of
+    # the segment, and why. Warm-up then shows what did (refused unless copies are allowed);
+    # what it did not run (a write in a branch) is reported with the weights as at_risk.
+    at_risk = audit(loaded, bound)
+    for name, reason in sorted(at_risk.items()):
+        log.warning("shared variable %s may be copied into this worker: %s", name, reason)
+    return segment, bound, at_risk
 
 
 class SavedModelRuntime:
@@ -174,6 +182,8 @@ class SavedModelRuntime:
         }
         self._op_error: type[Exception] = tf.errors.OpError
         self.shared: Any = None  # (AttachedSegment, bound variables) when weights are shared
+        # variable name → why a served function may copy it (shared_weights.audit)
+        self.at_risk: dict[str, str] = {}
 
     @property
     def call_paths(self) -> dict[str, str]:
@@ -188,7 +198,7 @@ class SavedModelRuntime:
         from mpspool.worker.shared_weights import verify
 
         segment, bound = self.shared
-        return verify(tf, bound, segment).to_wire()
+        return verify(tf, bound, segment, self.at_risk).to_wire()
 
     def run(
         self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]

@@ -40,9 +40,17 @@ class WeightsReport:
     segment: str
     shared_bytes: int = 0
     copied: dict[str, int] = field(default_factory=dict)  # variable name → bytes copied
+    # variable name → why a served function may yet copy it (audit(): an op on a path that
+    # warm-up did not take, say); not counted in `copied` until it happens.
+    at_risk: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"segment": self.segment, "shared_bytes": self.shared_bytes, "copied": self.copied}
+        return {
+            "segment": self.segment,
+            "shared_bytes": self.shared_bytes,
+            "copied": self.copied,
+            "at_risk": self.at_risk,
+        }
 
     def summary(self) -> str:
         text = f"shared {self.shared_bytes / 2**20:.1f} MiB"
@@ -132,10 +140,13 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
 
 
 def verify(
-    tf: Any, bound: dict[int, tuple[Any, TensorEntry]], segment: AttachedSegment
+    tf: Any,
+    bound: dict[int, tuple[Any, TensorEntry]],
+    segment: AttachedSegment,
+    at_risk: dict[str, str] | None = None,
 ) -> WeightsReport:
     """Which variables still read from the segment, and which TensorFlow copied."""
-    report = WeightsReport(segment=str(segment.path))
+    report = WeightsReport(segment=str(segment.path), at_risk=dict(at_risk or {}))
     for variable, entry in bound.values():
         if segment.contains(_buffer_address(tf, variable)):
             report.shared_bytes += entry.nbytes
@@ -159,3 +170,162 @@ def _buffer_address(tf: Any, variable: Any) -> int:
     dl_tensor = _capsule_pointer(capsule, b"dltensor")
     # DLTensor starts with `void* data`; byte_offset (after 3 more fields) is 0 for TF.
     return ctypes.cast(dl_tensor, ctypes.POINTER(ctypes.c_void_p))[0]
+
+
+# -- what the served functions do with each shared variable's handle ---------------------
+# Ops that take a variable's handle and leave its buffer as it is: they read it through
+# ReadVariableOp (which aliases the buffer of a variable not in copy-on-read mode), look at
+# its shape, or only pass the handle on.
+_READS = frozenset(
+    {"ReadVariableOp", "VariableShape", "VarIsInitializedOp", "_ReadVariablesOp", "_Retval"}
+)
+_PASS = frozenset(
+    {
+        "Identity",
+        "IdentityN",
+        "Switch",
+        "RefSwitch",
+        "Merge",
+        "RefMerge",
+        "Enter",
+        "RefEnter",
+        "Exit",
+        "RefExit",
+        "NextIteration",
+        "RefNextIteration",
+    }
+)
+_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_IFS = frozenset({"If", "StatelessIf", "_If"})
+_CASES = frozenset({"Case", "StatelessCase"})
+_WHILES = frozenset({"While", "StatelessWhile", "_While"})
+_WRITE_PREFIXES = (
+    "Assign",
+    "ResourceScatter",
+    "ResourceApply",
+    "ResourceSparseApply",
+    "ResourceStridedSliceAssign",
+    "ResourceCountUpTo",
+)
+
+
+def copy_reason(op: str) -> str:
+    """Why TensorFlow gives a variable that `op` takes a private copy of its buffer."""
+    if op.startswith(_WRITE_PREFIXES):
+        return (
+            f"{op} writes it, and a written variable gets a buffer of its own (its first write "
+            "copies the whole shared tensor into the worker)"
+        )
+    if op in ("ResourceGather", "ResourceGatherNd"):
+        return (
+            f"{op} reads it in place, which copies the whole shared tensor and puts the variable "
+            "in copy-on-read mode (mpspool rewrites this op where it can; this one was not)"
+        )
+    return (
+        f"{op} takes its handle, and mpspool cannot tell that it leaves the shared buffer as it is "
+        "(only ReadVariableOp and the gathers mpspool rewrites are known to)"
+    )
+
+
+def audit(loaded: Any, bound: dict[int, tuple[Any, TensorEntry]]) -> dict[str, str]:
+    """Variable name → why a serving signature may copy it out of the segment: every op that
+    the variable's handle reaches in the signature's graph, through calls, conditionals and
+    loops, that is not a known read. Static, so it also sees what warm-up does not run (a
+    write in a branch that zeros never take); `verify()` says what was copied."""
+    handles = {id(variable.handle): variable for variable, _ in bound.values()}
+    risks: dict[str, str] = {}
+    for key in sorted(loaded.signatures.keys()):
+        function = loaded.signatures[key]
+        try:
+            graph_def = function.graph.as_graph_def()
+            captures = list(function.graph.captures)
+        except Exception:  # a function TensorFlow cannot describe; verify() still checks it
+            continue
+        starts = [
+            (internal.op.name, handles[id(external)].name)
+            for external, internal in captures
+            if id(external) in handles
+        ]
+        for where, name, op, node in _handle_uses(graph_def, starts):
+            risks.setdefault(
+                name, f"{copy_reason(op)} (node {node!r} in {where}, signature {key!r})"
+            )
+    return risks
+
+
+def _handle_uses(graph_def: Any, starts: list[tuple[str, str]]) -> list[tuple[str, str, str, str]]:
+    """(function, variable, op, node) for each op outside _READS and _PASS that a variable's
+    handle reaches, following it from the graph's placeholders into called functions."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    scopes: dict[str, tuple[list[Any], bool]] = {
+        "the signature's graph": (list(graph_def.node), False)
+    }
+    for name, fdef in library.items():
+        scopes[name] = (list(fdef.node_def), True)
+    consumers: dict[str, dict[str, list[tuple[Any, int]]]] = {}
+
+    def users(scope: str, ref: str) -> list[tuple[Any, int]]:
+        """The nodes of `scope` that take `ref` as a data input, with its position. A
+        function names a value `arg` or `node:output:index`; a graph `node` or `node:index`
+        (an output index other than a pass-through's first cannot matter here)."""
+        if scope not in consumers:
+            table: dict[str, list[tuple[Any, int]]] = {}
+            nodes, in_function = scopes[scope]
+            for node in nodes:
+                data = [i for i in node.input if not i.startswith("^")]
+                for position, source in enumerate(data):
+                    key = source if in_function else source.split(":")[0]
+                    table.setdefault(key, []).append((node, position))
+            consumers[scope] = table
+        return consumers[scope].get(ref, [])
+
+    found: list[tuple[str, str, str, str]] = []
+    seen: set[tuple[str, str, str]] = set()
+    work = [("the signature's graph", ref, name) for ref, name in starts]
+    while work:
+        scope, ref, name = work.pop()
+        if (scope, ref, name) in seen:
+            continue
+        seen.add((scope, ref, name))
+        in_function = scopes[scope][1]
+        for node, position in users(scope, ref):
+            op = node.op
+            if op in _READS:
+                continue
+            callees: list[tuple[str, int]] = []
+            if op in _PASS:
+                if not in_function:
+                    work.append((scope, node.name, name))
+                elif op in ("Switch", "RefSwitch"):
+                    work.append((scope, f"{node.name}:output_true:0", name))
+                    work.append((scope, f"{node.name}:output_false:0", name))
+                else:
+                    index = position if op == "IdentityN" else 0
+                    work.append((scope, f"{node.name}:output:{index}", name))
+                continue
+            if op in _CALLS:
+                callees = [(node.attr["f"].func.name, position)]
+            elif op in library:
+                callees = [(op, position)]
+            elif op in _IFS:
+                if position == 0:
+                    continue
+                callees = [
+                    (node.attr[b].func.name, position - 1) for b in ("then_branch", "else_branch")
+                ]
+            elif op in _CASES:
+                if position == 0:
+                    continue
+                callees = [(f.name, position - 1) for f in node.attr["branches"].list.func]
+            elif op in _WHILES:
+                callees = [(node.attr[b].func.name, position) for b in ("cond", "body")]
+            if callees:
+                for callee, index in callees:
+                    fdef = library.get(callee)
+                    if fdef is not None and index < len(fdef.signature.input_arg):
+                        work.append((callee, fdef.signature.input_arg[index].name, name))
+                    else:
+                        found.append((scope, name, op, node.name))  # cannot follow: say so
+                continue
+            found.append((scope, name, op, node.name))
+    return found
