@@ -3,20 +3,31 @@
 Speaks the worker side of mpspool/wire.py like worker/serve.py does (READY with a
 SignatureDefMap, heartbeats from the serving loop, one REPLY per REQUEST) for a model whose
 serving signature maps a float tensor `x` [-1, -1] to itself, and answers each request with
-its own tensor frames. Used by bench/frontdoor.py; `python -m bench.echo_worker RUN_DIR SLOT`.
+its own tensor frames. `python -m bench.echo_worker RUN_DIR SLOT`; ``echo_pool`` starts the
+front door binary (`mpspool-router --run-dir DIR`, as the controller does) over N of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import psutil
 import zmq
 
+from bench.harness import REPO, Server
 from mpspool import dtypes, process, wire
+from mpspool.config import PoolConfig
 from mpspool.protos import serving_pb2
+from mpspool.router import binary_path
 
 MODEL = "echo"
 
@@ -63,6 +74,69 @@ def main(run_dir: str, slot: str) -> int:
     sock.send(wire.pack(wire.Kind.BYE, slot=slot, pid=pid))
     sock.close()
     return 0
+
+
+@contextlib.contextmanager
+def echo_pool(workers: int) -> Iterator[Server]:
+    """The front door binary over ``workers`` echo workers, in a private run directory."""
+    run_dir = Path(tempfile.mkdtemp(prefix="mpfd-"))  # 0700, and short: ipc:// paths in it
+    config = PoolConfig(
+        model_name=MODEL, model_base_path=str(run_dir), model_version=1, run_dir=str(run_dir),
+        log_dir=str(run_dir), workers=workers, port=0, metrics_port=0,
+    )  # fmt: skip
+    config.save(run_dir)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with open(run_dir / "router.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [binary_path(), "--run-dir", str(run_dir)], stderr=log,
+                preexec_fn=process.die_with_parent_sigterm,
+            ))  # fmt: skip
+        for slot in range(workers):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.echo_worker", str(run_dir), f"echo-{slot}"],
+                cwd=REPO, preexec_fn=process.die_with_parent_sigterm,
+            ))  # fmt: skip
+        port, metrics_port = _wait_registered(run_dir, workers)
+        yield Server(
+            name=f"echo {workers}w",
+            port=port,
+            roles={
+                "front door": [psutil.Process(procs[0].pid)],
+                "workers": [psutil.Process(p.pid) for p in procs[1:]],
+            },
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            model=MODEL,
+        )
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _wait_registered(run_dir: Path, workers: int, timeout_s: float = 30.0) -> tuple[int, int]:
+    """Ask the front door's control channel until every echo worker is registered; its ports."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(wire.endpoint(str(run_dir), wire.CONTROL_ENDPOINT))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sock.send_multipart([b"", wire.pack(op="snapshot", n=1)])
+            if sock.poll(500):
+                snap = wire.unpack(sock.recv_multipart()[-1])
+                if len(snap.get("workers", {})) == workers and snap.get("port"):
+                    return int(snap["port"]), int(snap["metrics_port"])
+            time.sleep(0.1)
+    finally:
+        sock.close()
+    raise TimeoutError(f"the echo pool in {run_dir} did not come up in {timeout_s} s")
 
 
 if __name__ == "__main__":

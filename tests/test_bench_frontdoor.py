@@ -1,67 +1,172 @@
-"""bench/frontdoor.py's own parts: the echo pool over the real front door binary, one h2load
-window checked against the front door's counters, and the report's targets."""
+"""bench/harness.py and bench/frontdoor.py: h2load windows against the real front door binary
+over echo workers, failures h2load cannot see, the targets of one run, and a short run of
+every kind of system. Needs h2load (nghttp2-client, installed by ./dev/setup)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # bench/ is a folder of the checkout, not an installed package
 
-from bench import frontdoor  # noqa: E402
+from bench import frontdoor, harness  # noqa: E402
+from bench.echo_worker import echo_pool  # noqa: E402
+
+
+def _echo(model: str = "echo") -> harness.Request:
+    request = harness.predict_request("echo", model, {"x": np.ones((1, 3), np.float32)})
+    request.output = "x"
+    return request
+
+
+class _NoCheck(harness.Checker):
+    """Skips the Python client's check, so that only h2load's window judges."""
+
+    def __init__(self, answer_bytes: int) -> None:
+        super().__init__()
+        self.answer_bytes = answer_bytes
+
+    def check(self, server: harness.Server, request: harness.Request) -> int:
+        return self.answer_bytes
 
 
 def test_an_echo_window_is_measured_and_checked(tmp_path: Path) -> None:
-    body = frontdoor.grpc_body(frontdoor.ECHO_MODEL, {"x": np.ones((1, 3), np.float32)})
-    with frontdoor.echo_pool(1) as (port, metrics, roles):
-        window = frontdoor.measure("echo 1w", port, metrics, roles, body, 1, 4, 0.5, tmp_path)
-    assert window.ok > 10
-    assert window.p50_ms > 0 and window.p99_ms >= window.p50_ms
-    assert set(window.cpu_us) == {"front door", "workers", "client"}
-    assert all(us > 0 for us in window.cpu_us.values())
+    with echo_pool(1) as server:
+        assert harness.is_front_door(server.roles["front door"][0])
+        row = harness.measure(server, _echo(), 4, 0.5, 0.1, tmp_path, harness.Checker())
+    assert row["requests"] > 10 and row["rps"] > 0
+    assert 0 < row["p50_ms"] <= row["p99_ms"]
+    assert set(row["cpu_us"]) == {"front door", "workers", "client"}
+    assert all(us > 0 for us in row["cpu_us"].values())
 
 
-def test_a_wrong_model_name_fails_the_window(tmp_path: Path) -> None:
-    """h2load sees HTTP 200 for a gRPC NOT_FOUND; the front door's counters do not."""
-    body = frontdoor.grpc_body("nope", {"x": np.ones((1, 3), np.float32)})
-    with frontdoor.echo_pool(1) as (port, metrics, roles):
-        try:
-            frontdoor.measure("bad", port, metrics, roles, body, 1, 2, 0.3, tmp_path)
-        except RuntimeError as exc:
-            assert "answered OK" in str(exc)
-        else:
-            raise AssertionError("a window of failed requests was accepted")
+def test_failures_h2load_counts_as_done_fail_the_window(tmp_path: Path) -> None:
+    """A gRPC NOT_FOUND is an HTTP 200 to h2load: the Python check refuses it first, and with
+    that check skipped, the missing answer bytes and the front door's counters do."""
+    with echo_pool(1) as server:
+        good = harness.Checker().check(server, _echo())
+        with pytest.raises(RuntimeError, match="NOT_FOUND"):
+            harness.measure(server, _echo("nope"), 2, 0.3, 0, tmp_path, harness.Checker())
+        with pytest.raises(RuntimeError, match="requests failed") as info:
+            harness.measure(server, _echo("nope"), 2, 0.3, 0, tmp_path, _NoCheck(good))
+        assert "answers of" in str(info.value) and "NOT_FOUND" in str(info.value)
 
 
-def test_targets_are_ratios_of_one_run() -> None:
-    def window(label: str, batch: int, c: int, rps: float, fd: float, wk: float, p50: float):
-        return {"label": label, "batch": batch, "concurrency": c, "rps": rps,
-                "rows_per_s": rps * batch, "p50_ms": p50, "p99_ms": p50 * 2,
-                "cpu_us": {"front door": fd, "workers": wk, "client": 10.0}}  # fmt: skip
+def test_answers_must_agree_between_systems(tmp_path: Path) -> None:
+    checker = harness.Checker()
+    with echo_pool(1) as server:
+        checker.check(server, _echo())
+        other = harness.predict_request("echo", "echo", {"x": np.full((1, 3), 2, np.float32)})
+        other.output = "x"
+        with pytest.raises(RuntimeError, match="differs from the first system's"):
+            checker.check(server, other)
 
-    report = {
-        "date": "d", "machine": "m", "command": "c", "rows": 1000, "duration_s": 1.0,
-        "windows": [
-            window("echo 1w", 1, 16, 12000, 40, 30, 0.5),
-            window("mpspool 1w", 1, 1, 2000, 50, 300, 0.4),
-            window("mpspool 2w", 1, 4, 3000, 45, 320, 0.6),
-            window("mpspool 1w", 256, 4, 400, 60, 2000, 3.0),
-            window("mpspool 2w", 256, 4, 700, 60, 2100, 3.0),
-        ],
-        "inprocess": {
-            "1p b1": {"rows_per_s": 4000, "p50_ms": 0.3, "cpu_us_per_call": 250},
-            "2p b1": {"rows_per_s": 5000, "p50_ms": 0.3, "cpu_us_per_call": 250},
-            "2p b256": {"rows_per_s": 200000, "p50_ms": 2.0, "cpu_us_per_call": 2000},
-        },
+
+H2LOAD_OUT = """finished in 1.00s, 10121.00 req/s, 1.97MB/s
+requests: 10121 total, 10137 started, 10121 done, 10121 succeeded, 0 failed, 0 errored, 0 timeout
+status codes: 10121 2xx, 0 3xx, 0 4xx, 0 5xx
+traffic: 1.97MB (2065180) total, 29.88KB (30595) headers (space savings 95.74%), \
+1.67MB (1750933) data
+"""
+
+
+def test_h2load_output_is_parsed() -> None:
+    log = "".join(f"1795354497{i:06d}\t200\t{100 * (i + 1)}\n" for i in range(100)) + "1\t500\t9\n"
+    done, rps, data, p50, p99 = harness.parse_h2load(H2LOAD_OUT, log)
+    assert (done, rps, data) == (10121, 10121.0, 1750933)
+    assert p50 == pytest.approx(5.05) and p99 == pytest.approx(9.901)
+    with pytest.raises(RuntimeError, match="unexpected h2load output"):
+        harness.parse_h2load("connect failed", "")
+
+
+def _window(system: str, batch: int, c: int, rps: float, fd: float, wk: float, p50: float):
+    return {
+        "system": system, "batch": batch, "concurrency": c, "requests": int(rps), "rps": rps,
+        "rows_per_s": rps * batch, "p50_ms": p50, "p99_ms": p50 * 2, "load1": 1.0,
+        "cpu_us": {"front door": fd, "workers": wk, "client": 10.0},
     }  # fmt: skip
-    targets = {name: value for name, value, _ in frontdoor.targets(report)}
-    assert targets["echo ceiling, req/s"] == "12,000"
-    assert targets["front-door CPU per batch-1 Predict, µs"] == "50"
-    assert targets["2 workers / in-process P=2, batch 1"] == "0.60"
-    assert targets["2 workers / 1 worker, batch 256"] == "1.75"
-    assert targets["all-in server CPU per batch-1 request / in-process call"] == "1.46"
-    assert targets["p50 at concurrency 1, batch 1, minus the in-process call's, µs"] == "100"
-    assert "| mpspool 2w | 256 | 4 |" in frontdoor.render(report)
+
+
+def _inprocess(p: int, batch: int, rows_per_s: float, p50: float, cpu: float) -> dict[str, Any]:
+    return {
+        "processes": p, "batch": batch, "throughput_rps": rows_per_s / batch,
+        "rows_per_s": rows_per_s, "p50_ms": p50, "p99_ms": p50, "cpu_us_per_call": cpu,
+        "load1": 1.0,
+    }  # fmt: skip
+
+
+REPORT = {
+    "date": "2026-11-22 13:00 UTC", "command": "c", "machine": "m", "load_start": "1",
+    "load_end": "2", "rows": 1000, "duration_s": 1.0, "warmup_s": 0.5, "source": "s",
+    "skipped": {"ray": "not installed: run bench/peers/setup-ray"}, "peer_versions": {},
+    "windows": [
+        _window("echo 1w", 1, 16, 12000, 40, 30, 0.5),
+        _window("mpspool 1w", 1, 1, 2000, 50, 300, 0.4),
+        _window("mpspool 2w", 1, 4, 3000, 45, 320, 0.6),
+        _window("mpspool 1w", 256, 4, 400, 60, 2000, 3.0),
+        _window("mpspool 2w", 256, 4, 700, 60, 2100, 3.0),
+        {**_window("plain TF gRPC (1 process)", 1, 4, 1000, 0, 0, 1.0), "cpu_us": {"server": 9}},
+        {**_window("plain TF gRPC (1 process)", 256, 4, 800, 0, 0, 1.0), "cpu_us": {"server": 9}},
+    ],
+    "inprocess": [
+        _inprocess(1, 1, 4000, 0.3, 250),
+        _inprocess(2, 1, 5000, 0.3, 250),
+        _inprocess(2, 256, 200000, 2.0, 2000),
+    ],
+    "systems": [{"system": "plain TF gRPC (1 process)", "processes": 1, "memory_mib": 900,
+                 "start_s": 5.0}],
+}  # fmt: skip
+
+
+def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
+    report = {**REPORT, "summary": frontdoor.summarise(REPORT)}
+    got = {t["target"].split(" (")[0]: (round(t["measured"], 2), t["met"]) for t in
+           report["summary"]["targets"]}  # fmt: skip
+    assert got["one front door over echo workers ≥ 10,000 req/s"] == (12000, True)
+    assert got["front-door CPU per batch-1 Predict ≤ 60 µs"] == (50, True)
+    assert got["all-in server CPU per batch-1 request"] == (1.46, True)  # (45 + 320) / 250
+    assert got["batch 1: 2 workers ≥ 0.6× the in-process limit"] == (0.6, True)
+    assert got["batch 256: 2 workers ≥ 0.85× the in-process limit"] == (0.9, True)
+    assert got["batch 256: 2 workers ≥ 1.6× 1 worker"] == (1.75, True)
+    assert got["2 workers ahead of every peer at batch 1 and 256"] == (0.88, False)
+    assert got["p50 at concurrency 1, batch 1 ≤ the in-process call's + 150 µs"] == (100, True)
+    text = frontdoor.render(report, frontdoor.draw(report, tmp_path / "fd.png"))
+    assert (tmp_path / "fd.png").read_bytes()[:4] == b"\x89PNG"
+    assert text.startswith(frontdoor.BEGIN_MARK) and text.endswith(frontdoor.END_MARK + "\n")
+    for fragment in (
+        "| mpspool 2w | 256 | 4 | 700 | 179,200 | 3.00 | 6.00 | 2,160 | 60 | 2,100 | 10 | 1.0 |",
+        "| 0.88 × | **no** |",
+        "ray: not installed: run bench/peers/setup-ray",
+        "| plain TF gRPC (1 process) | 1 | 900 | 5.0 |",
+    ):
+        assert fragment in text, fragment
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# r\n\n<!-- memory:begin -->\nkept\n<!-- memory:end -->\n")
+    for _ in range(2):
+        harness.write_section(results, text, frontdoor.BEGIN_MARK, frontdoor.END_MARK)
+    assert results.read_text().count(frontdoor.BEGIN_MARK) == 1 and "kept" in results.read_text()
+
+
+def test_a_short_run_of_each_kind_of_system(tmp_path: Path) -> None:
+    """Echo workers, the in-process limit, a pool and the plain peer, end to end: every window
+    checked, every process stopped."""
+    out = tmp_path / "report.json"
+    assert frontdoor.main([
+        "--systems", "echo-1,inprocess-1,mpspool-1,plain", "--rows", "1000", "--duration", "0.3",
+        "--warmup", "0.1", "--batches", "1,8", "--concurrency", "2", "--echo-concurrency", "4",
+        "--no-results", "--json", str(out),
+    ]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert [(w["system"], w["batch"]) for w in report["windows"]] == [
+        ("echo 1w", 1), ("mpspool 1w", 1), ("mpspool 1w", 8),
+        ("plain TF gRPC (1 process)", 1), ("plain TF gRPC (1 process)", 8),
+    ]  # fmt: skip
+    assert [(p["processes"], p["batch"]) for p in report["inprocess"]] == [(1, 1), (1, 8)]
+    assert {s["system"] for s in report["systems"]} == {"mpspool 1w", "plain TF gRPC (1 process)"}
+    assert all(w["requests"] > 0 for w in report["windows"])

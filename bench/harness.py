@@ -1,0 +1,812 @@
+"""The one bench harness: servers, a native load driver, CPU per process, and the report.
+
+A scenario (bench/frontdoor.py, bench/memory.py) is a short script over these parts:
+
+- **Servers.** ``Pool`` runs `mpspool start` in its own session and finds its processes by
+  role (the front door is the process running `mpspool-router`); bench/echo_worker.py and
+  bench/peers/ start the other systems. Each is described to the driver as a ``Server``: a
+  port, a protocol, its processes by role, and (mpspool only) its own request counters.
+- **Requests.** ``Request`` is one serialized request in gRPC's framing, built once with the
+  official messages (tensorflow-serving-api's PredictRequest, or KServe v2's ModelInferRequest
+  for Triton) and posted unchanged by the driver.
+- **Windows.** ``measure`` runs h2load (nghttp2-client) for a warm-up and then a measured
+  window: req/s from its summary, p50/p99 from its per-request log. h2load counts HTTP 200s
+  and cannot see a gRPC status, so failures are caught three ways: the Python client checks an
+  answer before and after the window (shape, and values equal to the first system's answer
+  for the same request); every answer of the window must have carried the answer's size in
+  DATA bytes (an error is trailers only); and for mpspool the front door's own Prometheus
+  counters must show the window's requests answered OK and no other code.
+- **CPU per request per process role**: psutil CPU time (user + system, all threads) of each
+  role's processes over the window, and h2load's own (the client), divided by the requests
+  answered.
+- **The report**: a markdown table per scenario in its own section of bench/RESULTS.md, plots
+  beside it in bench/out/; no raw JSON is kept in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import importlib.metadata
+import io
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import psutil
+
+from mpspool import process
+from mpspool.config import default_cache_dir, usable_cores
+
+REPO = Path(__file__).resolve().parent.parent
+OUT_DIR = REPO / "bench" / "out"
+RESULTS_MD = REPO / "bench" / "RESULTS.md"
+MODEL_NAME = "demo"
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+PREDICT_PATH = "/tensorflow.serving.PredictionService/Predict"
+KSERVE_INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+# h2load's concurrency: streams over at most this many connections, as a gRPC client pool.
+MAX_CONNECTIONS = 4
+
+# Subprocesses run outside the repository: `python -m` puts the cwd first on sys.path, and
+# the repository's supervisor/ folder would shadow supervisord's package of that name.
+_OUTSIDE = tempfile.gettempdir()
+
+
+def _mpspool(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mpspool", *args]
+
+
+# -- the code under test -------------------------------------------------------------------
+# The repository's top-level folders and where they sit in the installed package (pyproject's
+# [tool.setuptools.package-dir]); a frozen copy is laid out as installed. The front door is a
+# binary: it is not frozen, the installed one runs.
+PACKAGE_DIRS = {
+    "mpspool": "mpspool",
+    "supervisor": "mpspool/supervisor",
+    "router": "mpspool/router",
+    "worker": "mpspool/worker",
+}
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+
+def freeze_source(kind: str, dest: Path) -> dict[str, Any]:
+    """Copy the Python code under test out of the repository ("worktree": the files as they are;
+    "HEAD": the last commit; "live": no copy), so that edits made during a run cannot mix
+    versions; describe what was copied. Processes get the copy first on PYTHONPATH."""
+    info: dict[str, Any] = {"kind": kind}
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        info["commit"] = _git("rev-parse", "--short", "HEAD").strip()
+        changed = _git("status", "--porcelain", "--", *PACKAGE_DIRS).splitlines()
+        info["uncommitted"] = sorted(line[3:] for line in changed)
+    if kind == "live":
+        return info
+    if kind == "HEAD":
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", "HEAD", "--", *PACKAGE_DIRS],
+            cwd=REPO, capture_output=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+        files: dict[str, bytes] = {}
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            for member in tar.getmembers():
+                stream = tar.extractfile(member) if member.isfile() else None
+                if stream is not None:
+                    files[member.name] = stream.read()
+        info["uncommitted"] = []
+    else:
+        names = _git("ls-files", "-co", "--exclude-standard", "--", *PACKAGE_DIRS).splitlines()
+        files = {name: (REPO / name).read_bytes() for name in names if (REPO / name).is_file()}
+    for name, data in files.items():
+        top, _, rest = name.partition("/")
+        target = dest / PACKAGE_DIRS[top] / rest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    info["path"] = str(dest)
+    return info
+
+
+@contextlib.contextmanager
+def frozen_code(kind: str) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    """The code under test frozen into a temporary copy, and the environment that runs it."""
+    with tempfile.TemporaryDirectory(prefix="mpb-src-") as frozen:
+        source = freeze_source(kind, Path(frozen))
+        env = dict(os.environ)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if "path" in source:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (source["path"], env.get("PYTHONPATH", "")) if p
+            )
+        yield source, env
+
+
+def _describe_source(source: dict[str, Any]) -> str:
+    commit = source.get("commit", "unknown commit")
+    if source.get("kind") == "HEAD":
+        return f"commit {commit} (frozen copy)"
+    changed = source.get("uncommitted") or []
+    extra = f" plus uncommitted changes to {', '.join(changed)}" if changed else ""
+    frozen = "frozen copy of the working tree" if "path" in source else "live working tree"
+    return f"commit {commit}{extra} ({frozen})"
+
+
+# -- the model -----------------------------------------------------------------------------
+def ensure_model(rows: int, env: dict[str, str] | None = None) -> Path:
+    """The demo model with ``rows`` embedding rows, built once into the cache (a base path),
+    by the mpspool CLI in a subprocess."""
+    base = default_cache_dir() / f"bench-demo-{rows}"
+    if not (base / "1" / "saved_model.pb").is_file():
+        print(f"bench: building the demo model ({rows:,} rows) in {base}", file=sys.stderr)
+        subprocess.run(
+            _mpspool("demo-model", "--out", str(base), "--embedding-rows", str(rows)),
+            cwd=_OUTSIDE, env=env, check=True, timeout=600,
+        )  # fmt: skip
+    return base
+
+
+# -- a pool --------------------------------------------------------------------------------
+class Pool:
+    """One `mpspool start` in its own session; a context manager that always stops it.
+
+    ``roles`` (after wait_ready): "router" (the `mpspool-router` process), "workers",
+    "control" (the controller and supervisord)."""
+
+    def __init__(
+        self,
+        model_base: Path,
+        workers: int,
+        log_dir: Path,
+        env: dict[str, str],
+        label: str = "",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.workers = workers
+        self.env = env
+        self.label = label or f"{workers}w"
+        # Short: ipc:// endpoints in it are unix socket paths (at most 107 bytes).
+        self.run_dir = Path(_OUTSIDE) / f"mpb-{os.getpid()}-{self.label}"
+        self.log_dir = log_dir
+        self.args = [
+            "start",
+            "--model-base-path", str(model_base),
+            "--model-name", MODEL_NAME,
+            "--workers", str(workers),
+            "--host", "127.0.0.1",
+            "--port", "0",
+            "--run-dir", str(self.run_dir),
+            "--log-dir", str(log_dir),
+            "--metrics-port", "0",
+            *extra_args,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.target = ""
+        self.metrics_url = ""
+        self.pool_id = ""
+        self.ready_s = 0.0
+        self.roles: dict[str, list[psutil.Process]] = {}
+        self._descendants: dict[int, psutil.Process] = {}
+
+    def __enter__(self) -> Pool:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / "start.out", "wb") as out:
+            # Own session: a Ctrl-C reaches this script only, which then stops the pool in
+            # order; dying with us (SIGTERM) covers the case where we are killed.
+            self.proc = subprocess.Popen(
+                _mpspool(*self.args), cwd=_OUTSIDE, env=self.env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=process.die_with_parent_sigterm,
+            )  # fmt: skip
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(
+            _mpspool("status", "--json", "--run-dir", str(self.run_dir)),
+            cwd=_OUTSIDE, env=self.env, capture_output=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+        return json.loads(out)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until every slot is READY and the front door listens; then find the processes."""
+        assert self.proc is not None
+        started = psutil.Process(self.proc.pid).create_time()
+        deadline = time.monotonic() + timeout_s
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"pool {self.label} exited with {self.proc.returncode}; see {self.log_dir}"
+                )
+            with contextlib.suppress(subprocess.SubprocessError, json.JSONDecodeError):
+                status = self.status()
+                slots = status["slots"]
+                if (
+                    len(slots) == self.workers
+                    and all(s["state"] == "READY" for s in slots)
+                    and status["pool"]["listen"]
+                ):
+                    self.target = status["pool"]["listen"]
+                    self.metrics_url = status["pool"].get("metrics") or ""
+                    self.pool_id = status["pool"].get("pool_id", "")
+                    self.ready_s = time.time() - started
+                    self._find_processes()
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(
+            f"pool {self.label} not ready within {timeout_s:.0f} s: {status}; see {self.log_dir}"
+        )
+
+    def _find_processes(self) -> None:
+        assert self.proc is not None
+        top = psutil.Process(self.proc.pid)
+        self.roles = {"router": [], "workers": [], "control": [top]}
+        for child in top.children(recursive=True):
+            self._descendants[child.pid] = child
+            if is_front_door(child):
+                self.roles["router"].append(child)
+            elif "mpspool.worker" in " ".join(child.cmdline()):
+                self.roles["workers"].append(child)
+            else:  # supervisord
+                self.roles["control"].append(child)
+        if len(self.roles["router"]) != 1 or len(self.roles["workers"]) != self.workers:
+            raise RuntimeError(
+                f"pool {self.label}: expected 1 front door and {self.workers} workers under "
+                f"pid {top.pid}, found {self.roles}"
+            )
+        # The frozen copy must be what runs (a launcher that cleaned the environment would
+        # silently bring back the live repository).
+        wanted = self.env.get("PYTHONPATH")
+        for proc in self.roles["workers"]:
+            got = proc.environ().get("PYTHONPATH")
+            if wanted and got != wanted:
+                raise RuntimeError(
+                    f"pool {self.label}: pid {proc.pid} runs with PYTHONPATH={got!r}, "
+                    f"not the frozen source {wanted!r}"
+                )
+
+    def server(self, name: str) -> Server:
+        """What the load driver needs of this pool (after wait_ready)."""
+        return Server(
+            name=name,
+            port=int(self.target.rsplit(":", 1)[1]),
+            roles={
+                "front door": self.roles["router"],
+                "workers": self.roles["workers"],
+                "control": self.roles["control"],
+            },
+            metrics_url=self.metrics_url,
+        )
+
+    def stop(self) -> None:
+        """`mpspool stop`; if that fails, SIGTERM the controller; last, SIGKILL the tree."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            self._descendants.update(
+                (p.pid, p) for p in psutil.Process(self.proc.pid).children(recursive=True)
+            )
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.SubprocessError):
+                subprocess.run(
+                    _mpspool("stop", "--run-dir", str(self.run_dir)), cwd=_OUTSIDE,
+                    env=self.env, capture_output=True, timeout=STOP_TIMEOUT_S,
+                )  # fmt: skip
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        for child in self._descendants.values():
+            if alive(child):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+
+    def leftovers(self) -> list[str]:
+        """What of this pool outlived stop(): processes, and the run directory."""
+        left = [
+            f"pool {self.label}: process {c.pid} still running"
+            for c in self._descendants.values()
+            if alive(c)
+        ]
+        if self.run_dir.exists():
+            left.append(f"pool {self.label}: run dir {self.run_dir} left behind")
+        return left
+
+
+def is_front_door(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return proc.name() == "mpspool-router" or Path(proc.exe()).name == "mpspool-router"
+    return False
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def shm_leftovers(pool_ids: list[str]) -> list[str]:
+    """Shared-memory files of these pools (mpspool-<pool id>-...) still present."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    return [
+        f"/dev/shm/{p.name} left behind"
+        for p in shm.iterdir()
+        if p.name.startswith("mpspool") and any(pool_id in p.name for pool_id in pool_ids)
+    ]
+
+
+# -- requests and the Python client's checks -----------------------------------------------
+@dataclasses.dataclass
+class Server:
+    """A system under load as the driver sees it."""
+
+    name: str
+    port: int
+    roles: dict[str, list[psutil.Process]]  # role → processes whose CPU is charged to it
+    protocol: str = "tfserving"  # or "kserve"
+    metrics_url: str = ""  # mpspool: the front door's Prometheus endpoint
+    model: str = MODEL_NAME
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def processes(self) -> list[psutil.Process]:
+        return [p for procs in self.roles.values() for p in procs]
+
+
+@dataclasses.dataclass
+class Request:
+    """One request as h2load posts it: gRPC's framing (flag byte, 4-byte big-endian length)."""
+
+    key: str  # requests with the same key must get the same answer from every system
+    protocol: str
+    path: str
+    body: bytes
+    batch: int
+    output: str = "score"
+
+
+def _frame(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+def predict_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Request:
+    """A TF Serving PredictRequest built with the official client's messages."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model
+    request.model_spec.signature_name = "serving_default"
+    for alias, values in inputs.items():
+        request.inputs[alias].CopyFrom(tf.make_tensor_proto(values))
+    batch = len(next(iter(inputs.values())))
+    return Request(key, "tfserving", PREDICT_PATH, _frame(request.SerializeToString()), batch)
+
+
+KSERVE_DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
+
+
+def kserve_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Request:
+    """The same inputs as a KServe v2 ModelInferRequest, tensors in raw_input_contents."""
+    from bench.protos import kserve_pb2
+
+    request = kserve_pb2.ModelInferRequest(model_name=model)
+    for name, values in inputs.items():
+        request.inputs.add(name=name, datatype=KSERVE_DATATYPES[values.dtype], shape=values.shape)
+        little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+        request.raw_input_contents.append(little.tobytes())
+    batch = len(next(iter(inputs.values())))
+    return Request(key, "kserve", KSERVE_INFER_PATH, _frame(request.SerializeToString()), batch)
+
+
+def call(target: str, request: Request, timeout_s: float = 60.0) -> bytes:
+    """One call with the request's own bytes; the answer's bytes (gRPC errors raise)."""
+    import grpc
+
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    with grpc.insecure_channel(target, options=options) as channel:
+        try:
+            return channel.unary_unary(request.path)(request.body[5:], timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise RuntimeError(
+                f"{target} did not answer {request.key}: {exc.code().name}: {exc.details()}"
+            ) from exc
+
+
+def answer_values(request: Request, raw: bytes) -> np.ndarray:
+    """The output tensor of an answer, read with the official messages (KServe: its own)."""
+    if request.protocol == "kserve":
+        from bench.protos import kserve_pb2
+
+        response = kserve_pb2.ModelInferResponse.FromString(raw)
+        names = [t.name for t in response.outputs]
+        if request.output not in names:
+            raise RuntimeError(f"answer without output {request.output!r}: {names}")
+        i = names.index(request.output)
+        shape = tuple(response.outputs[i].shape)
+        return np.frombuffer(response.raw_output_contents[i], "<f4").reshape(shape)
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    outputs = predict_pb2.PredictResponse.FromString(raw).outputs
+    if request.output not in outputs:
+        raise RuntimeError(f"answer without output {request.output!r}: {sorted(outputs)}")
+    return tf.make_ndarray(outputs[request.output])
+
+
+class Checker:
+    """The Python client's correctness checks around every window: an answer with ``batch``
+    rows, equal to the first answer any system gave for the same request key."""
+
+    def __init__(self) -> None:
+        self.reference: dict[str, np.ndarray] = {}
+
+    def check(self, server: Server, request: Request) -> int:
+        """Check one answer; its size in gRPC's framing (what h2load counts as DATA bytes)."""
+        raw = call(server.target, request)
+        values = answer_values(request, raw)
+        if values.shape[:1] != (request.batch,):
+            raise RuntimeError(
+                f"{server.name}: answer of shape {values.shape} to a batch of {request.batch}"
+            )
+        ref = self.reference.setdefault(request.key, values)
+        if not np.allclose(values, ref, rtol=1e-5, atol=1e-6):
+            worst = float(np.max(np.abs(values.astype(np.float64) - ref)))
+            raise RuntimeError(
+                f"{server.name}: answer to {request.key} differs from the first system's by "
+                f"up to {worst:.3g}"
+            )
+        return len(raw) + 5
+
+
+# -- the native driver ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Drive:
+    """What one h2load run reported."""
+
+    done: int
+    rps: float
+    data_bytes: int
+    p50_ms: float
+    p99_ms: float
+    cpu_s: float  # h2load's own CPU time
+
+
+_FINISHED = re.compile(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s")
+_REQUESTS = re.compile(r"requests: \d+ total, \d+ started, (\d+) done")
+_TRAFFIC = re.compile(r"traffic: .*, \S+ \((\d+)\) data")
+
+
+def parse_h2load(stdout: str, log: str) -> tuple[int, float, int, float, float]:
+    """(done, req/s, DATA bytes received, p50 ms, p99 ms) from h2load's summary and its
+    per-request log (start µs, HTTP status, µs to the end of the response)."""
+    finished, requests, traffic = (r.search(stdout) for r in (_FINISHED, _REQUESTS, _TRAFFIC))
+    if not (finished and requests and traffic):
+        raise RuntimeError(f"unexpected h2load output: {stdout[-2000:]}")
+    latencies = [
+        int(f[2]) for f in (line.split("\t") for line in log.splitlines()) if f[1] == "200"
+    ]
+    p50, p99 = np.percentile(latencies, [50, 99]) / 1e3 if latencies else (math.nan, math.nan)
+    done = int(requests.group(1))
+    return done, float(finished.group(3)), int(traffic.group(1)), float(p50), float(p99)
+
+
+def h2load(
+    port: int, request: Request, concurrency: int, duration_s: float, workdir: Path
+) -> Drive:
+    """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams."""
+    body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
+    body_path.write_bytes(request.body)
+    log_path.unlink(missing_ok=True)
+    connections = min(concurrency, MAX_CONNECTIONS)
+    argv = [
+        shutil.which("h2load") or "h2load",
+        f"--clients={connections}",
+        f"--max-concurrent-streams={max(1, concurrency // connections)}",
+        f"--duration={int(duration_s * 1000)}ms", "--threads=1",
+        f"--data={body_path}", f"--log-file={log_path}",
+        "-H", "content-type: application/grpc", "-H", "te: trailers",
+        f"http://127.0.0.1:{port}{request.path}",
+    ]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode != 0:
+        raise RuntimeError(f"h2load failed ({out.returncode}): {out.stderr or out.stdout}")
+    done, rps, data, p50, p99 = parse_h2load(out.stdout, log_path.read_text())
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return Drive(done, rps, data, p50, p99, cpu)
+
+
+def request_counts(metrics_url: str) -> dict[str, int]:
+    """The front door's Predict answers by gRPC code (mpspool_requests_total)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("mpspool_requests_total{") and 'method="Predict"' in line:
+            code = re.search(r'code="([^"]+)"', line)
+            if code:
+                counts[code.group(1)] = int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for proc in processes:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            return math.nan  # gone mid-window (restarted): no CPU figure for this role
+        total += times.user + times.system
+    return total
+
+
+def measure(
+    server: Server,
+    request: Request,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float,
+    workdir: Path,
+    checker: Checker,
+) -> dict[str, Any]:
+    """A checked answer, a warm-up, the measured window, a checked answer: one table row.
+
+    Raises if any request of the window failed, whatever h2load says."""
+    answer_bytes = checker.check(server, request)
+    if warmup_s > 0:
+        h2load(server.port, request, concurrency, warmup_s, workdir)
+    counts = request_counts(server.metrics_url) if server.metrics_url else {}
+    cpu = {role: cpu_seconds(procs) for role, procs in server.roles.items()}
+    drive = h2load(server.port, request, concurrency, duration_s, workdir)
+    cpu = {role: cpu_seconds(procs) - cpu[role] for role, procs in server.roles.items()}
+    problems = []
+    if drive.done == 0:
+        problems.append("h2load finished no request")
+    if drive.data_bytes // answer_bytes < drive.done:
+        problems.append(
+            f"{drive.done} requests done but {drive.data_bytes} answer bytes came back, "
+            f"{drive.data_bytes // answer_bytes} answers of {answer_bytes} bytes"
+        )
+    if server.metrics_url:
+        after = request_counts(server.metrics_url)
+        grew = {code: after.get(code, 0) - counts.get(code, 0) for code in after}
+        ok = grew.pop("OK", 0)
+        # h2load resets the streams still open when its window ends: the front door counts
+        # them CANCELLED. At most one per stream; anything else is a failure.
+        if grew.get("CANCELLED", 0) <= concurrency:
+            grew.pop("CANCELLED", None)
+        errors = {code: n for code, n in grew.items() if n}
+        if ok < drive.done or errors:
+            problems.append(
+                f"the front door answered {ok} OK and {errors or 'nothing else'} while h2load "
+                f"finished {drive.done}"
+            )
+    if problems:
+        raise RuntimeError(
+            f"{server.name}, batch {request.batch}, concurrency {concurrency}: requests failed: "
+            + "; ".join(problems)
+        )
+    checker.check(server, request)
+    cpu["client"] = drive.cpu_s
+    return {
+        "system": server.name,
+        "batch": request.batch,
+        "concurrency": concurrency,
+        "requests": drive.done,
+        "rps": drive.rps,
+        "rows_per_s": drive.rps * request.batch,
+        "p50_ms": drive.p50_ms,
+        "p99_ms": drive.p99_ms,
+        "cpu_us": {role: s / drive.done * 1e6 for role, s in cpu.items()},
+    }
+
+
+def pss_mib(processes: Sequence[psutil.Process]) -> float:
+    """Total proportional set size of ``processes``."""
+    total = 0
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_full_info().pss
+    return total / 2**20
+
+
+# -- context -------------------------------------------------------------------------------
+def command_line(module: str) -> str:
+    python = sys.executable
+    if python.startswith(f"{REPO}{os.sep}"):
+        python = os.path.relpath(python, REPO)
+    return shlex.join([python, "-m", module, *sys.argv[1:]])
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        if match:
+            model = match.group(1).strip()
+    return {
+        "cpu_model": model,
+        "logical_cpus": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "kernel": platform.release(),
+    }
+
+
+def describe_machine() -> str:
+    m = machine()
+    return (
+        f"{m['cpu_model']}, {m['usable_cores']} usable cores ({m['logical_cpus']} logical), "
+        f"{m['memory_gib']} GiB, Linux {m['kernel']}"
+    )
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for dist in ("tensorflow-cpu", "tensorflow", "grpcio", "protobuf", "pyzmq", "numpy", "mpspool"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[dist] = importlib.metadata.version(dist)
+    return found
+
+
+# -- RESULTS.md ----------------------------------------------------------------------------
+def write_section(path: Path, section: str, begin_mark: str, end_mark: str) -> None:
+    """Replace one scenario's section of ``path`` (between its markers), or add it, leaving
+    the rest alone: each scenario owns its own section of RESULTS.md."""
+    text = path.read_text() if path.exists() else "# mpspool benchmark results\n\n"
+    begin, end = text.find(begin_mark), text.find(end_mark)
+    if begin != -1 and end != -1:
+        rest = text[end + len(end_mark) :].lstrip("\n")
+        text = text[:begin] + section + ("\n" + rest if rest else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], right_from: int = 1) -> list[str]:
+    """A markdown table; columns from ``right_from`` on are right-aligned."""
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:,.{digits}f}"
+
+
+# -- the scenario's main -------------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, writes: str = "the JSON") -> None:
+    """--source, --results, --no-results, --render (bench/memory.py's)."""
+    parser.add_argument(
+        "--source", choices=("worktree", "HEAD", "live"), default="worktree",
+        help="Python code under test, frozen into a temporary copy at the start (%(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--results", type=Path, help=f"markdown to update (default {RESULTS_MD})")
+    parser.add_argument("--no-results", action="store_true", help=f"write {writes} only")
+    parser.add_argument(
+        "--render", type=Path, metavar="JSON", help="run nothing: render a raw file"
+    )
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every context manager on the way stops what it started.
+
+    Raising from the handler is deliberate: a run is a sequence of blocking steps (h2load, a
+    wait on the in-process pipes, a subprocess) with no loop that could poll a flag in time."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def scenario_main(
+    name: str,
+    args: argparse.Namespace,
+    run: Callable[[str], dict[str, Any]],
+    render_markdown: Callable[[dict[str, Any], Path], str],
+    notes: Callable[[dict[str, Any]], Sequence[str]] = lambda report: (),
+    write_results: Callable[[Path, str], None] | None = None,
+) -> int:
+    """bench/memory.py's main(): --render, or the run with its raw JSON in bench/out/ (not
+    committed), its section of RESULTS.md, its targets, notes and leftovers on stderr. Exit
+    code 130 when interrupted, 1 when the run left anything behind."""
+    assert write_results is not None
+    results_md = None if args.no_results else args.results or (None if args.quick else RESULTS_MD)
+    if args.render is not None:
+        report = json.loads(args.render.read_text())
+        write_results(args.results or RESULTS_MD, render_markdown(report, args.render.resolve()))
+        return 0
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    started = time.monotonic()
+    try:
+        with sigterm_as_exit():
+            report = run(stamp)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; everything it started has been stopped", file=sys.stderr)
+        return 130
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    json_path = OUT_DIR / f"{name}-{'quick-' if args.quick else ''}{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if results_md is not None:
+        write_results(results_md, render_markdown(report, json_path))
+        print(f"{name}: updated {results_md}", file=sys.stderr)
+    for t in report["summary"]["targets"]:
+        state = "----" if t["met"] is None else "MET " if t["met"] else "MISS"
+        print(f"{state} {t['target']}: {t['measured']:.2f} {t['unit']}", file=sys.stderr)
+    for line in notes(report):
+        print(f"{name}: {line}", file=sys.stderr)
+    for item in report["leftovers"]:
+        print(f"{name}: LEFT BEHIND: {item}", file=sys.stderr)
+    return 1 if report["leftovers"] else 0
