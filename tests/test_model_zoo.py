@@ -9,8 +9,9 @@ official TF Serving client, compared with a direct TensorFlow call of the same S
 The styles: `tf.nn.embedding_lookup(var, ids)`, `tf.gather(var, ids)`,
 `tf.gather(var.read_value(), ids)`, a gather with `batch_dims`, `tf.gather_nd(var, ...)`, a table
 split into several variables, a `tf.lookup.StaticHashTable` vocabulary (string input) in front
-of the embedding, a bfloat16 table, a table read densely as well (a matmul over all of it), and
-a Keras 3 functional model with `keras.layers.Embedding` exported with `model.export()`.
+of the embedding, a bfloat16 table, a table read densely as well (a matmul over all of it), a
+Keras 3 functional model with `keras.layers.Embedding` exported with `model.export()`, and a TF1
+graph (SavedModelBuilder) with a vocabulary file in its assets.
 """
 
 from __future__ import annotations
@@ -172,6 +173,44 @@ def vocabulary_lookup(path: Path) -> dict[str, np.ndarray]:
     return {"words": np.array([b"w3", b"nope", b"w48"], dtype=object)}
 
 
+def tf1_graph(path: Path) -> dict[str, np.ndarray]:
+    """A TF1 SavedModel (graph, Session, SavedModelBuilder): a vocabulary file in assets/
+    feeding a lookup table, tf.nn.embedding_lookup on a resource variable, a dense read of the
+    whole table too."""
+    tf = _tf()
+    v1 = tf.compat.v1
+    vocab = path.parent / "vocab.txt"
+    vocab.parent.mkdir(parents=True, exist_ok=True)
+    vocab.write_text("".join(f"w{i}\n" for i in range(ROWS)))
+    with tf.Graph().as_default():
+        table = v1.get_variable("table", initializer=_table(14), use_resource=True)
+        words = v1.placeholder(tf.string, [None], name="words")
+        ids = tf.lookup.StaticHashTable(
+            tf.lookup.TextFileInitializer(
+                str(vocab), tf.string, tf.lookup.TextFileIndex.WHOLE_LINE,
+                tf.int64, tf.lookup.TextFileIndex.LINE_NUMBER,
+            ),
+            default_value=0,
+        ).lookup(words)  # fmt: skip
+        rows = tf.nn.embedding_lookup(table, ids)
+        out = rows + tf.reduce_sum(tf.matmul(table, table, transpose_a=True))
+        with v1.Session() as session:
+            session.run([v1.global_variables_initializer(), v1.tables_initializer()])
+            builder = v1.saved_model.Builder(str(path))
+            builder.add_meta_graph_and_variables(
+                session,
+                ["serve"],
+                signature_def_map={
+                    SIG: v1.saved_model.predict_signature_def({"words": words}, {"out": out})
+                },
+                assets_collection=v1.get_collection(v1.GraphKeys.ASSET_FILEPATHS),
+                main_op=v1.tables_initializer(),
+            )
+            builder.save()
+    vocab.unlink()  # the model must read its own copy in assets/
+    return {"words": np.array([b"w3", b"nope", b"w49"], dtype=object)}
+
+
 def bfloat16_table(path: Path) -> dict[str, np.ndarray]:
     tf = _tf()
 
@@ -234,6 +273,7 @@ STYLES: dict[str, Callable[[Path], dict[str, np.ndarray]]] = {
     "bfloat16": bfloat16_table,
     "dense_and_sparse": dense_and_sparse,
     "keras_export": keras_export,
+    "tf1_graph": tf1_graph,
 }
 
 
@@ -318,6 +358,40 @@ def test_identical_tensors_are_published_once(tmp_path: Path, segment_path: Path
     got = runtime.run(SIG, {"ids": np.array([3, 4], np.int64)}, ["out"])["out"]
     np.testing.assert_array_equal(got, -_table(12)[[3, 4]])
     assert runtime.weights_report()["copied"] == {}
+
+
+def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
+    tmp_path: Path, segment_path: Path
+) -> None:
+    """A TF1 MutableHashTable's contents are saved as plain tensors ("<table>-keys",
+    "<table>-values"): no graph variable takes them, so sharing would lose them."""
+    tf = _tf()
+    v1 = tf.compat.v1
+    version = tmp_path / "m" / "1"
+    with tf.Graph().as_default():
+        table = v1.get_variable("table", initializer=_table(15), use_resource=True)
+        # int64 → int64: its saved contents are numeric tensors, as a variable's are
+        counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0, name="counts")
+        insert = counts.insert(tf.constant([7], tf.int64), tf.constant([3], tf.int64))
+        words = v1.placeholder(tf.int64, [None], name="words")
+        out = tf.nn.embedding_lookup(table, counts.lookup(words))
+        with v1.Session() as session:
+            session.run([v1.global_variables_initializer(), insert])
+            builder = v1.saved_model.Builder(str(version))
+            builder.add_meta_graph_and_variables(
+                session,
+                ["serve"],
+                signature_def_map={
+                    SIG: v1.saved_model.predict_signature_def({"words": words}, {"out": out})
+                },
+            )
+            builder.save()
+    manifest = publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    assert "table" in {t.key for t in manifest.tensors}
+    with pytest.raises(Exception, match=r"tensor counts-keys is no variable of the TF1 graph"):
+        load_saved_model(
+            str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+        )
 
 
 def test_an_out_of_range_id_keeps_tensorflows_error(zoo, segment_path: Path, tmp_path: Path):

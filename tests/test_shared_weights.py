@@ -237,6 +237,7 @@ def test_shared_load_reports_every_variable_shared(
         "segment": str(path),
         "shared_bytes": sum(t.nbytes for t in manifest.tensors),
         "copied": {},
+        "at_risk": {},
     }
 
 

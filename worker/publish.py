@@ -58,13 +58,17 @@ def publish(
             f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
         ) from None
     served = served_keys(Path(model_dir), bundle, prefix)
+    # A TF1 Saver's checkpoint (no object graph) keys each variable by its name, not by an
+    # object path: every numeric tensor is published, and the worker binds each to the graph
+    # variable of that name or refuses the model (a lookup table's saved contents match none).
+    tf1 = OBJECT_GRAPH_KEY not in bundle[1]
     shared, unshared = [], []
     for key, entry in sorted(bundle[1].items()):
         if key == OBJECT_GRAPH_KEY:
             continue
         if served is not None and key.endswith(VARIABLE_SUFFIX) and key not in served:
             continue  # no serving signature reads it (optimizer state, say): not in /dev/shm
-        if key.endswith(VARIABLE_SUFFIX) and entry.dtype in _CARRIED:
+        if (tf1 or key.endswith(VARIABLE_SUFFIX)) and entry.dtype in _CARRIED:
             shape = tuple(int(d.size) for d in entry.shape.dim)
             shared.append((key, int(entry.dtype), shape))
         else:

@@ -101,8 +101,24 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
             "serve this model with --no-share-weights"
         )
     bound: dict[int, tuple[Any, TensorEntry]] = {}
+    tf1 = _tf1_variables(tf, loaded)
     for entry in manifest.tensors:
-        variable = resolve(loaded, entry.key)
+        if entry.key.endswith(VARIABLE_SUFFIX):
+            variable = resolve(loaded, entry.key)
+        elif tf1 is None:
+            # not a TF2 object path, and the model is no TF1 graph: nothing to bind it to
+            raise NotShareable(
+                f"the checkpoint's tensor {entry.key} names no variable of the loaded model; "
+                "serve this model with --no-share-weights"
+            )
+        else:
+            variable = tf1.get(entry.key)
+            if variable is None:
+                raise NotShareable(
+                    f"the checkpoint's tensor {entry.key} is no variable of the TF1 graph (a "
+                    "lookup table's saved contents, or a variable a Saver saved under another "
+                    "name): it would be lost; serve this model with --no-share-weights"
+                )
         if not isinstance(variable, tf.Variable):
             continue  # not part of what was loaded (optimizer slots, say)
         view = segment.view(entry)
@@ -137,6 +153,21 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
             "(their checkpoint keys could not be matched); serve this model with --no-share-weights"
         )
     return bound
+
+
+def _tf1_variables(tf: Any, loaded: Any) -> dict[str, Any] | None:
+    """A TF1 SavedModel's variables by the name its Saver keys them with (the variable's
+    shared name: its op's name unless given one), or None for a TF2 model."""
+    if not isinstance(getattr(loaded, "graph", None), tf.Graph):
+        return None  # load_v1_in_v2 keeps the wrapped graph; a TF2 load has no such attribute
+    variables = getattr(loaded, "variables", None)
+    if not isinstance(variables, list):
+        return None
+    named = {}
+    for variable in variables:
+        name = getattr(variable, "_shared_name", None) or variable.name.split(":")[0]
+        named[name] = variable
+    return named
 
 
 def verify(
