@@ -43,7 +43,12 @@ pub struct WorkRequest {
 #[derive(Debug)]
 pub struct WorkReply {
     pub tensors: Vec<TensorMeta>,
+    /// The output tensors' bytes, each still in the ZeroMQ message it arrived in.
     pub frames: Vec<Bytes>,
+    /// The worker that answered (the gRPC side has no use for it yet; tests check where a
+    /// retried request went).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub slot: String,
 }
 
 /// What becomes of one sending of a request.
@@ -91,6 +96,8 @@ pub struct Dispatcher {
     ready: watch::Receiver<usize>,
     copied: watch::Receiver<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
+    /// NO_WORKER_WAIT, shorter in tests.
+    no_worker_wait: Duration,
 }
 
 /// The served model, as the configuration names it: READY from anything else is not learned.
@@ -155,6 +162,7 @@ impl Dispatcher {
             ready,
             copied,
             state,
+            no_worker_wait: NO_WORKER_WAIT,
         })
     }
 
@@ -185,6 +193,10 @@ impl Dispatcher {
         let request = Arc::new(request);
         let deadline_exceeded = || ServingError::new(Code::DeadlineExceeded, "Deadline Exceeded");
         loop {
+            // A retry after the deadline passed would only make a worker do work nobody reads.
+            if deadline.is_some_and(|d| d <= Instant::now()) {
+                return Err(deadline_exceeded());
+            }
             let id = self.ids.fetch_add(1, Ordering::Relaxed);
             let (answer, outcome) = oneshot::channel();
             let command = Command::Send {
@@ -227,7 +239,7 @@ impl Dispatcher {
     }
 
     async fn wait_for_worker(&self, deadline: Option<Instant>) -> Result<(), ServingError> {
-        let mut limit = Instant::now() + NO_WORKER_WAIT;
+        let mut limit = Instant::now() + self.no_worker_wait;
         let by_deadline = deadline.is_some_and(|d| d <= limit);
         if let Some(deadline) = deadline {
             limit = limit.min(deadline);
@@ -246,6 +258,12 @@ impl Dispatcher {
             )),
         }
     }
+}
+
+/// Whether a liveness sweep woke more than a sweep after it was due (`interval.tick()` yields
+/// the instant it was due, however late the task got to run).
+fn sweep_was_late(scheduled: Instant, woke: Instant) -> bool {
+    woke.saturating_duration_since(scheduled) > LIVENESS_SWEEP
 }
 
 /// A request sent to a worker and not answered yet.
@@ -304,7 +322,6 @@ impl Actor {
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
         let mut sweep = tokio::time::interval(LIVENESS_SWEEP);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last_sweep = Instant::now();
         loop {
             tokio::select! {
                 command = commands.recv() => {
@@ -332,15 +349,14 @@ impl Actor {
                     }
                     self.drain_control();
                 }
-                now = sweep.tick() => {
+                scheduled = sweep.tick() => {
                     // Silence is only evidence if this front door was listening: after a late
-                    // wake-up (the machine starved of CPU) heartbeats may be queued unread. Read
-                    // them first, judge next round.
-                    let late = now.saturating_duration_since(last_sweep) > LIVENESS_SWEEP * 2;
-                    last_sweep = now;
+                    // wake-up (the machine starved of CPU) heartbeats may be queued unread, some
+                    // still in ZeroMQ's I/O thread. Read what is there, judge next round.
+                    let woke = Instant::now();
                     self.drain_workers();
-                    if !late {
-                        self.expire(now);
+                    if !sweep_was_late(scheduled, woke) {
+                        self.expire(woke);
                     }
                 }
             }
@@ -486,6 +502,7 @@ impl Actor {
                     "dropping a message from {}: {error}",
                     String::from_utf8_lossy(&identity)
                 );
+                self.fail_unreadable_answer(&identity, &frames[1], &error, now);
                 return;
             }
         };
@@ -504,9 +521,11 @@ impl Actor {
                         .drain(2..)
                         .map(|m| Bytes::from_owner(Frame(m)))
                         .collect();
-                    let _ = pending
-                        .answer
-                        .send(Outcome::Reply(WorkReply { tensors, frames }));
+                    let _ = pending.answer.send(Outcome::Reply(WorkReply {
+                        tensors,
+                        frames,
+                        slot,
+                    }));
                 }
             }
             WorkerMessage::Error { id, code, message } => {
@@ -557,6 +576,45 @@ impl Actor {
                     self.departed(departure);
                 }
             }
+        }
+    }
+
+    /// A REPLY or ERROR header that does not decode still names the request it answers, most
+    /// likely: fail that request (INTERNAL) rather than leave its caller waiting for an answer
+    /// that has come and gone.
+    fn fail_unreadable_answer(
+        &mut self,
+        identity: &[u8],
+        header: &[u8],
+        error: &wire::ProtocolError,
+        now: std::time::Instant,
+    ) {
+        let Ok(rmpv::Value::Map(fields)) = rmpv::decode::read_value(&mut &header[..]) else {
+            return;
+        };
+        let get = |name: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map(|(_, v)| v)
+        };
+        let answers = matches!(
+            get("k").and_then(rmpv::Value::as_str),
+            Some("reply" | "error")
+        );
+        let Some(id) = get("id").and_then(rmpv::Value::as_u64).filter(|_| answers) else {
+            return;
+        };
+        let Some(handle) = self.table.seen(identity, now) else {
+            return;
+        };
+        let slot = handle.slot.clone();
+        self.requests.remove(&id);
+        if let Some(pending) = self.table.resolve(identity, id) {
+            let message = format!("worker {slot} sent an answer that cannot be read: {error}");
+            let _ = pending
+                .answer
+                .send(Outcome::Error(ServingError::new(Code::Internal, message)));
         }
     }
 

@@ -71,20 +71,57 @@ impl Timeline {
 
 #[cfg(test)]
 mod tests {
+    //! router/timeline.py's tests. Well-formedness of `t` (two integers) is the wire
+    //! decoder's part: a span reaches `record` only as two i64s.
+
     use super::*;
 
+    fn json(taken: Vec<(&'static str, rmpv::Value)>) -> serde_json::Value {
+        let map = taken
+            .into_iter()
+            .map(|(k, v)| (rmpv::Value::from(k), v))
+            .collect();
+        serde_json::to_value(rmpv::Value::Map(map)).unwrap()
+    }
+
     #[test]
-    fn keeps_the_newest_and_counts_what_it_dropped() {
-        let mut t = Timeline::new(2);
-        t.record("a", 1, 2);
-        t.record("b", 3, 4);
-        t.record("c", 5, 6);
-        let taken = t.take(true);
-        let spans = taken[1].1.as_array().unwrap();
-        assert_eq!(spans.len(), 2);
-        assert_eq!(spans[0].as_array().unwrap()[0].as_str(), Some("b"));
-        assert_eq!(taken[2].1.as_u64(), Some(1));
-        assert_eq!(t.take(false)[1].1.as_array().unwrap().len(), 0);
-        assert_eq!(t.dropped, 0);
+    fn keeps_spans_in_order_and_clears_on_request() {
+        let mut t = Timeline::new(10);
+        t.record("cpu/s0", 100, 250);
+        t.record("cpu/s1", 120, 300);
+        let first = json(t.take(false));
+        assert_eq!(
+            first["spans"],
+            serde_json::json!([["cpu/s0", 100, 250], ["cpu/s1", 120, 300]])
+        );
+        assert_eq!(first["dropped"], 0);
+        assert!(first["now_us"].as_i64().unwrap() > 1_700_000_000_000_000);
+        assert_eq!(json(t.take(true))["spans"], first["spans"]);
+        assert_eq!(json(t.take(false))["spans"], serde_json::json!([]));
+    }
+
+    #[test]
+    fn bounded_and_counts_what_it_dropped() {
+        let mut t = Timeline::new(3);
+        for i in 0..5 {
+            t.record("s", i, i + 1);
+        }
+        let taken = json(t.take(true));
+        let starts: Vec<i64> = taken["spans"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|span| span[1].as_i64().unwrap())
+            .collect();
+        assert_eq!(starts, [2, 3, 4]);
+        assert_eq!(taken["dropped"], 2);
+        assert_eq!(json(t.take(false))["dropped"], 0);
+    }
+
+    #[test]
+    fn without_room_nothing_is_kept() {
+        let mut t = Timeline::new(0);
+        t.record("s", 1, 2);
+        assert_eq!(json(t.take(false))["spans"], serde_json::json!([]));
     }
 }

@@ -274,52 +274,189 @@ impl<P> WorkerTable<P> {
 
 #[cfg(test)]
 mod tests {
+    //! The rules of router/workers.py's tests, on a fake clock (`now` passed in). A pending
+    //! request is a number; "handed back" means it came out in a Departure.
+
     use super::*;
 
     type Table = WorkerTable<u32>;
+    const TIMEOUT: Duration = Duration::from_secs(3);
 
     fn table(policy: Policy) -> (Table, Instant) {
-        (
-            WorkerTable::new(Duration::from_secs(3), policy),
-            Instant::now(),
-        )
+        (WorkerTable::new(TIMEOUT, policy), Instant::now())
+    }
+
+    fn ident(slot: &str, pid: i64) -> Vec<u8> {
+        format!("{slot}:{pid}").into_bytes()
     }
 
     fn join(t: &mut Table, slot: &str, pid: i64, now: Instant) -> Option<Departure<u32>> {
-        let identity = format!("{slot}:{pid}");
-        t.register(identity.as_bytes(), slot, pid, rmpv::Value::Nil, now)
+        t.register(&ident(slot, pid), slot, pid, rmpv::Value::Nil, now)
     }
 
+    /// What the dispatcher does before sending: park the request on the worker.
+    fn send(t: &mut Table, slot: &str, pid: i64, request: u32) {
+        let handle = t.get_mut(&ident(slot, pid)).expect("registered");
+        handle.inflight.insert(u64::from(request), request);
+    }
+
+    fn slots(t: &mut Table, n: usize) -> Vec<String> {
+        (0..n).map(|_| t.pick().unwrap().slot.clone()).collect()
+    }
+
+    fn sorted(mut pending: Vec<u32>) -> Vec<u32> {
+        pending.sort_unstable();
+        pending
+    }
+
+    // -- membership ---------------------------------------------------------------
+
     #[test]
-    fn round_robin_in_slot_order() {
+    fn register_makes_a_worker_routable() {
         let (mut t, now) = table(Policy::RoundRobin);
-        join(&mut t, "cpu-1", 11, now);
-        join(&mut t, "cpu-0", 10, now);
-        let picks: Vec<String> = (0..4).map(|_| t.pick().unwrap().slot.clone()).collect();
-        assert_eq!(picks, ["cpu-0", "cpu-1", "cpu-0", "cpu-1"]);
-    }
-
-    #[test]
-    fn least_loaded_prefers_the_idle_then_the_first() {
-        let (mut t, now) = table(Policy::LeastLoaded);
-        join(&mut t, "cpu-0", 10, now);
-        join(&mut t, "cpu-1", 11, now);
-        t.pick().unwrap().inflight.insert(1, 1);
-        assert_eq!(t.pick().unwrap().slot, "cpu-1");
-        t.pick().unwrap().inflight.insert(2, 2);
-        assert_eq!(t.pick().unwrap().slot, "cpu-0");
-    }
-
-    #[test]
-    fn a_new_incarnation_replaces_the_old_and_hands_back_its_requests() {
-        let (mut t, now) = table(Policy::RoundRobin);
-        join(&mut t, "cpu-0", 10, now);
-        t.pick().unwrap().inflight.insert(7, 70);
-        let departure = join(&mut t, "cpu-0", 12, now).unwrap();
-        assert_eq!(departure.pid, 10);
-        assert_eq!(departure.pending, vec![70]);
+        assert_eq!(t.ready(), 0);
+        assert!(t.pick().is_none());
+        assert!(join(&mut t, "cpu-0", 101, now).is_none());
         assert_eq!(t.ready(), 1);
-        assert_eq!(t.pick().unwrap().pid, 12);
+        let handle = t.pick().unwrap();
+        assert_eq!(
+            (handle.slot.as_str(), handle.pid, handle.identity.clone()),
+            ("cpu-0", 101, ident("cpu-0", 101))
+        );
+        assert_eq!(handle.last_seen, now);
+    }
+
+    #[test]
+    fn seen_refreshes_liveness_and_ignores_strangers() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        let later = now + Duration::from_secs(2);
+        assert_eq!(
+            t.seen(&ident("cpu-0", 101), later).map(|h| h.last_seen),
+            Some(later)
+        );
+        assert!(t.seen(&ident("cpu-0", 999), later).is_none());
+        assert!(t.seen(b"nobody", later).is_none());
+    }
+
+    #[test]
+    fn registering_again_with_the_same_identity_keeps_the_handle_and_its_requests() {
+        // A worker answering REREGISTER sends READY again from the same incarnation.
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        send(&mut t, "cpu-0", 101, 1);
+        let later = now + Duration::from_secs(1);
+        assert!(join(&mut t, "cpu-0", 101, later).is_none());
+        assert_eq!(t.get_mut(&ident("cpu-0", 101)).unwrap().last_seen, later);
+        assert_eq!(t.resolve(&ident("cpu-0", 101), 1), Some(1));
+    }
+
+    #[test]
+    fn leave_hands_back_the_requests_in_flight() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        join(&mut t, "cpu-1", 102, now);
+        send(&mut t, "cpu-0", 101, 1);
+        send(&mut t, "cpu-0", 101, 2);
+        send(&mut t, "cpu-1", 102, 3);
+        let left = t.leave(&ident("cpu-0", 101), "said bye").unwrap();
+        assert_eq!((left.slot.as_str(), left.pid), ("cpu-0", 101));
+        assert_eq!(left.reason, "said bye");
+        assert_eq!(sorted(left.pending), vec![1, 2]);
+        // A worker leaving does not touch another worker's requests.
+        assert_eq!(t.inflight_total(), 1);
+        assert_eq!(slots(&mut t, 2), ["cpu-1", "cpu-1"]);
+        assert!(t.leave(&ident("cpu-0", 101), "again").is_none());
+    }
+
+    #[test]
+    fn gone_drops_only_the_named_incarnation() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        send(&mut t, "cpu-0", 101, 1);
+        // The controller reports an older pid of the slot (already replaced): ignored.
+        assert!(t.gone("cpu-0", 100).is_none());
+        assert!(t.gone("cpu-9", 101).is_none());
+        assert_eq!(t.inflight_total(), 1);
+        let gone = t.gone("cpu-0", 101).unwrap();
+        assert_eq!(gone.pid, 101);
+        assert!(gone.reason.contains("exited"), "{}", gone.reason);
+        assert_eq!(gone.pending, vec![1]);
+        assert_eq!(t.ready(), 0);
+        assert!(t.pick().is_none());
+        // An exit is not a liveness verdict.
+        assert!(t.declared_dead.is_empty());
+    }
+
+    #[test]
+    fn a_new_incarnation_replaces_the_old_one_and_hands_back_its_requests() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        send(&mut t, "cpu-0", 101, 1);
+        let replaced = join(&mut t, "cpu-0", 202, now).unwrap();
+        assert_eq!(replaced.pid, 101);
+        assert!(replaced.reason.contains("re-registered by pid 202"));
+        assert_eq!(replaced.pending, vec![1]);
+        assert_eq!(t.ready(), 1);
+        assert_eq!(t.pick().unwrap().identity, ident("cpu-0", 202));
+        assert!(
+            t.seen(&ident("cpu-0", 101), now).is_none(),
+            "the old incarnation is forgotten"
+        );
+        // A late reply from the old process is dropped, not delivered to anyone.
+        assert_eq!(t.resolve(&ident("cpu-0", 101), 1), None);
+        // And a late "gone" for the old pid does not remove the new incarnation.
+        assert!(t.gone("cpu-0", 101).is_none());
+        assert_eq!(t.pick().unwrap().pid, 202);
+    }
+
+    // -- liveness -----------------------------------------------------------------
+
+    #[test]
+    fn expire_declares_silent_workers_dead_and_hands_back_their_requests() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        join(&mut t, "cpu-1", 102, now);
+        send(&mut t, "cpu-0", 101, 1);
+        send(&mut t, "cpu-1", 102, 2);
+
+        let window = now + TIMEOUT; // exactly the window: still alive
+        t.seen(&ident("cpu-1", 102), window);
+        assert!(t.expire(window).is_empty());
+
+        let past = window + Duration::from_millis(500);
+        t.seen(&ident("cpu-1", 102), past);
+        let expired = t.expire(past);
+        assert_eq!(expired.len(), 1);
+        assert_eq!((expired[0].slot.as_str(), expired[0].pid), ("cpu-0", 101));
+        assert_eq!(expired[0].reason, "silent for 3.5 s");
+        assert_eq!(expired[0].pending, vec![1]);
+        assert_eq!(
+            t.declared_dead,
+            BTreeMap::from([("cpu-0".to_string(), 101)])
+        );
+        assert_eq!(slots(&mut t, 2), ["cpu-1", "cpu-1"]);
+        assert!(t.expire(past).is_empty(), "declared once, not again");
+        assert_eq!(t.declared_dead.len(), 1);
+        assert_eq!(t.resolve(&ident("cpu-1", 102), 2), Some(2));
+    }
+
+    #[test]
+    fn declared_dead_is_kept_until_the_slot_registers_a_new_pid() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        let later = now + TIMEOUT + Duration::from_secs(1);
+        assert_eq!(t.expire(later).len(), 1);
+        let verdict = BTreeMap::from([("cpu-0".to_string(), 101)]);
+        assert_eq!(t.declared_dead, verdict);
+        // The dead incarnation registering again (the dispatcher refuses this, but the table
+        // must not forget the verdict either way).
+        join(&mut t, "cpu-0", 101, later);
+        assert_eq!(t.declared_dead, verdict);
+        t.leave(&ident("cpu-0", 101), "test");
+        // Its replacement clears the verdict.
+        join(&mut t, "cpu-0", 202, later);
+        assert!(t.declared_dead.is_empty());
     }
 
     #[test]
@@ -337,14 +474,127 @@ mod tests {
         assert!(t.declared_dead.is_empty());
     }
 
+    // -- routing ------------------------------------------------------------------
+
     #[test]
-    fn gone_only_for_the_pid_registered() {
+    fn round_robin_alternates_over_slots_in_order() {
+        // Registered out of order, pids in yet another order: the rotation follows slot
+        // order, not arrival or pid order.
         let (mut t, now) = table(Policy::RoundRobin);
-        join(&mut t, "cpu-0", 10, now);
-        assert!(t.gone("cpu-0", 9).is_none());
-        assert!(t.gone("cpu-0", 10).is_some());
-        assert_eq!(t.ready(), 0);
-        assert!(t.pick().is_none());
+        join(&mut t, "cpu-2", 101, now);
+        join(&mut t, "cpu-0", 303, now);
+        join(&mut t, "cpu-1", 202, now);
+        assert_eq!(
+            slots(&mut t, 7),
+            ["cpu-0", "cpu-1", "cpu-2", "cpu-0", "cpu-1", "cpu-2", "cpu-0"]
+        );
+        t.leave(&ident("cpu-1", 202), "bye");
+        let mut picks = slots(&mut t, 4);
+        assert!(picks.windows(2).all(|w| w[0] != w[1]), "{picks:?}");
+        picks.sort();
+        assert_eq!(picks, ["cpu-0", "cpu-0", "cpu-2", "cpu-2"]);
+    }
+
+    #[test]
+    fn least_loaded_picks_the_fewest_in_flight_first_slot_among_equals() {
+        let (mut t, now) = table(Policy::LeastLoaded);
+        join(&mut t, "cpu-2", 101, now);
+        join(&mut t, "cpu-0", 303, now);
+        join(&mut t, "cpu-1", 202, now);
+        // All idle: the first in slot order, every time (it stays warm).
+        assert_eq!(slots(&mut t, 3), ["cpu-0"; 3]);
+        send(&mut t, "cpu-0", 303, 1);
+        assert_eq!(slots(&mut t, 1), ["cpu-1"]);
+        send(&mut t, "cpu-1", 202, 2);
+        send(&mut t, "cpu-1", 202, 3);
+        assert_eq!(slots(&mut t, 1), ["cpu-2"]); // cpu-0 has 1, cpu-1 has 2
+        send(&mut t, "cpu-2", 101, 4);
+        assert_eq!(slots(&mut t, 1), ["cpu-0"]); // 1, 2, 1: first among equals
+        t.resolve(&ident("cpu-1", 202), 2);
+        t.resolve(&ident("cpu-1", 202), 3);
+        assert_eq!(slots(&mut t, 1), ["cpu-1"]); // idle again
+    }
+
+    #[test]
+    fn policies_are_named_as_the_configuration_names_them() {
+        assert_eq!(Policy::parse("round-robin"), Some(Policy::RoundRobin));
+        assert_eq!(Policy::parse("least-loaded"), Some(Policy::LeastLoaded));
+        assert_eq!(Policy::parse("random"), None);
+    }
+
+    #[test]
+    fn resolve_completes_once_and_refuses_unknown_or_late_replies() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        let a = ident("cpu-0", 101);
+        send(&mut t, "cpu-0", 101, 1);
+        send(&mut t, "cpu-0", 101, 2);
+        assert_eq!(t.resolve(&a, 1), Some(1));
+        assert_eq!(t.resolve(&a, 1), None, "a duplicate");
+        assert_eq!(t.resolve(&a, 77), None, "never asked");
+        assert_eq!(t.resolve(b"stranger", 2), None);
+        assert_eq!(t.resolve(&a, 2), Some(2)); // an error answer is resolved the same way
+        let handle = t.get_mut(&a).unwrap();
+        assert_eq!(handle.answered, 2);
+        assert!(handle.inflight.is_empty());
+        // The caller gave up (deadline) and its entry was removed: the reply comes late.
+        send(&mut t, "cpu-0", 101, 3);
+        t.get_mut(&a).unwrap().inflight.remove(&3);
+        assert_eq!(t.resolve(&a, 3), None);
+        assert_eq!(t.get_mut(&a).unwrap().answered, 2);
+        assert_eq!(t.inflight_total(), 0);
+    }
+
+    #[test]
+    fn snapshot_reports_each_slot() {
+        let (mut t, now) = table(Policy::RoundRobin);
+        join(&mut t, "cpu-0", 101, now);
+        send(&mut t, "cpu-0", 101, 1);
+        send(&mut t, "cpu-0", 101, 2);
+        let then = now + Duration::from_millis(250);
+        join(&mut t, "cpu-1", 102, then);
+        send(&mut t, "cpu-1", 102, 3);
+        assert_eq!(t.resolve(&ident("cpu-1", 102), 3), Some(3));
+        let later = then + Duration::from_millis(1500);
+        t.seen(&ident("cpu-1", 102), later);
+        assert_eq!(t.inflight_total(), 2);
+        let json = |v: rmpv::Value| serde_json::to_value(v).unwrap();
+        assert_eq!(
+            json(t.snapshot(later)),
+            serde_json::json!({
+                "cpu-0": {"pid": 101, "inflight": 2, "answered": 0, "silent_s": 1.75, "weights": null},
+                "cpu-1": {"pid": 102, "inflight": 0, "answered": 1, "silent_s": 0.0, "weights": null},
+            })
+        );
+        // Replaced: the snapshot shows the new incarnation only.
+        join(&mut t, "cpu-0", 201, later);
+        assert_eq!(
+            json(t.snapshot(later))["cpu-0"],
+            serde_json::json!({"pid": 201, "inflight": 0, "answered": 0, "silent_s": 0.0, "weights": null})
+        );
+    }
+
+    #[test]
+    fn every_way_out_hands_back_every_request_in_flight() {
+        for how in ["leave", "gone", "expire", "replace"] {
+            let (mut t, now) = table(Policy::RoundRobin);
+            join(&mut t, "cpu-0", 101, now);
+            for request in 0..5 {
+                send(&mut t, "cpu-0", 101, request);
+            }
+            let departed = match how {
+                "leave" => t.leave(&ident("cpu-0", 101), "bye"),
+                "gone" => t.gone("cpu-0", 101),
+                "expire" => t
+                    .expire(now + TIMEOUT + Duration::from_millis(100))
+                    .into_iter()
+                    .next(),
+                _ => join(&mut t, "cpu-0", 202, now),
+            };
+            let departed = departed.unwrap_or_else(|| panic!("{how}: nobody left"));
+            assert_eq!(sorted(departed.pending), vec![0, 1, 2, 3, 4], "{how}");
+            assert_eq!(t.inflight_total(), 0, "{how}");
+        }
     }
 
     #[test]
@@ -362,16 +612,5 @@ mod tests {
         let copied = t.copied_bytes();
         assert_eq!(copied.get("cpu-0"), Some(&12));
         assert_eq!(copied.get("cpu-1"), Some(&0));
-    }
-
-    #[test]
-    fn late_replies_resolve_nothing() {
-        let (mut t, now) = table(Policy::RoundRobin);
-        join(&mut t, "cpu-0", 10, now);
-        t.pick().unwrap().inflight.insert(1, 100);
-        assert_eq!(t.resolve(b"cpu-0:10", 1), Some(100));
-        assert_eq!(t.resolve(b"cpu-0:10", 1), None);
-        assert_eq!(t.resolve(b"nobody", 1), None);
-        assert_eq!(t.get_mut(b"cpu-0:10").unwrap().answered, 1);
     }
 }

@@ -288,3 +288,470 @@ fn an_unknown_heartbeat_is_asked_to_register_again() {
     assert_eq!(header["k"], "who");
     dispatcher.shutdown();
 }
+
+// ---------------------------------------------------------------------------------------
+// Scripted workers: a bare DEALER the test drives step by step (blocking calls on the test's
+// own thread while the dispatcher runs on the runtime's threads), as the Python tests did.
+// ---------------------------------------------------------------------------------------
+
+const WAIT: Duration = Duration::from_secs(5);
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn pack(value: serde_json::Value) -> Vec<u8> {
+    rmp_serde::to_vec_named(&value).unwrap()
+}
+
+struct Scripted {
+    socket: zmq::Socket,
+    slot: String,
+    pid: i64,
+    _context: zmq::Context,
+}
+
+impl Scripted {
+    fn connect(run_dir: &str, slot: &str, pid: i64) -> Scripted {
+        let context = zmq::Context::new();
+        let socket = context.socket(zmq::DEALER).unwrap();
+        socket
+            .set_identity(format!("{slot}:{pid}").as_bytes())
+            .unwrap();
+        socket.set_linger(0).unwrap();
+        socket
+            .connect(&wire::endpoint(run_dir, wire::WORKERS_ENDPOINT))
+            .unwrap();
+        Scripted {
+            socket,
+            slot: slot.to_string(),
+            pid,
+            _context: context,
+        }
+    }
+
+    fn ready(&self) {
+        let header = pack(serde_json::json!({
+            "v": 1, "k": "ready", "slot": self.slot, "pid": self.pid, "model": "m", "version": 1
+        }));
+        self.socket.send_multipart([header, Vec::new()], 0).unwrap();
+    }
+
+    fn heartbeat(&self) {
+        let header = pack(serde_json::json!({
+            "v": 1, "k": "hb", "slot": self.slot, "pid": self.pid, "served": 0
+        }));
+        self.socket.send(header, 0).unwrap();
+    }
+
+    /// The next message from the front door: its header and the frames after it.
+    fn receive(&self) -> (serde_json::Value, Vec<Vec<u8>>) {
+        let timeout = WAIT.as_millis() as i64;
+        assert_eq!(
+            self.socket.poll(zmq::POLLIN, timeout).unwrap(),
+            1,
+            "{} heard nothing",
+            self.slot
+        );
+        let mut frames = self.socket.recv_multipart(0).unwrap();
+        let header = rmp_serde::from_slice(&frames.remove(0)).unwrap();
+        (header, frames)
+    }
+
+    fn next_request(&self) -> (serde_json::Value, Vec<Vec<u8>>) {
+        let (header, frames) = self.receive();
+        assert_eq!(header["k"], "req", "{header}");
+        (header, frames)
+    }
+
+    /// REPLY with the request's own tensors and frames.
+    fn answer(&self, request: &serde_json::Value, frames: Vec<Vec<u8>>) {
+        let head = pack(serde_json::json!({
+            "v": 1, "k": "reply", "id": request["id"], "tensors": request["tensors"], "t": [10, 20]
+        }));
+        let mut out = vec![head];
+        out.extend(frames);
+        self.socket.send_multipart(out, 0).unwrap();
+    }
+}
+
+/// One request/reply on the control channel, as the controller's RouterLink does it.
+fn control(run_dir: &str, body: Vec<u8>) -> serde_json::Value {
+    let context = zmq::Context::new();
+    let socket = context.socket(zmq::DEALER).unwrap();
+    socket.set_linger(0).unwrap();
+    socket
+        .connect(&wire::endpoint(run_dir, wire::CONTROL_ENDPOINT))
+        .unwrap();
+    socket.send_multipart([Vec::new(), body], 0).unwrap();
+    assert_eq!(
+        socket.poll(zmq::POLLIN, WAIT.as_millis() as i64).unwrap(),
+        1,
+        "the control channel answered"
+    );
+    let mut frames = socket.recv_multipart(0).unwrap();
+    assert_eq!(frames.len(), 2, "[empty delimiter, reply]");
+    rmp_serde::from_slice(&frames.pop().unwrap()).unwrap()
+}
+
+fn ask(run_dir: &str, request: serde_json::Value) -> serde_json::Value {
+    control(run_dir, pack(request))
+}
+
+fn snapshot(run_dir: &str) -> serde_json::Value {
+    ask(
+        run_dir,
+        serde_json::json!({"v": 1, "op": "snapshot", "n": 1}),
+    )
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let until = std::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(std::time::Instant::now() < until, "timed out: {what}");
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn registered(run_dir: &str, slot: &str, pid: i64) -> bool {
+    snapshot(run_dir)["workers"][slot]["pid"] == pid
+}
+
+fn start_in(runtime: &tokio::runtime::Runtime, dir: &str, timeout: Duration) -> Dispatcher {
+    runtime.block_on(async { start(dir, timeout).0 })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_are_matched_to_their_replies() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start(&dir, Duration::from_secs(3));
+    let _a = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    let _b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let calls = (0..20u8).map(|i| {
+        let dispatcher = dispatcher.clone();
+        tokio::spawn(async move {
+            let mut request = request();
+            request.frames = vec![Bytes::from(vec![i; 8])];
+            dispatcher.call(request, None).await
+        })
+    });
+    let mut slots = std::collections::BTreeSet::new();
+    for (i, call) in calls.collect::<Vec<_>>().into_iter().enumerate() {
+        let reply = call.await.unwrap().unwrap();
+        assert_eq!(&reply.frames[0][..], &[i as u8; 8]);
+        slots.insert(reply.slot);
+    }
+    assert_eq!(slots.len(), 2, "both workers served");
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_a_worker_that_is_starting() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start(&dir, Duration::from_secs(3));
+    let call = tokio::spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!call.is_finished());
+    let _worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    let reply = tokio::time::timeout(WAIT, call).await.unwrap().unwrap();
+    assert_eq!(reply.unwrap().slot, "cpu-0");
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_worker_at_all_is_unavailable_after_the_wait() {
+    let (_dir, dir) = run_dir();
+    let (mut dispatcher, _state) = start(&dir, Duration::from_secs(3));
+    dispatcher.no_worker_wait = Duration::from_millis(200);
+    let started = Instant::now();
+    let error = dispatcher.call(request(), None).await.unwrap_err();
+    assert_eq!(
+        error,
+        ServingError::new(Code::Unavailable, "no worker is ready to serve the request")
+    );
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    // A deadline shorter than the wait: the deadline is what the client hears about.
+    dispatcher.no_worker_wait = NO_WORKER_WAIT;
+    let started = Instant::now();
+    let error = dispatcher
+        .call(request(), Some(started + Duration::from_millis(50)))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code, Code::DeadlineExceeded);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_reply_is_an_answer_and_is_not_retried() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start(&dir, Duration::from_secs(3));
+    let refuser = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Refuse);
+    let _good = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    // Round-robin: the first call goes to cpu-0.
+    let error = dispatcher.call(request(), None).await.unwrap_err();
+    assert_eq!(error.code, Code::InvalidArgument);
+    assert_eq!(state.retries.load(Ordering::Relaxed), 0);
+    assert_eq!(refuser.served(), 1);
+    dispatcher.shutdown();
+}
+
+#[test]
+fn a_worker_reported_gone_has_its_request_retried_and_its_late_reply_dropped() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = runtime.block_on(async { start(&dir, Duration::from_secs(30)) });
+    let a = Scripted::connect(&dir, "cpu-0", 100);
+    a.ready();
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    let (held, frames) = a.next_request();
+    let b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    wait_until("cpu-1 registered", || registered(&dir, "cpu-1", 101));
+    let gone = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "gone", "slot": "cpu-0", "pid": 100, "n": 5}),
+    );
+    assert_eq!(gone["ok"], true);
+    assert_eq!(gone["n"], 5);
+    let reply = runtime.block_on(call).unwrap().unwrap();
+    assert_eq!(reply.slot, "cpu-1");
+    assert_eq!(state.retries.load(Ordering::Relaxed), 1);
+    // The first worker was only presumed gone and answers after all: dropped.
+    a.answer(&held, frames);
+    let reply = runtime
+        .block_on(dispatcher.call(request(), Some(Instant::now() + WAIT)))
+        .unwrap();
+    assert_eq!(reply.slot, "cpu-1");
+    assert_eq!(b.served(), 2);
+    assert_eq!(snapshot(&dir)["inflight"], 0);
+    dispatcher.shutdown();
+}
+
+#[test]
+fn a_worker_whose_connection_is_gone_is_dropped_at_send() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    // A long liveness window: only the failed send can tell the front door.
+    let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
+    let a = Scripted::connect(&dir, "cpu-0", 100);
+    a.ready();
+    let b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    wait_until("both registered", || {
+        registered(&dir, "cpu-0", 100) && registered(&dir, "cpu-1", 101)
+    });
+    drop(a); // killed: its connection closes, no BYE
+             // Until the ROUTER has processed the disconnect a send would go into the dead pipe.
+    thread::sleep(Duration::from_millis(500));
+    assert!(registered(&dir, "cpu-0", 100), "nothing told the table yet");
+    for _ in 0..4 {
+        let reply = runtime
+            .block_on(dispatcher.call(request(), Some(Instant::now() + WAIT)))
+            .unwrap();
+        assert_eq!(reply.slot, "cpu-1");
+    }
+    let snap = snapshot(&dir);
+    assert_eq!(snap["workers"].as_object().unwrap().len(), 1, "{snap}");
+    assert!(
+        snap["declared_dead"].as_object().unwrap().is_empty(),
+        "a closed connection is not a liveness verdict"
+    );
+    assert_eq!(b.served(), 4);
+    dispatcher.shutdown();
+}
+
+#[test]
+fn ready_from_a_declared_dead_incarnation_is_ignored() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let dispatcher = start_in(&runtime, &dir, Duration::from_millis(300));
+    let dead = Scripted::connect(&dir, "cpu-0", 100);
+    dead.ready();
+    wait_until("cpu-0 declared dead", || {
+        snapshot(&dir)["declared_dead"] == serde_json::json!({"cpu-0": 100})
+    });
+    assert_eq!(*dispatcher.ready_workers().borrow(), 0);
+    // It woke up: too late, it is being replaced. Messages on one connection arrive in
+    // order: once the heartbeat is answered with REREGISTER, the READY before it was
+    // handled (and refused).
+    dead.ready();
+    dead.heartbeat();
+    let (header, frames) = dead.receive();
+    assert_eq!(header["k"], "who");
+    assert!(frames.is_empty());
+    let snap = snapshot(&dir);
+    assert_eq!(snap["workers"], serde_json::json!({}));
+    assert_eq!(snap["declared_dead"], serde_json::json!({"cpu-0": 100}));
+    // Its replacement registers normally and clears the verdict.
+    let new = Scripted::connect(&dir, "cpu-0", 200);
+    new.ready();
+    wait_until("cpu-0 replaced", || registered(&dir, "cpu-0", 200));
+    assert_eq!(snapshot(&dir)["declared_dead"], serde_json::json!({}));
+    dispatcher.shutdown();
+}
+
+#[test]
+fn bad_messages_do_not_stop_the_actor() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
+    let worker = Scripted::connect(&dir, "cpu-0", 100);
+    worker.socket.send(&b"\xc1 not msgpack"[..], 0).unwrap();
+    worker
+        .socket
+        .send(pack(serde_json::json!({"v": 99, "k": "ready"})), 0)
+        .unwrap();
+    worker
+        .socket
+        .send(pack(serde_json::json!({"v": 1, "k": "nonsense"})), 0)
+        .unwrap();
+    // READY without its SignatureDefMap frame.
+    let ready = serde_json::json!({
+        "v": 1, "k": "ready", "slot": "cpu-0", "pid": 100, "model": "m", "version": 1
+    });
+    worker.socket.send(pack(ready), 0).unwrap();
+    // An empty message (one frame, the identity, at the ROUTER).
+    worker.socket.send(Vec::new(), 0).unwrap();
+    // A reply to nobody, from nobody.
+    let stray = serde_json::json!({"v": 1, "k": "reply", "id": 9, "tensors": []});
+    worker.socket.send(pack(stray), 0).unwrap();
+    // The control channel shrugs off garbage too.
+    let bad = control(&dir, b"\xc1".to_vec());
+    assert!(
+        bad["error"].as_str().unwrap().contains("undecodable"),
+        "{bad}"
+    );
+    assert_eq!(bad["n"], serde_json::Value::Null);
+    let unknown = ask(&dir, serde_json::json!({"v": 1, "op": "dance", "n": 3}));
+    assert_eq!(unknown["error"], "unknown op 'dance'");
+    assert_eq!(unknown["n"], 3);
+
+    assert!(!registered(&dir, "cpu-0", 100));
+    worker.ready();
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    let (held, frames) = worker.next_request();
+    worker.answer(&held, frames);
+    let reply = runtime.block_on(call).unwrap().unwrap();
+    assert_eq!(&reply.frames[0][..], &[0, 0, 128, 63, 0, 0, 0, 64]);
+    dispatcher.shutdown();
+}
+
+#[test]
+fn an_answer_that_cannot_be_read_fails_its_request_instead_of_stranding_it() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
+    let worker = Scripted::connect(&dir, "cpu-0", 100);
+    worker.ready();
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    let (held, _) = worker.next_request();
+    let broken = serde_json::json!({"v": 1, "k": "reply", "id": held["id"], "tensors": "x"});
+    worker.socket.send(pack(broken), 0).unwrap();
+    let error = runtime.block_on(call).unwrap().unwrap_err();
+    assert_eq!(error.code, Code::Internal);
+    assert!(error.message.contains("worker cpu-0"), "{error:?}");
+    assert_eq!(snapshot(&dir)["inflight"], 0);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_snapshot_and_timeline_carry_what_the_controller_reads() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start(&dir, Duration::from_secs(3));
+    state.grpc_port.store(8500, Ordering::Relaxed);
+    state.metrics_port.store(9090, Ordering::Relaxed);
+    let _worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    dispatcher.call(request(), None).await.unwrap();
+    let dir2 = dir.clone();
+    let (snap, timeline, cleared) = tokio::task::spawn_blocking(move || {
+        (
+            snapshot(&dir2),
+            ask(
+                &dir2,
+                serde_json::json!({"v": 1, "op": "timeline", "clear": true, "n": 2}),
+            ),
+            ask(&dir2, serde_json::json!({"v": 1, "op": "timeline", "n": 3})),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(snap["phase"], "serving");
+    assert_eq!(snap["port"], 8500);
+    assert_eq!(snap["metrics_port"], 9090);
+    assert_eq!(snap["inflight"], 0);
+    assert_eq!(snap["declared_dead"], serde_json::json!({}));
+    let worker = &snap["workers"]["cpu-0"];
+    assert_eq!(worker["pid"], 100);
+    assert_eq!(worker["inflight"], 0);
+    assert_eq!(worker["answered"], 1);
+    assert!(worker["silent_s"].as_f64().unwrap() < 1.0);
+    assert_eq!(worker["weights"], serde_json::Value::Null);
+    assert_eq!(timeline["spans"], serde_json::json!([["cpu-0", 1, 2]]));
+    assert_eq!(timeline["dropped"], 0);
+    assert!(timeline["now_us"].as_i64().unwrap() > 0);
+    assert_eq!(timeline["n"], 2);
+    assert_eq!(cleared["spans"], serde_json::json!([]));
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_request_reaches_the_server() {
+    let (_dir, dir) = run_dir();
+    let (state, mut drains) = RouterState::new();
+    let model = ServedModel {
+        name: "m".into(),
+        version: 1,
+    };
+    let dispatcher = Dispatcher::start(
+        &dir,
+        model,
+        Duration::from_secs(3),
+        Policy::RoundRobin,
+        Arc::new(state),
+    )
+    .unwrap();
+    let dir2 = dir.clone();
+    let answer = tokio::task::spawn_blocking(move || {
+        ask(
+            &dir2,
+            serde_json::json!({"v": 1, "op": "drain", "delay": 1.5, "grace": 10, "n": 4}),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(answer["ok"], true);
+    let drain = drains.try_recv().unwrap();
+    assert_eq!(drain.delay, Duration::from_millis(1500));
+    assert_eq!(drain.grace, Duration::from_secs(10));
+    dispatcher.shutdown();
+}
+
+#[test]
+fn a_sweep_that_wakes_more_than_a_sweep_late_does_not_judge() {
+    let due = Instant::now();
+    assert!(!sweep_was_late(due, due));
+    assert!(!sweep_was_late(due, due + LIVENESS_SWEEP));
+    assert!(sweep_was_late(due, due + LIVENESS_SWEEP * 2));
+    assert!(!sweep_was_late(due + LIVENESS_SWEEP, due), "clock order");
+}
