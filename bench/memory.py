@@ -4,7 +4,7 @@ no weights at all (the TF-runtime-only reference); worker cold start against wei
 For N = 1..4 it starts, one at a time, three pools of N workers and measures each once it is
 READY and has answered a few requests (batch 1 and batch 256, spread over its workers):
 
-- *runtime*: the 32,768-row demo model (8 MiB), weights shared. Its workers are the
+- *runtime*: the 100-row demo model (25 KiB), weights shared. Its workers are the
   TF-runtime-only reference: the same graph, the same serving path, almost no weights. It is
   measured in a pool of the same N because USS depends on who else maps TensorFlow's shared
   libraries: a page of libtensorflow mapped by one process only is private to it (in its
@@ -21,7 +21,13 @@ the worker does, so a worker's own memory is its USS less the segment's clean pr
 (copy-on-write copies, which are dirty, stay counted). The pool's footprint charges the whole
 segment once: the workers' PSS outside the segment plus the segment's size.
 
-Cold start is measured in the N = 2 pools of the 8 MiB and the 488 MiB model (shared), plus
+A *one-process server* (bench/peers/plain.py: TF Serving's Predict API in one Python
+process that loads the model plainly, what one writes before a serving system) serves the
+488 MiB model alone, before any pool: the pools' total PSS (workers, segment, front door,
+controller) and their spawn → first correct answer are compared with its own; "correct" is the
+same answer, bit for bit, as it gives to the same request.
+
+Cold start is measured in the N = 2 pools of the 100-row and the 488 MiB model (shared), plus
 extra rounds in the opposite order: per worker, from its process's creation to the
 controller's READY (its log line), and for the pool, from spawning `mpspool start` to the last
 worker READY (publishing included). Status is polled through the pool's admin socket (what
@@ -39,7 +45,6 @@ included, and it checks that nothing was left behind (processes, run directories
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as dt
 import itertools
@@ -59,8 +64,8 @@ from typing import Any
 import psutil
 import zmq
 
-from bench import loadgen
-from bench.foundation import (
+from bench import harness
+from bench.harness import (
     _OUTSIDE,
     MODEL_NAME,
     OUT_DIR,
@@ -81,10 +86,11 @@ from bench.foundation import (
 from mpspool import process
 from mpspool.cli import _ask_pool
 from mpspool.config import ConfigError
+from mpspool.demo_model import demo_inputs
 
 BEGIN_MARK = "<!-- memory:begin (written by bench/memory.py; edits here are lost) -->"
 END_MARK = "<!-- memory:end -->"
-SMALL_ROWS = 32_768  # 8 MiB of float32 × 64: the runtime-only reference and small cold start
+SMALL_ROWS = 100  # 25 KiB of float32 × 64: the runtime-only reference and small cold start
 QUICK_ROWS = 131_072  # 32 MiB: --quick's "big" model
 COLD_START_WORKERS = 2
 REQUESTS_PER_WORKER = 4  # per batch size
@@ -96,10 +102,17 @@ MIB = 2**20
 # The targets of the issue this scenario answers.
 TARGET_ADDED_WORKER = 1.10  # an added worker's USS / the TF runtime's
 TARGET_RUNTIMES_PER_WORKER = 1.10  # PSS(N workers) <= weights + 1.1·N × runtime (4.4 at N=4)
-TARGET_COLD_START = 1.15  # worker cold start, 488 MiB / 8 MiB
+TARGET_COLD_START = 1.15  # worker cold start, 488 MiB / 100-row model
+# Against the one-process server on the same model (bench/peers/plain.py):
+TARGET_POOL_PSS = {2: 1.3, 4: 1.8}  # N → the pool's total PSS / the server's PSS
+TARGET_FIRST_ANSWER = 1.5  # 2-worker pool spawn → first correct answer / the server's
+TARGET_START_PEAK = 0.05  # a worker's VmHWM at READY ≤ the runtime-only worker's + 5% of table
+FIRST_ANSWER_TIMEOUT_S = 300.0
+FIRST_ANSWER_POLL_S = 0.05
+FIRST_ANSWER_SEED = 7
 
 CONFIGS = {
-    "runtime": "runtime-only reference (8 MiB model, shared)",
+    "runtime": "runtime-only reference (100-row model, shared)",
     "shared": "shared weights",
     "plain": "plain load (--no-share-weights)",
 }
@@ -198,6 +211,84 @@ class LoneRuntime:
         return result
 
 
+# -- the one-process server -------------------------------------------------------------
+def first_answer_request(rows: int) -> Any:
+    """The request whose answer every system must give alike: a batch of one."""
+    return harness.predict_request(
+        "first", MODEL_NAME, demo_inputs(1, rows, seed=FIRST_ANSWER_SEED)
+    )
+
+
+def wait_first_answer(target: str, request: Any, since: float) -> tuple[float, list[float]]:
+    """Seconds from `since` (wall clock) to the first answer `target` gives `request`, and the
+    answer; asks every FIRST_ANSWER_POLL_S until then."""
+    deadline = time.monotonic() + FIRST_ANSWER_TIMEOUT_S
+    while True:
+        try:
+            values = harness.answer_values(request, harness.call(target, request, timeout_s=30.0))
+            return time.time() - since, values.reshape(-1).tolist()
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(FIRST_ANSWER_POLL_S)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_plain_server(
+    model_dir: Path, rows: int, round_: int, log_root: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    """Spawn the one-process server, time its first correct answer, exercise it as a 1-worker
+    pool is exercised, measure it, stop it."""
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    log_path = log_root / f"plain-server-r{round_}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # bench/ is not in the frozen copy of the code under test; the server is bench code.
+    child_env = dict(
+        env, PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
+    )
+    args = [sys.executable, "-m", "bench.peers.plain", "--model-dir", str(model_dir)]
+    args += ["--port", str(port), "--instances", "1", "--model-name", MODEL_NAME]
+    record: dict[str, Any] = {"round": round_, "load_average": os.getloadavg()[0]}
+    request = first_answer_request(rows)
+    with open(log_path, "wb") as log:
+        spawned = time.time()
+        proc = subprocess.Popen(
+            args,
+            cwd=_OUTSIDE,
+            env=child_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=process.die_with_parent_sigterm,
+        )
+    try:
+        record["spawn_to_first_answer_s"], record["first_answer"] = wait_first_answer(
+            target, request, spawned
+        )
+        ps = psutil.Process(proc.pid)
+        record["hwm_at_first_answer"] = peak_rss(proc.pid)
+        record["requests"] = exercise(target, rows, 1)
+        record["memory"] = memory_of(ps)
+        record["alone"] = alone_footprint([proc.pid])
+        record["other_tf_processes"] = tf_mappers({proc.pid})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return record
+
+
 # -- memory of one process ------------------------------------------------------------
 _VMA_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
 _SMAPS_FIELDS = {
@@ -261,6 +352,39 @@ def memory_of(proc: psutil.Process) -> dict[str, Any]:
     result["own_uss"] = full.uss - max(0, private - result["segment_anonymous"])
     result["pss_outside_segment"] = full.pss - result["segment_pss"]
     return result
+
+
+_SMAPS_PAGES = ("Private_Clean:", "Private_Dirty:", "Shared_Clean:", "Shared_Dirty:")
+
+
+def alone_footprint(pids: list[int], segment_bytes: int = 0) -> int:
+    """What a group of processes would occupy if nothing else ran: their private pages, each
+    mapped file's shared pages once (the most any of them has resident), and the weight
+    segment whole. PSS splits a shared page among every process mapping it, this benchmark's
+    own process and other tenants' TensorFlow included, so a group's PSS drops when others
+    run; this does not. Approximate where group members touch different pages of a file."""
+    private = 0
+    shared: dict[str, int] = {}
+    for pid in pids:
+        path = ""
+        per_file: dict[str, int] = {}
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps") as smaps:
+            for line in smaps:
+                header = _VMA_HEADER.match(line)
+                if header:
+                    path = header.group(1)
+                    continue
+                key, _, rest = line.partition(" ")
+                if key not in _SMAPS_PAGES or path.startswith("/dev/shm/mpspool-"):
+                    continue
+                size = int(rest.split()[0]) * 1024
+                if key.startswith("Private") or not path.startswith("/"):
+                    private += size
+                else:
+                    per_file[path] = per_file.get(path, 0) + size
+        for path, size in per_file.items():
+            shared[path] = max(shared.get(path, 0), size)
+    return private + sum(shared.values()) + segment_bytes
 
 
 def tf_libraries(pid: int) -> set[str]:
@@ -378,14 +502,18 @@ def read_controller_log(log_dir: Path) -> dict[str, Any]:
     return found
 
 
-async def exercise(target: str, rows: int, workers: int) -> int:
+def exercise(target: str, rows: int, workers: int) -> int:
     """A few requests per worker at each batch size (the router spreads them round-robin),
-    each answer checked: the serving path has run in every worker before it is measured."""
+    each answer's shape checked: the serving path has run in every worker before it is
+    measured."""
     sent = 0
     for batch in BATCHES:
-        count = REQUESTS_PER_WORKER * workers
-        for payload in loadgen.demo_requests(batch, rows, count, MODEL_NAME, seed=batch):
-            await loadgen.check_target(target, payload, batch)
+        for i in range(REQUESTS_PER_WORKER * workers):
+            inputs = demo_inputs(batch, rows, seed=batch + i)
+            request = harness.predict_request("", MODEL_NAME, inputs)
+            values = harness.answer_values(request, harness.call(target, request))
+            if values.shape[:1] != (batch,):
+                raise RuntimeError(f"{target} answered shape {values.shape} to a batch of {batch}")
             sent += 1
     return sent
 
@@ -417,12 +545,17 @@ def run_pool(
         pool.wait_ready()
         seen_all_ready = time.time()
         record["target"] = pool.target
+        # Spawn → first correct answer, asked once every worker is READY: an upper bound (the
+        # first READY worker could have answered earlier), and it is the pool's whole start.
+        record["spawn_to_first_answer_s"], record["first_answer"] = wait_first_answer(
+            pool.target, first_answer_request(rows), pool.spawned_at
+        )
         record["pool_id"] = pool.pool_id
         # Peak RSS through start-up (load, bind, warm-up), before requests touch table rows:
         # a transient copy of the weights would show here; rows read while serving are
         # shared pages, which RSS counts too, so later readings say nothing about copies.
         start_hwm = {proc.pid: peak_rss(proc.pid) for proc in pool.roles["workers"]}
-        record["requests"] = asyncio.run(exercise(pool.target, rows, workers))
+        record["requests"] = exercise(pool.target, rows, workers)
         status = settled_status(pool, record["requests"])
         slots = {s["pid"]: s for s in status["slots"]}
         memory: dict[str, list[dict[str, Any]]] = {}
@@ -448,6 +581,7 @@ def run_pool(
         segments = sorted(Path("/dev/shm").glob(f"mpspool-{pool.pool_id}-*"))
         record["segment"] = {p.name: p.stat().st_size for p in segments}
         record["segment_bytes"] = sum(record["segment"].values())
+        record["alone"] = alone_footprint(list(ours), record["segment_bytes"])
         log = read_controller_log(pool.log_dir)
         cold = []
         for proc in pool.roles["workers"]:
@@ -538,6 +672,7 @@ def _run_scenario(
         f"PSS {report['lone_runtime']['pss'] / MIB:.0f} MiB",
         file=sys.stderr,
     )
+    report["plain_server"] = []
     models = {"runtime": (small, SMALL_ROWS), "shared": (big, args.rows), "plain": (big, args.rows)}
     pools: list[dict[str, Any]] = []
 
@@ -547,7 +682,21 @@ def _run_scenario(
         pools.append(record)
         print(f"memory: {_pool_line(record)}", file=sys.stderr)
 
+    def run_server(round_: int) -> None:
+        # Beside the cold-start pools of the same round: on a shared machine, start times
+        # taken minutes apart compare the load, not the systems.
+        server = run_plain_server(big / "1", args.rows, round_, log_root, env)
+        report["plain_server"].append(server)
+        print(
+            f"memory: one-process server round {round_}: PSS "
+            f"{server['memory']['pss'] / MIB:.0f} MiB, alone {server['alone'] / MIB:.0f} MiB, "
+            f"first answer in {server['spawn_to_first_answer_s']:.1f} s",
+            file=sys.stderr,
+        )
+
     for workers in args.workers:
+        if workers == COLD_START_WORKERS:
+            run_server(0)
         for config in ("runtime", "shared", "plain"):
             run(config, workers, 0)
     # Cold start: the sweep's N = 2 pools are round 0 (small, then big); further rounds
@@ -555,8 +704,12 @@ def _run_scenario(
     first = 1 if COLD_START_WORKERS in args.workers else 0
     for round_ in range(first, args.rounds):
         order = ("shared", "runtime") if round_ % 2 else ("runtime", "shared")
+        if round_ % 2 == 0:
+            run_server(round_)
         for config in order:
             run(config, COLD_START_WORKERS, round_)
+        if round_ % 2:
+            run_server(round_)
     report["load_average_end"] = os.getloadavg()
     report["pools"] = pools
     report["leftovers"] = [item for p in pools for item in p["leftovers"]]
@@ -705,7 +858,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         targets.append(
             {
                 "target": f"worker cold start {settings['rows'] * 256 / MIB:,.0f} MiB / "
-                f"{SMALL_ROWS * 256 / MIB:,.0f} MiB model ≤ {TARGET_COLD_START:.2f} "
+                f"{_size(SMALL_ROWS * 256)} model ≤ {TARGET_COLD_START:.2f} "
                 f"(median spawn → READY, N = {settings['cold_start_workers']}, "
                 f"{settings['cold_start_rounds']} rounds)",
                 "measured": cold["ratio"],
@@ -713,12 +866,127 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
                 "met": cold["ratio"] <= TARGET_COLD_START,
             }
         )
-    return {"per_n": per_n, "cold_start": cold, "targets": targets, "oddities": oddities(report)}
+    server = summarise_plain_server(report, per_n)
+    targets += server.pop("targets")
+    return {
+        "per_n": per_n,
+        "cold_start": cold,
+        "plain_server": server,
+        "targets": targets,
+        "oddities": oddities(report),
+    }
+
+
+def _same_answer(got: list[float] | None, want: list[float]) -> bool:
+    """The issue's tolerance for "the same answer": max abs diff ≤ 1e-6."""
+    return (
+        got is not None
+        and len(got) == len(want)
+        and all(abs(a - b) <= 1e-6 for a, b in zip(got, want, strict=True))
+    )
+
+
+def summarise_plain_server(report: dict[str, Any], per_n: dict[str, Any]) -> dict[str, Any]:
+    """The shared pools against the one-process server, and the start-up peak: the targets of
+    shared weights for the models people export."""
+    settings = report["settings"]
+    runs = report.get("plain_server") or []
+    out: dict[str, Any] = {"targets": [], "pool_over_server": {}}
+    targets = out["targets"]
+    peaks = {
+        n: (r["shared"]["hwm_mean"] - r["runtime"]["hwm_mean"]) / r["shared"]["segment_bytes"]
+        for n, r in per_n.items()
+        if "shared" in r and "runtime" in r and r["shared"]["segment_bytes"]
+    }
+    if peaks:
+        worst = max(peaks, key=lambda n: peaks[n])
+        targets.append(
+            {
+                "target": "peak RSS (VmHWM at READY) of a shared-weights worker ≤ the "
+                f"runtime-only worker's + {TARGET_START_PEAK:.0%} of the table (worst N = "
+                f"{worst}; measured: the excess as a share of the table)",
+                "measured": peaks[worst] * 100,
+                "unit": "%",
+                "met": peaks[worst] <= TARGET_START_PEAK,
+            }
+        )
+    if not runs:
+        return out
+    server_pss = _mean([r["memory"]["pss"] for r in runs])
+    server_alone = _mean([r["alone"] for r in runs])
+    server_first = statistics.median(r["spawn_to_first_answer_s"] for r in runs)
+    out.update(pss=server_pss, alone=server_alone, first_answer_median_s=server_first)
+    sweep = {
+        p["workers"]: p for p in report["pools"] if p["config"] == "shared" and p["round"] == 0
+    }
+    reference = runs[0]["first_answer"]
+    wrong = [
+        f"{p['config']} N={p['workers']} round {p['round']}"
+        for p in report["pools"]
+        if p["rows"] == settings["rows"] and not _same_answer(p.get("first_answer"), reference)
+    ]
+    wrong += [
+        f"server round {r['round']}" for r in runs if not _same_answer(r["first_answer"], reference)
+    ]
+    out["wrong_answers"] = wrong
+    for n, limit in TARGET_POOL_PSS.items():
+        row = per_n.get(str(n), {})
+        if "shared" not in row:
+            continue
+        total = row["shared"]["footprint"] + row["shared"]["router_pss"]
+        total += row["shared"]["control_pss"]
+        alone = sweep[n]["alone"] if n in sweep else math.nan
+        ratio = _ratio(alone, server_alone)
+        out["pool_over_server"][str(n)] = {
+            "pool_pss": total,
+            "pss_ratio": _ratio(total, server_pss),
+            "pool_alone": alone,
+            "ratio": ratio,
+        }
+        targets.append(
+            {
+                "target": f"total memory of a {n}-worker pool ≤ {limit}× the one-process "
+                f"server's, each as if alone on the machine ({alone / MIB:,.0f} vs "
+                f"{server_alone / MIB:,.0f} MiB: every process of the pool, the whole segment; "
+                f"by PSS as measured: {total / MIB:,.0f} vs {server_pss / MIB:,.0f} MiB, "
+                f"{_ratio(total, server_pss):.2f}×)",
+                "measured": ratio,
+                "unit": "×",
+                "met": ratio <= limit,
+            }
+        )
+    firsts = [
+        p["spawn_to_first_answer_s"]
+        for p in report["pools"]
+        if p["config"] == "shared" and p["workers"] == settings["cold_start_workers"]
+    ]
+    if firsts:
+        pool_first = statistics.median(firsts)
+        ratio = _ratio(pool_first, server_first)
+        out.update(pool_first_answer_median_s=pool_first, first_answer_ratio=ratio)
+        targets.append(
+            {
+                "target": f"spawn → first correct answer, {settings['cold_start_workers']}-worker "
+                f"pool ≤ {TARGET_FIRST_ANSWER}× the one-process server's (medians "
+                f"{pool_first:.1f} s vs {server_first:.1f} s; the pool asked once all its "
+                "workers are READY)",
+                "measured": ratio,
+                "unit": "×",
+                "met": ratio <= TARGET_FIRST_ANSWER and not wrong,
+            }
+        )
+    return out
 
 
 def oddities(report: dict[str, Any]) -> list[str]:
     """What a reader should know about: copied weights, restarts, idle workers."""
     found = []
+    for r in report.get("plain_server") or []:
+        if r.get("other_tf_processes"):
+            found.append(
+                f"the one-process server (round {r['round']}) was measured while other "
+                f"processes mapped TensorFlow: {r['other_tf_processes']}"
+            )
     lone = report["lone_runtime"].get("other_tf_processes")
     if lone:
         found.append(
@@ -753,6 +1021,11 @@ def _m(value: float, digits: int = 0) -> str:
     return "–" if value is None or math.isnan(value) else f"{value / MIB:,.{digits}f}"
 
 
+def _size(nbytes: float) -> str:
+    """A model's weights, in the unit that shows them (the reference model has 25 KiB)."""
+    return f"{nbytes / MIB:,.0f} MiB" if nbytes >= MIB else f"{nbytes / 1024:,.0f} KiB"
+
+
 def _x(value: float, digits: int = 2) -> str:
     return "–" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
 
@@ -762,7 +1035,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
     m, v, s = report["machine"], report["versions"], report["settings"]
     summary, lone = report["summary"], report["lone_runtime"]
     big_mib = s["rows"] * 256 / MIB
-    small_mib = s["small_rows"] * 256 / MIB
+    small = _size(s["small_rows"] * 256)
     lines = [
         BEGIN_MARK,
         "## Memory: N workers with shared weights vs plain loading vs the TF runtime alone",
@@ -776,7 +1049,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         f"- **Versions:** TensorFlow {v.get('tensorflow-cpu', v.get('tensorflow', '?'))}, "
         f"psutil {psutil.__version__}, Python {v['python']}",
         f"- **Models:** demo, {s['rows']:,} embedding rows ({big_mib:,.0f} MiB of weights) and "
-        f"{s['small_rows']:,} rows ({small_mib:,.0f} MiB, the runtime-only reference)",
+        f"{s['small_rows']:,} rows ({small}, the runtime-only reference)",
         f"- **Each pool:** started alone, measured once READY and after "
         f"{s['requests_per_worker_per_batch']} requests per worker at batch "
         f"{' and '.join(str(b) for b in s['batches'])}; then stopped and checked for leftovers",
@@ -787,7 +1060,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         "USS and PSS from psutil's `memory_full_info()`. A page of TensorFlow's shared "
         "libraries mapped by one process only is private to it, so USS depends on N: the "
         "runtime-only reference is a pool of the same N serving the "
-        f"{small_mib:,.0f} MiB model. *Own USS* is USS less the weight-segment pages the "
+        f"{small} model. *Own USS* is USS less the weight-segment pages the "
         "worker happens to be the only one to map (pages of /dev/shm, there whether it "
         "runs or not; its copy-on-write copies stay counted). *Footprint* charges the segment "
         "once and whole: the workers' PSS outside the segment plus the segment's size. "
@@ -882,6 +1155,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         f"called once, no pool running: USS {_m(lone['uss'])} MiB, PSS {_m(lone['pss'])} MiB, "
         f"RSS {_m(lone['rss'])} MiB. In a pool, per worker (runtime-only own USS): {in_pool} MiB.",
     ]
+    lines += server_section(report)
     cold = summary["cold_start"]
     lines += [
         "",
@@ -898,7 +1172,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         workers = ", ".join(_x(c["spawn_to_ready_s"], 1) for c in p["cold_start"]["workers"])
         pub = p["publish"] or {}
         lines.append(
-            f"| {p['round']} | {p['rows'] * 256 / MIB:,.0f} MiB | "
+            f"| {p['round']} | {_size(p['rows'] * 256)} | "
             f"{_x(p.get('load_average', math.nan), 1)} | {workers} | "
             f"{_x(p['cold_start']['pool_s'], 1)} | {_x(pub.get('controller_s', math.nan), 1)} |"
         )
@@ -907,7 +1181,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         "",
         f"Medians over every worker of every round: {_x(cold['shared']['worker_median_s'], 1)} s "
         f"({big_mib:,.0f} MiB) vs {_x(cold['runtime']['worker_median_s'], 1)} s "
-        f"({small_mib:,.0f} MiB), ratio {_x(cold['ratio'])}; per round (pools seconds apart): "
+        f"({small}), ratio {_x(cold['ratio'])}; per round (pools seconds apart): "
         f"{per_round}. Whole pool (publishing included): {_x(cold['shared']['pool_median_s'], 1)}"
         f" s vs {_x(cold['runtime']['pool_median_s'], 1)} s, ratio {_x(cold['pool_ratio'])}. "
         "A worker's cold start runs from its process's creation to the controller's READY "
@@ -924,7 +1198,7 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         if not pub:
             continue
         lines.append(
-            f"| {p['rows'] * 256 / MIB:,.0f} MiB | {p['workers']} | {p['round']} | "
+            f"| {_size(p['rows'] * 256)} | {p['workers']} | {p['round']} | "
             f"{_x(pub['controller_s'], 1)} | {_x(pub.get('publisher_s', math.nan), 1)} | "
             f"{pub.get('tensors', '–')} | {_x(pub['mib'], 1)} | "
             f"{pub.get('publisher_peak_rss_mib', '–')} |"
@@ -944,6 +1218,56 @@ def render_markdown(report: dict[str, Any], json_path: Path) -> str:
         lines += ["", "**Left behind after the run:** " + "; ".join(report["leftovers"])]
     lines.append(END_MARK)
     return "\n".join(lines) + "\n"
+
+
+def server_section(report: dict[str, Any]) -> list[str]:
+    """The one-process server's runs and the pools against it."""
+    runs = report.get("plain_server") or []
+    server = report["summary"].get("plain_server") or {}
+    if not runs:
+        return []
+    lines = [
+        "",
+        "### Against a one-process server (`bench/peers/plain.py`, the same model loaded "
+        "plainly, TF Serving's Predict API)",
+        "",
+        "| Round | load avg | spawn → first correct answer (s) | PSS | USS | alone | VmHWM at "
+        "first answer (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['round']} | {_x(r['load_average'], 1)} | "
+            f"{_x(r['spawn_to_first_answer_s'], 1)} | {_m(r['memory']['pss'])} | "
+            f"{_m(r['memory']['uss'])} | {_m(r['alone'])} | {_m(r['hwm_at_first_answer'])} |"
+        )
+    ratios = ", ".join(
+        f"N={n}: {_m(v['pool_alone'])} MiB alone ({_x(v['ratio'])}×), {_m(v['pool_pss'])} MiB "
+        f"by PSS ({_x(v['pss_ratio'])}×)"
+        for n, v in server.get("pool_over_server", {}).items()
+    )
+    firsts = [
+        f"{p['config']} N={p['workers']} r{p['round']} {_x(p['spawn_to_first_answer_s'], 1)}"
+        for p in report["pools"]
+        if "spawn_to_first_answer_s" in p
+    ]
+    wrong = server.get("wrong_answers") or []
+    lines += [
+        "",
+        "*Alone* is what a group of processes would occupy with nothing else running: private "
+        "pages, each mapped file's shared pages once, the weight segment whole (PSS splits "
+        "TensorFlow's library pages with every other process mapping them, this benchmark's own "
+        "and other tenants' included). Shared pools against the server's "
+        f"{_m(server.get('alone', math.nan))} MiB alone ({_m(server.get('pss', math.nan))} MiB "
+        f"PSS): {ratios}. Spawn → first correct answer of every pool, asked once all its workers "
+        f"were READY (s): {', '.join(firsts)}. "
+        + (
+            f"**Answers differing from the server's (max abs diff > 1e-6): {', '.join(wrong)}.**"
+            if wrong
+            else "Every answer to the first request equals the server's (max abs diff ≤ 1e-6)."
+        ),
+    ]
+    return lines
 
 
 def _span(values: list[float], signed: bool = False) -> str:
@@ -1005,7 +1329,7 @@ def reading(report: dict[str, Any]) -> list[str]:
         verdict = "within" if cold["ratio"] <= TARGET_COLD_START else "over"
         out.append(
             f"- Worker cold start with {table_mib:,.0f} MiB of shared weights is "
-            f"{_x(cold['ratio'])}× that with {s['small_rows'] * 256 / MIB:,.0f} MiB "
+            f"{_x(cold['ratio'])}× that with {_size(s['small_rows'] * 256)} "
             f"({verdict} the {TARGET_COLD_START:.2f} target), but the rounds disagree "
             f"({', '.join(_x(r) for r in rounds)}) and absolute times moved with the machine's "
             f"load: the difference is of the order of the noise. The pool's start adds the "
