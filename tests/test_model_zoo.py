@@ -394,6 +394,43 @@ def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
         )
 
 
+def test_a_worker_loads_while_the_weights_are_still_being_published(
+    zoo, segment_path: Path, tmp_path: Path
+) -> None:
+    """A worker started beside the publisher (cold start overlapped) imports TensorFlow and
+    loads the graph, then waits for the segment while its ".partial" is being written."""
+    import threading
+    import time
+
+    base, inputs = zoo["embedding_lookup"]
+    finished = segment_path.with_name(segment_path.name + "-done")
+    partial = segment_path.with_name(segment_path.name + ".partial")
+    try:
+        publish(base / "1", "m", 1, finished, os.getpid(), 0.0)
+        partial.write_bytes(b"")  # the publisher at work
+
+        def publisher_finishes() -> None:
+            time.sleep(1.0)
+            os.rename(finished, segment_path)
+            partial.unlink()
+
+        thread = threading.Thread(target=publisher_finishes)
+        started = time.monotonic()
+        thread.start()
+        runtime = load_saved_model(
+            str(base / "1"), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
+        )
+        thread.join()
+        assert time.monotonic() - started >= 1.0
+        runtime.warm_up()
+        assert runtime.weights_report()["copied"] == {}
+        got = runtime.run(SIG, inputs, ["out"])
+        np.testing.assert_allclose(got["out"], _direct(base / "1", inputs)["out"], atol=1e-6)
+    finally:
+        finished.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+
+
 def test_an_out_of_range_id_keeps_tensorflows_error(zoo, segment_path: Path, tmp_path: Path):
     from mpspool.errors import Code, ServingError
 

@@ -140,6 +140,7 @@ def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
     from mpspool.worker.shared_weights import NotShareable, attach, audit
 
     try:
+        _wait_for_publisher(Path(segment_path))
         segment = AttachedSegment(Path(segment_path))
         bound = attach(tf, loaded, segment)
     except (SegmentError, NotShareable) as exc:
@@ -151,6 +152,28 @@ def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
     for name, reason in sorted(at_risk.items()):
         log.warning("shared variable %s may be copied into this worker: %s", name, reason)
     return segment, bound, at_risk
+
+
+# How long a worker waits for a publisher still writing the segment (its ".partial" file).
+PUBLISH_WAIT_S = 600.0
+
+
+def _wait_for_publisher(path: Path) -> None:
+    """Wait while the segment is being published. A worker needs the weights only now, after
+    importing TensorFlow and loading the graph, so it can be started while the publisher
+    copies them (the two overlap); the publisher renames the finished segment into place, so
+    its name appearing means it is complete. Neither name there: nothing to wait for, and
+    AttachedSegment says the segment is missing."""
+    import time
+
+    partial = path.with_name(path.name + ".partial")
+    deadline = time.monotonic() + PUBLISH_WAIT_S
+    waited = False
+    while not path.exists() and partial.exists() and time.monotonic() < deadline:
+        if not waited:
+            log.info("waiting for the weights to be published into %s", path)
+            waited = True
+        time.sleep(0.02)
 
 
 class SavedModelRuntime:
