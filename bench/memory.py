@@ -34,7 +34,7 @@ worker READY (publishing included). Status is polled through the pool's admin so
 `mpspool status --json` asks) instead of a CLI process per poll, which would compete with the
 starting workers for the CPU.
 
-    .venv/bin/python -m bench.memory                 # the full run (about 3 minutes on 2 cores)
+    .venv/bin/python -m bench.memory                 # the full run (about 5 minutes on 2 cores)
     .venv/bin/python -m bench.memory --quick         # a smoke run: smaller model, N = 1, 2
 
 Writes ``bench/out/memory-<date>.json`` and rewrites the memory section of
