@@ -39,6 +39,7 @@ from bench.harness import Checker, Pool, Server, fmt, measure
 from bench.inprocess import InProcessLimit
 from bench.peers.run import PEERS, PeerServer
 from mpspool.demo_model import demo_inputs
+from mpspool.router import BINARY_ENV, binary_path
 
 BEGIN_MARK = "<!-- frontdoor:begin (written by bench/frontdoor.py; edits here are lost) -->"
 END_MARK = "<!-- frontdoor:end -->"
@@ -64,7 +65,8 @@ def requests(rows: int, batches: list[int]) -> dict[tuple[str, int], harness.Req
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": harness.command_line("bench.frontdoor"),
+        "command": front_door_env() + harness.command_line("bench.frontdoor"),
+        "front_door": front_door(),
         "machine": harness.describe_machine(),
         "load_start": harness.load_average(),
         "rows": args.rows,
@@ -96,17 +98,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 request = echo if server.name.startswith("echo") else reqs[server.protocol, b]
                 for c in concurrency:
                     row = measure(server, request, c, args.duration, args.warmup, workdir, checker)
-                    row["load1"] = os.getloadavg()[0]
+                    row["load1"], row["round"] = os.getloadavg()[0], round_
                     report["windows"].append(row)
                     print(line(row), flush=True)
 
         def served(server: Server, processes: int, start_s: float) -> None:
             report["systems"].append({
-                "system": server.name, "processes": processes, "start_s": start_s,
-                "memory_mib": footprint_mib(server),
+                "system": server.name, "round": round_, "processes": processes,
+                "start_s": start_s, "memory_mib": footprint_mib(server),
             })  # fmt: skip
 
-        for system in args.systems:
+        # Rounds: every system again, in the same order; interference only slows a system
+        # down, so the targets take each point's best round.
+        for round_, system in [(r, s) for r in range(args.rounds) for s in args.systems]:
             kind, _, n = system.partition("-")
             if kind == "echo":
                 with echo_pool(int(n)) as server:
@@ -115,13 +119,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with InProcessLimit(base / "1", args.rows, int(n)) as limit:
                     for b in args.batches:
                         point = limit.run(b, args.duration, args.warmup)
-                        point["load1"] = os.getloadavg()[0]
+                        point["load1"], point["round"] = os.getloadavg()[0], round_
                         report["inprocess"].append(point)
                         print(f"in-process P={n} batch {b}: {point['rows_per_s']:,.0f} rows/s, "
                               f"p50 {point['p50_ms']:.2f} ms", flush=True)  # fmt: skip
             elif kind == "mpspool":
                 label = f"mpspool {n}w"
-                with Pool(base, int(n), logs / system, env, label=f"fd{n}w") as pool:
+                with Pool(base, int(n), logs / f"{system}-r{round_}", env, label=f"fd{n}w") as pool:
                     pool.wait_ready()
                     server = pool.server(label)
                     sweep(server, args.batches, args.concurrency)
@@ -134,14 +138,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{system}: skipped, {why}", file=sys.stderr)
                     continue
                 report["peer_versions"][system] = peer.versions()
-                log = logs / f"{system}.log"
-                with PeerServer(peer, base / "1", INSTANCES, log, env) as ps:
-                    server = ps.wait_ready(reqs[peer.protocol, args.batches[0]])
-                    sweep(server, args.batches, args.concurrency)
-                    served(server, len(server.processes()), ps.start_s)
+                log = logs / f"{system}-r{round_}.log"
+                try:
+                    with PeerServer(peer, base / "1", INSTANCES, log, env) as ps:
+                        server = ps.wait_ready(reqs[peer.protocol, args.batches[0]])
+                        sweep(server, args.batches, args.concurrency)
+                        served(server, len(server.processes()), ps.start_s)
+                except (RuntimeError, TimeoutError) as exc:
+                    # A peer that fails is reported, not fatal: the run's other systems stand.
+                    report["skipped"][system] = f"failed: {exc}; log {log}"
+                    print(f"{system}: FAILED: {exc}", file=sys.stderr)
+                    report["windows"] = [w for w in report["windows"] if w["system"] != ps.name]
     report["load_end"] = harness.load_average()
     report["summary"] = summarise(report)
     return report
+
+
+def front_door_env() -> str:
+    override = os.environ.get(BINARY_ENV)
+    return f"{BINARY_ENV}={override} " if override else ""
+
+
+def front_door() -> str:
+    path = binary_path()
+    built = dt.datetime.fromtimestamp(os.stat(path).st_mtime, dt.timezone.utc)
+    return f"`{path}` (built {built:%Y-%m-%d %H:%M} UTC)"
 
 
 def footprint_mib(server: Server) -> float:
@@ -191,15 +212,22 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         return spent / sum(w["requests"] for w in ws) if ws else np.nan
 
     def limit(processes: int, batch: int, key: str) -> float:
+        """Of the in-process point's best round."""
         points = [p for p in inproc if p["processes"] == processes and p["batch"] == batch]
-        return points[0][key] if points else np.nan
+        return max(points, key=lambda p: p["rows_per_s"])[key] if points else np.nan
 
     def p50(system: str, batch: int, c: int) -> float:
-        return next((w["p50_ms"] for w in of(system, batch) if w["concurrency"] == c), np.nan)
+        return min(
+            (w["p50_ms"] for w in of(system, batch) if w["concurrency"] == c), default=np.nan
+        )
 
     one, two = "mpspool 1w", "mpspool 2w"
     big = max(b for b in {w["batch"] for w in windows} | {1})
-    peers = [s["system"] for s in report["systems"] if not s["system"].startswith("mpspool")]
+    peers = list(
+        dict.fromkeys(
+            s["system"] for s in report["systems"] if not s["system"].startswith("mpspool")
+        )
+    )
     ahead = [best(two, b) / best(p, b) for p in peers for b in (1, big)]
     echo = [w["rps"] for w in windows if w["system"].startswith("echo")]
     fd = ("front door",)
@@ -243,8 +271,8 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
         f"- **Machine:** {report['machine']}; shared with other work: load average "
         f"{report['load_start']} at start, {report['load_end']} at end (1/5/15 min); the "
         "client runs on the same cores",
-        f"- **Code under test:** {report.get('source', '?')}; the front door is the installed "
-        "`mpspool-router`",
+        f"- **Code under test:** {report.get('source', '?')}; the front door is "
+        f"{report.get('front_door', '?')}",
         f"- **Model:** demo, {report['rows']:,} embedding rows; one fixed request per batch "
         "size (the same ids for every system)",
         f"- **Windows:** {report['warmup_s']} s h2load warm-up, then {report['duration_s']} s "
@@ -255,6 +283,7 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
         lines.append(
             "- **Peers:** " + "; ".join(f"{k}: {v}" for k, v in report["peer_versions"].items())
         )
+    lines += [f"- **Note:** {note}" for note in report.get("notes", [])]
     if report["skipped"]:
         lines.append(
             "- **Skipped:** " + "; ".join(f"{k}: {v}" for k, v in report["skipped"].items())
@@ -281,12 +310,22 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
         "controller and supervisord), *client* h2load itself.",
         "",
     ]
+    rounds = 1 + max((w.get("round", 0) for w in report["windows"]), default=0)
+
+    def name(item: dict[str, Any], text: str) -> str:
+        return f"{text}, round {item.get('round', 0) + 1}" if rounds > 1 else text
+
+    order = {s: i for i, s in enumerate(dict.fromkeys(w["system"] for w in report["windows"]))}
+    windows = sorted(
+        report["windows"],
+        key=lambda w: (order[w["system"]], w["batch"], w["concurrency"], w.get("round", 0)),
+    )
     rows = []
-    for w in report["windows"]:
+    for w in windows:
         c = w["cpu_us"]
         server = sum(v for r, v in c.items() if r in SERVER_ROLES)
         rows.append((
-            w["system"], w["batch"], w["concurrency"], fmt(w["rps"]), fmt(w["rows_per_s"]),
+            name(w, w["system"]), w["batch"], w["concurrency"], fmt(w["rps"]), fmt(w["rows_per_s"]),
             fmt(w["p50_ms"], 2), fmt(w["p99_ms"], 2), fmt(server), fmt(c.get("front door")),
             fmt(c.get("workers")), fmt(c.get("client")), fmt(w["load1"], 1),
         ))  # fmt: skip
@@ -296,7 +335,7 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
     )  # fmt: skip
     lines += ["", "In-process limit (P processes calling the SavedModel back to back, no RPC):", ""]
     rows = [
-        (f"P={p['processes']}", p["batch"], fmt(p["throughput_rps"]), fmt(p["rows_per_s"]),
+        (name(p, f"P={p['processes']}"), p["batch"], fmt(p["throughput_rps"]), fmt(p["rows_per_s"]),
          fmt(p["p50_ms"], 2), fmt(p["p99_ms"], 2), fmt(p["cpu_us_per_call"]), fmt(p["load1"], 1))
         for p in report["inprocess"]
     ]  # fmt: skip
@@ -312,7 +351,7 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
             "",
         ]
         rows = [
-            (s["system"], s["processes"], fmt(s["memory_mib"]), fmt(s["start_s"], 1))
+            (name(s, s["system"]), s["processes"], fmt(s["memory_mib"]), fmt(s["start_s"], 1))
             for s in report["systems"]
         ]
         lines += harness.table(("System", "processes", "MiB", "start s"), rows)
@@ -330,8 +369,15 @@ def draw(report: dict[str, Any], path: Path) -> Path:
 
     references: dict[int, dict[str, float]] = {}
     for p in report["inprocess"]:
-        references.setdefault(p["batch"], {})[f"in-process P={p['processes']}"] = p["rows_per_s"]
-    served = [w for w in report["windows"] if not w["system"].startswith("echo")]
+        refs = references.setdefault(p["batch"], {})
+        label = f"in-process P={p['processes']}"
+        refs[label] = max(refs.get(label, 0.0), p["rows_per_s"])
+    best: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for w in report["windows"]:
+        key = (w["system"], w["batch"], w["concurrency"])
+        if not w["system"].startswith("echo") and w["rps"] > best.get(key, {}).get("rps", -1):
+            best[key] = w
+    served = list(best.values())
     return plot_windows(
         served, references, path, f"{report['rows']:,}-row demo model, {report['date']}"
     )
@@ -349,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=ints, default=[1, 256])
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16])
     parser.add_argument("--echo-concurrency", type=ints, default=[16, 64])
+    parser.add_argument("--rounds", type=int, default=1, help="every system this many times")
     parser.add_argument(
         "--source", choices=("worktree", "HEAD", "live"), default="worktree",
         help="Python code under test, frozen into a temporary copy at the start (%(default)s)",
@@ -356,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1,000 rows, 1 s windows, no report")
     parser.add_argument("--no-results", action="store_true", help="leave RESULTS.md and the plot")
     parser.add_argument("--json", type=Path, help="also write the raw report here")
+    parser.add_argument("--render", type=Path, help="run nothing: report a --json file again")
+    parser.add_argument("--note", action="append", default=[], help="a line for the report")
     args = parser.parse_args(argv)
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
@@ -364,8 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         args.rows, args.duration, args.warmup = 1000, 1.0, 0.5
         args.concurrency, args.echo_concurrency = [1, 4], [16]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with harness.sigterm_as_exit():
-        report = run(args)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        report["summary"] = summarise(report)  # the targets as this code reads them
+    else:
+        with harness.sigterm_as_exit():
+            report = run(args)
+    report["notes"] = report.get("notes", []) + args.note
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     write = not (args.quick or args.no_results)

@@ -41,6 +41,8 @@ def plot_windows(
                 for i, (name, value) in enumerate(references.get(batch, {}).items()):
                     ax.axhline(value, color="black", linestyle=("--", ":")[i % 2], label=name)
             ax.set_xscale("log", base=2)
+            ticks = sorted({w["concurrency"] for w in windows})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.set_yscale("log")
             ax.set_xlabel("concurrency (h2load streams)")
             ax.set_ylabel(label)

@@ -104,6 +104,7 @@ def _inprocess(p: int, batch: int, rows_per_s: float, p50: float, cpu: float) ->
 REPORT = {
     "date": "2026-11-22 13:00 UTC", "command": "c", "machine": "m", "load_start": "1",
     "load_end": "2", "rows": 1000, "duration_s": 1.0, "warmup_s": 0.5, "source": "s",
+    "front_door": "f",
     "skipped": {"ray": "not installed: run bench/peers/setup-ray"}, "peer_versions": {},
     "windows": [
         _window("echo 1w", 1, 16, 12000, 40, 30, 0.5),
@@ -111,6 +112,7 @@ REPORT = {
         _window("mpspool 2w", 1, 4, 3000, 45, 320, 0.6),
         _window("mpspool 1w", 256, 4, 400, 60, 2000, 3.0),
         _window("mpspool 2w", 256, 4, 700, 60, 2100, 3.0),
+        {**_window("mpspool 2w", 256, 4, 500, 60, 2100, 3.0), "round": 1},  # a slower round
         {**_window("plain TF gRPC (1 process)", 1, 4, 1000, 0, 0, 1.0), "cpu_us": {"server": 9}},
         {**_window("plain TF gRPC (1 process)", 256, 4, 800, 0, 0, 1.0), "cpu_us": {"server": 9}},
     ],
@@ -140,10 +142,11 @@ def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
     assert (tmp_path / "fd.png").read_bytes()[:4] == b"\x89PNG"
     assert text.startswith(frontdoor.BEGIN_MARK) and text.endswith(frontdoor.END_MARK + "\n")
     for fragment in (
-        "| mpspool 2w | 256 | 4 | 700 | 179,200 | 3.00 | 6.00 | 2,160 | 60 | 2,100 | 10 | 1.0 |",
+        "| mpspool 2w, round 1 | 256 | 4 | 700 | 179,200 | 3.00 | 6.00 | 2,160 | 60 | 2,100 | 10 |",
+        "| mpspool 2w, round 2 | 256 | 4 | 500 |",
         "| 0.88 × | **no** |",
         "ray: not installed: run bench/peers/setup-ray",
-        "| plain TF gRPC (1 process) | 1 | 900 | 5.0 |",
+        "| plain TF gRPC (1 process), round 1 | 1 | 900 | 5.0 |",
     ):
         assert fragment in text, fragment
     results = tmp_path / "RESULTS.md"
