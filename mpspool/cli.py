@@ -84,6 +84,36 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--port", type=int, default=8500, help="gRPC port (default %(default)s; 0 picks a free one)"
     )
+    start.add_argument(
+        "--rest-api-port",
+        "--rest_api_port",
+        type=int,
+        default=8501,
+        help="TF Serving's REST API at http://HOST:PORT/v1/models/... (default %(default)s; 0 "
+        "picks a free port, -1 turns it off)",
+    )
+    start.add_argument(
+        "--rest-api-timeout-in-ms",
+        "--rest_api_timeout_in_ms",
+        type=int,
+        default=30_000,
+        help="deadline of a REST Predict in ms (default %(default)s, as TF Serving; 0: none)",
+    )
+    start.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=512 * 2**20,
+        help="largest request or answer, gRPC message or REST body (default %(default)s; "
+        "at most 2 GiB - 1, protobuf's limit)",
+    )
+    start.add_argument(
+        "--enable-serialization-as-tensor-content",
+        "--enable_serialization_as_tensor_content",
+        dest="serialize_as_tensor_content",
+        action="store_true",
+        help="Predict answers carry outputs in tensor_content rather than in the typed "
+        "fields (float_val, ...), as with TF Serving's flag of that name",
+    )
     _add_run_dir(start)
     start.add_argument(
         "--log-dir",
@@ -274,6 +304,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        rest_api_port=args.rest_api_port,
+        rest_api_timeout_ms=args.rest_api_timeout_in_ms,
+        max_message_bytes=args.max_message_bytes,
+        serialize_as_tensor_content=args.serialize_as_tensor_content,
         max_connection_age_s=args.max_connection_age,
         worker_timeout_s=args.worker_timeout,
         drain_timeout_s=args.drain_timeout,
@@ -425,6 +459,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"pool {pool['pool_id']} (pid {pool['pid']}) {pool['phase']}: model {pool['model']!r} "
         f"version {pool['version']} on {pool['listen']}, up {pool['uptime_s']} s"
     )
+    if pool.get("rest"):
+        print(f"REST API: {pool['rest']}")
     print(
         f"{'SLOT':<10} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
         f"{'INFLIGHT':>8} {'SERVED':>9}  {'WEIGHTS':<14} REASON"

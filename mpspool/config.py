@@ -59,6 +59,13 @@ class PoolConfig:
     host: str = "127.0.0.1"
     port: int = 8500
     metrics_port: int = 8502  # Prometheus /metrics; 0 picks a free port, -1 turns it off
+    # TF Serving's REST API (/v1/models/...); 0 picks a free port, -1 turns it off.
+    rest_api_port: int = 8501
+    # A REST Predict's deadline (TF Serving's --rest_api_timeout_in_ms); 0: none.
+    rest_api_timeout_ms: int = 30_000
+    # Predict outputs in tensor_content instead of the typed fields (float_val, ...), as TF
+    # Serving's --enable_serialization_as_tensor_content; off by default, as there.
+    serialize_as_tensor_content: bool = False
     # Close client connections after this long (0: never), so clients balancing over
     # several pods re-resolve and find new ones; in-flight calls get the same again to end.
     max_connection_age_s: float = 0.0
@@ -166,6 +173,22 @@ class PoolConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if not -1 <= self.rest_api_port <= 65535:
+            raise ConfigError(
+                f"--rest-api-port must be in 0..65535 or -1 (off), got {self.rest_api_port}"
+            )
+        if not 1024 <= self.max_message_bytes < 2**31:
+            raise ConfigError(
+                f"--max-message-bytes must be in 1024..2147483647, got {self.max_message_bytes}"
+            )
+        if self.rest_api_timeout_ms < 0:
+            raise ConfigError(
+                f"--rest-api-timeout-in-ms must be >= 0, got {self.rest_api_timeout_ms}"
+            )
+        if self.rest_api_port > 0 and self.rest_api_port in (self.port, self.metrics_port):
+            raise ConfigError(
+                f"--rest-api-port {self.rest_api_port} is also the gRPC or the metrics port"
+            )
         if self.worker_timeout_s <= 0.5:
             raise ConfigError(
                 "--worker-timeout must exceed the 0.5 s heartbeat interval, "

@@ -114,6 +114,7 @@ class Controller:
         self.exit_reason = ""
         self.port: int | None = None
         self.metrics_port = 0
+        self.rest_port = 0
         self.started = time.time()
         self._zmq = zmq.Context()
         self._admin = self._zmq.socket(zmq.ROUTER)
@@ -231,12 +232,14 @@ class Controller:
         if snap.get("port") and self.port is None:
             self.port = int(snap["port"])
             self.metrics_port = int(snap.get("metrics_port") or 0)
-            if self.config.port == 0 or self.config.metrics_port == 0:
+            self.rest_port = int(snap.get("rest_port") or 0)
+            if 0 in (self.config.port, self.config.metrics_port, self.config.rest_api_port):
                 # Pin the ports the OS picked, so a restarted router binds the same ones.
                 self.config = dataclasses.replace(
                     self.config,
                     port=self.port,
                     metrics_port=self.metrics_port or self.config.metrics_port,
+                    rest_api_port=self.rest_port or self.config.rest_api_port,
                 )
                 self.config.save(self.run_dir)
         for gpu, why in self.gpu.faults(self.supervisord, infos).items():
@@ -429,7 +432,13 @@ class Controller:
             "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
             "ModelService, grpc.health.v1\n"
             f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
-            f"  status: mpspool status --run-dir {self.run_dir}\n"
+            + (
+                f"  REST:   curl http://{host}:{self.rest_port}/v1/models/{model}   "
+                f'(:predict with {{"instances": [...]}})\n'
+                if self.rest_port
+                else ""
+            )
+            + f"  status: mpspool status --run-dir {self.run_dir}\n"
             f"  stop:   mpspool stop --run-dir {self.run_dir}   (or Ctrl-C)\n"
             f"  logs:   {self.log_dir}",
             flush=True,
@@ -468,6 +477,11 @@ class Controller:
                 "metrics": (
                     f"http://{self.config.host}:{self.metrics_port}/metrics"
                     if self.metrics_port
+                    else None
+                ),
+                "rest": (
+                    f"http://{self.config.host}:{self.rest_port}/v1/models/{self.config.model_name}"
+                    if self.rest_port
                     else None
                 ),
                 "run_dir": str(self.run_dir),

@@ -54,10 +54,13 @@ class Pool:
             str(self.log_dir),
             "--metrics-port",
             "0",
+            "--rest-api-port",
+            "0",
             *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.rest_url = ""  # http://host:port of the REST API
         self.pool_id = ""
         self._descendants: set[int] = set()
 
@@ -86,6 +89,8 @@ class Pool:
             ready = [s for s in status["slots"] if s["state"] == "READY"]
             if len(ready) >= workers and status["pool"]["listen"]:
                 self.port = int(status["pool"]["listen"].rsplit(":", 1)[1])
+                rest = status["pool"].get("rest") or ""
+                self.rest_url = rest.split("/v1/", 1)[0]
                 self.pool_id = status["pool"]["pool_id"]
                 self._remember_descendants()
                 return status

@@ -164,8 +164,8 @@ def test_ports_and_probes_match_mpspool_start() -> None:
     args = start_args()
     ctr = container(deployment())
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
-    assert 8501 not in ports.values()  # no REST API
+    assert ports == {"grpc": args.port, "http": args.rest_api_port, "metrics": args.metrics_port}
+    assert args.rest_api_port == 8501  # where TF Serving's clients look for REST
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         # grpc.health.v1 on the router's port; gRPC probes take numbers, not port names.
         assert ctr[probe]["grpc"] == {"port": args.port}, probe
@@ -187,7 +187,6 @@ def test_services_route_to_the_container_ports() -> None:
     for svc in services:
         assert svc["spec"]["selector"].items() <= labels.items()
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names
-        assert 8501 not in {p["port"] for p in svc["spec"]["ports"]}
     (headless,) = [s for s in services if s["metadata"]["name"] == "mpspool-headless"]
     assert headless["spec"]["clusterIP"] == "None"
 
@@ -253,4 +252,4 @@ def test_dockerfile_builds_a_nonroot_gpu_image_running_mpspool_start() -> None:
     default = build_parser().parse_args(argv[argv.index("mpspool") + 1 :] + json.loads(cmd))
     assert default.host == "0.0.0.0" and default.gpus == "0"
     exposed = {int(p) for line in df["EXPOSE"] for p in line.split()}
-    assert exposed == {default.port, default.metrics_port}
+    assert exposed == {default.port, default.rest_api_port, default.metrics_port}

@@ -421,8 +421,6 @@ pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorPr
 /// default (`Tensor::AsProtoField`): clients that read `float_val` and the like directly need
 /// this form. Half and bfloat16 go into `half_val` as bit patterns, complex numbers as
 /// (real, imaginary) pairs, 8- and 16-bit integers into `int_val`.
-// grpc.rs chooses between this and output_tensor; until it calls this, only tests do.
-#[cfg_attr(not(test), allow(dead_code))]
 pub fn output_tensor_typed(
     dtype: i32,
     shape: &[i64],

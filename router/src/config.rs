@@ -21,6 +21,16 @@ pub struct Config {
     /// 0 picks a free port, -1 turns metrics off.
     #[serde(default = "default_metrics_port")]
     pub metrics_port: i32,
+    /// TF Serving's REST API; 0 picks a free port, -1 turns it off.
+    #[serde(default = "default_rest_api_port")]
+    pub rest_api_port: i32,
+    /// TF Serving's `--rest_api_timeout_in_ms`: a REST Predict's deadline (0: none).
+    #[serde(default = "default_rest_api_timeout_ms")]
+    pub rest_api_timeout_ms: u64,
+    /// Predict outputs in `tensor_content` rather than the typed fields (TF Serving's
+    /// `--enable_serialization_as_tensor_content`).
+    #[serde(default)]
+    pub serialize_as_tensor_content: bool,
     #[serde(default)]
     pub max_connection_age_s: f64,
     #[serde(default = "default_worker_timeout")]
@@ -43,6 +53,12 @@ fn default_port() -> u16 {
 }
 fn default_metrics_port() -> i32 {
     8502
+}
+fn default_rest_api_port() -> i32 {
+    8501
+}
+fn default_rest_api_timeout_ms() -> u64 {
+    30_000
 }
 fn default_worker_timeout() -> f64 {
     3.0

@@ -84,6 +84,10 @@ fn op<P>(
                     "metrics_port",
                     Value::from(pool.state.metrics_port.load(Ordering::Relaxed)),
                 ),
+                (
+                    "rest_port",
+                    Value::from(pool.state.rest_port.load(Ordering::Relaxed)),
+                ),
                 ("workers", pool.table.snapshot(pool.now)),
                 ("declared_dead", Value::Map(dead)),
                 ("inflight", Value::from(pool.table.inflight_total() as u64)),

@@ -34,14 +34,17 @@ pub struct Api {
     pub version: i64,
     pub dispatcher: Dispatcher,
     pub metrics: Arc<Metrics>,
+    /// Outputs in `tensor_content` (TF Serving's `--enable_serialization_as_tensor_content`)
+    /// instead of the typed fields TF Serving fills by default.
+    pub tensor_content_outputs: bool,
 }
 
 impl Api {
-    fn check_spec(&self, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
+    pub fn check_spec(&self, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
         check_spec(&self.model, self.version, spec)
     }
 
-    fn signatures(&self) -> Result<Arc<ModelSignatures>, ServingError> {
+    pub fn signatures(&self) -> Result<Arc<ModelSignatures>, ServingError> {
         self.dispatcher
             .signatures()
             .borrow()
@@ -65,10 +68,12 @@ impl Api {
         }
     }
 
-    async fn predict_checked(
+    /// A Predict, checked and run; its outputs in the typed fields unless `tensor_content`.
+    pub async fn predict_checked(
         &self,
         request: PredictRequest,
         deadline: Option<Instant>,
+        tensor_content: bool,
     ) -> Result<PredictResponse, ServingError> {
         self.check_spec(request.model_spec.as_ref())?;
         let signatures = self.signatures()?;
@@ -106,15 +111,20 @@ impl Api {
             model_spec: Some(self.served_spec(&spec.key)),
             ..PredictResponse::default()
         };
+        let output_tensor = if tensor_content {
+            codec::output_tensor
+        } else {
+            codec::output_tensor_typed
+        };
         for ((name, dtype, shape), frame) in reply.tensors.into_iter().zip(reply.frames) {
             response
                 .outputs
-                .insert(name, codec::output_tensor(dtype, &shape, frame)?);
+                .insert(name, output_tensor(dtype, &shape, frame)?);
         }
         Ok(response)
     }
 
-    fn metadata_checked(
+    pub fn metadata_checked(
         &self,
         request: &GetModelMetadataRequest,
     ) -> Result<GetModelMetadataResponse, ServingError> {
@@ -148,7 +158,7 @@ impl Api {
         Ok(response)
     }
 
-    fn status_checked(
+    pub fn status_checked(
         &self,
         request: &GetModelStatusRequest,
     ) -> Result<GetModelStatusResponse, ServingError> {
@@ -274,7 +284,9 @@ impl PredictionService for Api {
     ) -> Result<Response<PredictResponse>, Status> {
         let mut guard = self.metrics.start(Method::Predict);
         let deadline = deadline_of(request.metadata(), Instant::now());
-        let result = self.predict_checked(request.into_inner(), deadline).await;
+        let result = self
+            .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
+            .await;
         finish(result, &mut guard)
     }
 

@@ -10,9 +10,11 @@ mod config;
 mod control;
 mod dispatch;
 mod grpc;
+mod json_tensor;
 mod log;
 mod metrics;
 mod proto;
+mod rest;
 mod server;
 mod signature;
 mod state;
@@ -160,13 +162,39 @@ async fn serve(config: Config) -> ExitCode {
         version: config.model_version,
         dispatcher,
         metrics,
+        tensor_content_outputs: config.serialize_as_tensor_content,
     };
     let limits = server::Limits {
         max_message_bytes: config.max_message_bytes,
         max_connection_age: (!age.is_zero()).then_some(age),
     };
+    let rest = match u16::try_from(config.rest_api_port) {
+        Err(_) => None, // -1: off
+        Ok(rest_port) => {
+            let listener =
+                match tokio::net::TcpListener::bind((config.host.as_str(), rest_port)).await {
+                    Ok(listener) => listener,
+                    Err(error) => {
+                        return fail(format!(
+                            "cannot listen on {}:{rest_port} (REST API): {error}",
+                            config.host
+                        ))
+                    }
+                };
+            let bound = listener.local_addr().map(|a| a.port()).unwrap_or(rest_port);
+            state.rest_port.store(bound, Ordering::Relaxed);
+            log_info!("REST API on http://{}:{bound}/v1/models", config.host);
+            let timeout = std::time::Duration::from_millis(config.rest_api_timeout_ms);
+            let handler = rest::Rest {
+                api: api.clone(),
+                max_body_bytes: config.max_message_bytes,
+                timeout: (!timeout.is_zero()).then_some(timeout),
+            };
+            Some((listener, Arc::new(handler)))
+        }
+    };
     log_info!("listening on {}:{port}", config.host);
-    server::Server::new(listener, api, limits, state)
+    server::Server::new(listener, rest, api, limits, state)
         .run(DrainRequest { delay, grace }, drains)
         .await;
     log_info!("stopped");

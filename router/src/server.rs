@@ -28,6 +28,7 @@ use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
 use crate::proto::tensorflow::serving::prediction_service_server::{
     PredictionServiceServer, SERVICE_NAME,
 };
+use crate::rest::{self, Rest};
 use crate::state::{DrainRequest, Phase, RouterState};
 use crate::{log_info, log_warn};
 
@@ -43,7 +44,7 @@ pub struct Limits {
 
 /// What the lifecycle tells every connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Ending {
+pub enum Ending {
     /// Serving as usual.
     No,
     /// GOAWAY: finish the calls under way, take no new ones.
@@ -61,6 +62,8 @@ enum Cause {
 
 pub struct Server {
     listener: TcpListener,
+    /// TF Serving's REST API, when it is on: drained with the gRPC listener.
+    rest: Option<(TcpListener, Arc<Rest>)>,
     api: Api,
     max_connection_age: Option<Duration>,
     state: Arc<RouterState>,
@@ -69,7 +72,13 @@ pub struct Server {
 }
 
 impl Server {
-    pub fn new(listener: TcpListener, api: Api, limits: Limits, state: Arc<RouterState>) -> Server {
+    pub fn new(
+        listener: TcpListener,
+        rest: Option<(TcpListener, Arc<Rest>)>,
+        api: Api,
+        limits: Limits,
+        state: Arc<RouterState>,
+    ) -> Server {
         let (health, health_service) = tonic_health::server::health_reporter();
         let routes = tonic::service::Routes::new(
             PredictionServiceServer::new(api.clone())
@@ -85,6 +94,7 @@ impl Server {
         .prepare();
         Server {
             listener,
+            rest,
             api,
             max_connection_age: limits.max_connection_age,
             state,
@@ -102,6 +112,7 @@ impl Server {
     ) {
         let Server {
             listener,
+            rest,
             api,
             max_connection_age,
             state,
@@ -155,6 +166,11 @@ impl Server {
                         done_tx.clone(),
                     ));
                 }
+                accepted = accept_rest(&rest) => {
+                    if let Some((stream, handler)) = accepted {
+                        tokio::spawn(rest::serve_connection(stream, handler, shutdown_rx.clone(), done_tx.clone()));
+                    }
+                }
                 request = drains.recv(), if drains_open => match request {
                     Some(request) => break (request, Cause::Controller),
                     None => drains_open = false,
@@ -181,9 +197,15 @@ impl Server {
                         tokio::spawn(serve_connection(stream, service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
                     }
                 }
+                accepted = accept_rest(&rest) => {
+                    if let Some((stream, handler)) = accepted {
+                        tokio::spawn(rest::serve_connection(stream, handler, shutdown_rx.clone(), done_tx.clone()));
+                    }
+                }
             }
         }
         drop(listener); // no new connections
+        drop(rest);
         let _ = shutdown_tx.send(Ending::Gracefully);
         drop(done_tx);
         if tokio::time::timeout(drain.grace, done_rx.recv())
@@ -208,6 +230,27 @@ impl Server {
         }
         health_task.abort();
         api.dispatcher.shutdown();
+    }
+}
+
+/// The next REST connection (None after a failed accept, which is logged and slowed down);
+/// never ready when the REST API is off.
+async fn accept_rest(
+    rest: &Option<(TcpListener, Arc<Rest>)>,
+) -> Option<(tokio::net::TcpStream, Arc<Rest>)> {
+    let Some((listener, handler)) = rest else {
+        return std::future::pending().await;
+    };
+    match listener.accept().await {
+        Ok((stream, _)) => {
+            let _ = stream.set_nodelay(true);
+            Some((stream, handler.clone()))
+        }
+        Err(error) => {
+            log_warn!("REST accept failed: {error}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        }
     }
 }
 

@@ -41,6 +41,8 @@ pub struct RouterState {
     pub grpc_port: AtomicU16,
     /// 0 when metrics are off or could not be served.
     pub metrics_port: AtomicU16,
+    /// 0 when the REST API is off or could not be served.
+    pub rest_port: AtomicU16,
     /// Requests sent again because their worker left before answering.
     pub retries: AtomicU64,
     /// Drain requests from the control channel; the server acts on the first.
@@ -56,6 +58,7 @@ impl RouterState {
                 phase,
                 grpc_port: AtomicU16::new(0),
                 metrics_port: AtomicU16::new(0),
+                rest_port: AtomicU16::new(0),
                 retries: AtomicU64::new(0),
                 drain,
             },

@@ -1,0 +1,997 @@
+//! JSON ⇄ tensors for TF Serving's REST API, with the rules and error texts of TF Serving's
+//! `util/json_tensor.cc`:
+//! - a Predict body is an object with an optional `signature_name` and exactly one of
+//!   `instances` (row format: a non-empty list, one element per row; with several inputs each
+//!   element is an object naming every input) or `inputs` (columnar: one value, or an object
+//!   of input name → value);
+//! - a value's shape is read from its nesting (the first element of each list), every list at
+//!   a level must have that length and every leaf sit at the same depth; its type is the
+//!   signature's dtype for that input (JSON numbers must fit it: an int32 input takes only
+//!   integers within int32);
+//! - `{"b64": "..."}` is a binary string;
+//! - answers: `{"predictions": [...]}` (row: one element per row, an object per row when
+//!   there are several outputs, all outputs sharing their first dimension) or
+//!   `{"outputs": ...}` (columnar); a DT_STRING output whose name ends in `_bytes` is written
+//!   as `{"b64": ...}`; floats as TF Serving writes them (six significant digits unless that
+//!   does not round-trip, NaN and ±Infinity spelled out).
+//!
+//! Differences: JSON's NaN/Infinity tokens in a request are refused as a parse error (TF
+//! Serving's parser accepts them); object keys are read in name order, so an error about a
+//! row names its inputs in name order.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::codec::{self, dtype_name};
+use crate::proto::mpspool::tfs::{tensor_shape_proto::Dim, TensorProto, TensorShapeProto};
+use crate::signature::TensorSpec;
+use crate::status::{Code, ServingError};
+
+const BASE64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+/// How a Predict body gave its inputs, which decides how the answer is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Row,
+    Columnar,
+}
+
+/// A parsed Predict body: the signature it names ("" for the default) and its body, whose
+/// tensors need the signature's dtypes to be read.
+pub struct PredictBody {
+    pub signature_name: String,
+    document: serde_json::Map<String, Value>,
+}
+
+/// TF Serving's `JsonValueToDebugString`: compact JSON, cut at 256 bytes.
+fn debug_string(value: &Value) -> String {
+    const LIMIT: usize = 256;
+    let mut text = value.to_string();
+    if text.len() > LIMIT {
+        let mut cut = LIMIT;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    text
+}
+
+fn type_name(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "Null",
+        Value::Bool(false) => "False",
+        Value::Bool(true) => "True",
+        Value::Object(_) => "Object",
+        Value::Array(_) => "Array",
+        Value::String(_) => "String",
+        Value::Number(_) => "Number",
+    }
+}
+
+fn invalid(message: impl Into<String>) -> ServingError {
+    ServingError::invalid_argument(message)
+}
+
+fn type_error(value: &Value, dtype: i32) -> ServingError {
+    invalid(format!(
+        "JSON Value: {} Type: {} is not of expected type: {}",
+        debug_string(value),
+        type_name(value),
+        dtype_name(dtype)
+    ))
+}
+
+fn format_error(value: &Value, what: &str) -> ServingError {
+    invalid(format!("JSON Value: {} {what}", debug_string(value)))
+}
+
+/// A status as TF Serving's `Status::ToString` prints it inside another message.
+fn nested(error: &ServingError) -> String {
+    format!("{}: {}", error.code.name(), error.message)
+}
+
+/// Parses the body as a JSON object (TF Serving's `ParseJson` + `FillSignature`).
+pub fn parse_predict(body: &[u8]) -> Result<PredictBody, ServingError> {
+    let document = parse_object(body)?;
+    let signature_name = match document.get("signature_name") {
+        None => String::new(),
+        Some(Value::String(name)) => name.clone(),
+        Some(_) => {
+            return Err(format_error(
+                &Value::Object(document),
+                "not formatted correctly. 'signature_name' key must be a string value.",
+            ))
+        }
+    };
+    Ok(PredictBody {
+        signature_name,
+        document,
+    })
+}
+
+fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingError> {
+    if body.is_empty() {
+        return Err(invalid("JSON Parse error: The document is empty"));
+    }
+    let value: Value = serde_json::from_slice(body).map_err(|error| {
+        invalid(format!(
+            "JSON Parse error: {error} at offset: {}",
+            offset_of(body, error.line(), error.column())
+        ))
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(format_error(&other, "Is not object")),
+    }
+}
+
+/// The byte offset of serde_json's (line, column) position, as rapidjson reports errors.
+fn offset_of(body: &[u8], line: usize, column: usize) -> usize {
+    let mut offset = 0;
+    for (n, text) in body.split(|&b| b == b'\n').enumerate() {
+        if n + 1 == line {
+            return offset + column.saturating_sub(1).min(text.len());
+        }
+        offset += text.len() + 1;
+    }
+    body.len()
+}
+
+impl PredictBody {
+    /// The request's tensors, read against the signature's inputs (TF Serving's
+    /// `FillPredictRequestFromJson` after the signature is known).
+    pub fn tensors(
+        &self,
+        inputs: &HashMap<String, TensorSpec>,
+    ) -> Result<(BTreeMap<String, TensorProto>, Format), ServingError> {
+        if inputs.is_empty() {
+            let name = if self.signature_name.is_empty() {
+                "DEFAULT"
+            } else {
+                &self.signature_name
+            };
+            return Err(invalid(format!(
+                "Failed to get input map for signature: {name}"
+            )));
+        }
+        let dtypes: BTreeMap<&str, i32> =
+            inputs.iter().map(|(k, v)| (k.as_str(), v.dtype)).collect();
+        let instances = self.document.get("instances");
+        let columns = self.document.get("inputs");
+        let whole = || Value::Object(self.document.clone());
+        match (instances, columns) {
+            (Some(_), Some(_)) => Err(format_error(
+                &whole(),
+                "Not formatted correctly expecting only one of 'inputs' or 'instances' keys to exist ",
+            )),
+            (Some(Value::Array(rows)), None) => {
+                if rows.is_empty() {
+                    return Err(format_error(&whole(), "No values in 'instances' array"));
+                }
+                Ok((rows_to_tensors(rows, &dtypes)?, Format::Row))
+            }
+            (Some(_), None) => Err(format_error(
+                &whole(),
+                "Expecting 'instances' to be an list/array",
+            )),
+            (None, Some(value)) => Ok((columns_to_tensors(value, &dtypes)?, Format::Columnar)),
+            (None, None) => Err(invalid("Missing 'inputs' or 'instances' key")),
+        }
+    }
+}
+
+fn is_base64_object(value: &Value) -> bool {
+    matches!(value, Value::Object(map) if map.len() == 1 && matches!(map.get("b64"), Some(Value::String(_))))
+}
+
+fn is_element_object(value: &Value) -> bool {
+    value.is_object() && !is_base64_object(value)
+}
+
+/// The shape a value's nesting declares: the length of each list, following first elements.
+fn dense_shape(value: &Value) -> Vec<i64> {
+    let mut shape = Vec::new();
+    let mut at = value;
+    while let Value::Array(items) = at {
+        shape.push(items.len() as i64);
+        match items.first() {
+            Some(first) => at = first,
+            None => break,
+        }
+    }
+    shape
+}
+
+/// A tensor being filled: its dtype, the shape its first value declared, its values.
+struct Filling {
+    proto: TensorProto,
+    count: usize,
+}
+
+impl Filling {
+    fn new(dtype: i32, shape: &[i64]) -> Filling {
+        Filling {
+            proto: TensorProto {
+                dtype,
+                tensor_shape: Some(shape_proto(shape)),
+                ..TensorProto::default()
+            },
+            count: 0,
+        }
+    }
+
+    /// TF Serving's `FillTensorProto`: every list at `level` as long as the shape says, every
+    /// leaf at depth `rank`.
+    fn fill(&mut self, value: &Value, level: usize, shape: &[i64]) -> Result<(), ServingError> {
+        let rank = shape.len();
+        let Value::Array(items) = value else {
+            if level != rank {
+                return Err(invalid(format!(
+                    "JSON Value: {} found at incorrect level: {} in the JSON DOM. Expected at level: {rank}",
+                    debug_string(value),
+                    level + 1
+                )));
+            }
+            self.add(value)?;
+            self.count += 1;
+            return Ok(());
+        };
+        if level >= rank {
+            return Err(invalid(format!(
+                "Encountered list at unexpected level: {level} expected < {rank}"
+            )));
+        }
+        if items.len() as i64 != shape[level] {
+            return Err(invalid(format!(
+                "Encountered list at unexpected size: {} at level: {level} expected size: {}",
+                items.len(),
+                shape[level]
+            )));
+        }
+        for item in items {
+            self.fill(item, level + 1, shape)?;
+        }
+        Ok(())
+    }
+
+    /// TF Serving's `AddValueToTensor` (and the b64 objects of DT_STRING).
+    fn add(&mut self, value: &Value) -> Result<(), ServingError> {
+        let dtype = self.proto.dtype;
+        let p = &mut self.proto;
+        if let Value::Object(map) = value {
+            if dtype != codec::DT_STRING {
+                return Err(type_error(value, dtype));
+            }
+            let encoded = match map.get("b64") {
+                Some(Value::String(text)) if map.len() == 1 => text,
+                _ => {
+                    return Err(format_error(
+                        value,
+                        "not formatted correctly for base64 data",
+                    ))
+                }
+            };
+            let decoded = BASE64
+                .decode(encoded)
+                .map_err(|_| invalid("Unable to base64 decode"))?;
+            p.string_val.push(Bytes::from(decoded));
+            return Ok(());
+        }
+        let wrong = || type_error(value, dtype);
+        match dtype {
+            codec::DT_FLOAT => p.float_val.push(value.as_f64().ok_or_else(wrong)? as f32),
+            codec::DT_DOUBLE => p.double_val.push(value.as_f64().ok_or_else(wrong)?),
+            codec::DT_INT32 | codec::DT_INT16 | codec::DT_INT8 | codec::DT_UINT8 => {
+                let v = value.as_i64().and_then(|v| i32::try_from(v).ok());
+                p.int_val.push(v.ok_or_else(wrong)?);
+            }
+            codec::DT_STRING => match value {
+                Value::String(text) => p.string_val.push(Bytes::from(text.clone().into_bytes())),
+                _ => return Err(wrong()),
+            },
+            codec::DT_INT64 => p.int64_val.push(value.as_i64().ok_or_else(wrong)?),
+            codec::DT_BOOL => p.bool_val.push(value.as_bool().ok_or_else(wrong)?),
+            codec::DT_UINT32 => {
+                let v = value.as_u64().and_then(|v| u32::try_from(v).ok());
+                p.uint32_val.push(v.ok_or_else(wrong)?);
+            }
+            codec::DT_UINT64 => p.uint64_val.push(value.as_u64().ok_or_else(wrong)?),
+            other => {
+                return Err(ServingError::new(
+                    Code::Unimplemented,
+                    format!(
+                        "Conversion of JSON Value: {} to type: {}",
+                        debug_string(value),
+                        dtype_name(other)
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+fn shape_proto(shape: &[i64]) -> TensorShapeProto {
+    TensorShapeProto {
+        dim: shape
+            .iter()
+            .map(|&size| Dim {
+                size,
+                name: String::new(),
+            })
+            .collect(),
+        unknown_rank: false,
+    }
+}
+
+fn shape_text(shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("[{}]", dims.join(","))
+}
+
+/// One input's rows stacked: the first row fixes the shape and size the others must have.
+struct Column {
+    filling: Filling,
+    row_shape: Vec<i64>,
+    row_size: usize,
+}
+
+/// TF Serving's `AddInstanceItem`: one row's value of input `name` appended to its column.
+fn add_row_item(
+    columns: &mut BTreeMap<String, Column>,
+    name: &str,
+    value: &Value,
+    dtypes: &BTreeMap<&str, i32>,
+) -> Result<(), ServingError> {
+    let Some(&dtype) = dtypes.get(name) else {
+        return Err(invalid(format!(
+            "JSON object: does not have named input: {name}"
+        )));
+    };
+    let shape = dense_shape(value);
+    match columns.get_mut(name) {
+        None => {
+            let mut filling = Filling::new(dtype, &shape);
+            filling.fill(value, 0, &shape)?;
+            let row_size = filling.count;
+            columns.insert(
+                name.to_string(),
+                Column {
+                    filling,
+                    row_shape: shape,
+                    row_size,
+                },
+            );
+        }
+        Some(column) => {
+            let before = column.filling.count;
+            column.filling.fill(value, 0, &shape)?;
+            let size = column.filling.count - before;
+            if size != column.row_size {
+                return Err(invalid(format!(
+                    "Expecting tensor size: {} but got: {size}",
+                    column.row_size
+                )));
+            }
+            if shape != column.row_shape {
+                return Err(invalid(format!(
+                    "Expecting shape {} but got: {}",
+                    shape_text(&column.row_shape),
+                    shape_text(&shape)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// TF Serving's `FillTensorMapFromInstancesList`.
+fn rows_to_tensors(
+    rows: &[Value],
+    dtypes: &BTreeMap<&str, i32>,
+) -> Result<BTreeMap<String, TensorProto>, ServingError> {
+    if !rows[0].is_object() && dtypes.len() > 1 {
+        return Err(invalid(
+            "instances is a plain list, but expecting list of objects as multiple input tensors required as per tensorinfo_map",
+        ));
+    }
+    let objects = is_element_object(&rows[0]);
+    let names: BTreeSet<&str> = dtypes.keys().copied().collect();
+    let mut columns: BTreeMap<String, Column> = BTreeMap::new();
+    for (n, row) in rows.iter().enumerate() {
+        if objects {
+            let Value::Object(fields) = row else {
+                return Err(invalid(format!(
+                    "Expecting object but got list at item {n} of input list"
+                )));
+            };
+            if is_base64_object(row) {
+                return Err(invalid(format!(
+                    "Expecting object but got list at item {n} of input list"
+                )));
+            }
+            for (name, value) in fields {
+                add_row_item(&mut columns, name, value, dtypes).map_err(|error| {
+                    invalid(format!(
+                        "Failed to process element: {n} key: {name} of 'instances' list. Error: {}",
+                        nested(&error)
+                    ))
+                })?;
+            }
+            let keys: BTreeSet<&str> = fields.keys().map(String::as_str).collect();
+            if keys != names {
+                let expected: Vec<&str> = names.iter().copied().collect();
+                return Err(invalid(format!(
+                    "Failed to process element: {n} of 'instances' list. JSON object: {} keys must be equal to: {}",
+                    debug_string(row),
+                    expected.join(",")
+                )));
+            }
+        } else {
+            if is_element_object(row) {
+                return Err(invalid(format!(
+                    "Expecting value/list but got object at item {n} of input list"
+                )));
+            }
+            let name = names.first().copied().unwrap_or_default();
+            add_row_item(&mut columns, name, row, dtypes).map_err(|error| {
+                invalid(format!(
+                    "Failed to process element: {n} of 'instances' list. Error: {}",
+                    nested(&error)
+                ))
+            })?;
+        }
+    }
+    Ok(columns
+        .into_iter()
+        .map(|(name, column)| {
+            let mut proto = column.filling.proto;
+            let mut shape = vec![rows.len() as i64];
+            shape.extend_from_slice(&column.row_shape);
+            proto.tensor_shape = Some(shape_proto(&shape));
+            (name, proto)
+        })
+        .collect())
+}
+
+/// TF Serving's `FillTensorMapFromInputsMap`.
+fn columns_to_tensors(
+    value: &Value,
+    dtypes: &BTreeMap<&str, i32>,
+) -> Result<BTreeMap<String, TensorProto>, ServingError> {
+    let one = |name: &str, dtype: i32, value: &Value| -> Result<TensorProto, ServingError> {
+        let shape = dense_shape(value);
+        let mut filling = Filling::new(dtype, &shape);
+        filling.fill(value, 0, &shape)?;
+        let _ = name;
+        Ok(filling.proto)
+    };
+    let mut tensors = BTreeMap::new();
+    match value {
+        Value::Object(fields) if !is_base64_object(value) => {
+            for (&name, &dtype) in dtypes {
+                let Some(item) = fields.get(name) else {
+                    return Err(invalid(format!(
+                        "Missing named input: {name} in 'inputs' object."
+                    )));
+                };
+                tensors.insert(name.to_string(), one(name, dtype, item)?);
+            }
+        }
+        _ => {
+            if dtypes.len() > 1 {
+                return Err(invalid(
+                    "inputs is a plain value/list, but expecting an object as multiple input tensors required as per tensorinfo_map",
+                ));
+            }
+            if let Some((&name, &dtype)) = dtypes.iter().next() {
+                tensors.insert(name.to_string(), one(name, dtype, value)?);
+            }
+        }
+    }
+    Ok(tensors)
+}
+
+// ---- answers ----------------------------------------------------------------------------
+
+/// `{"error": message}`, as TF Serving's `MakeJsonFromStatus`.
+pub fn error_body(message: &str) -> String {
+    let mut out = String::from("{ \"error\": ");
+    write_string(&mut out, message.as_bytes());
+    out.push_str(" }");
+    out
+}
+
+/// TF Serving's `MakeJsonFromTensors`: the answer to a Predict in the request's format, from
+/// outputs whose values are in their typed fields.
+pub fn predict_answer(
+    outputs: &BTreeMap<String, TensorProto>,
+    format: Format,
+) -> Result<String, ServingError> {
+    if outputs.is_empty() {
+        return Err(invalid("Cannot convert empty tensor map to JSON"));
+    }
+    let mut out = String::with_capacity(64);
+    match format {
+        Format::Row => {
+            let mut batch: Option<i64> = None;
+            for (name, tensor) in outputs {
+                let shape = dims(tensor);
+                let Some(&rows) = shape.first() else {
+                    return Err(invalid(format!(
+                        "Tensor name: {name} has no shape information "
+                    )));
+                };
+                if let Some(expected) = batch.filter(|&b| b != rows) {
+                    return Err(invalid(format!(
+                        "Tensor name: {name} has inconsistent batch size: {rows} expecting: {expected}"
+                    )));
+                }
+                batch = Some(rows);
+            }
+            let mut offsets: Vec<usize> = vec![0; outputs.len()];
+            out.push_str("{\n    \"predictions\": [");
+            for row in 0..batch.unwrap_or(0) {
+                if row > 0 {
+                    out.push(',');
+                }
+                out.push_str("\n        ");
+                if outputs.len() > 1 {
+                    out.push('{');
+                }
+                for (i, (name, tensor)) in outputs.iter().enumerate() {
+                    if outputs.len() > 1 {
+                        if i > 0 {
+                            out.push_str(", ");
+                        }
+                        write_string(&mut out, name.as_bytes());
+                        out.push_str(": ");
+                    }
+                    let shape = dims(tensor);
+                    write_values(&mut out, name, tensor, &shape, 1, &mut offsets[i])?;
+                }
+                if outputs.len() > 1 {
+                    out.push('}');
+                }
+            }
+            out.push_str("\n    ]\n}");
+        }
+        Format::Columnar => {
+            out.push_str("{\n    \"outputs\": ");
+            if outputs.len() > 1 {
+                out.push('{');
+            }
+            for (i, (name, tensor)) in outputs.iter().enumerate() {
+                if outputs.len() > 1 {
+                    out.push_str(if i > 0 { ",\n        " } else { "\n        " });
+                    write_string(&mut out, name.as_bytes());
+                    out.push_str(": ");
+                }
+                let shape = dims(tensor);
+                write_values(&mut out, name, tensor, &shape, 0, &mut 0)?;
+            }
+            if outputs.len() > 1 {
+                out.push_str("\n    }");
+            }
+            out.push_str("\n}");
+        }
+    }
+    Ok(out)
+}
+
+fn dims(tensor: &TensorProto) -> Vec<i64> {
+    tensor
+        .tensor_shape
+        .as_ref()
+        .map(|s| s.dim.iter().map(|d| d.size).collect())
+        .unwrap_or_default()
+}
+
+/// TF Serving's `AddTensorValues`: the values from dimension `dim` on, nested as lists.
+fn write_values(
+    out: &mut String,
+    name: &str,
+    tensor: &TensorProto,
+    shape: &[i64],
+    dim: usize,
+    offset: &mut usize,
+) -> Result<(), ServingError> {
+    if dim >= shape.len() {
+        return write_value(out, name, tensor, offset);
+    }
+    out.push('[');
+    for i in 0..shape[dim] {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        write_values(out, name, tensor, shape, dim + 1, offset)?;
+    }
+    out.push(']');
+    Ok(())
+}
+
+/// TF Serving's `AddSingleValueAndAdvance`.
+fn write_value(
+    out: &mut String,
+    name: &str,
+    tensor: &TensorProto,
+    offset: &mut usize,
+) -> Result<(), ServingError> {
+    let i = *offset;
+    let missing = || {
+        ServingError::new(
+            Code::Internal,
+            format!("output {name} has fewer values than its shape"),
+        )
+    };
+    match tensor.dtype {
+        codec::DT_FLOAT => write_float(out, *tensor.float_val.get(i).ok_or_else(missing)?),
+        codec::DT_DOUBLE => write_double(out, *tensor.double_val.get(i).ok_or_else(missing)?),
+        codec::DT_INT32 | codec::DT_INT16 | codec::DT_INT8 | codec::DT_UINT8 => {
+            let _ = write!(out, "{}", tensor.int_val.get(i).ok_or_else(missing)?);
+        }
+        codec::DT_INT64 => {
+            let _ = write!(out, "{}", tensor.int64_val.get(i).ok_or_else(missing)?);
+        }
+        codec::DT_UINT32 => {
+            let _ = write!(out, "{}", tensor.uint32_val.get(i).ok_or_else(missing)?);
+        }
+        codec::DT_UINT64 => {
+            let _ = write!(out, "{}", tensor.uint64_val.get(i).ok_or_else(missing)?);
+        }
+        codec::DT_BOOL => {
+            let v = *tensor.bool_val.get(i).ok_or_else(missing)?;
+            out.push_str(if v { "true" } else { "false" });
+        }
+        codec::DT_STRING => {
+            let v = tensor.string_val.get(i).ok_or_else(missing)?;
+            if name.ends_with("_bytes") {
+                out.push_str("{\"b64\": ");
+                write_string(out, BASE64.encode(v).as_bytes());
+                out.push('}');
+            } else {
+                write_string(out, v);
+            }
+        }
+        other => {
+            return Err(invalid(format!(
+                "Failed to write JSON value for tensor type: {}",
+                dtype_name(other)
+            )))
+        }
+    }
+    *offset += 1;
+    Ok(())
+}
+
+/// A JSON string. Bytes that are not UTF-8 become U+FFFD (TF Serving would write them raw,
+/// which is not JSON): outputs holding binary data should be named `*_bytes`.
+pub fn write_string(out: &mut String, bytes: &[u8]) {
+    let text = String::from_utf8_lossy(bytes);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04X}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// A float32 as TF Serving's `WriteDecimal` writes it.
+pub fn write_float(out: &mut String, value: f32) {
+    if !value.is_finite() {
+        return write_non_finite(out, f64::from(value));
+    }
+    let short = format_g(f64::from(value), 6);
+    let text = match short.parse::<f32>() {
+        Ok(back) if back == value => short,
+        _ => format_g(f64::from(value), 9),
+    };
+    push_decimal(out, text);
+}
+
+/// A float64 as TF Serving's `WriteDecimal` writes it.
+pub fn write_double(out: &mut String, value: f64) {
+    if !value.is_finite() {
+        return write_non_finite(out, value);
+    }
+    let short = format_g(value, 6);
+    let text = match short.parse::<f64>() {
+        Ok(back) if back == value => short,
+        _ => format_g(value, 17),
+    };
+    push_decimal(out, text);
+}
+
+fn write_non_finite(out: &mut String, value: f64) {
+    out.push_str(if value.is_nan() {
+        "NaN"
+    } else if value < 0.0 {
+        "-Infinity"
+    } else {
+        "Infinity"
+    });
+}
+
+/// Whole numbers written without an exponent get ".0", so a list never mixes integers and
+/// decimals.
+fn push_decimal(out: &mut String, text: String) {
+    out.push_str(&text);
+    if !text.contains('.') && !text.contains('e') {
+        out.push_str(".0");
+    }
+}
+
+/// C's `printf("%.{precision}g", value)` for a finite value.
+fn format_g(value: f64, precision: usize) -> String {
+    if value == 0.0 {
+        return if value.is_sign_negative() { "-0" } else { "0" }.to_string();
+    }
+    let p = precision.max(1);
+    // The exponent after rounding to p significant digits decides the style.
+    let scientific = format!("{:.*e}", p - 1, value);
+    let (mantissa, exponent) = scientific.split_once('e').unwrap_or((&scientific, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    if exponent < -4 || exponent >= p as i32 {
+        let mantissa = strip_zeros(mantissa);
+        let sign = if exponent < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exponent.unsigned_abs())
+    } else {
+        let decimals = (p as i32 - 1 - exponent).max(0) as usize;
+        strip_zeros(&format!("{value:.decimals$}")).to_string()
+    }
+}
+
+fn strip_zeros(text: &str) -> &str {
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn specs(inputs: &[(&str, i32)]) -> HashMap<String, TensorSpec> {
+        inputs
+            .iter()
+            .map(|(name, dtype)| {
+                (
+                    name.to_string(),
+                    TensorSpec {
+                        dtype: *dtype,
+                        shape: None,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn parse(
+        body: &str,
+        inputs: &[(&str, i32)],
+    ) -> Result<(BTreeMap<String, TensorProto>, Format), ServingError> {
+        parse_predict(body.as_bytes())?.tensors(&specs(inputs))
+    }
+
+    fn message(result: Result<impl std::fmt::Debug, ServingError>) -> String {
+        result.unwrap_err().message
+    }
+
+    #[test]
+    fn rows_of_one_input_stack_into_one_tensor() {
+        let (tensors, format) = parse(
+            r#"{"instances": [[1, 2], [3, 4], [5, 6]]}"#,
+            &[("x", codec::DT_INT64)],
+        )
+        .unwrap();
+        assert_eq!(format, Format::Row);
+        let x = &tensors["x"];
+        assert_eq!(dims(x), vec![3, 2]);
+        assert_eq!(x.int64_val, vec![1, 2, 3, 4, 5, 6]);
+        let (tensors, _) = parse(r#"{"instances": [0.5, 1]}"#, &[("x", codec::DT_FLOAT)]).unwrap();
+        assert_eq!(dims(&tensors["x"]), vec![2]);
+        assert_eq!(tensors["x"].float_val, vec![0.5, 1.0]);
+    }
+
+    #[test]
+    fn rows_of_several_inputs_are_objects_naming_each() {
+        let body = r#"{"signature_name": "s", "instances": [
+            {"ids": [1, 2], "name": "a", "raw": {"b64": "aGVsbG8="}},
+            {"ids": [3, 4], "name": "b", "raw": {"b64": "d29ybGQ="}}]}"#;
+        let inputs = [
+            ("ids", codec::DT_INT32),
+            ("name", codec::DT_STRING),
+            ("raw", codec::DT_STRING),
+        ];
+        let parsed = parse_predict(body.as_bytes()).unwrap();
+        assert_eq!(parsed.signature_name, "s");
+        let (tensors, _) = parsed.tensors(&specs(&inputs)).unwrap();
+        assert_eq!(dims(&tensors["ids"]), vec![2, 2]);
+        assert_eq!(dims(&tensors["name"]), vec![2]);
+        assert_eq!(
+            tensors["raw"].string_val,
+            vec![Bytes::from_static(b"hello"), Bytes::from_static(b"world")]
+        );
+        let missing = r#"{"instances": [{"ids": [1, 2], "name": "a"}]}"#;
+        assert!(message(parse(missing, &inputs)).contains("keys must be equal to: ids,name,raw"));
+        let plain = r#"{"instances": [1, 2]}"#;
+        assert!(message(parse(plain, &inputs)).starts_with("instances is a plain list"));
+    }
+
+    #[test]
+    fn columns_may_differ_in_their_first_dimension() {
+        let body = r#"{"inputs": {"a": [[1.5, 2], [3, 4], [5, 6]], "b": [true]}}"#;
+        let (tensors, format) =
+            parse(body, &[("a", codec::DT_DOUBLE), ("b", codec::DT_BOOL)]).unwrap();
+        assert_eq!(format, Format::Columnar);
+        assert_eq!(dims(&tensors["a"]), vec![3, 2]);
+        assert_eq!(dims(&tensors["b"]), vec![1]);
+        assert_eq!(tensors["b"].bool_val, vec![true]);
+        let (tensors, _) = parse(r#"{"inputs": 7}"#, &[("x", codec::DT_INT32)]).unwrap();
+        assert_eq!(dims(&tensors["x"]), Vec::<i64>::new());
+        assert_eq!(
+            message(parse(r#"{"inputs": {"a": [1]}}"#, &[("a", 1), ("b", 1)])),
+            "Missing named input: b in 'inputs' object."
+        );
+    }
+
+    #[test]
+    fn bad_bodies_get_tf_servings_messages() {
+        let x = [("x", codec::DT_INT32)];
+        assert_eq!(
+            message(parse("", &x)),
+            "JSON Parse error: The document is empty"
+        );
+        assert!(message(parse("{\"instances\": [1,", &x)).starts_with("JSON Parse error: "));
+        assert_eq!(message(parse("[1]", &x)), "JSON Value: [1] Is not object");
+        assert_eq!(
+            message(parse("{}", &x)),
+            "Missing 'inputs' or 'instances' key"
+        );
+        assert!(message(parse(r#"{"inputs": [1], "instances": [1]}"#, &x))
+            .ends_with("expecting only one of 'inputs' or 'instances' keys to exist "));
+        assert!(
+            message(parse(r#"{"instances": []}"#, &x)).ends_with("No values in 'instances' array")
+        );
+        assert!(message(parse(r#"{"instances": 3}"#, &x))
+            .ends_with("Expecting 'instances' to be an list/array"));
+        assert!(message(parse(r#"{"signature_name": 3, "inputs": 1}"#, &x))
+            .ends_with("'signature_name' key must be a string value."));
+        assert_eq!(
+            message(parse(r#"{"inputs": [1, 2.5]}"#, &x)),
+            "JSON Value: 2.5 Type: Number is not of expected type: int32"
+        );
+        assert_eq!(
+            message(parse(r#"{"inputs": [3000000000]}"#, &x)),
+            "JSON Value: 3000000000 Type: Number is not of expected type: int32"
+        );
+        assert_eq!(
+            message(parse(r#"{"inputs": [[1, 2], [3]]}"#, &x)),
+            "Encountered list at unexpected size: 1 at level: 1 expected size: 2"
+        );
+        assert_eq!(
+            message(parse(r#"{"inputs": [[1, 2], 3]}"#, &x)),
+            "JSON Value: 3 found at incorrect level: 2 in the JSON DOM. Expected at level: 2"
+        );
+        assert_eq!(
+            message(parse(r#"{"instances": [[1, 2], [3, 4, 5]]}"#, &x)),
+            "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: Expecting tensor size: 2 but got: 3"
+        );
+        assert_eq!(
+            message(parse(
+                r#"{"inputs": {"b64": "%%%"}}"#,
+                &[("s", codec::DT_STRING)]
+            )),
+            "Unable to base64 decode"
+        );
+        assert_eq!(
+            message(parse(r#"{"inputs": {"b64": "AA=="}}"#, &x)),
+            "JSON Value: {\"b64\":\"AA==\"} Type: Object is not of expected type: int32"
+        );
+        let half = parse(r#"{"inputs": [1]}"#, &[("h", codec::DT_HALF)]).unwrap_err();
+        assert_eq!(half.code, Code::Unimplemented);
+        assert_eq!(half.message, "Conversion of JSON Value: 1 to type: half");
+    }
+
+    fn tensor(dtype: i32, shape: &[i64]) -> TensorProto {
+        TensorProto {
+            dtype,
+            tensor_shape: Some(shape_proto(shape)),
+            ..TensorProto::default()
+        }
+    }
+
+    fn compact(text: &str) -> Value {
+        serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn answers_follow_the_request_format() {
+        let mut scores = tensor(codec::DT_FLOAT, &[2, 2]);
+        scores.float_val = vec![0.1, 2.0, 1e-5, f32::NAN];
+        let mut ids = tensor(codec::DT_STRING, &[2]);
+        ids.string_val = vec![Bytes::from_static(b"a"), Bytes::from_static(b"b\"")];
+        let mut raw_bytes = tensor(codec::DT_STRING, &[2]);
+        raw_bytes.string_val = vec![Bytes::from_static(b"\xff"), Bytes::new()];
+        let one: BTreeMap<String, TensorProto> = [("scores".to_string(), scores.clone())].into();
+        let row = predict_answer(&one, Format::Row).unwrap();
+        assert!(row.contains("[0.1, 2.0],\n        [1e-05, NaN]"), "{row}");
+        let columnar = predict_answer(&one, Format::Columnar).unwrap();
+        assert!(
+            columnar.contains("\"outputs\": [[0.1, 2.0], [1e-05, NaN]]"),
+            "{columnar}"
+        );
+        let several: BTreeMap<String, TensorProto> = [
+            ("ids".to_string(), ids),
+            ("raw_bytes".to_string(), raw_bytes),
+        ]
+        .into();
+        assert_eq!(
+            compact(&predict_answer(&several, Format::Row).unwrap()),
+            compact(
+                r#"{"predictions": [{"ids": "a", "raw_bytes": {"b64": "/w=="}},
+                                    {"ids": "b\"", "raw_bytes": {"b64": ""}}]}"#
+            )
+        );
+        let mut other = tensor(codec::DT_INT64, &[3]);
+        other.int64_val = vec![1, 2, 3];
+        let uneven: BTreeMap<String, TensorProto> =
+            [("a".to_string(), scores), ("b".to_string(), other)].into();
+        assert_eq!(
+            message(predict_answer(&uneven, Format::Row)),
+            "Tensor name: b has inconsistent batch size: 3 expecting: 2"
+        );
+        assert!(predict_answer(&uneven, Format::Columnar).is_ok());
+        let half: BTreeMap<String, TensorProto> =
+            [("h".to_string(), tensor(codec::DT_HALF, &[1]))].into();
+        assert_eq!(
+            message(predict_answer(&half, Format::Columnar)),
+            "Failed to write JSON value for tensor type: half"
+        );
+    }
+
+    #[test]
+    fn floats_are_written_as_tf_serving_writes_them() {
+        let float = |v: f32| {
+            let mut out = String::new();
+            write_float(&mut out, v);
+            out
+        };
+        let double = |v: f64| {
+            let mut out = String::new();
+            write_double(&mut out, v);
+            out
+        };
+        assert_eq!(float(0.2), "0.2");
+        assert_eq!(float(3.0), "3.0");
+        assert_eq!(float(-0.0), "-0.0");
+        assert_eq!(float(9_000_000.0), "9e+06");
+        assert_eq!(float(0.00003), "3e-05");
+        assert_eq!(float(0.123_456_79), "0.123456791");
+        assert_eq!(float(123_456.7), "123456.703");
+        assert_eq!(float(f32::INFINITY), "Infinity");
+        assert_eq!(float(f32::NEG_INFINITY), "-Infinity");
+        assert_eq!(double(0.1), "0.1");
+        assert_eq!(double(1.0 / 3.0), "0.33333333333333331");
+        assert_eq!(double(1e100), "1e+100");
+        assert_eq!(error_body("a \"b\"\n"), "{ \"error\": \"a \\\"b\\\"\\n\" }");
+    }
+}

@@ -1,0 +1,667 @@
+//! TF Serving's REST API (`http_rest_api_handler.cc`), on its own port, over the same checked
+//! paths as the gRPC API (`grpc::Api`), so both answer alike:
+//! - `POST /v1/models/{name}[/versions/{v}|/labels/{l}]:predict` (row or columnar JSON,
+//!   `json_tensor`), `:classify` and `:regress`;
+//! - `GET /v1/models/{name}[/versions/{v}|/labels/{l}]` (status) and `.../metadata`.
+//!
+//! Every answer is JSON; an error is `{"error": message}` with TF Serving's HTTP status for
+//! its code. A body over the message limit is refused before it is read.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::{Method as HttpMethod, Request, Response, StatusCode};
+use percent_encoding::percent_decode_str;
+use prost::Message;
+use tokio::time::Instant;
+
+use crate::codec::dtype_name;
+use crate::grpc::Api;
+use crate::json_tensor::{self, write_string};
+use crate::metrics::Method;
+use crate::proto::mpspool::tfs::{
+    model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
+    GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
+    TensorShapeProto,
+};
+use crate::signature::DEFAULT_SIGNATURE;
+use crate::status::{Code, ServingError};
+
+/// What the REST handlers share.
+pub struct Rest {
+    pub api: Api,
+    /// Largest body accepted (the gRPC message limit).
+    pub max_body_bytes: usize,
+    /// TF Serving's `--rest_api_timeout_in_ms`: each Predict's deadline.
+    pub timeout: Option<Duration>,
+}
+
+/// The version part of a path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Version {
+    Latest,
+    Number(i64),
+    Label(String),
+}
+
+/// What a path asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Route {
+    /// POST ...:predict / :classify / :regress
+    Call {
+        model: String,
+        version: Version,
+        method: String,
+    },
+    /// GET ... and GET .../metadata
+    Status {
+        model: String,
+        version: Version,
+    },
+    Metadata {
+        model: String,
+        version: Version,
+    },
+}
+
+fn decode(text: &str, what: &str) -> Result<String, ServingError> {
+    percent_decode_str(text)
+        .decode_utf8()
+        .map(|s| s.into_owned())
+        .map_err(|_| ServingError::invalid_argument(format!("Failed to decode {what}:{text}")))
+}
+
+fn is_name(segment: &str) -> bool {
+    !segment.is_empty() && !segment.contains(':')
+}
+
+/// The version segments after a model name: none, `versions/<digits>` or `labels/<label>`.
+fn version_of(segments: &[&str]) -> Result<Option<Version>, ServingError> {
+    match segments {
+        [] => Ok(Some(Version::Latest)),
+        [kind, value] if kind.eq_ignore_ascii_case("versions") => {
+            if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+                return Ok(None);
+            }
+            value
+                .parse()
+                .map(|v| Some(Version::Number(v)))
+                .map_err(|_| {
+                    ServingError::invalid_argument(format!(
+                        "Failed to convert version: {value} to numeric."
+                    ))
+                })
+        }
+        [kind, label] if kind.eq_ignore_ascii_case("labels") && is_name(label) => {
+            Ok(Some(Version::Label(decode(label, "model version label")?)))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// TF Serving's `ParseModelInfo`: None when the path matches neither of its patterns.
+fn route(method: &HttpMethod, path: &str) -> Result<Option<Route>, ServingError> {
+    let lower = path.to_ascii_lowercase();
+    if !lower.starts_with("/v1/models") {
+        return Ok(None);
+    }
+    let rest = &path["/v1/models".len()..];
+    if *method == HttpMethod::POST {
+        let Some(rest) = rest.strip_prefix('/') else {
+            return Ok(None);
+        };
+        let Some((target, call)) = rest.split_once(':') else {
+            return Ok(None);
+        };
+        if !["predict", "classify", "regress"].contains(&call) {
+            return Ok(None);
+        }
+        let segments: Vec<&str> = target.split('/').collect();
+        let Some((name, more)) = segments.split_first().filter(|(n, _)| is_name(n)) else {
+            return Ok(None);
+        };
+        let Some(version) = version_of(more)? else {
+            return Ok(None);
+        };
+        return Ok(Some(Route::Call {
+            model: decode(name, "model name")?,
+            version,
+            method: call.to_string(),
+        }));
+    }
+    if *method != HttpMethod::GET {
+        return Ok(None);
+    }
+    if rest.is_empty() {
+        return Ok(Some(Route::Status {
+            model: String::new(),
+            version: Version::Latest,
+        }));
+    }
+    let Some(rest) = rest.strip_prefix('/') else {
+        return Ok(None);
+    };
+    let mut segments: Vec<&str> = rest.split('/').collect();
+    let metadata = segments.len() > 1 && segments.last() == Some(&"metadata");
+    if metadata {
+        segments.pop();
+    }
+    let Some((name, more)) = segments.split_first().filter(|(n, _)| is_name(n)) else {
+        return Ok(None);
+    };
+    let Some(version) = version_of(more)? else {
+        return Ok(None);
+    };
+    let model = decode(name, "model name")?;
+    Ok(Some(if metadata {
+        Route::Metadata { model, version }
+    } else {
+        Route::Status { model, version }
+    }))
+}
+
+fn model_spec(model: &str, version: &Version, signature_name: &str) -> ModelSpec {
+    ModelSpec {
+        name: model.to_string(),
+        version_choice: match version {
+            Version::Latest => None,
+            Version::Number(v) => Some(VersionChoice::Version(*v)),
+            Version::Label(label) => Some(VersionChoice::VersionLabel(label.clone())),
+        },
+        signature_name: signature_name.to_string(),
+    }
+}
+
+/// TF Serving's `ToHTTPStatusCode`.
+fn http_status(code: Code) -> StatusCode {
+    let number = match code {
+        Code::Ok => 200,
+        Code::Cancelled => 499,
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => 400,
+        Code::DeadlineExceeded => 504,
+        Code::NotFound => 404,
+        Code::AlreadyExists | Code::Aborted => 409,
+        Code::PermissionDenied => 403,
+        Code::ResourceExhausted => 429,
+        Code::Unimplemented => 501,
+        Code::Unavailable => 503,
+        Code::Unauthenticated => 401,
+        Code::Unknown | Code::Internal | Code::DataLoss => 500,
+    };
+    StatusCode::from_u16(number).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+fn json_response(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn error_response(error: &ServingError) -> Response<Full<Bytes>> {
+    json_response(
+        http_status(error.code),
+        json_tensor::error_body(&error.message),
+    )
+}
+
+impl Rest {
+    /// One HTTP request: never fails (errors are JSON answers).
+    pub async fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        let method = request.method().clone();
+        let path = request.uri().path().to_string();
+        let route = match route(&method, &path) {
+            Ok(Some(route)) => route,
+            Ok(None) if path.to_ascii_lowercase().starts_with("/v1/") => {
+                return error_response(&ServingError::invalid_argument(format!(
+                    "Malformed request: {method} {path}"
+                )))
+            }
+            Ok(None) => {
+                return json_response(
+                    StatusCode::NOT_FOUND,
+                    json_tensor::error_body(&format!("Not found: {method} {path}")),
+                )
+            }
+            Err(error) => return error_response(&error),
+        };
+        let answer = match route {
+            Route::Call {
+                model,
+                version,
+                method,
+            } => {
+                let body = match self.read_body(request).await {
+                    Ok(body) => body,
+                    Err(response) => return response,
+                };
+                self.call(&model, &version, &method, &body).await
+            }
+            Route::Status { model, version } => {
+                let mut guard = self.api.metrics.start(Method::GetModelStatus);
+                let answer = self.status(&model, &version);
+                guard.set_code(answer.as_ref().err().map_or(Code::Ok, |e| e.code));
+                answer
+            }
+            Route::Metadata { model, version } => {
+                let mut guard = self.api.metrics.start(Method::GetModelMetadata);
+                let answer = self.metadata(&model, &version);
+                guard.set_code(answer.as_ref().err().map_or(Code::Ok, |e| e.code));
+                answer
+            }
+        };
+        match answer {
+            Ok(body) => json_response(StatusCode::OK, body),
+            Err(error) => error_response(&error),
+        }
+    }
+
+    /// The whole body, or a 413 answer when it is (or declares itself) over the limit.
+    async fn read_body(
+        &self,
+        request: Request<hyper::body::Incoming>,
+    ) -> Result<Bytes, Response<Full<Bytes>>> {
+        let limit = self.max_body_bytes;
+        let too_large = |size: String| {
+            json_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                json_tensor::error_body(&format!(
+                    "Request body of {size} bytes is larger than the limit of {limit} bytes"
+                )),
+            )
+        };
+        let declared = request
+            .headers()
+            .get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(size) = declared.filter(|&n| n > limit as u64) {
+            return Err(too_large(size.to_string()));
+        }
+        match Limited::new(request.into_body(), limit).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large(
+                "more than".to_string() + " " + &limit.to_string(),
+            )),
+            Err(error) => Err(error_response(&ServingError::invalid_argument(format!(
+                "cannot read the request body: {error}"
+            )))),
+        }
+    }
+
+    async fn call(
+        &self,
+        model: &str,
+        version: &Version,
+        method: &str,
+        body: &[u8],
+    ) -> Result<String, ServingError> {
+        if method != "predict" {
+            return Err(ServingError::new(
+                Code::Unimplemented,
+                format!("{method} is not implemented by mpspool yet; use predict"),
+            ));
+        }
+        let mut guard = self.api.metrics.start(Method::Predict);
+        let deadline = self.timeout.map(|t| Instant::now() + t);
+        let answer = self.predict(model, version, body, deadline).await;
+        guard.set_code(answer.as_ref().err().map_or(Code::Ok, |e| e.code));
+        answer
+    }
+
+    /// TF Serving's `ProcessPredictRequest`: the body is parsed first, then the model and
+    /// signature are looked up, then the tensors are read against the signature's inputs.
+    async fn predict(
+        &self,
+        model: &str,
+        version: &Version,
+        body: &[u8],
+        deadline: Option<Instant>,
+    ) -> Result<String, ServingError> {
+        let parsed = json_tensor::parse_predict(body)?;
+        let spec = model_spec(model, version, &parsed.signature_name);
+        self.api.check_spec(Some(&spec))?;
+        let signatures = self.api.signatures()?;
+        let key = if parsed.signature_name.is_empty() {
+            DEFAULT_SIGNATURE
+        } else {
+            parsed.signature_name.as_str()
+        };
+        let signature = signatures.specs.get(key).ok_or_else(|| {
+            ServingError::invalid_argument(format!(
+                "Serving signature name: \"{key}\" not found in signature def"
+            ))
+        })?;
+        let (inputs, format) = parsed.tensors(&signature.inputs)?;
+        let request = PredictRequest {
+            model_spec: Some(spec),
+            inputs: inputs.into_iter().collect(),
+            output_filter: Vec::new(),
+        };
+        let response = self.api.predict_checked(request, deadline, false).await?;
+        let outputs: BTreeMap<_, _> = response.outputs.into_iter().collect();
+        json_tensor::predict_answer(&outputs, format)
+    }
+
+    fn status(&self, model: &str, version: &Version) -> Result<String, ServingError> {
+        if model.is_empty() {
+            return Err(ServingError::invalid_argument(
+                "Missing model name in request.",
+            ));
+        }
+        let request = GetModelStatusRequest {
+            model_spec: Some(model_spec(model, version, "")),
+        };
+        let response = self.api.status_checked(&request)?;
+        let mut out = String::from("{\n \"model_version_status\": [");
+        for (i, status) in response.model_version_status.iter().enumerate() {
+            out.push_str(if i > 0 { ",\n  {" } else { "\n  {" });
+            let state = model_version_status::State::try_from(status.state)
+                .map_or("UNKNOWN", |s| s.as_str_name());
+            let (code, message) = status
+                .status
+                .as_ref()
+                .map_or((0, ""), |s| (s.error_code, s.error_message.as_str()));
+            let _ = write!(
+                out,
+                "\n   \"version\": \"{}\",\n   \"state\": \"{state}\",\n   \"status\": {{\n    \"error_code\": \"{}\",\n    \"error_message\": ",
+                status.version,
+                Code::from_i32(code).name()
+            );
+            write_string(&mut out, message.as_bytes());
+            out.push_str("\n   }\n  }");
+        }
+        out.push_str("\n ]\n}\n");
+        Ok(out)
+    }
+
+    fn metadata(&self, model: &str, version: &Version) -> Result<String, ServingError> {
+        if model.is_empty() {
+            return Err(ServingError::invalid_argument(
+                "Missing model name in request.",
+            ));
+        }
+        let request = GetModelMetadataRequest {
+            model_spec: Some(model_spec(model, version, "")),
+            metadata_field: vec!["signature_def".to_string()],
+        };
+        let response = self.api.metadata_checked(&request)?;
+        let internal = |what: &str| ServingError::new(Code::Internal, what.to_string());
+        let any = response.metadata.get("signature_def").ok_or_else(|| {
+            internal(
+                "Failed to find 'signature_def' key in the GetModelMetadataResponse metadata map.",
+            )
+        })?;
+        let map = SignatureDefMap::decode(any.value.as_slice())
+            .map_err(|_| internal("Failed to unpack 'Any' object to 'SignatureDefMap'."))?;
+        let spec = response.model_spec.unwrap_or_default();
+        let mut out = String::from("{\n\"model_spec\":{\n \"name\": ");
+        write_string(&mut out, spec.name.as_bytes());
+        out.push_str(",\n \"signature_name\": ");
+        write_string(&mut out, spec.signature_name.as_bytes());
+        if let Some(VersionChoice::Version(v)) = spec.version_choice {
+            let _ = write!(out, ",\n \"version\": \"{v}\"");
+        }
+        out.push_str("\n}\n,\n\"metadata\": {\"signature_def\": ");
+        write_signature_def_map(&mut out, &map);
+        out.push_str("}\n}\n");
+        Ok(out)
+    }
+}
+
+/// A SignatureDefMap in protobuf's JSON form with proto field names and every field printed
+/// (what TF Serving's metadata endpoint shows); map keys in name order.
+fn write_signature_def_map(out: &mut String, map: &SignatureDefMap) {
+    let mut keys: Vec<&String> = map.signature_def.keys().collect();
+    keys.sort();
+    out.push_str("{\n \"signature_def\": {");
+    for (i, key) in keys.into_iter().enumerate() {
+        let def = &map.signature_def[key];
+        out.push_str(if i > 0 { ",\n  " } else { "\n  " });
+        write_string(out, key.as_bytes());
+        out.push_str(": {\n   \"inputs\": ");
+        write_tensor_infos(out, &def.inputs);
+        out.push_str(",\n   \"outputs\": ");
+        write_tensor_infos(out, &def.outputs);
+        out.push_str(",\n   \"method_name\": ");
+        write_string(out, def.method_name.as_bytes());
+        // Default values of inputs are TensorProtos; their JSON is not written (mpspool does
+        // not apply them either), only the names they are for.
+        out.push_str(",\n   \"defaults\": {");
+        let mut names: Vec<&String> = def.defaults.keys().collect();
+        names.sort();
+        for (j, name) in names.into_iter().enumerate() {
+            out.push_str(if j > 0 { ", " } else { "" });
+            write_string(out, name.as_bytes());
+            out.push_str(": {}");
+        }
+        out.push_str("}\n  }");
+    }
+    out.push_str("\n }\n}\n");
+}
+
+fn write_tensor_infos(out: &mut String, infos: &std::collections::HashMap<String, TensorInfo>) {
+    let mut names: Vec<&String> = infos.keys().collect();
+    names.sort();
+    out.push('{');
+    for (i, name) in names.into_iter().enumerate() {
+        let info = &infos[name];
+        out.push_str(if i > 0 { ",\n    " } else { "\n    " });
+        write_string(out, name.as_bytes());
+        out.push_str(": {\n     \"dtype\": ");
+        write_dtype(out, info.dtype);
+        out.push_str(",\n     \"tensor_shape\": ");
+        write_shape(out, info.tensor_shape.as_ref());
+        if let Some(crate::proto::mpspool::tfs::tensor_info::Encoding::Name(tensor)) =
+            &info.encoding
+        {
+            out.push_str(",\n     \"name\": ");
+            write_string(out, tensor.as_bytes());
+        }
+        out.push_str("\n    }");
+    }
+    out.push_str(if infos.is_empty() { "}" } else { "\n   }" });
+}
+
+/// The DataType enum's name (`DT_FLOAT`); a number for types mpspool has no name for.
+fn write_dtype(out: &mut String, dtype: i32) {
+    let name = dtype_name(dtype);
+    if name.starts_with("DataType(") {
+        let _ = write!(out, "{dtype}");
+    } else {
+        let _ = write!(out, "\"DT_{}\"", name.to_ascii_uppercase());
+    }
+}
+
+fn write_shape(out: &mut String, shape: Option<&TensorShapeProto>) {
+    let (dims, unknown) = shape.map_or((&[][..], false), |s| (&s.dim[..], s.unknown_rank));
+    out.push_str("{\n      \"dim\": [");
+    for (i, dim) in dims.iter().enumerate() {
+        out.push_str(if i > 0 { ", " } else { "" });
+        let _ = write!(out, "{{\"size\": \"{}\", \"name\": ", dim.size);
+        write_string(out, dim.name.as_bytes());
+        out.push('}');
+    }
+    let _ = write!(out, "],\n      \"unknown_rank\": {unknown}\n     }}");
+}
+
+/// Serves one HTTP/1.1 connection (keep-alive) until it closes or the drain ends it.
+pub async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    rest: Arc<Rest>,
+    mut ending: tokio::sync::watch::Receiver<crate::server::Ending>,
+    _done: tokio::sync::mpsc::Sender<()>,
+) {
+    use crate::server::Ending;
+    let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+        let rest = rest.clone();
+        async move { Ok::<_, std::convert::Infallible>(rest.handle(request).await) }
+    });
+    let connection = hyper::server::conn::http1::Builder::new()
+        .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    let mut going_away = false;
+    loop {
+        tokio::select! {
+            _ = &mut connection => return,
+            changed = ending.changed() => {
+                let now = if changed.is_err() { Ending::Now } else { *ending.borrow_and_update() };
+                match now {
+                    Ending::No => {}
+                    Ending::Gracefully => if !going_away {
+                        going_away = true;
+                        connection.as_mut().graceful_shutdown();
+                    },
+                    Ending::Now => return,
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn post(path: &str) -> Option<Route> {
+        route(&HttpMethod::POST, path).unwrap()
+    }
+
+    fn get(path: &str) -> Option<Route> {
+        route(&HttpMethod::GET, path).unwrap()
+    }
+
+    #[test]
+    fn paths_route_as_tf_servings_patterns() {
+        let call = |model: &str, version: Version, method: &str| {
+            Some(Route::Call {
+                model: model.into(),
+                version,
+                method: method.into(),
+            })
+        };
+        assert_eq!(
+            post("/v1/models/demo:predict"),
+            call("demo", Version::Latest, "predict")
+        );
+        assert_eq!(
+            post("/v1/models/demo/versions/3:classify"),
+            call("demo", Version::Number(3), "classify")
+        );
+        assert_eq!(
+            post("/V1/Models/de%20mo/labels/stable:regress"),
+            call("de mo", Version::Label("stable".into()), "regress")
+        );
+        assert_eq!(post("/v1/models/demo/versions/x:predict"), None);
+        assert_eq!(post("/v1/models/demo:explain"), None);
+        assert_eq!(post("/v1/models/demo"), None);
+        assert_eq!(post("/v1/models/:predict"), None);
+        assert_eq!(
+            get("/v1/models/demo"),
+            Some(Route::Status {
+                model: "demo".into(),
+                version: Version::Latest
+            })
+        );
+        assert_eq!(
+            get("/v1/models/demo/labels/canary/metadata"),
+            Some(Route::Metadata {
+                model: "demo".into(),
+                version: Version::Label("canary".into())
+            })
+        );
+        assert_eq!(
+            get("/v1/models/demo/versions/7"),
+            Some(Route::Status {
+                model: "demo".into(),
+                version: Version::Number(7)
+            })
+        );
+        assert_eq!(
+            get("/v1/models"),
+            Some(Route::Status {
+                model: String::new(),
+                version: Version::Latest
+            })
+        );
+        assert_eq!(get("/v1/models/demo/other"), None);
+        assert_eq!(get("/metrics"), None);
+        let huge = route(
+            &HttpMethod::GET,
+            "/v1/models/demo/versions/99999999999999999999",
+        );
+        assert_eq!(
+            huge.unwrap_err().message,
+            "Failed to convert version: 99999999999999999999 to numeric."
+        );
+    }
+
+    #[test]
+    fn codes_map_to_tf_servings_http_statuses() {
+        assert_eq!(http_status(Code::InvalidArgument), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            http_status(Code::FailedPrecondition),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(http_status(Code::NotFound), StatusCode::NOT_FOUND);
+        assert_eq!(
+            http_status(Code::Unavailable),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            http_status(Code::DeadlineExceeded),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            http_status(Code::ResourceExhausted),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            http_status(Code::Unimplemented),
+            StatusCode::NOT_IMPLEMENTED
+        );
+        assert_eq!(http_status(Code::Cancelled).as_u16(), 499);
+    }
+
+    #[test]
+    fn signature_maps_are_written_as_protobuf_json() {
+        use crate::proto::mpspool::tfs::{
+            tensor_info::Encoding, tensor_shape_proto::Dim, SignatureDef,
+        };
+        let info = TensorInfo {
+            encoding: Some(Encoding::Name("serving_default_ids:0".into())),
+            dtype: crate::codec::DT_INT64,
+            tensor_shape: Some(TensorShapeProto {
+                dim: vec![Dim {
+                    size: -1,
+                    name: String::new(),
+                }],
+                unknown_rank: false,
+            }),
+        };
+        let def = SignatureDef {
+            inputs: [("ids".to_string(), info)].into(),
+            outputs: Default::default(),
+            method_name: "tensorflow/serving/predict".into(),
+            defaults: Default::default(),
+        };
+        let map = SignatureDefMap {
+            signature_def: [("serving_default".to_string(), def)].into(),
+        };
+        let mut out = String::new();
+        write_signature_def_map(&mut out, &map);
+        let value: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let expected = serde_json::json!({"signature_def": {"serving_default": {
+            "inputs": {"ids": {"dtype": "DT_INT64", "name": "serving_default_ids:0",
+                "tensor_shape": {"dim": [{"size": "-1", "name": ""}], "unknown_rank": false}}},
+            "outputs": {}, "method_name": "tensorflow/serving/predict", "defaults": {}}}});
+        assert_eq!(value, expected);
+    }
+}

@@ -1,0 +1,348 @@
+"""TF Serving's REST API and its typed gRPC outputs, on real pools, called the ways feature and
+ranking services call them: `requests`, `curl`, and the official gRPC client for the same
+inputs. Two models: the demo (int64 ids + float features → score) and a model built here with
+string, binary and integer inputs and string, `_bytes`, int64 and float outputs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import requests
+import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from mpspool.demo_model import DENSE_FEATURES, demo_inputs
+
+from conftest import DEMO_ROWS
+from poolproc import Pool
+
+MAX_MESSAGE = 200_000
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
+    pool = Pool(
+        tmp_path_factory.mktemp("rest"),
+        demo_model_dir,
+        1,
+        "--max-message-bytes",
+        str(MAX_MESSAGE),
+    )
+    try:
+        pool.start().wait_ready(1)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def build_text_model(base: Path) -> Path:
+    """Strings in and out: `words` (text), `raw` (binary), `k` (int32) → `upper` (text),
+    `raw_bytes` (the binary echoed), `length` (int64), `scores` (float, [n, 2])."""
+
+    class TextModel(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = tf.Variable([0.5, 2.0], name="weights")
+
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None], tf.string, name="words"),
+                tf.TensorSpec([None], tf.string, name="raw"),
+                tf.TensorSpec([None], tf.int32, name="k"),
+            ]
+        )
+        def serve(self, words, raw, k):
+            length = tf.cast(tf.strings.length(raw), tf.int64) + tf.cast(k, tf.int64)
+            scores = tf.cast(k, tf.float32)[:, None] * self.weights[None, :]
+            return {
+                "upper": tf.strings.upper(words),
+                "raw_bytes": raw,
+                "length": length,
+                "scores": scores,
+            }
+
+    module = TextModel()
+    tf.saved_model.save(module, str(base / "1"), signatures={"serving_default": module.serve})
+    return base
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    tmp = tmp_path_factory.mktemp("rest-text")
+    model = build_text_model(tmp / "text")
+    # gRPC answers of this pool carry tensor_content (TF Serving's flag); REST is unaffected.
+    pool = Pool(tmp, model, 1, "--enable-serialization-as-tensor-content")
+    try:
+        pool.start().wait_ready(1)
+        yield pool
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
+
+
+def grpc_predict(pool: Pool, inputs: dict[str, np.ndarray]) -> predict_pb2.PredictResponse:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        return stub.Predict(request, timeout=30)
+
+
+def rest(pool: Pool, path: str, body: Any = None, raw: bytes | None = None) -> requests.Response:
+    url = f"{pool.rest_url}/v1/models/{path}"
+    if raw is None and body is None:
+        return requests.get(url, timeout=30)
+    data = raw if raw is not None else json.dumps(body).encode()
+    return requests.post(url, data=data, timeout=30)
+
+
+def curl(pool: Pool, path: str, body: str | None = None) -> tuple[int, Any]:
+    command = ["curl", "-sS", "-w", "\n%{http_code}", f"{pool.rest_url}/v1/models/{path}"]
+    if body is not None:
+        command += ["-X", "POST", "-H", "Content-Type: application/json", "-d", body]
+    out = subprocess.run(command, capture_output=True, check=True, timeout=30, text=True).stdout
+    text, code = out.rsplit("\n", 1)
+    return int(code), json.loads(text)
+
+
+# -- gRPC: typed fields --------------------------------------------------------------------
+def test_grpc_outputs_fill_the_typed_fields_by_default(demo: Pool, reference_model) -> None:
+    inputs = demo_inputs(8, DEMO_ROWS, seed=3)
+    response = grpc_predict(demo, inputs)
+    score = response.outputs["score"]
+    # What a Java, Go or C++ client reads directly.
+    assert score.tensor_content == b""
+    assert len(score.float_val) == 8
+    expected = reference_model(**{k: tf.constant(v) for k, v in inputs.items()})["score"]
+    np.testing.assert_array_equal(np.array(score.float_val).reshape(8, 1), tf.make_ndarray(score))
+    np.testing.assert_allclose(tf.make_ndarray(score), expected.numpy(), atol=1e-6)
+
+
+def test_grpc_outputs_in_tensor_content_with_tf_servings_flag(text: Pool) -> None:
+    inputs = {
+        "words": np.array([b"a", b"b"], dtype=object),
+        "raw": np.array([b"\x00\xff", b""], dtype=object),
+        "k": np.array([3, 4], dtype=np.int32),
+    }
+    response = grpc_predict(text, inputs)
+    scores = response.outputs["scores"]
+    assert scores.float_val == [] and len(scores.tensor_content) == 2 * 2 * 4
+    np.testing.assert_array_equal(tf.make_ndarray(scores), [[1.5, 6.0], [2.0, 8.0]])
+    np.testing.assert_array_equal(tf.make_ndarray(response.outputs["length"]), [5, 4])
+    assert list(response.outputs["raw_bytes"].string_val) == [b"\x00\xff", b""]
+
+
+# -- REST: predict -------------------------------------------------------------------------
+def test_rest_row_and_columnar_answers_equal_grpcs(demo: Pool) -> None:
+    inputs = demo_inputs(5, DEMO_ROWS, seed=4)
+    expected = tf.make_ndarray(grpc_predict(demo, inputs).outputs["score"])
+    rows = [{name: inputs[name][i].tolist() for name in inputs} for i in range(5)]
+    answer = rest(demo, "demo:predict", {"instances": rows})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["Content-Type"] == "application/json"
+    predictions = np.array(answer.json()["predictions"], dtype=np.float32)
+    # TF Serving writes each float so that it parses back to the same float32.
+    np.testing.assert_array_equal(predictions, expected)
+    columns = {name: array.tolist() for name, array in inputs.items()}
+    answer = rest(demo, "demo/versions/1:predict", {"inputs": columns})
+    assert answer.status_code == 200, answer.text
+    np.testing.assert_array_equal(np.array(answer.json()["outputs"], dtype=np.float32), expected)
+    # The version number answers as a label too, as on the gRPC side.
+    answer = rest(
+        demo, "demo/labels/1:predict", {"signature_name": "serving_default", "inputs": columns}
+    )
+    assert answer.status_code == 200, answer.text
+
+
+def test_rest_with_curl(demo: Pool) -> None:
+    inputs = demo_inputs(2, DEMO_ROWS, seed=5)
+    expected = tf.make_ndarray(grpc_predict(demo, inputs).outputs["score"])
+    body = json.dumps({"inputs": {name: array.tolist() for name, array in inputs.items()}})
+    code, answer = curl(demo, "demo:predict", body)
+    assert code == 200, answer
+    np.testing.assert_array_equal(np.array(answer["outputs"], dtype=np.float32), expected)
+    code, answer = curl(demo, "demo")
+    assert (code, answer) == (
+        200,
+        {
+            "model_version_status": [
+                {
+                    "version": "1",
+                    "state": "AVAILABLE",
+                    "status": {"error_code": "OK", "error_message": ""},
+                }
+            ]
+        },
+    )
+    code, answer = curl(demo, "demo:predict", "{not json")
+    assert code == 400 and answer["error"].startswith("JSON Parse error: "), answer
+
+
+def test_rest_strings_binary_and_several_outputs(text: Pool) -> None:
+    raw = [b"\x00\x01\xfe\xff", b"plain"]
+    rows = [
+        {"words": "héllo", "raw": {"b64": base64.b64encode(raw[0]).decode()}, "k": 1},
+        {"words": "x y", "raw": {"b64": base64.b64encode(raw[1]).decode()}, "k": 2},
+    ]
+    answer = rest(text, "demo:predict", {"instances": rows})
+    assert answer.status_code == 200, answer.text
+    predictions = answer.json()["predictions"]
+    grpc_answer = grpc_predict(
+        text,
+        {
+            "words": np.array(["héllo".encode(), b"x y"], dtype=object),
+            "raw": np.array(raw, dtype=object),
+            "k": np.array([1, 2], dtype=np.int32),
+        },
+    )
+    for i, row in enumerate(predictions):
+        # An output named *_bytes is written as base64, as TF Serving does.
+        assert base64.b64decode(row["raw_bytes"]["b64"]) == raw[i]
+        assert row["upper"] == grpc_answer.outputs["upper"].string_val[i].decode()
+        assert row["length"] == tf.make_ndarray(grpc_answer.outputs["length"])[i]
+        assert row["scores"] == tf.make_ndarray(grpc_answer.outputs["scores"])[i].tolist()
+    assert predictions[0]["upper"] == "HéLLO"  # tf.strings.upper leaves non-ASCII alone
+    columns = {"words": ["a"], "raw": [{"b64": "AA=="}], "k": [7]}
+    answer = rest(text, "demo:predict", {"inputs": columns})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"] == {
+        "length": [8],
+        "raw_bytes": [{"b64": "AA=="}],
+        "scores": [[3.5, 14.0]],
+        "upper": ["A"],
+    }
+
+
+def test_rest_status_and_metadata_equal_grpcs(demo: Pool) -> None:
+    answer = rest(demo, "demo/versions/1")
+    assert answer.status_code == 200
+    assert answer.json()["model_version_status"][0]["state"] == "AVAILABLE"
+    answer = rest(demo, "demo/metadata")
+    assert answer.status_code == 200, answer.text
+    meta = answer.json()
+    assert meta["model_spec"] == {"name": "demo", "signature_name": "", "version": "1"}
+    signature = meta["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert signature["method_name"] == "tensorflow/serving/predict"
+    assert signature["inputs"]["ids"]["dtype"] == "DT_INT64"
+    assert signature["inputs"]["dense"]["dtype"] == "DT_FLOAT"
+    assert signature["inputs"]["ids"]["tensor_shape"]["dim"][0]["size"] == "-1"
+    assert signature["outputs"]["score"]["dtype"] == "DT_FLOAT"
+    assert signature["inputs"]["ids"]["name"].startswith("serving_default_ids")
+
+
+# -- REST: errors --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("nope:predict", {"inputs": []}, 404, "Servable not found for request: Latest(nope)"),
+        (
+            "demo/versions/9:predict",
+            {"inputs": []},
+            404,
+            "Servable not found for request: Specific(demo, 9)",
+        ),
+        (
+            "demo/labels/canary:predict",
+            {"inputs": []},
+            400,
+            "Unrecognized servable version label: canary",
+        ),
+        (
+            "demo:predict",
+            {"signature_name": "other", "inputs": []},
+            400,
+            'Serving signature name: "other" not found in signature def',
+        ),
+        (
+            "demo:predict",
+            {"signature_name": 3, "inputs": []},
+            400,
+            "'signature_name' key must be a string value.",
+        ),
+        ("demo:predict", {"instance": []}, 400, "Missing 'inputs' or 'instances' key"),
+        ("demo:predict", {"instances": []}, 400, "No values in 'instances' array"),
+        (
+            "demo:predict",
+            {"instances": [[1, 2]]},
+            400,
+            "instances is a plain list, but expecting list of objects",
+        ),
+        (
+            "demo:predict",
+            {"inputs": {"ids": [[1, 2, 3]]}},
+            400,
+            "Missing named input: dense in 'inputs' object.",
+        ),
+        (
+            "demo:predict",
+            {"instances": [{"ids": [1.5], "dense": [1.0]}]},
+            400,
+            "JSON Value: 1.5 Type: Number is not of expected type: int64",
+        ),
+        (
+            "demo:predict",
+            {"inputs": {"ids": [[1, 2]], "dense": [[1.0] * DENSE_FEATURES]}},
+            400,
+            'input "ids": shape [1,2] is not compatible with the signature\'s shape [-1,',
+        ),
+        (
+            "demo:predict",
+            {"inputs": {"ids": [[1], [2, 3]], "dense": [[1.0]]}},
+            400,
+            "Encountered list at unexpected size: 2 at level: 1 expected size: 1",
+        ),
+        ("demo:classify", {"examples": [{}]}, 501, "classify is not implemented"),
+        ("demo:explain", {}, 400, "Malformed request: POST /v1/models/demo:explain"),
+    ],
+)
+def test_rest_errors_are_tf_servings(
+    demo: Pool, path: str, body: Any, status: int, message: str
+) -> None:
+    answer = rest(demo, path, body)
+    assert answer.status_code == status, answer.text
+    assert list(answer.json()) == ["error"]
+    assert message in answer.json()["error"], answer.json()
+
+
+def test_rest_status_errors(demo: Pool) -> None:
+    answer = rest(demo, "nope")
+    assert answer.status_code == 404
+    assert answer.json() == {"error": "Could not find any versions of model nope"}
+    answer = requests.get(f"{demo.rest_url}/v1/models", timeout=30)
+    assert (answer.status_code, answer.json()) == (400, {"error": "Missing model name in request."})
+    answer = requests.get(f"{demo.rest_url}/metrics", timeout=30)
+    assert answer.status_code == 404
+
+
+def test_a_worker_error_and_huge_bodies_lose_nothing(demo: Pool) -> None:
+    inputs = demo_inputs(1, DEMO_ROWS, seed=6)
+    columns = {name: array.tolist() for name, array in inputs.items()}
+    # An id past the table: TensorFlow's own error, from the worker, as a 400.
+    bad = {"inputs": {"ids": [[DEMO_ROWS + 5] * len(columns["ids"][0])], "dense": columns["dense"]}}
+    answer = rest(demo, "demo:predict", bad)
+    assert answer.status_code == 400 and "indices" in answer.json()["error"], answer.text
+    # Over the message limit: refused before it is read, as JSON.
+    answer = rest(demo, "demo:predict", raw=b" " * (MAX_MESSAGE + 1))
+    assert answer.status_code == 413, answer.text
+    assert "larger than the limit" in answer.json()["error"]
+    # The same limit holds for gRPC (tonic says OUT_OF_RANGE where gRPC C++ says
+    # RESOURCE_EXHAUSTED).
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_predict(demo, {"ids": inputs["ids"], "dense": np.zeros((1000, 64), np.float32)})
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "the limit is: 200000 bytes" in info.value.details()
+    answer = rest(demo, "demo:predict", {"inputs": columns})
+    assert answer.status_code == 200, answer.text
+    assert demo.status()["slots"][0]["restarts"] == 0
