@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline of a REST Predict in ms (default %(default)s, as TF Serving; 0: none)",
     )
     start.add_argument(
+        "--enable-signature-method-name-check",
+        "--enable_signature_method_name_check",
+        dest="signature_method_name_check",
+        action="store_true",
+        help="Classify, Regress and MultiInference only run signatures whose method name is "
+        "tensorflow/serving/classify or .../regress (TF Serving's flag; off: any signature "
+        "with the right inputs and outputs)",
+    )
+    start.add_argument(
         "--max-message-bytes",
         type=int,
         default=512 * 2**20,
@@ -308,6 +317,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         rest_api_timeout_ms=args.rest_api_timeout_in_ms,
         max_message_bytes=args.max_message_bytes,
         serialize_as_tensor_content=args.serialize_as_tensor_content,
+        signature_method_name_check=args.signature_method_name_check,
         max_connection_age_s=args.max_connection_age,
         worker_timeout_s=args.worker_timeout,
         drain_timeout_s=args.drain_timeout,

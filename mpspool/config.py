@@ -66,6 +66,9 @@ class PoolConfig:
     # Predict outputs in tensor_content instead of the typed fields (float_val, ...), as TF
     # Serving's --enable_serialization_as_tensor_content; off by default, as there.
     serialize_as_tensor_content: bool = False
+    # Classify/Regress/MultiInference require the signature's method name to match, as TF
+    # Serving's --enable_signature_method_name_check (off by default there too).
+    signature_method_name_check: bool = False
     # Close client connections after this long (0: never), so clients balancing over
     # several pods re-resolve and find new ones; in-flight calls get the same again to end.
     max_connection_age_s: float = 0.0

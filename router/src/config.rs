@@ -31,6 +31,10 @@ pub struct Config {
     /// `--enable_serialization_as_tensor_content`).
     #[serde(default)]
     pub serialize_as_tensor_content: bool,
+    /// Classify/Regress/MultiInference check the signature's method name (TF Serving's
+    /// `--enable_signature_method_name_check`).
+    #[serde(default)]
+    pub signature_method_name_check: bool,
     #[serde(default)]
     pub max_connection_age_s: f64,
     #[serde(default = "default_worker_timeout")]

@@ -14,7 +14,9 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::codec;
+use crate::dispatch::WorkReply;
 use crate::dispatch::{Dispatcher, WorkRequest};
+use crate::inference::{self, Task};
 use crate::metrics::{Method, Metrics};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
@@ -23,6 +25,10 @@ use crate::proto::mpspool::tfs::{
 };
 use crate::proto::tensorflow::serving::model_service_server::ModelService;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionService;
+use crate::proto::tensorflow::serving::{
+    inference_result, ClassificationRequest, ClassificationResponse, InferenceResult, Input,
+    MultiInferenceRequest, MultiInferenceResponse, RegressionRequest, RegressionResponse,
+};
 use crate::signature::{self, ModelSignatures};
 use crate::status::{Code, ServingError};
 
@@ -37,6 +43,9 @@ pub struct Api {
     /// Outputs in `tensor_content` (TF Serving's `--enable_serialization_as_tensor_content`)
     /// instead of the typed fields TF Serving fills by default.
     pub tensor_content_outputs: bool,
+    /// Classify/Regress/MultiInference require the signature's method name to match (TF
+    /// Serving's `--enable_signature_method_name_check`; off by default there too).
+    pub method_name_check: bool,
 }
 
 impl Api {
@@ -120,6 +129,159 @@ impl Api {
             response
                 .outputs
                 .insert(name, output_tensor(dtype, &shape, frame)?);
+        }
+        Ok(response)
+    }
+
+    /// A Classify or Regress on `input` with the signature `spec` names: the worker's answer
+    /// and the number of examples it is for.
+    async fn infer(
+        &self,
+        spec: Option<&ModelSpec>,
+        input: Option<&Input>,
+        task: Task,
+        deadline: Option<Instant>,
+    ) -> Result<(WorkReply, usize, ModelSpec), ServingError> {
+        self.check_spec(spec)?;
+        let examples = inference::serialized_examples(input)?;
+        let signatures = self.signatures()?;
+        let name = spec.map_or("", |s| s.signature_name.as_str());
+        let (signature, outputs) =
+            inference::signature_for(&signatures, name, task, self.method_name_check)?;
+        let work = inference::work(signature, outputs, &examples);
+        let reply = self.dispatcher.call(work, deadline).await?;
+        Ok((reply, examples.len(), self.served_spec(&signature.key)))
+    }
+
+    pub async fn classify_checked(
+        &self,
+        request: ClassificationRequest,
+        deadline: Option<Instant>,
+    ) -> Result<ClassificationResponse, ServingError> {
+        let (reply, n, spec) = self
+            .infer(
+                request.model_spec.as_ref(),
+                request.input.as_ref(),
+                Task::Classify,
+                deadline,
+            )
+            .await?;
+        Ok(ClassificationResponse {
+            model_spec: Some(spec),
+            result: Some(inference::classification_result(&reply, n)?),
+        })
+    }
+
+    pub async fn regress_checked(
+        &self,
+        request: RegressionRequest,
+        deadline: Option<Instant>,
+    ) -> Result<RegressionResponse, ServingError> {
+        let (reply, n, spec) = self
+            .infer(
+                request.model_spec.as_ref(),
+                request.input.as_ref(),
+                Task::Regress,
+                deadline,
+            )
+            .await?;
+        Ok(RegressionResponse {
+            model_spec: Some(spec),
+            result: Some(inference::regression_result(&reply, n)?),
+        })
+    }
+
+    /// TF Serving's `TensorFlowMultiInferenceRunner::Infer`: every task is checked before any
+    /// runs; tasks run one after another on the same examples (TF Serving runs them in one
+    /// session call: the answers are the same).
+    async fn multi_inference_checked(
+        &self,
+        request: MultiInferenceRequest,
+        deadline: Option<Instant>,
+    ) -> Result<MultiInferenceResponse, ServingError> {
+        let mut model = "";
+        let mut seen = std::collections::BTreeSet::new();
+        let mut tasks = Vec::with_capacity(request.tasks.len());
+        for task in &request.tasks {
+            let spec = task.model_spec.as_ref();
+            let name = spec.map_or("", |s| s.name.as_str());
+            if name.is_empty() {
+                return Err(ServingError::invalid_argument(
+                    "Found ModelSpec with an empty model name.",
+                ));
+            }
+            if model.is_empty() {
+                model = name;
+            } else if model != name {
+                return Err(ServingError::invalid_argument(
+                    "All ModelSpecs in a MultiInferenceRequest must access the same model name.",
+                ));
+            }
+            let signature = spec
+                .map(|s| s.signature_name.as_str())
+                .filter(|s| !s.is_empty())
+                .unwrap_or(signature::DEFAULT_SIGNATURE);
+            if !seen.insert(signature) {
+                return Err(ServingError::invalid_argument(format!(
+                    "Duplicate evaluation of signature: {signature}"
+                )));
+            }
+            let kind = match task.method_name.as_str() {
+                inference::CLASSIFY_METHOD => Task::Classify,
+                inference::REGRESS_METHOD => Task::Regress,
+                other => {
+                    return Err(ServingError::new(
+                        Code::Unimplemented,
+                        format!("Unsupported signature method_name: {other}"),
+                    ))
+                }
+            };
+            tasks.push((spec, kind));
+        }
+        if tasks.is_empty() {
+            return Err(ServingError::invalid_argument(
+                "MultiInferenceRequest has no tasks",
+            ));
+        }
+        // Model and signatures first, so a bad task fails the request before any work.
+        let signatures = self.signatures()?;
+        for (spec, kind) in &tasks {
+            self.check_spec(*spec)?;
+            let name = spec.map_or("", |s| s.signature_name.as_str());
+            inference::signature_for(&signatures, name, *kind, self.method_name_check).map_err(
+                |e| {
+                    if e.message.starts_with("No signature was found") {
+                        ServingError::invalid_argument(format!(
+                            "Requested signature not found in model graph: {}",
+                            if name.is_empty() {
+                                signature::DEFAULT_SIGNATURE
+                            } else {
+                                name
+                            }
+                        ))
+                    } else {
+                        e
+                    }
+                },
+            )?;
+        }
+        let mut response = MultiInferenceResponse::default();
+        for (spec, kind) in tasks {
+            let (reply, n, served) = self
+                .infer(spec, request.input.as_ref(), kind, deadline)
+                .await?;
+            let result = match kind {
+                Task::Classify => inference_result::Result::ClassificationResult(
+                    inference::classification_result(&reply, n)?,
+                ),
+                Task::Regress => inference_result::Result::RegressionResult(
+                    inference::regression_result(&reply, n)?,
+                ),
+            };
+            response.results.push(InferenceResult {
+                model_spec: Some(served),
+                result: Some(result),
+            });
         }
         Ok(response)
     }
@@ -286,6 +448,38 @@ impl PredictionService for Api {
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
             .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
+            .await;
+        finish(result, &mut guard)
+    }
+
+    async fn classify(
+        &self,
+        request: Request<ClassificationRequest>,
+    ) -> Result<Response<ClassificationResponse>, Status> {
+        let mut guard = self.metrics.start(Method::Classify);
+        let deadline = deadline_of(request.metadata(), Instant::now());
+        let result = self.classify_checked(request.into_inner(), deadline).await;
+        finish(result, &mut guard)
+    }
+
+    async fn regress(
+        &self,
+        request: Request<RegressionRequest>,
+    ) -> Result<Response<RegressionResponse>, Status> {
+        let mut guard = self.metrics.start(Method::Regress);
+        let deadline = deadline_of(request.metadata(), Instant::now());
+        let result = self.regress_checked(request.into_inner(), deadline).await;
+        finish(result, &mut guard)
+    }
+
+    async fn multi_inference(
+        &self,
+        request: Request<MultiInferenceRequest>,
+    ) -> Result<Response<MultiInferenceResponse>, Status> {
+        let mut guard = self.metrics.start(Method::MultiInference);
+        let deadline = deadline_of(request.metadata(), Instant::now());
+        let result = self
+            .multi_inference_checked(request.into_inner(), deadline)
             .await;
         finish(result, &mut guard)
     }

@@ -26,8 +26,14 @@ use base64::Engine as _;
 use bytes::Bytes;
 use serde_json::Value;
 
+use prost::Message;
+
 use crate::codec::{self, dtype_name};
 use crate::proto::mpspool::tfs::{tensor_shape_proto::Dim, TensorProto, TensorShapeProto};
+use crate::proto::tensorflow::serving::{
+    feature, input, BytesList, ClassificationResult, Example, ExampleList, ExampleListWithContext,
+    Feature, Features, FloatList, Input, Int64List, RegressionResult,
+};
 use crate::signature::TensorSpec;
 use crate::status::{Code, ServingError};
 
@@ -495,6 +501,198 @@ fn columns_to_tensors(
         }
     }
     Ok(tensors)
+}
+
+// ---- classify and regress ---------------------------------------------------------------
+
+/// A `:classify` or `:regress` body (TF Serving's `FillClassifyRegressRequestFromJson`): the
+/// signature it names and its examples, each with the optional `context` in front.
+pub fn parse_examples(body: &[u8]) -> Result<(String, Input), ServingError> {
+    let parsed = parse_predict(body)?;
+    let document = &parsed.document;
+    let whole = || Value::Object(document.clone());
+    let context = match document.get("context") {
+        Some(value) => Some(example_from_json(value)?),
+        None => None,
+    };
+    let Some(examples) = document.get("examples") else {
+        return Err(format_error(
+            &whole(),
+            "When method is classify, key 'examples' is expected and was not found",
+        ));
+    };
+    let Value::Array(examples) = examples else {
+        return Err(format_error(
+            &whole(),
+            "Expecting 'examples' value to be an list/array",
+        ));
+    };
+    if examples.is_empty() {
+        return Err(format_error(&whole(), "'examples' value is an empty array"));
+    }
+    let examples = examples
+        .iter()
+        .map(example_from_json)
+        .collect::<Result<Vec<_>, _>>()?;
+    let kind = match context {
+        None => input::Kind::ExampleList(ExampleList { examples }),
+        Some(context) => {
+            input::Kind::ExampleListWithContext(ExampleListWithContext { examples, context })
+        }
+    };
+    Ok((parsed.signature_name, Input { kind: Some(kind) }))
+}
+
+/// TF Serving's `MakeExampleFromJsonObject`, serialized.
+fn example_from_json(value: &Value) -> Result<Bytes, ServingError> {
+    let Value::Object(fields) = value else {
+        return Err(invalid(format!(
+            "Example must be JSON object but got JSON {}",
+            type_name(value)
+        )));
+    };
+    let mut features = HashMap::with_capacity(fields.len());
+    for (name, content) in fields {
+        let mut feature = Feature { kind: None };
+        match content {
+            Value::Array(items) => {
+                for item in items {
+                    add_to_feature(item, name, &mut feature)?;
+                }
+            }
+            single => add_to_feature(single, name, &mut feature)?,
+        }
+        features.insert(name.clone(), feature);
+    }
+    let example = Example {
+        features: Some(Features { feature: features }),
+    };
+    Ok(Bytes::from(example.encode_to_vec()))
+}
+
+/// TF Serving's `AddValueToFeature`: a feature holds one kind of value, fixed by its first.
+fn add_to_feature(value: &Value, name: &str, feature: &mut Feature) -> Result<(), ServingError> {
+    let unexpected = || {
+        invalid(format!(
+            "Feature: {name} has element with unexpected JSON type: {}",
+            type_name(value)
+        ))
+    };
+    let incompatible = |feature: &Feature| {
+        let kind = match feature.kind {
+            Some(feature::Kind::BytesList(_)) => "bytes",
+            Some(feature::Kind::FloatList(_)) => "float",
+            Some(feature::Kind::Int64List(_)) => "int64",
+            None => "UNKNOWN",
+        };
+        invalid(format!(
+            "Unexpected element type in feature: {name} expecting type: {kind}"
+        ))
+    };
+    match value {
+        Value::Null | Value::Array(_) => Err(unexpected()),
+        Value::Bool(b) => push_int(feature, i64::from(*b)).ok_or_else(|| incompatible(feature)),
+        Value::Object(_) => {
+            if !is_base64_object(value) {
+                return Err(unexpected());
+            }
+            let encoded = value.get("b64").and_then(Value::as_str).unwrap_or_default();
+            let decoded = BASE64
+                .decode(encoded)
+                .map_err(|_| invalid("Unable to base64 decode"))?;
+            push_bytes(feature, Bytes::from(decoded)).ok_or_else(|| incompatible(feature))
+        }
+        Value::String(text) => push_bytes(feature, Bytes::from(text.clone().into_bytes()))
+            .ok_or_else(|| incompatible(feature)),
+        Value::Number(number) => {
+            if number.is_f64() {
+                let v = number.as_f64().unwrap_or_default() as f32;
+                push_float(feature, v).ok_or_else(|| incompatible(feature))
+            } else if let Some(v) = number.as_i64() {
+                push_int(feature, v).ok_or_else(|| incompatible(feature))
+            } else {
+                Err(invalid(format!(
+                    "Feature: {name} has uint64_t element. Only int64_t is supported."
+                )))
+            }
+        }
+    }
+}
+
+fn push_int(feature: &mut Feature, value: i64) -> Option<()> {
+    match feature
+        .kind
+        .get_or_insert_with(|| feature::Kind::Int64List(Int64List::default()))
+    {
+        feature::Kind::Int64List(list) => {
+            list.value.push(value);
+            Some(())
+        }
+        _ => None,
+    }
+}
+
+fn push_float(feature: &mut Feature, value: f32) -> Option<()> {
+    match feature
+        .kind
+        .get_or_insert_with(|| feature::Kind::FloatList(FloatList::default()))
+    {
+        feature::Kind::FloatList(list) => {
+            list.value.push(value);
+            Some(())
+        }
+        _ => None,
+    }
+}
+
+fn push_bytes(feature: &mut Feature, value: Bytes) -> Option<()> {
+    match feature
+        .kind
+        .get_or_insert_with(|| feature::Kind::BytesList(BytesList::default()))
+    {
+        feature::Kind::BytesList(list) => {
+            list.value.push(value);
+            Some(())
+        }
+        _ => None,
+    }
+}
+
+/// TF Serving's `MakeJsonFromClassificationResult`.
+pub fn classification_answer(result: &ClassificationResult) -> Result<String, ServingError> {
+    if result.classifications.is_empty() {
+        return Err(invalid(
+            "Cannot convert empty ClassificationResults to JSON",
+        ));
+    }
+    let mut out = String::from("{\n    \"results\": [");
+    for (i, classifications) in result.classifications.iter().enumerate() {
+        out.push_str(if i > 0 { ",\n        [" } else { "\n        [" });
+        for (j, class) in classifications.classes.iter().enumerate() {
+            out.push_str(if j > 0 { ", [" } else { "[" });
+            write_string(&mut out, class.label.as_bytes());
+            out.push_str(", ");
+            write_float(&mut out, class.score);
+            out.push(']');
+        }
+        out.push(']');
+    }
+    out.push_str("\n    ]\n}");
+    Ok(out)
+}
+
+/// TF Serving's `MakeJsonFromRegressionResult`.
+pub fn regression_answer(result: &RegressionResult) -> Result<String, ServingError> {
+    if result.regressions.is_empty() {
+        return Err(invalid("Cannot convert empty RegressionResults to JSON"));
+    }
+    let mut out = String::from("{\n    \"results\": [");
+    for (i, regression) in result.regressions.iter().enumerate() {
+        out.push_str(if i > 0 { ", " } else { "" });
+        write_float(&mut out, regression.value);
+    }
+    out.push_str("]\n}");
+    Ok(out)
 }
 
 // ---- answers ----------------------------------------------------------------------------
@@ -966,6 +1164,93 @@ mod tests {
             message(predict_answer(&half, Format::Columnar)),
             "Failed to write JSON value for tensor type: half"
         );
+    }
+
+    #[test]
+    fn examples_are_built_as_tf_serving_builds_them() {
+        let body = br#"{"context": {"country": "fr"}, "examples": [
+            {"age": 3, "weight": 1.5, "tags": ["a", {"b64": "AA=="}], "ok": true},
+            {"age": [], "weight": [2.0, 3.5]}]}"#;
+        let (signature, input) = parse_examples(body).unwrap();
+        assert_eq!(signature, "");
+        let Some(input::Kind::ExampleListWithContext(list)) = input.kind else {
+            panic!("no context");
+        };
+        let context = Example::decode(list.context).unwrap();
+        let country = &context.features.unwrap().feature["country"];
+        assert_eq!(
+            country.kind,
+            Some(feature::Kind::BytesList(BytesList {
+                value: vec![Bytes::from_static(b"fr")]
+            }))
+        );
+        let first = Example::decode(list.examples[0].clone()).unwrap();
+        let features = first.features.unwrap().feature;
+        assert_eq!(
+            features["age"].kind,
+            Some(feature::Kind::Int64List(Int64List { value: vec![3] }))
+        );
+        assert_eq!(
+            features["ok"].kind,
+            Some(feature::Kind::Int64List(Int64List { value: vec![1] }))
+        );
+        assert_eq!(
+            features["weight"].kind,
+            Some(feature::Kind::FloatList(FloatList { value: vec![1.5] }))
+        );
+        let second = Example::decode(list.examples[1].clone()).unwrap();
+        assert_eq!(second.features.unwrap().feature["age"].kind, None);
+        let error = |body: &str| parse_examples(body.as_bytes()).unwrap_err().message;
+        assert_eq!(
+            error(r#"{"examples": [{"w": [2, 3.5]}]}"#),
+            "Unexpected element type in feature: w expecting type: int64"
+        );
+        assert_eq!(
+            error(r#"{"examples": [{"w": null}]}"#),
+            "Feature: w has element with unexpected JSON type: Null"
+        );
+        assert_eq!(
+            error(r#"{"examples": [{"w": 18446744073709551615}]}"#),
+            "Feature: w has uint64_t element. Only int64_t is supported."
+        );
+        assert_eq!(
+            error(r#"{"examples": [3]}"#),
+            "Example must be JSON object but got JSON Number"
+        );
+        assert!(error(r#"{"inputs": []}"#)
+            .ends_with("When method is classify, key 'examples' is expected and was not found"));
+        assert!(error(r#"{"examples": []}"#).ends_with("'examples' value is an empty array"));
+    }
+
+    #[test]
+    fn classify_and_regress_answers() {
+        use crate::proto::tensorflow::serving::{Class, Classifications, Regression};
+        let result = ClassificationResult {
+            classifications: vec![Classifications {
+                classes: vec![
+                    Class {
+                        label: "a".into(),
+                        score: 0.25,
+                    },
+                    Class {
+                        label: "b".into(),
+                        score: 0.75,
+                    },
+                ],
+            }],
+        };
+        assert_eq!(
+            compact(&classification_answer(&result).unwrap()),
+            compact(r#"{"results": [[["a", 0.25], ["b", 0.75]]]}"#)
+        );
+        let result = RegressionResult {
+            regressions: vec![Regression { value: 1.0 }, Regression { value: 0.5 }],
+        };
+        assert_eq!(
+            compact(&regression_answer(&result).unwrap()),
+            compact(r#"{"results": [1.0, 0.5]}"#)
+        );
+        assert!(regression_answer(&RegressionResult::default()).is_err());
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod config;
 mod control;
 mod dispatch;
 mod grpc;
+mod inference;
 mod json_tensor;
 mod log;
 mod metrics;
@@ -163,6 +164,7 @@ async fn serve(config: Config) -> ExitCode {
         dispatcher,
         metrics,
         tensor_content_outputs: config.serialize_as_tensor_content,
+        method_name_check: config.signature_method_name_check,
     };
     let limits = server::Limits {
         max_message_bytes: config.max_message_bytes,

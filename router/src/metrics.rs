@@ -24,7 +24,14 @@ pub const BUCKETS: [f64; 13] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 ];
 
-pub const METHODS: [&str; 3] = ["Predict", "GetModelMetadata", "GetModelStatus"];
+pub const METHODS: [&str; 6] = [
+    "Predict",
+    "GetModelMetadata",
+    "GetModelStatus",
+    "Classify",
+    "Regress",
+    "MultiInference",
+];
 
 /// Every gRPC code, in the order their names sort (the order the counter's samples are
 /// written in, as prometheus_client writes labels).
@@ -53,6 +60,9 @@ pub enum Method {
     Predict = 0,
     GetModelMetadata = 1,
     GetModelStatus = 2,
+    Classify = 3,
+    Regress = 4,
+    MultiInference = 5,
 }
 
 #[derive(Default)]
@@ -65,8 +75,8 @@ struct Histogram {
 pub struct Metrics {
     model: String,
     /// Answers by method and code (indexed by the code's number, 0..=16).
-    requests: [[AtomicU64; 17]; 3],
-    latency: [Histogram; 3],
+    requests: [[AtomicU64; 17]; METHODS.len()],
+    latency: [Histogram; METHODS.len()],
     inflight: AtomicI64,
     ready: watch::Receiver<usize>,
     copied: watch::Receiver<BTreeMap<String, u64>>,

@@ -1,7 +1,7 @@
 //! TF Serving's REST API (`http_rest_api_handler.cc`), on its own port, over the same checked
 //! paths as the gRPC API (`grpc::Api`), so both answer alike:
 //! - `POST /v1/models/{name}[/versions/{v}|/labels/{l}]:predict` (row or columnar JSON,
-//!   `json_tensor`), `:classify` and `:regress`;
+//!   `json_tensor`), `:classify` and `:regress` (tf.Examples as JSON objects, `inference`);
 //! - `GET /v1/models/{name}[/versions/{v}|/labels/{l}]` (status) and `.../metadata`.
 //!
 //! Every answer is JSON; an error is `{"error": message}` with TF Serving's HTTP status for
@@ -28,6 +28,7 @@ use crate::proto::mpspool::tfs::{
     GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
     TensorShapeProto,
 };
+use crate::proto::tensorflow::serving::{ClassificationRequest, RegressionRequest};
 use crate::signature::DEFAULT_SIGNATURE;
 use crate::status::{Code, ServingError};
 
@@ -303,17 +304,54 @@ impl Rest {
         method: &str,
         body: &[u8],
     ) -> Result<String, ServingError> {
-        if method != "predict" {
-            return Err(ServingError::new(
-                Code::Unimplemented,
-                format!("{method} is not implemented by mpspool yet; use predict"),
-            ));
-        }
-        let mut guard = self.api.metrics.start(Method::Predict);
         let deadline = self.timeout.map(|t| Instant::now() + t);
-        let answer = self.predict(model, version, body, deadline).await;
+        let kind = match method {
+            "classify" => Method::Classify,
+            "regress" => Method::Regress,
+            _ => Method::Predict,
+        };
+        let mut guard = self.api.metrics.start(kind);
+        let answer = match kind {
+            Method::Classify => self.classify(model, version, body, deadline).await,
+            Method::Regress => self.regress(model, version, body, deadline).await,
+            _ => self.predict(model, version, body, deadline).await,
+        };
         guard.set_code(answer.as_ref().err().map_or(Code::Ok, |e| e.code));
         answer
+    }
+
+    /// TF Serving's `ProcessClassifyRequest`.
+    async fn classify(
+        &self,
+        model: &str,
+        version: &Version,
+        body: &[u8],
+        deadline: Option<Instant>,
+    ) -> Result<String, ServingError> {
+        let (signature_name, input) = json_tensor::parse_examples(body)?;
+        let request = ClassificationRequest {
+            model_spec: Some(model_spec(model, version, &signature_name)),
+            input: Some(input),
+        };
+        let response = self.api.classify_checked(request, deadline).await?;
+        json_tensor::classification_answer(&response.result.unwrap_or_default())
+    }
+
+    /// TF Serving's `ProcessRegressRequest`.
+    async fn regress(
+        &self,
+        model: &str,
+        version: &Version,
+        body: &[u8],
+        deadline: Option<Instant>,
+    ) -> Result<String, ServingError> {
+        let (signature_name, input) = json_tensor::parse_examples(body)?;
+        let request = RegressionRequest {
+            model_spec: Some(model_spec(model, version, &signature_name)),
+            input: Some(input),
+        };
+        let response = self.api.regress_checked(request, deadline).await?;
+        json_tensor::regression_answer(&response.result.unwrap_or_default())
     }
 
     /// TF Serving's `ProcessPredictRequest`: the body is parsed first, then the model and
