@@ -21,6 +21,7 @@ from mpspool.config import (
     default_cache_dir,
     default_log_dir,
     default_run_dir,
+    prometheus_path_from,
     usable_cores,
 )
 
@@ -98,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=30_000,
         help="deadline of a REST Predict in ms (default %(default)s, as TF Serving; 0: none)",
+    )
+    start.add_argument(
+        "--monitoring-config-file",
+        "--monitoring_config_file",
+        type=Path,
+        help="TF Serving's monitoring config (text format): with prometheus_config { enable: "
+        "true }, TF Serving's metrics (:tensorflow:serving:...) are served on the REST port at "
+        "its path (default /monitoring/prometheus/metrics)",
     )
     start.add_argument(
         "--enable-signature-method-name-check",
@@ -318,6 +327,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         serialize_as_tensor_content=args.serialize_as_tensor_content,
         signature_method_name_check=args.signature_method_name_check,
+        prometheus_path=(
+            prometheus_path_from(args.monitoring_config_file) if args.monitoring_config_file else ""
+        ),
         max_connection_age_s=args.max_connection_age,
         worker_timeout_s=args.worker_timeout,
         drain_timeout_s=args.drain_timeout,

@@ -41,6 +41,32 @@ def default_cache_dir() -> Path:
     return Path(cache) / "mpspool"
 
 
+DEFAULT_PROMETHEUS_PATH = "/monitoring/prometheus/metrics"  # TF Serving's kPrometheusPath
+
+
+def prometheus_path_from(monitoring_config: Path) -> str:
+    """The Prometheus path a TF Serving monitoring config file (text format,
+    ``prometheus_config { enable: true path: "..." }``) turns on; "" when it does not."""
+    from google.protobuf import text_format
+
+    from mpspool.protos import monitoring_pb2
+
+    try:
+        text = monitoring_config.read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read --monitoring_config_file {monitoring_config}: {exc}"
+        ) from None
+    config = monitoring_pb2.MonitoringConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise ConfigError(f"{monitoring_config} is not a MonitoringConfig: {exc}") from None
+    if not config.prometheus_config.enable:
+        return ""
+    return config.prometheus_config.path or DEFAULT_PROMETHEUS_PATH
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -66,6 +92,8 @@ class PoolConfig:
     # Predict outputs in tensor_content instead of the typed fields (float_val, ...), as TF
     # Serving's --enable_serialization_as_tensor_content; off by default, as there.
     serialize_as_tensor_content: bool = False
+    # TF Serving's metrics page on the REST port ("" off), from --monitoring_config_file.
+    prometheus_path: str = ""
     # Classify/Regress/MultiInference require the signature's method name to match, as TF
     # Serving's --enable_signature_method_name_check (off by default there too).
     signature_method_name_check: bool = False
@@ -187,6 +215,18 @@ class PoolConfig:
         if self.rest_api_timeout_ms < 0:
             raise ConfigError(
                 f"--rest-api-timeout-in-ms must be >= 0, got {self.rest_api_timeout_ms}"
+            )
+        if self.prometheus_path and self.rest_api_port == -1:
+            raise ConfigError(
+                "--monitoring_config_file turns on Prometheus metrics, which are served on "
+                "the REST port: give --rest-api-port"
+            )
+        if self.prometheus_path and (
+            not self.prometheus_path.startswith("/") or self.prometheus_path.startswith("/v1/")
+        ):
+            raise ConfigError(
+                f"the monitoring config's path must start with / and not /v1/ (the REST "
+                f"API's), got {self.prometheus_path!r}"
             )
         if self.rest_api_port > 0 and self.rest_api_port in (self.port, self.metrics_port):
             raise ConfigError(

@@ -31,10 +31,14 @@ from mpspool import dtypes
 from mpspool.protos import serving_pb2, tensorflow_pb2
 
 REPO = Path(__file__).resolve().parents[1]
-PROTOS = ["mpspool/protos/tensorflow.proto", "mpspool/protos/serving.proto"]
+PROTOS = [
+    "mpspool/protos/tensorflow.proto",
+    "mpspool/protos/serving.proto",
+    "mpspool/protos/monitoring.proto",
+]
 GENERATED = [
     f"mpspool/protos/{stem}{suffix}"
-    for stem in ("tensorflow_pb2", "serving_pb2")
+    for stem in ("tensorflow_pb2", "serving_pb2", "monitoring_pb2")
     for suffix in (".py", ".pyi")
 ]
 SIGNATURE_DEF_MAP_URL = "type.googleapis.com/tensorflow.serving.SignatureDefMap"
@@ -345,3 +349,18 @@ def test_every_field_matches_the_official_message(ours):
         if field.is_repeated and field.cpp_type != FieldDescriptor.CPPTYPE_MESSAGE:
             # packed-ness changes the bytes written (parsers accept both, but keep it equal)
             assert field.is_packed == official.is_packed, field.name
+
+
+def test_tf_servings_monitoring_config_text_reads_into_ours():
+    # The example of TF Serving's monitoring documentation, and the fields as
+    # tensorflow_serving/config/monitoring_config.proto numbers them.
+    from google.protobuf import text_format
+
+    from mpspool.protos import monitoring_pb2
+
+    text = 'prometheus_config {\n  enable: true,\n  path: "/monitoring/prometheus/metrics"\n}\n'
+    config = text_format.Parse(text, monitoring_pb2.MonitoringConfig())
+    assert config.prometheus_config.enable
+    assert config.prometheus_config.path == "/monitoring/prometheus/metrics"
+    fields = {f.name: f.number for f in monitoring_pb2.PrometheusConfig.DESCRIPTOR.fields}
+    assert fields == {"enable": 1, "path": 2}

@@ -19,6 +19,7 @@ import requests
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from mpspool.config import ConfigError, prometheus_path_from
 from mpspool.demo_model import DENSE_FEATURES, demo_inputs
 
 from conftest import DEMO_ROWS
@@ -29,12 +30,19 @@ MAX_MESSAGE = 200_000
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
+    tmp = tmp_path_factory.mktemp("rest")
+    monitoring = tmp / "monitoring.config"
+    monitoring.write_text(
+        'prometheus_config {\n  enable: true,\n  path: "/monitoring/prometheus/metrics"\n}\n'
+    )
     pool = Pool(
-        tmp_path_factory.mktemp("rest"),
+        tmp,
         demo_model_dir,
         1,
         "--max-message-bytes",
         str(MAX_MESSAGE),
+        "--monitoring_config_file",
+        str(monitoring),
     )
     try:
         pool.start().wait_ready(1)
@@ -303,7 +311,8 @@ def test_rest_status_and_metadata_equal_grpcs(demo: Pool) -> None:
             400,
             "Encountered list at unexpected size: 2 at level: 1 expected size: 1",
         ),
-        ("demo:classify", {"examples": [{}]}, 501, "classify is not implemented"),
+        # The demo's predict signature has two inputs: not something Classify can run.
+        ("demo:classify", {"examples": [{}]}, 400, "Expected one input Tensor."),
         ("demo:explain", {}, 400, "Malformed request: POST /v1/models/demo:explain"),
     ],
 )
@@ -346,3 +355,60 @@ def test_a_worker_error_and_huge_bodies_lose_nothing(demo: Pool) -> None:
     answer = rest(demo, "demo:predict", {"inputs": columns})
     assert answer.status_code == 200, answer.text
     assert demo.status()["slots"][0]["restarts"] == 0
+
+
+# -- metrics -------------------------------------------------------------------------------
+def _samples(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
+    inputs = demo_inputs(2, DEMO_ROWS, seed=7)
+    columns = {name: array.tolist() for name, array in inputs.items()}
+    for _ in range(3):
+        grpc_predict(demo, inputs)
+        assert rest(demo, "demo:predict", {"inputs": columns}).status_code == 200
+    assert rest(demo, "demo:predict", {"inputs": {}}).status_code == 400
+    page = requests.get(f"{demo.rest_url}/monitoring/prometheus/metrics", timeout=30)
+    assert page.status_code == 200
+    assert page.headers["Content-Type"].startswith("text/plain")
+    tfs = _samples(page.text)
+    assert tfs[':tensorflow:serving:request_count{model_name="demo",status="OK"}'] >= 6
+    assert (
+        tfs[':tensorflow:serving:request_count{model_name="demo",status="INVALID_ARGUMENT"}'] >= 1
+    )
+    for api, entrypoint in (("Predict", "GRPC"), ("predict", "REST")):
+        labels = f'model_name="demo",API="{api}",entrypoint="{entrypoint}"'
+        assert tfs[f":tensorflow:serving:request_latency_count{{{labels}}}"] >= 3
+        assert tfs[f':tensorflow:serving:request_latency_bucket{{{labels},le="+Inf"}}'] >= 3
+    runtime = 'model_name="demo",API="Predict",runtime="TF1"'
+    assert tfs[f":tensorflow:serving:runtime_latency_count{{{runtime}}}"] >= 6
+    # The split, on mpspool's own page: every answered worker call has a queue and a compute
+    # part, and together they fit inside the requests' end-to-end time.
+    ours = _samples(requests.get(demo.status()["pool"]["metrics"], timeout=30).text)
+    queue = ours['mpspool_request_queue_seconds_sum{model="demo"}']
+    compute = ours['mpspool_request_compute_seconds_sum{model="demo"}']
+    total = ours['mpspool_request_duration_seconds_sum{method="Predict",model="demo"}']
+    calls = ours['mpspool_request_compute_seconds_count{model="demo"}']
+    assert calls == ours['mpspool_request_queue_seconds_count{model="demo"}'] >= 6
+    assert 0 < compute and 0 <= queue and queue + compute <= total
+    # Microseconds of the model call, as TF Serving's runtime_latency counts them.
+    assert tfs[f":tensorflow:serving:runtime_latency_sum{{{runtime}}}"] == pytest.approx(
+        compute * 1e6, rel=0.01
+    )
+
+
+def test_monitoring_config_files_are_read_as_tf_serving_reads_them(tmp_path: Path) -> None:
+    config = tmp_path / "m.config"
+    config.write_text("prometheus_config { enable: true }")
+    assert prometheus_path_from(config) == "/monitoring/prometheus/metrics"
+    config.write_text('prometheus_config { enable: false, path: "/m" }')
+    assert prometheus_path_from(config) == ""
+    config.write_text("prometheus_config { enabled: true }")
+    with pytest.raises(ConfigError, match="is not a MonitoringConfig"):
+        prometheus_path_from(config)

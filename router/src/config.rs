@@ -31,6 +31,10 @@ pub struct Config {
     /// `--enable_serialization_as_tensor_content`).
     #[serde(default)]
     pub serialize_as_tensor_content: bool,
+    /// The path of TF Serving's metrics on the REST port ("" when its monitoring config does
+    /// not turn them on).
+    #[serde(default)]
+    pub prometheus_path: String,
     /// Classify/Regress/MultiInference check the signature's method name (TF Serving's
     /// `--enable_signature_method_name_check`).
     #[serde(default)]

@@ -49,6 +49,8 @@ pub struct WorkReply {
     /// retried request went).
     #[cfg_attr(not(test), allow(dead_code))]
     pub slot: String,
+    /// When the worker's model call started and ended (wall-clock µs), if it said.
+    pub span: Option<(i64, i64)>,
 }
 
 /// What becomes of one sending of a request.
@@ -525,6 +527,7 @@ impl Actor {
                         tensors,
                         frames,
                         slot,
+                        span: t,
                     }));
                 }
             }

@@ -14,10 +14,10 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::codec;
-use crate::dispatch::WorkReply;
-use crate::dispatch::{Dispatcher, WorkRequest};
+use crate::dispatch::Dispatcher;
+use crate::dispatch::{WorkReply, WorkRequest};
 use crate::inference::{self, Task};
-use crate::metrics::{Method, Metrics};
+use crate::metrics::{Entrypoint, Method, Metrics, TfApi};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
     GetModelMetadataResponse, GetModelStatusRequest, GetModelStatusResponse, ModelSpec,
@@ -31,6 +31,13 @@ use crate::proto::tensorflow::serving::{
 };
 use crate::signature::{self, ModelSignatures};
 use crate::status::{Code, ServingError};
+
+/// Microseconds since the Unix epoch: the clock workers stamp their spans with.
+fn wall_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
 
 pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.SignatureDefMap";
 
@@ -77,6 +84,28 @@ impl Api {
         }
     }
 
+    /// A checked request on a worker; its span goes to the metrics as `api`'s.
+    async fn run(
+        &self,
+        work: WorkRequest,
+        deadline: Option<Instant>,
+        api: TfApi,
+    ) -> Result<WorkReply, ServingError> {
+        let handed_us = wall_micros();
+        let reply = self.dispatcher.call(work, deadline).await?;
+        if let Some((start, end)) = reply.span {
+            let queue = u64::try_from(start - handed_us).unwrap_or(0);
+            let compute = u64::try_from(end - start).unwrap_or(0);
+            self.metrics.record_span(api, queue, compute);
+        }
+        Ok(reply)
+    }
+
+    /// Whether a request names the served model (and so is counted in TF Serving's metrics).
+    pub fn names_this_model(&self, spec: Option<&ModelSpec>) -> bool {
+        spec.is_some_and(|s| s.name == self.model)
+    }
+
     /// A Predict, checked and run; its outputs in the typed fields unless `tensor_content`.
     pub async fn predict_checked(
         &self,
@@ -115,7 +144,7 @@ impl Api {
             frames,
             outputs,
         };
-        let reply = self.dispatcher.call(work, deadline).await?;
+        let reply = self.run(work, deadline, TfApi::Predict).await?;
         let mut response = PredictResponse {
             model_spec: Some(self.served_spec(&spec.key)),
             ..PredictResponse::default()
@@ -149,7 +178,11 @@ impl Api {
         let (signature, outputs) =
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
         let work = inference::work(signature, outputs, &examples);
-        let reply = self.dispatcher.call(work, deadline).await?;
+        let api = match task {
+            Task::Classify => TfApi::Classify,
+            Task::Regress => TfApi::Regress,
+        };
+        let reply = self.run(work, deadline, api).await?;
         Ok((reply, examples.len(), self.served_spec(&signature.key)))
     }
 
@@ -166,6 +199,7 @@ impl Api {
                 deadline,
             )
             .await?;
+        self.metrics.tf_serving.record_examples(n);
         Ok(ClassificationResponse {
             model_spec: Some(spec),
             result: Some(inference::classification_result(&reply, n)?),
@@ -185,6 +219,7 @@ impl Api {
                 deadline,
             )
             .await?;
+        self.metrics.tf_serving.record_examples(n);
         Ok(RegressionResponse {
             model_spec: Some(spec),
             result: Some(inference::regression_result(&reply, n)?),
@@ -266,6 +301,7 @@ impl Api {
             )?;
         }
         let mut response = MultiInferenceResponse::default();
+        let mut counted = false;
         for (spec, kind) in tasks {
             let (reply, n, served) = self
                 .infer(spec, request.input.as_ref(), kind, deadline)
@@ -278,6 +314,10 @@ impl Api {
                     inference::regression_result(&reply, n)?,
                 ),
             };
+            if !counted {
+                self.metrics.tf_serving.record_examples(n);
+                counted = true;
+            }
             response.results.push(InferenceResult {
                 model_spec: Some(served),
                 result: Some(result),
@@ -445,6 +485,9 @@ impl PredictionService for Api {
         request: Request<PredictRequest>,
     ) -> Result<Response<PredictResponse>, Status> {
         let mut guard = self.metrics.start(Method::Predict);
+        if self.names_this_model(request.get_ref().model_spec.as_ref()) {
+            guard.tf_serving(TfApi::Predict, Entrypoint::Grpc);
+        }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
             .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
@@ -457,6 +500,9 @@ impl PredictionService for Api {
         request: Request<ClassificationRequest>,
     ) -> Result<Response<ClassificationResponse>, Status> {
         let mut guard = self.metrics.start(Method::Classify);
+        if self.names_this_model(request.get_ref().model_spec.as_ref()) {
+            guard.tf_serving(TfApi::Classify, Entrypoint::Grpc);
+        }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self.classify_checked(request.into_inner(), deadline).await;
         finish(result, &mut guard)
@@ -467,6 +513,9 @@ impl PredictionService for Api {
         request: Request<RegressionRequest>,
     ) -> Result<Response<RegressionResponse>, Status> {
         let mut guard = self.metrics.start(Method::Regress);
+        if self.names_this_model(request.get_ref().model_spec.as_ref()) {
+            guard.tf_serving(TfApi::Regress, Entrypoint::Grpc);
+        }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self.regress_checked(request.into_inner(), deadline).await;
         finish(result, &mut guard)
@@ -477,6 +526,14 @@ impl PredictionService for Api {
         request: Request<MultiInferenceRequest>,
     ) -> Result<Response<MultiInferenceResponse>, Status> {
         let mut guard = self.metrics.start(Method::MultiInference);
+        let tasks = &request.get_ref().tasks;
+        if !tasks.is_empty()
+            && tasks
+                .iter()
+                .all(|t| self.names_this_model(t.model_spec.as_ref()))
+        {
+            guard.tf_serving(TfApi::MultiInference, Entrypoint::Grpc);
+        }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
             .multi_inference_checked(request.into_inner(), deadline)

@@ -426,6 +426,7 @@ mod tests {
             tensors,
             frames,
             slot: "cpu-0".into(),
+            span: None,
         }
     }
 

@@ -936,7 +936,7 @@ fn push_decimal(out: &mut String, text: String) {
 }
 
 /// C's `printf("%.{precision}g", value)` for a finite value.
-fn format_g(value: f64, precision: usize) -> String {
+pub fn format_g(value: f64, precision: usize) -> String {
     if value == 0.0 {
         return if value.is_sign_negative() { "-0" } else { "0" }.to_string();
     }

@@ -20,6 +20,7 @@ mod server;
 mod signature;
 mod state;
 mod status;
+mod tfs_metrics;
 mod timeline;
 mod wire;
 mod workers;
@@ -191,6 +192,8 @@ async fn serve(config: Config) -> ExitCode {
                 api: api.clone(),
                 max_body_bytes: config.max_message_bytes,
                 timeout: (!timeout.is_zero()).then_some(timeout),
+                prometheus_path: (!config.prometheus_path.is_empty())
+                    .then(|| config.prometheus_path.clone()),
             };
             Some((listener, Arc::new(handler)))
         }

@@ -17,6 +17,8 @@ use tokio::sync::watch;
 
 use crate::state::RouterState;
 use crate::status::Code;
+use crate::tfs_metrics::TfServingMetrics;
+pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
 use crate::{log_error, log_info};
 
 /// Small-batch inference lives between a fraction of a millisecond and a few hundred.
@@ -72,8 +74,44 @@ struct Histogram {
     sum_ns: AtomicU64,
 }
 
+impl Histogram {
+    fn observe(&self, took: Duration) {
+        let secs = took.as_secs_f64();
+        // One add in the first bucket that holds it; render() sums them into Prometheus's
+        // cumulative buckets (past the last bound, only count and sum see it: +Inf).
+        if let Some(first) = BUCKETS.iter().position(|le| secs <= *le) {
+            self.buckets[first].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The `_bucket`, `_count` and `_sum` lines for `labels` (written before `le`).
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let count = self.count.load(Ordering::Relaxed);
+        let mut cumulative = 0;
+        for (bucket, le) in self.buckets.iter().zip(BUCKETS) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            out.push_str(&format!(
+                "{name}_bucket{{le=\"{le:?}\",{labels}}} {cumulative}\n"
+            ));
+        }
+        out.push_str(&format!("{name}_bucket{{le=\"+Inf\",{labels}}} {count}\n"));
+        out.push_str(&format!("{name}_count{{{labels}}} {count}\n"));
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        out.push_str(&format!("{name}_sum{{{labels}}} {sum:?}\n"));
+    }
+}
+
 pub struct Metrics {
     model: String,
+    /// The same requests under TF Serving's names (served at its Prometheus path).
+    pub tf_serving: TfServingMetrics,
+    /// Where a request's time went: from the front door handing it over until its worker's
+    /// model call started (ZeroMQ, the worker's queue), and the call itself.
+    queue: Histogram,
+    compute: Histogram,
     /// Answers by method and code (indexed by the code's number, 0..=16).
     requests: [[AtomicU64; 17]; METHODS.len()],
     latency: [Histogram; METHODS.len()],
@@ -89,18 +127,31 @@ pub struct InFlight<'a> {
     method: Method,
     started: std::time::Instant,
     code: Code,
+    /// Counted in TF Serving's metrics too (a request naming the served model).
+    tf_serving: Option<(TfApi, Entrypoint)>,
 }
 
 impl InFlight<'_> {
     pub fn set_code(&mut self, code: Code) {
         self.code = code;
     }
+
+    /// Count this request in TF Serving's metrics as `api` through `entrypoint`.
+    pub fn tf_serving(&mut self, api: TfApi, entrypoint: Entrypoint) {
+        self.tf_serving = Some((api, entrypoint));
+    }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.metrics
-            .record(self.method, self.code, self.started.elapsed());
+        let took = self.started.elapsed();
+        self.metrics.record(self.method, self.code, took);
+        if let Some((api, entrypoint)) = self.tf_serving {
+            let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+            self.metrics
+                .tf_serving
+                .record_request(api, entrypoint, self.code, micros);
+        }
         self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -114,6 +165,9 @@ impl Metrics {
     ) -> Metrics {
         Metrics {
             model: model.to_string(),
+            tf_serving: TfServingMetrics::new(model),
+            queue: Histogram::default(),
+            compute: Histogram::default(),
             requests: Default::default(),
             latency: Default::default(),
             inflight: AtomicI64::new(0),
@@ -133,22 +187,21 @@ impl Metrics {
             method,
             started: std::time::Instant::now(),
             code: Code::Cancelled,
+            tf_serving: None,
         }
     }
 
     fn record(&self, method: Method, code: Code, took: Duration) {
-        let histogram = &self.latency[method as usize];
-        let secs = took.as_secs_f64();
-        // One add in the first bucket that holds it; render() sums them into Prometheus's
-        // cumulative buckets (past the last bound, only count and sum see it: +Inf).
-        if let Some(first) = BUCKETS.iter().position(|le| secs <= *le) {
-            histogram.buckets[first].fetch_add(1, Ordering::Relaxed);
-        }
-        histogram.count.fetch_add(1, Ordering::Relaxed);
-        histogram
-            .sum_ns
-            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        self.latency[method as usize].observe(took);
         self.requests[method as usize][code as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A worker's span of one request: `queue_us` from hand-over to the start of its model
+    /// call, `compute_us` the call (wall-clock microseconds, both clocks on this host).
+    pub fn record_span(&self, api: TfApi, queue_us: u64, compute_us: u64) {
+        self.queue.observe(Duration::from_micros(queue_us));
+        self.compute.observe(Duration::from_micros(compute_us));
+        self.tf_serving.record_runtime(api, compute_us);
     }
 
     /// The Prometheus text exposition (labels in name order, as prometheus_client writes them).
@@ -173,28 +226,22 @@ impl Metrics {
         out.push_str("# HELP mpspool_request_duration_seconds Time from receiving a request to answering it.\n");
         out.push_str("# TYPE mpspool_request_duration_seconds histogram\n");
         for (method, histogram) in METHODS.iter().zip(&self.latency) {
-            let count = histogram.count.load(Ordering::Relaxed);
-            if count == 0 {
-                continue;
+            if histogram.count.load(Ordering::Relaxed) > 0 {
+                let labels = format!("method=\"{method}\",model=\"{model}\"");
+                histogram.render(&mut out, "mpspool_request_duration_seconds", &labels);
             }
-            let mut cumulative = 0;
-            for (bucket, le) in histogram.buckets.iter().zip(BUCKETS) {
-                cumulative += bucket.load(Ordering::Relaxed);
-                out.push_str(&format!(
-                    "mpspool_request_duration_seconds_bucket{{le=\"{le:?}\",method=\"{method}\",model=\"{model}\"}} {cumulative}\n"
-                ));
-            }
-            out.push_str(&format!(
-                "mpspool_request_duration_seconds_bucket{{le=\"+Inf\",method=\"{method}\",model=\"{model}\"}} {count}\n"
-            ));
-            out.push_str(&format!(
-                "mpspool_request_duration_seconds_count{{method=\"{method}\",model=\"{model}\"}} {count}\n"
-            ));
-            let sum = histogram.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-            out.push_str(&format!(
-                "mpspool_request_duration_seconds_sum{{method=\"{method}\",model=\"{model}\"}} {sum:?}\n"
-            ));
         }
+        out.push_str("# HELP mpspool_request_queue_seconds From handing a request to a worker until its model call started (ZeroMQ and the worker's queue).\n");
+        out.push_str("# TYPE mpspool_request_queue_seconds histogram\n");
+        let labels = format!("model=\"{model}\"");
+        self.queue
+            .render(&mut out, "mpspool_request_queue_seconds", &labels);
+        out.push_str(
+            "# HELP mpspool_request_compute_seconds The worker's model call of a request.\n",
+        );
+        out.push_str("# TYPE mpspool_request_compute_seconds histogram\n");
+        self.compute
+            .render(&mut out, "mpspool_request_compute_seconds", &labels);
         out.push_str("# HELP mpspool_inflight_requests Requests this front door is handling now (a per-pod load signal).\n");
         out.push_str("# TYPE mpspool_inflight_requests gauge\n");
         out.push_str(&format!(

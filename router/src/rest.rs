@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use crate::codec::dtype_name;
 use crate::grpc::Api;
 use crate::json_tensor::{self, write_string};
-use crate::metrics::Method;
+use crate::metrics::{Entrypoint, Method, TfApi};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
     GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
@@ -39,6 +39,8 @@ pub struct Rest {
     pub max_body_bytes: usize,
     /// TF Serving's `--rest_api_timeout_in_ms`: each Predict's deadline.
     pub timeout: Option<Duration>,
+    /// Where TF Serving's metrics are served (its monitoring config's Prometheus path).
+    pub prometheus_path: Option<String>,
 }
 
 /// The version part of a path.
@@ -218,6 +220,15 @@ impl Rest {
     pub async fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
         let method = request.method().clone();
         let path = request.uri().path().to_string();
+        if method == HttpMethod::GET && self.prometheus_path.as_deref() == Some(path.as_str()) {
+            let mut response =
+                Response::new(Full::new(Bytes::from(self.api.metrics.tf_serving.render())));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            return response;
+        }
         let route = match route(&method, &path) {
             Ok(Some(route)) => route,
             Ok(None) if path.to_ascii_lowercase().starts_with("/v1/") => {
@@ -311,6 +322,14 @@ impl Rest {
             _ => Method::Predict,
         };
         let mut guard = self.api.metrics.start(kind);
+        if model == self.api.model {
+            let api = match kind {
+                Method::Classify => TfApi::Classify,
+                Method::Regress => TfApi::Regress,
+                _ => TfApi::Predict,
+            };
+            guard.tf_serving(api, Entrypoint::Rest);
+        }
         let answer = match kind {
             Method::Classify => self.classify(model, version, body, deadline).await,
             Method::Regress => self.regress(model, version, body, deadline).await,

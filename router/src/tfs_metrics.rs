@@ -1,0 +1,281 @@
+//! TF Serving's own metrics, under its names, for dashboards and alerts built on TF Serving
+//! (`util/prometheus_exporter.cc` writes them; `servables/tensorflow/util.cc` defines them):
+//! - `:tensorflow:serving:request_count{model_name,status}`: every Predict, Classify, Regress
+//!   and MultiInference, by status code name;
+//! - `:tensorflow:serving:request_latency{model_name,API,entrypoint}`: microseconds from
+//!   receiving a request to answering it, successful ones only; API is the gRPC method name
+//!   ("Predict") or the REST verb ("predict"), entrypoint "GRPC" or "REST";
+//! - `:tensorflow:serving:runtime_latency{model_name,API,runtime}`: microseconds of the model
+//!   call itself (the worker's span; runtime "TF1", TF Serving's name for the TensorFlow
+//!   runtime as opposed to TFRT);
+//! - `:tensorflow:serving:request_example_counts{model}` and `..._count_total{model}`:
+//!   tf.Examples per Classify/Regress/MultiInference.
+//!
+//! Histograms have TF Serving's buckets (×1.8 from 10 µs, 33 of them; ×2 from 1 example, 15).
+//! Only requests that name the served model are counted: a client cannot grow the label set
+//! by sending made-up names (TF Serving counts those under whatever name they carry).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::json_tensor::format_g;
+use crate::status::Code;
+
+/// The TF Serving APIs that are counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Predict = 0,
+    Classify = 1,
+    Regress = 2,
+    MultiInference = 3,
+}
+
+const APIS: [Api; 4] = [
+    Api::Predict,
+    Api::Classify,
+    Api::Regress,
+    Api::MultiInference,
+];
+
+impl Api {
+    fn label(self, entrypoint: Entrypoint) -> &'static str {
+        match (self, entrypoint) {
+            (Api::Predict, Entrypoint::Grpc) => "Predict",
+            (Api::Classify, Entrypoint::Grpc) => "Classify",
+            (Api::Regress, Entrypoint::Grpc) => "Regress",
+            (Api::MultiInference, Entrypoint::Grpc) => "MultiInference",
+            (Api::Predict, Entrypoint::Rest) => "predict",
+            (Api::Classify, Entrypoint::Rest) => "classify",
+            (Api::Regress, Entrypoint::Rest) => "regress",
+            (Api::MultiInference, Entrypoint::Rest) => "multi_inference",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entrypoint {
+    Grpc = 0,
+    Rest = 1,
+}
+
+const ENTRYPOINTS: [Entrypoint; 2] = [Entrypoint::Grpc, Entrypoint::Rest];
+
+impl Entrypoint {
+    fn label(self) -> &'static str {
+        match self {
+            Entrypoint::Grpc => "GRPC",
+            Entrypoint::Rest => "REST",
+        }
+    }
+}
+
+/// A histogram over TensorFlow's exponential buckets: `count` bounds from `scale`, each
+/// `growth` times the one before, then +Inf.
+struct Exponential {
+    bounds: Vec<f64>,
+    /// Per bucket (not cumulative); the last is +Inf.
+    buckets: Vec<AtomicU64>,
+    sum: AtomicU64,
+}
+
+impl Exponential {
+    fn new(scale: f64, growth: f64, count: usize) -> Exponential {
+        let mut bounds = Vec::with_capacity(count);
+        let mut bound = scale;
+        for _ in 0..count {
+            bounds.push(bound);
+            bound *= growth;
+        }
+        let buckets = (0..=count).map(|_| AtomicU64::new(0)).collect();
+        Exponential {
+            bounds,
+            buckets,
+            sum: AtomicU64::new(0),
+        }
+    }
+
+    fn observe(&self, value: u64) {
+        let v = value as f64;
+        // TensorFlow's buckets are [lower, upper): a value equal to a bound is in the next.
+        let index = self.bounds.partition_point(|&b| b <= v);
+        self.buckets[index].fetch_add(1, Ordering::Relaxed);
+        self.sum.fetch_add(value, Ordering::Relaxed);
+    }
+
+    fn count(&self) -> u64 {
+        self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The `_bucket`, `_sum` and `_count` lines for one label set (`labels` without braces).
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (i, bucket) in self.buckets.iter().enumerate() {
+            cumulative += bucket.load(Ordering::Relaxed);
+            let le = self
+                .bounds
+                .get(i)
+                .map_or("+Inf".to_string(), |b| format_g(*b, 6));
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_sum{{{labels}}} {}",
+            self.sum.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
+    }
+}
+
+fn latency_histogram() -> Exponential {
+    Exponential::new(10.0, 1.8, 33)
+}
+
+pub struct TfServingMetrics {
+    model: String,
+    /// By status code number.
+    request_count: [AtomicU64; 17],
+    /// By API, then entrypoint.
+    request_latency: Vec<[Exponential; 2]>,
+    runtime_latency: Vec<Exponential>,
+    example_counts: Exponential,
+    example_total: AtomicU64,
+}
+
+/// Prometheus label values escape backslash and double quote.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+impl TfServingMetrics {
+    pub fn new(model: &str) -> TfServingMetrics {
+        TfServingMetrics {
+            model: model.to_string(),
+            request_count: Default::default(),
+            request_latency: APIS
+                .iter()
+                .map(|_| [latency_histogram(), latency_histogram()])
+                .collect(),
+            runtime_latency: APIS.iter().map(|_| latency_histogram()).collect(),
+            example_counts: Exponential::new(1.0, 2.0, 15),
+            example_total: AtomicU64::new(0),
+        }
+    }
+
+    /// A finished request: counted by status; its latency kept when it succeeded.
+    pub fn record_request(&self, api: Api, entrypoint: Entrypoint, code: Code, micros: u64) {
+        self.request_count[code as usize].fetch_add(1, Ordering::Relaxed);
+        if code == Code::Ok {
+            self.request_latency[api as usize][entrypoint as usize].observe(micros);
+        }
+    }
+
+    /// One model call's duration on its worker.
+    pub fn record_runtime(&self, api: Api, micros: u64) {
+        self.runtime_latency[api as usize].observe(micros);
+    }
+
+    /// The number of tf.Examples of a Classify, Regress or MultiInference.
+    pub fn record_examples(&self, examples: usize) {
+        self.example_counts.observe(examples as u64);
+        self.example_total
+            .fetch_add(examples as u64, Ordering::Relaxed);
+    }
+
+    /// The page TF Serving serves at its Prometheus path.
+    pub fn render(&self) -> String {
+        let model = escape(&self.model);
+        let mut out = String::new();
+        let name = ":tensorflow:serving:request_count";
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for code in 0..17 {
+            let n = self.request_count[code].load(Ordering::Relaxed);
+            if n > 0 {
+                let status = Code::from_i32(code as i32).name();
+                let _ = writeln!(
+                    out,
+                    "{name}{{model_name=\"{model}\",status=\"{status}\"}} {n}"
+                );
+            }
+        }
+        let name = ":tensorflow:serving:request_latency";
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for api in APIS {
+            for entrypoint in ENTRYPOINTS {
+                let histogram = &self.request_latency[api as usize][entrypoint as usize];
+                if histogram.count() > 0 {
+                    let labels = format!(
+                        "model_name=\"{model}\",API=\"{}\",entrypoint=\"{}\"",
+                        api.label(entrypoint),
+                        entrypoint.label()
+                    );
+                    histogram.render(&mut out, name, &labels);
+                }
+            }
+        }
+        let name = ":tensorflow:serving:runtime_latency";
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for api in APIS {
+            let histogram = &self.runtime_latency[api as usize];
+            if histogram.count() > 0 {
+                let labels = format!(
+                    "model_name=\"{model}\",API=\"{}\",runtime=\"TF1\"",
+                    api.label(Entrypoint::Grpc)
+                );
+                histogram.render(&mut out, name, &labels);
+            }
+        }
+        let name = ":tensorflow:serving:request_example_counts";
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        if self.example_counts.count() > 0 {
+            self.example_counts
+                .render(&mut out, name, &format!("model=\"{model}\""));
+        }
+        let name = ":tensorflow:serving:request_example_count_total";
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let total = self.example_total.load(Ordering::Relaxed);
+        if total > 0 {
+            let _ = writeln!(out, "{name}{{model=\"{model}\"}} {total}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_have_tf_servings_names_labels_and_buckets() {
+        let metrics = TfServingMetrics::new("de\"mo");
+        metrics.record_request(Api::Predict, Entrypoint::Grpc, Code::Ok, 10);
+        metrics.record_request(Api::Predict, Entrypoint::Grpc, Code::Ok, 250);
+        metrics.record_request(Api::Predict, Entrypoint::Rest, Code::InvalidArgument, 99);
+        metrics.record_runtime(Api::Classify, 20);
+        metrics.record_examples(3);
+        let page = metrics.render();
+        assert!(page.contains(
+            ":tensorflow:serving:request_count{model_name=\"de\\\"mo\",status=\"OK\"} 2\n"
+        ));
+        assert!(page.contains("status=\"INVALID_ARGUMENT\"} 1\n"));
+        let labels = "model_name=\"de\\\"mo\",API=\"Predict\",entrypoint=\"GRPC\"";
+        // 10 µs is not below the first bound (10): it is in [10, 18).
+        assert!(page.contains(&format!(
+            ":tensorflow:serving:request_latency_bucket{{{labels},le=\"10\"}} 0\n"
+        )));
+        assert!(page.contains(&format!(
+            ":tensorflow:serving:request_latency_bucket{{{labels},le=\"18\"}} 1\n"
+        )));
+        assert!(page.contains(&format!(
+            ":tensorflow:serving:request_latency_bucket{{{labels},le=\"+Inf\"}} 2\n"
+        )));
+        assert!(page.contains(&format!(
+            ":tensorflow:serving:request_latency_sum{{{labels}}} 260\n"
+        )));
+        // Failed requests have no latency sample, as in TF Serving.
+        assert!(!page.contains("entrypoint=\"REST\""));
+        assert!(page.contains("API=\"Classify\",runtime=\"TF1\",le=\"32.4\"} 1\n"));
+        assert!(page
+            .contains(":tensorflow:serving:request_example_count_total{model=\"de\\\"mo\"} 3\n"));
+        assert_eq!(page.matches("request_latency_bucket").count(), 34);
+    }
+}
