@@ -176,10 +176,16 @@ def test_get_model_status_and_health(pool: Pool) -> None:
             stub.GetModelStatus(request, timeout=30)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
-        assert (
-            pool.health(channel, "tensorflow.serving.PredictionService")
-            == health_pb2.HealthCheckResponse.SERVING
-        )
+        for service in (
+            "tensorflow.serving.PredictionService",
+            "tensorflow.serving.ModelService",
+            "PredictionService",
+            "ModelService",
+        ):
+            assert pool.health(channel, service) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            pool.health(channel, "tensorflow.serving.Nope")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:

@@ -25,9 +25,17 @@ use tonic_health::ServingStatus;
 
 use crate::grpc::Api;
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
-use crate::proto::tensorflow::serving::prediction_service_server::{
-    PredictionServiceServer, SERVICE_NAME,
-};
+use crate::proto::tensorflow::serving::prediction_service_server::PredictionServiceServer;
+
+/// The names grpc.health.v1 answers for: the server as a whole, and TF Serving's services by
+/// their full and short names (what TF Serving's own health checks and load balancers ask).
+const HEALTH_SERVICES: [&str; 5] = [
+    "",
+    "tensorflow.serving.PredictionService",
+    "tensorflow.serving.ModelService",
+    "PredictionService",
+    "ModelService",
+];
 use crate::rest::{self, Rest};
 use crate::state::{DrainRequest, Phase, RouterState};
 use crate::{log_info, log_warn};
@@ -130,7 +138,7 @@ impl Server {
         let mut interrupt =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
         // tonic-health starts "" as SERVING; nothing is ready yet.
-        for service in ["", SERVICE_NAME] {
+        for service in HEALTH_SERVICES {
             health
                 .set_service_status(service, ServingStatus::NotServing)
                 .await;
@@ -381,7 +389,7 @@ async fn follow_health(
             } else {
                 ServingStatus::NotServing
             };
-            for service in ["", SERVICE_NAME] {
+            for service in HEALTH_SERVICES {
                 reporter.set_service_status(service, status).await;
             }
             last = Some(serving);
