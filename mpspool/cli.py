@@ -22,6 +22,7 @@ from mpspool.config import (
     default_log_dir,
     default_run_dir,
     prometheus_path_from,
+    tls_from,
     usable_cores,
 )
 
@@ -99,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=30_000,
         help="deadline of a REST Predict in ms (default %(default)s, as TF Serving; 0: none)",
+    )
+    start.add_argument(
+        "--ssl-config-file",
+        "--ssl_config_file",
+        type=Path,
+        help="TF Serving's SSLConfig (text format: server_key, server_cert, custom_ca, "
+        "client_verify): TLS on the gRPC port, clients verified against custom_ca with "
+        "client_verify",
     )
     start.add_argument(
         "--monitoring-config-file",
@@ -327,6 +336,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         serialize_as_tensor_content=args.serialize_as_tensor_content,
         signature_method_name_check=args.signature_method_name_check,
+        tls=tls_from(args.ssl_config_file) if args.ssl_config_file else None,
         prometheus_path=(
             prometheus_path_from(args.monitoring_config_file) if args.monitoring_config_file else ""
         ),

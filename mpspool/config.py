@@ -13,6 +13,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 POOL_FILE = "pool.json"
 
@@ -49,7 +50,7 @@ def prometheus_path_from(monitoring_config: Path) -> str:
     ``prometheus_config { enable: true path: "..." }``) turns on; "" when it does not."""
     from google.protobuf import text_format
 
-    from mpspool.protos import monitoring_pb2
+    from mpspool.protos import server_config_pb2
 
     try:
         text = monitoring_config.read_text()
@@ -57,7 +58,7 @@ def prometheus_path_from(monitoring_config: Path) -> str:
         raise ConfigError(
             f"cannot read --monitoring_config_file {monitoring_config}: {exc}"
         ) from None
-    config = monitoring_pb2.MonitoringConfig()
+    config = server_config_pb2.MonitoringConfig()
     try:
         text_format.Parse(text, config)
     except text_format.ParseError as exc:
@@ -65,6 +66,36 @@ def prometheus_path_from(monitoring_config: Path) -> str:
     if not config.prometheus_config.enable:
         return ""
     return config.prometheus_config.path or DEFAULT_PROMETHEUS_PATH
+
+
+def tls_from(ssl_config: Path) -> dict[str, Any]:
+    """TF Serving's SSLConfig file (text format) as the front door's TLS settings, checked
+    for what TF Serving requires: a key and a certificate, and a CA to verify clients with."""
+    from google.protobuf import text_format
+
+    from mpspool.protos import server_config_pb2
+
+    try:
+        text = ssl_config.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --ssl_config_file {ssl_config}: {exc}") from None
+    config = server_config_pb2.SSLConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise ConfigError(f"{ssl_config} is not an SSLConfig: {exc}") from None
+    if not config.server_key or not config.server_cert:
+        raise ConfigError(f"{ssl_config}: server_key and server_cert are required (PEM text)")
+    if config.client_verify and not config.custom_ca:
+        raise ConfigError(
+            f"{ssl_config}: client_verify needs custom_ca, the CA that signs client certificates"
+        )
+    return {
+        "server_key": config.server_key,
+        "server_cert": config.server_cert,
+        "custom_ca": config.custom_ca,
+        "client_verify": config.client_verify,
+    }
 
 
 def usable_cores() -> int:
@@ -92,6 +123,9 @@ class PoolConfig:
     # Predict outputs in tensor_content instead of the typed fields (float_val, ...), as TF
     # Serving's --enable_serialization_as_tensor_content; off by default, as there.
     serialize_as_tensor_content: bool = False
+    # TLS on the gRPC port, from --ssl_config_file (TF Serving's SSLConfig: server_key,
+    # server_cert, custom_ca PEM text, client_verify); None: plaintext. pool.json is 0600.
+    tls: dict[str, Any] | None = None
     # TF Serving's metrics page on the REST port ("" off), from --monitoring_config_file.
     prometheus_path: str = ""
     # Classify/Regress/MultiInference require the signature's method name to match, as TF

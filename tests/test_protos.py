@@ -34,11 +34,11 @@ REPO = Path(__file__).resolve().parents[1]
 PROTOS = [
     "mpspool/protos/tensorflow.proto",
     "mpspool/protos/serving.proto",
-    "mpspool/protos/monitoring.proto",
+    "mpspool/protos/server_config.proto",
 ]
 GENERATED = [
     f"mpspool/protos/{stem}{suffix}"
-    for stem in ("tensorflow_pb2", "serving_pb2", "monitoring_pb2")
+    for stem in ("tensorflow_pb2", "serving_pb2", "server_config_pb2")
     for suffix in (".py", ".pyi")
 ]
 SIGNATURE_DEF_MAP_URL = "type.googleapis.com/tensorflow.serving.SignatureDefMap"
@@ -356,11 +356,11 @@ def test_tf_servings_monitoring_config_text_reads_into_ours():
     # tensorflow_serving/config/monitoring_config.proto numbers them.
     from google.protobuf import text_format
 
-    from mpspool.protos import monitoring_pb2
+    from mpspool.protos import server_config_pb2
 
     text = 'prometheus_config {\n  enable: true,\n  path: "/monitoring/prometheus/metrics"\n}\n'
-    config = text_format.Parse(text, monitoring_pb2.MonitoringConfig())
+    config = text_format.Parse(text, server_config_pb2.MonitoringConfig())
     assert config.prometheus_config.enable
     assert config.prometheus_config.path == "/monitoring/prometheus/metrics"
-    fields = {f.name: f.number for f in monitoring_pb2.PrometheusConfig.DESCRIPTOR.fields}
+    fields = {f.name: f.number for f in server_config_pb2.PrometheusConfig.DESCRIPTOR.fields}
     assert fields == {"enable": 1, "path": 2}

@@ -31,6 +31,9 @@ pub struct Config {
     /// `--enable_serialization_as_tensor_content`).
     #[serde(default)]
     pub serialize_as_tensor_content: bool,
+    /// TLS on the gRPC port (TF Serving's --ssl_config_file, PEM inline); None: plaintext.
+    #[serde(default)]
+    pub tls: Option<crate::tls::TlsConfig>,
     /// The path of TF Serving's metrics on the REST port ("" when its monitoring config does
     /// not turn them on).
     #[serde(default)]

@@ -22,6 +22,7 @@ mod state;
 mod status;
 mod tfs_metrics;
 mod timeline;
+mod tls;
 mod wire;
 mod workers;
 
@@ -167,7 +168,12 @@ async fn serve(config: Config) -> ExitCode {
         tensor_content_outputs: config.serialize_as_tensor_content,
         method_name_check: config.signature_method_name_check,
     };
+    let tls = match config.tls.as_ref().map(tls::acceptor).transpose() {
+        Ok(tls) => tls,
+        Err(error) => return fail(format!("--ssl_config_file: {error}")),
+    };
     let limits = server::Limits {
+        tls,
         max_message_bytes: config.max_message_bytes,
         max_connection_age: (!age.is_zero()).then_some(age),
     };
@@ -198,7 +204,11 @@ async fn serve(config: Config) -> ExitCode {
             Some((listener, Arc::new(handler)))
         }
     };
-    log_info!("listening on {}:{port}", config.host);
+    log_info!(
+        "listening on {}:{port}{}",
+        config.host,
+        if config.tls.is_some() { " (TLS)" } else { "" }
+    );
     server::Server::new(listener, rest, api, limits, state)
         .run(DrainRequest { delay, grace }, drains)
         .await;

@@ -46,6 +46,8 @@ const MAX_FRAME: u32 = 1 << 20;
 
 pub struct Limits {
     pub max_message_bytes: usize,
+    /// TLS on the gRPC port (TF Serving's --ssl_config_file); None: plaintext.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// None: connections live as long as their clients keep them.
     pub max_connection_age: Option<Duration>,
 }
@@ -70,6 +72,7 @@ enum Cause {
 
 pub struct Server {
     listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     /// TF Serving's REST API, when it is on: drained with the gRPC listener.
     rest: Option<(TcpListener, Arc<Rest>)>,
     api: Api,
@@ -102,6 +105,7 @@ impl Server {
         .prepare();
         Server {
             listener,
+            tls: limits.tls,
             rest,
             api,
             max_connection_age: limits.max_connection_age,
@@ -120,6 +124,7 @@ impl Server {
     ) {
         let Server {
             listener,
+            tls,
             rest,
             api,
             max_connection_age,
@@ -166,8 +171,9 @@ impl Server {
                     };
                     let _ = stream.set_nodelay(true);
                     let service = TowerToHyperService::new(routes.clone());
-                    tokio::spawn(serve_connection(
+                    tokio::spawn(serve_accepted(
                         stream,
+                        tls.clone(),
                         service,
                         max_connection_age,
                         shutdown_rx.clone(),
@@ -202,7 +208,7 @@ impl Server {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
                         let service = TowerToHyperService::new(routes.clone());
-                        tokio::spawn(serve_connection(stream, service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
+                        tokio::spawn(serve_accepted(stream, tls.clone(), service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
                     }
                 }
                 accepted = accept_rest(&rest) => {
@@ -278,13 +284,48 @@ async fn recv_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
     }
 }
 
-async fn serve_connection<S>(
+/// A TLS handshake longer than this is a client that will not finish one.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves an accepted connection, after its TLS handshake when the port has TLS (a failed
+/// handshake ends only that connection, logged as a warning).
+async fn serve_accepted<S>(
     stream: tokio::net::TcpStream,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    service: S,
+    max_age: Option<Duration>,
+    ending: watch::Receiver<Ending>,
+    done: mpsc::Sender<()>,
+) where
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<tonic::body::Body>,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let Some(tls) = tls else {
+        return serve_connection(stream, service, max_age, ending, done).await;
+    };
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+        Ok(Ok(stream)) => serve_connection(stream, service, max_age, ending, done).await,
+        Ok(Err(error)) => log_warn!("TLS handshake with {peer} failed: {error}"),
+        Err(_) => log_warn!("TLS handshake with {peer} timed out"),
+    }
+}
+
+async fn serve_connection<I, S>(
+    stream: I,
     service: S,
     max_age: Option<Duration>,
     mut ending: watch::Receiver<Ending>,
     _done: mpsc::Sender<()>,
 ) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     S: hyper::service::Service<
             http::Request<hyper::body::Incoming>,
             Response = http::Response<tonic::body::Body>,

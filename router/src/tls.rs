@@ -1,0 +1,88 @@
+//! TLS on the gRPC port, as TF Serving's `--ssl_config_file` sets it up (`server.cc`,
+//! `BuildServerCredentials`): the server's key and certificate chain (PEM); with
+//! `client_verify`, clients must present a certificate that `custom_ca` signed, otherwise no
+//! client certificate is asked for. ALPN offers h2 only: gRPC clients require it.
+//!
+//! rustls on ring (no OpenSSL); TLS 1.2 and 1.3.
+
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use serde::Deserialize;
+use tokio_rustls::TlsAcceptor;
+
+/// TF Serving's SSLConfig, as `mpspool start` copies it into pool.json (PEM text inline).
+#[derive(Clone, Debug, Deserialize)]
+pub struct TlsConfig {
+    pub server_key: String,
+    pub server_cert: String,
+    #[serde(default)]
+    pub custom_ca: String,
+    #[serde(default)]
+    pub client_verify: bool,
+}
+
+fn certificates(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{what}: not PEM certificates: {e}"))?;
+    if certs.is_empty() {
+        return Err(format!("{what}: no PEM certificate in it"));
+    }
+    Ok(certs)
+}
+
+/// The acceptor for `config`, or what is wrong with it (one line).
+pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = certificates(&config.server_cert, "server_cert")?;
+    let key = PrivateKeyDer::from_pem_slice(config.server_key.as_bytes())
+        .map_err(|e| format!("server_key: not a PEM private key: {e}"))?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS: {e}"))?;
+    let builder = if config.client_verify {
+        let mut roots = RootCertStore::empty();
+        for cert in certificates(&config.custom_ca, "custom_ca")? {
+            roots
+                .add(cert)
+                .map_err(|e| format!("custom_ca: unusable certificate: {e}"))?;
+        }
+        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            .build()
+            .map_err(|e| format!("custom_ca: {e}"))?;
+        builder.with_client_cert_verifier(verifier)
+    } else {
+        builder.with_no_client_auth()
+    };
+    let mut server = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| format!("server_key and server_cert do not go together: {e}"))?;
+    server.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(server)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_pem_is_refused_with_the_field_named() {
+        let config = TlsConfig {
+            server_key: "nope".into(),
+            server_cert: "nope".into(),
+            custom_ca: String::new(),
+            client_verify: false,
+        };
+        let error = acceptor(&config).err().unwrap_or_default();
+        assert!(error.starts_with("server_cert: "), "{error}");
+        let verify = TlsConfig {
+            client_verify: true,
+            ..config
+        };
+        assert!(acceptor(&verify).is_err());
+    }
+}
