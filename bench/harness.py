@@ -45,6 +45,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -201,11 +202,13 @@ class Pool:
             "--run-dir", str(self.run_dir),
             "--log-dir", str(log_dir),
             "--metrics-port", "0",
+            "--rest-api-port", "0",
             *extra_args,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
         self.metrics_url = ""
+        self.rest_port = 0  # TF Serving's REST API (after wait_ready)
         self.pool_id = ""
         self.ready_s = 0.0
         self.roles: dict[str, list[psutil.Process]] = {}
@@ -259,6 +262,8 @@ class Pool:
                 ):
                     self.target = status["pool"]["listen"]
                     self.metrics_url = status["pool"].get("metrics") or ""
+                    rest = status["pool"].get("rest") or ""
+                    self.rest_port = int(rest.split("/v1/")[0].rsplit(":", 1)[1]) if rest else 0
                     self.pool_id = status["pool"].get("pool_id", "")
                     self.ready_s = time.time() - started
                     self._find_processes()
@@ -296,11 +301,13 @@ class Pool:
                     f"not the frozen source {wanted!r}"
                 )
 
-    def server(self, name: str) -> Server:
-        """What the load driver needs of this pool (after wait_ready)."""
+    def server(self, name: str, rest: bool = False) -> Server:
+        """What the load driver needs of this pool (after wait_ready): its gRPC port, or with
+        ``rest`` its REST port."""
         return Server(
             name=name,
-            port=int(self.target.rsplit(":", 1)[1]),
+            port=self.rest_port if rest else int(self.target.rsplit(":", 1)[1]),
+            protocol="rest" if rest else "tfserving",
             roles={
                 "front door": self.roles["router"],
                 "workers": self.roles["workers"],
@@ -396,7 +403,8 @@ class Server:
 
 @dataclasses.dataclass
 class Request:
-    """One request as h2load posts it: gRPC's framing (flag byte, 4-byte big-endian length)."""
+    """One request as h2load posts it: gRPC's framing (flag byte, 4-byte big-endian length),
+    or for protocol "rest" a JSON body over HTTP/1.1."""
 
     key: str  # requests with the same key must get the same answer from every system
     protocol: str
@@ -424,6 +432,17 @@ def predict_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Requ
     return Request(key, "tfserving", PREDICT_PATH, _frame(request.SerializeToString()), batch)
 
 
+REST_PREDICT_PATH = "/v1/models/{model}:predict"
+
+
+def rest_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Request:
+    """The same inputs as TF Serving's REST Predict, columnar (`inputs`): what a feature
+    service posts."""
+    body = json.dumps({"inputs": {name: values.tolist() for name, values in inputs.items()}})
+    batch = len(next(iter(inputs.values())))
+    return Request(key, "rest", REST_PREDICT_PATH.format(model=model), body.encode(), batch)
+
+
 KSERVE_DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
 
 
@@ -442,6 +461,19 @@ def kserve_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Reque
 
 def call(target: str, request: Request, timeout_s: float = 60.0) -> bytes:
     """One call with the request's own bytes; the answer's bytes (gRPC errors raise)."""
+    if request.protocol == "rest":
+        post = urllib.request.Request(
+            f"http://{target}{request.path}",
+            data=request.body,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(post, timeout=timeout_s) as answer:
+                return answer.read()
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(
+                f"{target} did not answer {request.key}: HTTP {exc.code}: {exc.read()[:500]!r}"
+            ) from exc
     import grpc
 
     options = [
@@ -458,7 +490,10 @@ def call(target: str, request: Request, timeout_s: float = 60.0) -> bytes:
 
 
 def answer_values(request: Request, raw: bytes) -> np.ndarray:
-    """The output tensor of an answer, read with the official messages (KServe: its own)."""
+    """The output tensor of an answer, read with the official messages (KServe: its own;
+    REST: TF Serving's columnar JSON)."""
+    if request.protocol == "rest":
+        return np.array(json.loads(raw)["outputs"], dtype=np.float32)
     if request.protocol == "kserve":
         from bench.protos import kserve_pb2
 
@@ -499,7 +534,8 @@ class Checker:
                 f"{server.name}: answer to {request.key} (shape {values.shape}) differs from the "
                 f"first system's (shape {ref.shape}): {values.ravel()[:4]} vs {ref.ravel()[:4]}"
             )
-        return len(raw) + 5
+        # h2load counts gRPC's 5-byte message prefix as data; a REST answer is its body.
+        return len(raw) if request.protocol == "rest" else len(raw) + 5
 
 
 # -- the native driver ---------------------------------------------------------------------
@@ -541,14 +577,21 @@ def h2load(
     body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
-    connections = min(concurrency, MAX_CONNECTIONS)
+    if request.protocol == "rest":
+        # HTTP/1.1: one request at a time per connection (no pipelining), as REST clients do.
+        protocol = ["--h1", "-H", "content-type: application/json"]
+        connections, streams = concurrency, 1
+    else:
+        protocol = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
+        connections = min(concurrency, MAX_CONNECTIONS)
+        streams = max(1, concurrency // connections)
     argv = [
         shutil.which("h2load") or "h2load",
         f"--clients={connections}",
-        f"--max-concurrent-streams={max(1, concurrency // connections)}",
+        f"--max-concurrent-streams={streams}",
         f"--duration={int(duration_s * 1000)}ms", "--threads=1",
         f"--data={body_path}", f"--log-file={log_path}",
-        "-H", "content-type: application/grpc", "-H", "te: trailers",
+        *protocol,
         f"http://127.0.0.1:{port}{request.path}",
     ]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -1,6 +1,7 @@
 """bench/harness.py and bench/frontdoor.py: h2load windows against the real front door binary
-over echo workers, failures h2load cannot see, the targets of one run, and a short run of
-every kind of system. Needs h2load (nghttp2-client, installed by ./dev/setup)."""
+over echo workers, failures h2load cannot see, the targets of one run, a short run of
+every kind of system, and REST windows beside gRPC (bench/rest.py). Needs h2load
+(nghttp2-client, installed by ./dev/setup)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,22 @@ def test_a_short_run_of_each_kind_of_system(tmp_path: Path) -> None:
     assert [(p["processes"], p["batch"]) for p in report["inprocess"]] == [(1, 1), (1, 8)]
     assert {s["system"] for s in report["systems"]} == {"mpspool 1w", "plain TF gRPC (1 process)"}
     assert all(w["requests"] > 0 for w in report["windows"])
+
+
+def test_rest_windows_beside_grpc(tmp_path: Path) -> None:
+    """bench/rest.py: one pool, each point over gRPC and over REST (h2load --h1), every window
+    checked (REST's answer equal to gRPC's) and the ratios written."""
+    from bench import rest
+
+    out = tmp_path / "report.json"
+    assert rest.main([
+        "--rows", "1000", "--workers", "1", "--duration", "0.3", "--warmup", "0.1",
+        "--batches", "1,8", "--concurrency", "2", "--no-results", "--json", str(out),
+    ]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert [(w["system"], w["batch"]) for w in report["windows"]] == [
+        ("gRPC", 1), ("REST", 1), ("gRPC", 8), ("REST", 8),
+    ]  # fmt: skip
+    assert all(w["requests"] > 0 and w["cpu_us"]["front door"] > 0 for w in report["windows"])
+    text = rest.render(report)
+    assert "| 8 | 2 |" in text and text.count("×") >= 4
