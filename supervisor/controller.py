@@ -37,6 +37,8 @@ log = logging.getLogger("mpspool.controller")
 # How often the controller reconciles; also the longest a dead worker's in-flight requests
 # wait before the router hears of it (sends to a dead worker fail at once).
 TICK_S = 0.2
+# How often GPU memory and utilisation (NVML) are sent to the front door for its metrics.
+GPU_METRICS_INTERVAL_S = 2.0
 # How long the controller tolerates failing to see supervisord or the router.
 MAX_BLIND_S = 10.0
 ROUTER_PROGRAM = "router:router"
@@ -123,6 +125,7 @@ class Controller:
         self.router = RouterLink(self._zmq, config.run_dir)
         self.gpu = GpuWatch(config, self.run_dir, _gpu_backend(config))
         self._announced = False
+        self._next_gpu_metrics = 0.0
 
     # -- programs -----------------------------------------------------------------
     def programs(self) -> list[sd.Program]:
@@ -245,6 +248,7 @@ class Controller:
         for gpu, why in self.gpu.faults(self.supervisord, infos).items():
             self._restart_gpu(gpu, why)
             infos = self.supervisord.process_info()
+        self._publish_gpu_usage(router_answered)
         workers = snap.get("workers", {})
         dead = snap.get("declared_dead", {})
         now = time.monotonic()
@@ -420,6 +424,15 @@ class Controller:
         log.error("%s", reason)
         self.exit_code, self.exit_reason = 1, reason
         self.phase = PoolPhase.DRAINING
+
+    def _publish_gpu_usage(self, router_answered: bool) -> None:
+        """Every GPU_METRICS_INTERVAL_S, the GPUs' memory and utilisation (NVML) to the front
+        door, which exports them as Prometheus gauges beside its own metrics."""
+        now = time.monotonic()
+        if not self.config.gpus or not router_answered or now < self._next_gpu_metrics:
+            return
+        self._next_gpu_metrics = now + GPU_METRICS_INTERVAL_S
+        self.router.ask("gpus", gpus=self.gpu.usage_samples())
 
     def _announce(self) -> None:
         self._announced = True

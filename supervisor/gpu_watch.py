@@ -157,6 +157,28 @@ class GpuWatch:
                 log.warning("%s: %s", daemon.program, exc)
 
     # -- status -------------------------------------------------------------------
+    def usage_samples(self) -> list[dict[str, Any]]:
+        """Each GPU's memory (used and total, bytes) and utilisation (percent), for the front
+        door's metrics; a GPU whose usage cannot be read now is left out."""
+        samples = []
+        if self.backend is None:
+            return samples
+        totals = dict(zip(self.config.gpus, self.config.gpu_memory, strict=False))
+        for gpu in self.config.gpus:
+            uuid = self.config.gpu_uuid(gpu)
+            try:
+                usage = self.backend.usage(uuid)
+            except Exception:  # NVML errors vary by driver; the next sample may succeed
+                continue
+            samples.append({
+                "gpu": gpu,
+                "uuid": uuid,
+                "memory_used": int(usage.memory_used),
+                "memory_total": int(totals.get(gpu, 0)),
+                "utilization": int(usage.utilization_gpu),
+            })  # fmt: skip
+        return samples
+
     def status(self, infos: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for gpu in self.config.gpus:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,6 +139,19 @@ def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
             assert env["CUDA_VISIBLE_DEVICES"] == fake["uuid"]
             assert env["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"mps/gpu{slot['slot'][3]}/pipe")
             assert env["MPSPOOL_REQUIRE_MPS"].endswith("nvidia-cuda-mps-control")
+        # Each GPU's memory and utilisation (NVML; here the fake's) reach the front door's
+        # metrics within the controller's sampling interval.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(status["pool"]["metrics"], timeout=5).read().decode()
+            if "mpspool_gpu_memory_total_bytes" in text:
+                break
+            time.sleep(0.5)
+        for gpu, fake in enumerate(FAKE_GPUS):
+            labels = f'{{gpu="{gpu}",uuid="{fake["uuid"]}"}}'
+            assert f"mpspool_gpu_memory_total_bytes{labels} {fake['memory_total']}" in text
+            assert f"mpspool_gpu_memory_used_bytes{labels} 0" in text
+            assert f"mpspool_gpu_utilization_ratio{labels} 0.0" in text
 
         before = {s["slot"]: s["pid"] for s in status["slots"]}
         streamer = Streamer(pool.port, DEMO_ROWS).start()

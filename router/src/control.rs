@@ -5,14 +5,15 @@
 //!
 //! Ops: `snapshot` (what `mpspool status` and the controller's reconciling read), `gone`
 //! (the controller saw a worker's process exit), `timeline` (`mpspool timeline`), `drain`
-//! (start a graceful stop; the server performs it).
+//! (start a graceful stop; the server performs it), `gpus` (the controller's NVML samples of
+//! each GPU, exported as metrics).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use rmpv::Value;
 
-use crate::state::{DrainRequest, RouterState};
+use crate::state::{DrainRequest, GpuSample, RouterState};
 use crate::timeline::Timeline;
 use crate::wire;
 use crate::workers::{Departure, WorkerTable};
@@ -116,8 +117,41 @@ fn op<P>(
             let _ = pool.state.drain.send(DrainRequest { delay, grace });
             vec![("ok", Value::from(true))]
         }
+        "gpus" => {
+            let Some(Value::Array(samples)) = field(request, "gpus") else {
+                return error("gpus needs a list of samples".to_string());
+            };
+            let parsed: Option<Vec<GpuSample>> = samples.iter().map(gpu_sample).collect();
+            let Some(parsed) = parsed else {
+                return error(
+                    "each gpus sample needs gpu, uuid, memory_used, memory_total, utilization"
+                        .to_string(),
+                );
+            };
+            pool.state.set_gpus(parsed);
+            vec![("ok", Value::from(true))]
+        }
         other => error(format!("unknown op '{other}'")),
     }
+}
+
+fn gpu_sample(value: &Value) -> Option<GpuSample> {
+    let Value::Map(entries) = value else {
+        return None;
+    };
+    let get = |name: &str| {
+        entries
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v)
+    };
+    Some(GpuSample {
+        gpu: get("gpu")?.as_u64()?,
+        uuid: get("uuid")?.as_str()?.to_string(),
+        memory_used: get("memory_used")?.as_u64()?,
+        memory_total: get("memory_total")?.as_u64()?,
+        utilization: get("utilization")?.as_u64()?,
+    })
 }
 
 #[cfg(test)]
@@ -144,6 +178,20 @@ mod tests {
             state: &state,
             now,
         };
+
+        let gpus = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "gpus", "n": 6, "gpus": [{"gpu": 2,
+                "uuid": "GPU-a", "memory_used": 5, "memory_total": 80, "utilization": 40}]}),
+        );
+        assert_eq!(gpus["ok"], true);
+        assert_eq!(pool.state.gpus()[0].memory_total, 80);
+        let bad = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "gpus", "n": 5, "gpus": [{"gpu": 2}]}),
+        );
+        assert!(bad["error"].as_str().unwrap().contains("memory_used"));
+        assert_eq!(pool.state.gpus().len(), 1, "a bad sample changes nothing");
 
         let snap = ask(
             &mut pool,

@@ -259,6 +259,37 @@ impl Metrics {
                 escape(slot)
             ));
         }
+        let gpus = self.state.gpus();
+        if !gpus.is_empty() {
+            let gauges: [(&str, &str, GpuValue); 3] = [
+                (
+                    "mpspool_gpu_utilization_ratio",
+                    "Share of the last NVML sample period with a kernel running on the GPU.",
+                    |g| format!("{:?}", g.utilization as f64 / 100.0),
+                ),
+                (
+                    "mpspool_gpu_memory_used_bytes",
+                    "GPU memory in use (all processes), as NVML reports it.",
+                    |g| g.memory_used.to_string(),
+                ),
+                (
+                    "mpspool_gpu_memory_total_bytes",
+                    "GPU memory in all.",
+                    |g| g.memory_total.to_string(),
+                ),
+            ];
+            for (name, help, value) in gauges {
+                out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+                for g in &gpus {
+                    out.push_str(&format!(
+                        "{name}{{gpu=\"{}\",uuid=\"{}\"}} {}\n",
+                        g.gpu,
+                        escape(&g.uuid),
+                        value(g)
+                    ));
+                }
+            }
+        }
         out.push_str("# HELP mpspool_worker_retries_total Requests sent again because their worker left before answering.\n");
         out.push_str("# TYPE mpspool_worker_retries_total counter\n");
         out.push_str(&format!(
@@ -268,6 +299,9 @@ impl Metrics {
         out
     }
 }
+
+/// How a GPU gauge's value is read from a sample.
+type GpuValue = fn(&crate::state::GpuSample) -> String;
 
 fn escape(value: &str) -> String {
     value

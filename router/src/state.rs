@@ -2,6 +2,7 @@
 //! it got, counters the dispatcher bumps and metrics read, and the controller's drain request.
 
 use std::sync::atomic::{AtomicU16, AtomicU64};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
@@ -45,6 +46,8 @@ pub struct RouterState {
     pub rest_port: AtomicU16,
     /// Requests sent again because their worker left before answering.
     pub retries: AtomicU64,
+    /// The controller's latest NVML sample of each GPU (empty for CPU pools).
+    gpus: Mutex<Vec<GpuSample>>,
     /// Drain requests from the control channel; the server acts on the first.
     pub drain: mpsc::UnboundedSender<DrainRequest>,
 }
@@ -60,9 +63,34 @@ impl RouterState {
                 metrics_port: AtomicU16::new(0),
                 rest_port: AtomicU16::new(0),
                 retries: AtomicU64::new(0),
+                gpus: Mutex::new(Vec::new()),
                 drain,
             },
             drain_rx,
         )
+    }
+}
+
+/// One GPU's memory and utilisation, as the controller read it through NVML.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSample {
+    pub gpu: u64,
+    pub uuid: String,
+    pub memory_used: u64,
+    pub memory_total: u64,
+    /// Percent of the last sample period with a kernel running.
+    pub utilization: u64,
+}
+
+impl RouterState {
+    /// Replaces the GPU samples (the control channel's `gpus` op is the one writer).
+    pub fn set_gpus(&self, samples: Vec<GpuSample>) {
+        if let Ok(mut gpus) = self.gpus.lock() {
+            *gpus = samples;
+        }
+    }
+
+    pub fn gpus(&self) -> Vec<GpuSample> {
+        self.gpus.lock().map(|g| g.clone()).unwrap_or_default()
     }
 }
