@@ -173,7 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds health says NOT_SERVING before the server stops accepting",
     )
     start.add_argument(
-        "--start-retries", type=int, default=3, help="load failures per worker before it is FATAL"
+        "--start-retries",
+        type=int,
+        default=3,
+        help="failed starts per worker (its model did not load, or it died before it was "
+        "ready) before its slot is FATAL; a kill of a ready worker is not one",
+    )
+    start.add_argument(
+        "--fatal-retry-after",
+        type=float,
+        default=60.0,
+        help="seconds after which a FATAL slot is tried again (default %(default)s; 0: never)",
     )
     start.add_argument(
         "--intra-op-threads",
@@ -345,6 +355,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,
         start_retries=args.start_retries,
+        fatal_retry_s=args.fatal_retry_after,
         intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,

@@ -145,6 +145,8 @@ class PoolConfig:
     # back-off from backoff_s, then marked FATAL.
     start_retries: int = 3
     backoff_s: float = 1.0
+    # A FATAL slot is tried again this long after it became FATAL (0: never).
+    fatal_retry_s: float = 60.0
     intra_op_threads: int = 0  # 0: usable cores / workers
     inter_op_threads: int = 1
     max_message_bytes: int = 512 * 1024 * 1024
@@ -223,6 +225,8 @@ class PoolConfig:
             raise ConfigError(
                 f"--dispatch must be round-robin or least-loaded, got {self.dispatch!r}"
             )
+        if self.fatal_retry_s < 0:
+            raise ConfigError(f"--fatal-retry-after must be >= 0, got {self.fatal_retry_s}")
         if self.max_batch_size < 1:
             raise ConfigError(f"--max-batch-size must be at least 1, got {self.max_batch_size}")
         if not 1 <= self.contexts_per_gpu <= 48:

@@ -158,10 +158,13 @@ class Controller:
                 environment={**env, **self.gpu.worker_environment(slot)},
                 # Started by the controller once what they need is ready (MPS daemons).
                 autostart=False,
-                # A crash is restarted by supervisord at once; a load failure (reserved
-                # exit code) is "expected" there, so the back-off decision stays here.
-                autorestart="unexpected",
+                # supervisord spawns and reports; the controller decides every restart, its
+                # back-off and FATAL (one owner). startsecs=0: a process is RUNNING once
+                # spawned, so supervisord never counts a kill as a failed start of its own.
+                autorestart="false",
                 exitcodes=(0, process.EXIT_LOAD_FAILED),
+                startsecs=0,
+                startretries=0,
             )
             for slot in self.slots
         ]
@@ -187,6 +190,7 @@ class Controller:
             self.gpu.start(self.supervisord.process_info())
             self._rpc("startProcessGroup", "workers", False)
             for slot in self.slots.values():
+                slot.start_pending = True
                 slot.change_state(WorkerState.STARTING, "spawned")
             failures = 0
             while self.phase in (PoolPhase.STARTING, PoolPhase.SERVING):
@@ -286,12 +290,19 @@ class Controller:
         pid = int(info.get("pid") or 0)
         if slot.state is WorkerState.BACKOFF:
             if now >= slot.retry_at:
-                self._rpc("startProcess", slot.program, False)
-                slot.change_state(WorkerState.STARTING, f"retry {slot.load_failures}")
+                self._start(slot, f"retry {slot.load_failures}")
+            return
+        if slot.state is WorkerState.FATAL:
+            if self.config.fatal_retry_s > 0 and now >= slot.retry_at:
+                # A cool-down, not forever: what failed may have been passing (a full disk,
+                # a GPU being reset). The reason stays in status until it is READY again.
+                slot.load_failures = 0
+                self._start(slot, f"retrying {self.config.fatal_retry_s:g} s after FATAL")
             return
         if slot.state in FINAL_STATES:
             return
         if state in (sd.STARTING, sd.RUNNING) and pid:
+            slot.start_pending = False
             if pid != slot.pid:
                 if slot.pid:
                     self._forget(slot, "replaced")
@@ -323,29 +334,52 @@ class Controller:
         if state == sd.BACKOFF:
             return  # supervisord is retrying a process that died right after spawn
         if state == sd.FATAL:
+            # Only a spawn error gets here (startsecs=0): the command itself cannot run.
             self._forget(slot, "supervisord gave up")
-            slot.reason = self.supervisord.tail_reason(slot.program) or info.get("spawnerr", "")
-            slot.change_state(WorkerState.FATAL, slot.reason)
+            slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
+            self._make_fatal(slot, now)
             return
-        if state in (sd.EXITED, sd.STOPPED) and slot.pid:
-            exitstatus = int(info.get("exitstatus") or 0)
-            self._forget(slot, f"exited with {exitstatus}")
-            if exitstatus == process.EXIT_LOAD_FAILED:
-                slot.load_failures += 1
-                slot.reason = self.supervisord.tail_reason(slot.program)
-                if slot.load_failures > self.config.start_retries:
-                    slot.change_state(WorkerState.FATAL, slot.reason)
-                else:
-                    slot.retry_at = now + self.config.backoff_s * 2 ** (slot.load_failures - 1)
-                    slot.change_state(WorkerState.BACKOFF, slot.reason)
-            elif exitstatus == 0:
-                # An exit supervisord considers expected, so it will not restart it; nobody
-                # asked for it either.
-                self._rpc("startProcess", slot.program, False)
-                slot.change_state(WorkerState.STARTING, "exited with 0 unasked; restarting")
+        if state in (sd.EXITED, sd.STOPPED) and (slot.pid or slot.start_pending):
+            self._exited(slot, int(info.get("exitstatus") or 0), now)
+
+    def _exited(self, slot: Slot, exitstatus: int, now: float) -> None:
+        """A worker process ended without being asked to: decide what comes next. Nothing
+        restarts it but this (supervisord's autorestart is off for workers)."""
+        ended = self.supervisord.exit_description(slot.program) or f"exit status {exitstatus}"
+        who = f"pid {slot.pid}" if slot.pid else "its process"
+        killed_by_us = slot.pid and slot.kill_sent_to == slot.pid
+        was_ready = slot.state is WorkerState.READY
+        self._forget(slot, ended)
+        slot.pid = 0
+        if exitstatus == process.EXIT_LOAD_FAILED or not (was_ready or killed_by_us):
+            # It could not load, or died before it was ever ready (a crash loop, or killed
+            # while loading): a start failure, backed off and counted toward FATAL. Its own
+            # last words say why; failing those, how it ended.
+            slot.load_failures += 1
+            last = self.supervisord.tail_reason(slot.program)
+            slot.reason = (
+                last
+                if exitstatus == process.EXIT_LOAD_FAILED and last
+                else (f"{who} {ended}" + (f": {last}" if last else ""))
+            )
+            if slot.load_failures > self.config.start_retries:
+                self._make_fatal(slot, now)
             else:
-                # Crashed or killed (-1: by a signal): supervisord restarts it by itself.
-                slot.change_state(WorkerState.STARTING, f"exited with {exitstatus}")
+                slot.retry_at = now + self.config.backoff_s * 2 ** (slot.load_failures - 1)
+                slot.change_state(WorkerState.BACKOFF, slot.reason)
+            return
+        # A healthy worker crashed, was killed from outside, or was killed by us after the
+        # router declared it dead: replace it now. Not a start failure.
+        self._start(slot, f"{who} {ended}; restarting")
+
+    def _start(self, slot: Slot, why: str) -> None:
+        slot.start_pending = True
+        self._rpc("startProcess", slot.program, False)
+        slot.change_state(WorkerState.STARTING, why)
+
+    def _make_fatal(self, slot: Slot, now: float) -> None:
+        slot.retry_at = now + self.config.fatal_retry_s
+        slot.change_state(WorkerState.FATAL, slot.reason)
 
     def _publish(self) -> bool:
         """Publish the model's weights into shared memory before any worker starts: a
@@ -392,6 +426,7 @@ class Controller:
         self.gpu.recover(gpu, self.supervisord.process_info())
         for slot in slots:
             if slot.state is WorkerState.STARTING:
+                slot.start_pending = True
                 self._rpc("startProcess", slot.program, False)
 
     def _rpc(self, method: str, *args: Any) -> Any:

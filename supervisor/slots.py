@@ -20,12 +20,13 @@ class Slot:
     started_at: float = 0.0  # wall-clock start of the current incarnation
     incarnations: int = 0  # processes this slot has had
     load_failures: int = 0
-    retry_at: float = 0.0  # monotonic time of the next start, in BACKOFF
+    retry_at: float = 0.0  # monotonic time of the next start, in BACKOFF or FATAL
     reason: str = ""
     served_before: int = 0  # requests answered by earlier incarnations
     answered: int = 0  # by the current incarnation, per the router
     inflight: int = 0
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
+    start_pending: bool = False  # a start was asked for and its process not yet seen
     weights: dict[str, Any] | None = None  # where the current process's variables live
 
     @property

@@ -16,7 +16,8 @@ class WorkerState(enum.Enum):
     DRAINING = "DRAINING"  # pool shutting down: finishing what it has
     STOPPED = "STOPPED"  # not running, by decision
     BACKOFF = "BACKOFF"  # could not load its model; waiting before the next try
-    FATAL = "FATAL"  # gave up: retries exhausted; the reason is shown by `mpspool status`
+    FATAL = "FATAL"  # retries exhausted: waits out a cool-down, then tries again; the reason
+    # is shown by `mpspool status`
 
 
 S = WorkerState
@@ -28,7 +29,8 @@ ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
     S.READY: frozenset({S.STARTING, S.DRAINING, S.STOPPED}),
     S.BACKOFF: frozenset({S.STARTING, S.FATAL, S.STOPPED}),
     S.DRAINING: frozenset({S.STOPPED}),
-    S.FATAL: frozenset({S.STOPPED}),
+    # FATAL -> STARTING: tried again after the cool-down (--fatal-retry-after).
+    S.FATAL: frozenset({S.STARTING, S.STOPPED}),
 }
 
 RUNNING_STATES = frozenset({S.STARTING, S.READY, S.DRAINING})

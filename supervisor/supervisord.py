@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -105,6 +106,23 @@ supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
         priority = min(p.priority for p in programs if p.group == group)
         sections.append(f"[group:{group}]\nprograms={','.join(names)}\npriority={priority}\n")
     return "\n".join(sections)
+
+
+# A Python exception line ("ValueError: ...", "tensorflow.python.framework.errors_impl.
+# NotFoundError: ..."), or a log line at error level or worse.
+_ERROR_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b|Traceback|Fatal Python error)"
+    r"|\b(ERROR|CRITICAL|FATAL)\b|(^|\s)[EF]\d{4} |: [EF] "
+)
+
+
+def last_error_line(text: str) -> str:
+    """The last line of ``text`` that reads as an error, or ""."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and _ERROR_LINE.search(line):
+            return line[:300]
+    return ""
 
 
 def _quote(arg: str) -> str:
@@ -207,13 +225,25 @@ class Supervisord:
         return {f"{i['group']}:{i['name']}": i for i in self.rpc().getAllProcessInfo()}
 
     def tail_reason(self, program: str) -> str:
-        """The last FATAL_MARKER line a program wrote, or its last line."""
+        """Why a program says it stopped: its last FATAL_MARKER line, else the last line of
+        its output that reads as an error (a Python exception, a fatal log line); "" when
+        there is none. Never an informational line (TensorFlow's start-up chatter)."""
         try:
             text, _, _ = self.rpc().tailProcessStdoutLog(program, 0, 8192)
         except (OSError, xmlrpc.client.Error):
             return ""
-        lines = [line for line in text.splitlines() if line.strip()]
-        return process.fatal_reason(text) or (lines[-1] if lines else "")
+        return process.fatal_reason(text) or last_error_line(text)
+
+    def exit_description(self, program: str) -> str:
+        """How a program's last process ended, as supervisord logged it ("terminated by
+        SIGKILL", "exit status 1"); "" when its log does not say."""
+        name = program.split(":", 1)[-1]
+        try:
+            text = self.rpc().readLog(-16384, 0)
+        except (OSError, xmlrpc.client.Error):
+            return ""
+        found = re.findall(rf"exited: {re.escape(name)} \(([^;)]+)", text)
+        return found[-1] if found else ""
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

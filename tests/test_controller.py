@@ -116,6 +116,7 @@ class FakeSupervisord:
         self.pids = itertools.count(1001)  # pids supervisord gives on startProcess
         self.programs: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}  # program → what tail_reason finds
+        self.exits: dict[str, str] = {}  # program → what exit_description finds
         self.tailed: list[str] = []
         self.shut_down = False
         # What supervisord does on its own between the controller's look and its call.
@@ -150,6 +151,9 @@ class FakeSupervisord:
 
     def exit(self, slot: str, status: int) -> None:
         self.set(program_of(slot), sd.EXITED, exitstatus=status)
+        # What supervisord's own log says of it (-1: killed by a signal).
+        how = "terminated by SIGKILL" if status == -1 else f"exit status {status}"
+        self.exits[program_of(slot)] = how
 
     def meanwhile(self, method: str, program: str) -> None:
         if self.before_call is not None:
@@ -169,6 +173,9 @@ class FakeSupervisord:
         self.tailed.append(program)
         return self.logs.get(program, "")
 
+    def exit_description(self, program: str) -> str:
+        return self.exits.get(program, "")
+
     def shutdown(self) -> None:
         self.shut_down = True
 
@@ -181,6 +188,7 @@ class FakeRouter:
         self.workers: dict[str, dict[str, Any]] = {}
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
+        self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
         self.closed = False
 
     def register(self, slot: str, pid: int, answered: int = 0, inflight: int = 0) -> None:
@@ -207,6 +215,9 @@ class FakeRouter:
             self.gone.append((slot, pid))
             if self.workers.get(slot, {}).get("pid") == pid:
                 del self.workers[slot]
+            return {"ok": True}
+        if op == "gpus":
+            self.gpu_samples.append(fields["gpus"])
             return {"ok": True}
         raise AssertionError(f"the controller asked the router for {op!r}")
 
@@ -479,21 +490,48 @@ def test_a_clean_exit_nobody_asked_for_is_restarted(pool: Pool):
     assert pool.sd.calls == [("startProcess", program_of("cpu-0"))]
 
 
-def test_a_crash_seen_as_exited_is_left_to_supervisords_restart(pool: Pool):
+def test_a_killed_ready_worker_is_restarted_by_the_controller_not_counted_as_a_failure(
+    pool: Pool,
+):
     pool.start()
     pool.make_ready("cpu-0")
-    pool.sd.exit("cpu-0", -1)  # kill -9, seen between supervisord's reap and its respawn
+    pool.sd.logs[program_of("cpu-0")] = ""  # nothing but TensorFlow's info lines
+    for n in range(6):  # more kills than start_retries: a healthy worker never goes FATAL
+        pid = pool.slot("cpu-0").pid
+        pool.sd.exit("cpu-0", -1)  # kill -9: supervisord does not restart workers
+        pool.tick()
+        slot = pool.slot("cpu-0")
+        assert slot.state is S.STARTING
+        assert slot.load_failures == 0
+        assert pool.router.gone[-1] == ("cpu-0", pid)
+        assert len(pool.sd.rpc_calls("startProcess")) == n + 1
+        pool.tick()
+        pool.router.register("cpu-0", pool.sd.pid_of("cpu-0"))
+        pool.tick()
+        assert slot.state is S.READY
+    assert slot.restarts == 6
+
+
+def test_a_worker_that_dies_while_starting_backs_off_with_how_it_ended(pool: Pool):
+    pool.start()
+    pool.make_ready("cpu-1")
+    # Killed (or crashed) before it was ever ready, with nothing in its log but chatter.
+    pool.sd.logs[program_of("cpu-0")] = ""
+    pool.sd.exit("cpu-0", -1)
     pool.tick()
     slot = pool.slot("cpu-0")
-    assert slot.state is S.STARTING
-    assert pool.router.gone == [("cpu-0", 101)]
-    assert pool.sd.calls == [], "autorestart=unexpected: supervisord restarts it itself"
-    pool.sd.run("cpu-0", 401)
+    assert slot.state is S.BACKOFF and slot.load_failures == 1
+    assert slot.reason == "pid 101 terminated by SIGKILL"
+    pool.tick(1.0)
+    assert pool.sd.rpc_calls("startProcess") == [("startProcess", program_of("cpu-0"))]
+    # The next one crashes with an error it printed: that line is the reason.
     pool.tick()
-    assert slot.pid == 401
-    pool.router.register("cpu-0", 401)
+    pid = slot.pid
+    pool.sd.logs[program_of("cpu-0")] = "ImportError: libcudart.so.12: cannot open"
+    pool.sd.exit("cpu-0", 1)
     pool.tick()
-    assert slot.state is S.READY
+    assert slot.state is S.BACKOFF and slot.load_failures == 2
+    assert slot.reason == f"pid {pid} exit status 1: ImportError: libcudart.so.12: cannot open"
 
 
 def test_a_crash_seen_as_exited_counts_as_a_restart(pool: Pool):
@@ -501,7 +539,6 @@ def test_a_crash_seen_as_exited_counts_as_a_restart(pool: Pool):
     pool.make_ready("cpu-0")
     pool.sd.exit("cpu-0", -1)
     pool.tick()
-    pool.sd.run("cpu-0", 401)
     pool.tick()
     assert pool.slot("cpu-0").restarts == 1, "the same kill -9 seen as a new pid counts 1"
 
@@ -577,9 +614,8 @@ def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attemp
     assert slot.state is S.FATAL
     assert slot.reason == LOAD_ERROR
     assert slot.pid == 0
-    for _ in range(3):
-        pool.tick(60.0)
-    assert len(pool.sd.rpc_calls("startProcess")) == 2, "a FATAL slot is not restarted"
+    pool.tick(59.0)
+    assert len(pool.sd.rpc_calls("startProcess")) == 2, "FATAL waits out its cool-down"
     described = {d["slot"]: d for d in pool.controller.status()["slots"]}["cpu-0"]
     assert (described["state"], described["reason"], described["pid"]) == (
         "FATAL",
@@ -596,6 +632,15 @@ def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attemp
         *["STARTING", "STARTING", "BACKOFF"],
         *["STARTING", "STARTING", "FATAL"],
     ]
+
+    # After fatal_retry_s (60 s) it is tried again with a clean count, its reason kept
+    # until it is ready.
+    pool.tick(1.0)
+    assert len(pool.sd.rpc_calls("startProcess")) == 3
+    assert (slot.state, slot.load_failures, slot.reason) == (S.STARTING, 0, LOAD_ERROR)
+    pool.tick()
+    pool.make_ready("cpu-0")
+    assert (slot.state, slot.reason) == (S.READY, "")
 
 
 def test_a_slot_that_loads_on_retry_forgets_its_failures(pool: Pool):
@@ -725,11 +770,11 @@ def test_change_state_allows_exactly_the_table(old: WorkerState, new: WorkerStat
         assert slot.state is old
 
 
-def test_every_state_can_reach_stopped_and_final_states_lead_nowhere_else():
+def test_every_state_can_reach_stopped_and_fatal_only_a_retry():
     for state in S:
         if state is not S.STOPPED:
             assert S.STOPPED in ALLOWED[state], f"{state.value} cannot be stopped"
-    assert ALLOWED[S.FATAL] == {S.STOPPED}
+    assert ALLOWED[S.FATAL] == {S.STOPPED, S.STARTING}, "FATAL: stopped, or retried"
     assert S.READY not in ALLOWED[S.BACKOFF], "a retry must start before it is ready"
 
 
@@ -774,9 +819,12 @@ def test_render_config_for_the_pools_programs(pool: Pool):
         # A load failure is an expected exit: supervisord leaves the retry to the controller.
         assert worker["exitcodes"] == f"0,{process.EXIT_LOAD_FAILED}"
         assert int(worker["priority"]) > int(router["priority"]), "router starts first"
+    # supervisord restarts the front door itself; a worker only the controller restarts.
+    assert conf["program:router"]["autorestart"] == "unexpected"
+    for section in ("program:worker-cpu-0", "program:worker-cpu-1"):
+        assert (conf[section]["autorestart"], conf[section]["startsecs"]) == ("false", "0")
     for section in ("program:router", "program:worker-cpu-0", "program:worker-cpu-1"):
         program = conf[section]
-        assert program["autorestart"] == "unexpected"
         assert program["stopasgroup"] == "true"
         assert program["killasgroup"] == "true"
         assert program["directory"] == str(run_dir)
@@ -814,7 +862,8 @@ SUPERVISORD_PARSE = textwrap.dedent(
         "socket": [dict(file=c["file"], chmod=c["chmod"]) for c in options.server_configs],
         "programs": {
             p.name: dict(command=p.command, exitcodes=list(p.exitcodes),
-                         autorestart=p.autorestart.__name__, environment=p.environment,
+                         autorestart=getattr(p.autorestart, "__name__", p.autorestart),
+                         startsecs=p.startsecs, environment=p.environment,
                          stopasgroup=p.stopasgroup, killasgroup=p.killasgroup,
                          directory=p.directory, stdout_logfile=p.stdout_logfile)
             for g in options.process_group_configs for p in g.process_configs
@@ -848,13 +897,15 @@ def test_supervisord_itself_accepts_the_rendered_config(tmp_path: Path):
         command=[sys.executable, "-m", "mpspool.worker", "--slot", "cpu-0"],
         environment={"MSG": "50% off"},
         exitcodes=(0, process.EXIT_LOAD_FAILED),
+        autorestart="false",
+        startsecs=0,
     )
     parsed = parse_with_supervisord(tmp_path, render(tmp_path, [program]))
     assert parsed["socket"] == [{"file": str(tmp_path / sd.SOCKET_FILE), "chmod": 0o700}]
     worker = parsed["programs"]["worker-cpu-0"]
     assert shlex.split(worker["command"]) == list(program.command)
     assert worker["exitcodes"] == [0, process.EXIT_LOAD_FAILED]
-    assert worker["autorestart"] == "RestartWhenExitUnexpected"
+    assert (worker["autorestart"], worker["startsecs"]) == (False, 0)
     assert worker["environment"] == {"MSG": "50% off"}
     assert worker["stopasgroup"] and worker["killasgroup"]
     assert worker["directory"] == str(tmp_path)

@@ -146,3 +146,62 @@ def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy:
     finally:
         streamer.stop()
     assert streamer.failed() == []
+
+
+def _next_pid(pool: Pool, slot: str, old: int, seen: list[dict], timeout: float = 60.0) -> int:
+    """The slot's next process, as soon as the controller has seen it; every state passed
+    on the way is added to ``seen``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = pool.slot(slot)
+        seen.append(now)
+        if now["pid"] and now["pid"] != old:
+            return now["pid"]
+        time.sleep(0.05)
+    raise AssertionError(f"{slot}: no new process within {timeout} s: {seen[-1]}")
+
+
+def test_quick_kills_are_said_as_such_and_a_fatal_slot_comes_back(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """kill -9 of a ready worker is replaced and not counted; kills of its replacements
+    while they load count as failed starts (--start-retries 1), so the slot goes FATAL with
+    how they ended as the reason (never a TensorFlow info line), and is tried again after
+    --fatal-retry-after. The other worker serves every request meanwhile."""
+    pool = Pool(
+        tmp_path, demo_model_dir, 2, "--start-retries", "1", "--fatal-retry-after", "5"
+    ).start()
+    try:
+        pool.wait_ready(2)
+        streamer = Streamer(pool.port, DEMO_ROWS).start()
+        try:
+            streamer.wait_for_successes(10)
+            pid = pool.slot("cpu-0")["pid"]
+            seen: list[dict] = []
+            for _ in range(3):  # the ready one, then two replacements while they load
+                os.kill(pid, signal.SIGKILL)
+                pid = _next_pid(pool, "cpu-0", pid, seen)
+            fatal = [s for s in seen if s["state"] == "FATAL"]
+            assert fatal, [s["state"] for s in seen]
+            assert "BACKOFF" in {s["state"] for s in seen}
+            reason = fatal[-1]["reason"]
+            assert "terminated by SIGKILL" in reason, reason
+            assert "oneDNN" not in reason and " I " not in reason
+            # Back after the cool-down, by itself.
+            status = pool.wait_for(
+                lambda st: next(x for x in st["slots"] if x["slot"] == "cpu-0")["state"] == "READY",
+                90,
+                "cpu-0 READY again after FATAL",
+            )
+            slot = next(x for x in status["slots"] if x["slot"] == "cpu-0")
+            assert slot["reason"] == ""
+            assert slot["restarts"] == 3
+            assert next(x for x in status["slots"] if x["slot"] == "cpu-1")["restarts"] == 0
+            streamer.wait_for_successes(len(streamer.ok()) + 10)
+        finally:
+            streamer.stop()
+        assert streamer.failed() == []
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()

@@ -124,3 +124,22 @@ def test_daemon_output_and_daemon_death_are_faults_of_their_gpu(tmp_path: Path) 
     assert list(watch.faults(supervisor, infos)) == [1]  # a new daemon pid: it died
     infos["mps:mps-gpu0"] = {"state": sd.BACKOFF, "statename": "BACKOFF", "pid": 0}
     assert 0 in watch.faults(supervisor, infos)
+
+
+def test_gpu_usage_is_sent_to_the_front_door_every_interval(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, fake = gpu_pool(make_pool, monkeypatch)
+    fake.set_usage(U1, memory_used=3 << 30, utilization_gpu=75)
+    pool.start(PIDS)
+    pool.tick()
+    (first,) = pool.router.gpu_samples
+    by_gpu = {s["gpu"]: s for s in first}
+    assert by_gpu[1] == {
+        "gpu": 1, "uuid": U1, "memory_used": 3 << 30,
+        "memory_total": 16 << 30, "utilization": 75,
+    }  # fmt: skip
+    pool.tick(1.0)
+    assert len(pool.router.gpu_samples) == 1, "once per interval"
+    pool.tick(1.0)
+    assert len(pool.router.gpu_samples) == 2
