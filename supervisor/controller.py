@@ -134,7 +134,12 @@ class Controller:
         router = sd.Program(
             name="router",
             command=[router_binary(), "--run-dir", str(self.run_dir)],
-            priority=10,
+            # supervisord stops programs in descending priority when it shuts down by
+            # itself (the controller was killed): the front door first, so that it stops
+            # taking requests and drains while the workers still answer, then the workers,
+            # then the MPS daemons (5). Start order is the controller's: workers are not
+            # autostarted, so the daemons and then the front door start first anyway.
+            priority=30,
             environment=env,
             autorestart="unexpected",
             exitcodes=ROUTER_EXIT_CODES,

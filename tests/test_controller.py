@@ -818,7 +818,9 @@ def test_render_config_for_the_pools_programs(pool: Pool):
         ]
         # A load failure is an expected exit: supervisord leaves the retry to the controller.
         assert worker["exitcodes"] == f"0,{process.EXIT_LOAD_FAILED}"
-        assert int(worker["priority"]) > int(router["priority"]), "router starts first"
+        # supervisord's own shutdown (a killed controller) stops the front door first.
+        assert int(router["priority"]) > int(worker["priority"]), "router stops first"
+        assert worker["autostart"] == "false", "the controller starts workers after the router"
     # supervisord restarts the front door itself; a worker only the controller restarts.
     assert conf["program:router"]["autorestart"] == "unexpected"
     for section in ("program:worker-cpu-0", "program:worker-cpu-1"):
