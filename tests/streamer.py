@@ -27,11 +27,16 @@ class Streamer:
     threads: int = 2
     timeout_s: float = 20.0
     outcomes: list[Outcome] = field(default_factory=list)
+    # What to send (default: 4 rows of the demo model).
+    request: predict_pb2.PredictRequest | None = None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._workers: list[threading.Thread] = []
+        if self.request is not None:
+            self._request = self.request
+            return
         self._request = predict_pb2.PredictRequest()
         self._request.model_spec.name = "demo"
         for name, array in demo_inputs(4, self.rows).items():

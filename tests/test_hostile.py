@@ -1,0 +1,203 @@
+"""Hostile requests against a real pool while a good client keeps sending (issue 15): bodies
+that are not protobuf, truncated ones, tensors whose declared size is huge and whose payload is
+tiny (every dtype the front door carries, strings too), a 10 MiB string asked to fill a huge
+shape, an empty model name. Each is refused quickly with a gRPC status, the front door and the
+workers live on, and the good client's requests all succeed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from conftest import DEMO_ROWS
+from poolproc import Pool
+from streamer import Streamer
+
+PREDICT = "/tensorflow.serving.PredictionService/Predict"
+# "Answered in milliseconds": generous for a loaded 2-core machine, far below the seconds a
+# request that is expanded before it is checked costs.
+QUICK_S = 0.5
+
+
+def build_string_model(base: Path) -> Path:
+    """A model with one string input (`words`, [None]) and a float input (`dense`, [None, 2])."""
+
+    class Strings(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = tf.Variable(2.0)
+
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None], tf.string, name="words"),
+                tf.TensorSpec([None, 2], tf.float32, name="dense"),
+            ]
+        )
+        def serve(self, words, dense):
+            length = tf.cast(tf.strings.length(words), tf.float32)
+            return {"out": length + tf.reduce_sum(dense, axis=1) * self.scale}
+
+    module = Strings()
+    tf.saved_model.save(module, str(base / "1"), signatures={"serving_default": module.serve})
+    return base
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    tmp = tmp_path_factory.mktemp("hostile")
+    pool = Pool(tmp, build_string_model(tmp / "strings"), 2)
+    try:
+        pool.start().wait_ready(2)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def _good() -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    request.inputs["words"].CopyFrom(tf.make_tensor_proto(np.array([b"ab", b"cde"], object)))
+    request.inputs["dense"].CopyFrom(tf.make_tensor_proto(np.ones((2, 2), np.float32)))
+    return request
+
+
+def _declared(dtype: tf.DType, shape: list[int], **values: object) -> predict_pb2.PredictRequest:
+    """The good request with `dense` replaced by a tensor of `dtype` declaring `shape`."""
+    request = _good()
+    tensor = request.inputs["dense"]
+    tensor.Clear()
+    tensor.dtype = dtype.as_datatype_enum
+    for size in shape:
+        tensor.tensor_shape.dim.add(size=size)
+    for field, value in values.items():
+        getattr(tensor, field).extend(value)  # type: ignore[arg-type]
+    return request
+
+
+HUGE = [1 << 40, 2]  # a trillion rows of the right width: the shape passes the signature
+# Tiny payloads in every typed field the front door reads.
+TINY = {
+    tf.float32: {"float_val": [1.0]},
+    tf.float64: {"double_val": [1.0]},
+    tf.int32: {"int_val": [1]},
+    tf.int16: {"int_val": [1]},
+    tf.int8: {"int_val": [1]},
+    tf.uint8: {"int_val": [1]},
+    tf.uint16: {"int_val": [1]},
+    tf.int64: {"int64_val": [1]},
+    tf.uint32: {"uint32_val": [1]},
+    tf.uint64: {"uint64_val": [1]},
+    tf.bool: {"bool_val": [True]},
+    tf.half: {"half_val": [1]},
+    tf.bfloat16: {"half_val": [1]},
+    tf.complex64: {"scomplex_val": [1.0, 0.0]},
+    tf.complex128: {"dcomplex_val": [1.0, 0.0]},
+}
+
+
+def _hostile() -> list[tuple[str, bytes, grpc.StatusCode, str]]:
+    """(what, the raw request body, the code, a fragment of the message)."""
+    cases = []
+    rng = np.random.default_rng(15)
+    cases.append(
+        ("random bytes", rng.bytes(4096), grpc.StatusCode.INTERNAL, "failed to decode Protobuf")
+    )
+    whole = _good().SerializeToString()
+    cases.append(
+        ("truncated", whole[: len(whole) // 2], grpc.StatusCode.INTERNAL, "failed to decode")
+    )
+    # The right dtype, a huge shape, one value: refused by the bound on what one request may
+    # expand to, before anything is allocated.
+    cases.append((
+        "float32 [2^40, 2] from one value", _declared(tf.float32, HUGE, float_val=[1.0])
+        .SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT, "more than the",
+    ))  # fmt: skip
+    for dtype, values in TINY.items():
+        if dtype == tf.float32:
+            continue
+        request = _declared(dtype, HUGE, **values)
+        cases.append((
+            f"{dtype.name} [2^40, 2] from one value", request.SerializeToString(),
+            grpc.StatusCode.INVALID_ARGUMENT, "expects dtype float",
+        ))  # fmt: skip
+    words = _good()
+    words.inputs["words"].Clear()
+    words.inputs["words"].dtype = tf.string.as_datatype_enum
+    words.inputs["words"].tensor_shape.dim.add(size=1 << 40)
+    words.inputs["words"].string_val.append(b"x")
+    cases.append((
+        "string [2^40] from one value", words.SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT, "more than the",
+    ))  # fmt: skip
+    big = _good()
+    big.inputs["words"].Clear()
+    big.inputs["words"].dtype = tf.string.as_datatype_enum
+    big.inputs["words"].tensor_shape.dim.add(size=1 << 20)
+    big.inputs["words"].string_val.append(b"x" * (10 << 20))
+    cases.append((
+        "a 10 MiB string to fill [2^20]", big.SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT, "more than the",
+    ))  # fmt: skip
+    wrong_rank = _good()
+    wrong_rank.inputs["words"].tensor_shape.dim.add(size=16)
+    wrong_rank.inputs["words"].tensor_shape.dim[0].size = 4
+    del wrong_rank.inputs["words"].string_val[:]
+    wrong_rank.inputs["words"].string_val.append(b"x" * (10 << 20))
+    cases.append((
+        "a 10 MiB string as [4, 16]", wrong_rank.SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT, "is not compatible with the signature",
+    ))  # fmt: skip
+    nameless = _good()
+    nameless.model_spec.name = ""
+    cases.append((
+        "an empty model name", nameless.SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT, "ModelSpec has no name specified.",
+    ))  # fmt: skip
+    return cases
+
+
+CASES = _hostile()
+
+
+@pytest.mark.parametrize(("what", "body", "code", "fragment"), CASES, ids=[c[0] for c in CASES])
+def test_a_hostile_request_is_refused_quickly_and_harms_no_one(
+    pool: Pool, what: str, body: bytes, code: grpc.StatusCode, fragment: str
+) -> None:
+    pids = {s["slot"]: s["pid"] for s in pool.status()["slots"]}
+    streamer = Streamer(pool.port, DEMO_ROWS, request=_good()).start()
+    try:
+        streamer.wait_for_successes(5)
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            call = channel.unary_unary(PREDICT)
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as info:
+                    call(body, timeout=30)
+                took = time.monotonic() - started
+                assert info.value.code() == code, (what, info.value.details())
+                assert fragment in (info.value.details() or ""), (what, info.value.details())
+                assert "\n" not in (info.value.details() or ""), "one line, no traceback"
+                assert took < QUICK_S + len(body) / 50e6, (what, took)
+        streamer.wait_for_successes(len(streamer.ok()) + 5)
+    finally:
+        streamer.stop()
+    assert streamer.failed() == [], streamer.failed()[:3]
+    assert {s["slot"]: s["pid"] for s in pool.status()["slots"]} == pids
+    assert pool.slot("cpu-0")["state"] == "READY"
+
+
+def test_good_requests_still_get_their_answer(pool: Pool) -> None:
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        answer = stub.Predict(_good(), timeout=30)
+    np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
