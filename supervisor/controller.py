@@ -42,6 +42,8 @@ GPU_METRICS_INTERVAL_S = 2.0
 # How long the controller tolerates failing to see supervisord or the router.
 MAX_BLIND_S = 10.0
 ROUTER_PROGRAM = "router:router"
+# Front doors in a row that die before they ever answer: a crash loop, and the pool fails.
+ROUTER_SILENT_DEATHS = 5
 # The router's expected exit codes: supervisord restarts it after any other.
 ROUTER_EXIT_CODES = (process.EXIT_OK, process.EXIT_CONFIG_ERROR)
 
@@ -126,6 +128,9 @@ class Controller:
         self.gpu = GpuWatch(config, self.run_dir, _gpu_backend(config))
         self._announced = False
         self._next_gpu_metrics = 0.0
+        self._router_pid = 0  # the front door's incarnation seen last
+        self._router_answered = False  # whether that one has answered the control channel
+        self._router_silent_deaths = 0  # incarnations in a row that died before answering
 
     # -- programs -----------------------------------------------------------------
     def programs(self) -> list[sd.Program]:
@@ -143,6 +148,9 @@ class Controller:
             environment=env,
             autorestart="unexpected",
             exitcodes=ROUTER_EXIT_CODES,
+            # Every spawn counts as started: kills soon after a restart must not make
+            # supervisord give up on the front door (FATAL). Crash loops: _router_crash_loop.
+            startsecs=0,
             stopwaitsecs=int(self.config.shutdown_delay_s + self.config.drain_timeout_s + 5),
         )
         daemons = self.gpu.programs(env)
@@ -236,6 +244,9 @@ class Controller:
         router_answered = answer is not None
         snap = answer or {}
         router_down = _router_down_for_good(infos.get(ROUTER_PROGRAM, {}))
+        router_down = router_down or self._router_crash_loop(
+            infos.get(ROUTER_PROGRAM, {}), router_answered
+        )
         if router_down:
             self._fail_pool(
                 f"the router {router_down}: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
@@ -464,6 +475,24 @@ class Controller:
         log.error("%s", reason)
         self.exit_code, self.exit_reason = 1, reason
         self.phase = PoolPhase.DRAINING
+
+    def _router_crash_loop(self, info: dict[str, Any], answered: bool) -> str:
+        """ "keeps dying before it answers" when that happened to ROUTER_SILENT_DEATHS front
+        doors in a row; "" otherwise. supervisord restarts the front door at once and never
+        gives up on it (startsecs=0: a kill soon after a restart is not a failed start), so a
+        crash loop is told here: by incarnations that never answered the control channel. A
+        front door killed from outside has answered (it serves), however often it is killed."""
+        pid = int(info.get("pid") or 0)
+        if pid and pid != self._router_pid:
+            if self._router_pid and not self._router_answered:
+                self._router_silent_deaths += 1
+            self._router_pid, self._router_answered = pid, False
+        if answered:
+            self._router_answered = True
+            self._router_silent_deaths = 0
+        if self._router_silent_deaths >= ROUTER_SILENT_DEATHS:
+            return f"keeps dying before it answers ({self._router_silent_deaths} in a row)"
+        return ""
 
     def _publish_gpu_usage(self, router_answered: bool) -> None:
         """Every GPU_METRICS_INTERVAL_S, the GPUs' memory and utilisation (NVML) to the front

@@ -29,6 +29,9 @@ class Streamer:
     outcomes: list[Outcome] = field(default_factory=list)
     # What to send (default: 4 rows of the demo model).
     request: predict_pb2.PredictRequest | None = None
+    # gRPC's reconnect back-off (1 s, then longer) makes a client fail fast for a second or
+    # more after one refused connection; this measures the server, not that policy.
+    fast_reconnect: bool = False
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -50,7 +53,16 @@ class Streamer:
         return self
 
     def _loop(self) -> None:
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+        options = (
+            [
+                ("grpc.initial_reconnect_backoff_ms", 20),
+                ("grpc.min_reconnect_backoff_ms", 20),
+                ("grpc.max_reconnect_backoff_ms", 100),
+            ]
+            if self.fast_reconnect
+            else []
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}", options=options) as channel:
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
             while not self._stop.is_set():
                 sent = time.monotonic()

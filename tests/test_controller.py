@@ -189,6 +189,7 @@ class FakeRouter:
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
+        self.answering = True
         self.closed = False
 
     def register(self, slot: str, pid: int, answered: int = 0, inflight: int = 0) -> None:
@@ -202,6 +203,8 @@ class FakeRouter:
         return pid
 
     def ask(self, op: str, timeout_s: float = 0.5, **fields: Any) -> dict[str, Any] | None:
+        if not self.answering:
+            return None  # down, or not yet listening
         if op == "snapshot":
             return {
                 "phase": "serving",
@@ -716,6 +719,32 @@ def test_a_router_on_its_way_back_is_no_pool_failure(pool: Pool, exitstatus: int
     pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=11)
     pool.tick()
     assert pool.controller.phase is not PoolPhase.DRAINING
+
+
+def test_a_front_door_killed_again_and_again_is_no_pool_failure(pool: Pool):
+    """Each incarnation answers before it is killed: outside kills, not a crash loop."""
+    pool.start()
+    for pid in range(11, 41):
+        pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=pid)
+        pool.tick()
+    assert pool.controller.phase is not PoolPhase.DRAINING
+
+
+def test_a_front_door_that_keeps_dying_before_it_answers_fails_the_pool(pool: Pool):
+    pool.sd.logs[ROUTER_PROGRAM] = "thread 'main' panicked at src/main.rs: boom"
+    pool.start()
+    pool.router.answering = False
+    for pid in range(11, 11 + controller_module.ROUTER_SILENT_DEATHS):
+        assert pool.controller.phase is not PoolPhase.DRAINING
+        pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=pid)
+        pool.tick()
+    pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=99)
+    pool.tick()
+    assert pool.controller.phase is PoolPhase.DRAINING
+    assert pool.controller.exit_reason == (
+        "the router keeps dying before it answers (5 in a row): "
+        "thread 'main' panicked at src/main.rs: boom"
+    )
 
 
 def test_the_pool_fails_when_supervisord_gives_up_on_the_router(pool: Pool):
