@@ -42,6 +42,9 @@ GPU_METRICS_INTERVAL_S = 2.0
 # How long the controller tolerates failing to see supervisord or the router.
 MAX_BLIND_S = 10.0
 ROUTER_PROGRAM = "router:router"
+# supervisord killed more often than this within the window: the pool fails.
+SUPERVISORD_DEATHS = 3
+SUPERVISORD_DEATHS_WINDOW_S = 300.0
 # Front doors in a row that die before they ever answer: a crash loop, and the pool fails.
 ROUTER_SILENT_DEATHS = 5
 # The router's expected exit codes: supervisord restarts it after any other.
@@ -131,6 +134,8 @@ class Controller:
         self._router_pid = 0  # the front door's incarnation seen last
         self._router_answered = False  # whether that one has answered the control channel
         self._router_silent_deaths = 0  # incarnations in a row that died before answering
+        self._supervisord_config = ""  # the rendered configuration, to start it again
+        self._supervisord_deaths: list[float] = []  # monotonic times it died
 
     # -- programs -----------------------------------------------------------------
     def programs(self) -> list[sd.Program]:
@@ -197,6 +202,7 @@ class Controller:
                 log.info("removed a weight segment left by a pool that died: %s", stale)
             if self.config.share_weights and not self._publish():
                 return self.exit_code
+            self._supervisord_config = text
             self.supervisord.start(text)
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
@@ -212,8 +218,9 @@ class Controller:
                     self._dispatch(self.events.popleft())
                     continue
                 if self.supervisord.proc is not None and self.supervisord.proc.poll() is not None:
-                    self._fail_pool(f"supervisord exited with {self.supervisord.proc.returncode}")
-                    break
+                    if not self._revive_supervisord():
+                        break
+                    continue
                 try:
                     self.tick()
                     failures = 0
@@ -460,11 +467,12 @@ class Controller:
         except (OSError, xmlrpc.client.Error):
             return {}
 
-    def _forget(self, slot: Slot, why: str) -> None:
+    def _forget(self, slot: Slot, why: str, tell_router: bool = True) -> None:
         """The incarnation slot.pid is over: tell the router at once (its in-flight requests
         are retried elsewhere now, not after the liveness window)."""
-        if slot.pid:
+        if slot.pid and tell_router:
             self.router.ask("gone", slot=slot.name, pid=slot.pid)
+        if slot.pid:
             slot.served_before += slot.answered
         slot.answered = 0
         slot.inflight = 0
@@ -475,6 +483,39 @@ class Controller:
         log.error("%s", reason)
         self.exit_code, self.exit_reason = 1, reason
         self.phase = PoolPhase.DRAINING
+
+    def _revive_supervisord(self) -> bool:
+        """supervisord died (killed from outside); every process it ran went with it (their
+        parent-death signals). Start it again with the same programs and bring the pool back:
+        MPS daemons, front door (same ports, pinned in pool.json), workers (the shared weights
+        are still published). False, with the pool failed, when it keeps dying."""
+        assert self.supervisord.proc is not None
+        code = self.supervisord.proc.returncode
+        now = time.monotonic()
+        self._supervisord_deaths = [
+            t for t in self._supervisord_deaths if now - t < SUPERVISORD_DEATHS_WINDOW_S
+        ] + [now]
+        if len(self._supervisord_deaths) > SUPERVISORD_DEATHS:
+            self._fail_pool(
+                f"supervisord exited with {code}, {len(self._supervisord_deaths)} times in "
+                f"{SUPERVISORD_DEATHS_WINDOW_S:.0f} s"
+            )
+            return False
+        log.warning("supervisord exited with %s: starting it and the pool's processes again", code)
+        for slot in self.slots.values():
+            # The front door died too: nobody to tell that these processes are gone.
+            self._forget(slot, "supervisord died", tell_router=False)
+            slot.pid = 0
+            if slot.state in (WorkerState.READY, WorkerState.STARTING):
+                slot.change_state(WorkerState.STARTING, "supervisord died")
+        self._router_pid, self._router_answered = 0, False
+        self.supervisord.start(self._supervisord_config)
+        self.gpu.start(self.supervisord.process_info())
+        for slot in self.slots.values():
+            if slot.state is WorkerState.STARTING:
+                slot.start_pending = True
+                self._rpc("startProcess", slot.program, False)
+        return True
 
     def _router_crash_loop(self, info: dict[str, Any], answered: bool) -> str:
         """ "keeps dying before it answers" when that happened to ROUTER_SILENT_DEATHS front

@@ -270,3 +270,41 @@ def test_twenty_kills_of_the_front_door_under_load_never_end_the_pool(
         assert pool.leftovers() == []
     finally:
         pool.kill()
+
+
+def test_a_killed_supervisord_is_started_again_with_the_pool(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """kill -9 of supervisord: its processes go with it; the controller starts it again and
+    with it the front door (same port) and the workers, so the pool serves again by itself."""
+    pool = Pool(tmp_path, demo_model_dir, 2).start()
+    try:
+        pool.wait_ready(2)
+        assert pool.proc is not None
+        (supervisord,) = [
+            c
+            for c in psutil.Process(pool.proc.pid).children()
+            if "supervisor.supervisord" in " ".join(c.cmdline())
+        ]
+        old_workers = set(pool.worker_pids())
+        streamer = Streamer(pool.port, DEMO_ROWS, fast_reconnect=True).start()
+        try:
+            streamer.wait_for_successes(10)
+            supervisord.kill()
+            killed = time.monotonic()
+            ok_before = len(streamer.ok())
+            streamer.wait_for_successes(ok_before + 10, timeout=60)
+            back_after = time.monotonic() - killed
+        finally:
+            streamer.stop()
+        print(f"serving again {back_after:.1f} s after kill -9 of supervisord")
+        assert pool.proc.poll() is None, pool.output()
+        status = pool.wait_ready(2)
+        assert status["pool"]["phase"] == "serving"
+        assert not old_workers & set(pool.worker_pids()), "new workers"
+        assert "supervisord exited with" in pool.output()
+        assert {o.code for o in streamer.failed()} <= {grpc.StatusCode.UNAVAILABLE}
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
