@@ -769,6 +769,19 @@ def fmt(value: float | None, digits: int = 0) -> str:
 
 
 # -- the scenario's main -------------------------------------------------------------------
+def add_run_arguments(parser: argparse.ArgumentParser, quick: str) -> None:
+    """The options the scenarios share: which code to freeze, a quick run (``quick`` says
+    what it is), whether RESULTS.md is written, the raw report, notes for the report."""
+    parser.add_argument(
+        "--source", choices=("worktree", "HEAD", "live"), default="worktree",
+        help="Python code under test, frozen into a temporary copy at the start (%(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--no-results", action="store_true", help="leave RESULTS.md alone")
+    parser.add_argument("--json", type=Path, help="also write the raw report here")
+    parser.add_argument("--note", action="append", default=[], help="a line for the report")
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]

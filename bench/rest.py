@@ -142,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per window")
     parser.add_argument("--batches", type=ints, default=[1, 256])
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16])
-    parser.add_argument(
-        "--source", choices=("worktree", "HEAD", "live"), default="worktree",
-        help="Python code under test, frozen into a temporary copy at the start (%(default)s)",
-    )  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="1,000 rows, 1 s windows, no report")
-    parser.add_argument("--no-results", action="store_true", help="leave RESULTS.md alone")
-    parser.add_argument("--json", type=Path, help="also write the raw report here")
-    parser.add_argument("--note", action="append", default=[], help="a line for the report")
+    harness.add_run_arguments(parser, quick="1,000 rows, 1 s windows, no report")
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.duration, args.warmup, args.concurrency = 1000, 1.0, 0.5, [1, 4]
