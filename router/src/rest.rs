@@ -281,11 +281,14 @@ impl Rest {
         request: Request<hyper::body::Incoming>,
     ) -> Result<Bytes, Response<Full<Bytes>>> {
         let limit = self.max_body_bytes;
-        let too_large = |size: String| {
+        let too_large = |size: Option<u64>| {
+            let body = size.map_or("Request body".to_string(), |n| {
+                format!("Request body of {n} bytes")
+            });
             json_response(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 json_tensor::error_body(&format!(
-                    "Request body of {size} bytes is larger than the limit of {limit} bytes"
+                    "{body} is larger than the limit of {limit} bytes"
                 )),
             )
         };
@@ -295,13 +298,11 @@ impl Rest {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if let Some(size) = declared.filter(|&n| n > limit as u64) {
-            return Err(too_large(size.to_string()));
+            return Err(too_large(Some(size)));
         }
         match Limited::new(request.into_body(), limit).collect().await {
             Ok(collected) => Ok(collected.to_bytes()),
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large(
-                "more than".to_string() + " " + &limit.to_string(),
-            )),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large(None)),
             Err(error) => Err(error_response(&ServingError::invalid_argument(format!(
                 "cannot read the request body: {error}"
             )))),
