@@ -45,24 +45,30 @@ def default_cache_dir() -> Path:
 DEFAULT_PROMETHEUS_PATH = "/monitoring/prometheus/metrics"  # TF Serving's kPrometheusPath
 
 
+def _read_text_proto(path: Path, flag: str, message: Any, article: str) -> Any:
+    """``message`` filled from a TF Serving configuration file in protobuf text format;
+    ConfigError (one line) when it cannot be read or is not that message."""
+    from google.protobuf import text_format
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag} {path}: {exc}") from None
+    try:
+        return text_format.Parse(text, message)
+    except text_format.ParseError as exc:
+        name = type(message).__name__
+        raise ConfigError(f"{path} is not {article} {name}: {exc}") from None
+
+
 def prometheus_path_from(monitoring_config: Path) -> str:
     """The Prometheus path a TF Serving monitoring config file (text format,
     ``prometheus_config { enable: true path: "..." }``) turns on; "" when it does not."""
-    from google.protobuf import text_format
-
     from mpspool.protos import server_config_pb2
 
-    try:
-        text = monitoring_config.read_text()
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read --monitoring_config_file {monitoring_config}: {exc}"
-        ) from None
-    config = server_config_pb2.MonitoringConfig()
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as exc:
-        raise ConfigError(f"{monitoring_config} is not a MonitoringConfig: {exc}") from None
+    config = _read_text_proto(
+        monitoring_config, "--monitoring_config_file", server_config_pb2.MonitoringConfig(), "a"
+    )
     if not config.prometheus_config.enable:
         return ""
     return config.prometheus_config.path or DEFAULT_PROMETHEUS_PATH
@@ -71,19 +77,9 @@ def prometheus_path_from(monitoring_config: Path) -> str:
 def tls_from(ssl_config: Path) -> dict[str, Any]:
     """TF Serving's SSLConfig file (text format) as the front door's TLS settings, checked
     for what TF Serving requires: a key and a certificate, and a CA to verify clients with."""
-    from google.protobuf import text_format
-
     from mpspool.protos import server_config_pb2
 
-    try:
-        text = ssl_config.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --ssl_config_file {ssl_config}: {exc}") from None
-    config = server_config_pb2.SSLConfig()
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as exc:
-        raise ConfigError(f"{ssl_config} is not an SSLConfig: {exc}") from None
+    config = _read_text_proto(ssl_config, "--ssl_config_file", server_config_pb2.SSLConfig(), "an")
     if not config.server_key or not config.server_cert:
         raise ConfigError(f"{ssl_config}: server_key and server_cert are required (PEM text)")
     if config.client_verify and not config.custom_ca:

@@ -29,7 +29,7 @@ use crate::proto::tensorflow::serving::{
     inference_result, ClassificationRequest, ClassificationResponse, InferenceResult, Input,
     MultiInferenceRequest, MultiInferenceResponse, RegressionRequest, RegressionResponse,
 };
-use crate::signature::{self, ModelSignatures};
+use crate::signature::{self, ModelSignatures, SignatureSpec};
 use crate::status::{Code, ServingError};
 
 /// Microseconds since the Unix epoch: the clock workers stamp their spans with.
@@ -177,13 +177,27 @@ impl Api {
         let name = spec.map_or("", |s| s.signature_name.as_str());
         let (signature, outputs) =
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
-        let work = inference::work(signature, outputs, &examples);
+        let reply = self
+            .run_task(signature, outputs, &examples, task, deadline)
+            .await?;
+        Ok((reply, examples.len(), self.served_spec(&signature.key)))
+    }
+
+    /// One checked Classify or Regress task on the worker.
+    async fn run_task(
+        &self,
+        signature: &SignatureSpec,
+        outputs: Vec<String>,
+        examples: &[bytes::Bytes],
+        task: Task,
+        deadline: Option<Instant>,
+    ) -> Result<WorkReply, ServingError> {
         let api = match task {
             Task::Classify => TfApi::Classify,
             Task::Regress => TfApi::Regress,
         };
-        let reply = self.run(work, deadline, api).await?;
-        Ok((reply, examples.len(), self.served_spec(&signature.key)))
+        let work = inference::work(signature, outputs, examples);
+        self.run(work, deadline, api).await
     }
 
     pub async fn classify_checked(
@@ -280,31 +294,29 @@ impl Api {
         }
         // Model and signatures first, so a bad task fails the request before any work.
         let signatures = self.signatures()?;
-        for (spec, kind) in &tasks {
-            self.check_spec(*spec)?;
-            let name = spec.map_or("", |s| s.signature_name.as_str());
-            inference::signature_for(&signatures, name, *kind, self.method_name_check).map_err(
-                |e| {
-                    if e.message.starts_with("No signature was found") {
-                        ServingError::invalid_argument(format!(
-                            "Requested signature not found in model graph: {}",
-                            if name.is_empty() {
-                                signature::DEFAULT_SIGNATURE
-                            } else {
-                                name
-                            }
-                        ))
-                    } else {
-                        e
-                    }
-                },
-            )?;
-        }
-        let mut response = MultiInferenceResponse::default();
-        let mut counted = false;
+        let mut plans = Vec::with_capacity(tasks.len());
         for (spec, kind) in tasks {
-            let (reply, n, served) = self
-                .infer(spec, request.input.as_ref(), kind, deadline)
+            self.check_spec(spec)?;
+            let name = spec
+                .map(|s| s.signature_name.as_str())
+                .filter(|s| !s.is_empty())
+                .unwrap_or(signature::DEFAULT_SIGNATURE);
+            if !signatures.specs.contains_key(name) {
+                return Err(ServingError::invalid_argument(format!(
+                    "Requested signature not found in model graph: {name}"
+                )));
+            }
+            let (signature, outputs) =
+                inference::signature_for(&signatures, name, kind, self.method_name_check)?;
+            plans.push((signature, outputs, kind));
+        }
+        // The examples once, for every task.
+        let examples = inference::serialized_examples(request.input.as_ref())?;
+        let n = examples.len();
+        let mut response = MultiInferenceResponse::default();
+        for (signature, outputs, kind) in plans {
+            let reply = self
+                .run_task(signature, outputs, &examples, kind, deadline)
                 .await?;
             let result = match kind {
                 Task::Classify => inference_result::Result::ClassificationResult(
@@ -314,12 +326,11 @@ impl Api {
                     inference::regression_result(&reply, n)?,
                 ),
             };
-            if !counted {
-                self.metrics.tf_serving.record_examples(n);
-                counted = true;
+            if response.results.is_empty() {
+                self.metrics.tf_serving.record_examples(n); // as TF Serving: once it ran
             }
             response.results.push(InferenceResult {
-                model_spec: Some(served),
+                model_spec: Some(self.served_spec(&signature.key)),
                 result: Some(result),
             });
         }

@@ -303,7 +303,8 @@ impl Metrics {
 /// How a GPU gauge's value is read from a sample.
 type GpuValue = fn(&crate::state::GpuSample) -> String;
 
-fn escape(value: &str) -> String {
+/// Prometheus label values escape backslash and double quote.
+pub fn escape(value: &str) -> String {
     value
         .replace('\\', "\\\\")
         .replace('"', "\\\"")

@@ -19,6 +19,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::json_tensor::format_g;
+use crate::metrics::escape;
 use crate::status::Code;
 
 /// The TF Serving APIs that are counted.
@@ -139,11 +140,6 @@ pub struct TfServingMetrics {
     runtime_latency: Vec<Exponential>,
     example_counts: Exponential,
     example_total: AtomicU64,
-}
-
-/// Prometheus label values escape backslash and double quote.
-fn escape(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
 impl TfServingMetrics {
