@@ -571,9 +571,16 @@ def parse_h2load(stdout: str, log: str) -> tuple[int, float, int, float, float]:
 
 
 def h2load(
-    port: int, request: Request, concurrency: int, duration_s: float, workdir: Path
+    port: int,
+    request: Request,
+    concurrency: int,
+    duration_s: float,
+    workdir: Path,
+    rps: float = 0.0,
 ) -> Drive:
-    """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams."""
+    """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams;
+    with ``rps``, open loop: that many requests per second in all, paced per connection,
+    whatever the answers do (up to ``concurrency`` outstanding)."""
     body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
@@ -591,6 +598,7 @@ def h2load(
         f"--max-concurrent-streams={streams}",
         f"--duration={int(duration_s * 1000)}ms", "--threads=1",
         f"--data={body_path}", f"--log-file={log_path}",
+        *([f"--rps={rps / connections:.3f}"] if rps > 0 else []),
         *protocol,
         f"http://127.0.0.1:{port}{request.path}",
     ]  # fmt: skip

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::policies::Scheduling;
+
 pub const POOL_FILE: &str = "pool.json";
 
 #[derive(Clone, Debug, Deserialize)]
@@ -54,6 +56,16 @@ pub struct Config {
     pub max_message_bytes: usize,
     #[serde(default = "default_dispatch")]
     pub dispatch: String,
+    /// The front door's queue order when workers are full (`--queue`).
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// `--aging-bound-ms`: how long a request may wait before shorter ones stop overtaking it.
+    #[serde(default = "default_aging_bound_ms")]
+    pub aging_bound_ms: f64,
+    /// `--worker-inflight`: requests a worker may hold before new ones wait in the front door
+    /// (0: no limit).
+    #[serde(default)]
+    pub worker_inflight: usize,
 }
 
 fn default_host() -> String {
@@ -86,6 +98,12 @@ fn default_max_message() -> usize {
 fn default_dispatch() -> String {
     "round-robin".to_string()
 }
+fn default_queue() -> String {
+    "fcfs".to_string()
+}
+fn default_aging_bound_ms() -> f64 {
+    50.0
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -110,6 +128,23 @@ pub fn seconds(name: &str, value: f64) -> Result<Duration, ConfigError> {
 }
 
 impl Config {
+    /// The scheduling settings. The queue order only applies when requests wait in the
+    /// front door, so `sjf` without a `worker_inflight` limit gets a limit of 2: one request
+    /// computing, one waiting in the worker's socket so it never idles for a round trip.
+    pub fn scheduling(&self) -> Scheduling {
+        let worker_inflight = match (self.queue.as_str(), self.worker_inflight) {
+            ("sjf", 0) => 2,
+            (_, limit) => limit,
+        };
+        Scheduling {
+            dispatch: self.dispatch.clone(),
+            queue: self.queue.clone(),
+            aging_bound: Duration::try_from_secs_f64(self.aging_bound_ms / 1000.0)
+                .unwrap_or_default(),
+            worker_inflight,
+        }
+    }
+
     pub fn load(run_dir: &Path) -> Result<Config, ConfigError> {
         let path = run_dir.join(POOL_FILE);
         let shown = path.display().to_string();
@@ -139,12 +174,8 @@ impl Config {
         ] {
             seconds(name, value)?;
         }
-        if crate::workers::Policy::parse(&config.dispatch).is_none() {
-            return Err(ConfigError::Invalid(format!(
-                "dispatch must be round-robin or least-loaded, got {:?}",
-                config.dispatch
-            )));
-        }
+        seconds("aging_bound_ms", config.aging_bound_ms / 1000.0)?;
+        config.scheduling().check().map_err(ConfigError::Invalid)?;
         Ok(config)
     }
 }
@@ -164,6 +195,30 @@ mod tests {
         assert_eq!(config.port, 0);
         assert_eq!(config.metrics_port, -1);
         assert_eq!(config.worker_timeout_s, 3.0);
+    }
+
+    #[test]
+    fn scheduling_defaults_and_sjf_gets_an_inflight_limit() {
+        let base = r#""model_name": "m", "model_version": 1, "run_dir": "/r""#;
+        let config = Config::parse(&format!("{{{base}}}")).unwrap();
+        assert_eq!(config.scheduling(), Scheduling::default());
+        let config = Config::parse(&format!(
+            r#"{{{base}, "queue": "sjf", "aging_bound_ms": 20, "dispatch": "power-of-two"}}"#
+        ))
+        .unwrap();
+        let scheduling = config.scheduling();
+        assert_eq!(scheduling.worker_inflight, 2);
+        assert_eq!(scheduling.aging_bound, Duration::from_millis(20));
+        assert_eq!(scheduling.dispatch, "power-of-two");
+        let config = Config::parse(&format!(
+            r#"{{{base}, "queue": "sjf", "worker_inflight": 1}}"#
+        ))
+        .unwrap();
+        assert_eq!(config.scheduling().worker_inflight, 1);
+        for bad in [r#""queue": "lifo""#, r#""aging_bound_ms": -1"#] {
+            let error = Config::parse(&format!("{{{base}, {bad}}}")).unwrap_err();
+            assert!(matches!(error, ConfigError::Invalid(_)), "{bad}: {error}");
+        }
     }
 
     #[test]

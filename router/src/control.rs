@@ -157,7 +157,6 @@ fn gpu_sample(value: &Value) -> Option<GpuSample> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workers::Policy;
 
     fn ask(pool: &mut Pool<'_, u32>, fields: serde_json::Value) -> serde_json::Value {
         let body = rmp_serde::to_vec_named(&fields).unwrap();
@@ -168,7 +167,10 @@ mod tests {
     #[test]
     fn ops_answer_with_n_echoed() {
         let (state, mut drains) = RouterState::new();
-        let mut table = WorkerTable::<u32>::new(Duration::from_secs(3), Policy::RoundRobin);
+        let mut table = WorkerTable::<u32>::new(
+            Duration::from_secs(3),
+            crate::policies::chooser("round-robin").expect("known"),
+        );
         let now = Instant::now();
         table.register(b"cpu-0:10", "cpu-0", 10, Value::Nil, now);
         let mut timeline = Timeline::new(10);

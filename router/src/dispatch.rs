@@ -20,12 +20,13 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::control;
+use crate::policies::{self, CostModel, Order, Scheduling};
 use crate::signature::{self, ModelSignatures};
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::timeline::{Timeline, DEFAULT_CAPACITY};
 use crate::wire::{self, TensorMeta, WorkerMessage};
-use crate::workers::{Departure, Policy, WorkerTable};
+use crate::workers::{Departure, WorkerTable};
 use crate::{log_info, log_warn};
 
 /// How long a request waits for some worker to become routable when none is (a restart in
@@ -38,6 +39,16 @@ pub struct WorkRequest {
     pub tensors: Vec<TensorMeta>,
     pub frames: Vec<Bytes>,
     pub outputs: Vec<String>,
+}
+
+impl WorkRequest {
+    /// Its rows: the first dimension of its first input (1 for a scalar or no input).
+    pub fn rows(&self) -> u64 {
+        self.tensors
+            .first()
+            .and_then(|(_, _, shape)| shape.first())
+            .map_or(1, |&rows| rows.max(0) as u64)
+    }
 }
 
 #[derive(Debug)]
@@ -69,6 +80,8 @@ enum Command {
         id: u64,
         request: Arc<WorkRequest>,
         answer: oneshot::Sender<Outcome>,
+        /// When the client's request arrived (a retry keeps it).
+        arrived: std::time::Instant,
     },
     /// The caller stopped waiting (deadline): forget the entry.
     Cancel {
@@ -88,6 +101,8 @@ pub enum DispatchError {
     Zmq(#[from] zmq::Error),
     #[error("cannot watch a ZeroMQ socket: {0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Scheduling(String),
 }
 
 #[derive(Clone)]
@@ -114,9 +129,16 @@ impl Dispatcher {
         run_dir: &str,
         model: ServedModel,
         worker_timeout: Duration,
-        policy: Policy,
+        scheduling: &Scheduling,
         state: Arc<RouterState>,
     ) -> Result<Dispatcher, DispatchError> {
+        scheduling.check().map_err(DispatchError::Scheduling)?;
+        let (Some(chooser), Some(queue)) = (
+            policies::chooser(&scheduling.dispatch),
+            policies::order(&scheduling.queue, scheduling.aging_bound),
+        ) else {
+            return Err(DispatchError::Scheduling(format!("{scheduling:?}")));
+        };
         let context = zmq::Context::new();
         let workers = context.socket(zmq::ROUTER)?;
         workers.set_router_mandatory(true)?;
@@ -146,8 +168,11 @@ impl Dispatcher {
             control_fd: signal_fd(&control)?,
             workers,
             control,
-            table: WorkerTable::new(worker_timeout, policy),
+            table: WorkerTable::new(worker_timeout, chooser),
             requests: HashMap::new(),
+            queue,
+            worker_inflight: scheduling.worker_inflight,
+            costs: CostModel::default(),
             timeline: Timeline::new(DEFAULT_CAPACITY),
             model,
             signatures: signatures_tx,
@@ -193,6 +218,7 @@ impl Dispatcher {
         deadline: Option<Instant>,
     ) -> Result<WorkReply, ServingError> {
         let request = Arc::new(request);
+        let arrived = std::time::Instant::now();
         let deadline_exceeded = || ServingError::new(Code::DeadlineExceeded, "Deadline Exceeded");
         loop {
             // A retry after the deadline passed would only make a worker do work nobody reads.
@@ -205,6 +231,7 @@ impl Dispatcher {
                 id,
                 request: request.clone(),
                 answer,
+                arrived,
             };
             if self.commands.send(command).is_err() {
                 return Err(ServingError::new(
@@ -272,6 +299,15 @@ fn sweep_was_late(scheduled: Instant, woke: Instant) -> bool {
 struct Pending {
     id: u64,
     answer: oneshot::Sender<Outcome>,
+    /// Its signature and rows teach the cost model when the answer comes.
+    request: Arc<WorkRequest>,
+}
+
+/// A request waiting in the front door for a worker with room.
+struct Queued {
+    request: Arc<WorkRequest>,
+    answer: oneshot::Sender<Outcome>,
+    arrived: std::time::Instant,
 }
 
 /// A ZeroMQ socket's signalling FD, watched by tokio; the socket itself stays with the actor
@@ -311,6 +347,10 @@ struct Actor {
     table: WorkerTable<Pending>,
     /// Request id → the worker it was sent to (for Cancel).
     requests: HashMap<u64, Vec<u8>>,
+    /// Requests waiting for a worker with room (only with a `worker_inflight` limit).
+    queue: Box<dyn Order<Queued>>,
+    worker_inflight: usize,
+    costs: CostModel,
     timeline: Timeline,
     model: ServedModel,
     signatures: watch::Sender<Option<Arc<ModelSignatures>>>,
@@ -362,6 +402,8 @@ impl Actor {
                     }
                 }
             }
+            // Answers and arrivals free and add room: send what waits.
+            self.pump();
         }
     }
 
@@ -372,9 +414,19 @@ impl Actor {
                 id,
                 request,
                 answer,
-            } => self.send(id, request, answer),
+                arrived,
+            } => self.enqueue(
+                id,
+                Queued {
+                    request,
+                    answer,
+                    arrived,
+                },
+            ),
             Command::Cancel { id } => {
-                if let Some(identity) = self.requests.remove(&id) {
+                if self.queue.remove(id).is_some() {
+                    self.publish_queue();
+                } else if let Some(identity) = self.requests.remove(&id) {
                     if let Some(handle) = self.table.get_mut(&identity) {
                         handle.inflight.remove(&id);
                     }
@@ -385,50 +437,97 @@ impl Actor {
         true
     }
 
-    fn send(&mut self, id: u64, request: Arc<WorkRequest>, answer: oneshot::Sender<Outcome>) {
-        loop {
-            let Some(handle) = self.table.pick() else {
-                let _ = answer.send(Outcome::NoWorker);
-                return;
+    fn enqueue(&mut self, id: u64, queued: Queued) {
+        if self.table.ready() == 0 {
+            let _ = queued.answer.send(Outcome::NoWorker);
+            return;
+        }
+        let cost = self
+            .costs
+            .estimate(&queued.request.signature, queued.request.rows());
+        let arrived = queued.arrived;
+        self.queue.push(id, queued, arrived, cost);
+        self.pump();
+    }
+
+    /// Send waiting requests, in the queue's order, while some worker has room.
+    fn pump(&mut self) {
+        while !self.queue.is_empty() {
+            let Some(handle) = self.table.pick(self.worker_inflight) else {
+                break; // all full (or none left: `departed` answers the queue then)
             };
             let identity = handle.identity.clone();
-            let slot = handle.slot.clone();
-            let header =
-                wire::encode_request(id, &request.signature, &request.tensors, &request.outputs);
-            // Tensor frames are copied into ZeroMQ messages here (a memcpy; the request's
-            // protobuf buffer cannot be handed to libzmq without an unsafe lifetime bridge).
-            let mut frames: Vec<zmq::Message> = Vec::with_capacity(2 + request.frames.len());
-            frames.push(zmq::Message::from(identity.as_slice()));
-            frames.push(zmq::Message::from(header));
-            frames.extend(request.frames.iter().map(|f| zmq::Message::from(&f[..])));
-            match self.workers.send_multipart(frames, zmq::DONTWAIT) {
-                Ok(()) => {
-                    if let Some(handle) = self.table.get_mut(&identity) {
-                        handle.inflight.insert(id, Pending { id, answer });
-                    }
-                    self.requests.insert(id, identity);
-                    return;
+            let now = Instant::now();
+            let Some((id, queued)) = self.queue.pop(now.into_std()) else {
+                break;
+            };
+            let waited = now.into_std().saturating_duration_since(queued.arrived);
+            self.state.note_queue_wait(waited);
+            self.transmit(id, identity, queued);
+        }
+        self.publish_queue();
+    }
+
+    fn publish_queue(&self) {
+        self.state
+            .queued
+            .store(self.queue.len() as u64, Ordering::Relaxed);
+    }
+
+    fn transmit(&mut self, id: u64, identity: Vec<u8>, queued: Queued) {
+        let Some(handle) = self.table.get_mut(&identity) else {
+            return;
+        };
+        let slot = handle.slot.clone();
+        let request = &queued.request;
+        let header =
+            wire::encode_request(id, &request.signature, &request.tensors, &request.outputs);
+        // Tensor frames are copied into ZeroMQ messages here (a memcpy; the request's
+        // protobuf buffer cannot be handed to libzmq without an unsafe lifetime bridge).
+        let mut frames: Vec<zmq::Message> = Vec::with_capacity(2 + request.frames.len());
+        frames.push(zmq::Message::from(identity.as_slice()));
+        frames.push(zmq::Message::from(header));
+        frames.extend(request.frames.iter().map(|f| zmq::Message::from(&f[..])));
+        match self.workers.send_multipart(frames, zmq::DONTWAIT) {
+            Ok(()) => {
+                if let Some(handle) = self.table.get_mut(&identity) {
+                    let pending = Pending {
+                        id,
+                        answer: queued.answer,
+                        request: queued.request,
+                    };
+                    handle.inflight.insert(id, pending);
                 }
-                Err(zmq::Error::EHOSTUNREACH) => {
-                    // ROUTER_MANDATORY: the worker's connection is gone (killed); do not wait
-                    // for the liveness window to notice.
-                    if let Some(departure) = self.table.leave(&identity, "its connection is gone") {
-                        self.departed(departure);
-                    }
+                self.requests.insert(id, identity);
+            }
+            Err(zmq::Error::EHOSTUNREACH) => {
+                // ROUTER_MANDATORY: the worker's connection is gone (killed); do not wait for
+                // the liveness window to notice. The request goes back to wait for another.
+                if let Some(departure) = self.table.leave(&identity, "its connection is gone") {
+                    self.departed(departure);
                 }
-                Err(zmq::Error::EAGAIN) => {
-                    let message = format!("worker {slot} has too many requests queued");
-                    let _ = answer.send(Outcome::Error(ServingError::new(
-                        Code::ResourceExhausted,
-                        message,
-                    )));
-                    return;
+                let arrived = queued.arrived;
+                let cost = self
+                    .costs
+                    .estimate(&queued.request.signature, queued.request.rows());
+                if self.table.ready() == 0 {
+                    let _ = queued.answer.send(Outcome::NoWorker);
+                } else {
+                    self.queue.push(id, queued, arrived, cost);
                 }
-                Err(error) => {
-                    let message = format!("sending to worker {slot} failed: {error}");
-                    let _ = answer.send(Outcome::Error(ServingError::new(Code::Internal, message)));
-                    return;
-                }
+            }
+            Err(zmq::Error::EAGAIN) => {
+                let message = format!("worker {slot} has too many requests queued");
+                let _ = queued.answer.send(Outcome::Error(ServingError::new(
+                    Code::ResourceExhausted,
+                    message,
+                )));
+            }
+            Err(error) => {
+                let message = format!("sending to worker {slot} failed: {error}");
+                let _ = queued
+                    .answer
+                    .send(Outcome::Error(ServingError::new(Code::Internal, message)));
             }
         }
     }
@@ -447,6 +546,13 @@ impl Actor {
         for pending in departure.pending {
             self.requests.remove(&pending.id);
             let _ = pending.answer.send(Outcome::Lost(why.clone()));
+        }
+        if self.table.ready() == 0 {
+            // Nobody left to wait for here: the callers wait for a worker to come back.
+            while let Some((_, queued)) = self.queue.pop(std::time::Instant::now()) {
+                let _ = queued.answer.send(Outcome::NoWorker);
+            }
+            self.publish_queue();
         }
         self.publish_ready();
     }
@@ -519,6 +625,12 @@ impl Actor {
                 }
                 self.requests.remove(&id);
                 if let Some(pending) = self.table.resolve(&identity, id) {
+                    if let Some((start, end)) = t {
+                        let request = &pending.request;
+                        let micros = end.saturating_sub(start) as f64;
+                        self.costs
+                            .observe(&request.signature, request.rows(), micros);
+                    }
                     let frames: Vec<Bytes> = frames
                         .drain(2..)
                         .map(|m| Bytes::from_owner(Frame(m)))

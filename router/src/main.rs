@@ -14,6 +14,7 @@ mod inference;
 mod json_tensor;
 mod log;
 mod metrics;
+mod policies;
 mod proto;
 mod rest;
 mod server;
@@ -34,7 +35,6 @@ use std::sync::Arc;
 use crate::config::{seconds, Config};
 use crate::dispatch::{Dispatcher, ServedModel};
 use crate::state::{DrainRequest, RouterState};
-use crate::workers::Policy;
 
 /// Reserved exit codes and the fatal-reason marker of mpspool/process.py: the controller tells
 /// "cannot start, stop retrying" from a crash worth a restart, and shows the reason.
@@ -121,7 +121,7 @@ async fn serve(config: Config) -> ExitCode {
     let (Ok(worker_timeout), Ok(delay), Ok(grace), Ok(age)) = durations else {
         return fail("pool.json holds a negative duration"); // Config::parse refuses these
     };
-    let policy = Policy::parse(&config.dispatch).unwrap_or(Policy::RoundRobin);
+    let scheduling = config.scheduling();
     let model = ServedModel {
         name: config.model_name.clone(),
         version: config.model_version,
@@ -130,7 +130,7 @@ async fn serve(config: Config) -> ExitCode {
         &config.run_dir,
         model,
         worker_timeout,
-        policy,
+        &scheduling,
         state.clone(),
     ) {
         Ok(dispatcher) => dispatcher,

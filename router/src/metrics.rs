@@ -296,6 +296,18 @@ impl Metrics {
             "mpspool_worker_retries_total {}\n",
             self.state.retries.load(Ordering::Relaxed)
         ));
+        out.push_str("# HELP mpspool_queued_requests Requests waiting in the front door for a worker with room (--worker-inflight).\n");
+        out.push_str("# TYPE mpspool_queued_requests gauge\n");
+        out.push_str(&format!(
+            "mpspool_queued_requests {}\n",
+            self.state.queued.load(Ordering::Relaxed)
+        ));
+        out.push_str("# HELP mpspool_queue_wait_max_seconds The longest any request has waited in the front door's queue since start.\n");
+        out.push_str("# TYPE mpspool_queue_wait_max_seconds gauge\n");
+        out.push_str(&format!(
+            "mpspool_queue_wait_max_seconds {}\n",
+            self.state.queue_wait_max_us.load(Ordering::Relaxed) as f64 / 1e6
+        ));
         out
     }
 }

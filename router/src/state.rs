@@ -46,6 +46,10 @@ pub struct RouterState {
     pub rest_port: AtomicU16,
     /// Requests sent again because their worker left before answering.
     pub retries: AtomicU64,
+    /// Requests waiting in the front door for a worker with room (the dispatcher writes it).
+    pub queued: AtomicU64,
+    /// The longest any request has waited in that queue since start, µs.
+    pub queue_wait_max_us: AtomicU64,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
     /// Drain requests from the control channel; the server acts on the first.
@@ -63,6 +67,8 @@ impl RouterState {
                 metrics_port: AtomicU16::new(0),
                 rest_port: AtomicU16::new(0),
                 retries: AtomicU64::new(0),
+                queued: AtomicU64::new(0),
+                queue_wait_max_us: AtomicU64::new(0),
                 gpus: Mutex::new(Vec::new()),
                 drain,
             },
@@ -83,6 +89,13 @@ pub struct GpuSample {
 }
 
 impl RouterState {
+    /// A request left the front door's queue after waiting `waited`.
+    pub fn note_queue_wait(&self, waited: Duration) {
+        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        self.queue_wait_max_us
+            .fetch_max(micros, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Replaces the GPU samples (the control channel's `gpus` op is the one writer).
     pub fn set_gpus(&self, samples: Vec<GpuSample>) {
         if let Ok(mut gpus) = self.gpus.lock() {

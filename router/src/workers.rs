@@ -12,26 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-/// How the front door picks a worker for a request (`--dispatch`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
-    /// In turn, whatever each holds.
-    RoundRobin,
-    /// The fewest requests in flight, the first slot in order among equals: no request queues
-    /// behind a long one while another worker is idle, and at low load one worker takes the
-    /// requests and stays warm.
-    LeastLoaded,
-}
-
-impl Policy {
-    pub fn parse(name: &str) -> Option<Policy> {
-        match name {
-            "round-robin" => Some(Policy::RoundRobin),
-            "least-loaded" => Some(Policy::LeastLoaded),
-            _ => None,
-        }
-    }
-}
+use crate::policies::Choose;
 
 pub struct WorkerHandle<P> {
     pub slot: String,
@@ -55,24 +36,23 @@ pub struct Departure<P> {
 
 pub struct WorkerTable<P> {
     pub timeout: Duration,
-    policy: Policy,
+    /// Which of the workers with room takes a request (`--dispatch`).
+    chooser: Box<dyn Choose>,
     by_identity: HashMap<Vec<u8>, WorkerHandle<P>>,
     /// slot → identity, in slot order (the routing order).
     by_slot: BTreeMap<String, Vec<u8>>,
-    rotation: usize,
     /// Incarnations declared dead by silence, per slot, until the slot registers anew: the
     /// controller reads these and replaces the process.
     pub declared_dead: BTreeMap<String, i64>,
 }
 
 impl<P> WorkerTable<P> {
-    pub fn new(timeout: Duration, policy: Policy) -> WorkerTable<P> {
+    pub fn new(timeout: Duration, chooser: Box<dyn Choose>) -> WorkerTable<P> {
         WorkerTable {
             timeout,
-            policy,
+            chooser,
             by_identity: HashMap::new(),
             by_slot: BTreeMap::new(),
-            rotation: 0,
             declared_dead: BTreeMap::new(),
         }
     }
@@ -181,27 +161,26 @@ impl<P> WorkerTable<P> {
         self.by_slot.len()
     }
 
-    /// The worker for the next request; None when none is routable.
-    pub fn pick(&mut self) -> Option<&mut WorkerHandle<P>> {
-        if self.by_slot.is_empty() {
+    /// The worker for the next request among those with fewer than `limit` requests in
+    /// flight (0: no limit); None when none is routable or every one is full.
+    pub fn pick(&mut self, limit: usize) -> Option<&mut WorkerHandle<P>> {
+        let mut candidates: Vec<&Vec<u8>> = Vec::with_capacity(self.by_slot.len());
+        let mut inflight: Vec<usize> = Vec::with_capacity(self.by_slot.len());
+        for identity in self.by_slot.values() {
+            let load = self
+                .by_identity
+                .get(identity)
+                .map_or(0, |h| h.inflight.len());
+            if limit == 0 || load < limit {
+                candidates.push(identity);
+                inflight.push(load);
+            }
+        }
+        if candidates.is_empty() {
             return None;
         }
-        let identity = match self.policy {
-            Policy::RoundRobin => {
-                let index = self.rotation % self.by_slot.len();
-                self.rotation = self.rotation.wrapping_add(1);
-                self.by_slot.values().nth(index)?.clone()
-            }
-            Policy::LeastLoaded => self
-                .by_slot
-                .values()
-                .min_by_key(|id| {
-                    self.by_identity
-                        .get(*id)
-                        .map_or(usize::MAX, |h| h.inflight.len())
-                })?
-                .clone(),
-        };
+        let index = self.chooser.choose(&inflight).min(candidates.len() - 1);
+        let identity = candidates[index].clone();
         self.by_identity.get_mut(&identity)
     }
 
@@ -282,8 +261,9 @@ mod tests {
     type Table = WorkerTable<u32>;
     const TIMEOUT: Duration = Duration::from_secs(3);
 
-    fn table(policy: Policy) -> (Table, Instant) {
-        (WorkerTable::new(TIMEOUT, policy), Instant::now())
+    fn table(policy: &str) -> (Table, Instant) {
+        let chooser = crate::policies::chooser(policy).expect("a known policy");
+        (WorkerTable::new(TIMEOUT, chooser), Instant::now())
     }
 
     fn ident(slot: &str, pid: i64) -> Vec<u8> {
@@ -301,7 +281,7 @@ mod tests {
     }
 
     fn slots(t: &mut Table, n: usize) -> Vec<String> {
-        (0..n).map(|_| t.pick().unwrap().slot.clone()).collect()
+        (0..n).map(|_| t.pick(0).unwrap().slot.clone()).collect()
     }
 
     fn sorted(mut pending: Vec<u32>) -> Vec<u32> {
@@ -313,12 +293,12 @@ mod tests {
 
     #[test]
     fn register_makes_a_worker_routable() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         assert_eq!(t.ready(), 0);
-        assert!(t.pick().is_none());
+        assert!(t.pick(0).is_none());
         assert!(join(&mut t, "cpu-0", 101, now).is_none());
         assert_eq!(t.ready(), 1);
-        let handle = t.pick().unwrap();
+        let handle = t.pick(0).unwrap();
         assert_eq!(
             (handle.slot.as_str(), handle.pid, handle.identity.clone()),
             ("cpu-0", 101, ident("cpu-0", 101))
@@ -328,7 +308,7 @@ mod tests {
 
     #[test]
     fn seen_refreshes_liveness_and_ignores_strangers() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         let later = now + Duration::from_secs(2);
         assert_eq!(
@@ -342,7 +322,7 @@ mod tests {
     #[test]
     fn registering_again_with_the_same_identity_keeps_the_handle_and_its_requests() {
         // A worker answering REREGISTER sends READY again from the same incarnation.
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         send(&mut t, "cpu-0", 101, 1);
         let later = now + Duration::from_secs(1);
@@ -353,7 +333,7 @@ mod tests {
 
     #[test]
     fn leave_hands_back_the_requests_in_flight() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         join(&mut t, "cpu-1", 102, now);
         send(&mut t, "cpu-0", 101, 1);
@@ -371,7 +351,7 @@ mod tests {
 
     #[test]
     fn gone_drops_only_the_named_incarnation() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         send(&mut t, "cpu-0", 101, 1);
         // The controller reports an older pid of the slot (already replaced): ignored.
@@ -383,14 +363,14 @@ mod tests {
         assert!(gone.reason.contains("exited"), "{}", gone.reason);
         assert_eq!(gone.pending, vec![1]);
         assert_eq!(t.ready(), 0);
-        assert!(t.pick().is_none());
+        assert!(t.pick(0).is_none());
         // An exit is not a liveness verdict.
         assert!(t.declared_dead.is_empty());
     }
 
     #[test]
     fn a_new_incarnation_replaces_the_old_one_and_hands_back_its_requests() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         send(&mut t, "cpu-0", 101, 1);
         let replaced = join(&mut t, "cpu-0", 202, now).unwrap();
@@ -398,7 +378,7 @@ mod tests {
         assert!(replaced.reason.contains("re-registered by pid 202"));
         assert_eq!(replaced.pending, vec![1]);
         assert_eq!(t.ready(), 1);
-        assert_eq!(t.pick().unwrap().identity, ident("cpu-0", 202));
+        assert_eq!(t.pick(0).unwrap().identity, ident("cpu-0", 202));
         assert!(
             t.seen(&ident("cpu-0", 101), now).is_none(),
             "the old incarnation is forgotten"
@@ -407,14 +387,14 @@ mod tests {
         assert_eq!(t.resolve(&ident("cpu-0", 101), 1), None);
         // And a late "gone" for the old pid does not remove the new incarnation.
         assert!(t.gone("cpu-0", 101).is_none());
-        assert_eq!(t.pick().unwrap().pid, 202);
+        assert_eq!(t.pick(0).unwrap().pid, 202);
     }
 
     // -- liveness -----------------------------------------------------------------
 
     #[test]
     fn expire_declares_silent_workers_dead_and_hands_back_their_requests() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         join(&mut t, "cpu-1", 102, now);
         send(&mut t, "cpu-0", 101, 1);
@@ -443,7 +423,7 @@ mod tests {
 
     #[test]
     fn declared_dead_is_kept_until_the_slot_registers_a_new_pid() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         let later = now + TIMEOUT + Duration::from_secs(1);
         assert_eq!(t.expire(later).len(), 1);
@@ -461,7 +441,7 @@ mod tests {
 
     #[test]
     fn silence_declares_dead_until_the_slot_registers_anew() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 10, now);
         join(&mut t, "cpu-1", 11, now);
         t.seen(b"cpu-1:11", now + Duration::from_secs(2));
@@ -480,7 +460,7 @@ mod tests {
     fn round_robin_alternates_over_slots_in_order() {
         // Registered out of order, pids in yet another order: the rotation follows slot
         // order, not arrival or pid order.
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-2", 101, now);
         join(&mut t, "cpu-0", 303, now);
         join(&mut t, "cpu-1", 202, now);
@@ -497,7 +477,7 @@ mod tests {
 
     #[test]
     fn least_loaded_picks_the_fewest_in_flight_first_slot_among_equals() {
-        let (mut t, now) = table(Policy::LeastLoaded);
+        let (mut t, now) = table("least-loaded");
         join(&mut t, "cpu-2", 101, now);
         join(&mut t, "cpu-0", 303, now);
         join(&mut t, "cpu-1", 202, now);
@@ -517,14 +497,33 @@ mod tests {
 
     #[test]
     fn policies_are_named_as_the_configuration_names_them() {
-        assert_eq!(Policy::parse("round-robin"), Some(Policy::RoundRobin));
-        assert_eq!(Policy::parse("least-loaded"), Some(Policy::LeastLoaded));
-        assert_eq!(Policy::parse("random"), None);
+        for name in crate::policies::CHOOSERS {
+            assert!(crate::policies::chooser(name).is_some(), "{name}");
+        }
+        assert!(crate::policies::chooser("random").is_none());
+    }
+
+    #[test]
+    fn a_full_worker_is_skipped_and_none_is_picked_when_all_are_full() {
+        let (mut t, now) = table("round-robin");
+        join(&mut t, "cpu-0", 1, now);
+        join(&mut t, "cpu-1", 2, now);
+        send(&mut t, "cpu-0", 1, 1);
+        // Limit 1: only cpu-1 has room, whatever the turn says.
+        for _ in 0..3 {
+            assert_eq!(t.pick(1).unwrap().slot, "cpu-1");
+        }
+        send(&mut t, "cpu-1", 2, 2);
+        assert!(t.pick(1).is_none());
+        assert!(t.pick(2).is_some());
+        assert!(t.pick(0).is_some()); // no limit
+        t.resolve(&ident("cpu-0", 1), 1);
+        assert_eq!(t.pick(1).unwrap().slot, "cpu-0");
     }
 
     #[test]
     fn resolve_completes_once_and_refuses_unknown_or_late_replies() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         let a = ident("cpu-0", 101);
         send(&mut t, "cpu-0", 101, 1);
@@ -547,7 +546,7 @@ mod tests {
 
     #[test]
     fn snapshot_reports_each_slot() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 101, now);
         send(&mut t, "cpu-0", 101, 1);
         send(&mut t, "cpu-0", 101, 2);
@@ -577,7 +576,7 @@ mod tests {
     #[test]
     fn every_way_out_hands_back_every_request_in_flight() {
         for how in ["leave", "gone", "expire", "replace"] {
-            let (mut t, now) = table(Policy::RoundRobin);
+            let (mut t, now) = table("round-robin");
             join(&mut t, "cpu-0", 101, now);
             for request in 0..5 {
                 send(&mut t, "cpu-0", 101, request);
@@ -599,7 +598,7 @@ mod tests {
 
     #[test]
     fn copied_bytes_come_from_each_workers_report() {
-        let (mut t, now) = table(Policy::RoundRobin);
+        let (mut t, now) = table("round-robin");
         let report = rmpv::Value::Map(vec![(
             rmpv::Value::from("copied"),
             rmpv::Value::Map(vec![

@@ -18,11 +18,15 @@ enum Behaviour {
     LeaveMidRequest,
     /// Never answer, never beat again.
     GoSilent,
+    /// Echo after computing for this many ms (one request at a time, as a worker does).
+    SlowEcho(u64),
 }
 
 struct FakeWorker {
     handle: Option<thread::JoinHandle<u32>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    /// The rows (first input's first dimension) of each request, in the order received.
+    rows_seen: Arc<std::sync::Mutex<Vec<i64>>>,
 }
 
 impl FakeWorker {
@@ -31,6 +35,8 @@ impl FakeWorker {
         let slot = slot.to_string();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stopping = stop.clone();
+        let rows_seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = rows_seen.clone();
         let handle = thread::spawn(move || {
             let context = zmq::Context::new();
             let socket = context.socket(zmq::DEALER).unwrap();
@@ -68,6 +74,8 @@ impl FakeWorker {
                 }
                 let id = header["id"].as_u64().unwrap();
                 served += 1;
+                let rows = header["tensors"][0][2][0].as_i64().unwrap_or(-1);
+                seen.lock().unwrap().push(rows);
                 let reply = match behaviour {
                     Behaviour::Echo => {
                         serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [1, 2]})
@@ -83,6 +91,10 @@ impl FakeWorker {
                         break;
                     }
                     Behaviour::GoSilent => continue,
+                    Behaviour::SlowEcho(ms) => {
+                        thread::sleep(Duration::from_millis(ms));
+                        serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, ms * 1000]})
+                    }
                 };
                 let mut out = vec![rmp_serde::to_vec_named(&reply).unwrap()];
                 out.extend(frames.into_iter().skip(1));
@@ -93,7 +105,12 @@ impl FakeWorker {
         FakeWorker {
             handle: Some(handle),
             stop,
+            rows_seen,
         }
+    }
+
+    fn rows_seen(&self) -> Vec<i64> {
+        self.rows_seen.lock().unwrap().clone()
     }
 
     fn served(mut self) -> u32 {
@@ -145,9 +162,117 @@ fn start(run_dir: &str, timeout: Duration) -> (Dispatcher, Arc<RouterState>) {
         name: "m".into(),
         version: 1,
     };
-    let dispatcher =
-        Dispatcher::start(run_dir, model, timeout, Policy::RoundRobin, state.clone()).unwrap();
+    let dispatcher = Dispatcher::start(
+        run_dir,
+        model,
+        timeout,
+        &Scheduling::default(),
+        state.clone(),
+    )
+    .unwrap();
     (dispatcher, state)
+}
+
+fn start_scheduled(run_dir: &str, scheduling: &Scheduling) -> (Dispatcher, Arc<RouterState>) {
+    let (state, _drains) = RouterState::new();
+    let state = Arc::new(state);
+    let model = ServedModel {
+        name: "m".into(),
+        version: 1,
+    };
+    let timeout = Duration::from_secs(3);
+    let dispatcher = Dispatcher::start(run_dir, model, timeout, scheduling, state.clone()).unwrap();
+    (dispatcher, state)
+}
+
+/// A request of `rows` rows of one float.
+fn rows_request(rows: usize) -> WorkRequest {
+    WorkRequest {
+        signature: "serving_default".into(),
+        tensors: vec![("x".into(), 1, vec![rows as i64, 1])],
+        frames: vec![Bytes::from(vec![0u8; 4 * rows])],
+        outputs: vec!["x".into()],
+    }
+}
+
+/// With one worker busy on a first request: a large request arrives, then three small ones;
+/// the order in which the worker gets them.
+async fn order_received(scheduling: Scheduling) -> (Vec<i64>, Arc<RouterState>) {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start_scheduled(&dir, &scheduling);
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(40));
+    ready(&dispatcher, 1).await;
+    let mut calls = Vec::new();
+    for rows in [1, 512, 2, 3, 4] {
+        let d = dispatcher.clone();
+        calls.push(tokio::spawn(async move {
+            d.call(rows_request(rows), None).await
+        }));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for call in calls {
+        assert!(call.await.unwrap().is_ok());
+    }
+    assert_eq!(state.queued.load(Ordering::Relaxed), 0);
+    let seen = worker.rows_seen();
+    dispatcher.shutdown();
+    (seen, state)
+}
+
+fn scheduling(queue: &str, aging_ms: u64) -> Scheduling {
+    Scheduling {
+        queue: queue.into(),
+        aging_bound: Duration::from_millis(aging_ms),
+        worker_inflight: 1,
+        ..Scheduling::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fcfs_sends_in_arrival_order_when_the_worker_is_full() {
+    let (seen, state) = order_received(scheduling("fcfs", 50)).await;
+    assert_eq!(seen, [1, 512, 2, 3, 4]);
+    // The last one waited for the four before it: ~4 × 40 ms less its 20 ms head start.
+    let waited = state.queue_wait_max_us.load(Ordering::Relaxed);
+    assert!(waited > 100_000, "{waited}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sjf_lets_small_requests_overtake_a_large_one() {
+    let (seen, _) = order_received(scheduling("sjf", 1000)).await;
+    assert_eq!(seen, [1, 2, 3, 4, 512]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sjf_aging_sends_an_overdue_large_request_first() {
+    // Bound 10 ms: by the time the first request is done (40 ms) the large one is overdue.
+    let (seen, _) = order_received(scheduling("sjf", 10)).await;
+    assert_eq!(seen, [1, 512, 2, 3, 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_past_its_deadline_leaves_the_queue() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start_scheduled(&dir, &scheduling("sjf", 50));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(300));
+    ready(&dispatcher, 1).await;
+    let d = dispatcher.clone();
+    let first = tokio::spawn(async move { d.call(rows_request(1), None).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let error = dispatcher
+        .call(
+            rows_request(1),
+            Some(Instant::now() + Duration::from_millis(50)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.code, Code::DeadlineExceeded);
+    assert!(first.await.unwrap().is_ok());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(state.queued.load(Ordering::Relaxed), 0);
+    // The timed-out request never reached the worker.
+    assert_eq!(worker.rows_seen(), [1]);
+    dispatcher.shutdown();
 }
 
 fn request() -> WorkRequest {
@@ -727,7 +852,7 @@ async fn a_drain_request_reaches_the_server() {
         &dir,
         model,
         Duration::from_secs(3),
-        Policy::RoundRobin,
+        &Scheduling::default(),
         Arc::new(state),
     )
     .unwrap();

@@ -1,0 +1,120 @@
+//! Scheduling policies: which worker takes a request (`Choose`) and, when requests wait in the
+//! front door because every worker has as many in flight as it may, which waiting request
+//! goes next (`Order`). Each policy is one module; adding one is a module and a line in
+//! `chooser` or `order` below (and its name in mpspool/config.py's list).
+//!
+//! Policies hold no clock and no sockets: time is passed in, so their rules are unit-tested
+//! on a fake clock.
+
+use std::time::{Duration, Instant};
+
+pub mod cost;
+mod fcfs;
+mod least_loaded;
+mod power_of_two;
+mod round_robin;
+mod shortest_first;
+
+pub use cost::CostModel;
+
+/// Picks the worker for the next request among those that can take one.
+pub trait Choose: Send {
+    /// `inflight[i]` is what candidate `i` (slot order) has in flight; never empty. Returns
+    /// an index into it.
+    fn choose(&mut self, inflight: &[usize]) -> usize;
+}
+
+/// The front door's queue of requests waiting for a worker with room.
+pub trait Order<T>: Send {
+    /// `arrived`: when the client's request reached the front door (a retried request keeps
+    /// its first arrival); `cost`: its expected compute time, in µs (`CostModel`).
+    fn push(&mut self, id: u64, item: T, arrived: Instant, cost: f64);
+    /// The request to send next, and its id.
+    fn pop(&mut self, now: Instant) -> Option<(u64, T)>;
+    /// Take a request out (its caller gave up).
+    fn remove(&mut self, id: u64) -> Option<T>;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Worker choices by their `--dispatch` names.
+pub const CHOOSERS: [&str; 3] = ["round-robin", "least-loaded", "power-of-two"];
+/// Queue orders by their `--queue` names.
+pub const ORDERS: [&str; 2] = ["fcfs", "sjf"];
+
+pub fn chooser(name: &str) -> Option<Box<dyn Choose>> {
+    match name {
+        "round-robin" => Some(Box::new(round_robin::RoundRobin::default())),
+        "least-loaded" => Some(Box::new(least_loaded::LeastLoaded)),
+        "power-of-two" => Some(Box::new(power_of_two::PowerOfTwo::seeded(seed()))),
+        _ => None,
+    }
+}
+
+/// `aging_bound`: for `sjf`, how long a request may wait before it goes ahead of shorter ones.
+pub fn order<T: Send + 'static>(name: &str, aging_bound: Duration) -> Option<Box<dyn Order<T>>> {
+    match name {
+        "fcfs" => Some(Box::new(fcfs::Fcfs::default())),
+        "sjf" => Some(Box::new(shortest_first::ShortestFirst::new(aging_bound))),
+        _ => None,
+    }
+}
+
+/// A seed that differs between processes (two front doors should not make the same choices);
+/// not security-sensitive.
+fn seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    nanos ^ (u64::from(std::process::id()) << 32) | 1
+}
+
+/// The front door's scheduling settings, from the pool configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scheduling {
+    /// A `CHOOSERS` name.
+    pub dispatch: String,
+    /// An `ORDERS` name.
+    pub queue: String,
+    /// For `sjf`: the wait after which a request goes ahead of shorter ones.
+    pub aging_bound: Duration,
+    /// Requests a worker may have in flight before new ones wait in the front door's queue;
+    /// 0: no limit (every request goes to a worker at once and queues in its socket, so the
+    /// queue order never applies).
+    pub worker_inflight: usize,
+}
+
+impl Default for Scheduling {
+    fn default() -> Self {
+        Scheduling {
+            dispatch: "round-robin".to_string(),
+            queue: "fcfs".to_string(),
+            aging_bound: Duration::from_millis(50),
+            worker_inflight: 0,
+        }
+    }
+}
+
+impl Scheduling {
+    /// Why these settings cannot run, if they cannot.
+    pub fn check(&self) -> Result<(), String> {
+        if !CHOOSERS.contains(&self.dispatch.as_str()) {
+            return Err(format!(
+                "dispatch must be one of {}, got {:?}",
+                CHOOSERS.join(", "),
+                self.dispatch
+            ));
+        }
+        if !ORDERS.contains(&self.queue.as_str()) {
+            return Err(format!(
+                "queue must be one of {}, got {:?}",
+                ORDERS.join(", "),
+                self.queue
+            ));
+        }
+        Ok(())
+    }
+}
