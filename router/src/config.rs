@@ -66,6 +66,9 @@ pub struct Config {
     /// (0: no limit).
     #[serde(default)]
     pub worker_inflight: usize,
+    /// `--split-rows` (0: off).
+    #[serde(default)]
+    pub split_rows: u64,
 }
 
 fn default_host() -> String {
@@ -142,6 +145,7 @@ impl Config {
             aging_bound: Duration::try_from_secs_f64(self.aging_bound_ms / 1000.0)
                 .unwrap_or_default(),
             worker_inflight,
+            split_rows: self.split_rows,
         }
     }
 

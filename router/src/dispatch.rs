@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use crate::control;
 use crate::policies::{self, CostModel, Order, Scheduling};
 use crate::signature::{self, ModelSignatures};
+use crate::split;
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::timeline::{Timeline, DEFAULT_CAPACITY};
@@ -115,6 +116,8 @@ pub struct Dispatcher {
     state: Arc<RouterState>,
     /// NO_WORKER_WAIT, shorter in tests.
     no_worker_wait: Duration,
+    /// `--split-rows` (0: off).
+    split_rows: u64,
 }
 
 /// The served model, as the configuration names it: READY from anything else is not learned.
@@ -190,6 +193,7 @@ impl Dispatcher {
             copied,
             state,
             no_worker_wait: NO_WORKER_WAIT,
+            split_rows: scheduling.split_rows,
         })
     }
 
@@ -211,8 +215,41 @@ impl Dispatcher {
         let _ = self.commands.send(Command::Shutdown);
     }
 
-    /// Run one request on some worker; `deadline` bounds the whole call, retries included.
+    /// Run one request; `deadline` bounds the whole call, retries included. A request above
+    /// `--split-rows` runs as chunks on several workers at once (`split`); the first chunk
+    /// to fail fails the request with its error, and the others are dropped.
     pub async fn call(
+        &self,
+        request: WorkRequest,
+        deadline: Option<Instant>,
+    ) -> Result<WorkReply, ServingError> {
+        let Some(chunks) = split::split(&request, self.split_rows) else {
+            return self.call_whole(request, deadline).await;
+        };
+        drop(request);
+        let count = chunks.len();
+        let mut running = tokio::task::JoinSet::new();
+        for (index, (chunk, rows)) in chunks.into_iter().enumerate() {
+            let dispatcher = self.clone();
+            running
+                .spawn(async move { (index, rows, dispatcher.call_whole(chunk, deadline).await) });
+        }
+        let mut answers: Vec<Option<(WorkReply, u64)>> = (0..count).map(|_| None).collect();
+        while let Some(done) = running.join_next().await {
+            match done {
+                Ok((index, rows, Ok(reply))) => answers[index] = Some((reply, rows)),
+                Ok((_, _, Err(error))) => return Err(error),
+                Err(error) => {
+                    let message = format!("a chunk of a split request failed: {error}");
+                    return Err(ServingError::new(Code::Internal, message));
+                }
+            }
+        }
+        split::join(answers.into_iter().flatten().collect())
+    }
+
+    /// Run one request, whole, on some worker.
+    async fn call_whole(
         &self,
         request: WorkRequest,
         deadline: Option<Instant>,

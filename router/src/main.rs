@@ -19,6 +19,7 @@ mod proto;
 mod rest;
 mod server;
 mod signature;
+mod split;
 mod state;
 mod status;
 mod tfs_metrics;

@@ -880,3 +880,45 @@ fn a_sweep_that_wakes_more_than_a_sweep_late_does_not_judge() {
     assert!(sweep_was_late(due, due + LIVENESS_SWEEP * 2));
     assert!(!sweep_was_late(due + LIVENESS_SWEEP, due), "clock order");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_request_runs_on_several_workers_and_comes_back_whole() {
+    let (_dir, dir) = run_dir();
+    let split = Scheduling {
+        split_rows: 2,
+        ..Scheduling::default()
+    };
+    let (dispatcher, _state) = start_scheduled(&dir, &split);
+    let a = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    let b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let mut whole = rows_request(5);
+    whole.frames = vec![Bytes::from((0u8..20).collect::<Vec<u8>>())];
+    let reply = dispatcher.call(whole, None).await.unwrap();
+    assert_eq!(reply.tensors, vec![("x".to_string(), 1, vec![5, 1])]);
+    assert_eq!(&reply.frames[0][..], &(0u8..20).collect::<Vec<u8>>()[..]);
+    let mut seen = [a.rows_seen(), b.rows_seen()].concat();
+    seen.sort_unstable();
+    assert_eq!(seen, [1, 2, 2]);
+    assert!(
+        a.served() >= 1 && b.served() >= 1,
+        "both workers took chunks"
+    );
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_chunk_fails_the_split_request_with_its_error() {
+    let (_dir, dir) = run_dir();
+    let split = Scheduling {
+        split_rows: 2,
+        ..Scheduling::default()
+    };
+    let (dispatcher, _state) = start_scheduled(&dir, &split);
+    let _good = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    let _bad = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Refuse);
+    ready(&dispatcher, 2).await;
+    let error = dispatcher.call(rows_request(4), None).await.unwrap_err();
+    assert_eq!(error, ServingError::new(Code::InvalidArgument, "bad id"));
+    dispatcher.shutdown();
+}

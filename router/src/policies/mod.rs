@@ -85,6 +85,8 @@ pub struct Scheduling {
     /// 0: no limit (every request goes to a worker at once and queues in its socket, so the
     /// queue order never applies).
     pub worker_inflight: usize,
+    /// `--split-rows`: requests with more rows run as chunks of at most this many (0: off).
+    pub split_rows: u64,
 }
 
 impl Default for Scheduling {
@@ -94,6 +96,7 @@ impl Default for Scheduling {
             queue: "fcfs".to_string(),
             aging_bound: Duration::from_millis(50),
             worker_inflight: 0,
+            split_rows: 0,
         }
     }
 }

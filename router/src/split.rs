@@ -1,0 +1,277 @@
+//! Request splitting (`--split-rows`): a request with more rows than the limit is cut along
+//! its first dimension into chunks of at most that many rows, the chunks run on several
+//! workers at once, and the answers are joined back in order — so a large request's latency
+//! is that of its chunks run side by side, not of one worker doing all of it (the TF Serving
+//! tuning notes' "split a large request into parallel chunks"; TF Serving's own
+//! `enable_large_batch_splitting` cuts at `max_execution_batch_size` the same way).
+//!
+//! Only correct for models whose every output row depends on its own input row alone (the
+//! rule batching has); turning it on is the operator's statement that this holds. A request
+//! is split only when every input shares the first dimension; an answer whose outputs do not
+//! have one row per input row cannot be joined and fails with FAILED_PRECONDITION.
+
+use bytes::{Bytes, BytesMut};
+
+use crate::dispatch::{WorkReply, WorkRequest};
+use crate::status::{Code, ServingError};
+use crate::wire::{self, TensorMeta};
+
+const DT_STRING: i32 = 7;
+
+/// The chunks of `request` (each with its row count), or None when it stays whole: no limit,
+/// not above it, or inputs that do not all share a first dimension.
+pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)>> {
+    let rows = request.rows();
+    if limit == 0 || rows <= limit || request.tensors.len() != request.frames.len() {
+        return None;
+    }
+    if request
+        .tensors
+        .iter()
+        .any(|(_, _, shape)| shape.first() != Some(&(rows as i64)))
+    {
+        return None;
+    }
+    // Per input: the frame's pieces, one per chunk.
+    let bounds: Vec<(u64, u64)> = (0..rows.div_ceil(limit))
+        .map(|i| (i * limit, ((i + 1) * limit).min(rows)))
+        .collect();
+    let mut pieces: Vec<Vec<Bytes>> = Vec::with_capacity(request.frames.len());
+    for ((_, dtype, _), frame) in request.tensors.iter().zip(&request.frames) {
+        pieces.push(cut(frame, *dtype, rows, &bounds)?);
+    }
+    let chunks = bounds
+        .iter()
+        .enumerate()
+        .map(|(i, &(start, end))| {
+            let tensors = request
+                .tensors
+                .iter()
+                .map(|(name, dtype, shape)| {
+                    let mut shape = shape.clone();
+                    shape[0] = (end - start) as i64;
+                    (name.clone(), *dtype, shape)
+                })
+                .collect();
+            let chunk = WorkRequest {
+                signature: request.signature.clone(),
+                tensors,
+                frames: pieces.iter().map(|p| p[i].clone()).collect(),
+                outputs: request.outputs.clone(),
+            };
+            (chunk, end - start)
+        })
+        .collect();
+    Some(chunks)
+}
+
+/// One tensor's frame cut at row `bounds`; None when its size is not a whole number of rows.
+fn cut(frame: &Bytes, dtype: i32, rows: u64, bounds: &[(u64, u64)]) -> Option<Vec<Bytes>> {
+    if dtype == DT_STRING {
+        let values = wire::decode_strings(frame).ok()?;
+        let per_row = row_size(values.len(), rows)?;
+        return Some(
+            bounds
+                .iter()
+                .map(|&(s, e)| {
+                    let part = &values[s as usize * per_row..e as usize * per_row];
+                    Bytes::from(wire::encode_strings(part))
+                })
+                .collect(),
+        );
+    }
+    let per_row = row_size(frame.len(), rows)?;
+    // Zero-copy: each piece is a view of the request's buffer.
+    Some(
+        bounds
+            .iter()
+            .map(|&(s, e)| frame.slice(s as usize * per_row..e as usize * per_row))
+            .collect(),
+    )
+}
+
+fn row_size(total: usize, rows: u64) -> Option<usize> {
+    let rows = usize::try_from(rows).ok()?;
+    (total % rows == 0).then_some(total / rows)
+}
+
+/// The chunks' answers joined in chunk order into the answer of the whole request.
+pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
+    let not_per_row = |name: &str| {
+        ServingError::new(
+            Code::FailedPrecondition,
+            format!(
+                "output {name} of a split request does not have one row per input row: \
+                 --split-rows is only for models whose rows are independent"
+            ),
+        )
+    };
+    let Some((first, _)) = parts.first() else {
+        return Err(ServingError::new(
+            Code::Internal,
+            "a split request had no chunks",
+        ));
+    };
+    let layout: Vec<(String, i32)> = first
+        .tensors
+        .iter()
+        .map(|(name, dtype, _)| (name.clone(), *dtype))
+        .collect();
+    let slot = first.slot.clone();
+    let mut total_rows = 0i64;
+    let mut span: Option<(i64, i64)> = None;
+    let mut columns: Vec<Vec<Bytes>> = vec![Vec::with_capacity(parts.len()); layout.len()];
+    let mut shapes: Vec<Vec<i64>> = Vec::with_capacity(layout.len());
+    for (index, (reply, rows)) in parts.into_iter().enumerate() {
+        if reply.tensors.len() != layout.len() || reply.frames.len() != layout.len() {
+            return Err(ServingError::new(
+                Code::Internal,
+                "the chunks of a split request were answered with different outputs",
+            ));
+        }
+        for (column, ((name, dtype, shape), frame)) in
+            reply.tensors.iter().zip(reply.frames).enumerate()
+        {
+            if (name, *dtype) != (&layout[column].0, layout[column].1) {
+                return Err(ServingError::new(
+                    Code::Internal,
+                    "the chunks of a split request were answered with different outputs",
+                ));
+            }
+            if shape.first() != Some(&(rows as i64)) {
+                return Err(not_per_row(name));
+            }
+            if index == 0 {
+                shapes.push(shape.clone());
+            } else if shape[1..] != shapes[column][1..] {
+                return Err(not_per_row(name));
+            }
+            columns[column].push(frame);
+        }
+        total_rows += rows as i64;
+        if let Some((start, end)) = reply.span {
+            span = Some(span.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
+        }
+    }
+    let mut tensors: Vec<TensorMeta> = Vec::with_capacity(layout.len());
+    let mut frames = Vec::with_capacity(layout.len());
+    for (((name, dtype), mut shape), pieces) in layout.into_iter().zip(shapes).zip(columns) {
+        shape[0] = total_rows;
+        frames.push(concat(&pieces, dtype)?);
+        tensors.push((name, dtype, shape));
+    }
+    Ok(WorkReply {
+        tensors,
+        frames,
+        slot,
+        span,
+    })
+}
+
+fn concat(pieces: &[Bytes], dtype: i32) -> Result<Bytes, ServingError> {
+    if dtype == DT_STRING {
+        let mut values = Vec::new();
+        for piece in pieces {
+            let part = wire::decode_strings(piece).map_err(|e| {
+                ServingError::new(Code::Internal, format!("a chunk's string output: {e}"))
+            })?;
+            values.extend(part);
+        }
+        return Ok(Bytes::from(wire::encode_strings(&values)));
+    }
+    let mut out = BytesMut::with_capacity(pieces.iter().map(Bytes::len).sum());
+    for piece in pieces {
+        out.extend_from_slice(piece);
+    }
+    Ok(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn floats(values: &[f32]) -> Bytes {
+        Bytes::from(
+            values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    /// 5 rows: x float [5, 2] and s string [5].
+    fn request() -> WorkRequest {
+        let x: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        let s: Vec<Vec<u8>> = (0..5).map(|i| format!("row{i}").into_bytes()).collect();
+        WorkRequest {
+            signature: "serving_default".into(),
+            tensors: vec![
+                ("x".into(), 1, vec![5, 2]),
+                ("s".into(), DT_STRING, vec![5]),
+            ],
+            frames: vec![floats(&x), Bytes::from(wire::encode_strings(&s))],
+            outputs: vec![],
+        }
+    }
+
+    /// What an echoing worker answers a chunk: its own inputs.
+    fn echo(chunk: &WorkRequest, t: (i64, i64)) -> WorkReply {
+        WorkReply {
+            tensors: chunk.tensors.clone(),
+            frames: chunk.frames.clone(),
+            slot: "cpu-0".into(),
+            span: Some(t),
+        }
+    }
+
+    #[test]
+    fn chunks_of_at_most_the_limit_in_order_and_joined_back_unchanged() {
+        let whole = request();
+        let chunks = split(&whole, 2).expect("5 rows > 2");
+        let rows: Vec<u64> = chunks.iter().map(|(_, r)| *r).collect();
+        assert_eq!(rows, [2, 2, 1]);
+        assert_eq!(chunks[1].0.tensors[0], ("x".to_string(), 1, vec![2, 2]));
+        assert_eq!(chunks[1].0.frames[0], floats(&[4.0, 5.0, 6.0, 7.0]));
+        let strings = wire::decode_strings(&chunks[2].0.frames[1]).unwrap();
+        assert_eq!(strings, [Bytes::from_static(b"row4")]);
+        let answers = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, (c, r))| (echo(c, (10 * i as i64, 10 * i as i64 + 5)), *r))
+            .collect();
+        let joined = join(answers).unwrap();
+        assert_eq!(joined.tensors, whole.tensors);
+        assert_eq!(joined.frames, whole.frames);
+        assert_eq!(joined.span, Some((0, 25)));
+    }
+
+    #[test]
+    fn stays_whole_without_a_limit_below_it_or_with_unequal_first_dimensions() {
+        let whole = request();
+        assert!(split(&whole, 0).is_none());
+        assert!(split(&whole, 5).is_none());
+        let mut ragged = request();
+        ragged.tensors[1].2 = vec![4];
+        assert!(split(&ragged, 2).is_none());
+        let mut scalar = request();
+        scalar.tensors[1].2 = vec![];
+        assert!(split(&scalar, 2).is_none());
+        // A frame that is not a whole number of rows (the codec would never send it).
+        let mut torn = request();
+        torn.frames[0] = torn.frames[0].slice(..36);
+        assert!(split(&torn, 2).is_none());
+    }
+
+    #[test]
+    fn an_output_without_one_row_per_input_row_fails_the_join() {
+        let chunks = split(&request(), 3).unwrap();
+        let mut answers: Vec<(WorkReply, u64)> =
+            chunks.iter().map(|(c, r)| (echo(c, (0, 1)), *r)).collect();
+        // A model that reduces over the batch: one row whatever it was given.
+        answers[1].0.tensors[0].2 = vec![1, 2];
+        answers[1].0.frames[0] = floats(&[0.0, 0.0]);
+        let error = join(answers).unwrap_err();
+        assert_eq!(error.code, Code::FailedPrecondition);
+        assert!(error.message.contains("output x"), "{}", error.message);
+    }
+}
