@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::batch::Batching;
 use crate::policies::Scheduling;
 
 pub const POOL_FILE: &str = "pool.json";
@@ -69,6 +70,18 @@ pub struct Config {
     /// `--split-rows` (0: off).
     #[serde(default)]
     pub split_rows: u64,
+    /// `--enable-batching` and TF Serving's batching parameters (`--batching-parameters-file`,
+    /// read by mpspool/config.py).
+    #[serde(default)]
+    pub batching: bool,
+    #[serde(default = "default_max_batch_size")]
+    pub max_batch_size: u64,
+    #[serde(default)]
+    pub batch_timeout_micros: u64,
+    #[serde(default)]
+    pub allowed_batch_sizes: Vec<u64>,
+    #[serde(default = "default_max_enqueued_batches")]
+    pub max_enqueued_batches: u64,
 }
 
 fn default_host() -> String {
@@ -101,6 +114,12 @@ fn default_max_message() -> usize {
 fn default_dispatch() -> String {
     "round-robin".to_string()
 }
+fn default_max_batch_size() -> u64 {
+    Batching::default().max_batch_size
+}
+fn default_max_enqueued_batches() -> u64 {
+    Batching::default().max_enqueued_batches
+}
 fn default_queue() -> String {
     "fcfs".to_string()
 }
@@ -131,14 +150,24 @@ pub fn seconds(name: &str, value: f64) -> Result<Duration, ConfigError> {
 }
 
 impl Config {
-    /// The scheduling settings. The queue order only applies when requests wait in the
-    /// front door, so `sjf` without a `worker_inflight` limit gets a limit of 2: one request
-    /// computing, one waiting in the worker's socket so it never idles for a round trip.
+    /// The scheduling settings. The queue order and batching only apply to requests that
+    /// wait in the front door, so without a `worker_inflight` limit batching gets a limit of
+    /// 1 (requests gather while each worker computes one call, as TF Serving's batch threads)
+    /// and `sjf` gets 2 (one computing, one waiting in the worker's socket so that it never
+    /// idles for a round trip).
     pub fn scheduling(&self) -> Scheduling {
-        let worker_inflight = match (self.queue.as_str(), self.worker_inflight) {
-            ("sjf", 0) => 2,
-            (_, limit) => limit,
+        let worker_inflight = match (self.batching, self.queue.as_str(), self.worker_inflight) {
+            (_, _, limit) if limit > 0 => limit,
+            (true, _, _) => 1,
+            (false, "sjf", _) => 2,
+            _ => 0,
         };
+        let batching = self.batching.then(|| Batching {
+            max_batch_size: self.max_batch_size,
+            timeout: Duration::from_micros(self.batch_timeout_micros),
+            allowed_batch_sizes: self.allowed_batch_sizes.clone(),
+            max_enqueued_batches: self.max_enqueued_batches,
+        });
         Scheduling {
             dispatch: self.dispatch.clone(),
             queue: self.queue.clone(),
@@ -146,6 +175,7 @@ impl Config {
                 .unwrap_or_default(),
             worker_inflight,
             split_rows: self.split_rows,
+            batching,
         }
     }
 

@@ -19,6 +19,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use crate::batch::{self, Batching};
 use crate::control;
 use crate::policies::{self, CostModel, Order, Scheduling};
 use crate::signature::{self, ModelSignatures};
@@ -174,8 +175,12 @@ impl Dispatcher {
             table: WorkerTable::new(worker_timeout, chooser),
             requests: HashMap::new(),
             queue,
+            queued_rows: 0,
             worker_inflight: scheduling.worker_inflight,
             costs: CostModel::default(),
+            batching: scheduling.batching.clone(),
+            next_batch_id: FIRST_BATCH_ID,
+            wake_at: None,
             timeline: Timeline::new(DEFAULT_CAPACITY),
             model,
             signatures: signatures_tx,
@@ -326,18 +331,18 @@ impl Dispatcher {
     }
 }
 
+/// Resolves at `at`; never without one.
+async fn wake(at: Option<std::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Whether a liveness sweep woke more than a sweep after it was due (`interval.tick()` yields
 /// the instant it was due, however late the task got to run).
 fn sweep_was_late(scheduled: Instant, woke: Instant) -> bool {
     woke.saturating_duration_since(scheduled) > LIVENESS_SWEEP
-}
-
-/// A request sent to a worker and not answered yet.
-struct Pending {
-    id: u64,
-    answer: oneshot::Sender<Outcome>,
-    /// Its signature and rows teach the cost model when the answer comes.
-    request: Arc<WorkRequest>,
 }
 
 /// A request waiting in the front door for a worker with room.
@@ -345,7 +350,46 @@ struct Queued {
     request: Arc<WorkRequest>,
     answer: oneshot::Sender<Outcome>,
     arrived: std::time::Instant,
+    /// Expected compute µs (the queue order's input).
+    cost: f64,
+    /// Must run by itself: the merged call it was part of failed, and alone it says whose
+    /// fault that was.
+    alone: bool,
 }
+
+/// A call sent to a worker and not answered yet: one request, or several merged into one.
+struct Pending {
+    id: u64,
+    /// What was sent (teaches the cost model when the answer comes).
+    sent: Arc<WorkRequest>,
+    /// Who waits for the answer, with their request ids, in row order.
+    members: Vec<(u64, Queued)>,
+    /// The answer must be cut into the members' rows.
+    merged: bool,
+}
+
+impl Pending {
+    fn tell_all(self, outcome: impl Fn() -> Outcome) {
+        for (_, member) in self.members {
+            let _ = member.answer.send(outcome());
+        }
+    }
+}
+
+/// What the queue's head leaves with: itself alone or with the requests that share its call,
+/// padded to `padded` rows; or nothing yet, the batch waiting to fill until `Wait`'s instant.
+enum Gathered {
+    Send {
+        members: Vec<(u64, Queued)>,
+        padded: u64,
+    },
+    Wait(std::time::Instant),
+}
+
+/// Requests looked at past the head for a batch, so a pump's work stays bounded.
+const GATHER_SCAN: usize = 256;
+/// Merged calls get ids of their own, apart from the callers' (which count up from 1).
+const FIRST_BATCH_ID: u64 = 1 << 62;
 
 /// A ZeroMQ socket's signalling FD, watched by tokio; the socket itself stays with the actor
 /// (`zmq::Socket` is not `Sync`, so no future may hold a reference to it across an await).
@@ -386,8 +430,14 @@ struct Actor {
     requests: HashMap<u64, Vec<u8>>,
     /// Requests waiting for a worker with room (only with a `worker_inflight` limit).
     queue: Box<dyn Order<Queued>>,
+    /// Rows waiting in `queue` (for `max_enqueued_batches`).
+    queued_rows: u64,
     worker_inflight: usize,
     costs: CostModel,
+    batching: Option<Batching>,
+    next_batch_id: u64,
+    /// When a batch waiting to fill must leave (`batch_timeout_micros`).
+    wake_at: Option<std::time::Instant>,
     timeline: Timeline,
     model: ServedModel,
     signatures: watch::Sender<Option<Arc<ModelSignatures>>>,
@@ -428,6 +478,9 @@ impl Actor {
                     }
                     self.drain_control();
                 }
+                () = wake(self.wake_at) => {
+                    self.wake_at = None;
+                }
                 scheduled = sweep.tick() => {
                     // Silence is only evidence if this front door was listening: after a late
                     // wake-up (the machine starved of CPU) heartbeats may be queued unread, some
@@ -452,16 +505,9 @@ impl Actor {
                 request,
                 answer,
                 arrived,
-            } => self.enqueue(
-                id,
-                Queued {
-                    request,
-                    answer,
-                    arrived,
-                },
-            ),
+            } => self.enqueue(id, request, answer, arrived),
             Command::Cancel { id } => {
-                if self.queue.remove(id).is_some() {
+                if self.queue_remove(id).is_some() {
                     self.publish_queue();
                 } else if let Some(identity) = self.requests.remove(&id) {
                     if let Some(handle) = self.table.get_mut(&identity) {
@@ -474,17 +520,53 @@ impl Actor {
         true
     }
 
-    fn enqueue(&mut self, id: u64, queued: Queued) {
+    fn enqueue(
+        &mut self,
+        id: u64,
+        request: Arc<WorkRequest>,
+        answer: oneshot::Sender<Outcome>,
+        arrived: std::time::Instant,
+    ) {
         if self.table.ready() == 0 {
-            let _ = queued.answer.send(Outcome::NoWorker);
+            let _ = answer.send(Outcome::NoWorker);
             return;
         }
-        let cost = self
-            .costs
-            .estimate(&queued.request.signature, queued.request.rows());
-        let arrived = queued.arrived;
-        self.queue.push(id, queued, arrived, cost);
+        let rows = request.rows();
+        if let Some(batching) = &self.batching {
+            if self.queued_rows.saturating_add(rows) > batching.queue_rows() {
+                let full = ServingError::new(Code::Unavailable, batch::QUEUE_FULL);
+                let _ = answer.send(Outcome::Error(full));
+                return;
+            }
+        }
+        let cost = self.costs.estimate(&request.signature, rows);
+        let queued = Queued {
+            request,
+            answer,
+            arrived,
+            cost,
+            alone: false,
+        };
+        self.queue_push(id, queued);
         self.pump();
+    }
+
+    fn queue_push(&mut self, id: u64, queued: Queued) {
+        self.queued_rows += queued.request.rows();
+        let (arrived, cost) = (queued.arrived, queued.cost);
+        self.queue.push(id, queued, arrived, cost);
+    }
+
+    fn queue_pop(&mut self, now: std::time::Instant) -> Option<(u64, Queued)> {
+        let (id, queued) = self.queue.pop(now)?;
+        self.queued_rows = self.queued_rows.saturating_sub(queued.request.rows());
+        Some((id, queued))
+    }
+
+    fn queue_remove(&mut self, id: u64) -> Option<Queued> {
+        let queued = self.queue.remove(id)?;
+        self.queued_rows = self.queued_rows.saturating_sub(queued.request.rows());
+        Some(queued)
     }
 
     /// Send waiting requests, in the queue's order, while some worker has room.
@@ -494,15 +576,83 @@ impl Actor {
                 break; // all full (or none left: `departed` answers the queue then)
             };
             let identity = handle.identity.clone();
-            let now = Instant::now();
-            let Some((id, queued)) = self.queue.pop(now.into_std()) else {
+            let now = std::time::Instant::now();
+            let Some((id, head)) = self.queue_pop(now) else {
                 break;
             };
-            let waited = now.into_std().saturating_duration_since(queued.arrived);
-            self.state.note_queue_wait(waited);
-            self.transmit(id, identity, queued);
+            match self.gather(id, head, now) {
+                Gathered::Send { members, padded } => {
+                    for (_, member) in &members {
+                        self.state
+                            .note_queue_wait(now.saturating_duration_since(member.arrived));
+                    }
+                    self.transmit(identity, members, padded);
+                }
+                Gathered::Wait(until) => {
+                    self.wake_at = Some(until);
+                    break;
+                }
+            }
         }
         self.publish_queue();
+    }
+
+    /// Without batching, the head alone. With it, the head and the waiting requests (in the
+    /// queue's order) that can share its call, up to `max_batch_size` rows; while that is
+    /// short of full and the oldest of them has waited less than `batch_timeout_micros`,
+    /// they all wait on.
+    fn gather(&mut self, id: u64, head: Queued, now: std::time::Instant) -> Gathered {
+        let rows = head.request.rows();
+        let alone = |head: Queued| Gathered::Send {
+            members: vec![(id, head)],
+            padded: rows,
+        };
+        let Some((max, timeout)) = self
+            .batching
+            .as_ref()
+            .map(|b| (b.max_batch_size, b.timeout))
+        else {
+            return alone(head);
+        };
+        let key = match batch::merge_key(&head.request) {
+            Some((key, _)) if !head.alone && rows <= max => key,
+            _ => return alone(head),
+        };
+        let mut total = rows;
+        let mut members = vec![(id, head)];
+        let mut passed_over = Vec::new();
+        for _ in 0..GATHER_SCAN {
+            if total >= max {
+                break;
+            }
+            let Some((other_id, other)) = self.queue_pop(now) else {
+                break;
+            };
+            let fits = match batch::merge_key(&other.request) {
+                Some((other_key, other_rows)) if !other.alone && other_key == key => {
+                    total + other_rows <= max
+                }
+                _ => false,
+            };
+            if fits {
+                total += other.request.rows();
+                members.push((other_id, other));
+            } else {
+                passed_over.push((other_id, other));
+            }
+        }
+        for (other_id, other) in passed_over {
+            self.queue_push(other_id, other);
+        }
+        let oldest = members.iter().map(|(_, m)| m.arrived).min().unwrap_or(now);
+        if total < max && now < oldest + timeout {
+            for (member_id, member) in members {
+                self.queue_push(member_id, member);
+            }
+            return Gathered::Wait(oldest + timeout);
+        }
+        let padded = self.batching.as_ref().map_or(total, |b| b.padded(total));
+        Gathered::Send { members, padded }
     }
 
     fn publish_queue(&self) {
@@ -511,60 +661,77 @@ impl Actor {
             .store(self.queue.len() as u64, Ordering::Relaxed);
     }
 
-    fn transmit(&mut self, id: u64, identity: Vec<u8>, queued: Queued) {
+    /// The members of a merged call that failed (or whose answer cannot be cut) go back to
+    /// the queue to run one by one, keeping their place: the error of the one at fault then
+    /// reaches only its own caller.
+    fn rerun_alone(&mut self, members: Vec<(u64, Queued)>) {
+        for (id, mut member) in members {
+            member.alone = true;
+            self.queue_push(id, member);
+        }
+    }
+
+    fn transmit(&mut self, identity: Vec<u8>, members: Vec<(u64, Queued)>, padded: u64) {
         let Some(handle) = self.table.get_mut(&identity) else {
             return;
         };
         let slot = handle.slot.clone();
-        let request = &queued.request;
-        let header =
-            wire::encode_request(id, &request.signature, &request.tensors, &request.outputs);
+        let rows: u64 = members.iter().map(|(_, m)| m.request.rows()).sum();
+        let merged = members.len() > 1 || padded > rows;
+        let (id, sent) = if merged {
+            let requests: Vec<&WorkRequest> = members.iter().map(|(_, m)| &*m.request).collect();
+            let Some(call) = batch::merge(&requests, padded) else {
+                self.rerun_alone(members);
+                return;
+            };
+            self.next_batch_id += 1;
+            (self.next_batch_id, Arc::new(call))
+        } else {
+            (members[0].0, members[0].1.request.clone())
+        };
+        let header = wire::encode_request(id, &sent.signature, &sent.tensors, &sent.outputs);
         // Tensor frames are copied into ZeroMQ messages here (a memcpy; the request's
         // protobuf buffer cannot be handed to libzmq without an unsafe lifetime bridge).
-        let mut frames: Vec<zmq::Message> = Vec::with_capacity(2 + request.frames.len());
+        let mut frames: Vec<zmq::Message> = Vec::with_capacity(2 + sent.frames.len());
         frames.push(zmq::Message::from(identity.as_slice()));
         frames.push(zmq::Message::from(header));
-        frames.extend(request.frames.iter().map(|f| zmq::Message::from(&f[..])));
+        frames.extend(sent.frames.iter().map(|f| zmq::Message::from(&f[..])));
+        let pending = Pending {
+            id,
+            sent,
+            members,
+            merged,
+        };
         match self.workers.send_multipart(frames, zmq::DONTWAIT) {
             Ok(()) => {
                 if let Some(handle) = self.table.get_mut(&identity) {
-                    let pending = Pending {
-                        id,
-                        answer: queued.answer,
-                        request: queued.request,
-                    };
                     handle.inflight.insert(id, pending);
                 }
                 self.requests.insert(id, identity);
             }
             Err(zmq::Error::EHOSTUNREACH) => {
                 // ROUTER_MANDATORY: the worker's connection is gone (killed); do not wait for
-                // the liveness window to notice. The request goes back to wait for another.
+                // the liveness window to notice. The requests go back to wait for another.
                 if let Some(departure) = self.table.leave(&identity, "its connection is gone") {
                     self.departed(departure);
                 }
-                let arrived = queued.arrived;
-                let cost = self
-                    .costs
-                    .estimate(&queued.request.signature, queued.request.rows());
                 if self.table.ready() == 0 {
-                    let _ = queued.answer.send(Outcome::NoWorker);
+                    pending.tell_all(|| Outcome::NoWorker);
                 } else {
-                    self.queue.push(id, queued, arrived, cost);
+                    for (member_id, member) in pending.members {
+                        self.queue_push(member_id, member);
+                    }
                 }
             }
             Err(zmq::Error::EAGAIN) => {
                 let message = format!("worker {slot} has too many requests queued");
-                let _ = queued.answer.send(Outcome::Error(ServingError::new(
-                    Code::ResourceExhausted,
-                    message,
-                )));
+                let error = ServingError::new(Code::ResourceExhausted, message);
+                pending.tell_all(|| Outcome::Error(error.clone()));
             }
             Err(error) => {
                 let message = format!("sending to worker {slot} failed: {error}");
-                let _ = queued
-                    .answer
-                    .send(Outcome::Error(ServingError::new(Code::Internal, message)));
+                let error = ServingError::new(Code::Internal, message);
+                pending.tell_all(|| Outcome::Error(error.clone()));
             }
         }
     }
@@ -582,11 +749,11 @@ impl Actor {
         );
         for pending in departure.pending {
             self.requests.remove(&pending.id);
-            let _ = pending.answer.send(Outcome::Lost(why.clone()));
+            pending.tell_all(|| Outcome::Lost(why.clone()));
         }
         if self.table.ready() == 0 {
             // Nobody left to wait for here: the callers wait for a worker to come back.
-            while let Some((_, queued)) = self.queue.pop(std::time::Instant::now()) {
+            while let Some((_, queued)) = self.queue_pop(std::time::Instant::now()) {
                 let _ = queued.answer.send(Outcome::NoWorker);
             }
             self.publish_queue();
@@ -657,28 +824,33 @@ impl Actor {
                     return;
                 };
                 let slot = handle.slot.clone();
-                if let Some((start, end)) = t {
-                    self.timeline.record(&slot, start, end);
-                }
                 self.requests.remove(&id);
-                if let Some(pending) = self.table.resolve(&identity, id) {
+                let Some(pending) = self.table.resolve(&identity, id) else {
                     if let Some((start, end)) = t {
-                        let request = &pending.request;
-                        let micros = end.saturating_sub(start) as f64;
-                        self.costs
-                            .observe(&request.signature, request.rows(), micros);
+                        self.timeline.record(&slot, start, end); // late: nobody waits
                     }
-                    let frames: Vec<Bytes> = frames
-                        .drain(2..)
-                        .map(|m| Bytes::from_owner(Frame(m)))
-                        .collect();
-                    let _ = pending.answer.send(Outcome::Reply(WorkReply {
-                        tensors,
-                        frames,
-                        slot,
-                        span: t,
-                    }));
+                    return;
+                };
+                if let Some((start, end)) = t {
+                    // One span per request answered, merged or not.
+                    for _ in &pending.members {
+                        self.timeline.record(&slot, start, end);
+                    }
+                    let micros = end.saturating_sub(start) as f64;
+                    let sent = &pending.sent;
+                    self.costs.observe(&sent.signature, sent.rows(), micros);
                 }
+                let frames: Vec<Bytes> = frames
+                    .drain(2..)
+                    .map(|m| Bytes::from_owner(Frame(m)))
+                    .collect();
+                let reply = WorkReply {
+                    tensors,
+                    frames,
+                    slot,
+                    span: t,
+                };
+                self.answer(pending, reply);
             }
             WorkerMessage::Error { id, code, message } => {
                 if self.table.seen(&identity, now).is_none() {
@@ -686,8 +858,12 @@ impl Actor {
                 }
                 self.requests.remove(&id);
                 if let Some(pending) = self.table.resolve(&identity, id) {
-                    let error = ServingError::new(Code::from_i32(code), message);
-                    let _ = pending.answer.send(Outcome::Error(error));
+                    if pending.merged {
+                        self.rerun_alone(pending.members);
+                    } else {
+                        let error = ServingError::new(Code::from_i32(code), message);
+                        pending.tell_all(|| Outcome::Error(error.clone()));
+                    }
                 }
             }
             WorkerMessage::Heartbeat { .. } => {
@@ -764,9 +940,32 @@ impl Actor {
         self.requests.remove(&id);
         if let Some(pending) = self.table.resolve(identity, id) {
             let message = format!("worker {slot} sent an answer that cannot be read: {error}");
-            let _ = pending
-                .answer
-                .send(Outcome::Error(ServingError::new(Code::Internal, message)));
+            let error = ServingError::new(Code::Internal, message);
+            pending.tell_all(|| Outcome::Error(error.clone()));
+        }
+    }
+
+    /// A call's answer to whoever waits: whole to a request sent alone, cut into rows for
+    /// merged ones (which run again one by one when it cannot be cut).
+    fn answer(&mut self, pending: Pending, reply: WorkReply) {
+        if !pending.merged {
+            if let Some((_, member)) = pending.members.into_iter().next() {
+                let _ = member.answer.send(Outcome::Reply(reply));
+            }
+            return;
+        }
+        let rows: Vec<u64> = pending
+            .members
+            .iter()
+            .map(|(_, m)| m.request.rows())
+            .collect();
+        match batch::unmerge(&reply, &rows) {
+            Some(parts) => {
+                for ((_, member), part) in pending.members.into_iter().zip(parts) {
+                    let _ = member.answer.send(Outcome::Reply(part));
+                }
+            }
+            None => self.rerun_alone(pending.members),
         }
     }
 

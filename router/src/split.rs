@@ -16,7 +16,7 @@ use crate::dispatch::{WorkReply, WorkRequest};
 use crate::status::{Code, ServingError};
 use crate::wire::{self, TensorMeta};
 
-const DT_STRING: i32 = 7;
+pub(crate) const DT_STRING: i32 = 7;
 
 /// The chunks of `request` (each with its row count), or None when it stays whole: no limit,
 /// not above it, or inputs that do not all share a first dimension.
@@ -66,7 +66,12 @@ pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)
 }
 
 /// One tensor's frame cut at row `bounds`; None when its size is not a whole number of rows.
-fn cut(frame: &Bytes, dtype: i32, rows: u64, bounds: &[(u64, u64)]) -> Option<Vec<Bytes>> {
+pub(crate) fn cut(
+    frame: &Bytes,
+    dtype: i32,
+    rows: u64,
+    bounds: &[(u64, u64)],
+) -> Option<Vec<Bytes>> {
     if dtype == DT_STRING {
         let values = wire::decode_strings(frame).ok()?;
         let per_row = row_size(values.len(), rows)?;
@@ -168,7 +173,7 @@ pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
     })
 }
 
-fn concat(pieces: &[Bytes], dtype: i32) -> Result<Bytes, ServingError> {
+pub(crate) fn concat(pieces: &[Bytes], dtype: i32) -> Result<Bytes, ServingError> {
     if dtype == DT_STRING {
         let mut values = Vec::new();
         for piece in pieces {

@@ -20,6 +20,8 @@ enum Behaviour {
     GoSilent,
     /// Echo after computing for this many ms (one request at a time, as a worker does).
     SlowEcho(u64),
+    /// Echo after 20 ms, but refuse (INVALID_ARGUMENT) a call of more rows than this.
+    RefuseAbove(i64),
 }
 
 struct FakeWorker {
@@ -91,6 +93,14 @@ impl FakeWorker {
                         break;
                     }
                     Behaviour::GoSilent => continue,
+                    Behaviour::RefuseAbove(most) if rows > most => {
+                        thread::sleep(Duration::from_millis(20));
+                        serde_json::json!({"v": 1, "k": "error", "id": id, "code": 3, "message": "too many rows"})
+                    }
+                    Behaviour::RefuseAbove(_) => {
+                        thread::sleep(Duration::from_millis(20));
+                        serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, 20_000]})
+                    }
                     Behaviour::SlowEcho(ms) => {
                         thread::sleep(Duration::from_millis(ms));
                         serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, ms * 1000]})
@@ -920,5 +930,140 @@ async fn a_failing_chunk_fails_the_split_request_with_its_error() {
     ready(&dispatcher, 2).await;
     let error = dispatcher.call(rows_request(4), None).await.unwrap_err();
     assert_eq!(error, ServingError::new(Code::InvalidArgument, "bad id"));
+    dispatcher.shutdown();
+}
+
+fn batching(max: u64, timeout_ms: u64, allowed: Vec<u64>, enqueued: u64) -> Scheduling {
+    Scheduling {
+        worker_inflight: 1,
+        batching: Some(Batching {
+            max_batch_size: max,
+            timeout: Duration::from_millis(timeout_ms),
+            allowed_batch_sizes: allowed,
+            max_enqueued_batches: enqueued,
+        }),
+        ..Scheduling::default()
+    }
+}
+
+/// A request of `rows` rows whose bytes say which request and row they are.
+fn marked_request(rows: usize, mark: u8) -> WorkRequest {
+    let bytes: Vec<u8> = (0..rows).flat_map(|r| [mark, r as u8, 0, 0]).collect();
+    WorkRequest {
+        frames: vec![Bytes::from(bytes)],
+        ..rows_request(rows)
+    }
+}
+
+/// While the one worker computes a first request, requests of `sizes` rows arrive; each
+/// must get its own rows back. The rows of each call the worker received.
+async fn batched_calls(scheduling: Scheduling, behaviour: Behaviour, sizes: &[usize]) -> Vec<i64> {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start_scheduled(&dir, &scheduling);
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, behaviour);
+    ready(&dispatcher, 1).await;
+    let mut calls = Vec::new();
+    for (mark, rows) in std::iter::once(1).chain(sizes.iter().copied()).enumerate() {
+        let d = dispatcher.clone();
+        let request = marked_request(rows, mark as u8);
+        let want = request.frames.clone();
+        calls.push(tokio::spawn(
+            async move { (d.call(request, None).await, want) },
+        ));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    for call in calls {
+        let (reply, want) = call.await.unwrap();
+        let reply = reply.expect("answered");
+        assert_eq!(reply.frames, want, "each request gets its own rows");
+    }
+    assert_eq!(state.queued.load(Ordering::Relaxed), 0);
+    let seen = worker.rows_seen();
+    dispatcher.shutdown();
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_share_one_call_up_to_max_batch_size() {
+    let seen = batched_calls(
+        batching(8, 0, vec![], 10),
+        Behaviour::SlowEcho(40),
+        &[1, 2, 3, 1, 4],
+    )
+    .await;
+    // The first alone; then 1+2+3+1 = 7 (4 more would make 11 > 8); then 4.
+    assert_eq!(seen, [1, 7, 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_are_padded_to_an_allowed_batch_size() {
+    let seen = batched_calls(
+        batching(8, 0, vec![2, 4, 8], 10),
+        Behaviour::SlowEcho(40),
+        &[2, 3],
+    )
+    .await;
+    assert_eq!(seen, [2, 8]); // 1 padded to 2, then 2+3 = 5 padded to 8
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_merged_call_runs_its_requests_one_by_one() {
+    let seen = batched_calls(
+        batching(8, 0, vec![], 10),
+        Behaviour::RefuseAbove(1),
+        &[1, 1, 1],
+    )
+    .await;
+    assert_eq!(seen, [1, 3, 1, 1, 1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_waits_for_the_timeout_to_fill_then_leaves() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 150, vec![], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    let started = Instant::now();
+    let d = dispatcher.clone();
+    let first = tokio::spawn(async move { d.call(rows_request(2), None).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(dispatcher.call(rows_request(3), None).await.is_ok());
+    assert!(first.await.unwrap().is_ok());
+    assert!(
+        started.elapsed() >= Duration::from_millis(140),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(worker.rows_seen(), [5]);
+    // A full batch does not wait.
+    let started = Instant::now();
+    assert!(dispatcher.call(rows_request(8), None).await.is_ok());
+    assert!(started.elapsed() < Duration::from_millis(140));
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_max_enqueued_batches_requests_are_refused_as_tf_serving_does() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(2, 0, vec![], 1));
+    let _worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(200));
+    ready(&dispatcher, 1).await;
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        // One computing, then two rows waiting: the queue's one batch of 2.
+        let d = dispatcher.clone();
+        waiting.push(tokio::spawn(
+            async move { d.call(rows_request(1), None).await },
+        ));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let error = dispatcher.call(rows_request(1), None).await.unwrap_err();
+    assert_eq!(
+        error,
+        ServingError::new(Code::Unavailable, batch::QUEUE_FULL)
+    );
+    for call in waiting {
+        assert!(call.await.unwrap().is_ok());
+    }
     dispatcher.shutdown();
 }

@@ -8,6 +8,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::batch::Batching;
+
 pub mod cost;
 mod fcfs;
 mod least_loaded;
@@ -87,6 +89,9 @@ pub struct Scheduling {
     pub worker_inflight: usize,
     /// `--split-rows`: requests with more rows run as chunks of at most this many (0: off).
     pub split_rows: u64,
+    /// Merge waiting requests into one worker call (`--enable-batching`), with TF Serving's
+    /// batching parameters.
+    pub batching: Option<Batching>,
 }
 
 impl Default for Scheduling {
@@ -97,6 +102,7 @@ impl Default for Scheduling {
             aging_bound: Duration::from_millis(50),
             worker_inflight: 0,
             split_rows: 0,
+            batching: None,
         }
     }
 }
@@ -118,6 +124,9 @@ impl Scheduling {
                 self.queue
             ));
         }
-        Ok(())
+        match &self.batching {
+            Some(batching) => batching.check(),
+            None => Ok(()),
+        }
     }
 }

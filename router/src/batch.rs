@@ -1,0 +1,302 @@
+//! Batching in the front door (`--enable-batching`, `--batching-parameters-file`): requests
+//! from different clients that wait for a worker are merged along their first dimension into
+//! one worker call, and the answer is cut back into each request's rows — TF Serving's
+//! batching, with its parameters:
+//!
+//! - `max_batch_size`: rows in one merged call; a request above it runs alone;
+//! - `batch_timeout_micros`: when a worker has room but the batch is not full, wait at most
+//!   this long after its oldest request arrived for more to join (0: send what is there);
+//! - `allowed_batch_sizes`: a merged call is padded up to the smallest allowed size that
+//!   holds it, with copies of its first row (as TF Serving pads), and the padding's answers
+//!   are dropped;
+//! - `max_enqueued_batches`: requests beyond this many full batches waiting are refused
+//!   with UNAVAILABLE, TF Serving's message.
+//!
+//! Requests merge when they have the same signature, the same output filter, and inputs of
+//! the same names, dtypes and trailing dimensions, all sharing one first dimension. Only
+//! correct for models whose every output row depends on its own input row alone: turning
+//! batching on is the operator's statement that this holds (as in TF Serving).
+//!
+//! The front door merges only what waits in its queue, so batching needs a limit on what
+//! each worker has in flight (`--worker-inflight`, 1 by default with batching): while the
+//! workers compute, new requests gather here and leave as one call.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::dispatch::{WorkReply, WorkRequest};
+use crate::split;
+use crate::wire;
+
+/// TF Serving's message when its batch queue is full (shared_batch_scheduler.h).
+pub const QUEUE_FULL: &str = "The batch scheduling queue to which this task was submitted is full";
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batching {
+    pub max_batch_size: u64,
+    pub timeout: Duration,
+    /// Increasing; empty or ending at `max_batch_size`.
+    pub allowed_batch_sizes: Vec<u64>,
+    pub max_enqueued_batches: u64,
+}
+
+impl Default for Batching {
+    /// TF Serving's defaults (BasicBatchScheduler's options).
+    fn default() -> Self {
+        Batching {
+            max_batch_size: 1000,
+            timeout: Duration::ZERO,
+            allowed_batch_sizes: Vec::new(),
+            max_enqueued_batches: 10,
+        }
+    }
+}
+
+impl Batching {
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_batch_size == 0 || self.max_enqueued_batches == 0 {
+            return Err("max_batch_size and max_enqueued_batches must be at least 1".into());
+        }
+        let sizes = &self.allowed_batch_sizes;
+        if !sizes.is_empty() {
+            if sizes.windows(2).any(|w| w[0] >= w[1]) || sizes[0] == 0 {
+                return Err(format!(
+                    "allowed_batch_sizes must be positive and increasing, got {sizes:?}"
+                ));
+            }
+            if sizes.last() != Some(&self.max_batch_size) {
+                return Err(format!(
+                    "the last of allowed_batch_sizes must equal max_batch_size {}, got {sizes:?}",
+                    self.max_batch_size
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows a merged call of `rows` rows is padded to.
+    pub fn padded(&self, rows: u64) -> u64 {
+        self.allowed_batch_sizes
+            .iter()
+            .copied()
+            .find(|&size| size >= rows)
+            .unwrap_or(rows)
+    }
+
+    /// Rows that may wait in the queue before new requests are refused.
+    pub fn queue_rows(&self) -> u64 {
+        self.max_enqueued_batches
+            .saturating_mul(self.max_batch_size)
+    }
+}
+
+/// What must be equal for two requests to share a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MergeKey {
+    signature: String,
+    outputs: Vec<String>,
+    inputs: Vec<(String, i32, Vec<i64>)>,
+}
+
+/// The request's merge key and rows; None when it cannot merge (no rows, inputs that do not
+/// share a first dimension).
+pub fn merge_key(request: &WorkRequest) -> Option<(MergeKey, u64)> {
+    let rows = request.rows();
+    if rows == 0 || request.tensors.is_empty() || request.tensors.len() != request.frames.len() {
+        return None;
+    }
+    let mut inputs = Vec::with_capacity(request.tensors.len());
+    for (name, dtype, shape) in &request.tensors {
+        if shape.first() != Some(&(rows as i64)) {
+            return None;
+        }
+        inputs.push((name.clone(), *dtype, shape[1..].to_vec()));
+    }
+    let key = MergeKey {
+        signature: request.signature.clone(),
+        outputs: request.outputs.clone(),
+        inputs,
+    };
+    Some((key, rows))
+}
+
+/// One request of `padded` rows from `members` (same merge key, in order), padded with
+/// copies of the first member's first row; None if a frame is not a whole number of rows.
+pub fn merge(members: &[&WorkRequest], padded: u64) -> Option<WorkRequest> {
+    let first = members.first()?;
+    let rows: u64 = members.iter().map(|m| m.rows()).sum();
+    let mut tensors = Vec::with_capacity(first.tensors.len());
+    let mut frames = Vec::with_capacity(first.tensors.len());
+    for (column, (name, dtype, shape)) in first.tensors.iter().enumerate() {
+        let mut pieces: Vec<Bytes> = members.iter().map(|m| m.frames[column].clone()).collect();
+        if padded > rows {
+            let head = split::cut(&first.frames[column], *dtype, first.rows(), &[(0, 1)])?;
+            let one = head.into_iter().next()?;
+            pieces.push(repeat_row(&one, *dtype, padded - rows)?);
+        }
+        frames.push(split::concat(&pieces, *dtype).ok()?);
+        let mut shape = shape.clone();
+        shape[0] = padded as i64;
+        tensors.push((name.clone(), *dtype, shape));
+    }
+    Some(WorkRequest {
+        signature: first.signature.clone(),
+        tensors,
+        frames,
+        outputs: first.outputs.clone(),
+    })
+}
+
+fn repeat_row(row: &Bytes, dtype: i32, times: u64) -> Option<Bytes> {
+    let times = usize::try_from(times).ok()?;
+    if dtype == split::DT_STRING {
+        let values = wire::decode_strings(row).ok()?;
+        let repeated: Vec<Bytes> = (0..times).flat_map(|_| values.iter().cloned()).collect();
+        return Some(Bytes::from(wire::encode_strings(&repeated)));
+    }
+    Some(Bytes::from(row.repeat(times)))
+}
+
+/// The merged call's answer cut into each member's rows (`rows`, in order; padding after
+/// them is dropped); None when an output does not have one row per input row.
+pub fn unmerge(reply: &WorkReply, rows: &[u64]) -> Option<Vec<WorkReply>> {
+    let mut bounds = Vec::with_capacity(rows.len());
+    let mut start = 0;
+    for &r in rows {
+        bounds.push((start, start + r));
+        start += r;
+    }
+    let mut parts: Vec<WorkReply> = rows
+        .iter()
+        .map(|_| WorkReply {
+            tensors: Vec::with_capacity(reply.tensors.len()),
+            frames: Vec::with_capacity(reply.tensors.len()),
+            slot: reply.slot.clone(),
+            span: reply.span,
+        })
+        .collect();
+    for ((name, dtype, shape), frame) in reply.tensors.iter().zip(&reply.frames) {
+        let total = u64::try_from(*shape.first()?).ok()?;
+        if total < start {
+            return None;
+        }
+        let pieces = split::cut(frame, *dtype, total, &bounds)?;
+        for ((part, piece), &r) in parts.iter_mut().zip(pieces).zip(rows) {
+            let mut shape = shape.clone();
+            shape[0] = r as i64;
+            part.tensors.push((name.clone(), *dtype, shape));
+            part.frames.push(piece);
+        }
+    }
+    Some(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(rows: usize, base: u8, strings: bool) -> WorkRequest {
+        let dense: Vec<u8> = (0..rows * 2).map(|i| base + i as u8).collect();
+        let mut tensors = vec![("x".to_string(), 4, vec![rows as i64, 2])];
+        let mut frames = vec![Bytes::from(dense)];
+        if strings {
+            let values: Vec<Vec<u8>> = (0..rows).map(|i| vec![base, i as u8]).collect();
+            tensors.push(("s".to_string(), split::DT_STRING, vec![rows as i64]));
+            frames.push(Bytes::from(wire::encode_strings(&values)));
+        }
+        WorkRequest {
+            signature: "serving_default".into(),
+            tensors,
+            frames,
+            outputs: vec![],
+        }
+    }
+
+    fn echo(request: &WorkRequest) -> WorkReply {
+        WorkReply {
+            tensors: request.tensors.clone(),
+            frames: request.frames.clone(),
+            slot: "cpu-0".into(),
+            span: Some((1, 2)),
+        }
+    }
+
+    #[test]
+    fn merged_and_cut_back_each_request_gets_its_own_rows() {
+        let a = request(2, 10, true);
+        let b = request(3, 100, true);
+        let merged = merge(&[&a, &b], 5).unwrap();
+        assert_eq!(merged.tensors[0].2, vec![5, 2]);
+        let parts = unmerge(&echo(&merged), &[2, 3]).unwrap();
+        assert_eq!(parts[0].frames, a.frames);
+        assert_eq!(parts[1].frames, b.frames);
+        assert_eq!(parts[1].tensors, b.tensors);
+        assert_eq!(parts[0].span, Some((1, 2)));
+    }
+
+    #[test]
+    fn padding_repeats_the_first_row_and_its_answers_are_dropped() {
+        let policy = Batching {
+            max_batch_size: 8,
+            allowed_batch_sizes: vec![4, 8],
+            ..Batching::default()
+        };
+        assert_eq!(policy.padded(3), 4);
+        assert_eq!(policy.padded(5), 8);
+        assert_eq!(Batching::default().padded(7), 7);
+        let a = request(1, 10, true);
+        let b = request(2, 20, true);
+        let merged = merge(&[&a, &b], 4).unwrap();
+        assert_eq!(&merged.frames[0][6..], &[10, 11]); // the first row again
+        let strings = wire::decode_strings(&merged.frames[1]).unwrap();
+        assert_eq!(strings[3], Bytes::from_static(&[10, 0]));
+        let parts = unmerge(&echo(&merged), &[1, 2]).unwrap();
+        assert_eq!(parts[0].frames, a.frames);
+        assert_eq!(parts[1].frames, b.frames);
+    }
+
+    #[test]
+    fn only_requests_that_can_share_a_call_have_equal_keys() {
+        let key = |r: &WorkRequest| merge_key(r).map(|(k, _)| k);
+        let a = request(2, 0, false);
+        assert_eq!(merge_key(&a).map(|(_, rows)| rows), Some(2));
+        assert_eq!(key(&a), key(&request(5, 1, false)));
+        let mut wider = request(2, 0, false);
+        wider.tensors[0].2 = vec![2, 3];
+        assert_ne!(key(&a), key(&wider));
+        let mut other = request(2, 0, false);
+        other.signature = "other".into();
+        assert_ne!(key(&a), key(&other));
+        let mut filtered = request(2, 0, false);
+        filtered.outputs = vec!["y".into()];
+        assert_ne!(key(&a), key(&filtered));
+        let mut ragged = request(2, 0, true);
+        ragged.tensors[1].2 = vec![1];
+        assert_eq!(key(&ragged), None);
+        assert_eq!(key(&request(0, 0, false)), None);
+    }
+
+    #[test]
+    fn an_answer_without_a_row_per_input_row_cannot_be_cut() {
+        let merged = merge(&[&request(2, 0, false), &request(2, 9, false)], 4).unwrap();
+        let mut reply = echo(&merged);
+        reply.tensors[0].2 = vec![1, 2];
+        reply.frames[0] = reply.frames[0].slice(..2);
+        assert!(unmerge(&reply, &[2, 2]).is_none());
+    }
+
+    #[test]
+    fn parameters_are_checked_as_tf_serving_checks_them() {
+        assert!(Batching::default().check().is_ok());
+        let bad = |sizes: Vec<u64>| Batching {
+            max_batch_size: 8,
+            allowed_batch_sizes: sizes,
+            ..Batching::default()
+        };
+        assert!(bad(vec![2, 4, 8]).check().is_ok());
+        assert!(bad(vec![4, 2, 8]).check().is_err());
+        assert!(bad(vec![2, 4]).check().is_err());
+        assert_eq!(Batching::default().queue_rows(), 10_000);
+    }
+}
