@@ -16,8 +16,11 @@ import zmq
 
 from mpspool import __version__, rundir, wire
 from mpspool.config import (
+    DISPATCH_POLICIES,
+    QUEUE_ORDERS,
     ConfigError,
     PoolConfig,
+    batching_parameters_from,
     default_cache_dir,
     default_log_dir,
     default_run_dir,
@@ -206,26 +209,66 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
     )
-    start.add_argument(
+    sched = start.add_argument_group("scheduling and batching (in the front door)")
+    sched.add_argument(
         "--enable-batching",
+        "--enable_batching",
         dest="batching",
         action="store_true",
-        help="a worker runs the requests queued at it as one model call where they fit "
-        "(same signature and input shapes but the first dimension); nothing waits for a "
-        "batch to fill. Only for models whose output rows depend on their own input row",
+        help="requests waiting for a worker share one model call where they fit (same "
+        "signature, outputs and input shapes but the first dimension), as TF Serving's "
+        "batching. Only for models whose output rows depend on their own input row",
     )
-    start.add_argument(
-        "--dispatch",
-        choices=("round-robin", "least-loaded"),
-        default="round-robin",
-        help="how the router picks a worker: in turn (default), or the one with the fewest "
-        "requests in flight, the first in slot order among equals",
+    sched.add_argument(
+        "--batching-parameters-file",
+        "--batching_parameters_file",
+        type=Path,
+        help="TF Serving's BatchingParameters (text format: max_batch_size, "
+        "batch_timeout_micros, allowed_batch_sizes, max_enqueued_batches); needs "
+        "--enable-batching",
     )
-    start.add_argument(
+    sched.add_argument(
         "--max-batch-size",
         type=int,
-        default=1000,
-        help="rows in one batched model call (default %(default)s)",
+        default=None,
+        help="rows in one batched model call (default 1000, as TF Serving; overrides the "
+        "parameters file)",
+    )
+    sched.add_argument(
+        "--dispatch",
+        choices=DISPATCH_POLICIES,
+        default="round-robin",
+        help="which worker takes a request: in turn (default), the fewest in flight (first "
+        "slot among equals), or the less loaded of two picked at random",
+    )
+    sched.add_argument(
+        "--queue",
+        choices=QUEUE_ORDERS,
+        default="fcfs",
+        help="the order of requests waiting in the front door for a worker with room: "
+        "arrival (default) or shortest expected compute first, with aging",
+    )
+    sched.add_argument(
+        "--aging-bound-ms",
+        type=float,
+        default=50.0,
+        help="with --queue sjf: a request that waited this long goes before shorter ones "
+        "(default %(default)s)",
+    )
+    sched.add_argument(
+        "--worker-inflight",
+        type=int,
+        default=0,
+        help="requests a worker may hold before the rest wait in the front door (default 0: "
+        "no limit, every request goes to a worker at once; --queue sjf makes it 2 and "
+        "--enable-batching 1)",
+    )
+    sched.add_argument(
+        "--split-rows",
+        type=int,
+        default=0,
+        help="a request with more rows runs as chunks of at most this many on several "
+        "workers at once (default 0: off). Only for models whose rows are independent",
     )
     gpu = start.add_argument_group("GPUs and MPS")
     gpu.add_argument(
@@ -360,9 +403,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         allow_copied_weights=args.allow_copied_weights,
-        batching=args.batching,
+        **_batching_fields(args),
         dispatch=args.dispatch,
-        max_batch_size=args.max_batch_size,
+        queue=args.queue,
+        aging_bound_ms=args.aging_bound_ms,
+        worker_inflight=args.worker_inflight,
+        split_rows=args.split_rows,
         contexts_per_gpu=args.contexts_per_gpu,
         mps=args.mps,
         active_thread_percentage=_thread_percentage(
@@ -387,6 +433,18 @@ def cmd_start(args: argparse.Namespace) -> int:
         flush=True,
     )
     return Controller(config, created).run()
+
+
+def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """--enable-batching with the parameters file's values, --max-batch-size over them."""
+    fields: dict[str, Any] = {"batching": args.batching}
+    if args.batching_parameters_file is not None:
+        if not args.batching:
+            raise ConfigError("--batching_parameters_file needs --enable_batching")
+        fields.update(batching_parameters_from(args.batching_parameters_file))
+    if args.max_batch_size is not None:
+        fields["max_batch_size"] = args.max_batch_size
+    return fields
 
 
 def _thread_percentage(text: str, contexts: int) -> float:

@@ -8,12 +8,16 @@ run directory; the router and the workers read that file instead of re-parsing f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import logging
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("mpspool.config")
 
 POOL_FILE = "pool.json"
 
@@ -94,6 +98,37 @@ def tls_from(ssl_config: Path) -> dict[str, Any]:
     }
 
 
+# The front door's policies (router/src/policies/mod.rs: CHOOSERS, ORDERS).
+DISPATCH_POLICIES = ("round-robin", "least-loaded", "power-of-two")
+QUEUE_ORDERS = ("fcfs", "sjf")
+
+
+def batching_parameters_from(path: Path) -> dict[str, Any]:
+    """TF Serving's BatchingParameters file (text format) as PoolConfig fields; what has no
+    meaning here is refused (pad_variable_length_inputs) or logged (num_batch_threads)."""
+    from mpspool.protos import server_config_pb2
+
+    params = _read_text_proto(
+        path, "--batching_parameters_file", server_config_pb2.BatchingParameters(), "a"
+    )
+    if params.pad_variable_length_inputs:
+        raise ConfigError(
+            f"{path}: pad_variable_length_inputs is not supported: requests merge only when "
+            "their inputs agree on every dimension but the first"
+        )
+    if params.HasField("num_batch_threads"):
+        log.info(
+            "%s: num_batch_threads %d has no use here: each worker runs one merged call at a "
+            "time, so the pool runs as many at once as it has workers (--worker-inflight)",
+            path, params.num_batch_threads.value,
+        )  # fmt: skip
+    fields: dict[str, Any] = {"allowed_batch_sizes": tuple(params.allowed_batch_sizes)}
+    for name in ("max_batch_size", "batch_timeout_micros", "max_enqueued_batches"):
+        if params.HasField(name):
+            fields[name] = getattr(params, name).value
+    return fields
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -146,13 +181,24 @@ class PoolConfig:
     intra_op_threads: int = 0  # 0: usable cores / workers
     inter_op_threads: int = 1
     max_message_bytes: int = 512 * 1024 * 1024
-    # Opportunistic batching (worker/batching.py): requests already queued at a worker share
-    # one model call, up to max_batch_size rows (TF Serving's max_batch_size default). Off by
-    # default, as in TF Serving: only correct for models whose rows are independent.
+    # Batching in the front door (router/src/batch.rs): requests waiting for a worker share
+    # one model call, with TF Serving's parameters (defaults as TF Serving's; the file of
+    # --batching_parameters_file sets them). Off by default, as in TF Serving: only correct
+    # for models whose rows are independent.
     batching: bool = False
-    # How the router picks a worker: router.workers.DISPATCH_POLICIES.
-    dispatch: str = "round-robin"
     max_batch_size: int = 1000
+    batch_timeout_micros: int = 0
+    allowed_batch_sizes: tuple[int, ...] = ()
+    max_enqueued_batches: int = 10
+    # Scheduling in the front door (router/src/policies/): which worker takes a request, the
+    # order of requests waiting for one (only with a limit in flight per worker; 0: none,
+    # which sjf makes 2 and batching 1), and when sjf lets a waiting request go first.
+    dispatch: str = "round-robin"
+    queue: str = "fcfs"
+    aging_bound_ms: float = 50.0
+    worker_inflight: int = 0
+    # Requests with more rows run as chunks of at most this many on several workers (0: off).
+    split_rows: int = 0
     # Publish the variables once into shared memory and map them in every worker (the
     # default); off, each worker loads its own copy from the checkpoint.
     share_weights: bool = True
@@ -217,14 +263,23 @@ class PoolConfig:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
-        if self.dispatch not in ("round-robin", "least-loaded"):
+        if self.dispatch not in DISPATCH_POLICIES:
             raise ConfigError(
-                f"--dispatch must be round-robin or least-loaded, got {self.dispatch!r}"
+                f"--dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}"
             )
+        if self.queue not in QUEUE_ORDERS:
+            raise ConfigError(
+                f"--queue must be one of {', '.join(QUEUE_ORDERS)}, got {self.queue!r}"
+            )
+        if not 0 < self.aging_bound_ms < 3_600_000:
+            raise ConfigError(
+                f"--aging-bound-ms must be in (0, 3600000), got {self.aging_bound_ms}"
+            )
+        if self.worker_inflight < 0 or self.split_rows < 0:
+            raise ConfigError("--worker-inflight and --split-rows must be >= 0")
+        self._validate_batching()
         if self.fatal_retry_s < 0:
             raise ConfigError(f"--fatal-retry-after must be >= 0, got {self.fatal_retry_s}")
-        if self.max_batch_size < 1:
-            raise ConfigError(f"--max-batch-size must be at least 1, got {self.max_batch_size}")
         if not 1 <= self.contexts_per_gpu <= 48:
             # MPS serves at most 48 client contexts per GPU.
             raise ConfigError(
@@ -282,6 +337,28 @@ class PoolConfig:
             )
         return self
 
+    def _validate_batching(self) -> None:
+        """TF Serving's rules for its batching parameters."""
+        if self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
+        if self.max_enqueued_batches < 1:
+            raise ConfigError(
+                f"max_enqueued_batches must be at least 1, got {self.max_enqueued_batches}"
+            )
+        if self.batch_timeout_micros < 0:
+            raise ConfigError(f"batch_timeout_micros must be >= 0, got {self.batch_timeout_micros}")
+        sizes = list(self.allowed_batch_sizes)
+        if sizes:
+            if sizes[0] < 1 or any(a >= b for a, b in itertools.pairwise(sizes)):
+                raise ConfigError(
+                    f"allowed_batch_sizes must be positive and increasing, got {sizes}"
+                )
+            if sizes[-1] != self.max_batch_size:
+                raise ConfigError(
+                    f"the last of allowed_batch_sizes must equal max_batch_size "
+                    f"{self.max_batch_size}, got {sizes}"
+                )
+
     def save(self, run_dir: Path) -> Path:
         path = run_dir / POOL_FILE
         tmp = path.with_suffix(".tmp")
@@ -293,6 +370,6 @@ class PoolConfig:
     @classmethod
     def load(cls, run_dir: str | Path) -> PoolConfig:
         data = json.loads((Path(run_dir) / POOL_FILE).read_text())
-        for name in ("gpus", "gpu_uuids", "gpu_memory"):
+        for name in ("gpus", "gpu_uuids", "gpu_memory", "allowed_batch_sizes"):
             data[name] = tuple(data.get(name, ()))
         return cls(**data)

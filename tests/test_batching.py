@@ -1,5 +1,6 @@
-"""Opportunistic batching: the merge/split rules (worker/batching.py), then a real pool with
---enable-batching answering queued requests from one model call each."""
+"""Batching in the front door, in a real pool with --enable-batching: requests that wait for
+the worker share model calls and each gets its own answer; a bad request fails alone. (The
+merge, pad and cut rules are the front door's unit tests, router/src/batch.rs.)"""
 
 from __future__ import annotations
 
@@ -19,58 +20,9 @@ import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from mpspool.demo_model import demo_inputs
-from mpspool.worker.batching import Pending, merge, plan, split
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
-
-
-def pending(
-    i: int, rows: int, sig: str = "s", outputs: tuple[str, ...] = ("y",), **extra
-) -> Pending:
-    inputs = {"x": np.full((rows, 3), i, np.float32), **extra}
-    return Pending(i, sig, list(outputs), inputs)
-
-
-# -- the rules ------------------------------------------------------------------------
-def test_plan_merges_compatible_requests_in_arrival_order_up_to_max_rows() -> None:
-    a, b, c, d = pending(1, 2), pending(2, 3), pending(3, 4), pending(4, 1)
-    groups = plan([a, b, c, d], max_rows=6)
-    # c does not fit beside a and b: it opens the next group, which d then joins.
-    assert [[p.request_id for p in g] for g in groups] == [[1, 2], [3, 4]]
-
-
-def test_plan_keeps_apart_what_cannot_share_a_call() -> None:
-    other_sig = pending(2, 1, sig="t")
-    other_outputs = pending(3, 1, outputs=("z",))
-    other_width = Pending(4, "s", ["y"], {"x": np.zeros((1, 4), np.float32)})
-    other_dtype = Pending(5, "s", ["y"], {"x": np.zeros((1, 3), np.float64)})
-    ragged = pending(6, 2, n=np.zeros((3,), np.int32))  # inputs disagree on rows
-    scalar = Pending(7, "s", ["y"], {"x": np.float32(1.0) * np.ones((), np.float32)})
-    empty = pending(8, 0)
-    too_big = pending(9, 11)
-    requests = [pending(1, 1), other_sig, other_outputs, other_width, other_dtype, ragged,
-                scalar, empty, too_big, pending(10, 1)]  # fmt: skip
-    groups = plan(requests, max_rows=10)
-    assert [[p.request_id for p in g] for g in groups] == [
-        [1, 10], [2], [3], [4], [5], [6], [7], [8], [9]
-    ]  # fmt: skip
-
-
-def test_merge_then_split_gives_each_request_its_own_rows() -> None:
-    group = [pending(1, 2), pending(2, 1), pending(3, 3)]
-    merged = merge(group)
-    assert merged["x"].shape == (6, 3)
-    parts = split(group, {"y": merged["x"][:, :1] * 10})
-    assert parts is not None
-    for request, part in zip(group, parts, strict=True):
-        np.testing.assert_array_equal(part["y"], request.inputs["x"][:, :1] * 10)
-
-
-def test_split_refuses_outputs_without_a_row_per_input_row() -> None:
-    group = [pending(1, 2), pending(2, 1)]
-    assert split(group, {"y": np.zeros((2, 1))}) is None  # reduced over the batch
-    assert split(group, {"y": np.float32(0) * np.ones(())}) is None  # a scalar
 
 
 # -- a real pool ------------------------------------------------------------------------
@@ -118,8 +70,8 @@ def test_queued_requests_share_model_calls_and_each_gets_its_own_answer(
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         stub.Predict(request_for(inputs[0]), timeout=30)  # the channel is up
         timeline(pool, "--clear")
-        # Hold the worker so that every request is queued at it when it wakes up (well
-        # within the 3 s the router allows a silent worker).
+        # Hold the worker so that the requests wait in the front door while it computes
+        # (well within the 3 s the front door allows a silent worker).
         os.kill(worker_pid, signal.SIGSTOP)
         try:
             futures = [stub.Predict.future(request_for(x), timeout=30) for x in inputs[:5]]

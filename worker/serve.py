@@ -8,6 +8,7 @@ process exists (a side thread would keep beating while the loop is stuck).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -22,13 +23,18 @@ from mpspool import process, rundir, wire
 from mpspool.config import PoolConfig
 from mpspool.errors import Code, ServingError
 from mpspool.signature import check_inputs, check_output_filter, select_signature
-from mpspool.worker import batching
 
 log = logging.getLogger("mpspool.worker")
 
-# With batching, at most this many queued messages are taken per turn of the loop, so a
-# flood of requests cannot delay the next heartbeat for long.
-MAX_DRAIN = 64
+
+@dataclasses.dataclass
+class Pending:
+    """One checked request ready to run."""
+
+    request_id: Any
+    signature: str
+    outputs: list[str]
+    inputs: dict[str, Any]
 
 
 class Worker:
@@ -41,7 +47,6 @@ class Worker:
         self.runtime = runtime
         self.pid = os.getpid()
         self.served = 0
-        self.merged_calls = 0  # model calls that answered several requests (batching)
         self.stop_requested = False
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
@@ -89,32 +94,13 @@ class Worker:
         self._socket.close()
 
     def _handle_queued(self) -> None:
-        """Answer what the socket holds: one message, or with batching every request queued
-        (up to MAX_DRAIN), merged where they can share a model call."""
-        socket = self._socket
-        messages = [socket.recv_multipart(copy=False)]
-        if self.config.batching:
-            while len(messages) < MAX_DRAIN:
-                try:
-                    messages.append(socket.recv_multipart(zmq.NOBLOCK, copy=False))
-                except zmq.Again:
-                    break
-        pending: list[batching.Pending] = []
-        for frames in messages:
-            request = self._accept(frames)
-            if request is not None:
-                pending.append(request)
-        if not pending:
-            return
-        if self.config.batching:
-            groups = batching.plan(pending, self.config.max_batch_size)
-        else:
-            groups = [[request] for request in pending]
-        for group in groups:
-            for reply in self._execute(group):
-                socket.send_multipart(reply, copy=False)
+        """Answer one message. Batching is the front door's (router/src/batch.rs): a merged
+        call arrives here as one request like any other."""
+        request = self._accept(self._socket.recv_multipart(copy=False))
+        if request is not None:
+            self._socket.send_multipart(self._execute(request), copy=False)
 
-    def _accept(self, frames: list[zmq.Frame]) -> batching.Pending | None:
+    def _accept(self, frames: list[zmq.Frame]) -> Pending | None:
         """A checked request ready to run; anything else is handled (or refused) here."""
         try:
             header = wire.unpack(frames[0].buffer)
@@ -138,9 +124,7 @@ class Worker:
             self._socket.send(self._error(request_id, Code.INTERNAL, str(exc)))
         return None
 
-    def _check(
-        self, request_id: Any, header: dict[str, Any], frames: list[zmq.Frame]
-    ) -> batching.Pending:
+    def _check(self, request_id: Any, header: dict[str, Any], frames: list[zmq.Frame]) -> Pending:
         try:
             inputs = wire.decode_tensors(header["tensors"], frames)
         except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:
@@ -151,45 +135,20 @@ class Worker:
         }
         check_inputs(spec, given)
         outputs = check_output_filter(spec, header.get("outputs") or [])
-        return batching.Pending(request_id, spec.key, outputs, inputs)
+        return Pending(request_id, spec.key, outputs, inputs)
 
-    def _execute(self, group: list[batching.Pending]) -> list[list[Any]]:
-        """Replies for a group: one model call for all of it when it merges and splits
-        cleanly; otherwise (one request, a failure, outputs without a row per input row)
-        each request on its own, so one bad request fails alone."""
-        if len(group) > 1:
-            first = group[0]
-            start_us = time.time_ns() // 1000
-            try:
-                merged = self.runtime.run(first.signature, batching.merge(group), first.outputs)
-                parts = batching.split(group, merged)
-            except Exception:  # the requests alone say whose fault it was
-                parts = None
-            end_us = time.time_ns() // 1000
-            if parts is not None:
-                self.served += len(group)
-                self.merged_calls += 1
-                return [
-                    self._reply(request.request_id, part, start_us, end_us)
-                    for request, part in zip(group, parts, strict=True)
-                ]
-        replies = []
-        for request in group:
-            start_us = time.time_ns() // 1000
-            try:
-                result = self.runtime.run(request.signature, request.inputs, request.outputs)
-            except ServingError as exc:
-                replies.append([self._error(request.request_id, exc.code, exc.message)])
-                continue
-            except Exception as exc:  # a bad request must never kill the worker
-                log.exception("request %s failed", request.request_id)
-                replies.append([self._error(request.request_id, Code.INTERNAL, str(exc))])
-                continue
-            self.served += 1
-            replies.append(
-                self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
-            )
-        return replies
+    def _execute(self, request: Pending) -> list[Any]:
+        """The reply to a checked request: its outputs, or its error."""
+        start_us = time.time_ns() // 1000
+        try:
+            result = self.runtime.run(request.signature, request.inputs, request.outputs)
+        except ServingError as exc:
+            return [self._error(request.request_id, exc.code, exc.message)]
+        except Exception as exc:  # a bad request must never kill the worker
+            log.exception("request %s failed", request.request_id)
+            return [self._error(request.request_id, Code.INTERNAL, str(exc))]
+        self.served += 1
+        return self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
 
     @staticmethod
     def _reply(request_id: Any, result: dict[str, Any], start_us: int, end_us: int) -> list[Any]:
@@ -290,11 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, config.model_version, worker.pid)
     worker.serve()
-    log.info(
-        "stopped after %d requests (%d model calls answered several)",
-        worker.served,
-        worker.merged_calls,
-    )
+    log.info("stopped after %d requests", worker.served)
     return process.EXIT_OK
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"mpspool/protos/server_config.proto\x12\x0bmpspool.tfs\"0\n\x10PrometheusConfig\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t\"L\n\x10MonitoringConfig\x12\x38\n\x11prometheus_config\x18\x01 \x01(\x0b\x32\x1d.mpspool.tfs.PrometheusConfig\"^\n\tSSLConfig\x12\x12\n\nserver_key\x18\x01 \x01(\t\x12\x13\n\x0bserver_cert\x18\x02 \x01(\t\x12\x11\n\tcustom_ca\x18\x03 \x01(\t\x12\x15\n\rclient_verify\x18\x04 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"mpspool/protos/server_config.proto\x12\x0bmpspool.tfs\"0\n\x10PrometheusConfig\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t\"L\n\x10MonitoringConfig\x12\x38\n\x11prometheus_config\x18\x01 \x01(\x0b\x32\x1d.mpspool.tfs.PrometheusConfig\"^\n\tSSLConfig\x12\x12\n\nserver_key\x18\x01 \x01(\t\x12\x13\n\x0bserver_cert\x18\x02 \x01(\t\x12\x11\n\tcustom_ca\x18\x03 \x01(\t\x12\x15\n\rclient_verify\x18\x04 \x01(\x08\"\x1b\n\nInt64Value\x12\r\n\x05value\x18\x01 \x01(\x03\"\x1c\n\x0bStringValue\x12\r\n\x05value\x18\x01 \x01(\t\"\xdc\x02\n\x12\x42\x61tchingParameters\x12/\n\x0emax_batch_size\x18\x01 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x35\n\x14\x62\x61tch_timeout_micros\x18\x02 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x35\n\x14max_enqueued_batches\x18\x03 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x32\n\x11num_batch_threads\x18\x04 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x32\n\x10thread_pool_name\x18\x05 \x01(\x0b\x32\x18.mpspool.tfs.StringValue\x12\x1b\n\x13\x61llowed_batch_sizes\x18\x06 \x03(\x03\x12\"\n\x1apad_variable_length_inputs\x18\x07 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,4 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MONITORINGCONFIG']._serialized_end=177
   _globals['_SSLCONFIG']._serialized_start=179
   _globals['_SSLCONFIG']._serialized_end=273
+  _globals['_INT64VALUE']._serialized_start=275
+  _globals['_INT64VALUE']._serialized_end=302
+  _globals['_STRINGVALUE']._serialized_start=304
+  _globals['_STRINGVALUE']._serialized_end=332
+  _globals['_BATCHINGPARAMETERS']._serialized_start=335
+  _globals['_BATCHINGPARAMETERS']._serialized_end=683
 # @@protoc_insertion_point(module_scope)
