@@ -28,10 +28,17 @@ from poolproc import Pool, mpspool_cmd
 # -- a real pool ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
+    tmp = tmp_path_factory.mktemp("batching")
+    # TF Serving's file: calls of at most 8 rows, padded to 4 or 8 (the padding's answers are
+    # the front door's to drop: every answer below is checked against the model).
+    params = tmp / "batching.txt"
+    params.write_text(
+        "max_batch_size { value: 8 }\nbatch_timeout_micros { value: 0 }\n"
+        "allowed_batch_sizes: 4\nallowed_batch_sizes: 8\n"
+    )
     pool = Pool(
-        tmp_path_factory.mktemp("batching"), demo_model_dir, 1, "--enable-batching",
-        "--max-batch-size", "8",
-    ).start()  # fmt: skip
+        tmp, demo_model_dir, 1, "--enable_batching", "--batching_parameters_file", str(params)
+    ).start()
     try:
         pool.wait_ready(1)
         yield pool

@@ -1,0 +1,163 @@
+"""The front door's scheduling, in a real pool: large requests split across workers and joined
+back (answers equal to the model's), a bad row in a split request failing it with the
+model's error, shortest-job-first with power-of-two dispatch answering a mixed stream
+correctly; and the batching and scheduling settings read and checked as TF Serving's are.
+(The policies' rules are the front door's unit tests: router/src/policies/, batch.rs,
+split.rs.)"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from mpspool import cli
+from mpspool.config import ConfigError, PoolConfig, batching_parameters_from
+from mpspool.demo_model import demo_inputs
+
+from conftest import DEMO_ROWS
+from poolproc import Pool, mpspool_cmd
+
+
+# -- settings -----------------------------------------------------------------------------
+def test_batching_parameters_files_are_read_as_tf_serving_reads_them(tmp_path: Path) -> None:
+    path = tmp_path / "batching.txt"
+    path.write_text(
+        "max_batch_size { value: 128 }\nbatch_timeout_micros { value: 500 }\n"
+        "max_enqueued_batches { value: 4 }\nnum_batch_threads { value: 8 }\n"
+        'thread_pool_name { value: "batch" }\n'
+        "allowed_batch_sizes: 32\nallowed_batch_sizes: 64\nallowed_batch_sizes: 128\n"
+    )
+    assert batching_parameters_from(path) == {
+        "max_batch_size": 128,
+        "batch_timeout_micros": 500,
+        "max_enqueued_batches": 4,
+        "allowed_batch_sizes": (32, 64, 128),
+    }
+    path.write_text("pad_variable_length_inputs: true\n")
+    with pytest.raises(ConfigError, match="pad_variable_length_inputs is not supported"):
+        batching_parameters_from(path)
+    path.write_text("max_batch_size: 12\n")  # a wrapper, not a number
+    with pytest.raises(ConfigError, match="is not a BatchingParameters"):
+        batching_parameters_from(path)
+
+
+def start_args(*flags: str) -> PoolConfig:
+    """The PoolConfig `mpspool start` would build from these flags (before validation)."""
+    args = cli.build_parser().parse_args(["start", "--model-base-path", "/m", *flags])
+    return PoolConfig(
+        model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
+        workers=2,
+        **cli._batching_fields(args), dispatch=args.dispatch, queue=args.queue,
+        aging_bound_ms=args.aging_bound_ms, worker_inflight=args.worker_inflight,
+        split_rows=args.split_rows,
+    )  # fmt: skip
+
+
+def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
+    config = start_args("--queue", "sjf", "--dispatch", "power-of-two", "--split-rows", "64")
+    assert (config.queue, config.dispatch, config.split_rows) == ("sjf", "power-of-two", 64)
+    params = tmp_path / "b.txt"
+    params.write_text("max_batch_size { value: 16 }\nallowed_batch_sizes: 8\n")
+    with pytest.raises(ConfigError, match="needs --enable_batching"):
+        start_args("--batching_parameters_file", str(params))
+    config = start_args("--enable_batching", "--batching_parameters_file", str(params))
+    with pytest.raises(ConfigError, match="must equal max_batch_size 16"):
+        config._validate_batching()
+    # The flag wins over the file.
+    config = start_args(
+        "--enable_batching", "--batching_parameters_file", str(params), "--max-batch-size", "8"
+    )
+    config._validate_batching()
+    assert config.max_batch_size == 8
+    with pytest.raises(SystemExit):
+        start_args("--queue", "lifo")
+    for bad, says in ((("--aging-bound-ms", "0"), "aging-bound-ms must be in"),
+                      (("--worker-inflight", "-1"), "must be >= 0")):  # fmt: skip
+        with pytest.raises(ConfigError, match=says):
+            start_args(*bad).validate()
+
+
+# -- a real pool --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
+    pool = Pool(
+        tmp_path_factory.mktemp("scheduling"), demo_model_dir, 2, "--split-rows", "4",
+        "--queue", "sjf", "--dispatch", "power-of-two",
+    ).start()  # fmt: skip
+    try:
+        pool.wait_ready(2)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def predict(stub, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    return tf.make_ndarray(stub.Predict(request, timeout=30).outputs["score"])
+
+
+def want(reference_model, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    return reference_model(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
+
+
+def spans(pool: Pool, *flags: str) -> list[list]:
+    done = subprocess.run(
+        mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), *flags),
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout)["spans"]
+
+
+def test_a_split_request_equals_the_unsplit_model_call(pool: Pool, reference_model) -> None:
+    x = demo_inputs(10, DEMO_ROWS, seed=5)
+    spans(pool, "--clear")
+    with pool.channel() as channel:
+        got = predict(prediction_service_pb2_grpc.PredictionServiceStub(channel), x)
+    assert got.shape[0] == 10
+    np.testing.assert_allclose(got, want(reference_model, x), rtol=0, atol=1e-6)
+    # 10 rows at --split-rows 4: three model calls, 4 + 4 + 2 rows.
+    assert len(spans(pool)) == 3
+
+
+def test_a_bad_row_fails_its_split_request_with_the_models_error(pool: Pool) -> None:
+    x = demo_inputs(10, DEMO_ROWS, seed=6)
+    x["ids"][7, 0] = DEMO_ROWS + 3  # in the second chunk
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            predict(stub, x)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{DEMO_ROWS + 3} is not in [0, {DEMO_ROWS})" in info.value.details()
+        ok = demo_inputs(3, DEMO_ROWS, seed=7)
+        assert predict(stub, ok).shape[0] == 3  # nothing lost
+    assert all(pool.slot(s)["restarts"] == 0 for s in ("cpu-0", "cpu-1"))
+
+
+def test_sjf_answers_a_mixed_stream_each_with_its_own_rows(pool: Pool, reference_model) -> None:
+    sizes = [1, 9, 1, 2, 1, 12, 1, 1, 3, 1] * 3
+    inputs = [demo_inputs(n, DEMO_ROWS, seed=20 + i) for i, n in enumerate(sizes)]
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(8) as threads:
+            answers = list(threads.map(lambda x: predict(stub, x), inputs))
+    for x, got in zip(inputs, answers, strict=True):
+        np.testing.assert_allclose(got, want(reference_model, x), rtol=0, atol=1e-6)
+    url = pool.status()["pool"]["metrics"]
+    metrics = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert "mpspool_queued_requests 0\n" in metrics
+    assert "mpspool_queue_wait_max_seconds " in metrics
