@@ -260,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="requests a worker may hold before the rest wait in the front door (default 0: "
-        "no limit, every request goes to a worker at once; --queue sjf makes it 2 and "
-        "--enable-batching 1)",
+        "no limit, every request goes to a worker at once; --queue sjf and "
+        "--enable-batching make it 1)",
     )
     sched.add_argument(
         "--split-rows",

@@ -192,7 +192,7 @@ class PoolConfig:
     max_enqueued_batches: int = 10
     # Scheduling in the front door (router/src/policies/): which worker takes a request, the
     # order of requests waiting for one (only with a limit in flight per worker; 0: none,
-    # which sjf makes 2 and batching 1), and when sjf lets a waiting request go first.
+    # which sjf and batching make 1), and when sjf lets a waiting request go first.
     dispatch: str = "round-robin"
     queue: str = "fcfs"
     aging_bound_ms: float = 50.0

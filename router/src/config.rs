@@ -151,15 +151,14 @@ pub fn seconds(name: &str, value: f64) -> Result<Duration, ConfigError> {
 
 impl Config {
     /// The scheduling settings. The queue order and batching only apply to requests that
-    /// wait in the front door, so without a `worker_inflight` limit batching gets a limit of
-    /// 1 (requests gather while each worker computes one call, as TF Serving's batch threads)
-    /// and `sjf` gets 2 (one computing, one waiting in the worker's socket so that it never
-    /// idles for a round trip).
+    /// wait in the front door, so without a `worker_inflight` limit both get a limit of 1:
+    /// every request that is not computing waits here, where it can be ordered or merged
+    /// (bench/RESULTS.md: with 2, one request waiting in each worker's socket, SJF's small
+    /// requests did worse than FCFS's on 2 cores; with 1, better).
     pub fn scheduling(&self) -> Scheduling {
         let worker_inflight = match (self.batching, self.queue.as_str(), self.worker_inflight) {
             (_, _, limit) if limit > 0 => limit,
-            (true, _, _) => 1,
-            (false, "sjf", _) => 2,
+            (true, _, _) | (false, "sjf", _) => 1,
             _ => 0,
         };
         let batching = self.batching.then(|| Batching {
@@ -241,14 +240,14 @@ mod tests {
         ))
         .unwrap();
         let scheduling = config.scheduling();
-        assert_eq!(scheduling.worker_inflight, 2);
+        assert_eq!(scheduling.worker_inflight, 1);
         assert_eq!(scheduling.aging_bound, Duration::from_millis(20));
         assert_eq!(scheduling.dispatch, "power-of-two");
         let config = Config::parse(&format!(
-            r#"{{{base}, "queue": "sjf", "worker_inflight": 1}}"#
+            r#"{{{base}, "queue": "sjf", "worker_inflight": 3}}"#
         ))
         .unwrap();
-        assert_eq!(config.scheduling().worker_inflight, 1);
+        assert_eq!(config.scheduling().worker_inflight, 3);
         for bad in [r#""queue": "lifo""#, r#""aging_bound_ms": -1"#] {
             let error = Config::parse(&format!("{{{base}, {bad}}}")).unwrap_err();
             assert!(matches!(error, ConfigError::Invalid(_)), "{bad}: {error}");

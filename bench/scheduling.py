@@ -1,0 +1,332 @@
+"""The front door's queue order under a mixed workload (issue 14): shortest-job-first with
+aging against first-come-first-served, one run.
+
+The workload: 90% of requests batch 1, 10% batch 512, open loop — two h2load processes at
+once, each pacing its own size (`--rps`), so a slow answer does not slow the arrivals — at
+`--load` (default 80%) of the pool's measured capacity for that mix. The pools differ only
+in scheduling:
+
+- *push*: today's default — every request goes to a worker at once (round-robin) and queues
+  in the worker's socket;
+- *fcfs*: requests wait in the front door while each worker has `--worker-inflight` in
+  flight, then go in arrival order;
+- *sjf*: the same limit, shortest expected compute first, overdue after `--aging-bound-ms`.
+
+Capacity is measured once, on the push pool, closed loop: batch-1 and batch-512 requests
+per second alone, mixed as 1 / (0.9 / small + 0.1 / large). Reported per pool: per-size p50,
+p99 and max latency, throughput, failed requests (the front door's own counters), the
+longest wait in the front door's queue (`mpspool_queue_wait_max_seconds`); the task-density
+plot (bench/out/scheduling.png) shows what each worker computed over one second.
+
+    .venv/bin/python -m bench.scheduling            # ~4 minutes on 2 cores
+    .venv/bin/python -m bench.scheduling --quick    # 1,000-row model, short windows, no report
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import harness
+from bench.harness import Checker, Pool, fmt
+from mpspool.demo_model import demo_inputs
+
+BEGIN_MARK = "<!-- scheduling:begin (written by bench/scheduling.py; edits here are lost) -->"
+END_MARK = "<!-- scheduling:end -->"
+SMALL, LARGE = 1, 512
+LARGE_SHARE = 0.1
+PLOT = harness.OUT_DIR / "scheduling.png"
+
+
+def policies(args: argparse.Namespace) -> dict[str, list[str]]:
+    limit = ["--worker-inflight", str(args.worker_inflight)]
+    return {
+        "push": [],
+        "fcfs": ["--queue", "fcfs", *limit],
+        "sjf": ["--queue", "sjf", *limit, "--aging-bound-ms", str(args.aging_bound_ms)],
+    }
+
+
+def latencies_ms(log: Path) -> np.ndarray:
+    """h2load's per-request log: µs to the end of each answered (HTTP 200) request."""
+    rows = (line.split("\t") for line in log.read_text().splitlines())
+    return np.array([int(f[2]) / 1e3 for f in rows if len(f) > 2 and f[1] == "200"])
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else float("nan")
+
+
+def mixed_window(
+    pool: Pool, requests: dict[int, harness.Request], rates: dict[int, float], seconds: float,
+    workdir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Both sizes at once, open loop, ``seconds`` long; per-size latencies and counts."""
+    server = pool.server("pool")
+    before = harness.request_counts(server.metrics_url)
+    dirs = {batch: workdir / f"b{batch}" for batch in requests}
+    for d in dirs.values():
+        d.mkdir(exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as threads:
+        drives = {
+            # Room for many outstanding requests: arrivals must not wait for answers.
+            batch: threads.submit(
+                harness.h2load, server.port, request, 64, seconds, dirs[batch], rates[batch]
+            )
+            for batch, request in requests.items()
+        }
+        done = {batch: d.result() for batch, d in drives.items()}
+    after = harness.request_counts(server.metrics_url)
+    grew = {code: after.get(code, 0) - before.get(code, 0) for code in after}
+    ok = grew.pop("OK", 0)
+    grew.pop("CANCELLED", None)  # streams h2load resets at the end of its window
+    sizes = {}
+    for batch in requests:
+        lat = latencies_ms(dirs[batch] / "h2load.log")
+        p50, p99 = np.percentile(lat, [50, 99]) if len(lat) else (np.nan, np.nan)
+        sizes[batch] = {
+            "answered": len(lat),
+            "rps": done[batch].rps,
+            "p50_ms": float(p50),
+            "p99_ms": float(p99),
+            "max_ms": float(lat.max()) if len(lat) else float("nan"),
+        }
+    return {
+        "ok": ok,
+        "failed": {code: n for code, n in grew.items() if n},
+        "sizes": sizes,
+        "rows_per_s": sum(s["rps"] * batch for batch, s in sizes.items()),
+        "requests_per_s": sum(s["rps"] for s in sizes.values()),
+        "queue_wait_max_ms": metric(server.metrics_url, "mpspool_queue_wait_max_seconds") * 1e3,
+    }
+
+
+def timeline(pool: Pool, env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run(
+        harness._mpspool("timeline", "--clear", "--run-dir", str(pool.run_dir)),
+        cwd=tempfile.gettempdir(), env=env, capture_output=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    return json.loads(out)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": harness.command_line("bench.scheduling"),
+        "machine": harness.describe_machine(),
+        "load_start": harness.load_average(),
+        "rows": args.rows,
+        "workers": args.workers,
+        "duration_s": args.duration,
+        "load": args.load,
+        "aging_bound_ms": args.aging_bound_ms,
+        "worker_inflight": args.worker_inflight,
+        "windows": [],
+        "spans": {},
+    }
+    checker = Checker()
+    with (
+        harness.frozen_code(args.source) as (source, env),
+        tempfile.TemporaryDirectory(prefix="mpsched-") as tmp,
+    ):
+        workdir = Path(tmp)
+        report["source"] = harness._describe_source(source)
+        base = harness.ensure_model(args.rows, env)
+        requests = {
+            batch: harness.predict_request(
+                f"batch {batch}", "demo", demo_inputs(batch, args.rows, seed=batch)
+            )
+            for batch in (SMALL, LARGE)
+        }
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        rates: dict[int, float] = {}
+        for name, extra in policies(args).items():
+            logs = harness.OUT_DIR / f"logs-scheduling-{stamp}-{name}"  # git-ignored
+            with Pool(base, args.workers, logs, env, label=f"s{name}", extra_args=extra) as pool:
+                pool.wait_ready()
+                server = pool.server(name)
+                for request in requests.values():
+                    checker.check(server, request)
+                if not rates:
+                    # Closed loop, each size alone: the pool's capacity for the mix.
+                    alone = {
+                        batch: harness.h2load(server.port, request, 8, args.calibrate, workdir).rps
+                        for batch, request in requests.items()
+                    }
+                    capacity = 1 / ((1 - LARGE_SHARE) / alone[SMALL] + LARGE_SHARE / alone[LARGE])
+                    report["alone_rps"] = alone
+                    report["capacity_rps"] = capacity
+                    rate = args.load * capacity
+                    rates = {SMALL: (1 - LARGE_SHARE) * rate, LARGE: LARGE_SHARE * rate}
+                    report["rates"] = rates
+                    print(f"capacity {capacity:,.0f} req/s alone {alone}; offering {rates}")
+                # Warm-up at the same load, then the measured window.
+                mixed_window(pool, requests, rates, args.warmup, workdir)
+                timeline(pool, env)
+                window = mixed_window(pool, requests, rates, args.duration, workdir)
+                spans = timeline(pool, env)
+                for request in requests.values():
+                    checker.check(server, request)
+                window["policy"] = name
+                window["load1"] = os.getloadavg()[0]
+                report["windows"].append(window)
+                report["spans"][name] = spans["spans"]
+                print(line(window), flush=True)
+    report["load_end"] = harness.load_average()
+    return report
+
+
+def line(w: dict[str, Any]) -> str:
+    s, g = w["sizes"][SMALL], w["sizes"][LARGE]
+    return (
+        f"{w['policy']}: {w['requests_per_s']:,.0f} req/s; batch 1 p50 {s['p50_ms']:.2f} "
+        f"p99 {s['p99_ms']:.2f} ms; batch 512 p50 {g['p50_ms']:.2f} p99 {g['p99_ms']:.2f} max "
+        f"{g['max_ms']:.1f} ms; failed {w['failed'] or 0}; queue wait max "
+        f"{w['queue_wait_max_ms']:.1f} ms"
+    )
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Per policy, one row per worker: what it computed over one second of the window, small
+    requests blue and large ones orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["spans"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(12, 1.6 * len(names) + 0.6), squeeze=False)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        spans = report["spans"][name]
+        if not spans:
+            continue
+        # One second from the middle of the window.
+        middle = sorted(start for _, start, _ in spans)[len(spans) // 2]
+        lo, hi = middle - 500_000, middle + 500_000
+        slots = sorted({slot for slot, _, _ in spans})
+        for row, slot in enumerate(slots):
+            for kind, color in (("small", "tab:blue"), ("large", "tab:orange")):
+                bars = [
+                    ((start - lo) / 1e3, (end - start) / 1e3)
+                    for s, start, end in spans
+                    if s == slot and start < hi and end > lo
+                    and ((end - start) >= report["split_us"]) == (kind == "large")
+                ]  # fmt: skip
+                ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
+        ax.set_yticks(range(len(slots)), slots)
+        ax.set_xlim(0, 1000)
+        ax.set_title(f"{name}: worker model calls over one second (blue batch 1, orange 512)")
+    axes[-1, 0].set_xlabel("ms")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def render(report: dict[str, Any]) -> str:
+    by = {w["policy"]: w for w in report["windows"]}
+    rates = report["rates"]
+    lines = [
+        BEGIN_MARK,
+        "## Scheduling: shortest-job-first with aging vs first-come-first-served, mixed load, "
+        "one run",
+        "",
+        f"- **When / where:** {report['date']}; {report['machine']}; load average "
+        f"{report['load_start']} at the start, {report['load_end']} at the end.",
+        f"- **Command:** `{report['command']}` ({report['source']}).",
+        f"- **Pool:** {report['workers']} workers, the {report['rows']:,}-row demo model. "
+        f"Capacity measured closed loop on the push pool: batch 1 alone "
+        f"{fmt(report['alone_rps'][SMALL])} req/s, batch 512 alone "
+        f"{fmt(report['alone_rps'][LARGE])} req/s, so {fmt(report['capacity_rps'])} req/s for "
+        f"the 90/10 mix.",
+        f"- **Load:** open loop at {report['load']:.0%} of that: {fmt(rates[SMALL])} batch-1 "
+        f"and {fmt(rates[LARGE])} batch-512 requests/s, two h2load processes with `--rps` "
+        f"(64 streams each), {report['duration_s']} s measured after a warm-up. fcfs and sjf: "
+        f"`--worker-inflight {report['worker_inflight']}`; sjf `--aging-bound-ms "
+        f"{report['aging_bound_ms']}`.",
+        "",
+        "| policy | req/s | rows/s | batch 1 p50 ms | batch 1 p99 ms | batch 512 p50 ms "
+        "| batch 512 p99 ms | batch 512 max ms | longest front-door wait ms | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, w in by.items():
+        s, g = w["sizes"][SMALL], w["sizes"][LARGE]
+        lines.append(
+            f"| {name} | {fmt(w['requests_per_s'])} | {fmt(w['rows_per_s'])} "
+            f"| {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} "
+            f"| {g['max_ms']:.1f} | {w['queue_wait_max_ms']:.1f} "
+            f"| {sum(w['failed'].values()) if w['failed'] else 0} |"
+        )
+    if {"sjf", "fcfs"} <= set(by):
+        sjf, fcfs = by["sjf"], by["fcfs"]
+        small = sjf["sizes"][SMALL]["p99_ms"] / fcfs["sizes"][SMALL]["p99_ms"]
+        thr = sjf["requests_per_s"] / fcfs["requests_per_s"]
+        lines += [
+            "",
+            f"sjf / fcfs in this run: batch-1 p99 **{small:.2f}×** (target ≤ 0.5×), "
+            f"throughput **{thr:.2f}×** (target ≥ 1.0×); longest front-door wait under sjf "
+            f"{sjf['queue_wait_max_ms']:.1f} ms against an aging bound of "
+            f"{report['aging_bound_ms']} ms.",
+        ]
+        if "push" in by:
+            push = by["push"]["sizes"][SMALL]["p99_ms"]
+            lines.append(f"sjf / push (today's default): batch-1 p99 "
+                         f"{sjf['sizes'][SMALL]['p99_ms'] / push:.2f}×.")  # fmt: skip
+    lines += ["", f"![worker task density]({PLOT.relative_to(harness.RESULTS_MD.parent)})", ""]
+    lines += [f"- {note}" for note in report.get("notes", [])]
+    lines.append(END_MARK)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scheduling", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--rows", type=int, default=2_000_000, help="embedding rows")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds")
+    parser.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds")
+    parser.add_argument("--calibrate", type=float, default=4.0, help="capacity seconds per size")
+    parser.add_argument("--load", type=float, default=0.8, help="share of capacity offered")
+    parser.add_argument("--aging-bound-ms", type=float, default=50.0)
+    parser.add_argument("--worker-inflight", type=int, default=1)
+    harness.add_run_arguments(parser, quick="1,000 rows, short windows, no report")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.duration, args.warmup, args.calibrate = 1000, 2.0, 0.5, 1.0
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with harness.sigterm_as_exit():
+        report = run(args)
+    report["notes"] = args.note
+    # A span longer than the geometric mean of the 5th percentile (a batch-1 call) and the 99th
+    # (a batch-512 call) is a large request's.
+    spans = [end - start for s in report["spans"].values() for _, start, end in s]
+    ends = np.percentile(spans, [5, 99]) if spans else np.ones(2)
+    report["split_us"] = float(np.sqrt(ends[0] * ends[1]))
+    plot(report, PLOT)
+    if args.json:
+        args.json.write_text(json.dumps(report))
+    text = render(report)
+    print(text)
+    if not (args.quick or args.no_results):
+        harness.write_section(harness.RESULTS_MD, text, BEGIN_MARK, END_MARK)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
