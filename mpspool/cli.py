@@ -192,7 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--intra-op-threads",
         type=int,
         default=0,
-        help="TensorFlow intra-op threads per worker (0: cores / workers)",
+        help="TensorFlow intra-op threads per worker (0: the worker's cores when pinned, "
+        "else cores / workers)",
+    )
+    start.add_argument(
+        "--cpuset",
+        # DeepRec SessionGroup's variable is the fallback; the flag wins when both are given.
+        default=os.environ.get("SESSION_GROUP_CPUSET", ""),
+        metavar="GROUPS|auto",
+        help="pin workers to CPU cores: one group per worker, groups separated by ';', cores "
+        "by ',', ranges a-b ('2-4;5-7'), or 'auto' (own cores per worker, one kept for the "
+        "front door when cores allow); default $SESSION_GROUP_CPUSET, else no pinning",
     )
     start.add_argument(
         "--no-share-weights",
@@ -400,6 +410,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         start_retries=args.start_retries,
         fatal_retry_s=args.fatal_retry_after,
         intra_op_threads=args.intra_op_threads,
+        cpuset=args.cpuset,
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         allow_copied_weights=args.allow_copied_weights,
@@ -562,15 +573,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     if pool.get("rest"):
         print(f"REST API: {pool['rest']}")
+    if pool.get("cpu_placement"):
+        front = pool.get("router_cpus") or "-"
+        print(f"CPUs: {pool['cpu_placement']} (front door now on {front})")
     print(
         f"{'SLOT':<10} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
-        f"{'INFLIGHT':>8} {'SERVED':>9}  {'WEIGHTS':<14} REASON"
+        f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<14} REASON"
     )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
         print(
             f"{s['slot']:<10} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} {s['restarts']:>8} "
-            f"{s['inflight']:>8} {s['served']:>9}  {_weights(s.get('weights')):<14} {s['reason']}"
+            f"{s['inflight']:>8} {s['served']:>9}  {s.get('cpus') or '-':<9} "
+            f"{_weights(s.get('weights')):<14} {s['reason']}"
         )
     for g in status.get("gpus", []):
         servers = g.get("servers", {})

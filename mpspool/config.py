@@ -15,7 +15,10 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpspool.cpusets import Placement
 
 log = logging.getLogger("mpspool.config")
 
@@ -136,6 +139,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _usable_cpus() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     model_name: str
@@ -178,7 +185,7 @@ class PoolConfig:
     backoff_s: float = 1.0
     # A FATAL slot is tried again this long after it became FATAL (0: never).
     fatal_retry_s: float = 60.0
-    intra_op_threads: int = 0  # 0: usable cores / workers
+    intra_op_threads: int = 0  # 0: the worker's pinned cores, else usable cores / workers
     inter_op_threads: int = 1
     max_message_bytes: int = 512 * 1024 * 1024
     # Batching in the front door (router/src/batch.rs): requests waiting for a worker share
@@ -218,6 +225,12 @@ class PoolConfig:
     active_thread_percentage: float = 100.0
     pinned_mem_limit_mib: int = -1  # per client; -1: device memory / contexts; 0: none
     pool_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(4))
+    # CPU placement (mpspool/cpusets.py): DeepRec's SESSION_GROUP_CPUSET text ("2-4;5-7"),
+    # "auto", or "" (no pinning). The usable cores are those of the process that made the
+    # config (`mpspool start`), kept here so that every worker resolves the same placement
+    # even though the controller may have narrowed its own affinity (and so its children's).
+    cpuset: str = ""
+    usable_cpus: tuple[int, ...] = dataclasses.field(default_factory=lambda: _usable_cpus())
 
     @property
     def model_path(self) -> str:
@@ -253,9 +266,25 @@ class PoolConfig:
             return self.pinned_mem_limit_mib
         return self.gpu_memory[self.gpus.index(gpu)] // self.contexts_per_gpu // 2**20
 
-    def threads_per_worker(self) -> int:
+    def placement(self) -> Placement:
+        """Which cores each slot runs on (cpusets.py owns the rule)."""
+        from mpspool import cpusets
+
+        return cpusets.plan(self.cpuset, len(self.slots), self.usable_cpus)
+
+    def cpu_set(self, slot: str) -> frozenset[int]:
+        """The cores of one worker slot; empty when workers are not pinned."""
+        placement = self.placement()
+        return placement.workers[self.slots.index(slot)] if placement.pinned else frozenset()
+
+    def threads_per_worker(self, slot: str | None = None) -> int:
         if self.intra_op_threads > 0:
             return self.intra_op_threads
+        # A pinned worker sizes its thread pool to its own cores: more threads than cores
+        # only preempt each other.
+        cores = self.cpu_set(slot) if slot is not None else frozenset()
+        if cores:
+            return len(cores)
         return max(1, usable_cores() // len(self.slots))
 
     def validate(self) -> PoolConfig:
@@ -278,6 +307,7 @@ class PoolConfig:
         if self.worker_inflight < 0 or self.split_rows < 0:
             raise ConfigError("--worker-inflight and --split-rows must be >= 0")
         self._validate_batching()
+        self.placement()  # ConfigError when the cpuset cannot be applied here
         if self.fatal_retry_s < 0:
             raise ConfigError(f"--fatal-retry-after must be >= 0, got {self.fatal_retry_s}")
         if not 1 <= self.contexts_per_gpu <= 48:
@@ -370,6 +400,7 @@ class PoolConfig:
     @classmethod
     def load(cls, run_dir: str | Path) -> PoolConfig:
         data = json.loads((Path(run_dir) / POOL_FILE).read_text())
-        for name in ("gpus", "gpu_uuids", "gpu_memory", "allowed_batch_sizes"):
-            data[name] = tuple(data.get(name, ()))
+        for name in ("gpus", "gpu_uuids", "gpu_memory", "allowed_batch_sizes", "usable_cpus"):
+            if name in data:  # absent: the field's default
+                data[name] = tuple(data[name])
         return cls(**data)

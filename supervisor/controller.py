@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from mpspool import process, rundir, segment, wire
+from mpspool import cpusets, process, rundir, segment, wire
 from mpspool.config import PoolConfig
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import supervisord as sd
@@ -129,6 +129,7 @@ class Controller:
         self._admin.bind(wire.endpoint(config.run_dir, wire.ADMIN_ENDPOINT))
         self.router = RouterLink(self._zmq, config.run_dir)
         self.gpu = GpuWatch(config, self.run_dir, _gpu_backend(config))
+        self.placement = config.placement()  # validated at start: cannot fail here
         self._announced = False
         self._next_gpu_metrics = 0.0
         self._router_pid = 0  # the front door's incarnation seen last
@@ -203,6 +204,7 @@ class Controller:
             if self.config.share_weights and not self._publish():
                 return self.exit_code
             self._supervisord_config = text
+            self._place_self()
             self.supervisord.start(text)
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
@@ -237,6 +239,16 @@ class Controller:
         finally:
             self.stop_everything()
         return self.exit_code
+
+    def _place_self(self) -> None:
+        """Log the CPU placement; with a core kept for the front door and controller, move
+        this process there. Done after the weights are published (that step uses every core)
+        and before supervisord starts: supervisord inherits the affinity and hands it to the
+        front door at each (re)start. Workers set their own cores before TensorFlow loads."""
+        placement = self.placement
+        log.info("CPU placement: %s", placement.explanation)
+        if placement.reserved:
+            cpusets.pin(os.getpid(), placement.reserved)
 
     def _dispatch(self, event: str) -> None:
         if event in ("SIGTERM", "SIGINT", "stop"):
@@ -611,10 +623,18 @@ class Controller:
                 "log_dir": str(self.log_dir),
                 "uptime_s": round(now - self.started, 1),
                 "exit_reason": self.exit_reason,
+                "cpu_placement": self.placement.explanation,
+                # Read back from the live processes, not from the config: what the OS applies.
+                "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
             },
-            "slots": [slot.describe(now) for slot in self.slots.values()],
+            "slots": [self._describe(slot, now) for slot in self.slots.values()],
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
+
+    def _describe(self, slot: Slot, now: float) -> dict[str, Any]:
+        described = slot.describe(now)
+        described["cpus"] = cpusets.affinity(slot.pid) if slot.pid else None
+        return described
 
     # -- shutdown -----------------------------------------------------------------
     def stop_everything(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from mpspool import process, rundir, wire
+from mpspool import cpusets, process, rundir, wire
 from mpspool.config import PoolConfig
 from mpspool.errors import Code, ServingError
 from mpspool.signature import check_inputs, check_output_filter, select_signature
@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     config = PoolConfig.load(args.run_dir)
+    # Before TensorFlow is imported: its thread pools are created on this process's cores
+    # and sized from the intra-op setting (the worker's core count when pinned).
+    cores = config.cpu_set(args.slot)
+    if cores:
+        cpusets.pin(os.getpid(), cores)
+        log.info("pinned to CPU cores %s", cpusets.format_cores(cores))
     stop = {"requested": False}
     # Until the serving loop exists, a stop request just ends the start-up.
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             config.model_path,
             config.model_name,
             config.model_version,
-            intra_op_threads=config.threads_per_worker(),
+            intra_op_threads=config.threads_per_worker(args.slot),
             inter_op_threads=config.inter_op_threads,
             weights_segment=config.weights_segment,
             work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),

@@ -1,0 +1,180 @@
+"""Which CPU cores each worker runs on: the one place that decides it.
+
+The text is DeepRec SessionGroup's ``SESSION_GROUP_CPUSET``: one group of cores per worker,
+groups separated by ``;``, cores by ``,``, ranges as ``a-b`` (``"2-4;5-7"`` or
+``"2,3,4;5,6,7"``), group *i* for the *i*-th worker slot (``PoolConfig.slots`` order). Or
+``auto``: each worker gets cores of its own, and the first usable core is kept for the front
+door and the controller when there are enough (see `auto`). Empty: no pinning, as TF Serving.
+
+Everything here is pure (the usable cores are an argument), so the rule can be tested on
+machines of any size; only `pin` and `affinity` touch the OS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mpspool.config import ConfigError
+
+AUTO = "auto"
+ENV_VAR = "SESSION_GROUP_CPUSET"  # DeepRec's name; the fallback when --cpuset is not given
+
+_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+_SYNTAX = (
+    "expected one group of cores per worker, groups separated by ';', cores by ',', "
+    "ranges as a-b (e.g. '2-4;5-7' or '2,3,4;5,6,7'), or 'auto'"
+)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Cores per worker slot (in slot order; empty: no pinning), the cores kept for the front
+    door and controller (empty: they are not pinned), and one line saying what was done."""
+
+    workers: tuple[frozenset[int], ...]
+    reserved: frozenset[int]
+    explanation: str
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.workers)
+
+
+def format_cores(cores: Iterable[int]) -> str:
+    """Cores as compact text: {0, 1, 2, 5} -> "0-2,5"."""
+    ordered = sorted(set(cores))
+    runs: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+def parse(text: str, workers: int, usable: Iterable[int]) -> tuple[frozenset[int], ...]:
+    """One frozenset of cores per worker from SESSION_GROUP_CPUSET text; ConfigError (saying
+    what was expected, or which core is not usable) otherwise."""
+    allowed = frozenset(usable)
+    groups = text.strip().split(";")
+    if len(groups) != workers:
+        raise ConfigError(
+            f"cpuset {text!r} has {len(groups)} group(s) of cores but the pool has {workers} "
+            f"worker(s): give one group per worker; {_SYNTAX}"
+        )
+    sets: list[frozenset[int]] = []
+    for n, group in enumerate(groups, 1):
+        if not group.strip():
+            raise ConfigError(f"cpuset {text!r}: group {n} is empty; {_SYNTAX}")
+        cores: set[int] = set()
+        for item in group.split(","):
+            match = _ITEM.match(item.strip())
+            if not match:
+                raise ConfigError(f"cpuset {text!r}: {item.strip()!r} in group {n}: {_SYNTAX}")
+            low = int(match[1])
+            high = int(match[2]) if match[2] is not None else low
+            if high < low:
+                raise ConfigError(f"cpuset {text!r}: range {low}-{high} in group {n} is reversed")
+            cores.update(range(low, high + 1))
+        outside = sorted(cores - allowed)
+        if outside:
+            raise ConfigError(
+                f"cpuset {text!r}: core(s) {format_cores(outside)} of group {n} are not usable "
+                f"by this process; usable cores: {format_cores(allowed)}"
+            )
+        sets.append(frozenset(cores))
+    return tuple(sets)
+
+
+def _blocks(cores: Sequence[int], workers: int) -> tuple[frozenset[int], ...]:
+    """``cores`` cut into ``workers`` contiguous blocks, the first ones one core larger when
+    they do not divide evenly (no core is left idle)."""
+    size, extra = divmod(len(cores), workers)
+    blocks, start = [], 0
+    for i in range(workers):
+        end = start + size + (1 if i < extra else 0)
+        blocks.append(frozenset(cores[start:end]))
+        start = end
+    return tuple(blocks)
+
+
+def auto(workers: int, usable: Iterable[int]) -> Placement:
+    """Own cores for each worker where the machine allows:
+    - cores >= workers + 1: the first core for the front door and controller, the rest split
+      into contiguous blocks, one per worker (so request handling never preempts a model call);
+    - cores >= workers: all cores split among the workers, the front door shares them;
+    - fewer cores than workers: workers share cores round-robin (worker i on core i mod n),
+      which only keeps each one's thread pool to one core's size."""
+    cores = sorted(set(usable))
+    if not cores:
+        raise ConfigError("cpuset auto: this process has no usable cores")
+    if len(cores) >= workers + 1:
+        reserved = frozenset(cores[:1])
+        sets = _blocks(cores[1:], workers)
+        how = f"core {cores[0]} for the front door and controller"
+    elif len(cores) >= workers:
+        reserved = frozenset()
+        sets = _blocks(cores, workers)
+        how = "no core left over for the front door and controller: they share the workers' cores"
+    else:
+        reserved = frozenset()
+        sets = tuple(frozenset([cores[i % len(cores)]]) for i in range(workers))
+        how = (
+            f"fewer cores than workers: workers share cores round-robin "
+            f"({workers - len(cores)} core(s) run two or more workers), the front door shares too"
+        )
+    per_worker = ", ".join(format_cores(s) for s in sets)
+    return Placement(
+        workers=sets,
+        reserved=reserved,
+        explanation=(
+            f"cpuset auto on {len(cores)} usable core(s) ({format_cores(cores)}) for {workers} "
+            f"worker(s): {how}; workers on {per_worker}"
+        ),
+    )
+
+
+def plan(spec: str, workers: int, usable: Iterable[int]) -> Placement:
+    """The placement of ``workers`` worker slots for a --cpuset / SESSION_GROUP_CPUSET text
+    (``""``: none, ``"auto"``, or explicit groups) over the ``usable`` cores."""
+    spec = spec.strip()
+    if not spec:
+        return Placement((), frozenset(), "no CPU pinning (--cpuset or SESSION_GROUP_CPUSET pins)")
+    if spec.lower() == AUTO:
+        return auto(workers, usable)
+    sets = parse(spec, workers, usable)
+    per_worker = ", ".join(format_cores(s) for s in sets)
+    return Placement(
+        workers=sets,
+        reserved=frozenset(),
+        explanation=f"cpuset {spec!r}: workers on {per_worker}; front door and controller unpinned",
+    )
+
+
+def pin(pid: int, cores: Iterable[int]) -> None:
+    """Every thread of process ``pid`` onto ``cores``. sched_setaffinity acts on one thread
+    (the pid is the main thread's id), and a process's threads that already run (ZeroMQ's,
+    tokio's) do not follow their main thread; threads started later inherit it."""
+    wanted = set(cores)
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, wanted)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
+def affinity(pid: int) -> str:
+    """The cores process ``pid`` may run on now, as text ("" when it is gone)."""
+    try:
+        return format_cores(os.sched_getaffinity(pid))
+    except (ProcessLookupError, PermissionError):
+        return ""

@@ -1,0 +1,237 @@
+"""CPU placement: DeepRec's SESSION_GROUP_CPUSET syntax, `auto`, and a real pool whose
+workers are read back on the cores they were given."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpspool import cpusets
+from mpspool.cli import build_parser
+from mpspool.config import ConfigError, PoolConfig
+
+from conftest import DEMO_ROWS
+from poolproc import Pool, mpspool_cmd
+
+EIGHT = range(8)
+
+
+# -- parsing ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["2-4;5-7", "2,3,4;5,6,7", " 2-3,4 ; 5,6-7 ", "4,2,3;7-7,5,6"])
+def test_both_syntaxes_give_the_same_sets(text: str) -> None:
+    assert cpusets.parse(text, 2, EIGHT) == (frozenset({2, 3, 4}), frozenset({5, 6, 7}))
+
+
+def test_groups_may_share_cores_and_keep_slot_order() -> None:
+    assert cpusets.parse("3;0-1;3", 3, EIGHT) == (
+        frozenset({3}),
+        frozenset({0, 1}),
+        frozenset({3}),
+    )
+
+
+def test_a_core_outside_the_usable_ones_is_named() -> None:
+    with pytest.raises(ConfigError) as info:
+        cpusets.parse("0-1;8-9", 2, EIGHT)
+    message = str(info.value)
+    assert "8-9" in message and "group 2" in message and "usable cores: 0-7" in message
+    # Usable is this process's affinity, not the machine's core count: a gap is refused too.
+    with pytest.raises(ConfigError, match=r"core\(s\) 2 of group 1 .* usable cores: 0-1,3"):
+        cpusets.parse("2;3", 2, [0, 1, 3])
+
+
+def test_group_count_must_equal_workers() -> None:
+    with pytest.raises(ConfigError, match=r"3 group\(s\) of cores but the pool has 2 worker"):
+        cpusets.parse("0;1;2", 2, EIGHT)
+    with pytest.raises(ConfigError, match=r"1 group\(s\) of cores but the pool has 4 worker"):
+        cpusets.parse("0-7", 4, EIGHT)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("0;", "group 2 is empty"),
+        (";1", "group 1 is empty"),
+        ("0,;1", "'' in group 1"),
+        ("a;1", "'a' in group 1"),
+        ("0-;1", "'0-' in group 1"),
+        ("0;1-2-3", "'1-2-3' in group 2"),
+        ("-1;0", "'-1' in group 1"),
+        ("0 1;2", "'0 1' in group 1"),
+        ("3-1;0", "range 3-1 in group 1 is reversed"),
+    ],
+)
+def test_malformed_text_says_what_was_expected(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        cpusets.parse(text, 2, EIGHT)
+    assert fragment in str(info.value)
+    if "reversed" not in fragment:
+        assert "one group of cores per worker" in str(info.value)
+
+
+def test_no_spec_means_no_pinning() -> None:
+    placement = cpusets.plan("", 4, EIGHT)
+    assert not placement.pinned and placement.reserved == frozenset()
+    assert "no CPU pinning" in placement.explanation
+
+
+# -- auto -------------------------------------------------------------------------------
+def sets(placement: cpusets.Placement) -> list[str]:
+    return [cpusets.format_cores(s) for s in placement.workers]
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "reserved", "expected", "said"),
+    [
+        # Enough for one spare core: the front door and controller get it.
+        (range(3), 2, "0", ["1", "2"], "core 0 for the front door and controller"),
+        (range(8), 2, "0", ["1-4", "5-7"], "core 0 for the front door"),
+        (range(16), 2, "0", ["1-8", "9-15"], "core 0 for the front door"),
+        (range(16), 4, "0", ["1-4", "5-8", "9-12", "13-15"], "core 0 for the front door"),
+        (range(8), 4, "0", ["1-2", "3-4", "5-6", "7"], "core 0 for the front door"),
+        # As many cores as workers: all to the workers, the front door shares.
+        (range(2), 2, "", ["0", "1"], "they share the workers' cores"),
+        (range(4), 4, "", ["0", "1", "2", "3"], "they share the workers' cores"),
+        # Fewer cores than workers: round-robin, and the line says so.
+        (range(2), 4, "", ["0", "1", "0", "1"], "fewer cores than workers"),
+        (range(3), 4, "", ["0", "1", "2", "0"], "1 core(s) run two or more workers"),
+        # The usable cores, not 0..n-1: a restricted process (taskset, a container's cpuset).
+        ([4, 5, 6, 9], 2, "4", ["5-6", "9"], "core 4 for the front door"),
+    ],
+)
+def test_auto(
+    cores: range | list[int], workers: int, reserved: str, expected: list[str], said: str
+) -> None:
+    placement = cpusets.plan("auto", workers, cores)
+    assert sets(placement) == expected
+    assert cpusets.format_cores(placement.reserved) == reserved
+    assert said in placement.explanation
+    assert "\n" not in placement.explanation
+    # Every usable core is used by someone.
+    used = set(placement.reserved).union(*placement.workers)
+    assert used == set(cores)
+
+
+def test_format_cores() -> None:
+    assert cpusets.format_cores([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert cpusets.format_cores([]) == ""
+
+
+# -- config and CLI ---------------------------------------------------------------------
+def config(demo_model_dir: Path, **fields: object) -> PoolConfig:
+    base = PoolConfig(
+        model_name="demo",
+        model_base_path=str(demo_model_dir),
+        model_version=1,
+        run_dir="/tmp/mpspool-cpusets-test",
+        log_dir="/tmp/mpspool-cpusets-test-logs",
+        workers=2,
+    )
+    return dataclasses.replace(base, **fields)
+
+
+def test_config_validates_and_sizes_threads(demo_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="not usable by this process"):
+        config(demo_model_dir, cpuset="0;4096").validate()
+    pinned = config(demo_model_dir, cpuset="0-2;3", usable_cpus=(0, 1, 2, 3)).validate()
+    assert pinned.cpu_set("cpu-0") == frozenset({0, 1, 2})
+    assert pinned.threads_per_worker("cpu-0") == 3
+    assert pinned.threads_per_worker("cpu-1") == 1
+    assert dataclasses.replace(pinned, intra_op_threads=5).threads_per_worker("cpu-1") == 5
+    unpinned = config(demo_model_dir)
+    assert unpinned.cpu_set("cpu-0") == frozenset()
+
+
+def test_usable_cpus_survive_pool_json(tmp_path: Path, demo_model_dir: Path) -> None:
+    # Workers resolve their cores from the start's usable cores, not from their own
+    # affinity (which the controller may have narrowed, and which they inherit).
+    saved = config(demo_model_dir, cpuset="auto", usable_cpus=(0, 1, 2, 3, 4))
+    saved.save(tmp_path)
+    loaded = PoolConfig.load(tmp_path)
+    assert loaded == saved
+    assert loaded.cpu_set("cpu-1") == frozenset({3, 4})
+
+
+def test_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    required = ["start", "--demo"]
+    monkeypatch.delenv("SESSION_GROUP_CPUSET", raising=False)
+    assert build_parser().parse_args(required).cpuset == ""
+    monkeypatch.setenv("SESSION_GROUP_CPUSET", "2-4;5-7")
+    assert build_parser().parse_args(required).cpuset == "2-4;5-7"
+    assert build_parser().parse_args([*required, "--cpuset", "auto"]).cpuset == "auto"
+
+
+def test_pin_moves_every_thread_of_a_process() -> None:
+    # A process whose extra thread already runs: pinning only its main thread would leave
+    # that one free (ZeroMQ's and tokio's threads are like it).
+    code = (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print('up', flush=True); time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        core = min(os.sched_getaffinity(0))
+        cpusets.pin(child.pid, {core})
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) >= 2
+        assert all(os.sched_getaffinity(t) == {core} for t in tids)
+        assert cpusets.affinity(child.pid) == str(core)
+    finally:
+        child.kill()
+        child.wait()
+
+
+# -- a real pool --------------------------------------------------------------------------
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1 usable")
+def test_pool_workers_run_on_their_cores(tmp_path: Path, demo_model_dir: Path) -> None:
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    from mpspool.demo_model import demo_inputs
+
+    pool = Pool(tmp_path, demo_model_dir, 2, "--cpuset", "0;1").start()
+    try:
+        status = pool.wait_ready(2)
+        by_slot = {s["slot"]: s for s in status["slots"]}
+        for slot, core in (("cpu-0", 0), ("cpu-1", 1)):
+            pid = by_slot[slot]["pid"]
+            # Every thread, TensorFlow's pools included, is on the worker's core.
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            assert {frozenset(os.sched_getaffinity(t)) for t in tids} == {frozenset({core})}
+            assert by_slot[slot]["cpus"] == str(core)
+        assert "workers on 0, 1" in status["pool"]["cpu_placement"]
+        # With explicit sets the front door is not pinned: it keeps every usable core.
+        assert status["pool"]["router_cpus"] == cpusets.format_cores(os.sched_getaffinity(0))
+
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "demo"
+        for name, array in demo_inputs(4, DEMO_ROWS, seed=3).items():
+            request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+        with pool.channel() as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            for _ in range(4):  # round-robin: both workers answer
+                score = tf.make_ndarray(stub.Predict(request, timeout=30).outputs["score"])
+                assert score.shape == (4, 1) and np.all(np.isfinite(score))
+
+        table = subprocess.run(
+            mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "CPUs: cpuset '0;1': workers on 0, 1" in table
+        rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+        assert rows["cpu-0"][7] == "0" and rows["cpu-1"][7] == "1", table
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
