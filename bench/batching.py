@@ -4,7 +4,9 @@
   with `--enable-batching` (TF Serving's parameters file: `max_batch_size`,
   `batch_timeout_micros`), requests/s and p50;
 - **splitting**: batch-2,048 requests at concurrency 1 against the same plain pool and one
-  with `--split-rows 1024` (two chunks, one per worker), p50 and p99.
+  with `--split-rows 1024` (two chunks, one per worker), p50 and p99;
+- **CPU sets**: batch-1 requests at concurrency 4 against the plain pool and one with
+  `--cpuset auto`, p99 (reported: 2 cores leave little to show).
 
 Each window is the harness's: a checked answer (equal across pools: batching and splitting
 must not change an answer), a warm-up, the measured window with CPU per request per process
@@ -38,14 +40,16 @@ def pools(args: argparse.Namespace, params: Path) -> dict[str, list[str]]:
         "plain": [],
         "batching": ["--enable-batching", "--batching-parameters-file", str(params)],
         "split": ["--split-rows", str(args.split_rows)],
+        "pinned": ["--cpuset", "auto"],
     }
 
 
 # pool → (batch, concurrency) windows it serves
 WINDOWS = {
-    "plain": [("small", 32), ("large", 1)],
+    "plain": [("small", 32), ("large", 1), ("small", 4)],
     "batching": [("small", 32)],
     "split": [("large", 1)],
+    "pinned": [("small", 4)],
 }
 
 
@@ -119,7 +123,8 @@ def render(report: dict[str, Any]) -> str:
         f"{report['load_start']} at the start, {report['load_end']} at the end.",
         f"- **Command:** `{report['command']}` ({report['source']}).",
         f"- **Pools:** {report['workers']} workers, the {report['rows']:,}-row demo model: "
-        f"*plain* (defaults), *batching* (`--enable-batching`, parameters file "
+        f"*plain* (defaults), *pinned* (`--cpuset auto`), *batching* (`--enable-batching`, "
+        "parameters file "
         f"`max_batch_size {report['max_batch_size']}`, `batch_timeout_micros "
         f"{report['batch_timeout_micros']}`), *split* (`--split-rows {report['split_rows']}`).",
         f"- **Windows:** h2load, {report['warmup_s']} s warm-up then {report['duration_s']} s; "
@@ -138,7 +143,11 @@ def render(report: dict[str, Any]) -> str:
             f"| {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | {cpu.get('front door', 0):.0f} "
             f"| {cpu.get('workers', 0):.0f} | {cpu.get('client', 0):.0f} |"
         )
-    plain_small, batched = by.get(("plain", 1)), by.get(("batching", 1))
+    plain_small = next((w for w in report["windows"] if w["system"] == "plain"
+                        and w["batch"] == 1 and w["concurrency"] == 32), None)  # fmt: skip
+    plain_c4 = next((w for w in report["windows"] if w["system"] == "plain"
+                     and w["batch"] == 1 and w["concurrency"] == 4), None)  # fmt: skip
+    batched, pinned = by.get(("batching", 1)), by.get(("pinned", 1))
     plain_large, split = by.get(("plain", report["large"])), by.get(("split", report["large"]))
     lines.append("")
     if plain_small and batched:
@@ -152,6 +161,13 @@ def render(report: dict[str, Any]) -> str:
             f"Split / unsplit at batch {report['large']}, C 1: p99 "
             f"**{split['p99_ms'] / plain_large['p99_ms']:.2f}×** (target ≤ 0.65×), p50 "
             f"{split['p50_ms'] / plain_large['p50_ms']:.2f}×."
+        )
+    if plain_c4 and pinned:
+        ratio = pinned["p99_ms"] / plain_c4["p99_ms"]
+        lines.append(
+            f"Pinned / unpinned at batch 1, C 4: p99 **{ratio:.2f}×**"
+            f", requests/s {pinned['rps'] / plain_c4['rps']:.2f}× (reported; with 2 cores and 2 "
+            "workers, `auto` gives each worker one core and the front door shares them)."
         )
     lines += [""] + [f"- {note}" for note in report.get("notes", [])]
     lines.append(END_MARK)

@@ -577,10 +577,13 @@ def h2load(
     duration_s: float,
     workdir: Path,
     rps: float = 0.0,
+    nice: int = 0,
 ) -> Drive:
     """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams;
     with ``rps``, open loop: that many requests per second in all, paced per connection,
-    whatever the answers do (up to ``concurrency`` outstanding)."""
+    whatever the answers do (up to ``concurrency`` outstanding). ``nice`` runs the client at
+    that lower priority: on a machine whose cores the client shares with the server, the
+    nearest this can come to a client on another machine."""
     body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
@@ -593,6 +596,7 @@ def h2load(
         connections = min(concurrency, MAX_CONNECTIONS)
         streams = max(1, concurrency // connections)
     argv = [
+        *(["nice", "-n", str(nice)] if nice else []),
         shutil.which("h2load") or "h2load",
         f"--clients={connections}",
         f"--max-concurrent-streams={streams}",

@@ -73,7 +73,7 @@ def metric(url: str, name: str) -> float:
 
 def mixed_window(
     pool: Pool, requests: dict[int, harness.Request], rates: dict[int, float], seconds: float,
-    workdir: Path,
+    workdir: Path, nice: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Both sizes at once, open loop, ``seconds`` long; per-size latencies and counts."""
     server = pool.server("pool")
@@ -85,7 +85,14 @@ def mixed_window(
         drives = {
             # Room for many outstanding requests: arrivals must not wait for answers.
             batch: threads.submit(
-                harness.h2load, server.port, request, 64, seconds, dirs[batch], rates[batch]
+                harness.h2load,
+                server.port,
+                request,
+                64,
+                seconds,
+                dirs[batch],
+                rates[batch],
+                nice,
             )
             for batch, request in requests.items()
         }
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load": args.load,
         "aging_bound_ms": args.aging_bound_ms,
         "worker_inflight": args.worker_inflight,
+        "client_nice": args.client_nice,
         "windows": [],
         "spans": {},
     }
@@ -164,7 +172,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not rates:
                     # Closed loop, each size alone: the pool's capacity for the mix.
                     alone = {
-                        batch: harness.h2load(server.port, request, 8, args.calibrate, workdir).rps
+                        batch: harness.h2load(
+                            server.port, request, 8, args.calibrate, workdir, nice=args.client_nice
+                        ).rps
                         for batch, request in requests.items()
                     }
                     capacity = 1 / ((1 - LARGE_SHARE) / alone[SMALL] + LARGE_SHARE / alone[LARGE])
@@ -175,9 +185,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     report["rates"] = rates
                     print(f"capacity {capacity:,.0f} req/s alone {alone}; offering {rates}")
                 # Warm-up at the same load, then the measured window.
-                mixed_window(pool, requests, rates, args.warmup, workdir)
+                mixed_window(pool, requests, rates, args.warmup, workdir, args.client_nice)
                 timeline(pool, env)
-                window = mixed_window(pool, requests, rates, args.duration, workdir)
+                window = mixed_window(
+                    pool, requests, rates, args.duration, workdir, args.client_nice
+                )
                 spans = timeline(pool, env)
                 for request in requests.values():
                     checker.check(server, request)
@@ -238,6 +250,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def client_nice(report: dict[str, Any]) -> str:
+    nice = report.get("client_nice", 0)
+    return f", at nice {nice}" if nice else ""
+
+
 def render(report: dict[str, Any]) -> str:
     by = {w["policy"]: w for w in report["windows"]}
     rates = report["rates"]
@@ -256,7 +273,8 @@ def render(report: dict[str, Any]) -> str:
         f"the 90/10 mix.",
         f"- **Load:** open loop at {report['load']:.0%} of that: {fmt(rates[SMALL])} batch-1 "
         f"and {fmt(rates[LARGE])} batch-512 requests/s, two h2load processes with `--rps` "
-        f"(64 streams each), {report['duration_s']} s measured after a warm-up. fcfs and sjf: "
+        f"(64 streams each{client_nice(report)}), {report['duration_s']} s measured after a "
+        "warm-up. fcfs and sjf: "
         f"`--worker-inflight {report['worker_inflight']}`; sjf `--aging-bound-ms "
         f"{report['aging_bound_ms']}`.",
         "",
@@ -305,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.8, help="share of capacity offered")
     parser.add_argument("--aging-bound-ms", type=float, default=50.0)
     parser.add_argument("--worker-inflight", type=int, default=1)
+    parser.add_argument(
+        "--client-nice", type=int, default=0,
+        help="run the h2load clients at this nice value (0: the server's priority)",
+    )  # fmt: skip
     harness.add_run_arguments(parser, quick="1,000 rows, short windows, no report")
     args = parser.parse_args(argv)
     if args.quick:
@@ -318,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     spans = [end - start for s in report["spans"].values() for _, start, end in s]
     ends = np.percentile(spans, [5, 99]) if spans else np.ones(2)
     report["split_us"] = float(np.sqrt(ends[0] * ends[1]))
-    plot(report, PLOT)
+    if not (args.quick or args.no_results):
+        plot(report, PLOT)  # beside the section it belongs to, and only then
     if args.json:
         args.json.write_text(json.dumps(report))
     text = render(report)
