@@ -159,8 +159,10 @@ fn repeat_row(row: &Bytes, dtype: i32, times: u64) -> Option<Bytes> {
 }
 
 /// The merged call's answer cut into each member's rows (`rows`, in order; padding after
-/// them is dropped); None when an output does not have one row per input row.
-pub fn unmerge(reply: &WorkReply, rows: &[u64]) -> Option<Vec<WorkReply>> {
+/// them is dropped); None when an output does not have one row per row of the `sent` call
+/// (`sent` rows, padding included) — TF Serving refuses such outputs too, and cutting a
+/// batch-independent output by position would hand out wrong answers.
+pub fn unmerge(reply: &WorkReply, rows: &[u64], sent: u64) -> Option<Vec<WorkReply>> {
     let mut bounds = Vec::with_capacity(rows.len());
     let mut start = 0;
     for &r in rows {
@@ -178,7 +180,7 @@ pub fn unmerge(reply: &WorkReply, rows: &[u64]) -> Option<Vec<WorkReply>> {
         .collect();
     for ((name, dtype, shape), frame) in reply.tensors.iter().zip(&reply.frames) {
         let total = u64::try_from(*shape.first()?).ok()?;
-        if total < start {
+        if total != sent || sent < start {
             return None;
         }
         let pieces = split::cut(frame, *dtype, total, &bounds)?;
@@ -228,7 +230,7 @@ mod tests {
         let b = request(3, 100, true);
         let merged = merge(&[&a, &b], 5).unwrap();
         assert_eq!(merged.tensors[0].2, vec![5, 2]);
-        let parts = unmerge(&echo(&merged), &[2, 3]).unwrap();
+        let parts = unmerge(&echo(&merged), &[2, 3], 5).unwrap();
         assert_eq!(parts[0].frames, a.frames);
         assert_eq!(parts[1].frames, b.frames);
         assert_eq!(parts[1].tensors, b.tensors);
@@ -251,7 +253,7 @@ mod tests {
         assert_eq!(&merged.frames[0][6..], &[10, 11]); // the first row again
         let strings = wire::decode_strings(&merged.frames[1]).unwrap();
         assert_eq!(strings[3], Bytes::from_static(&[10, 0]));
-        let parts = unmerge(&echo(&merged), &[1, 2]).unwrap();
+        let parts = unmerge(&echo(&merged), &[1, 2], 4).unwrap();
         assert_eq!(parts[0].frames, a.frames);
         assert_eq!(parts[1].frames, b.frames);
     }
@@ -283,7 +285,12 @@ mod tests {
         let mut reply = echo(&merged);
         reply.tensors[0].2 = vec![1, 2];
         reply.frames[0] = reply.frames[0].slice(..2);
-        assert!(unmerge(&reply, &[2, 2]).is_none());
+        assert!(unmerge(&reply, &[2, 2], 4).is_none());
+        // A batch-independent output that happens to have enough rows: not cut by position.
+        let mut table = echo(&merged);
+        table.tensors[0].2 = vec![6, 2];
+        table.frames[0] = Bytes::from(vec![0u8; 12]);
+        assert!(unmerge(&table, &[2, 2], 4).is_none());
     }
 
     #[test]

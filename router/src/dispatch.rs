@@ -959,7 +959,7 @@ impl Actor {
             .iter()
             .map(|(_, m)| m.request.rows())
             .collect();
-        match batch::unmerge(&reply, &rows) {
+        match batch::unmerge(&reply, &rows, pending.sent.rows()) {
             Some(parts) => {
                 for ((_, member), part) in pending.members.into_iter().zip(parts) {
                     let _ = member.answer.send(Outcome::Reply(part));
