@@ -352,9 +352,10 @@ struct Queued {
     arrived: std::time::Instant,
     /// Expected compute µs (the queue order's input).
     cost: f64,
-    /// Must run by itself: the merged call it was part of failed, and alone it says whose
-    /// fault that was.
-    alone: bool,
+    /// What must match for it to share a call (batching only), taken once on arrival. None:
+    /// it runs by itself — batching is off, its inputs cannot merge, or the merged call it
+    /// was part of failed and alone it says whose fault that was.
+    merge_key: Option<batch::MergeKey>,
 }
 
 /// A call sent to a worker and not answered yet: one request, or several merged into one.
@@ -540,12 +541,18 @@ impl Actor {
             }
         }
         let cost = self.costs.estimate(&request.signature, rows);
+        let merge_key = match &self.batching {
+            Some(batching) if rows <= batching.max_batch_size => {
+                batch::merge_key(&request).map(|(key, _)| key)
+            }
+            _ => None,
+        };
         let queued = Queued {
             request,
             answer,
             arrived,
             cost,
-            alone: false,
+            merge_key,
         };
         self.queue_push(id, queued);
         self.pump();
@@ -603,20 +610,16 @@ impl Actor {
     /// they all wait on.
     fn gather(&mut self, id: u64, head: Queued, now: std::time::Instant) -> Gathered {
         let rows = head.request.rows();
-        let alone = |head: Queued| Gathered::Send {
-            members: vec![(id, head)],
-            padded: rows,
-        };
-        let Some((max, timeout)) = self
-            .batching
-            .as_ref()
-            .map(|b| (b.max_batch_size, b.timeout))
-        else {
-            return alone(head);
-        };
-        let key = match batch::merge_key(&head.request) {
-            Some((key, _)) if !head.alone && rows <= max => key,
-            _ => return alone(head),
+        let (Some((max, timeout)), Some(_)) = (
+            self.batching
+                .as_ref()
+                .map(|b| (b.max_batch_size, b.timeout)),
+            &head.merge_key,
+        ) else {
+            return Gathered::Send {
+                members: vec![(id, head)],
+                padded: rows,
+            };
         };
         let mut total = rows;
         let mut members = vec![(id, head)];
@@ -628,12 +631,9 @@ impl Actor {
             let Some((other_id, other)) = self.queue_pop(now) else {
                 break;
             };
-            let fits = match batch::merge_key(&other.request) {
-                Some((other_key, other_rows)) if !other.alone && other_key == key => {
-                    total + other_rows <= max
-                }
-                _ => false,
-            };
+            let fits = other.merge_key.is_some()
+                && other.merge_key == members[0].1.merge_key
+                && total + other.request.rows() <= max;
             if fits {
                 total += other.request.rows();
                 members.push((other_id, other));
@@ -666,7 +666,7 @@ impl Actor {
     /// reaches only its own caller.
     fn rerun_alone(&mut self, members: Vec<(u64, Queued)>) {
         for (id, mut member) in members {
-            member.alone = true;
+            member.merge_key = None;
             self.queue_push(id, member);
         }
     }
