@@ -26,7 +26,9 @@ ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
     # STARTING -> STARTING: the process was replaced before it became ready.
     S.STARTING: frozenset({S.STARTING, S.READY, S.BACKOFF, S.FATAL, S.DRAINING, S.STOPPED}),
     # READY -> STARTING: the process exited, was killed or declared dead; a new one is coming.
-    S.READY: frozenset({S.STARTING, S.DRAINING, S.STOPPED}),
+    # READY -> FATAL: supervisord reports FATAL before the controller saw the exit (its
+    # command can no longer be spawned: the interpreter or model path went away).
+    S.READY: frozenset({S.STARTING, S.FATAL, S.DRAINING, S.STOPPED}),
     S.BACKOFF: frozenset({S.STARTING, S.FATAL, S.STOPPED}),
     S.DRAINING: frozenset({S.STOPPED}),
     # FATAL -> STARTING: tried again after the cool-down (--fatal-retry-after).

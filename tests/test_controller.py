@@ -672,6 +672,22 @@ def test_supervisord_giving_up_makes_the_slot_fatal(pool: Pool):
     assert pool.router.gone == [("cpu-0", 101), ("cpu-1", 102)]
 
 
+def test_a_ready_slot_that_supervisord_reports_fatal_becomes_fatal(pool: Pool):
+    """supervisord can report FATAL for a worker the controller last saw READY (its exit and
+    a failed respawn fell between two looks): the slot goes FATAL with the reason, its
+    requests are retried elsewhere, and the controller goes on."""
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    pool.sd.set(program_of("cpu-0"), sd.FATAL, spawnerr="can't find command 'python'")
+    pool.tick()
+    slot = pool.slot("cpu-0")
+    assert (slot.state, slot.reason) == (S.FATAL, "can't find command 'python'")
+    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.slot("cpu-1").state is S.READY
+    assert pool.controller.phase is PoolPhase.SERVING
+
+
 def test_supervisords_own_backoff_is_waited_out(pool: Pool):
     pool.start()
     pool.sd.set(program_of("cpu-0"), sd.BACKOFF)  # died within startsecs; it retries
