@@ -130,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
         "with the right inputs and outputs)",
     )
     start.add_argument(
+        "--enable-model-warmup",
+        "--enable_model_warmup",
+        dest="model_warmup",
+        type=_flag_value,
+        default=True,
+        metavar="true|false",
+        help="replay the version's assets.extra/tf_serving_warmup_requests (TFRecord of "
+        "PredictionLog, TF Serving's format) in every worker before it takes traffic; a "
+        "record that fails keeps the worker from serving (default true, as TF Serving)",
+    )
+    start.add_argument(
+        "--num-request-iterations-for-warmup",
+        "--num_request_iterations_for_warmup",
+        dest="warmup_iterations",
+        type=int,
+        default=1,
+        help="times each warm-up record is replayed (default %(default)s)",
+    )
+    start.add_argument(
         "--max-message-bytes",
         type=int,
         default=512 * 2**20,
@@ -414,6 +433,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         allow_copied_weights=args.allow_copied_weights,
+        model_warmup=args.model_warmup,
+        warmup_iterations=args.warmup_iterations,
         **_batching_fields(args),
         dispatch=args.dispatch,
         queue=args.queue,
@@ -456,6 +477,16 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_batch_size is not None:
         fields["max_batch_size"] = args.max_batch_size
     return fields
+
+
+def _flag_value(text: str) -> bool:
+    """A TF Serving boolean flag's value (`--enable_model_warmup=false`)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _thread_percentage(text: str, contexts: int) -> float:

@@ -206,6 +206,12 @@ class PoolConfig:
     worker_inflight: int = 0
     # Requests with more rows run as chunks of at most this many on several workers (0: off).
     split_rows: int = 0
+    # Before a worker says READY it replays the version's recorded requests
+    # (assets.extra/tf_serving_warmup_requests, worker/warmup.py) this many times each, as TF
+    # Serving's --enable_model_warmup and --num_request_iterations_for_warmup; a version
+    # without the file gets the synthetic warm-up (each signature on zeros) only.
+    model_warmup: bool = True
+    warmup_iterations: int = 1
     # Publish the variables once into shared memory and map them in every worker (the
     # default); off, each worker loads its own copy from the checkpoint.
     share_weights: bool = True
@@ -306,6 +312,10 @@ class PoolConfig:
             )
         if self.worker_inflight < 0 or self.split_rows < 0:
             raise ConfigError("--worker-inflight and --split-rows must be >= 0")
+        if self.warmup_iterations < 1:
+            raise ConfigError(
+                f"--num_request_iterations_for_warmup must be >= 1, got {self.warmup_iterations}"
+            )
         self._validate_batching()
         self.placement()  # ConfigError when the cpuset cannot be applied here
         if self.fatal_retry_s < 0:

@@ -186,6 +186,33 @@ def _require_mps_daemon(timeout_s: float = 20.0) -> None:
         )
 
 
+def _replay_warmup(runtime: Any, config: PoolConfig) -> None:
+    """The version's recorded warm-up requests (worker/warmup.py), after the synthetic
+    warm-up (which also checks the fast call path); a record that fails is a load failure."""
+    import tensorflow as tf
+
+    from mpspool.worker.runtime import ModelLoadError
+    from mpspool.worker.warmup import WarmupError, replay
+
+    try:
+        report = replay(tf, runtime, config.model_path, config.warmup_iterations)
+    except WarmupError as exc:
+        raise ModelLoadError(
+            f"warm-up of model {config.model_name!r} version {config.model_version} failed: {exc}"
+        ) from exc
+    if report is None:
+        log.info("no warm-up requests at %s", Path(config.model_path) / "assets.extra")
+        return
+    log.info(
+        "warm-up: replayed %d records (%d model calls, %d iterations each) from %s in %.2f s",
+        report.records,
+        report.runs,
+        config.warmup_iterations,
+        report.path,
+        report.seconds,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
     parser.add_argument("--run-dir", required=True)
@@ -223,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),
         )
         runtime.warm_up()
+        if config.model_warmup:
+            _replay_warmup(runtime, config)
         weights = runtime.weights_report()
     except ModelLoadError as exc:
         process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")

@@ -1,0 +1,280 @@
+"""Warm-up from a model's recorded requests (`assets.extra/tf_serving_warmup_requests`, TF
+Serving's format), written here with the official `tensorflow_serving.apis` protos and
+TensorFlow's own TFRecord writer, replayed by worker/warmup.py through the worker runtime.
+
+Replay is checked call by call: a runtime wrapper records what each model call got and
+answered, and those are compared with the records written and with a direct TensorFlow call.
+Then a real pool: a version whose warm-up fails never serves and says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import (
+    classification_pb2,
+    inference_pb2,
+    predict_pb2,
+    prediction_log_pb2,
+    regression_pb2,
+)
+from test_inference import build_example_model, example
+
+from mpspool import cli
+from mpspool.config import ConfigError, PoolConfig
+from mpspool.worker.runtime import load_saved_model
+from mpspool.worker.warmup import WarmupError, replay
+
+from poolproc import Pool
+
+SIG = "serving_default"
+
+
+class Recording:
+    """The runtime, with every model call it makes recorded (signature, inputs, answer)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.specs = runtime.specs
+        self.calls: list[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+
+    def run(
+        self, signature: str, inputs: dict[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        got = self.runtime.run(signature, inputs, outputs)
+        self.calls.append((signature, inputs, got))
+        return got
+
+
+def write_records(version: Path, logs: list[Any]) -> Path:
+    path = version / "assets.extra" / "tf_serving_warmup_requests"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for entry in logs:
+            writer.write(entry.SerializeToString())
+    return path
+
+
+def predict_log(inputs: dict[str, np.ndarray], signature: str = "") -> Any:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "anything"  # TF Serving ignores the name in warm-up records
+    request.model_spec.signature_name = signature
+    for alias, value in inputs.items():
+        request.inputs[alias].CopyFrom(tf.make_tensor_proto(value))
+    return prediction_log_pb2.PredictionLog(
+        predict_log=prediction_log_pb2.PredictLog(request=request)
+    )
+
+
+def keras_model(version: Path) -> None:
+    import keras
+
+    ids = keras.Input(shape=(4,), dtype="int64", name="ids")
+    dense = keras.Input(shape=(3,), dtype="float32", name="features")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(ids))
+    joined = keras.layers.Concatenate()([pooled, dense])
+    model = keras.Model(inputs=[ids, dense], outputs=keras.layers.Dense(1)(joined))
+    model.export(str(version), verbose=False)
+
+
+def keras_inputs(batch: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(batch)
+    return {
+        "ids": rng.integers(0, 50, (batch, 4), dtype=np.int64),
+        "features": rng.standard_normal((batch, 3)).astype(np.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def keras_version(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    version = tmp_path_factory.mktemp("keras") / "1"
+    keras_model(version)
+    return version
+
+
+@pytest.fixture(scope="module")
+def examples_version(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_example_model(tmp_path_factory.mktemp("examples") / "ctr") / "1"
+
+
+def linked_version(model: Path, version: Path) -> Path:
+    """A version directory of its own (its files linked to a built model's), where a test
+    writes the warm-up file it needs."""
+    version.mkdir(parents=True)
+    for entry in model.iterdir():
+        (version / entry.name).symlink_to(entry)
+    return version
+
+
+def load(version: Path, tmp_path: Path) -> Recording:
+    runtime = load_saved_model(str(version), "demo", 1, work_dir=str(tmp_path))
+    runtime.warm_up()
+    return Recording(runtime)
+
+
+def test_no_file_means_no_replay(keras_version: Path, tmp_path: Path) -> None:
+    recording = load(keras_version, tmp_path)
+    assert replay(tf, recording, keras_version) is None
+    assert recording.calls == []
+
+
+def test_predict_records_are_replayed_in_order_each_iteration(
+    keras_version: Path, tmp_path: Path
+) -> None:
+    served = linked_version(keras_version, tmp_path / "1")
+    batches = [keras_inputs(n) for n in (1, 3, 2)]
+    write_records(served, [predict_log(b) for b in batches])
+    recording = load(served, tmp_path / "work")
+    report = replay(tf, recording, served, iterations=2)
+    assert report is not None
+    assert (report.records, report.runs) == (3, 6)
+    assert [call[0] for call in recording.calls] == [SIG] * 6
+    direct = tf.saved_model.load(str(keras_version)).signatures[SIG]
+    for index, (_, inputs, got) in enumerate(recording.calls):
+        sent = batches[index // 2]
+        assert inputs.keys() == sent.keys()
+        for alias in sent:
+            np.testing.assert_array_equal(inputs[alias], sent[alias])
+        want = direct(**{k: tf.constant(v) for k, v in sent.items()})
+        for alias, value in want.items():
+            np.testing.assert_allclose(got[alias], value.numpy(), rtol=0, atol=1e-6)
+
+
+def test_classify_regress_and_multi_inference_records(
+    examples_version: Path, tmp_path: Path
+) -> None:
+    served = linked_version(examples_version, tmp_path / "1")
+    classify = classification_pb2.ClassificationRequest()
+    classify.input.example_list.examples.extend([example([1.0, 2.0]), example([0.5, -1.0])])
+    regress = regression_pb2.RegressionRequest()
+    regress.model_spec.signature_name = "regress"
+    with_context = regress.input.example_list_with_context
+    with_context.examples.extend([example([1.0, 2.0]), example([3.0, 0.25], b"de")])
+    with_context.context.CopyFrom(example([0.0, 0.0], b"fr"))
+    multi = inference_pb2.MultiInferenceRequest()
+    multi.input.example_list.examples.extend([example([2.0, 2.0])])
+    for signature, method in (("serving_default", "classify"), ("regress", "regress")):
+        task = multi.tasks.add()
+        task.model_spec.signature_name = signature
+        task.method_name = f"tensorflow/serving/{method}"
+    write_records(
+        served,
+        [
+            prediction_log_pb2.PredictionLog(
+                classify_log=prediction_log_pb2.ClassifyLog(request=classify)
+            ),
+            prediction_log_pb2.PredictionLog(
+                regress_log=prediction_log_pb2.RegressLog(request=regress)
+            ),
+            prediction_log_pb2.PredictionLog(
+                multi_inference_log=prediction_log_pb2.MultiInferenceLog(request=multi)
+            ),
+        ],
+    )
+    recording = load(served, tmp_path / "work")
+    report = replay(tf, recording, served)
+    assert report is not None
+    assert (report.records, report.runs) == (3, 4)
+    assert [c[0] for c in recording.calls] == [SIG, "regress", SIG, "regress"]
+    assert recording.calls[0][2]["scores"].shape == (2, 3)
+    # The context's features reach every example; the example's own win where both have one
+    # (protobuf merge): the first is "fr" (+10), the second keeps "de".
+    np.testing.assert_allclose(recording.calls[1][2]["outputs"].ravel(), [13.0, 3.25])
+    np.testing.assert_allclose(recording.calls[3][2]["outputs"].ravel(), [4.0])
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("extra input", "Sent extra: {nope}. Missing but required: {}."),
+        ("unknown signature", "names signature 'nope', which the model does not have"),
+        ("unknown output", "output tensor alias not found in signature: nope"),
+        ("session run", "Unsupported log_type for warmup: session_run_log"),
+        ("too many", "Number of warmup records exceeds the maximum (1000)"),
+        ("wrong dtype", 'input "ids": expects dtype int64 but string is provided'),
+        ("not a TFRecord", "Please verify your warmup data is in TFRecord format"),
+    ],
+)
+def test_a_bad_record_fails_the_warm_up_with_the_reason(
+    case: str, message: str, keras_version: Path, tmp_path: Path
+) -> None:
+    served = linked_version(keras_version, tmp_path / "1")
+    good = keras_inputs(1)
+    if case == "extra input":
+        logs = [predict_log({**good, "nope": np.zeros(1, np.float32)})]
+    elif case == "unknown signature":
+        logs = [predict_log(good, signature="nope")]
+    elif case == "unknown output":
+        entry = predict_log(good)
+        entry.predict_log.request.output_filter.append("nope")
+        logs = [entry]
+    elif case == "session run":
+        session_run = prediction_log_pb2.SessionRunLog()
+        logs = [prediction_log_pb2.PredictionLog(session_run_log=session_run)]
+    elif case == "too many":
+        logs = [predict_log(good)] * 1001
+    elif case == "wrong dtype":
+        logs = [predict_log({**good, "ids": np.array([["a", "b", "c", "d"]])})]
+    else:
+        logs = []
+    path = write_records(served, logs)
+    if case == "not a TFRecord":
+        path.write_bytes(b"this is not a TFRecord file at all")
+    recording = load(served, tmp_path / "work")
+    with pytest.raises(WarmupError) as raised:
+        replay(tf, recording, served)
+    assert message in str(raised.value)
+
+
+def test_warm_up_flags_are_tf_servings() -> None:
+    def parsed(*flags: str) -> Any:
+        return cli.build_parser().parse_args(["start", "--model-base-path", "/m", *flags])
+
+    assert (parsed().model_warmup, parsed().warmup_iterations) == (True, 1)
+    assert parsed("--enable_model_warmup=false").model_warmup is False
+    assert parsed("--enable-model-warmup", "true").model_warmup is True
+    assert parsed("--num_request_iterations_for_warmup", "4").warmup_iterations == 4
+    with pytest.raises(SystemExit):
+        parsed("--enable_model_warmup=maybe")
+    config = PoolConfig(
+        model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
+        workers=1, warmup_iterations=0,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="num_request_iterations_for_warmup must be >= 1"):
+        config.validate()
+
+
+def test_a_pool_replays_the_records_and_a_failing_warm_up_never_serves(
+    keras_version: Path, tmp_path: Path
+) -> None:
+    base = tmp_path / "model"
+    served = linked_version(keras_version, base / "1")
+    path = write_records(served, [predict_log(keras_inputs(2)), predict_log(keras_inputs(1))])
+
+    (tmp_path / "good").mkdir()
+    pool = Pool(tmp_path / "good", base, 1, "--num_request_iterations_for_warmup", "3").start()
+    try:
+        pool.wait_ready(1)
+        log = (pool.log_dir / "worker-cpu-0.log").read_text(errors="replace")
+        assert f"warm-up: replayed 2 records (6 model calls, 3 iterations each) from {path}" in log
+    finally:
+        assert pool.stop() == 0
+    assert pool.leftovers() == []
+
+    write_records(served, [predict_log({"ids": keras_inputs(1)["ids"]})])
+    (tmp_path / "bad").mkdir()
+    pool = Pool(tmp_path / "bad", base, 1, "--start-retries", "0").start()
+    try:
+        assert pool.proc is not None
+        assert pool.proc.wait(120) == 1, pool.output()
+        out = pool.output()
+        assert "no worker could start" in out, out
+        assert "warm-up of model 'demo' version 1 failed" in out, out
+        assert "Missing but required: {features}." in out, out
+    finally:
+        pool.kill()
+    assert pool.leftovers() == []
