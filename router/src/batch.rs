@@ -141,6 +141,7 @@ pub fn merge(members: &[&WorkRequest], padded: u64) -> Option<WorkRequest> {
         tensors.push((name.clone(), *dtype, shape));
     }
     Some(WorkRequest {
+        target: first.target,
         signature: first.signature.clone(),
         tensors,
         frames,
@@ -175,6 +176,7 @@ pub fn unmerge(reply: &WorkReply, rows: &[u64], sent: u64) -> Option<Vec<WorkRep
             tensors: Vec::with_capacity(reply.tensors.len()),
             frames: Vec::with_capacity(reply.tensors.len()),
             slot: reply.slot.clone(),
+            version: reply.version,
             span: reply.span,
         })
         .collect();
@@ -208,6 +210,10 @@ mod tests {
             frames.push(Bytes::from(wire::encode_strings(&values)));
         }
         WorkRequest {
+            target: crate::versions::Target {
+                version: 1,
+                pinned: false,
+            },
             signature: "serving_default".into(),
             tensors,
             frames,
@@ -220,6 +226,7 @@ mod tests {
             tensors: request.tensors.clone(),
             frames: request.frames.clone(),
             slot: "cpu-0".into(),
+            version: 1,
             span: Some((1, 2)),
         }
     }

@@ -6,15 +6,18 @@
 //! Ops: `snapshot` (what `mpspool status` and the controller's reconciling read), `gone`
 //! (the controller saw a worker's process exit), `timeline` (`mpspool timeline`), `drain`
 //! (start a graceful stop; the server performs it), `gpus` (the controller's NVML samples of
-//! each GPU, exported as metrics).
+//! each GPU, exported as metrics), `versions` (the model's versions with their states and
+//! errors, and its labels: where requests go from now on, and what GetModelStatus says).
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rmpv::Value;
 
 use crate::state::{DrainRequest, GpuSample, RouterState};
 use crate::timeline::Timeline;
+use crate::versions::VersionTable;
 use crate::wire;
 use crate::workers::{Departure, WorkerTable};
 
@@ -22,6 +25,7 @@ use crate::workers::{Departure, WorkerTable};
 pub struct Pool<'a, P> {
     pub table: &'a mut WorkerTable<P>,
     pub timeline: &'a mut Timeline,
+    pub versions: &'a tokio::sync::watch::Sender<Arc<VersionTable>>,
     pub state: &'a RouterState,
     pub now: Instant,
 }
@@ -92,6 +96,11 @@ fn op<P>(
                 ("workers", pool.table.snapshot(pool.now)),
                 ("declared_dead", Value::Map(dead)),
                 ("inflight", Value::from(pool.table.inflight_total() as u64)),
+                // Waiting in the front door for a worker with room (with --worker-inflight).
+                (
+                    "queued",
+                    Value::from(pool.state.queued.load(Ordering::Relaxed)),
+                ),
             ]
         }
         "gone" => {
@@ -130,6 +139,19 @@ fn op<P>(
             };
             pool.state.set_gpus(parsed);
             vec![("ok", Value::from(true))]
+        }
+        "versions" => {
+            let Some(Value::Array(listed)) = field(request, "versions") else {
+                return error("versions needs a list of {version, state, error}".to_string());
+            };
+            let model = pool.versions.borrow().model.clone();
+            match VersionTable::from_control(&model, listed, field(request, "labels")) {
+                Ok(table) => {
+                    pool.versions.send_replace(Arc::new(table));
+                    vec![("ok", Value::from(true))]
+                }
+                Err(message) => error(message),
+            }
         }
         other => error(format!("unknown op '{other}'")),
     }
@@ -172,11 +194,14 @@ mod tests {
             crate::policies::chooser("round-robin").expect("known"),
         );
         let now = Instant::now();
-        table.register(b"cpu-0:10", "cpu-0", 10, Value::Nil, now);
+        table.register(b"cpu-0:10", "cpu-0", 10, 1, Value::Nil, now);
         let mut timeline = Timeline::new(10);
+        let (versions, _) =
+            tokio::sync::watch::channel(Arc::new(VersionTable::configured("demo", 1)));
         let mut pool = Pool {
             table: &mut table,
             timeline: &mut timeline,
+            versions: &versions,
             state: &state,
             now,
         };
@@ -202,6 +227,33 @@ mod tests {
         assert_eq!(snap["n"], 7);
         assert_eq!(snap["phase"], "serving");
         assert_eq!(snap["workers"]["cpu-0"]["pid"], 10);
+        assert_eq!(snap["workers"]["cpu-0"]["version"], 1);
+
+        let listed = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "versions", "n": 11, "versions": [
+                {"version": 1, "state": "UNLOADING"},
+                {"version": 2, "state": "AVAILABLE"},
+                {"version": 3, "state": "END", "error": "cannot load"}],
+                "labels": {"canary": 2}}),
+        );
+        assert_eq!(listed["ok"], true);
+        let table = pool.versions.borrow().clone();
+        assert_eq!((table.model.as_str(), table.latest()), ("demo", Some(2)));
+        assert_eq!(table.labels.get("canary"), Some(&2));
+        let bad = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "versions", "n": 12, "versions": [{"version": 1}]}),
+        );
+        assert!(bad["error"]
+            .as_str()
+            .unwrap()
+            .contains("needs version and state"));
+        assert_eq!(
+            pool.versions.borrow().latest(),
+            Some(2),
+            "a bad table changes nothing"
+        );
         assert_eq!(snap["inflight"], 0);
 
         let gone = ask(

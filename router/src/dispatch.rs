@@ -27,6 +27,7 @@ use crate::split;
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::timeline::{Timeline, DEFAULT_CAPACITY};
+use crate::versions::{Target, VersionTable};
 use crate::wire::{self, TensorMeta, WorkerMessage};
 use crate::workers::{Departure, WorkerTable};
 use crate::{log_info, log_warn};
@@ -37,6 +38,8 @@ pub const NO_WORKER_WAIT: Duration = Duration::from_secs(5);
 const LIVENESS_SWEEP: Duration = Duration::from_millis(100);
 
 pub struct WorkRequest {
+    /// The model version it runs on (`VersionTable::resolve`).
+    pub target: Target,
     pub signature: String,
     pub tensors: Vec<TensorMeta>,
     pub frames: Vec<Bytes>,
@@ -62,6 +65,8 @@ pub struct WorkReply {
     /// retried request went).
     #[cfg_attr(not(test), allow(dead_code))]
     pub slot: String,
+    /// The model version that answered (the response's `model_spec.version`).
+    pub version: i64,
     /// When the worker's model call started and ended (wall-clock µs), if it said.
     pub span: Option<(i64, i64)>,
 }
@@ -111,7 +116,9 @@ pub enum DispatchError {
 pub struct Dispatcher {
     commands: mpsc::UnboundedSender<Command>,
     ids: Arc<AtomicU64>,
-    signatures: watch::Receiver<Option<Arc<ModelSignatures>>>,
+    signatures: watch::Receiver<Signatures>,
+    versions: watch::Receiver<Arc<VersionTable>>,
+    routable: watch::Receiver<Routable>,
     ready: watch::Receiver<usize>,
     copied: watch::Receiver<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
@@ -122,9 +129,34 @@ pub struct Dispatcher {
 }
 
 /// The served model, as the configuration names it: READY from anything else is not learned.
+/// `version` is the one served until the controller lists versions (`VersionTable`).
 pub struct ServedModel {
     pub name: String,
     pub version: i64,
+}
+
+/// Each version's signatures, as its workers reported them in READY.
+pub type Signatures = std::collections::BTreeMap<i64, Arc<ModelSignatures>>;
+
+/// Which versions a request can be sent to now: routable workers per version, and the
+/// latest AVAILABLE version (where requests that named none go).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Routable {
+    pub by_version: std::collections::BTreeMap<i64, usize>,
+    pub latest: Option<i64>,
+}
+
+impl Routable {
+    /// The version a request goes to now: its own while that has a worker; one that named
+    /// no version moves to the latest if its own has none left (it retired). None: no
+    /// worker can take it.
+    pub fn route(&self, target: Target) -> Option<i64> {
+        let has = |v: i64| self.by_version.get(&v).is_some_and(|n| *n > 0);
+        if has(target.version) {
+            return Some(target.version);
+        }
+        self.latest.filter(|l| !target.pinned && has(*l))
+    }
 }
 
 impl Dispatcher {
@@ -164,7 +196,10 @@ impl Dispatcher {
                 source,
             })?;
         let (commands, commands_rx) = mpsc::unbounded_channel();
-        let (signatures_tx, signatures) = watch::channel(None);
+        let (signatures_tx, signatures) = watch::channel(Signatures::new());
+        let table = VersionTable::configured(&model.name, model.version);
+        let (versions_tx, versions) = watch::channel(Arc::new(table));
+        let (routable_tx, routable) = watch::channel(Routable::default());
         let (ready_tx, ready) = watch::channel(0);
         let (copied_tx, copied) = watch::channel(Default::default());
         let actor = Actor {
@@ -184,6 +219,8 @@ impl Dispatcher {
             timeline: Timeline::new(DEFAULT_CAPACITY),
             model,
             signatures: signatures_tx,
+            versions: versions_tx,
+            routable: routable_tx,
             ready: ready_tx,
             copied: copied_tx,
             state: state.clone(),
@@ -194,6 +231,8 @@ impl Dispatcher {
             commands,
             ids: Arc::new(AtomicU64::new(1)),
             signatures,
+            versions,
+            routable,
             ready,
             copied,
             state,
@@ -202,8 +241,13 @@ impl Dispatcher {
         })
     }
 
-    pub fn signatures(&self) -> watch::Receiver<Option<Arc<ModelSignatures>>> {
+    pub fn signatures(&self) -> watch::Receiver<Signatures> {
         self.signatures.clone()
+    }
+
+    /// The served model's versions and labels (the controller's word).
+    pub fn versions(&self) -> Arc<VersionTable> {
+        self.versions.borrow().clone()
     }
 
     pub fn ready_workers(&self) -> watch::Receiver<usize> {
@@ -298,7 +342,7 @@ impl Dispatcher {
                     log_info!("retrying request {id} elsewhere: {why}");
                     self.state.retries.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(Outcome::NoWorker) => self.wait_for_worker(deadline).await?,
+                Ok(Outcome::NoWorker) => self.wait_for_worker(request.target, deadline).await?,
                 Err(_) => {
                     return Err(ServingError::new(
                         Code::Unavailable,
@@ -309,14 +353,19 @@ impl Dispatcher {
         }
     }
 
-    async fn wait_for_worker(&self, deadline: Option<Instant>) -> Result<(), ServingError> {
+    async fn wait_for_worker(
+        &self,
+        target: Target,
+        deadline: Option<Instant>,
+    ) -> Result<(), ServingError> {
         let mut limit = Instant::now() + self.no_worker_wait;
         let by_deadline = deadline.is_some_and(|d| d <= limit);
         if let Some(deadline) = deadline {
             limit = limit.min(deadline);
         }
-        let mut ready = self.ready.clone();
-        let waited = tokio::time::timeout_at(limit, ready.wait_for(|n| *n > 0)).await;
+        let mut routable = self.routable.clone();
+        let waited =
+            tokio::time::timeout_at(limit, routable.wait_for(|r| r.route(target).is_some())).await;
         match waited {
             Ok(Ok(_)) => Ok(()),
             _ if by_deadline => Err(ServingError::new(
@@ -350,6 +399,8 @@ struct Queued {
     request: Arc<WorkRequest>,
     answer: oneshot::Sender<Outcome>,
     arrived: std::time::Instant,
+    /// The version it goes to (its request's, or the latest if that one retired).
+    version: i64,
     /// Expected compute µs (the queue order's input).
     cost: f64,
     /// What must match for it to share a call (batching only), taken once on arrival. None:
@@ -441,7 +492,9 @@ struct Actor {
     wake_at: Option<std::time::Instant>,
     timeline: Timeline,
     model: ServedModel,
-    signatures: watch::Sender<Option<Arc<ModelSignatures>>>,
+    signatures: watch::Sender<Signatures>,
+    versions: watch::Sender<Arc<VersionTable>>,
+    routable: watch::Sender<Routable>,
     ready: watch::Sender<usize>,
     copied: watch::Sender<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
@@ -528,10 +581,10 @@ impl Actor {
         answer: oneshot::Sender<Outcome>,
         arrived: std::time::Instant,
     ) {
-        if self.table.ready() == 0 {
+        let Some(version) = self.routable.borrow().route(request.target) else {
             let _ = answer.send(Outcome::NoWorker);
             return;
-        }
+        };
         let rows = request.rows();
         if let Some(batching) = &self.batching {
             if self.queued_rows.saturating_add(rows) > batching.queue_rows() {
@@ -551,6 +604,7 @@ impl Actor {
             request,
             answer,
             arrived,
+            version,
             cost,
             merge_key,
         };
@@ -579,14 +633,22 @@ impl Actor {
     /// Send waiting requests, in the queue's order, while some worker has room.
     fn pump(&mut self) {
         while !self.queue.is_empty() {
-            let Some(handle) = self.table.pick(self.worker_inflight) else {
-                break; // all full (or none left: `departed` answers the queue then)
-            };
-            let identity = handle.identity.clone();
             let now = std::time::Instant::now();
-            let Some((id, head)) = self.queue_pop(now) else {
+            let Some((id, mut head)) = self.queue_pop(now) else {
                 break;
             };
+            let Some(version) = self.routable.borrow().route(head.request.target) else {
+                let _ = head.answer.send(Outcome::NoWorker); // its caller waits for one
+                continue;
+            };
+            head.version = version;
+            let Some(handle) = self.table.pick(self.worker_inflight, version) else {
+                // Its version's workers are all full. Requests for other versions wait
+                // behind it: two versions serve at once only while one replaces the other.
+                self.queue_push(id, head);
+                break;
+            };
+            let identity = handle.identity.clone();
             match self.gather(id, head, now) {
                 Gathered::Send { members, padded } => {
                     for (_, member) in &members {
@@ -632,6 +694,7 @@ impl Actor {
                 break;
             };
             let fits = other.merge_key.is_some()
+                && other.version == members[0].1.version
                 && other.merge_key == members[0].1.merge_key
                 && total + other.request.rows() <= max;
             if fits {
@@ -715,12 +778,8 @@ impl Actor {
                 if let Some(departure) = self.table.leave(&identity, "its connection is gone") {
                     self.departed(departure);
                 }
-                if self.table.ready() == 0 {
-                    pending.tell_all(|| Outcome::NoWorker);
-                } else {
-                    for (member_id, member) in pending.members {
-                        self.queue_push(member_id, member);
-                    }
+                for (member_id, member) in pending.members {
+                    self.requeue(member_id, member);
                 }
             }
             Err(zmq::Error::EAGAIN) => {
@@ -751,18 +810,45 @@ impl Actor {
             self.requests.remove(&pending.id);
             pending.tell_all(|| Outcome::Lost(why.clone()));
         }
-        if self.table.ready() == 0 {
-            // Nobody left to wait for here: the callers wait for a worker to come back.
-            while let Some((_, queued)) = self.queue_pop(std::time::Instant::now()) {
-                let _ = queued.answer.send(Outcome::NoWorker);
+        self.publish_ready();
+        if !self.queue.is_empty() {
+            // Requests no worker left here can take: their callers wait for one to come
+            // back (or for the latest version, if theirs retired).
+            let mut waiting = Vec::with_capacity(self.queue.len());
+            while let Some(entry) = self.queue_pop(std::time::Instant::now()) {
+                waiting.push(entry);
+            }
+            for (id, queued) in waiting {
+                self.requeue(id, queued);
             }
             self.publish_queue();
         }
         self.publish_ready();
     }
 
-    /// Membership changed: the ready count and the copied-weights gauge follow.
+    /// Back to the queue if some worker can take it; NoWorker to its caller otherwise.
+    fn requeue(&mut self, id: u64, queued: Queued) {
+        if self
+            .routable
+            .borrow()
+            .route(queued.request.target)
+            .is_some()
+        {
+            self.queue_push(id, queued);
+        } else {
+            let _ = queued.answer.send(Outcome::NoWorker);
+        }
+    }
+
+    /// Membership or versions changed: what is routable, the ready count and the
+    /// copied-weights gauge follow.
     fn publish_ready(&self) {
+        let routable = Routable {
+            by_version: self.table.ready_by_version(),
+            latest: self.versions.borrow().latest(),
+        };
+        self.routable
+            .send_if_modified(|r| std::mem::replace(r, routable.clone()) != routable);
         let copied = self.table.copied_bytes();
         self.copied
             .send_if_modified(|c| std::mem::replace(c, copied.clone()) != copied);
@@ -823,7 +909,7 @@ impl Actor {
                 let Some(handle) = self.table.seen(&identity, now) else {
                     return;
                 };
-                let slot = handle.slot.clone();
+                let (slot, version) = (handle.slot.clone(), handle.version);
                 self.requests.remove(&id);
                 let Some(pending) = self.table.resolve(&identity, id) else {
                     if let Some((start, end)) = t {
@@ -848,6 +934,7 @@ impl Actor {
                     tensors,
                     frames,
                     slot,
+                    version,
                     span: t,
                 };
                 self.answer(pending, reply);
@@ -893,7 +980,10 @@ impl Actor {
                 };
                 self.learn_signatures(&model, version, Bytes::copy_from_slice(signature_defs));
                 let weights = weights.unwrap_or(rmpv::Value::Nil);
-                if let Some(departure) = self.table.register(&identity, &slot, pid, weights, now) {
+                let joined = self
+                    .table
+                    .register(&identity, &slot, pid, version, weights, now);
+                if let Some(departure) = joined {
                     self.departed(departure);
                 }
                 log_info!("worker {slot} (pid {pid}) ready");
@@ -970,20 +1060,22 @@ impl Actor {
     }
 
     fn learn_signatures(&mut self, model: &str, version: i64, signature_defs: Bytes) {
-        if model != self.model.name || version != self.model.version {
+        if model != self.model.name {
             return;
         }
         let known = self
             .signatures
             .borrow()
-            .as_ref()
+            .get(&version)
             .map(|s| s.signature_defs.clone());
         if known.as_ref() == Some(&signature_defs) {
             return;
         }
         match signature::parse(signature_defs) {
             Ok(parsed) => {
-                self.signatures.send_replace(Some(Arc::new(parsed)));
+                self.signatures.send_modify(|all| {
+                    all.insert(version, Arc::new(parsed));
+                });
             }
             Err(error) => log_warn!("undecodable signatures from a worker of {model}: {error}"),
         }
@@ -1005,6 +1097,7 @@ impl Actor {
                 &mut control::Pool {
                     table: &mut self.table,
                     timeline: &mut self.timeline,
+                    versions: &self.versions,
                     state: &self.state,
                     now: Instant::now().into_std(),
                 },
@@ -1015,7 +1108,24 @@ impl Actor {
             for departure in departures {
                 self.departed(departure);
             }
+            self.forget_retired_signatures();
+            self.publish_ready(); // the versions may have changed
         }
+    }
+
+    /// Signatures of versions the controller no longer lists and no worker serves.
+    fn forget_retired_signatures(&mut self) {
+        let table = self.versions.borrow().clone();
+        if !table.from_controller {
+            return;
+        }
+        let table_lists = |v: &i64| table.versions.contains_key(v);
+        let served = self.table.ready_by_version();
+        self.signatures.send_if_modified(|all| {
+            let before = all.len();
+            all.retain(|v, _| table_lists(v) || served.contains_key(v));
+            all.len() != before
+        });
     }
 }
 

@@ -19,9 +19,8 @@ use crate::dispatch::{WorkReply, WorkRequest};
 use crate::inference::{self, Task};
 use crate::metrics::{Entrypoint, Method, Metrics, TfApi};
 use crate::proto::mpspool::tfs::{
-    model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
-    GetModelMetadataResponse, GetModelStatusRequest, GetModelStatusResponse, ModelSpec,
-    ModelVersionStatus, PredictRequest, PredictResponse, StatusProto,
+    model_spec::VersionChoice, GetModelMetadataRequest, GetModelMetadataResponse,
+    GetModelStatusRequest, GetModelStatusResponse, ModelSpec, PredictRequest, PredictResponse,
 };
 use crate::proto::tensorflow::serving::model_service_server::ModelService;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionService;
@@ -31,6 +30,9 @@ use crate::proto::tensorflow::serving::{
 };
 use crate::signature::{self, ModelSignatures, SignatureSpec};
 use crate::status::{Code, ServingError};
+use crate::versions::Target;
+#[cfg(test)]
+use crate::versions::VersionTable;
 
 /// Microseconds since the Unix epoch: the clock workers stamp their spans with.
 fn wall_micros() -> i64 {
@@ -44,7 +46,6 @@ pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.
 #[derive(Clone)]
 pub struct Api {
     pub model: String,
-    pub version: i64,
     pub dispatcher: Dispatcher,
     pub metrics: Arc<Metrics>,
     /// Outputs in `tensor_content` (TF Serving's `--enable_serialization_as_tensor_content`)
@@ -56,30 +57,30 @@ pub struct Api {
 }
 
 impl Api {
-    pub fn check_spec(&self, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
-        check_spec(&self.model, self.version, spec)
+    /// The version a request's spec names (TF Serving's rules: `VersionTable::resolve`).
+    pub fn resolve(&self, spec: Option<&ModelSpec>) -> Result<Target, ServingError> {
+        self.dispatcher.versions().resolve(spec)
     }
 
-    pub fn signatures(&self) -> Result<Arc<ModelSignatures>, ServingError> {
+    /// A version's signatures, as its workers reported them.
+    pub fn signatures(&self, version: i64) -> Result<Arc<ModelSignatures>, ServingError> {
         self.dispatcher
             .signatures()
             .borrow()
-            .clone()
+            .get(&version)
+            .cloned()
             .ok_or_else(|| {
                 ServingError::new(
                     Code::Unavailable,
-                    format!(
-                        "model {} version {} is still loading",
-                        self.model, self.version
-                    ),
+                    format!("model {} version {version} is still loading", self.model),
                 )
             })
     }
 
-    fn served_spec(&self, signature_name: &str) -> ModelSpec {
+    fn served_spec(&self, version: i64, signature_name: &str) -> ModelSpec {
         ModelSpec {
             name: self.model.clone(),
-            version_choice: Some(VersionChoice::Version(self.version)),
+            version_choice: Some(VersionChoice::Version(version)),
             signature_name: signature_name.to_string(),
         }
     }
@@ -113,8 +114,8 @@ impl Api {
         deadline: Option<Instant>,
         tensor_content: bool,
     ) -> Result<PredictResponse, ServingError> {
-        self.check_spec(request.model_spec.as_ref())?;
-        let signatures = self.signatures()?;
+        let target = self.resolve(request.model_spec.as_ref())?;
+        let signatures = self.signatures(target.version)?;
         let name = request
             .model_spec
             .as_ref()
@@ -139,6 +140,7 @@ impl Api {
             tensors.push((alias.to_string(), dtype, shape));
         }
         let work = WorkRequest {
+            target,
             signature: spec.key.clone(),
             tensors,
             frames,
@@ -146,7 +148,7 @@ impl Api {
         };
         let reply = self.run(work, deadline, TfApi::Predict).await?;
         let mut response = PredictResponse {
-            model_spec: Some(self.served_spec(&spec.key)),
+            model_spec: Some(self.served_spec(reply.version, &spec.key)),
             ..PredictResponse::default()
         };
         let output_tensor = if tensor_content {
@@ -171,21 +173,23 @@ impl Api {
         task: Task,
         deadline: Option<Instant>,
     ) -> Result<(WorkReply, usize, ModelSpec), ServingError> {
-        self.check_spec(spec)?;
+        let target = self.resolve(spec)?;
         let examples = inference::serialized_examples(input)?;
-        let signatures = self.signatures()?;
+        let signatures = self.signatures(target.version)?;
         let name = spec.map_or("", |s| s.signature_name.as_str());
         let (signature, outputs) =
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
         let reply = self
-            .run_task(signature, outputs, &examples, task, deadline)
+            .run_task(target, signature, outputs, &examples, task, deadline)
             .await?;
-        Ok((reply, examples.len(), self.served_spec(&signature.key)))
+        let served = self.served_spec(reply.version, &signature.key);
+        Ok((reply, examples.len(), served))
     }
 
     /// One checked Classify or Regress task on the worker.
     async fn run_task(
         &self,
+        target: Target,
         signature: &SignatureSpec,
         outputs: Vec<String>,
         examples: &[bytes::Bytes],
@@ -196,7 +200,7 @@ impl Api {
             Task::Classify => TfApi::Classify,
             Task::Regress => TfApi::Regress,
         };
-        let work = inference::work(signature, outputs, examples);
+        let work = inference::work(target, signature, outputs, examples);
         self.run(work, deadline, api).await
     }
 
@@ -292,11 +296,16 @@ impl Api {
                 "MultiInferenceRequest has no tasks",
             ));
         }
-        // Model and signatures first, so a bad task fails the request before any work.
-        let signatures = self.signatures()?;
+        // Model and signatures first, so a bad task fails the request before any work. Every
+        // task runs on the version the first names (they all name one model).
+        let target = Target {
+            pinned: true,
+            ..self.resolve(tasks[0].0)?
+        };
+        let signatures = self.signatures(target.version)?;
         let mut plans = Vec::with_capacity(tasks.len());
         for (spec, kind) in tasks {
-            self.check_spec(spec)?;
+            self.resolve(spec)?;
             let name = spec
                 .map(|s| s.signature_name.as_str())
                 .filter(|s| !s.is_empty())
@@ -316,7 +325,7 @@ impl Api {
         let mut response = MultiInferenceResponse::default();
         for (signature, outputs, kind) in plans {
             let reply = self
-                .run_task(signature, outputs, &examples, kind, deadline)
+                .run_task(target, signature, outputs, &examples, kind, deadline)
                 .await?;
             let result = match kind {
                 Task::Classify => inference_result::Result::ClassificationResult(
@@ -330,7 +339,7 @@ impl Api {
                 self.metrics.tf_serving.record_examples(n); // as TF Serving: once it ran
             }
             response.results.push(InferenceResult {
-                model_spec: Some(self.served_spec(&signature.key)),
+                model_spec: Some(self.served_spec(reply.version, &signature.key)),
                 result: Some(result),
             });
         }
@@ -341,7 +350,7 @@ impl Api {
         &self,
         request: &GetModelMetadataRequest,
     ) -> Result<GetModelMetadataResponse, ServingError> {
-        self.check_spec(request.model_spec.as_ref())?;
+        let target = self.resolve(request.model_spec.as_ref())?;
         if request.metadata_field.is_empty() {
             return Err(ServingError::invalid_argument(
                 "GetModelMetadataRequest must specify at least one metadata_field",
@@ -356,9 +365,9 @@ impl Api {
                 "Metadata field {other} is not supported"
             )));
         }
-        let signatures = self.signatures()?;
+        let signatures = self.signatures(target.version)?;
         let mut response = GetModelMetadataResponse {
-            model_spec: Some(self.served_spec("")),
+            model_spec: Some(self.served_spec(target.version, "")),
             ..GetModelMetadataResponse::default()
         };
         response.metadata.insert(
@@ -375,80 +384,16 @@ impl Api {
         &self,
         request: &GetModelStatusRequest,
     ) -> Result<GetModelStatusResponse, ServingError> {
-        check_status_spec(&self.model, self.version, request.model_spec.as_ref())?;
-        let available = *self.dispatcher.ready_workers().borrow() > 0
-            && self.dispatcher.signatures().borrow().is_some();
-        let state = if available {
-            model_version_status::State::Available
-        } else {
-            model_version_status::State::Loading
-        };
+        let signatures = self.dispatcher.signatures().borrow().clone();
+        let ready = *self.dispatcher.ready_workers().borrow() > 0;
+        let up = |version: i64| ready && signatures.contains_key(&version);
+        let model_version_status = self
+            .dispatcher
+            .versions()
+            .status(request.model_spec.as_ref(), up)?;
         Ok(GetModelStatusResponse {
-            model_version_status: vec![ModelVersionStatus {
-                version: self.version,
-                state: state as i32,
-                status: Some(StatusProto::default()),
-            }],
+            model_version_status,
         })
-    }
-}
-
-/// NOT_FOUND unless the request names this model and (if any) this version; an empty name is
-/// INVALID_ARGUMENT, as TF Serving answers it.
-pub fn check_spec(model: &str, version: i64, spec: Option<&ModelSpec>) -> Result<(), ServingError> {
-    let Some(spec) = spec.filter(|s| !s.name.is_empty()) else {
-        return Err(ServingError::invalid_argument(
-            "ModelSpec has no name specified.",
-        ));
-    };
-    let wanted = match &spec.version_choice {
-        Some(VersionChoice::Version(v)) if spec.name != model || *v != version => {
-            Some(format!("Specific({}, {v})", spec.name))
-        }
-        Some(VersionChoice::Version(_)) => None,
-        _ if spec.name != model => Some(format!("Latest({})", spec.name)),
-        _ => None,
-    };
-    if let Some(wanted) = wanted {
-        return Err(ServingError::new(
-            Code::NotFound,
-            format!("Servable not found for request: {wanted}"),
-        ));
-    }
-    // TF Serving resolves labels from its model config; this pool serves one version,
-    // which answers to its own number as a label (perf_analyzer sends -x that way).
-    if let Some(VersionChoice::VersionLabel(label)) = &spec.version_choice {
-        if *label != version.to_string() {
-            return Err(ServingError::invalid_argument(format!(
-                "Unrecognized servable version label: {label}"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// GetModelStatus's own checks (TF Serving's GetModelStatusImpl): a spec is required; with a
-/// version, that exact version of that model must exist; without one, any version of it.
-pub fn check_status_spec(
-    model: &str,
-    version: i64,
-    spec: Option<&ModelSpec>,
-) -> Result<(), ServingError> {
-    let Some(spec) = spec else {
-        return Err(ServingError::invalid_argument("Missing ModelSpec"));
-    };
-    match &spec.version_choice {
-        Some(VersionChoice::Version(v)) if spec.name != model || *v != version => {
-            Err(ServingError::new(
-                Code::NotFound,
-                format!("Could not find version {v} of model {}", spec.name),
-            ))
-        }
-        _ if spec.name != model => Err(ServingError::new(
-            Code::NotFound,
-            format!("Could not find any versions of model {}", spec.name),
-        )),
-        _ => Ok(()),
     }
 }
 
@@ -586,8 +531,10 @@ mod tests {
         }
     }
 
+    /// A pool serving version 3 of demo, as configured (before the controller lists any).
     fn refusal(spec: Option<&ModelSpec>) -> Option<(Code, String)> {
-        check_spec("demo", 3, spec)
+        VersionTable::configured("demo", 3)
+            .resolve(spec)
             .err()
             .map(|e| (e.code, e.message))
     }
@@ -642,7 +589,8 @@ mod tests {
     fn status_specs_are_checked_as_tf_serving_does() {
         use VersionChoice::{Version, VersionLabel};
         let refusal = |spec: Option<&ModelSpec>| {
-            check_status_spec("demo", 3, spec)
+            VersionTable::configured("demo", 3)
+                .status(spec, |_| true)
                 .err()
                 .map(|e| (e.code, e.message))
         };

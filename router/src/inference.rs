@@ -21,6 +21,7 @@ use crate::proto::tensorflow::serving::{
 };
 use crate::signature::{ModelSignatures, SignatureSpec, DEFAULT_SIGNATURE};
 use crate::status::ServingError;
+use crate::versions::Target;
 use crate::wire;
 
 pub const CLASSIFY_METHOD: &str = "tensorflow/serving/classify";
@@ -176,8 +177,14 @@ fn preprocess(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingEr
 }
 
 /// The worker call: the examples as the signature's `inputs` string tensor.
-pub fn work(spec: &SignatureSpec, outputs: Vec<String>, examples: &[Bytes]) -> WorkRequest {
+pub fn work(
+    target: Target,
+    spec: &SignatureSpec,
+    outputs: Vec<String>,
+    examples: &[Bytes],
+) -> WorkRequest {
     WorkRequest {
+        target,
         signature: spec.key.clone(),
         tensors: vec![(INPUTS.to_string(), DT_STRING, vec![examples.len() as i64])],
         frames: vec![Bytes::from(wire::encode_strings(examples))],
@@ -426,6 +433,7 @@ mod tests {
             tensors,
             frames,
             slot: "cpu-0".into(),
+            version: 1,
             span: None,
         }
     }

@@ -26,6 +26,7 @@ mod status;
 mod tfs_metrics;
 mod timeline;
 mod tls;
+mod versions;
 mod wire;
 mod workers;
 
@@ -164,7 +165,6 @@ async fn serve(config: Config) -> ExitCode {
     }
     let api = grpc::Api {
         model: config.model_name.clone(),
-        version: config.model_version,
         dispatcher,
         metrics,
         tensor_content_outputs: config.serialize_as_tensor_content,

@@ -385,8 +385,8 @@ impl Rest {
     ) -> Result<String, ServingError> {
         let parsed = json_tensor::parse_predict(body)?;
         let spec = model_spec(model, version, &parsed.signature_name);
-        self.api.check_spec(Some(&spec))?;
-        let signatures = self.api.signatures()?;
+        let target = self.api.resolve(Some(&spec))?;
+        let signatures = self.api.signatures(target.version)?;
         let key = if parsed.signature_name.is_empty() {
             DEFAULT_SIGNATURE
         } else {

@@ -14,6 +14,7 @@ use bytes::{Bytes, BytesMut};
 
 use crate::dispatch::{WorkReply, WorkRequest};
 use crate::status::{Code, ServingError};
+use crate::versions::Target;
 use crate::wire::{self, TensorMeta};
 
 pub(crate) const DT_STRING: i32 = 7;
@@ -53,7 +54,12 @@ pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)
                     (name.clone(), *dtype, shape)
                 })
                 .collect();
+            // Every chunk on the same version: their answers are joined into one.
             let chunk = WorkRequest {
+                target: Target {
+                    pinned: true,
+                    ..request.target
+                },
                 signature: request.signature.clone(),
                 tensors,
                 frames: pieces.iter().map(|p| p[i].clone()).collect(),
@@ -122,7 +128,7 @@ pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
         .iter()
         .map(|(name, dtype, _)| (name.clone(), *dtype))
         .collect();
-    let slot = first.slot.clone();
+    let (slot, version) = (first.slot.clone(), first.version);
     let mut total_rows = 0i64;
     let mut span: Option<(i64, i64)> = None;
     let mut columns: Vec<Vec<Bytes>> = vec![Vec::with_capacity(parts.len()); layout.len()];
@@ -169,6 +175,7 @@ pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
         tensors,
         frames,
         slot,
+        version,
         span,
     })
 }
@@ -209,6 +216,10 @@ mod tests {
         let x: Vec<f32> = (0..10).map(|v| v as f32).collect();
         let s: Vec<Vec<u8>> = (0..5).map(|i| format!("row{i}").into_bytes()).collect();
         WorkRequest {
+            target: crate::versions::Target {
+                version: 1,
+                pinned: false,
+            },
             signature: "serving_default".into(),
             tensors: vec![
                 ("x".into(), 1, vec![5, 2]),
@@ -225,6 +236,7 @@ mod tests {
             tensors: chunk.tensors.clone(),
             frames: chunk.frames.clone(),
             slot: "cpu-0".into(),
+            version: 1,
             span: Some(t),
         }
     }

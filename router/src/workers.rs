@@ -17,6 +17,8 @@ use crate::policies::Choose;
 pub struct WorkerHandle<P> {
     pub slot: String,
     pub pid: i64,
+    /// The model version it serves (from its READY).
+    pub version: i64,
     pub identity: Vec<u8>,
     pub last_seen: Instant,
     /// Request id → what waits for its answer.
@@ -64,6 +66,7 @@ impl<P> WorkerTable<P> {
         identity: &[u8],
         slot: &str,
         pid: i64,
+        version: i64,
         weights: rmpv::Value,
         now: Instant,
     ) -> Option<Departure<P>> {
@@ -80,6 +83,7 @@ impl<P> WorkerTable<P> {
             .or_insert_with(|| WorkerHandle {
                 slot: slot.to_string(),
                 pid,
+                version,
                 identity: identity.to_vec(),
                 last_seen: now,
                 inflight: HashMap::new(),
@@ -87,6 +91,7 @@ impl<P> WorkerTable<P> {
                 weights: rmpv::Value::Nil,
             });
         handle.last_seen = now;
+        handle.version = version;
         handle.weights = weights;
         self.by_slot.insert(slot.to_string(), identity.to_vec());
         if self.declared_dead.get(slot) != Some(&pid) {
@@ -161,16 +166,30 @@ impl<P> WorkerTable<P> {
         self.by_slot.len()
     }
 
-    /// The worker for the next request among those with fewer than `limit` requests in
-    /// flight (0: no limit); None when none is routable or every one is full.
-    pub fn pick(&mut self, limit: usize) -> Option<&mut WorkerHandle<P>> {
+    /// Routable workers per model version.
+    pub fn ready_by_version(&self) -> BTreeMap<i64, usize> {
+        let mut counts = BTreeMap::new();
+        for identity in self.by_slot.values() {
+            if let Some(handle) = self.by_identity.get(identity) {
+                *counts.entry(handle.version).or_insert(0) += 1;
+            }
+        }
+        counts
+    }
+
+    /// The worker of `version` for the next request, among those with fewer than `limit`
+    /// requests in flight (0: no limit); None when none is routable or every one is full.
+    pub fn pick(&mut self, limit: usize, version: i64) -> Option<&mut WorkerHandle<P>> {
         let mut candidates: Vec<&Vec<u8>> = Vec::with_capacity(self.by_slot.len());
         let mut inflight: Vec<usize> = Vec::with_capacity(self.by_slot.len());
         for identity in self.by_slot.values() {
-            let load = self
-                .by_identity
-                .get(identity)
-                .map_or(0, |h| h.inflight.len());
+            let Some(handle) = self.by_identity.get(identity) else {
+                continue;
+            };
+            if handle.version != version {
+                continue;
+            }
+            let load = handle.inflight.len();
             if limit == 0 || load < limit {
                 candidates.push(identity);
                 inflight.push(load);
@@ -233,6 +252,7 @@ impl<P> WorkerTable<P> {
                 let silent = now.saturating_duration_since(h.last_seen).as_secs_f64();
                 let fields = vec![
                     (rmpv::Value::from("pid"), rmpv::Value::from(h.pid)),
+                    (rmpv::Value::from("version"), rmpv::Value::from(h.version)),
                     (
                         rmpv::Value::from("inflight"),
                         rmpv::Value::from(h.inflight.len() as u64),
@@ -271,7 +291,7 @@ mod tests {
     }
 
     fn join(t: &mut Table, slot: &str, pid: i64, now: Instant) -> Option<Departure<u32>> {
-        t.register(&ident(slot, pid), slot, pid, rmpv::Value::Nil, now)
+        t.register(&ident(slot, pid), slot, pid, 1, rmpv::Value::Nil, now)
     }
 
     /// What the dispatcher does before sending: park the request on the worker.
@@ -281,7 +301,7 @@ mod tests {
     }
 
     fn slots(t: &mut Table, n: usize) -> Vec<String> {
-        (0..n).map(|_| t.pick(0).unwrap().slot.clone()).collect()
+        (0..n).map(|_| t.pick(0, 1).unwrap().slot.clone()).collect()
     }
 
     fn sorted(mut pending: Vec<u32>) -> Vec<u32> {
@@ -295,10 +315,10 @@ mod tests {
     fn register_makes_a_worker_routable() {
         let (mut t, now) = table("round-robin");
         assert_eq!(t.ready(), 0);
-        assert!(t.pick(0).is_none());
+        assert!(t.pick(0, 1).is_none());
         assert!(join(&mut t, "cpu-0", 101, now).is_none());
         assert_eq!(t.ready(), 1);
-        let handle = t.pick(0).unwrap();
+        let handle = t.pick(0, 1).unwrap();
         assert_eq!(
             (handle.slot.as_str(), handle.pid, handle.identity.clone()),
             ("cpu-0", 101, ident("cpu-0", 101))
@@ -363,7 +383,7 @@ mod tests {
         assert!(gone.reason.contains("exited"), "{}", gone.reason);
         assert_eq!(gone.pending, vec![1]);
         assert_eq!(t.ready(), 0);
-        assert!(t.pick(0).is_none());
+        assert!(t.pick(0, 1).is_none());
         // An exit is not a liveness verdict.
         assert!(t.declared_dead.is_empty());
     }
@@ -378,7 +398,7 @@ mod tests {
         assert!(replaced.reason.contains("re-registered by pid 202"));
         assert_eq!(replaced.pending, vec![1]);
         assert_eq!(t.ready(), 1);
-        assert_eq!(t.pick(0).unwrap().identity, ident("cpu-0", 202));
+        assert_eq!(t.pick(0, 1).unwrap().identity, ident("cpu-0", 202));
         assert!(
             t.seen(&ident("cpu-0", 101), now).is_none(),
             "the old incarnation is forgotten"
@@ -387,7 +407,7 @@ mod tests {
         assert_eq!(t.resolve(&ident("cpu-0", 101), 1), None);
         // And a late "gone" for the old pid does not remove the new incarnation.
         assert!(t.gone("cpu-0", 101).is_none());
-        assert_eq!(t.pick(0).unwrap().pid, 202);
+        assert_eq!(t.pick(0, 1).unwrap().pid, 202);
     }
 
     // -- liveness -----------------------------------------------------------------
@@ -504,6 +524,37 @@ mod tests {
     }
 
     #[test]
+    fn a_request_goes_only_to_workers_of_its_version() {
+        let (mut t, now) = table("round-robin");
+        join(&mut t, "cpu-0@1", 101, now);
+        t.register(
+            &ident("cpu-0@2", 201),
+            "cpu-0@2",
+            201,
+            2,
+            rmpv::Value::Nil,
+            now,
+        );
+        t.register(
+            &ident("cpu-1@2", 202),
+            "cpu-1@2",
+            202,
+            2,
+            rmpv::Value::Nil,
+            now,
+        );
+        assert_eq!(t.ready_by_version(), BTreeMap::from([(1, 1), (2, 2)]));
+        for _ in 0..4 {
+            assert_eq!(t.pick(0, 1).unwrap().version, 1);
+            assert_eq!(t.pick(0, 2).unwrap().version, 2);
+        }
+        assert!(t.pick(0, 3).is_none());
+        t.leave(&ident("cpu-0@1", 101), "bye");
+        assert_eq!(t.ready_by_version(), BTreeMap::from([(2, 2)]));
+        assert!(t.pick(0, 1).is_none());
+    }
+
+    #[test]
     fn a_full_worker_is_skipped_and_none_is_picked_when_all_are_full() {
         let (mut t, now) = table("round-robin");
         join(&mut t, "cpu-0", 1, now);
@@ -511,14 +562,14 @@ mod tests {
         send(&mut t, "cpu-0", 1, 1);
         // Limit 1: only cpu-1 has room, whatever the turn says.
         for _ in 0..3 {
-            assert_eq!(t.pick(1).unwrap().slot, "cpu-1");
+            assert_eq!(t.pick(1, 1).unwrap().slot, "cpu-1");
         }
         send(&mut t, "cpu-1", 2, 2);
-        assert!(t.pick(1).is_none());
-        assert!(t.pick(2).is_some());
-        assert!(t.pick(0).is_some()); // no limit
+        assert!(t.pick(1, 1).is_none());
+        assert!(t.pick(2, 1).is_some());
+        assert!(t.pick(0, 1).is_some()); // no limit
         t.resolve(&ident("cpu-0", 1), 1);
-        assert_eq!(t.pick(1).unwrap().slot, "cpu-0");
+        assert_eq!(t.pick(1, 1).unwrap().slot, "cpu-0");
     }
 
     #[test]
@@ -561,15 +612,15 @@ mod tests {
         assert_eq!(
             json(t.snapshot(later)),
             serde_json::json!({
-                "cpu-0": {"pid": 101, "inflight": 2, "answered": 0, "silent_s": 1.75, "weights": null},
-                "cpu-1": {"pid": 102, "inflight": 0, "answered": 1, "silent_s": 0.0, "weights": null},
+                "cpu-0": {"pid": 101, "version": 1, "inflight": 2, "answered": 0, "silent_s": 1.75, "weights": null},
+                "cpu-1": {"pid": 102, "version": 1, "inflight": 0, "answered": 1, "silent_s": 0.0, "weights": null},
             })
         );
         // Replaced: the snapshot shows the new incarnation only.
         join(&mut t, "cpu-0", 201, later);
         assert_eq!(
             json(t.snapshot(later))["cpu-0"],
-            serde_json::json!({"pid": 201, "inflight": 0, "answered": 0, "silent_s": 0.0, "weights": null})
+            serde_json::json!({"pid": 201, "version": 1, "inflight": 0, "answered": 0, "silent_s": 0.0, "weights": null})
         );
     }
 
@@ -606,7 +657,7 @@ mod tests {
                 (rmpv::Value::from("b:0"), rmpv::Value::from(4u64)),
             ]),
         )]);
-        t.register(b"cpu-0:10", "cpu-0", 10, report, now);
+        t.register(b"cpu-0:10", "cpu-0", 10, 1, report, now);
         join(&mut t, "cpu-1", 11, now);
         let copied = t.copied_bytes();
         assert_eq!(copied.get("cpu-0"), Some(&12));

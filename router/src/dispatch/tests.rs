@@ -33,6 +33,17 @@ struct FakeWorker {
 
 impl FakeWorker {
     fn start(run_dir: &str, slot: &str, pid: i64, behaviour: Behaviour) -> FakeWorker {
+        FakeWorker::serving(run_dir, slot, pid, 1, behaviour)
+    }
+
+    /// A worker of model version `version`.
+    fn serving(
+        run_dir: &str,
+        slot: &str,
+        pid: i64,
+        version: i64,
+        behaviour: Behaviour,
+    ) -> FakeWorker {
         let endpoint = wire::endpoint(run_dir, wire::WORKERS_ENDPOINT);
         let slot = slot.to_string();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -48,8 +59,8 @@ impl FakeWorker {
             socket.set_linger(0).unwrap();
             socket.connect(&endpoint).unwrap();
             let ready = rmp_serde::to_vec_named(&serde_json::json!({
-                "v": 1, "k": "ready", "slot": slot, "pid": pid, "model": "m", "version": 1,
-                "weights": null
+                "v": 1, "k": "ready", "slot": slot, "pid": pid, "model": "m",
+                "version": version, "weights": null
             }))
             .unwrap();
             socket.send_multipart([ready, Vec::new()], 0).unwrap();
@@ -198,6 +209,10 @@ fn start_scheduled(run_dir: &str, scheduling: &Scheduling) -> (Dispatcher, Arc<R
 /// A request of `rows` rows of one float.
 fn rows_request(rows: usize) -> WorkRequest {
     WorkRequest {
+        target: Target {
+            version: 1,
+            pinned: false,
+        },
         signature: "serving_default".into(),
         tensors: vec![("x".into(), 1, vec![rows as i64, 1])],
         frames: vec![Bytes::from(vec![0u8; 4 * rows])],
@@ -287,6 +302,10 @@ async fn a_queued_request_past_its_deadline_leaves_the_queue() {
 
 fn request() -> WorkRequest {
     WorkRequest {
+        target: Target {
+            version: 1,
+            pinned: false,
+        },
         signature: "serving_default".into(),
         tensors: vec![("x".into(), 1, vec![1, 2])],
         frames: vec![Bytes::from_static(&[0, 0, 128, 63, 0, 0, 0, 64])],
@@ -312,7 +331,7 @@ async fn a_request_is_answered_with_the_workers_frames() {
     assert_eq!(reply.tensors, vec![("x".to_string(), 1, vec![1, 2])]);
     assert_eq!(&reply.frames[0][..], &[0, 0, 128, 63, 0, 0, 0, 64]);
     assert!(
-        dispatcher.signatures().borrow().is_some(),
+        dispatcher.signatures().borrow().contains_key(&1),
         "learned from READY"
     );
     assert_eq!(worker.served(), 1);
@@ -1065,5 +1084,109 @@ async fn beyond_max_enqueued_batches_requests_are_refused_as_tf_serving_does() {
     for call in waiting {
         assert!(call.await.unwrap().is_ok());
     }
+    dispatcher.shutdown();
+}
+
+fn aimed(version: i64, pinned: bool) -> WorkRequest {
+    WorkRequest {
+        target: Target { version, pinned },
+        ..request()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_run_on_their_version_and_unnamed_ones_follow_the_latest() {
+    use crate::proto::mpspool::tfs::ModelSpec;
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start(&dir, Duration::from_secs(3));
+    let _one = FakeWorker::serving(&dir, "cpu-0@1", 100, 1, Behaviour::Echo);
+    let _two = FakeWorker::serving(&dir, "cpu-0@2", 200, 2, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let unnamed = ModelSpec {
+        name: "m".into(),
+        ..ModelSpec::default()
+    };
+    // Until the controller lists versions, the configured one (1) is the latest.
+    let target = dispatcher.versions().resolve(Some(&unnamed)).unwrap();
+    assert_eq!(
+        target,
+        Target {
+            version: 1,
+            pinned: false
+        }
+    );
+    for (target, answered_by) in [
+        (target, 1),
+        (
+            Target {
+                version: 2,
+                pinned: true,
+            },
+            2,
+        ),
+    ] {
+        let work = WorkRequest {
+            target,
+            ..request()
+        };
+        assert_eq!(
+            dispatcher.call(work, None).await.unwrap().version,
+            answered_by
+        );
+    }
+    let signatures = dispatcher.signatures().borrow().clone();
+    assert_eq!(signatures.keys().copied().collect::<Vec<_>>(), vec![1, 2]);
+
+    // Version 2 takes over; 1 retires: new requests resolve to 2, one already aimed at 1
+    // still runs there while 1 has a worker, and moves to 2 once it has none.
+    let listed = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 1, "versions": [
+            {"version": 1, "state": "UNLOADING"}, {"version": 2, "state": "AVAILABLE"}]}),
+    );
+    assert_eq!(listed["ok"], true);
+    let target = dispatcher.versions().resolve(Some(&unnamed)).unwrap();
+    assert_eq!(
+        target,
+        Target {
+            version: 2,
+            pinned: false
+        }
+    );
+    assert_eq!(
+        dispatcher
+            .call(aimed(1, false), None)
+            .await
+            .unwrap()
+            .version,
+        1
+    );
+    let gone = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "gone", "n": 2, "slot": "cpu-0@1", "pid": 100}),
+    );
+    assert_eq!(gone["ok"], true);
+    assert_eq!(
+        dispatcher
+            .call(aimed(1, false), None)
+            .await
+            .unwrap()
+            .version,
+        2
+    );
+    // One that named version 1 does not: it waits for a worker of 1, then gives up.
+    let mut dispatcher = dispatcher;
+    dispatcher.no_worker_wait = Duration::from_millis(200);
+    let refused = dispatcher.call(aimed(1, true), None).await.unwrap_err();
+    assert_eq!(refused.code, Code::Unavailable);
+
+    // Once the controller lists 1 no more, its signatures go.
+    ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 3, "versions": [
+            {"version": 2, "state": "AVAILABLE"}]}),
+    );
+    let signatures = dispatcher.signatures().borrow().clone();
+    assert_eq!(signatures.keys().copied().collect::<Vec<_>>(), vec![2]);
     dispatcher.shutdown();
 }

@@ -1,0 +1,472 @@
+//! The served model's versions and labels, as the controller (their one owner) last said, and
+//! how a request's `ModelSpec` resolves to one of them — TF Serving's rules and messages:
+//! - no version: the latest AVAILABLE version ("Latest(name)");
+//! - a version number: that version, if AVAILABLE ("Specific(name, v)");
+//! - a label: the version the label names (`version_labels` in the model config), or a
+//!   version's own number written as a label (perf_analyzer's `-x` sends it that way);
+//! - anything else: NOT_FOUND, or INVALID_ARGUMENT for an unknown label.
+//!
+//! Until the controller says anything (`versions` on the control channel), the table holds
+//! the version the pool was configured with, AVAILABLE: the pool as it was before versions
+//! could change.
+
+use std::collections::BTreeMap;
+
+use crate::proto::mpspool::tfs::{
+    model_spec::VersionChoice, model_version_status, ModelSpec, ModelVersionStatus, StatusProto,
+};
+use crate::status::{Code, ServingError};
+
+/// TF Serving's version states (`ModelVersionStatus.State`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VersionState {
+    Start,
+    Loading,
+    Available,
+    Unloading,
+    End,
+}
+
+impl VersionState {
+    pub fn parse(name: &str) -> Option<VersionState> {
+        match name {
+            "START" => Some(VersionState::Start),
+            "LOADING" => Some(VersionState::Loading),
+            "AVAILABLE" => Some(VersionState::Available),
+            "UNLOADING" => Some(VersionState::Unloading),
+            "END" => Some(VersionState::End),
+            _ => None,
+        }
+    }
+
+    fn proto(self) -> model_version_status::State {
+        match self {
+            VersionState::Start => model_version_status::State::Start,
+            VersionState::Loading => model_version_status::State::Loading,
+            VersionState::Available => model_version_status::State::Available,
+            VersionState::Unloading => model_version_status::State::Unloading,
+            VersionState::End => model_version_status::State::End,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct VersionEntry {
+    pub state: VersionState,
+    /// Why a version failed to load ("" when it did not).
+    pub error: String,
+}
+
+/// Where a request goes: a version, and whether the client named it. A request that did not
+/// name one may move to the newest version if its own retires before it is sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub version: i64,
+    pub pinned: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct VersionTable {
+    pub model: String,
+    pub versions: BTreeMap<i64, VersionEntry>,
+    pub labels: BTreeMap<String, i64>,
+    /// Whether the controller has spoken (until then: the configured version only).
+    pub from_controller: bool,
+}
+
+impl VersionTable {
+    pub fn configured(model: &str, version: i64) -> VersionTable {
+        let available = VersionEntry {
+            state: VersionState::Available,
+            error: String::new(),
+        };
+        VersionTable {
+            model: model.to_string(),
+            versions: BTreeMap::from([(version, available)]),
+            labels: BTreeMap::new(),
+            from_controller: false,
+        }
+    }
+
+    /// The newest AVAILABLE version.
+    pub fn latest(&self) -> Option<i64> {
+        self.versions
+            .iter()
+            .rev()
+            .find(|(_, e)| e.state == VersionState::Available)
+            .map(|(v, _)| *v)
+    }
+
+    fn available(&self, version: i64) -> bool {
+        self.versions
+            .get(&version)
+            .is_some_and(|e| e.state == VersionState::Available)
+    }
+
+    /// The version a Predict, Classify, Regress, MultiInference or GetModelMetadata runs on.
+    pub fn resolve(&self, spec: Option<&ModelSpec>) -> Result<Target, ServingError> {
+        let Some(spec) = spec.filter(|s| !s.name.is_empty()) else {
+            return Err(ServingError::invalid_argument(
+                "ModelSpec has no name specified.",
+            ));
+        };
+        let not_found = |wanted: String| {
+            ServingError::new(
+                Code::NotFound,
+                format!("Servable not found for request: {wanted}"),
+            )
+        };
+        let specific = |v: i64| not_found(format!("Specific({}, {v})", spec.name));
+        match &spec.version_choice {
+            Some(VersionChoice::Version(v)) => {
+                if spec.name != self.model || !self.available(*v) {
+                    return Err(specific(*v));
+                }
+                Ok(Target {
+                    version: *v,
+                    pinned: true,
+                })
+            }
+            Some(VersionChoice::VersionLabel(label)) => {
+                if spec.name != self.model {
+                    return Err(not_found(format!("Latest({})", spec.name)));
+                }
+                let version = self.label(label)?;
+                if !self.available(version) {
+                    return Err(specific(version));
+                }
+                Ok(Target {
+                    version,
+                    pinned: true,
+                })
+            }
+            None => {
+                let latest = self.latest().filter(|_| spec.name == self.model);
+                let version = latest.ok_or_else(|| not_found(format!("Latest({})", spec.name)))?;
+                Ok(Target {
+                    version,
+                    pinned: false,
+                })
+            }
+        }
+    }
+
+    fn label(&self, label: &str) -> Result<i64, ServingError> {
+        if let Some(version) = self.labels.get(label) {
+            return Ok(*version);
+        }
+        match label.parse::<i64>() {
+            Ok(version) if self.versions.contains_key(&version) => Ok(version),
+            _ => Err(ServingError::invalid_argument(format!(
+                "Unrecognized servable version label: {label}"
+            ))),
+        }
+    }
+
+    /// GetModelStatus (TF Serving's GetModelStatusImpl): every version the pool knows, or
+    /// the one the spec names. `up(v)`: whether version v has a worker and its signatures
+    /// (before the controller speaks, that is what makes the configured version AVAILABLE).
+    pub fn status(
+        &self,
+        spec: Option<&ModelSpec>,
+        up: impl Fn(i64) -> bool,
+    ) -> Result<Vec<ModelVersionStatus>, ServingError> {
+        let Some(spec) = spec else {
+            return Err(ServingError::invalid_argument("Missing ModelSpec"));
+        };
+        // As TF Serving's GetModelStatusImpl: a label is not looked at (all versions).
+        let wanted = match &spec.version_choice {
+            Some(VersionChoice::Version(v)) => Some(*v),
+            _ => None,
+        };
+        if spec.name != self.model && wanted.is_none() {
+            return Err(ServingError::new(
+                Code::NotFound,
+                format!("Could not find any versions of model {}", spec.name),
+            ));
+        }
+        if let Some(v) =
+            wanted.filter(|v| spec.name != self.model || !self.versions.contains_key(v))
+        {
+            return Err(ServingError::new(
+                Code::NotFound,
+                format!("Could not find version {v} of model {}", spec.name),
+            ));
+        }
+        Ok(self
+            .versions
+            .iter()
+            .rev()
+            .filter(|(v, _)| wanted.is_none_or(|w| w == **v))
+            .map(|(version, entry)| {
+                let state = match entry.state {
+                    VersionState::Available if !self.from_controller && !up(*version) => {
+                        VersionState::Loading
+                    }
+                    state => state,
+                };
+                let status = if entry.error.is_empty() {
+                    StatusProto::default()
+                } else {
+                    StatusProto {
+                        error_code: Code::Unknown as i32,
+                        error_message: entry.error.clone(),
+                    }
+                };
+                ModelVersionStatus {
+                    version: *version,
+                    state: state.proto() as i32,
+                    status: Some(status),
+                }
+            })
+            .collect())
+    }
+
+    /// The table the controller sent: `versions` a list of {version, state, error}, `labels`
+    /// a map of label → version; a label must name a listed version.
+    pub fn from_control(
+        model: &str,
+        versions: &[rmpv::Value],
+        labels: Option<&rmpv::Value>,
+    ) -> Result<VersionTable, String> {
+        let mut table = VersionTable {
+            model: model.to_string(),
+            versions: BTreeMap::new(),
+            labels: BTreeMap::new(),
+            from_controller: true,
+        };
+        for entry in versions {
+            let get = |name: &str| {
+                entry.as_map().and_then(|m| {
+                    m.iter()
+                        .find(|(k, _)| k.as_str() == Some(name))
+                        .map(|(_, v)| v)
+                })
+            };
+            let version = get("version").and_then(rmpv::Value::as_i64);
+            let state = get("state")
+                .and_then(rmpv::Value::as_str)
+                .and_then(VersionState::parse);
+            let (Some(version), Some(state)) = (version, state) else {
+                return Err(
+                    "each version needs version and state (START, LOADING, AVAILABLE, \
+                     UNLOADING or END)"
+                        .to_string(),
+                );
+            };
+            let error = get("error")
+                .and_then(rmpv::Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            table
+                .versions
+                .insert(version, VersionEntry { state, error });
+        }
+        match labels {
+            None | Some(rmpv::Value::Nil) => {}
+            Some(rmpv::Value::Map(entries)) => {
+                for (label, version) in entries {
+                    let (Some(label), Some(version)) = (label.as_str(), version.as_i64()) else {
+                        return Err("labels maps a label to a version number".to_string());
+                    };
+                    if !table.versions.contains_key(&version) {
+                        return Err(format!("label {label} names version {version}, not listed"));
+                    }
+                    table.labels.insert(label.to_string(), version);
+                }
+            }
+            Some(_) => return Err("labels maps a label to a version number".to_string()),
+        }
+        Ok(table)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, choice: Option<VersionChoice>) -> ModelSpec {
+        ModelSpec {
+            name: name.to_string(),
+            version_choice: choice,
+            signature_name: String::new(),
+        }
+    }
+
+    fn table() -> VersionTable {
+        let versions = [
+            rmpv::Value::Map(vec![
+                ("version".into(), 1.into()),
+                ("state".into(), "UNLOADING".into()),
+            ]),
+            rmpv::Value::Map(vec![
+                ("version".into(), 2.into()),
+                ("state".into(), "AVAILABLE".into()),
+            ]),
+            rmpv::Value::Map(vec![
+                ("version".into(), 3.into()),
+                ("state".into(), "END".into()),
+                ("error".into(), "cannot load: no variables".into()),
+            ]),
+        ];
+        let labels = rmpv::Value::Map(vec![("stable".into(), 2.into()), ("old".into(), 1.into())]);
+        VersionTable::from_control("demo", &versions, Some(&labels)).unwrap()
+    }
+
+    fn target(v: i64, pinned: bool) -> Target {
+        Target { version: v, pinned }
+    }
+
+    #[test]
+    fn requests_resolve_as_tf_serving_resolves_them() {
+        let t = table();
+        assert_eq!(t.latest(), Some(2));
+        assert_eq!(t.resolve(Some(&spec("demo", None))), Ok(target(2, false)));
+        let v = |v| Some(VersionChoice::Version(v));
+        let l = |l: &str| Some(VersionChoice::VersionLabel(l.to_string()));
+        assert_eq!(t.resolve(Some(&spec("demo", v(2)))), Ok(target(2, true)));
+        assert_eq!(
+            t.resolve(Some(&spec("demo", l("stable")))),
+            Ok(target(2, true))
+        );
+        assert_eq!(t.resolve(Some(&spec("demo", l("2")))), Ok(target(2, true)));
+        let not_found = |m: &str| Err(ServingError::new(Code::NotFound, m));
+        // Retiring, failed or unknown versions take no new requests.
+        for version in [1, 3, 7] {
+            assert_eq!(
+                t.resolve(Some(&spec("demo", v(version)))),
+                not_found(&format!(
+                    "Servable not found for request: Specific(demo, {version})"
+                ))
+            );
+        }
+        assert_eq!(
+            t.resolve(Some(&spec("demo", l("old")))),
+            not_found("Servable not found for request: Specific(demo, 1)")
+        );
+        assert_eq!(
+            t.resolve(Some(&spec("demo", l("canary")))),
+            Err(ServingError::invalid_argument(
+                "Unrecognized servable version label: canary"
+            ))
+        );
+        assert_eq!(
+            t.resolve(Some(&spec("other", None))),
+            not_found("Servable not found for request: Latest(other)")
+        );
+        assert_eq!(
+            t.resolve(Some(&spec("", None))),
+            Err(ServingError::invalid_argument(
+                "ModelSpec has no name specified."
+            ))
+        );
+    }
+
+    #[test]
+    fn nothing_available_is_not_found_for_latest() {
+        let versions = [rmpv::Value::Map(vec![
+            ("version".into(), 4.into()),
+            ("state".into(), "LOADING".into()),
+        ])];
+        let t = VersionTable::from_control("demo", &versions, None).unwrap();
+        assert_eq!(
+            t.resolve(Some(&spec("demo", None))),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Servable not found for request: Latest(demo)"
+            ))
+        );
+    }
+
+    #[test]
+    fn status_lists_every_version_with_its_state_and_error() {
+        let t = table();
+        let all = t.status(Some(&spec("demo", None)), |_| true).unwrap();
+        let states: Vec<(i64, i32)> = all.iter().map(|s| (s.version, s.state)).collect();
+        use model_version_status::State;
+        assert_eq!(
+            states,
+            vec![
+                (3, State::End as i32),
+                (2, State::Available as i32),
+                (1, State::Unloading as i32)
+            ]
+        );
+        let failed = all[0].status.as_ref().unwrap();
+        assert_eq!(failed.error_code, Code::Unknown as i32);
+        assert_eq!(failed.error_message, "cannot load: no variables");
+        let one = t
+            .status(Some(&spec("demo", Some(VersionChoice::Version(1)))), |_| {
+                true
+            })
+            .unwrap();
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].version, 1);
+        let labelled = Some(VersionChoice::VersionLabel("x".into()));
+        assert_eq!(
+            t.status(Some(&spec("demo", labelled)), |_| true)
+                .unwrap()
+                .len(),
+            3
+        );
+        assert_eq!(
+            t.status(Some(&spec("nope", Some(VersionChoice::Version(2)))), |_| {
+                true
+            }),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Could not find version 2 of model nope"
+            ))
+        );
+        assert_eq!(
+            t.status(Some(&spec("demo", Some(VersionChoice::Version(9)))), |_| {
+                true
+            }),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Could not find version 9 of model demo"
+            ))
+        );
+        assert_eq!(
+            t.status(Some(&spec("nope", None)), |_| true),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Could not find any versions of model nope"
+            ))
+        );
+        assert_eq!(
+            t.status(None, |_| true),
+            Err(ServingError::invalid_argument("Missing ModelSpec"))
+        );
+    }
+
+    #[test]
+    fn the_configured_version_is_loading_until_it_is_up() {
+        let t = VersionTable::configured("demo", 5);
+        assert_eq!(t.resolve(Some(&spec("demo", None))), Ok(target(5, false)));
+        let state = |up: bool| t.status(Some(&spec("demo", None)), |_| up).unwrap()[0].state;
+        use model_version_status::State;
+        assert_eq!(state(false), State::Loading as i32);
+        assert_eq!(state(true), State::Available as i32);
+    }
+
+    #[test]
+    fn a_bad_table_from_the_controller_is_refused() {
+        let bad_state = [rmpv::Value::Map(vec![
+            ("version".into(), 1.into()),
+            ("state".into(), "READY".into()),
+        ])];
+        assert!(VersionTable::from_control("m", &bad_state, None)
+            .unwrap_err()
+            .contains("START, LOADING"));
+        let ok = [rmpv::Value::Map(vec![
+            ("version".into(), 1.into()),
+            ("state".into(), "AVAILABLE".into()),
+        ])];
+        let dangling = rmpv::Value::Map(vec![("stable".into(), 2.into())]);
+        assert_eq!(
+            VersionTable::from_control("m", &ok, Some(&dangling)).unwrap_err(),
+            "label stable names version 2, not listed"
+        );
+    }
+}
