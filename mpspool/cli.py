@@ -130,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
         "with the right inputs and outputs)",
     )
     start.add_argument(
+        "--version-policy",
+        "--model-version-policy",
+        default="latest:1",
+        help="which versions under the base path are served, as TF Serving's "
+        "model_version_policy: latest[:N] (the newest N, default 1), all, or "
+        "specific:V[,V...]; each version gets its own workers",
+    )
+    start.add_argument(
+        "--file-system-poll-wait-seconds",
+        "--file_system_poll_wait_seconds",
+        dest="file_system_poll_wait_s",
+        type=float,
+        default=1.0,
+        help="how often the base path is read for new and removed versions (default "
+        "%(default)s s, as TF Serving; 0: only at start)",
+    )
+    start.add_argument(
         "--enable-model-warmup",
         "--enable_model_warmup",
         dest="model_warmup",
@@ -396,12 +413,24 @@ def cmd_start(args: argparse.Namespace) -> int:
     else:
         base_path = args.model_base_path.resolve()
         name = args.model_name or base_path.name
-    from mpspool.demo_model import latest_version
+    from mpspool.demo_model import latest_version, versions_on_disk
+    from mpspool.supervisor.versions import VersionPolicy
 
     try:
-        version = latest_version(base_path)
+        policy = VersionPolicy.parse(args.version_policy)
+    except ValueError as exc:
+        raise ConfigError(f"--version-policy: {exc}") from None
+    try:
+        latest_version(base_path)  # says what was expected when there is no version at all
+        wanted = policy.aspired(versions_on_disk(base_path), set())
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    if not wanted:
+        found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))
+        raise ConfigError(
+            f"no version in {base_path} fits --version-policy {policy.describe()} (found {found})"
+        )
+    version = max(wanted)
     run_dir = args.run_dir.resolve()
     config = PoolConfig(
         model_name=name,
@@ -433,6 +462,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         allow_copied_weights=args.allow_copied_weights,
+        version_policy=args.version_policy,
+        file_system_poll_wait_s=args.file_system_poll_wait_s,
         model_warmup=args.model_warmup,
         warmup_iterations=args.warmup_iterations,
         **_batching_fields(args),
@@ -607,15 +638,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     if pool.get("cpu_placement"):
         front = pool.get("router_cpus") or "-"
         print(f"CPUs: {pool['cpu_placement']} (front door now on {front})")
+    versions = ", ".join(
+        f"{v['version']} {v['state']}" + (f" ({v['error']})" if v["error"] else "")
+        for v in status.get("versions", [])
+    )
+    print(f"versions ({pool.get('version_policy')}): {versions or '-'}")
     print(
-        f"{'SLOT':<10} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
+        f"{'SLOT':<10} {'VERSION':>7} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
         f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<14} REASON"
     )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
         print(
-            f"{s['slot']:<10} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} {s['restarts']:>8} "
-            f"{s['inflight']:>8} {s['served']:>9}  {s.get('cpus') or '-':<9} "
+            f"{s['slot']:<10} {s['version']:>7} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} "
+            f"{s['restarts']:>8} {s['inflight']:>8} {s['served']:>9}  {s.get('cpus') or '-':<9} "
             f"{_weights(s.get('weights')):<14} {s['reason']}"
         )
     for g in status.get("gpus", []):

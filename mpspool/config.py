@@ -206,6 +206,11 @@ class PoolConfig:
     worker_inflight: int = 0
     # Requests with more rows run as chunks of at most this many on several workers (0: off).
     split_rows: int = 0
+    # Which versions under the base path are served (supervisor/versions.py, TF Serving's
+    # model_version_policy: "latest:N", "all", "specific:V,..."), and how often the base path
+    # is read for new and removed versions (0: only at start).
+    version_policy: str = "latest:1"
+    file_system_poll_wait_s: float = 1.0
     # Before a worker says READY it replays the version's recorded requests
     # (assets.extra/tf_serving_warmup_requests, worker/warmup.py) this many times each, as TF
     # Serving's --enable_model_warmup and --num_request_iterations_for_warmup; a version
@@ -240,16 +245,23 @@ class PoolConfig:
 
     @property
     def model_path(self) -> str:
-        return str(Path(self.model_base_path) / str(self.model_version))
+        """The version the pool started with."""
+        return self.version_path(self.model_version)
+
+    def version_path(self, version: int) -> str:
+        return str(Path(self.model_base_path) / str(version))
 
     @property
     def weights_segment(self) -> str:
-        """The shared-memory file of this model version's weights; "" when not sharing."""
+        return self.segment_for(self.model_version)
+
+    def segment_for(self, version: int) -> str:
+        """The shared-memory file of a model version's weights; "" when not sharing."""
         if not self.share_weights:
             return ""
         from mpspool.segment import segment_path
 
-        return str(segment_path(self.pool_id, self.model_name, self.model_version))
+        return str(segment_path(self.pool_id, self.model_name, version))
 
     @property
     def slots(self) -> list[str]:
@@ -312,6 +324,16 @@ class PoolConfig:
             )
         if self.worker_inflight < 0 or self.split_rows < 0:
             raise ConfigError("--worker-inflight and --split-rows must be >= 0")
+        if self.file_system_poll_wait_s < 0:
+            raise ConfigError(
+                f"--file_system_poll_wait_seconds must be >= 0, got {self.file_system_poll_wait_s}"
+            )
+        from mpspool.supervisor.versions import VersionPolicy
+
+        try:
+            VersionPolicy.parse(self.version_policy)
+        except ValueError as exc:
+            raise ConfigError(f"--version-policy: {exc}") from None
         if self.warmup_iterations < 1:
             raise ConfigError(
                 f"--num_request_iterations_for_warmup must be >= 1, got {self.warmup_iterations}"

@@ -105,12 +105,27 @@ def demo_inputs(
     }
 
 
-def latest_version(base_path: str | Path) -> int:
-    """The highest numeric subdirectory of ``base_path`` holding a SavedModel (TF Serving's rule).
+def versions_on_disk(base_path: str | Path) -> set[int]:
+    """The numeric subdirectories of ``base_path`` holding a SavedModel (TF Serving's rule).
 
     Non-numeric entries (staging directories, README files) and numeric directories without
-    saved_model.pb / saved_model.pbtxt (a copy still in progress) are ignored.
+    saved_model.pb / saved_model.pbtxt (a copy still in progress) are ignored. OSError when
+    the base path cannot be read.
     """
+    return {
+        int(entry.name)
+        for entry in Path(base_path).iterdir()
+        # isascii(): str.isdigit() also accepts digits such as "²" that int() rejects.
+        if entry.name.isascii()
+        and entry.name.isdigit()
+        and entry.is_dir()
+        and any((entry / name).is_file() for name in SAVED_MODEL_FILES)
+    }
+
+
+def latest_version(base_path: str | Path) -> int:
+    """The highest version in ``base_path`` (`versions_on_disk`); the error says what was
+    expected when there is none."""
     base = Path(base_path)
     expected = (
         f"expected a numeric version subdirectory (e.g. {base / '1'}) "
@@ -120,15 +135,7 @@ def latest_version(base_path: str | Path) -> int:
         raise NoServableVersionError(
             f"model base path {base} does not exist or is not a directory; {expected}"
         )
-    versions = [
-        int(entry.name)
-        for entry in base.iterdir()
-        # isascii(): str.isdigit() also accepts digits such as "²" that int() rejects.
-        if entry.name.isascii()
-        and entry.name.isdigit()
-        and entry.is_dir()
-        and any((entry / name).is_file() for name in SAVED_MODEL_FILES)
-    ]
+    versions = versions_on_disk(base)
     if not versions:
         raise NoServableVersionError(f"no servable model version found in {base}: {expected}")
     return max(versions)

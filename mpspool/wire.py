@@ -72,6 +72,12 @@ def endpoint(run_dir: str, name: str) -> str:
     return f"ipc://{run_dir}/{name}"
 
 
+def slot_key(placement: str, version: int) -> str:
+    """The slot a worker registers as: its placement and its model version ("cpu-0@2"), as
+    two versions' workers share a placement while one replaces the other."""
+    return f"{placement}@{version}"
+
+
 def worker_identity(slot: str, pid: int) -> bytes:
     return f"{slot}:{pid}".encode()
 

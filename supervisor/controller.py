@@ -2,9 +2,11 @@
 
 Renders the pool into supervisord programs, starts supervisord, then runs one loop that
 owns every decision: which slot is READY, what to replace (a worker the router declared
-dead), how to back off a worker that cannot load its model and when to give up on it, and
-the shutdown order (router drains → workers stop → router stops → supervisord exits →
-run directory cleaned). Signal handlers and admin requests only enqueue; the loop acts.
+dead), how to back off a worker that cannot load its model and when to give up on it, which
+model versions are served (supervisor/versions.py: new version folders are published and
+get their own workers; versions the policy no longer wants drain and stop), and the
+shutdown order (router drains → workers stop → router stops → supervisord exits → run
+directory cleaned). Signal handlers and admin requests only enqueue; the loop acts.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -26,11 +29,13 @@ import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
 from mpspool.config import PoolConfig
+from mpspool.demo_model import versions_on_disk
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.gpu_watch import GpuWatch
-from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
+from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
 
@@ -49,6 +54,8 @@ SUPERVISORD_DEATHS_WINDOW_S = 300.0
 ROUTER_SILENT_DEATHS = 5
 # The router's expected exit codes: supervisord restarts it after any other.
 ROUTER_EXIT_CODES = (process.EXIT_OK, process.EXIT_CONFIG_ERROR)
+# Retired versions listed (END) in status and GetModelStatus, newest last.
+RETIRED_SHOWN = 5
 
 
 class PoolPhase(enum.Enum):
@@ -114,7 +121,18 @@ class Controller:
         self.created_run_dir = created_run_dir
         self.log_dir = Path(config.log_dir)
         self.phase = PoolPhase.STARTING
-        self.slots = {name: Slot(name) for name in config.slots}
+        self.policy = VersionPolicy.parse(config.version_policy)
+        # Model version → its group of workers; the first, the version found at start.
+        self.groups: dict[int, VersionGroup] = {}
+        first = self._new_group(config.model_version)
+        first.state = VersionState.LOADING
+        self.groups[first.version] = first
+        self.aspired = {config.model_version}  # what the policy wants, as last polled
+        self.failed: dict[int, str] = {}  # version → why it could not serve (while on disk)
+        self.retired: list[int] = []  # versions retired, newest last
+        self._next_poll = 0.0
+        self._poll_error = ""  # the last failure to read the base path, said once
+        self._versions_told: tuple[int, Any] | None = None  # (router pid, table) last sent
         self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
         self.events: deque[str] = deque()  # signals and admin requests, in arrival order
         self.exit_code = 0
@@ -162,8 +180,8 @@ class Controller:
         daemons = self.gpu.programs(env)
         workers = [
             sd.Program(
-                name=f"worker-{slot}",
-                group="workers",
+                name=program_name(slot.name, slot.version),
+                group=group.group,
                 command=[
                     python,
                     "-m",
@@ -171,10 +189,12 @@ class Controller:
                     "--run-dir",
                     str(self.run_dir),
                     "--slot",
-                    slot,
+                    slot.name,
+                    "--version",
+                    str(slot.version),
                 ],
                 priority=20,
-                environment={**env, **self.gpu.worker_environment(slot)},
+                environment={**env, **self.gpu.worker_environment(slot.name)},
                 # Started by the controller once what they need is ready (MPS daemons).
                 autostart=False,
                 # supervisord spawns and reports; the controller decides every restart, its
@@ -185,9 +205,23 @@ class Controller:
                 startsecs=0,
                 startretries=0,
             )
-            for slot in self.slots
+            for group in self.groups.values()
+            if group.state is not VersionState.END
+            for slot in group.slots.values()
         ]
         return [*daemons, router, *workers]
+
+    @property
+    def slots(self) -> dict[str, Slot]:
+        """Every version's slots, by key ("cpu-0@2")."""
+        return {key: slot for group in self.groups.values() for key, slot in group.slots.items()}
+
+    def _new_group(self, version: int) -> VersionGroup:
+        slots = {}
+        for name in self.config.slots:
+            slot = Slot(name, version)
+            slots[slot.key] = slot
+        return VersionGroup(version, slots, self.config.segment_for(version))
 
     # -- main loop ----------------------------------------------------------------
     def run(self) -> int:
@@ -201,16 +235,18 @@ class Controller:
             )
             for stale in segment.remove_stale():
                 log.info("removed a weight segment left by a pool that died: %s", stale)
+            first = self.groups[self.config.model_version]
             if self.config.share_weights and not self._publish():
                 return self.exit_code
             self._supervisord_config = text
             self._place_self()
             self.supervisord.start(text)
+            first.in_supervisord = True
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
             self.gpu.start(self.supervisord.process_info())
-            self._rpc("startProcessGroup", "workers", False)
-            for slot in self.slots.values():
+            self._rpc("startProcessGroup", first.group, False)
+            for slot in first.slots.values():
                 slot.start_pending = True
                 slot.change_state(WorkerState.STARTING, "spawned")
             failures = 0
@@ -295,20 +331,25 @@ class Controller:
             self._observe(
                 slot,
                 infos.get(slot.program, {}),
-                workers.get(slot.name),
-                dead.get(slot.name),
+                workers.get(slot.key),
+                dead.get(slot.key),
                 now,
                 router_answered,
             )
-        if all(s.state is WorkerState.FATAL for s in self.slots.values()):
-            reasons = {s.reason for s in self.slots.values()}
+        live = [
+            s
+            for g in self.groups.values()
+            if g.state in (VersionState.LOADING, VersionState.AVAILABLE) and g.publisher is None
+            for s in g.slots.values()
+        ]
+        if live and all(s.state is WorkerState.FATAL for s in live):
+            reasons = {s.reason for s in live}
             self._fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
             return
-        if (
-            not self._announced
-            and self.port
-            and any(s.state is WorkerState.READY for s in self.slots.values())
-        ):
+        self._reconcile_versions(now, snap, router_answered)
+        if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
+            return
+        if not self._announced and self.port and self._serving_version() is not None:
             self._announce()
 
     def _observe(
@@ -334,8 +375,8 @@ class Controller:
                 slot.load_failures = 0
                 self._start(slot, f"retrying {self.config.fatal_retry_s:g} s after FATAL")
             return
-        if slot.state in FINAL_STATES:
-            return
+        if slot.state in FINAL_STATES or slot.state is WorkerState.DRAINING:
+            return  # DRAINING: its version is retiring, which owns it now
         if state in (sd.STARTING, sd.RUNNING) and pid:
             slot.start_pending = False
             if pid != slot.pid:
@@ -417,14 +458,14 @@ class Controller:
         slot.change_state(WorkerState.FATAL, slot.reason)
 
     def _publish(self) -> bool:
-        """Publish the model's weights into shared memory before any worker starts: a
-        one-shot child (it needs TensorFlow, which the controller never loads)."""
+        """Publish the first version's weights into shared memory before any worker starts:
+        a one-shot child (it needs TensorFlow, which the controller never loads). Later
+        versions are published the same way while the pool serves (`_load`)."""
         started = time.monotonic()
-        log_path = self.log_dir / "publish.log"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
+        version = self.config.model_version
+        with self._publish_log(version) as out:
             result = subprocess.run(
-                [sys.executable, "-m", "mpspool.worker.publish", "--run-dir", str(self.run_dir)],
+                self._publish_command(version),
                 cwd=self.run_dir,  # not a source checkout (see supervisord.py)
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
                 stdin=subprocess.DEVNULL,
@@ -433,18 +474,228 @@ class Controller:
                 preexec_fn=process.die_with_parent_sigterm,
             )
         if result.returncode != 0:
-            reason = process.fatal_reason(log_path.read_text(errors="replace"))
-            reason = reason or f"exit code {result.returncode}, see {log_path}"
-            self._fail_pool(f"publishing the weights failed: {reason}")
+            why = self._publish_failure(version, result.returncode)
+            self._fail_pool(f"publishing the weights failed: {why}")
             return False
-        size = Path(self.config.weights_segment).stat().st_size
+        size = Path(self.config.segment_for(version)).stat().st_size
         log.info(
-            "weights published to %s (%.1f MiB) in %.1f s",
-            self.config.weights_segment,
+            "weights of version %d published to %s (%.1f MiB) in %.1f s",
+            version,
+            self.config.segment_for(version),
             size / 2**20,
             time.monotonic() - started,
         )
         return True
+
+    def _publish_command(self, version: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mpspool.worker.publish",
+            "--run-dir",
+            str(self.run_dir),
+            "--version",
+            str(version),
+        ]
+
+    def _publish_log(self, version: int) -> Any:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        name = "publish.log" if version == self.config.model_version else f"publish-v{version}.log"
+        return open(self.log_dir / name, "ab")
+
+    def _publish_failure(self, version: int, code: int) -> str:
+        name = "publish.log" if version == self.config.model_version else f"publish-v{version}.log"
+        path = self.log_dir / name
+        reason = process.fatal_reason(path.read_text(errors="replace"))
+        return reason or f"exit code {code}, see {path}"
+
+    # -- model versions ------------------------------------------------------------
+    def _serving_version(self) -> int | None:
+        """Where requests that name no version go: the newest AVAILABLE version."""
+        available = [v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE]
+        return max(available) if available else None
+
+    def _reconcile_versions(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
+        """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
+        policy wants, move each group along, and tell the front door when anything changed."""
+        if now >= self._next_poll:
+            self._poll_versions(now)
+        # Newest first: a version that became AVAILABLE retires the one it replaces in the
+        # same tick.
+        for version in sorted(self.groups, reverse=True):
+            if version in self.groups:
+                self._advance(self.groups[version], now, snap)
+        self._tell_router_versions(router_answered)
+
+    def _poll_versions(self, now: float) -> None:
+        wait = self.config.file_system_poll_wait_s
+        self._next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
+        try:
+            on_disk = versions_on_disk(self.config.model_base_path)
+        except OSError as exc:
+            if str(exc) != self._poll_error:  # said once, not every poll
+                log.warning("cannot read the model base path (serving on): %s", exc)
+            self._poll_error = str(exc)
+            return
+        self._poll_error = ""
+        for version in [v for v in self.failed if v not in on_disk]:
+            del self.failed[version]  # gone: if it comes back, it is tried again
+        self.aspired = self.policy.aspired(on_disk, set(self.failed))
+        for version in sorted(self.aspired - set(self.groups)):
+            group = self._new_group(version)
+            self.groups[version] = group
+            self._load(group, now)
+
+    def _load(self, group: VersionGroup, now: float) -> None:
+        """START -> LOADING: publish its weights (a child process, polled by `_advance`),
+        or start its workers at once when weights are not shared."""
+        group.change_state(VersionState.LOADING, now, "new on disk")
+        if not self.config.share_weights:
+            self._start_group(group)
+            return
+        with self._publish_log(group.version) as out:
+            group.publisher = subprocess.Popen(
+                self._publish_command(group.version),
+                cwd=self.run_dir,
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=process.die_with_parent_sigterm,
+            )
+
+    def _start_group(self, group: VersionGroup) -> None:
+        self._sync_supervisord()
+        self._rpc("startProcessGroup", group.group, False)
+        for slot in group.slots.values():
+            slot.start_pending = True
+            slot.change_state(WorkerState.STARTING, f"version {group.version} loading")
+
+    def _advance(self, group: VersionGroup, now: float, snap: dict[str, Any]) -> None:
+        if group.state is VersionState.LOADING:
+            self._advance_loading(group, now)
+        elif group.state is VersionState.AVAILABLE:
+            # Retired once a version the policy wants serves in its place: never before,
+            # so a version that fails to load leaves the old one serving.
+            replaced = any(
+                g.state is VersionState.AVAILABLE and g.version in self.aspired
+                for g in self.groups.values()
+            )
+            if group.version not in self.aspired and replaced:
+                self._retire(group, now)
+        elif group.state is VersionState.UNLOADING:
+            workers = snap.get("workers", {})
+            busy = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
+            busy += int(snap.get("queued", 0))  # may be another version's: wait anyway
+            if busy and now - group.since < self.config.drain_timeout_s:
+                return
+            self._end_group(group, now, "retired")
+            self.retired = [*self.retired, group.version][-RETIRED_SHOWN:]
+
+    def _advance_loading(self, group: VersionGroup, now: float) -> None:
+        if group.publisher is not None:
+            code = group.publisher.poll()
+            if code is None:
+                return
+            group.publisher = None
+            if code != 0:
+                why = self._publish_failure(group.version, code)
+                self._fail_version(group, f"publishing the weights failed: {why}", now)
+                return
+            log.info("weights of version %d published", group.version)
+            self._start_group(group)
+            return
+        slots = list(group.slots.values())
+        ready = [s for s in slots if s.state is WorkerState.READY]
+        others = self._serving_version() is not None
+        if ready and (len(ready) == len(slots) or not others):
+            # The first version serves with its first worker; a replacement only when all
+            # of its workers are ready, so the pool never serves with fewer.
+            group.change_state(VersionState.AVAILABLE, now, f"{len(ready)} workers READY")
+            return
+        failed = [s for s in slots if s.load_failures and s.state in FINAL_STATES]
+        failed += [s for s in slots if s.load_failures and s.state is WorkerState.BACKOFF]
+        if others and failed:
+            # While another version serves, a version that cannot load is not retried.
+            self._fail_version(group, failed[0].reason, now)
+
+    def _fail_version(self, group: VersionGroup, reason: str, now: float) -> None:
+        log.error("version %d cannot serve: %s", group.version, reason)
+        group.error = reason
+        self.failed[group.version] = reason
+        self._end_group(group, now, reason)
+        if not self.groups:
+            self._fail_pool(reason)
+
+    def _retire(self, group: VersionGroup, now: float) -> None:
+        """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);
+        its workers finish what they have (`_advance`), then stop."""
+        group.change_state(VersionState.UNLOADING, now, "replaced")
+        for slot in group.slots.values():
+            if slot.state in (WorkerState.READY, WorkerState.STARTING):
+                slot.change_state(WorkerState.DRAINING, f"version {group.version} retiring")
+            elif slot.state is WorkerState.BACKOFF:
+                slot.change_state(WorkerState.STOPPED, f"version {group.version} retiring")
+
+    def _end_group(self, group: VersionGroup, now: float, why: str) -> None:
+        """Its processes stop, its program group leaves supervisord, its segment is unlinked
+        (the memory goes back with the processes that mapped it)."""
+        if group.publisher is not None:
+            group.publisher.terminate()
+            group.publisher.wait()
+            group.publisher = None
+        if group.in_supervisord:
+            self._rpc("stopProcessGroup", group.group, True)
+        for slot in group.slots.values():
+            self._forget(slot, why)
+            if slot.state is not WorkerState.STOPPED:
+                slot.change_state(WorkerState.STOPPED, why)
+        group.change_state(VersionState.END, now, why)
+        del self.groups[group.version]
+        if group.in_supervisord:
+            self._sync_supervisord()
+        if group.segment:
+            Path(group.segment).unlink(missing_ok=True)
+            Path(group.segment + ".partial").unlink(missing_ok=True)
+
+    def _sync_supervisord(self) -> None:
+        """supervisord's programs made to match the groups: the configuration rewritten and
+        reloaded, groups added and removed (supervisord's own reloadConfig protocol)."""
+        text = sd.render_config(
+            self.run_dir, self.log_dir, f"mpspool-{self.config.pool_id}", self.programs()
+        )
+        self._supervisord_config = text
+        added, _changed, removed = self.supervisord.update(text)
+        for name in removed:
+            self._rpc("removeProcessGroup", name)
+        for name in added:
+            self._rpc("addProcessGroup", name)
+        for group in self.groups.values():
+            group.in_supervisord = True
+
+    def _version_table(self) -> list[dict[str, Any]]:
+        """What the front door and status report: every group, the failed versions still on
+        disk, the last retired ones (END)."""
+        rows: dict[int, dict[str, Any]] = {}
+        for version in self.retired:
+            rows[version] = {"version": version, "state": VersionState.END.value, "error": ""}
+        for version, why in self.failed.items():
+            rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
+        for group in self.groups.values():
+            rows[group.version] = group.describe()
+        return [rows[v] for v in sorted(rows)]
+
+    def _tell_router_versions(self, router_answered: bool) -> None:
+        """The version table, to the front door when it changed or the front door is a new
+        one (which starts with the configured version only)."""
+        if not router_answered:
+            return
+        table = self._version_table()
+        told = (self._router_pid, table)
+        if told == self._versions_told:
+            return
+        if self.router.ask("versions", versions=table, labels={}) is not None:
+            self._versions_told = told
 
     def _restart_gpu(self, gpu: int, why: str) -> None:
         """Every worker of one GPU goes, in slot order; its daemon must answer again; then
@@ -483,7 +734,7 @@ class Controller:
         """The incarnation slot.pid is over: tell the router at once (its in-flight requests
         are retried elsewhere now, not after the liveness window)."""
         if slot.pid and tell_router:
-            self.router.ask("gone", slot=slot.name, pid=slot.pid)
+            self.router.ask("gone", slot=slot.key, pid=slot.pid)
         if slot.pid:
             slot.served_before += slot.answered
         slot.answered = 0
@@ -559,11 +810,13 @@ class Controller:
     def _announce(self) -> None:
         self._announced = True
         self.phase = PoolPhase.SERVING
-        ready = sum(s.state is WorkerState.READY for s in self.slots.values())
+        version = self._serving_version()
+        slots = self.groups[version].slots.values() if version is not None else []
+        ready = sum(s.state is WorkerState.READY for s in slots)
         host, model = self.config.host, self.config.model_name
         print(
-            f"mpspool: serving model {model!r} version {self.config.model_version} "
-            f"on {host}:{self.port} ({ready}/{len(self.slots)} workers ready)\n"
+            f"mpspool: serving model {model!r} version {version} "
+            f"on {host}:{self.port} ({ready}/{len(slots)} workers ready)\n"
             "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
             "ModelService, grpc.health.v1\n"
             f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
@@ -606,8 +859,9 @@ class Controller:
                 "pool_id": self.config.pool_id,
                 "phase": self.phase.value,
                 "model": self.config.model_name,
-                "version": self.config.model_version,
-                "model_path": self.config.model_path,
+                "version": self._serving_version(),
+                "version_policy": self.policy.describe(),
+                "model_base_path": self.config.model_base_path,
                 "listen": f"{self.config.host}:{self.port}" if self.port else None,
                 "metrics": (
                     f"http://{self.config.host}:{self.metrics_port}/metrics"
@@ -627,6 +881,7 @@ class Controller:
                 # Read back from the live processes, not from the config: what the OS applies.
                 "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
             },
+            "versions": self._version_table(),
             "slots": [self._describe(slot, now) for slot in self.slots.values()],
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
@@ -650,16 +905,23 @@ class Controller:
                 self._drain_router()
                 self.gpu.terminate_clients()
                 rpc = self.supervisord.rpc(timeout=60.0)
-                rpc.stopProcessGroup("workers", True)
+                for group in self.groups.values():
+                    if group.in_supervisord:
+                        rpc.stopProcessGroup(group.group, True)
                 self.gpu.quit()
                 rpc.stopProcess("router", True)
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("orderly stop failed (%s); shutting supervisord down", exc)
         self.supervisord.shutdown()
-        if self.config.weights_segment:
-            # The version retires with the pool; workers, which map it, are gone.
-            Path(self.config.weights_segment).unlink(missing_ok=True)
-            Path(self.config.weights_segment + ".partial").unlink(missing_ok=True)
+        for group in self.groups.values():
+            if group.publisher is not None:
+                group.publisher.terminate()
+                group.publisher.wait()
+                group.publisher = None
+            if group.segment:
+                # The versions retire with the pool; workers, which map them, are gone.
+                Path(group.segment).unlink(missing_ok=True)
+                Path(group.segment + ".partial").unlink(missing_ok=True)
         for slot in self.slots.values():
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, "pool stopped")

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpspool.supervisor.states import ALLOWED, IllegalTransition, WorkerState
+from mpspool.wire import slot_key
 
 log = logging.getLogger("mpspool.controller")
 
 
 @dataclass
 class Slot:
-    name: str  # also the supervisord program name's suffix
+    name: str  # its placement ("cpu-0", "gpu1-2"): cores, GPU and MPS context
+    version: int = 0  # the model version its workers serve
     state: WorkerState = WorkerState.STOPPED
     pid: int = 0  # the incarnation we have accounted for; 0 when none
     started_at: float = 0.0  # wall-clock start of the current incarnation
@@ -34,17 +36,23 @@ class Slot:
         return max(0, self.incarnations - 1)
 
     @property
+    def key(self) -> str:
+        """What it is known by to the router and in status: placement and version."""
+        return slot_key(self.name, self.version)
+
+    @property
     def program(self) -> str:
-        return f"workers:worker-{self.name}"
+        """Its supervisord program: one group per version."""
+        return f"v{self.version}:{program_name(self.name, self.version)}"
 
     def change_state(self, new: WorkerState, why: str = "") -> None:
         if new is self.state and new is not WorkerState.STARTING:
             return
         if new not in ALLOWED[self.state]:
-            raise IllegalTransition(f"slot {self.name}: {self.state.value} -> {new.value}")
+            raise IllegalTransition(f"slot {self.key}: {self.state.value} -> {new.value}")
         log.info(
             "slot %s: %s -> %s%s",
-            self.name,
+            self.key,
             self.state.value,
             new.value,
             f" ({why})" if why else "",
@@ -60,6 +68,7 @@ class Slot:
         )
         return {
             "slot": self.name,
+            "version": self.version,
             "state": self.state.value,
             "pid": self.pid or None,
             "uptime_s": round(now - self.started_at, 1) if running and self.started_at else None,
@@ -69,3 +78,7 @@ class Slot:
             "reason": self.reason,
             "weights": self.weights,
         }
+
+
+def program_name(placement: str, version: int) -> str:
+    return f"worker-{placement}-v{version}"

@@ -221,6 +221,16 @@ class Supervisord:
             preexec_fn=process.die_with_parent_sigterm,
         )
 
+    def update(self, config_text: str) -> tuple[list[str], list[str], list[str]]:
+        """Rewrite the configuration and have supervisord read it again: the program groups
+        (added, changed, removed). Nothing starts or stops by this; the caller adds and
+        removes groups (addProcessGroup, removeProcessGroup), as supervisorctl's update."""
+        conf = self.run_dir / CONF_FILE
+        conf.write_text(config_text)
+        os.chmod(conf, 0o600)
+        ((added, changed, removed),) = self.rpc().reloadConfig()
+        return list(added), list(changed), list(removed)
+
     def process_info(self) -> dict[str, dict[str, Any]]:
         return {f"{i['group']}:{i['name']}": i for i in self.rpc().getAllProcessInfo()}
 

@@ -54,8 +54,14 @@ STATE_NAMES = {
 LOAD_ERROR = "cannot load model demo: no SavedModel at /models/demo/1"
 
 
+def key_of(slot: str) -> str:
+    """A slot's key: "cpu-0" is version 1's (the version these pools start with)."""
+    return slot if "@" in slot else f"{slot}@1"
+
+
 def program_of(slot: str) -> str:
-    return f"workers:worker-{slot}"
+    name, version = key_of(slot).split("@")
+    return f"v{version}:worker-{name}-v{version}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,6 +96,28 @@ class FakeRPC:
             raise xmlrpc.client.Fault(60, f"ALREADY_STARTED: {name}")
         self._sd.set(name, sd.STARTING, pid=next(self._sd.pids))
         return True
+
+    def startProcessGroup(self, group: str, wait: bool = True) -> list[Any]:
+        self._sd.calls.append(("startProcessGroup", group))
+        for name, info in self._sd.programs.items():
+            if info["group"] == group:
+                self._sd.set(name, sd.STARTING, pid=next(self._sd.pids))
+        return []
+
+    def addProcessGroup(self, group: str) -> bool:
+        self._sd.calls.append(("addProcessGroup", group))
+        return True
+
+    def removeProcessGroup(self, group: str) -> bool:
+        self._sd.calls.append(("removeProcessGroup", group))
+        return True
+
+    def stopProcessGroup(self, group: str, wait: bool = True) -> list[Any]:
+        self._sd.calls.append(("stopProcessGroup", group))
+        for name, info in self._sd.programs.items():
+            if info["group"] == group and info["state"] in (sd.STARTING, sd.RUNNING):
+                self._sd.set(name, sd.STOPPED)
+        return []
 
     def stopProcess(self, name: str, wait: bool = True) -> bool:
         self._sd.calls.append(("stopProcess", name))
@@ -169,6 +197,26 @@ class FakeSupervisord:
     def process_info(self) -> dict[str, dict[str, Any]]:
         return copy.deepcopy(self.programs)
 
+    def update(self, text: str) -> tuple[list[str], list[str], list[str]]:
+        """reloadConfig: the program groups of ``text`` against those known; a new group's
+        programs appear STOPPED (added, not started), as supervisord's."""
+        self.calls.append(("update",))
+        conf = configparser.RawConfigParser()
+        conf.read_string(text)
+        wanted = {
+            section.split(":", 1)[1]: conf[section]["programs"].split(",")
+            for section in conf.sections()
+            if section.startswith("group:")
+        }
+        known = {info["group"] for info in self.programs.values()} - {"router", "mps"}
+        for group in wanted.keys() - known:
+            for name in wanted[group]:
+                self.set(f"{group}:{name}", sd.STOPPED)
+        for group in known - wanted.keys():
+            for program in [p for p, i in self.programs.items() if i["group"] == group]:
+                del self.programs[program]
+        return sorted(wanted.keys() - known), [], sorted(known - wanted.keys())
+
     def tail_reason(self, program: str) -> str:
         self.tailed.append(program)
         return self.logs.get(program, "")
@@ -189,15 +237,18 @@ class FakeRouter:
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
+        self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
         self.answering = True
         self.closed = False
 
     def register(self, slot: str, pid: int, answered: int = 0, inflight: int = 0) -> None:
+        slot = key_of(slot)
         self.workers[slot] = {"pid": pid, "inflight": inflight, "answered": answered}
         if self.declared_dead.get(slot) != pid:
             self.declared_dead.pop(slot, None)
 
     def declare_dead(self, slot: str) -> int:
+        slot = key_of(slot)
         pid = self.workers.pop(slot)["pid"]
         self.declared_dead[slot] = pid
         return pid
@@ -222,6 +273,9 @@ class FakeRouter:
         if op == "gpus":
             self.gpu_samples.append(fields["gpus"])
             return {"ok": True}
+        if op == "versions":
+            self.versions.append(fields["versions"])
+            return {"ok": True}
         raise AssertionError(f"the controller asked the router for {op!r}")
 
     def close(self) -> None:
@@ -244,13 +298,14 @@ class Pool:
         controller.router = self.router  # type: ignore[assignment]
 
     def slot(self, name: str) -> Slot:
-        return self.controller.slots[name]
+        return self.controller.slots[key_of(name)]
 
     def start(self, pids: dict[str, int] | None = None) -> None:
         """What Controller.run does after supervisord is up; the workers get pids."""
-        for name, slot in self.controller.slots.items():
+        for key, slot in self.controller.slots.items():
             slot.change_state(S.STARTING, "spawned")
-            self.sd.run(name, (pids or {}).get(name, 101 + int(name.split("-")[1])))
+            pid = (pids or {}).get(slot.name, 101 + int(slot.name.split("-")[1]))
+            self.sd.run(key, pid)
         self.tick()
 
     def tick(self, after_s: float = 0.0) -> None:
@@ -347,7 +402,7 @@ def test_a_slot_is_ready_once_registered_with_the_router(
     assert pool.controller.phase is PoolPhase.STARTING  # nobody can serve yet
     assert capsys.readouterr().out == ""
 
-    pool.router.register("cpu-0", 101, answered=3)
+    pool.router.register("cpu-0@1", 101, answered=3)
     pool.tick()
     assert pool.slot("cpu-0").state is S.READY
     assert pool.slot("cpu-1").state is S.STARTING
@@ -357,7 +412,7 @@ def test_a_slot_is_ready_once_registered_with_the_router(
     banner = capsys.readouterr().out
     assert "on 127.0.0.1:8500 (1/2 workers ready)" in banner
 
-    pool.router.register("cpu-1", 102)
+    pool.router.register("cpu-1@1", 102)
     pool.tick()
     pool.tick()
     assert pool.slot("cpu-1").state is S.READY
@@ -371,7 +426,7 @@ def test_a_slot_is_ready_once_registered_with_the_router(
 
 def test_a_registration_from_another_pid_does_not_make_the_slot_ready(pool: Pool):
     pool.start()
-    pool.router.register("cpu-0", 99)  # an incarnation supervisord no longer runs
+    pool.router.register("cpu-0@1", 99)  # an incarnation supervisord no longer runs
     pool.tick()
     assert pool.slot("cpu-0").state is S.STARTING
 
@@ -379,11 +434,11 @@ def test_a_registration_from_another_pid_does_not_make_the_slot_ready(pool: Pool
 def test_a_ready_slot_the_router_no_longer_knows_goes_back_to_starting(pool: Pool):
     pool.start()
     pool.make_ready("cpu-0")
-    del pool.router.workers["cpu-0"]  # e.g. it said BYE, process still running
+    del pool.router.workers["cpu-0@1"]  # e.g. it said BYE, process still running
     pool.tick()
     assert pool.slot("cpu-0").state is S.STARTING
     assert pool.slot("cpu-0").restarts == 0
-    pool.router.register("cpu-0", 101)
+    pool.router.register("cpu-0@1", 101)
     pool.tick()
     assert pool.slot("cpu-0").state is S.READY
 
@@ -397,25 +452,25 @@ def test_a_killed_worker_is_counted_reported_gone_and_ready_again(
     pool: Pool, attempts: list[Attempt]
 ):
     pool.start()
-    pool.make_ready("cpu-0", answered=5)
+    pool.make_ready("cpu-0@1", answered=5)
     pool.make_ready("cpu-1")
 
     # kill -9: supervisord restarted it before the next tick; the router has not noticed.
-    pool.sd.run("cpu-0", 201)
+    pool.sd.run("cpu-0@1", 201)
     pool.tick()
     slot = pool.slot("cpu-0")
     assert slot.state is S.STARTING
     assert slot.pid == 201
     assert slot.restarts == 1
-    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.router.gone == [("cpu-0@1", 101)]
     assert "cpu-0" not in pool.router.workers
     assert slot.describe()["served"] == 5, "the old incarnation's answers still count"
 
     pool.tick()  # nothing new: no second "gone", no second restart
-    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.router.gone == [("cpu-0@1", 101)]
     assert slot.restarts == 1
 
-    pool.router.register("cpu-0", 201, answered=2)
+    pool.router.register("cpu-0@1", 201, answered=2)
     pool.tick()
     assert slot.state is S.READY
     assert slot.describe()["served"] == 7
@@ -434,12 +489,12 @@ def test_a_killed_worker_is_counted_reported_gone_and_ready_again(
 
 def test_a_worker_replaced_before_it_was_ready_counts_as_a_restart(pool: Pool):
     pool.start()
-    pool.sd.run("cpu-1", 301)
+    pool.sd.run("cpu-1@1", 301)
     pool.tick()
     assert pool.slot("cpu-1").state is S.STARTING
     assert pool.slot("cpu-1").pid == 301
     assert pool.slot("cpu-1").restarts == 1
-    assert pool.router.gone == [("cpu-1", 102)]
+    assert pool.router.gone == [("cpu-1@1", 102)]
 
 
 def test_a_worker_declared_dead_is_killed_once(pool: Pool):
@@ -454,12 +509,12 @@ def test_a_worker_declared_dead_is_killed_once(pool: Pool):
     assert pool.slot("cpu-0").kill_sent_to == dead
 
     # supervisord restarts it; the replacement registers and clears the verdict.
-    pool.sd.run("cpu-0", 202)
+    pool.sd.run("cpu-0@1", 202)
     pool.tick()
     assert pool.slot("cpu-0").state is S.STARTING
     assert pool.slot("cpu-0").restarts == 1
-    assert pool.router.gone == [("cpu-0", dead)]
-    pool.router.register("cpu-0", 202)
+    assert pool.router.gone == [("cpu-0@1", dead)]
+    pool.router.register("cpu-0@1", 202)
     pool.tick()
     assert pool.slot("cpu-0").state is S.READY
     assert pool.router.declared_dead == {}
@@ -475,11 +530,11 @@ def test_a_worker_declared_dead_is_killed_once(pool: Pool):
 
 def test_a_clean_exit_nobody_asked_for_is_restarted(pool: Pool):
     pool.start()
-    pool.make_ready("cpu-0", answered=4)
-    pool.sd.exit("cpu-0", 0)  # expected by supervisord's exitcodes: it will not restart it
+    pool.make_ready("cpu-0@1", answered=4)
+    pool.sd.exit("cpu-0@1", 0)  # expected by supervisord's exitcodes: it will not restart it
     pool.tick()
     assert pool.sd.calls == [("startProcess", program_of("cpu-0"))]
-    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.router.gone == [("cpu-0@1", 101)]
     slot = pool.slot("cpu-0")
     assert slot.state is S.STARTING
     assert slot.describe()["served"] == 4
@@ -487,7 +542,7 @@ def test_a_clean_exit_nobody_asked_for_is_restarted(pool: Pool):
     new_pid = pool.sd.pid_of("cpu-0")
     pool.tick()
     assert slot.pid == new_pid
-    pool.router.register("cpu-0", new_pid)
+    pool.router.register("cpu-0@1", new_pid)
     pool.tick()
     assert slot.state is S.READY
     assert pool.sd.calls == [("startProcess", program_of("cpu-0"))]
@@ -501,15 +556,15 @@ def test_a_killed_ready_worker_is_restarted_by_the_controller_not_counted_as_a_f
     pool.sd.logs[program_of("cpu-0")] = ""  # nothing but TensorFlow's info lines
     for n in range(6):  # more kills than start_retries: a healthy worker never goes FATAL
         pid = pool.slot("cpu-0").pid
-        pool.sd.exit("cpu-0", -1)  # kill -9: supervisord does not restart workers
+        pool.sd.exit("cpu-0@1", -1)  # kill -9: supervisord does not restart workers
         pool.tick()
         slot = pool.slot("cpu-0")
         assert slot.state is S.STARTING
         assert slot.load_failures == 0
-        assert pool.router.gone[-1] == ("cpu-0", pid)
+        assert pool.router.gone[-1] == ("cpu-0@1", pid)
         assert len(pool.sd.rpc_calls("startProcess")) == n + 1
         pool.tick()
-        pool.router.register("cpu-0", pool.sd.pid_of("cpu-0"))
+        pool.router.register("cpu-0@1", pool.sd.pid_of("cpu-0"))
         pool.tick()
         assert slot.state is S.READY
     assert slot.restarts == 6
@@ -520,7 +575,7 @@ def test_a_worker_that_dies_while_starting_backs_off_with_how_it_ended(pool: Poo
     pool.make_ready("cpu-1")
     # Killed (or crashed) before it was ever ready, with nothing in its log but chatter.
     pool.sd.logs[program_of("cpu-0")] = ""
-    pool.sd.exit("cpu-0", -1)
+    pool.sd.exit("cpu-0@1", -1)
     pool.tick()
     slot = pool.slot("cpu-0")
     assert slot.state is S.BACKOFF and slot.load_failures == 1
@@ -531,7 +586,7 @@ def test_a_worker_that_dies_while_starting_backs_off_with_how_it_ended(pool: Poo
     pool.tick()
     pid = slot.pid
     pool.sd.logs[program_of("cpu-0")] = "ImportError: libcudart.so.12: cannot open"
-    pool.sd.exit("cpu-0", 1)
+    pool.sd.exit("cpu-0@1", 1)
     pool.tick()
     assert slot.state is S.BACKOFF and slot.load_failures == 2
     assert slot.reason == f"pid {pid} exit status 1: ImportError: libcudart.so.12: cannot open"
@@ -540,7 +595,7 @@ def test_a_worker_that_dies_while_starting_backs_off_with_how_it_ended(pool: Poo
 def test_a_crash_seen_as_exited_counts_as_a_restart(pool: Pool):
     pool.start()
     pool.make_ready("cpu-0")
-    pool.sd.exit("cpu-0", -1)
+    pool.sd.exit("cpu-0@1", -1)
     pool.tick()
     pool.tick()
     assert pool.slot("cpu-0").restarts == 1, "the same kill -9 seen as a new pid counts 1"
@@ -552,8 +607,8 @@ def test_supervisord_refusing_a_command_it_already_carried_out_is_not_an_error(p
     pool.make_ready("cpu-1")
 
     # cpu-0 exits 0 unasked; by the controller's startProcess it is already running again.
-    pool.sd.exit("cpu-0", 0)
-    pool.sd.before_call = lambda method, name: pool.sd.run("cpu-0", 501)
+    pool.sd.exit("cpu-0@1", 0)
+    pool.sd.before_call = lambda method, name: pool.sd.run("cpu-0@1", 501)
     pool.tick()  # startProcess answers ALREADY_STARTED
     assert pool.sd.rpc_calls("startProcess") == [("startProcess", program_of("cpu-0"))]
     assert pool.slot("cpu-0").state is S.STARTING
@@ -563,13 +618,13 @@ def test_supervisord_refusing_a_command_it_already_carried_out_is_not_an_error(p
 
     # cpu-1 is declared dead and exits on its own before the KILL lands: NOT_RUNNING.
     pool.router.declare_dead("cpu-1")
-    pool.sd.before_call = lambda method, name: pool.sd.exit("cpu-1", -1)
+    pool.sd.before_call = lambda method, name: pool.sd.exit("cpu-1@1", -1)
     pool.tick()
     assert pool.sd.rpc_calls("signalProcess") == [("signalProcess", program_of("cpu-1"), "KILL")]
     pool.sd.before_call = None
     pool.tick()
     assert pool.slot("cpu-1").state is S.STARTING
-    assert pool.router.gone == [("cpu-0", 101), ("cpu-1", 102)]
+    assert pool.router.gone == [("cpu-0@1", 101), ("cpu-1@1", 102)]
     pool.tick()
     assert len(pool.sd.rpc_calls("signalProcess")) == 1
 
@@ -587,11 +642,11 @@ def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attemp
     slot = pool.slot("cpu-0")
 
     # First failure: BACKOFF for backoff_s.
-    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.sd.exit("cpu-0@1", process.EXIT_LOAD_FAILED)
     pool.tick()
     assert slot.state is S.BACKOFF
     assert (slot.load_failures, slot.reason) == (1, LOAD_ERROR)
-    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.router.gone == [("cpu-0@1", 101)]
     pool.tick(0.9)
     assert pool.sd.rpc_calls("startProcess") == [], "retried before the back-off ended"
     pool.tick(0.1)
@@ -602,7 +657,7 @@ def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attemp
     assert slot.restarts == 1, "every process after the first counts, load retries too"
 
     # Second failure: twice the back-off.
-    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.sd.exit("cpu-0@1", process.EXIT_LOAD_FAILED)
     pool.tick()
     assert slot.state is S.BACKOFF and slot.load_failures == 2
     pool.tick(1.9)
@@ -612,7 +667,7 @@ def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attemp
     pool.tick()
 
     # Third failure exceeds start_retries=2: FATAL, with the worker's own reason.
-    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.sd.exit("cpu-0@1", process.EXIT_LOAD_FAILED)
     pool.tick()
     assert slot.state is S.FATAL
     assert slot.reason == LOAD_ERROR
@@ -649,7 +704,7 @@ def test_a_load_failure_backs_off_exponentially_then_gives_up(pool: Pool, attemp
 def test_a_slot_that_loads_on_retry_forgets_its_failures(pool: Pool):
     pool.sd.logs[program_of("cpu-0")] = LOAD_ERROR
     pool.start()
-    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.sd.exit("cpu-0@1", process.EXIT_LOAD_FAILED)
     pool.tick()
     pool.tick(1.0)
     pool.tick()
@@ -669,7 +724,7 @@ def test_supervisord_giving_up_makes_the_slot_fatal(pool: Pool):
     assert pool.slot("cpu-0").reason == "can't find command 'python'"
     assert pool.slot("cpu-1").state is S.FATAL
     assert pool.slot("cpu-1").reason == "Traceback: ImportError: libcudart.so.12"
-    assert pool.router.gone == [("cpu-0", 101), ("cpu-1", 102)]
+    assert pool.router.gone == [("cpu-0@1", 101), ("cpu-1@1", 102)]
 
 
 def test_a_ready_slot_that_supervisord_reports_fatal_becomes_fatal(pool: Pool):
@@ -683,7 +738,7 @@ def test_a_ready_slot_that_supervisord_reports_fatal_becomes_fatal(pool: Pool):
     pool.tick()
     slot = pool.slot("cpu-0")
     assert (slot.state, slot.reason) == (S.FATAL, "can't find command 'python'")
-    assert pool.router.gone == [("cpu-0", 101)]
+    assert pool.router.gone == [("cpu-0@1", 101)]
     assert pool.slot("cpu-1").state is S.READY
     assert pool.controller.phase is PoolPhase.SERVING
 
@@ -700,7 +755,7 @@ def test_the_pool_fails_when_every_slot_is_fatal(make_pool: Callable[..., Pool])
     pool = make_pool(start_retries=0)
     pool.sd.logs[program_of("cpu-0")] = LOAD_ERROR
     pool.start()
-    pool.sd.exit("cpu-0", process.EXIT_LOAD_FAILED)
+    pool.sd.exit("cpu-0@1", process.EXIT_LOAD_FAILED)
     pool.tick()
     assert pool.slot("cpu-0").state is S.FATAL, "start_retries=0: no retry"
     assert pool.controller.phase is PoolPhase.STARTING, "cpu-1 may still come up"
@@ -784,7 +839,7 @@ def test_stop_everything_ends_every_slot_stopped(
     pool.start()
     pool.make_ready("cpu-0")
     pool.sd.logs[program_of("cpu-1")] = LOAD_ERROR
-    pool.sd.exit("cpu-1", process.EXIT_LOAD_FAILED)
+    pool.sd.exit("cpu-1@1", process.EXIT_LOAD_FAILED)
     pool.tick()
     assert pool.slot("cpu-1").state is S.BACKOFF
     pool.controller.stop_everything()
@@ -805,7 +860,7 @@ EDGES = [(old, new) for old in S for new in S]
 
 @pytest.mark.parametrize(("old", "new"), EDGES, ids=[f"{o.value}->{n.value}" for o, n in EDGES])
 def test_change_state_allows_exactly_the_table(old: WorkerState, new: WorkerState):
-    slot = Slot("cpu-0", state=old)
+    slot = Slot("cpu-0@1", state=old)
     if new in ALLOWED[old] or (new is old and new is not S.STARTING):
         slot.change_state(new, "test")  # allowed, or a no-op
         assert slot.state is new
@@ -851,7 +906,8 @@ def test_render_config_for_the_pools_programs(pool: Pool):
     assert shlex.split(router["command"]) == [router_binary(), "--run-dir", str(run_dir)]
     assert router["exitcodes"] == f"0,{process.EXIT_CONFIG_ERROR}"
     for name in ("cpu-0", "cpu-1"):
-        worker = conf[f"program:worker-{name}"]
+        # One program per (slot, version), in the version's group.
+        worker = conf[f"program:worker-{name}-v1"]
         assert shlex.split(worker["command"]) == [
             sys.executable,
             "-m",
@@ -860,6 +916,8 @@ def test_render_config_for_the_pools_programs(pool: Pool):
             str(run_dir),
             "--slot",
             name,
+            "--version",
+            "1",
         ]
         # A load failure is an expected exit: supervisord leaves the retry to the controller.
         assert worker["exitcodes"] == f"0,{process.EXIT_LOAD_FAILED}"
@@ -868,15 +926,15 @@ def test_render_config_for_the_pools_programs(pool: Pool):
         assert worker["autostart"] == "false", "the controller starts workers after the router"
     # supervisord restarts the front door itself; a worker only the controller restarts.
     assert conf["program:router"]["autorestart"] == "unexpected"
-    for section in ("program:worker-cpu-0", "program:worker-cpu-1"):
+    for section in ("program:worker-cpu-0-v1", "program:worker-cpu-1-v1"):
         assert (conf[section]["autorestart"], conf[section]["startsecs"]) == ("false", "0")
-    for section in ("program:router", "program:worker-cpu-0", "program:worker-cpu-1"):
+    for section in ("program:router", "program:worker-cpu-0-v1", "program:worker-cpu-1-v1"):
         program = conf[section]
         assert program["stopasgroup"] == "true"
         assert program["killasgroup"] == "true"
         assert program["directory"] == str(run_dir)
         assert 'PYTHONUNBUFFERED="1"' in program["environment"]
-    assert conf["group:workers"]["programs"] == "worker-cpu-0,worker-cpu-1"
+    assert conf["group:v1"]["programs"] == "worker-cpu-0-v1,worker-cpu-1-v1"
     assert "group:router" not in conf
 
 
@@ -977,3 +1035,83 @@ def test_supervisord_accepts_a_percent_in_paths_and_commands():
         assert parsed["socket"][0]["file"] == str(run_dir / sd.SOCKET_FILE)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# model versions (supervisor/versions.py): groups of workers, one owner
+# ---------------------------------------------------------------------------------------
+
+
+def versioned_pool(make_pool: Callable[..., Pool], versions: list[int]) -> tuple[Pool, Path]:
+    """A pool whose base path holds ``versions`` (weights not shared: no publisher child),
+    started on version 1, both workers READY."""
+    pool = make_pool(share_weights=False, start_retries=0)
+    base = Path(pool.controller.config.model_base_path)
+    for version in versions:
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    return pool, base
+
+
+def told(pool: Pool) -> dict[int, str]:
+    """The version table the front door was told last."""
+    return {v["version"]: v["state"] for v in pool.router.versions[-1]}
+
+
+def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
+    make_pool: Callable[..., Pool],
+):
+    pool, base = versioned_pool(make_pool, [1])
+    assert told(pool) == {1: "AVAILABLE"}
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)  # polled: version 2 loads in a group of its own
+    assert ("startProcessGroup", "v2") in pool.sd.calls
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    new = {name: pool.sd.pid_of(f"{name}@2") for name in ("cpu-0", "cpu-1")}
+    pool.router.register("cpu-0@2", new["cpu-0"])
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}, "AVAILABLE only with every worker"
+    pool.router.register("cpu-1@2", new["cpu-1"])
+    pool.router.workers["cpu-0@1"]["inflight"] = 1  # version 1 still has a request
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+    assert pool.slot("cpu-0@1").state is S.DRAINING
+    pool.tick(after_s=0.2)
+    assert ("stopProcessGroup", "v1") not in pool.sd.calls, "it waits for its request"
+    pool.router.workers["cpu-0@1"]["inflight"] = 0
+    pool.tick(after_s=0.2)
+    assert ("stopProcessGroup", "v1") in pool.sd.calls
+    assert ("removeProcessGroup", "v1") in pool.sd.calls
+    assert told(pool) == {1: "END", 2: "AVAILABLE"}
+    assert sorted(pool.controller.slots) == ["cpu-0@2", "cpu-1@2"]
+    assert ("cpu-0@1", 101) in pool.router.gone and ("cpu-1@1", 102) in pool.router.gone
+    assert pool.controller.status()["pool"]["version"] == 2
+
+
+def test_a_version_that_cannot_load_never_serves_and_is_not_retried(
+    make_pool: Callable[..., Pool],
+):
+    pool, base = versioned_pool(make_pool, [1, 2])
+    pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    pool.sd.logs[program_of("cpu-0@2")] = "cannot load model demo: bad graph"
+    pool.sd.exit("cpu-0@2", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+    table = {v["version"]: v for v in pool.controller.status()["versions"]}
+    assert table[2]["error"] == "cannot load model demo: bad graph"
+    assert sorted(pool.controller.slots) == ["cpu-0@1", "cpu-1@1"], "version 1 serves on"
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    pool.tick(after_s=5.0)
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "not retried"
+    assert pool.controller.phase is PoolPhase.SERVING
+    # Removed and copied in again: tried again.
+    (base / "2" / "saved_model.pb").unlink()
+    pool.tick(after_s=1.0)
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    assert told(pool)[2] == "LOADING"

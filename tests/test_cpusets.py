@@ -230,7 +230,7 @@ def test_pool_workers_run_on_their_cores(tmp_path: Path, demo_model_dir: Path) -
         ).stdout
         assert "CPUs: cpuset '0;1': workers on 0, 1" in table
         rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
-        assert rows["cpu-0"][7] == "0" and rows["cpu-1"][7] == "1", table
+        assert rows["cpu-0"][8] == "0" and rows["cpu-1"][8] == "1", table
         assert pool.stop() == 0
         assert pool.leftovers() == []
     finally:

@@ -44,8 +44,10 @@ def test_slots_are_gpu_context_pairs_with_their_gpu(
     make_pool: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool, _ = gpu_pool(make_pool, monkeypatch)
-    assert list(pool.controller.slots) == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
-    env = {s: pool.controller.gpu.worker_environment(s) for s in pool.controller.slots}
+    slots = pool.controller.slots.values()
+    assert [s.name for s in slots] == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
+    assert list(pool.controller.slots) == ["gpu0-0@1", "gpu0-1@1", "gpu1-0@1", "gpu1-1@1"]
+    env = {s.name: pool.controller.gpu.worker_environment(s.name) for s in slots}
     assert env["gpu0-1"]["CUDA_VISIBLE_DEVICES"] == U0
     assert env["gpu1-0"]["CUDA_VISIBLE_DEVICES"] == U1
     assert "MPSPOOL_REQUIRE_MPS" not in env["gpu1-0"]  # --no-mps: no daemon to require
@@ -62,14 +64,14 @@ def test_an_xid_on_one_gpu_restarts_exactly_its_workers_in_order(
 
     fake.queue_xid(U1, 79)  # "GPU has fallen off the bus"
     pool.tick()
-    gpu1 = ["workers:worker-gpu1-0", "workers:worker-gpu1-1"]
+    gpu1 = ["v1:worker-gpu1-0-v1", "v1:worker-gpu1-1-v1"]
     assert pool.sd.calls == [
         ("stopProcess", gpu1[0]),
         ("stopProcess", gpu1[1]),
         ("startProcess", gpu1[0]),
         ("startProcess", gpu1[1]),
     ]
-    assert pool.router.gone == [("gpu1-0", 103), ("gpu1-1", 104)]
+    assert pool.router.gone == [("gpu1-0@1", 103), ("gpu1-1@1", 104)]
     for name in ("gpu0-0", "gpu0-1"):  # the other GPU keeps serving, same processes
         assert pool.slot(name).state is WorkerState.READY
         assert pool.slot(name).pid == PIDS[name]

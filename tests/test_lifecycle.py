@@ -248,8 +248,9 @@ def test_dispatch_least_loaded_keeps_one_worker_busy_at_low_load(
                 for future in futures:
                     future.result()
 
-        assert slots_answering(one_at_a_time) == ["cpu-0"] * 6
-        assert set(slots_answering(together)) == {"cpu-0", "cpu-1"}
+        # The timeline names workers as the front door knows them: placement@version.
+        assert slots_answering(one_at_a_time) == ["cpu-0@1"] * 6
+        assert set(slots_answering(together)) == {"cpu-0@1", "cpu-1@1"}
         assert pool.stop() == 0
     finally:
         pool.kill()

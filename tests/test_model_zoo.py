@@ -594,7 +594,7 @@ def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got, _table(11)[[1]])
         # The operator sees it as a metric too.
         metrics = urllib.request.urlopen(status["pool"]["metrics"], timeout=10).read().decode()
-        assert 'mpspool_worker_copied_weight_bytes{slot="cpu-0"} 8' in metrics, metrics
+        assert 'mpspool_worker_copied_weight_bytes{slot="cpu-0@1"} 8' in metrics, metrics
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []

@@ -301,7 +301,8 @@ def test_timeline_shows_each_request_on_the_worker_that_ran_it(pool: Pool, stub)
     taken = timeline("--clear")
     spans = taken["spans"]
     assert len(spans) == 6 and taken["dropped"] == 0
-    slots = {s["slot"] for s in pool.status()["slots"]}
+    # The timeline names workers as the front door knows them: placement@version.
+    slots = {f"{s['slot']}@{s['version']}" for s in pool.status()["slots"]}
     # Round robin over two workers; one worker runs one request at a time, in order.
     assert {slot for slot, _, _ in spans} == slots
     for _slot, start_us, end_us in spans:

@@ -259,7 +259,7 @@ def test_a_pool_replays_the_records_and_a_failing_warm_up_never_serves(
     pool = Pool(tmp_path / "good", base, 1, "--num_request_iterations_for_warmup", "3").start()
     try:
         pool.wait_ready(1)
-        log = (pool.log_dir / "worker-cpu-0.log").read_text(errors="replace")
+        log = (pool.log_dir / "worker-cpu-0-v1.log").read_text(errors="replace")
         assert f"warm-up: replayed 2 records (6 model calls, 3 iterations each) from {path}" in log
     finally:
         assert pool.stop() == 0

@@ -268,19 +268,22 @@ _CARRIED = _carried()
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker.publish")
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--version", type=int, help="default: the version the pool started with")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s publish %(levelname)s %(message)s")
     process.die_with_parent()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     config = PoolConfig.load(args.run_dir)
+    version = config.model_version if args.version is None else args.version
+    destination = config.segment_for(version)
     owner = read_controller(Path(args.run_dir)) or {}
     started = time.monotonic()
     try:
         manifest = publish(
-            config.model_path,
+            config.version_path(version),
             config.model_name,
-            config.model_version,
-            Path(config.weights_segment),
+            version,
+            Path(destination),
             int(owner.get("pid", os.getppid())),
             float(owner.get("started", 0.0)),
         )
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "published %d tensors, %.1f MiB, to %s in %.2f s (peak RSS %.0f MiB)%s",
         len(manifest.tensors),
         manifest.data_bytes / 2**20,
-        config.weights_segment,
+        destination,
         time.monotonic() - started,
         peak_kib / 1024,
         f"; not shareable: {', '.join(manifest.unshared)}" if manifest.unshared else "",

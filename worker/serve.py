@@ -186,7 +186,7 @@ def _require_mps_daemon(timeout_s: float = 20.0) -> None:
         )
 
 
-def _replay_warmup(runtime: Any, config: PoolConfig) -> None:
+def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> None:
     """The version's recorded warm-up requests (worker/warmup.py), after the synthetic
     warm-up (which also checks the fast call path); a record that fails is a load failure."""
     import tensorflow as tf
@@ -195,13 +195,13 @@ def _replay_warmup(runtime: Any, config: PoolConfig) -> None:
     from mpspool.worker.warmup import WarmupError, replay
 
     try:
-        report = replay(tf, runtime, config.model_path, config.warmup_iterations)
+        report = replay(tf, runtime, config.version_path(version), config.warmup_iterations)
     except WarmupError as exc:
         raise ModelLoadError(
-            f"warm-up of model {config.model_name!r} version {config.model_version} failed: {exc}"
+            f"warm-up of model {config.model_name!r} version {version} failed: {exc}"
         ) from exc
     if report is None:
-        log.info("no warm-up requests at %s", Path(config.model_path) / "assets.extra")
+        log.info("no warm-up requests at %s", Path(config.version_path(version), "assets.extra"))
         return
     log.info(
         "warm-up: replayed %d records (%d model calls, %d iterations each) from %s in %.2f s",
@@ -216,7 +216,10 @@ def _replay_warmup(runtime: Any, config: PoolConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--slot", required=True)
+    parser.add_argument("--slot", required=True, help="its placement (cores, GPU context)")
+    parser.add_argument(
+        "--version", type=int, help="the model version to serve (default: the pool's first)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker {args.slot} %(levelname)s %(message)s"
@@ -225,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     config = PoolConfig.load(args.run_dir)
+    version = config.model_version if args.version is None else args.version
     # Before TensorFlow is imported: its thread pools are created on this process's cores
     # and sized from the intra-op setting (the worker's core count when pinned).
     cores = config.cpu_set(args.slot)
@@ -241,17 +245,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runtime = load_saved_model(
-            config.model_path,
+            config.version_path(version),
             config.model_name,
-            config.model_version,
+            version,
             intra_op_threads=config.threads_per_worker(args.slot),
             inter_op_threads=config.inter_op_threads,
-            weights_segment=config.weights_segment,
+            weights_segment=config.segment_for(version),
             work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),
         )
         runtime.warm_up()
         if config.model_warmup:
-            _replay_warmup(runtime, config)
+            _replay_warmup(runtime, config, version)
         weights = runtime.weights_report()
     except ModelLoadError as exc:
         process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
@@ -280,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         log.info(
             "weights: %.1f MiB shared from %s", weights["shared_bytes"] / 2**20, weights["segment"]
         )
-    worker = Worker(config, args.slot, runtime, weights)
+    # Known to the front door by placement and version: two versions share a placement
+    # while one replaces the other.
+    worker = Worker(config, wire.slot_key(args.slot, version), runtime, weights)
     signal.signal(signal.SIGTERM, worker.request_stop)
-    log.info("serving %s version %d (pid %d)", config.model_name, config.model_version, worker.pid)
+    log.info("serving %s version %d (pid %d)", config.model_name, version, worker.pid)
     worker.serve()
     log.info("stopped after %d requests", worker.served)
     return process.EXIT_OK

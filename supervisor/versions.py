@@ -1,0 +1,131 @@
+"""Model versions as groups of workers: the version policy, each version's state, and the one
+place that changes it.
+
+Every (model, version) the policy wants served gets its own weight segment and its own group
+of workers, one per slot. A new version is published and its workers start while the old one
+serves; it becomes AVAILABLE (where requests that name no version go) when every one of its
+workers is READY; then the versions the policy no longer wants are UNLOADING: the front door
+sends them nothing new, their workers finish what they have, stop, and their segment is
+unlinked, so their memory goes back with their processes. A version that cannot be published,
+loaded or warmed up never takes traffic: it ends (END) with its error, and whatever served
+before goes on serving.
+
+States and their names are TF Serving's (`ModelVersionStatus.State`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import subprocess
+from dataclasses import dataclass
+
+from mpspool.supervisor.slots import Slot
+
+log = logging.getLogger("mpspool.controller")
+
+
+class VersionState(enum.Enum):
+    START = "START"  # wanted by the policy; nothing done yet
+    LOADING = "LOADING"  # its weights are being published, or its workers are loading
+    AVAILABLE = "AVAILABLE"  # every worker READY: takes requests
+    UNLOADING = "UNLOADING"  # no new requests; its workers finish, then stop
+    END = "END"  # retired, or failed (with its error)
+
+
+V = VersionState
+ALLOWED: dict[VersionState, frozenset[VersionState]] = {
+    V.START: frozenset({V.LOADING, V.END}),
+    # LOADING -> END: it could not be published or loaded (or the pool stops).
+    V.LOADING: frozenset({V.AVAILABLE, V.END}),
+    V.AVAILABLE: frozenset({V.UNLOADING, V.END}),
+    V.UNLOADING: frozenset({V.END}),
+    V.END: frozenset(),
+}
+
+
+class IllegalVersionTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """TF Serving's model_version_policy: the newest `latest` versions (the default, 1), or
+    `all` of them, or the `specific` ones listed."""
+
+    latest: int = 1
+    all: bool = False
+    specific: tuple[int, ...] = ()
+
+    @staticmethod
+    def parse(text: str) -> VersionPolicy:
+        """`latest`, `latest:N`, `all` or `specific:V[,V...]`; ValueError says what is wrong."""
+        kind, _, value = text.strip().partition(":")
+        if kind == "latest":
+            count = int(value) if value else 1
+            if count < 1:
+                raise ValueError(f"latest needs at least 1 version, got {count}")
+            return VersionPolicy(latest=count)
+        if kind == "all" and not value:
+            return VersionPolicy(all=True)
+        if kind == "specific" and value:
+            versions = tuple(sorted({int(v) for v in value.split(",")}))
+            if any(v < 0 for v in versions):
+                raise ValueError("versions are numbers >= 0")
+            return VersionPolicy(specific=versions)
+        raise ValueError(f"expected latest[:N], all or specific:V[,V...], got {text!r}")
+
+    def describe(self) -> str:
+        if self.all:
+            return "all"
+        if self.specific:
+            return "specific:" + ",".join(str(v) for v in self.specific)
+        return f"latest:{self.latest}"
+
+    def aspired(self, on_disk: set[int], failed: set[int]) -> set[int]:
+        """The versions to serve: those the policy picks among the ones on disk that did not
+        fail (a failed version is passed over, so the one before it stays)."""
+        usable = on_disk - failed
+        if self.all:
+            return usable
+        if self.specific:
+            return usable & set(self.specific)
+        return set(sorted(usable)[-self.latest :])
+
+
+@dataclass
+class VersionGroup:
+    version: int
+    # Slot key ("cpu-0@2") → slot; one per placement, as the pool's configuration lays out.
+    slots: dict[str, Slot]
+    segment: str  # its weight segment ("" when weights are not shared)
+    state: VersionState = VersionState.START
+    error: str = ""
+    publisher: subprocess.Popen[bytes] | None = None  # publishing its weights, while running
+    since: float = 0.0  # monotonic time of the last state change
+    in_supervisord: bool = False  # its program group was added to supervisord
+
+    @property
+    def group(self) -> str:
+        """Its supervisord program group."""
+        return f"v{self.version}"
+
+    def change_state(self, new: VersionState, now: float, why: str = "") -> None:
+        if new is self.state:
+            return
+        if new not in ALLOWED[self.state]:
+            raise IllegalVersionTransition(
+                f"version {self.version}: {self.state.value} -> {new.value}"
+            )
+        log.info(
+            "version %d: %s -> %s%s",
+            self.version,
+            self.state.value,
+            new.value,
+            f" ({why})" if why else "",
+        )
+        self.state = new
+        self.since = now
+
+    def describe(self) -> dict[str, object]:
+        return {"version": self.version, "state": self.state.value, "error": self.error}

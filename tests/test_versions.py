@@ -1,0 +1,205 @@
+"""Model versions served by groups of worker processes: the version policy, and a real pool
+picking up new versions under load (supervisor/versions.py, the controller, the front door's
+version table).
+
+The pool test keeps 4 client threads sending Predicts (the official client) while versions
+come and go under the base path; every answer is checked against a direct TensorFlow call of
+the version its `model_spec.version` names, and no request may fail.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import (
+    get_model_status_pb2,
+    model_service_pb2_grpc,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+)
+
+from mpspool import segment
+from mpspool.demo_model import build_demo_model, demo_inputs
+from mpspool.supervisor.versions import VersionPolicy
+
+from poolproc import Pool
+
+ROWS = 2000
+
+
+@pytest.mark.parametrize(
+    "text, on_disk, failed, wanted",
+    [
+        ("latest", {1, 2, 3}, set(), {3}),
+        ("latest:2", {1, 2, 3}, set(), {2, 3}),
+        ("latest", {1, 2, 3}, {3}, {2}),  # a failed version is passed over
+        ("all", {1, 2, 3}, {2}, {1, 3}),
+        ("specific:1,3", {1, 2}, set(), {1}),
+        ("latest", set(), set(), set()),
+    ],
+)
+def test_the_version_policy_picks_as_tf_serving(
+    text: str, on_disk: set[int], failed: set[int], wanted: set[int]
+) -> None:
+    assert VersionPolicy.parse(text).aspired(on_disk, failed) == wanted
+
+
+@pytest.mark.parametrize("text", ["latest:0", "newest", "specific:", "all:2", "specific:a"])
+def test_a_bad_version_policy_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        VersionPolicy.parse(text)
+
+
+class CheckedLoad:
+    """Client threads sending fixed inputs; each answer is compared with what the version
+    it names computes, and the versions seen are kept in arrival order."""
+
+    def __init__(self, port: int, want: dict[int, np.ndarray], inputs: dict[str, np.ndarray]):
+        self.port = port
+        self.want = want
+        self.request = predict_pb2.PredictRequest()
+        self.request.model_spec.name = "demo"
+        for name, array in inputs.items():
+            self.request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+        self.stop_flag = threading.Event()
+        self.lock = threading.Lock()
+        self.versions: list[int] = []
+        self.problems: list[str] = []
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(4)]
+
+    def start(self) -> CheckedLoad:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def _loop(self) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            while not self.stop_flag.is_set():
+                try:
+                    response = stub.Predict(self.request, timeout=30)
+                except grpc.RpcError as exc:
+                    with self.lock:
+                        self.problems.append(f"{exc.code()}: {exc.details()}")
+                    continue
+                version = response.model_spec.version.value
+                got = tf.make_ndarray(response.outputs["score"])
+                want = self.want.get(version)
+                with self.lock:
+                    self.versions.append(version)
+                    if want is None or not np.allclose(got, want, rtol=0, atol=1e-6):
+                        self.problems.append(f"version {version} answered {got.ravel()[:3]}")
+
+    def seen(self) -> list[int]:
+        with self.lock:
+            return list(self.versions)
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        for thread in self.threads:
+            thread.join(40)
+
+
+def _direct(version_dir: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    function = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
+    return function(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
+
+
+def _versions(status: dict[str, Any]) -> dict[int, tuple[str, str]]:
+    return {v["version"]: (v["state"], v["error"]) for v in status["versions"]}
+
+
+def _segments(pool_id: str) -> list[str]:
+    return sorted(p.name for p in segment.SHM_DIR.glob(f"mpspool-{pool_id}-*"))
+
+
+def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_path: Path) -> None:
+    base, staging = tmp_path / "model", tmp_path / "staging"
+    build_demo_model(base, embedding_rows=ROWS, version=1, seed=1)
+    build_demo_model(staging, embedding_rows=ROWS, version=2, seed=2)
+    inputs = demo_inputs(3, ROWS, seed=7)
+    want = {1: _direct(base / "1", inputs), 2: _direct(staging / "2", inputs)}
+    assert not np.allclose(want[1], want[2]), "the versions must answer differently"
+
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 2, "--file_system_poll_wait_seconds", "0.2").start()
+    load = None
+    try:
+        pool.wait_ready(2)
+        load = CheckedLoad(pool.port, want, inputs).start()
+        wait = pool.wait_for
+
+        # Version 2 appears: its own workers load while 1 serves; then 1 retires.
+        os.rename(staging / "2", base / "2")
+        status = wait(
+            lambda s: _versions(s) == {1: ("END", ""), 2: ("AVAILABLE", "")},
+            timeout=90,
+            what="version 2 serving, version 1 retired",
+        )
+        assert status["pool"]["version"] == 2
+        assert {s["version"] for s in status["slots"]} == {2}
+        assert len(_segments(pool.pool_id)) == 1, "version 1's segment is unlinked"
+        seen = len(load.seen())
+        time.sleep(1.0)
+        assert set(load.seen()[seen:]) == {2}, "once 1 retired, everything is answered by 2"
+
+        # Version 2 removed: 1 is the latest again and comes back in new workers.
+        (base / "2").rename(tmp_path / "removed-2")
+        wait(
+            lambda s: _versions(s).get(1) == ("AVAILABLE", "")
+            and _versions(s).get(2) == ("END", ""),
+            timeout=90,
+            what="version 1 serving again",
+        )
+
+        # A broken version 3 is never served; 1 goes on serving, and status says why.
+        (base / "3").mkdir()
+        (base / "3" / "saved_model.pb").write_bytes(b"this is not a SavedModel")
+        status = wait(
+            lambda s: _versions(s).get(3, ("", ""))[0] == "END" and _versions(s)[3][1],
+            timeout=60,
+            what="version 3 failed",
+        )
+        assert "publishing the weights failed" in _versions(status)[3][1]
+        assert _versions(status)[1] == ("AVAILABLE", "")
+        seen = len(load.seen())
+        time.sleep(1.0)
+        assert set(load.seen()[seen:]) == {1}
+
+        load.stop()
+        assert load.problems == [], load.problems[:5]
+        versions = load.seen()
+        assert versions[0] == 1 and 2 in versions and versions[-1] == 1
+
+        # GetModelStatus lists every version the pool knows, with the failed one's error.
+        with pool.channel() as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            request = get_model_status_pb2.GetModelStatusRequest()
+            request.model_spec.name = "demo"
+            listed = stub.GetModelStatus(request, timeout=10).model_version_status
+            states = {s.version: s.state for s in listed}
+            assert states == {3: 50, 2: 50, 1: 30}, states  # END, END, AVAILABLE
+            failed = next(s for s in listed if s.version == 3)
+            assert "publishing the weights failed" in failed.status.error_message
+            # A retired version takes no requests.
+            predict = predict_pb2.PredictRequest()
+            predict.CopyFrom(load.request)
+            predict.model_spec.version.value = 2
+            pstub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                pstub.Predict(predict, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert refused.value.details() == "Servable not found for request: Specific(demo, 2)"
+    finally:
+        if load is not None:
+            load.stop()
+        assert pool.stop() == 0
+    assert pool.leftovers() == []
