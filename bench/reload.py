@@ -1,0 +1,310 @@
+"""Reloading the model under steady load (issue 12), one run: a pool serving the demo model
+gets a new version folder N times; each time its weights are published, a new group of
+workers loads and warms up, traffic moves to it, and the old group drains and stops.
+
+Per reload: requests that failed (the front door's counts by gRPC code; must be 0), p50 and
+p99 of the open-loop load during the reload window against a steady window before any
+reload (same rate, same length), the seconds from the folder appearing to the new version
+taking traffic (AVAILABLE) and to the old one ending, and memory: total PSS of the pool's
+processes (psutil) and the weight segments in /dev/shm before, at the peak during, and after.
+Each version folder is a symlink to the same SavedModel, so answers are checked equal
+before and after every window, and memory growth across reloads is what the process
+replacement leaves behind, not a bigger model.
+
+    .venv/bin/python -m bench.reload            # ~8 minutes on 2 cores (2,000,000 rows)
+    .venv/bin/python -m bench.reload --quick    # 1,000-row model, 2 short reloads, no report
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench import harness
+from bench.harness import Checker, Pool, fmt
+from mpspool import segment
+from mpspool.demo_model import demo_inputs
+
+BEGIN_MARK = "<!-- reload:begin (written by bench/reload.py; edits here are lost) -->"
+END_MARK = "<!-- reload:end -->"
+PLOT = harness.OUT_DIR / "reload.png"
+
+
+def pool_processes(pool: Pool) -> list[psutil.Process]:
+    assert pool.proc is not None
+    top = psutil.Process(pool.proc.pid)
+    return [top, *top.children(recursive=True)]
+
+
+def shm_mib(pool_id: str) -> float:
+    return sum(p.stat().st_size for p in segment.SHM_DIR.glob(f"mpspool-{pool_id}-*")) / 2**20
+
+
+def versions(status: dict[str, Any]) -> dict[int, str]:
+    return {v["version"]: v["state"] for v in status.get("versions", [])}
+
+
+def window(
+    pool: Pool, server: harness.Server, request: harness.Request, args: argparse.Namespace,
+    workdir: Path, during: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One open-loop h2load window; ``during`` runs beside it (the reload). Failures are the
+    front door's non-OK answers in the window (gRPC errors travel in HTTP 200 responses)."""
+    before = harness.request_counts(server.metrics_url)
+    result: dict[str, Any] = {}
+
+    def drive() -> None:
+        result["drive"] = harness.h2load(
+            server.port, request, args.concurrency, args.window, workdir, rps=args.rps
+        )
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    extra = during() if during else {}
+    driver.join()
+    after = harness.request_counts(server.metrics_url)
+    grew = {code: after.get(code, 0) - before.get(code, 0) for code in after}
+    grew.pop("OK", None)
+    # h2load resets the streams open when its window ends: CANCELLED, at most one per stream.
+    if grew.get("CANCELLED", 0) <= args.concurrency:
+        grew.pop("CANCELLED", None)
+    drive = result["drive"]
+    return {
+        "requests": drive.done,
+        "rps": drive.rps,
+        "p50_ms": drive.p50_ms,
+        "p99_ms": drive.p99_ms,
+        "failed": sum(grew.values()),
+        "failed_by_code": {k: v for k, v in grew.items() if v},
+        **extra,
+    }
+
+
+def reload_once(pool: Pool, base: Path, model_dir: Path, new: int, args: argparse.Namespace):
+    """Returns the function run beside the load window: after a second of load, version
+    ``new`` appears; it watches status and memory until the old version has ended."""
+    old = new - 1
+
+    def during() -> dict[str, Any]:
+        time.sleep(1.0)
+        peak_pss = peak_shm = 0.0
+        appeared = time.monotonic()
+        (base / str(new)).symlink_to(model_dir, target_is_directory=True)
+        available_s = ended_s = None
+        deadline = appeared + args.window + 60
+        while time.monotonic() < deadline:
+            peak_pss = max(peak_pss, harness.pss_mib(pool_processes(pool)))
+            peak_shm = max(peak_shm, shm_mib(pool.pool_id))
+            state = versions(pool.status())
+            now = time.monotonic() - appeared
+            if available_s is None and state.get(new) == "AVAILABLE":
+                available_s = now
+            if available_s is not None and state.get(old) in (None, "END"):
+                ended_s = now
+                break
+            time.sleep(0.2)
+        (base / str(old)).unlink(missing_ok=True)  # tidy: the policy already retired it
+        return {
+            "version": new,
+            "to_traffic_s": available_s,
+            "to_old_ended_s": ended_s,
+            "peak_pss_mib": peak_pss,
+            "peak_shm_mib": peak_shm,
+        }
+
+    return during
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": harness.command_line("bench.reload"),
+        "machine": harness.describe_machine(),
+        "load_start": harness.load_average(),
+        "rows": args.rows,
+        "workers": args.workers,
+        "rps": args.rps,
+        "concurrency": args.concurrency,
+        "window_s": args.window,
+        "reloads": [],
+    }
+    checker = Checker()
+    with (
+        harness.frozen_code(args.source) as (source, env),
+        tempfile.TemporaryDirectory(prefix="mpreload-") as tmp,
+    ):
+        workdir = Path(tmp)
+        report["source"] = harness._describe_source(source)
+        model_dir = (harness.ensure_model(args.rows, env) / "1").resolve()
+        base = workdir / "model"
+        base.mkdir()
+        (base / "1").symlink_to(model_dir, target_is_directory=True)
+        request = harness.predict_request("batch 1", "demo", demo_inputs(1, args.rows, seed=1))
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        logs = harness.OUT_DIR / f"logs-reload-{stamp}"  # git-ignored
+        extra = ["--file_system_poll_wait_seconds", str(args.poll)]
+        with Pool(base, args.workers, logs, env, label="reload", extra_args=extra) as pool:
+            pool.wait_ready()
+            server = pool.server("reload")
+            checker.check(server, request)
+            harness.h2load(server.port, request, args.concurrency, 2.0, workdir, rps=args.rps)
+            report["pss_start_mib"] = harness.pss_mib(pool_processes(pool))
+            report["shm_start_mib"] = shm_mib(pool.pool_id)
+            report["steady"] = window(pool, server, request, args, workdir)
+            print(line("steady", report["steady"]), flush=True)
+            for new in range(2, args.reloads + 2):
+                row = window(
+                    pool, server, request, args, workdir,
+                    during=reload_once(pool, base, model_dir, new, args),
+                )  # fmt: skip
+                time.sleep(1.0)  # the old workers' memory is gone once they have exited
+                row["pss_after_mib"] = harness.pss_mib(pool_processes(pool))
+                row["shm_after_mib"] = shm_mib(pool.pool_id)
+                checker.check(server, request)
+                report["reloads"].append(row)
+                print(line(f"reload to {new}", row), flush=True)
+        report["leftovers"] = pool.leftovers() + harness.shm_leftovers([pool.pool_id])
+    report["load_end"] = harness.load_average()
+    return report
+
+
+def line(name: str, w: dict[str, Any]) -> str:
+    text = (
+        f"{name}: {w['rps']:,.0f} req/s, p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms, "
+        f"failed {w['failed']}"
+    )
+    if "to_traffic_s" in w:
+        text += (
+            f"; traffic on it after {fmt(w['to_traffic_s'], 1)} s, old ended after "
+            f"{fmt(w['to_old_ended_s'], 1)} s; PSS peak {w['peak_pss_mib']:.0f} MiB, after "
+            f"{w['pss_after_mib']:.0f} MiB"
+        )
+    return text
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Per reload: p99 during it against the steady window, and PSS before, at the peak and
+    after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["reloads"]
+    n = [r["version"] for r in rows]
+    fig, (lat, mem) = plt.subplots(1, 2, figsize=(12, 4))
+    lat.bar(n, [r["p99_ms"] for r in rows], color="tab:orange", label="p99 during the reload")
+    lat.axhline(report["steady"]["p99_ms"], color="tab:blue", label="p99 steady")
+    lat.axhline(report["steady"]["p99_ms"] * 1.5, color="tab:blue", ls=":", label="1.5× steady")
+    lat.set_xlabel("reload to version")
+    lat.set_ylabel("ms")
+    lat.legend()
+    mem.plot(n, [r["peak_pss_mib"] for r in rows], "o-", color="tab:red", label="PSS peak")
+    mem.plot(n, [r["pss_after_mib"] for r in rows], "o-", color="tab:green", label="PSS after")
+    mem.axhline(report["pss_start_mib"], color="tab:gray", ls=":", label="PSS before any")
+    mem.set_xlabel("reload to version")
+    mem.set_ylabel("MiB (all the pool's processes)")
+    mem.set_ylim(bottom=0)
+    mem.legend()
+    fig.suptitle(f"{report['rows']:,}-row demo model, {report['rps']:.0f} req/s open loop")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def render(report: dict[str, Any]) -> str:
+    steady, rows = report["steady"], report["reloads"]
+    lines = [
+        BEGIN_MARK,
+        "## Reloading a version under load (issue 12), one run",
+        "",
+        f"- **When / where:** {report['date']}; {report['machine']}; load average "
+        f"{report['load_start']} at the start, {report['load_end']} at the end.",
+        f"- **Command:** `{report['command']}` ({report['source']}).",
+        f"- **Pool:** {report['workers']} workers, the {report['rows']:,}-row demo model, "
+        "`--file_system_poll_wait_seconds` 0.2; each new version is a symlink to the same "
+        "SavedModel, so memory growth is what replacement leaves behind.",
+        f"- **Load:** h2load open loop, {report['rps']:.0f} req/s of batch 1, up to "
+        f"{report['concurrency']} outstanding, {report['window_s']:.0f} s windows: one steady "
+        "window, then one per reload (the version folder appears 1 s in). Failed: the front "
+        "door's non-OK answers in the window.",
+        "",
+        "| window | req/s | p50 ms | p99 ms | p99 / steady | failed | to traffic s "
+        "| old ended s | PSS peak MiB | PSS after MiB | shm peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| steady | {fmt(steady['rps'])} | {steady['p50_ms']:.2f} | {steady['p99_ms']:.2f} | 1.00 "
+        f"| {steady['failed']} | | | {report['pss_start_mib']:.0f} | | "
+        f"{report['shm_start_mib']:.0f} |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| reload to {r['version']} | {fmt(r['rps'])} | {r['p50_ms']:.2f} "
+            f"| {r['p99_ms']:.2f} | {r['p99_ms'] / steady['p99_ms']:.2f} | {r['failed']} "
+            f"| {fmt(r['to_traffic_s'], 1)} | {fmt(r['to_old_ended_s'], 1)} "
+            f"| {r['peak_pss_mib']:.0f} | {r['pss_after_mib']:.0f} | {r['peak_shm_mib']:.0f} |"
+        )
+    if rows:
+        failed = sum(r["failed"] for r in rows)
+        worst = max(r["p99_ms"] for r in rows) / steady["p99_ms"]
+        median = sorted(r["p99_ms"] for r in rows)[len(rows) // 2] / steady["p99_ms"]
+        first, last = rows[0]["pss_after_mib"], rows[-1]["pss_after_mib"]
+        lines += [
+            "",
+            f"Failed requests across {len(rows)} reloads: **{failed}** (target 0). p99 during a "
+            f"reload / steady: median **{median:.2f}×**, worst **{worst:.2f}×** (target ≤ "
+            f"1.5×). PSS after the last reload / after the first: **{last / first:.3f}** "
+            "(back to baseline: within 5%).",
+        ]
+    if report.get("plot"):
+        lines += ["", f"![reload]({report['plot']})"]
+    lines += [""] + [f"- {note}" for note in report.get("notes", [])]
+    lines.append(END_MARK)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.reload", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--rows", type=int, default=2_000_000, help="embedding rows")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--reloads", type=int, default=10)
+    parser.add_argument("--rps", type=float, default=200.0, help="open-loop requests/s")
+    parser.add_argument("--concurrency", type=int, default=16, help="most outstanding")
+    parser.add_argument("--window", type=float, default=40.0, help="seconds per window")
+    parser.add_argument("--poll", type=float, default=0.2, help="file system poll, s")
+    harness.add_run_arguments(parser, quick="1,000 rows, 2 short reloads, no report")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.reloads, args.window = 1000, 2, 12.0
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with harness.sigterm_as_exit():
+        report = run(args)
+    report["notes"] = args.note
+    if report["reloads"] and not args.quick:
+        report["plot"] = os.path.relpath(plot(report, PLOT), harness.RESULTS_MD.parent)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    text = render(report)
+    print(text)
+    for item in report["leftovers"]:
+        print(f"reload: LEFT BEHIND: {item}", file=sys.stderr)
+    if not (args.quick or args.no_results):
+        harness.write_section(harness.RESULTS_MD, text, BEGIN_MARK, END_MARK)
+    return 1 if report["leftovers"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
