@@ -23,7 +23,7 @@ import time
 import xmlrpc.client
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -63,6 +63,23 @@ class PoolPhase(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
     STOPPED = "stopped"
+
+
+PHASES_ALLOWED: dict[PoolPhase, frozenset[PoolPhase]] = {
+    PoolPhase.STARTING: frozenset({PoolPhase.SERVING, PoolPhase.DRAINING}),
+    PoolPhase.SERVING: frozenset({PoolPhase.DRAINING}),
+    PoolPhase.DRAINING: frozenset({PoolPhase.STOPPED}),
+    PoolPhase.STOPPED: frozenset(),
+}
+
+
+class Clock(Protocol):
+    """What the controller's decisions read the time from (the `time` module; a fake in
+    tests). Waits on sockets and processes use the real clock."""
+
+    def monotonic(self) -> float: ...
+
+    def time(self) -> float: ...
 
 
 def _router_down_for_good(info: dict[str, Any]) -> str:
@@ -115,12 +132,13 @@ class RouterLink:
 
 
 class Controller:
-    def __init__(self, config: PoolConfig, created_run_dir: bool) -> None:
+    def __init__(self, config: PoolConfig, created_run_dir: bool, clock: Clock = time) -> None:
+        self.clock = clock
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.created_run_dir = created_run_dir
         self.log_dir = Path(config.log_dir)
-        self.phase = PoolPhase.STARTING
+        self.phase = PoolPhase.STARTING  # changed only by _set_phase
         self.policy = VersionPolicy.parse(config.version_policy)
         # Model version → its group of workers; the first, the version found at start.
         self.groups: dict[int, VersionGroup] = {}
@@ -140,7 +158,7 @@ class Controller:
         self.port: int | None = None
         self.metrics_port = 0
         self.rest_port = 0
-        self.started = time.time()
+        self.started = self.clock.time()
         self._zmq = zmq.Context()
         self._admin = self._zmq.socket(zmq.ROUTER)
         self._admin.setsockopt(zmq.LINGER, 0)
@@ -289,7 +307,7 @@ class Controller:
     def _dispatch(self, event: str) -> None:
         if event in ("SIGTERM", "SIGINT", "stop"):
             log.info("%s: shutting down", event)
-            self.phase = PoolPhase.DRAINING
+            self._set_phase(PoolPhase.DRAINING, event)
 
     def tick(self) -> None:
         infos = self.supervisord.process_info()
@@ -326,7 +344,7 @@ class Controller:
         self._publish_gpu_usage(router_answered)
         workers = snap.get("workers", {})
         dead = snap.get("declared_dead", {})
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for slot in self.slots.values():
             self._observe(
                 slot,
@@ -384,7 +402,7 @@ class Controller:
                     self._forget(slot, "replaced")
                 slot.incarnations += 1
                 slot.pid = pid
-                slot.started_at = float(info.get("start") or time.time())
+                slot.started_at = float(info.get("start") or self.clock.time())
                 slot.change_state(WorkerState.STARTING, f"pid {pid}")
             if declared_dead_pid == pid:
                 if slot.kill_sent_to != pid:
@@ -742,10 +760,19 @@ class Controller:
         slot.weights = None
         slot.pid = 0
 
+    def _set_phase(self, new: PoolPhase, why: str) -> None:
+        """The one writer of the pool's phase; staying where it is, is no change."""
+        if new is self.phase:
+            return
+        if new not in PHASES_ALLOWED[self.phase]:
+            raise RuntimeError(f"pool phase {self.phase.value} -> {new.value} ({why})")
+        log.info("pool: %s -> %s (%s)", self.phase.value, new.value, why)
+        self.phase = new
+
     def _fail_pool(self, reason: str) -> None:
         log.error("%s", reason)
         self.exit_code, self.exit_reason = 1, reason
-        self.phase = PoolPhase.DRAINING
+        self._set_phase(PoolPhase.DRAINING, reason)
 
     def _revive_supervisord(self) -> bool:
         """supervisord died (killed from outside); every process it ran went with it (their
@@ -754,7 +781,7 @@ class Controller:
         are still published). False, with the pool failed, when it keeps dying."""
         assert self.supervisord.proc is not None
         code = self.supervisord.proc.returncode
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self._supervisord_deaths = [
             t for t in self._supervisord_deaths if now - t < SUPERVISORD_DEATHS_WINDOW_S
         ] + [now]
@@ -801,7 +828,7 @@ class Controller:
     def _publish_gpu_usage(self, router_answered: bool) -> None:
         """Every GPU_METRICS_INTERVAL_S, the GPUs' memory and utilisation (NVML) to the front
         door, which exports them as Prometheus gauges beside its own metrics."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if not self.config.gpus or not router_answered or now < self._next_gpu_metrics:
             return
         self._next_gpu_metrics = now + GPU_METRICS_INTERVAL_S
@@ -809,7 +836,7 @@ class Controller:
 
     def _announce(self) -> None:
         self._announced = True
-        self.phase = PoolPhase.SERVING
+        self._set_phase(PoolPhase.SERVING, "a version is AVAILABLE and the front door listens")
         version = self._serving_version()
         slots = self.groups[version].slots.values() if version is not None else []
         ready = sum(s.state is WorkerState.READY for s in slots)
@@ -852,7 +879,7 @@ class Controller:
         self._admin.send_multipart([identity, *rest[:-1], wire.pack(**reply)])
 
     def status(self) -> dict[str, Any]:
-        now = time.time()
+        now = self.clock.time()
         return {
             "pool": {
                 "pid": os.getpid(),
@@ -896,7 +923,7 @@ class Controller:
         """Drain the router, stop the workers, stop the router, stop supervisord, clean up.
 
         A second SIGINT/SIGTERM during the drain skips the rest of the drain."""
-        self.phase = PoolPhase.DRAINING
+        self._set_phase(PoolPhase.DRAINING, "stopping")
         for slot in self.slots.values():
             if slot.state in (WorkerState.STARTING, WorkerState.READY):
                 slot.change_state(WorkerState.DRAINING, "pool stopping")
@@ -925,7 +952,7 @@ class Controller:
         for slot in self.slots.values():
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, "pool stopped")
-        self.phase = PoolPhase.STOPPED
+        self._set_phase(PoolPhase.STOPPED, "stopped")
         self.router.close()
         self._admin.close()
         self._zmq.term()

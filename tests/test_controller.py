@@ -70,7 +70,7 @@ def program_of(slot: str) -> str:
 
 
 class FakeClock:
-    """Stands in for the controller module's `time`: monotonic and wall clock."""
+    """The controller's injected clock: monotonic and wall clock, moved by the test."""
 
     def __init__(self) -> None:
         self.now = 5000.0
@@ -363,10 +363,9 @@ def make_pool(
             "pool_id": "t3st",
         }
         settings.update(overrides)
-        controller = Controller(PoolConfig(**settings), created_run_dir=False)
-        made.append((controller, run_dir))
         clock = FakeClock()
-        monkeypatch.setattr(controller_module, "time", clock)
+        controller = Controller(PoolConfig(**settings), created_run_dir=False, clock=clock)
+        made.append((controller, run_dir))
         return Pool(controller, clock)
 
     yield make
@@ -1115,3 +1114,14 @@ def test_a_version_that_cannot_load_never_serves_and_is_not_retried(
     (base / "2" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     assert told(pool)[2] == "LOADING"
+
+
+def test_the_pool_phase_moves_only_forward(pool: Pool):
+    assert pool.controller.phase is PoolPhase.STARTING
+    pool.start()
+    pool.make_ready("cpu-0")
+    assert pool.controller.phase is PoolPhase.SERVING
+    pool.controller._fail_pool("test")
+    assert pool.controller.phase is PoolPhase.DRAINING
+    with pytest.raises(RuntimeError, match="draining -> serving"):
+        pool.controller._set_phase(PoolPhase.SERVING, "cannot come back")
