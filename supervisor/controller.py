@@ -476,23 +476,13 @@ class Controller:
         slot.change_state(WorkerState.FATAL, slot.reason)
 
     def _publish(self) -> bool:
-        """Publish the first version's weights into shared memory before any worker starts:
-        a one-shot child (it needs TensorFlow, which the controller never loads). Later
-        versions are published the same way while the pool serves (`_load`)."""
+        """Publish the first version's weights into shared memory before any worker starts.
+        Later versions are published the same way while the pool serves (`_load`)."""
         started = time.monotonic()
         version = self.config.model_version
-        with self._publish_log(version) as out:
-            result = subprocess.run(
-                self._publish_command(version),
-                cwd=self.run_dir,  # not a source checkout (see supervisord.py)
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=process.die_with_parent_sigterm,
-            )
-        if result.returncode != 0:
-            why = self._publish_failure(version, result.returncode)
+        code = self._start_publisher(version).wait()
+        if code != 0:
+            why = self._publish_failure(version, code)
             self._fail_pool(f"publishing the weights failed: {why}")
             return False
         size = Path(self.config.segment_for(version)).stat().st_size
@@ -505,25 +495,36 @@ class Controller:
         )
         return True
 
-    def _publish_command(self, version: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "mpspool.worker.publish",
-            "--run-dir",
-            str(self.run_dir),
-            "--version",
-            str(version),
-        ]
+    def _start_publisher(self, version: int) -> subprocess.Popen[bytes]:
+        """The one-shot child that publishes a version's weights (it needs TensorFlow, which
+        the controller never loads); its output goes to `_publish_log_path`."""
+        path = self._publish_log_path(version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as out:
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "mpspool.worker.publish",
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--version",
+                    str(version),
+                ],
+                cwd=self.run_dir,  # not a source checkout (see supervisord.py)
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=process.die_with_parent_sigterm,
+            )
 
-    def _publish_log(self, version: int) -> Any:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        name = "publish.log" if version == self.config.model_version else f"publish-v{version}.log"
-        return open(self.log_dir / name, "ab")
+    def _publish_log_path(self, version: int) -> Path:
+        first = version == self.config.model_version
+        return self.log_dir / ("publish.log" if first else f"publish-v{version}.log")
 
     def _publish_failure(self, version: int, code: int) -> str:
-        name = "publish.log" if version == self.config.model_version else f"publish-v{version}.log"
-        path = self.log_dir / name
+        path = self._publish_log_path(version)
         reason = process.fatal_reason(path.read_text(errors="replace"))
         return reason or f"exit code {code}, see {path}"
 
@@ -571,16 +572,7 @@ class Controller:
         if not self.config.share_weights:
             self._start_group(group)
             return
-        with self._publish_log(group.version) as out:
-            group.publisher = subprocess.Popen(
-                self._publish_command(group.version),
-                cwd=self.run_dir,
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=process.die_with_parent_sigterm,
-            )
+        group.publisher = self._start_publisher(group.version)
 
     def _start_group(self, group: VersionGroup) -> None:
         self._sync_supervisord()

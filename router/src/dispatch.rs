@@ -632,7 +632,8 @@ impl Actor {
 
     /// Send waiting requests, in the queue's order, while some worker has room.
     fn pump(&mut self) {
-        while !self.queue.is_empty() {
+        // Every worker full (the common case under load): leave the queue as it is.
+        while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
             let now = std::time::Instant::now();
             let Some((id, mut head)) = self.queue_pop(now) else {
                 break;
@@ -823,7 +824,6 @@ impl Actor {
             }
             self.publish_queue();
         }
-        self.publish_ready();
     }
 
     /// Back to the queue if some worker can take it; NoWorker to its caller otherwise.

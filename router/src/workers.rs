@@ -177,6 +177,15 @@ impl<P> WorkerTable<P> {
         counts
     }
 
+    /// Whether any routable worker has fewer than `limit` requests in flight (0: no limit).
+    pub fn has_room(&self, limit: usize) -> bool {
+        self.by_slot.values().any(|identity| {
+            self.by_identity
+                .get(identity)
+                .is_some_and(|h| limit == 0 || h.inflight.len() < limit)
+        })
+    }
+
     /// The worker of `version` for the next request, among those with fewer than `limit`
     /// requests in flight (0: no limit); None when none is routable or every one is full.
     pub fn pick(&mut self, limit: usize, version: i64) -> Option<&mut WorkerHandle<P>> {
@@ -566,6 +575,7 @@ mod tests {
         }
         send(&mut t, "cpu-1", 2, 2);
         assert!(t.pick(1, 1).is_none());
+        assert!(!t.has_room(1) && t.has_room(2) && t.has_room(0));
         assert!(t.pick(2, 1).is_some());
         assert!(t.pick(0, 1).is_some()); // no limit
         t.resolve(&ident("cpu-0", 1), 1);
