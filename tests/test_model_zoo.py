@@ -313,6 +313,9 @@ def test_worker_runtime_serves_each_style_without_copying(
         str(base / "1"), style, 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
     )
     runtime.warm_up()
+    # Every style runs on TensorFlow's eager C API (worker/direct_call.py), checked against
+    # the keyword call at warm-up and here against plain TensorFlow.
+    assert runtime.call_paths == dict.fromkeys(runtime.specs, "direct")
     got = runtime.run(SIG, inputs, list(runtime.specs[SIG].outputs))
     report = runtime.weights_report()
     assert report["copied"] == {}, f"{style}: TensorFlow copied {report['copied']}"

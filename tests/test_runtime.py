@@ -179,7 +179,7 @@ def test_warm_up_runs_each_signature_on_one_zero_example(
     monkeypatch.setattr(runtime, "run", spy)
     runtime.warm_up()
     # Twice: the flat call, then the keyword call it is checked against.
-    assert len(calls) == 2 and runtime.call_paths == {SIG: "flat"}
+    assert len(calls) == 2 and runtime.call_paths == {SIG: "direct"}
     assert calls[0][0] == calls[1][0] and calls[0][1] is calls[1][1]
     signature, inputs, outputs = calls[0]
     assert signature == SIG
@@ -251,7 +251,7 @@ def test_signatures_are_called_flat_when_their_parameters_are_their_aliases(
 ) -> None:
     # The demo model: TensorFlow's flat argument list, checked against the keyword call at
     # warm-up (test_results_equal_plain_tensorflow_bit_for_bit covers the answers).
-    assert runtime.call_paths == {SIG: "flat"}
+    assert runtime.call_paths == {SIG: "direct"}
 
 
 def test_an_alias_tensorflow_sanitizes_is_called_with_keywords(
@@ -281,3 +281,92 @@ def test_an_alias_tensorflow_sanitizes_is_called_with_keywords(
     )
     np.testing.assert_array_equal(got["out"], np.full((2, 2), 2.0, np.float32))
     np.testing.assert_array_equal(got["n"], np.array([1, 2], np.int32))
+
+
+@pytest.fixture(scope="module")
+def three_output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Outputs of three dtypes and shapes whose aliases do not sort as they were written."""
+    import tensorflow as tf
+
+    class Three(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = tf.Variable([[1.0, 10.0]], dtype=tf.float32)
+
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None, 2], tf.float32, name="x"),
+                tf.TensorSpec([None], tf.int32, name="n"),
+                tf.TensorSpec([None], tf.string, name="word"),
+            ]
+        )
+        def serve(self, x: tf.Tensor, n: tf.Tensor, word: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {
+                "zz_scaled": x * self.scale,
+                "aa_next": n + 1,
+                "mm_shout": tf.strings.upper(word),
+            }
+
+    path = tmp_path_factory.mktemp("three") / "1"
+    module = Three()
+    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
+    return path
+
+
+THREE_INPUTS = {
+    "x": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+    "n": np.array([7, 8], np.int32),
+    "word": np.array([b"ab", b"c"], dtype=object),
+}
+
+
+def test_the_direct_call_answers_as_the_keyword_call(three_output_dir: Path) -> None:
+    runtime = load_saved_model(str(three_output_dir), "three", 1)
+    runtime.warm_up()
+    assert runtime.call_paths == {SIG: "direct"}
+    got = runtime.run(SIG, THREE_INPUTS, ["aa_next", "mm_shout", "zz_scaled"])
+    np.testing.assert_array_equal(got["zz_scaled"], [[1.0, 20.0], [3.0, 40.0]])
+    np.testing.assert_array_equal(got["aa_next"], np.array([8, 9], np.int32))
+    assert got["aa_next"].dtype == np.int32
+    assert list(got["mm_shout"]) == [b"AB", b"C"]
+    # The same bits as the public keyword call, output by output.
+    runtime._direct[SIG] = None  # type: ignore[attr-defined]
+    want = runtime.run(SIG, THREE_INPUTS, ["aa_next", "mm_shout", "zz_scaled"])
+    for alias in want:
+        assert got[alias].tobytes() == want[alias].tobytes() or alias == "mm_shout"
+    assert list(want["mm_shout"]) == list(got["mm_shout"])
+
+
+def test_a_direct_call_that_disagrees_at_warm_up_falls_back_to_keywords(
+    three_output_dir: Path,
+) -> None:
+    runtime = load_saved_model(str(three_output_dir), "three", 1)
+    direct = runtime._direct[SIG]  # type: ignore[attr-defined]
+    assert direct is not None
+    direct.outputs.reverse()  # as if TensorFlow's output order were misread
+    runtime.warm_up()
+    assert runtime.call_paths == {SIG: "keywords"}
+    got = runtime.run(SIG, THREE_INPUTS, ["aa_next"])
+    np.testing.assert_array_equal(got["aa_next"], np.array([8, 9], np.int32))
+
+
+def test_an_op_failure_through_the_direct_call_keeps_the_kernels_words(
+    three_output_dir: Path,
+) -> None:
+    runtime = load_saved_model(str(three_output_dir), "three", 1)
+    runtime.warm_up()
+    assert runtime.call_paths == {SIG: "direct"}
+    bad = dict(THREE_INPUTS, x=np.ones((2, 3), np.float32))  # cannot broadcast with [1, 2]
+    with pytest.raises(ServingError) as info:
+        runtime.run(SIG, bad, ["zz_scaled"])
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert info.value.message == "Incompatible shapes: [1,2] vs. [2,3]"
+    # The runtime goes on serving, and the keyword call words the same failure the same way.
+    assert runtime.run(SIG, THREE_INPUTS, ["aa_next"])["aa_next"].tolist() == [8, 9]
+    runtime._direct[SIG] = None  # type: ignore[attr-defined]
+    with pytest.raises(ServingError) as keyword_info:
+        runtime.run(SIG, bad, ["zz_scaled"])
+    assert (keyword_info.value.code, keyword_info.value.message) == (
+        info.value.code,
+        info.value.message,
+    )

@@ -23,6 +23,7 @@ from mpspool import dtypes
 from mpspool.errors import Code, ServingError
 from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
+from mpspool.worker.direct_call import DirectCall, direct_call
 
 log = logging.getLogger("mpspool.worker")
 
@@ -198,10 +199,16 @@ class SavedModelRuntime:
 
         self._tf = tf
         self._functions = {key: loaded.signatures[key] for key in specs}
-        # How each signature is called: "flat" (see _flat_order) or "keywords" (the public
-        # call, which binds and converts every argument against the signature in Python).
+        # How each signature is called: "direct" (worker/direct_call.py: TensorFlow's eager
+        # C API, no Python layers), "flat" (see _flat_order) or "keywords" (the public call,
+        # which binds and converts every argument against the signature in Python). Warm-up
+        # checks the first two against the last and falls back when they disagree.
         self._flat_orders = {
             key: _flat_order(function, specs[key]) for key, function in self._functions.items()
+        }
+        self._direct: dict[str, DirectCall | None] = {
+            key: direct_call(function, self._flat_orders[key], specs[key])
+            for key, function in self._functions.items()
         }
         self._op_error: type[Exception] = tf.errors.OpError
         self.shared: Any = None  # (AttachedSegment, bound variables) when weights are shared
@@ -210,7 +217,12 @@ class SavedModelRuntime:
 
     @property
     def call_paths(self) -> dict[str, str]:
-        return {key: "flat" if order else "keywords" for key, order in self._flat_orders.items()}
+        return {key: self._call_path(key) for key in self._functions}
+
+    def _call_path(self, key: str) -> str:
+        if self._direct[key] is not None:
+            return "direct"
+        return "flat" if self._flat_orders[key] else "keywords"
 
     def weights_report(self) -> dict[str, Any] | None:
         """Where the variables' buffers live now (call after warm-up); None if not shared."""
@@ -232,6 +244,10 @@ class SavedModelRuntime:
         embedding table: INVALID_ARGUMENT) reaches the client with its code and message.
         """
         try:
+            direct = self._direct[signature]
+            if direct is not None:
+                answer = direct(inputs)
+                return {alias: answer[alias].numpy() for alias in outputs}
             function = self._functions[signature]
             order = self._flat_orders[signature]
             if order:
@@ -270,35 +286,37 @@ class SavedModelRuntime:
                     # parses serialized tf.Examples with required features refuses them.
                     # Its first real request pays the set-up instead, on the public call.
                     log.warning(
-                        "warm-up of signature %r skipped: its string inputs need real data "
-                        "(%s)",
+                        "warm-up of signature %r skipped: its string inputs need real data (%s)",
                         key,
                         exc.message.splitlines()[0][:200],
                     )
-                    self._flat_orders[key] = None
+                    self._direct[key] = self._flat_orders[key] = None
                     continue
                 raise ModelLoadError(
                     f"warm-up of model {self.model_name!r} version {self.version}, "
                     f"signature {key!r} failed: {exc.code.name}: {exc.message}"
                 ) from exc
-            if self._flat_orders[key] and not self._flat_call_agrees(key, inputs, got):
+            path = self._call_path(key)
+            if path != "keywords" and not self._fast_call_agrees(key, inputs, got):
                 log.warning(
-                    "signature %r: the flat call disagrees with the keyword call; using the "
+                    "signature %r: the %s call disagrees with the keyword call; using the "
                     "keyword call",
                     key,
+                    path,
                 )
-                self._flat_orders[key] = None
+                self._direct[key] = self._flat_orders[key] = None
 
-    def _flat_call_agrees(
+    def _fast_call_agrees(
         self, key: str, inputs: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]
     ) -> bool:
-        """The flat call relies on TensorFlow's argument order; check it once against the
-        public call on the warm-up inputs rather than trust it."""
-        order, self._flat_orders[key] = self._flat_orders[key], None
+        """The direct and flat calls rely on TensorFlow's argument and output order; check
+        the one in use once against the public call on the warm-up inputs, not trust it."""
+        direct, order = self._direct[key], self._flat_orders[key]
+        self._direct[key] = self._flat_orders[key] = None
         try:
             want = self.run(key, inputs, list(got))
         finally:
-            self._flat_orders[key] = order
+            self._direct[key], self._flat_orders[key] = direct, order
         return all(
             want[alias].dtype == got[alias].dtype
             and want[alias].shape == got[alias].shape
@@ -416,6 +434,9 @@ def _zeros(dt: int, shape: tuple[int, ...] | None) -> np.ndarray:
 _GRAPH_ERROR_HEADER = "Graph execution error:"
 _OP_SUFFIX = re.compile(r"\s*\[Op:[^\]]*\]\s*$")
 _ROOT_ERRORS = re.compile(r"^\d+ root error\(s\) found\.?$")
+# The status of a function called through the C API (worker/direct_call.py) names the
+# function (and nested ones) it failed in; the Python call path interpolates these away.
+_FUNCTION_TAGS = re.compile(r"^(\{\{function_node [^}]*\}\}\s*)+")
 
 
 def _op_error_message(message: str) -> str:
@@ -437,9 +458,9 @@ def _op_error_message(message: str) -> str:
     lines = [line.strip() for line in lines if line.strip()]
     if not lines:
         return message.strip() or "TensorFlow op failed"
-    first = _OP_SUFFIX.sub("", lines[0])
+    first = _OP_SUFFIX.sub("", _FUNCTION_TAGS.sub("", lines[0]))
     if _ROOT_ERRORS.match(first) and len(lines) > 1:
-        first = f"{first} {_OP_SUFFIX.sub('', lines[1])}"
+        first = f"{first} {_OP_SUFFIX.sub('', _FUNCTION_TAGS.sub('', lines[1]))}"
     return first
 
 
