@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -213,6 +214,18 @@ def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> None:
     )
 
 
+def _freeze_loaded_objects() -> None:
+    """Keep the cyclic garbage collector away from what loading made.
+
+    A loaded model leaves ~320,000 Python objects (TensorFlow's function graphs, trackables,
+    protobufs) that live as long as the worker. A full collection walks them all: 130 ms on
+    the demo model here, during which a request waits. Collected once and frozen now, they
+    are never walked again; what requests allocate is still collected as before.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
     parser.add_argument("--run-dir", required=True)
@@ -287,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     # Known to the front door by placement and version: two versions share a placement
     # while one replaces the other.
     worker = Worker(config, wire.slot_key(args.slot, version), runtime, weights)
+    _freeze_loaded_objects()
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, version, worker.pid)
     worker.serve()
