@@ -298,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--aging-bound-ms",
         type=float,
         default=50.0,
-        help="with --queue sjf: a request that waited this long goes before shorter ones "
-        "(default %(default)s)",
+        help="with --queue sjf: the longest a request should wait while shorter ones overtake "
+        "it; it goes first early enough for a worker's current call to end (default "
+        "%(default)s)",
     )
     sched.add_argument(
         "--worker-inflight",

@@ -60,7 +60,8 @@ pub struct Config {
     /// The front door's queue order when workers are full (`--queue`).
     #[serde(default = "default_queue")]
     pub queue: String,
-    /// `--aging-bound-ms`: how long a request may wait before shorter ones stop overtaking it.
+    /// `--aging-bound-ms`: the longest a request should wait in the front door while shorter
+    /// ones overtake it (policies/shortest_first.rs says how it is kept).
     #[serde(default = "default_aging_bound_ms")]
     pub aging_bound_ms: f64,
     /// `--worker-inflight`: requests a worker may hold before new ones wait in the front door

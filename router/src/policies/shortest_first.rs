@@ -1,6 +1,9 @@
 //! Shortest job first with aging: the waiting request with the smallest expected compute
-//! time goes first — unless some request has waited `aging_bound` or longer; then the
-//! overdue ones go first, oldest first.
+//! time goes first — unless some request is overdue; then the overdue ones go first, oldest
+//! first. A request is overdue once it has waited `aging_bound` less the longest expected
+//! compute time of the requests waiting (at most half the bound): an overdue request still
+//! waits for a worker's current call to end, and starting early by about one call is what
+//! keeps its whole wait within `aging_bound` while the cost model is right.
 //!
 //! Why: with FCFS a batch-512 request at the head of the queue makes every batch-1 request
 //! behind it wait for it; served shortest first, small requests overtake it and the mean and
@@ -9,12 +12,14 @@
 //! a large one never goes. Aging bounds that.
 //!
 //! The bound: a request is sent once it is at the head of this order and a worker has room.
-//! Once it has waited `aging_bound` it is overdue, and only requests that became overdue
-//! before it can still go ahead of it — never a newer, shorter one. So its wait in the front
-//! door is at most `aging_bound` plus the time to send the requests that were already overdue
-//! when it became overdue. While the pool keeps up with its load (nothing else overdue) that
-//! is `aging_bound` plus one worker slot's time to free; under overload everything becomes
-//! overdue and the order is FCFS, the fair order when nothing can be served in time.
+//! Once it is overdue only requests that became overdue before it can still go ahead of it —
+//! never a newer, shorter one. So its wait in the front door is at most its overdue time plus
+//! the time to send the requests that were already overdue when it became overdue. While the
+//! pool keeps up with its load (nothing else overdue) that is the overdue time plus one worker
+//! slot's time to free, which is `aging_bound` when no call takes longer than the longest
+//! request waiting (and than half the bound), and at most `aging_bound` plus one call
+//! otherwise; under overload everything becomes overdue and the order is FCFS, the fair
+//! order when nothing can be served in time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -46,6 +51,19 @@ impl<T> ShortestFirst<T> {
     }
 }
 
+impl<T> ShortestFirst<T> {
+    /// How long a request waits before it is overdue: the bound less the longest compute time
+    /// expected of a waiting request (what a worker's current call most likely takes at
+    /// worst), never less than half the bound, so that shortest-first still orders the rest.
+    fn overdue_after(&self) -> Duration {
+        let longest = self
+            .by_cost
+            .last_key_value()
+            .map_or(0, |(&(cost, _, _), _)| cost);
+        self.aging_bound - Duration::from_nanos(longest).min(self.aging_bound / 2)
+    }
+}
+
 impl<T: Send> Order<T> for ShortestFirst<T> {
     fn push(&mut self, id: u64, item: T, arrived: Instant, cost: f64) {
         // µs → ns, saturating (a NaN or negative estimate counts as free).
@@ -64,7 +82,7 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
 
     fn pop(&mut self, now: Instant) -> Option<(u64, T)> {
         let (&(oldest, oldest_id), _) = self.by_arrival.first_key_value()?;
-        let id = if now.saturating_duration_since(oldest) >= self.aging_bound {
+        let id = if now.saturating_duration_since(oldest) >= self.overdue_after() {
             oldest_id
         } else {
             let (&(_, _, shortest), _) = self.by_cost.first_key_value()?;
@@ -117,10 +135,11 @@ mod tests {
         queue.push(1, "big", t0, 5000.0);
         queue.push(2, "bigger, later", t0 + ms(10), 9000.0);
         queue.push(3, "small", t0 + ms(59), 1.0);
-        // At 55 ms only "big" is overdue.
-        assert_eq!(queue.pop(t0 + ms(55)), Some((1, "big")));
-        assert_eq!(queue.pop(t0 + ms(55)), Some((3, "small")));
-        assert_eq!(queue.pop(t0 + ms(61)), Some((2, "bigger, later")));
+        // The longest waiting request is expected to take 9 ms: overdue after 50 - 9 = 41 ms.
+        // At 46 ms only "big" is overdue.
+        assert_eq!(queue.pop(t0 + ms(46)), Some((1, "big")));
+        assert_eq!(queue.pop(t0 + ms(46)), Some((3, "small")));
+        assert_eq!(queue.pop(t0 + ms(52)), Some((2, "bigger, later")));
     }
 
     #[test]
@@ -136,6 +155,46 @@ mod tests {
         assert_eq!(queue.pop(t0 + ms(100)), Some((2, "b")));
         assert_eq!(queue.pop(t0 + ms(100)), None);
         assert!(queue.by_cost.is_empty() && queue.by_arrival.is_empty());
+    }
+
+    /// The bound is the wait's, not the moment a request turns overdue: with one worker slot
+    /// busy with a 20 ms call, a 20 ms request that arrived just after it turns overdue at
+    /// 30 ms and — the slot freeing every 20 ms — is sent by the 40 ms mark, within 50 ms;
+    /// overdue at the bound itself it would have been sent at 60 ms.
+    #[test]
+    fn a_request_that_waits_for_a_call_to_end_is_sent_within_the_bound() {
+        let t0 = Instant::now();
+        let mut queue = ShortestFirst::new(BOUND);
+        queue.push(0, "large", t0, 20_000.0);
+        let mut clock = t0;
+        let mut id = 1;
+        let sent = loop {
+            // A small request arrives before every slot frees and would overtake forever.
+            queue.push(id, "small", clock, 250.0);
+            id += 1;
+            clock += ms(20); // the slot is busy with a 20 ms call
+            match queue.pop(clock) {
+                Some((_, "large")) => break clock,
+                Some(_) => {}
+                None => panic!("empty"),
+            }
+            assert!(clock - t0 < ms(500), "the large request starved");
+        };
+        assert_eq!(sent - t0, ms(40));
+        assert!(sent - t0 <= BOUND);
+    }
+
+    #[test]
+    fn the_overdue_time_gives_up_at_most_half_the_bound() {
+        let t0 = Instant::now();
+        let mut queue: ShortestFirst<&str> = ShortestFirst::new(BOUND);
+        assert_eq!(queue.overdue_after(), BOUND);
+        queue.push(1, "small", t0, 250.0);
+        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(250));
+        queue.push(2, "huge", t0, 10_000_000.0);
+        assert_eq!(queue.overdue_after(), BOUND / 2);
+        queue.remove(2);
+        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(250));
     }
 
     /// The adversary: one worker slot, a large request, and a small request arriving every
@@ -169,8 +228,12 @@ mod tests {
         }
         let sent = large_sent_at.expect("the large request starved");
         let waited = sent - t0;
-        assert!(waited >= BOUND, "sent before it was overdue: {waited:?}");
-        assert!(waited <= BOUND + us(250), "waited {waited:?}");
+        // 100 ms of expected compute: overdue at half the bound, sent by the next free slot.
+        assert!(
+            waited >= BOUND / 2,
+            "sent before it was overdue: {waited:?}"
+        );
+        assert!(waited <= BOUND / 2 + us(250), "waited {waited:?}");
         // Without aging (an unreachable bound) the same stream starves it.
         let mut plain = ShortestFirst::new(Duration::from_secs(3600));
         plain.push(0, "large", t0, 100_000.0);
