@@ -165,16 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.rows, args.calls, args.rounds = 1000, 500, 1
-    with harness.sigterm_as_exit():
-        report = run(args)
-    report["notes"] = args.note
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    text = render(report)
-    print(text)
-    if not (args.quick or args.no_results):
-        harness.write_section(harness.RESULTS_MD, text, BEGIN_MARK, END_MARK)
-    return 0
+    return harness.run_scenario(args, run, render, BEGIN_MARK, END_MARK)
 
 
 if __name__ == "__main__":

@@ -819,6 +819,29 @@ def add_output_arguments(parser: argparse.ArgumentParser, writes: str = "the JSO
     )
 
 
+def run_scenario(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    begin_mark: str,
+    end_mark: str,
+) -> int:
+    """A scenario's main after its arguments (add_run_arguments): run it, SIGTERM unwinding
+    what it started, keep its notes, write the raw report (--json), print its section and
+    write it into RESULTS.md unless --quick or --no-results."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with sigterm_as_exit():
+        report = run(args)
+    report["notes"] = args.note
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    text = render(report)
+    print(text)
+    if not (args.quick or args.no_results):
+        write_section(RESULTS_MD, text, begin_mark, end_mark)
+    return 0
+
+
 @contextlib.contextmanager
 def sigterm_as_exit() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so every context manager on the way stops what it started.

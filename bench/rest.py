@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -146,17 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.duration, args.warmup, args.concurrency = 1000, 1.0, 0.5, [1, 4]
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with harness.sigterm_as_exit():
-        report = run(args)
-    report["notes"] = args.note
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    text = render(report)
-    print(text)
-    if not (args.quick or args.no_results):
-        harness.write_section(harness.RESULTS_MD, text, BEGIN_MARK, END_MARK)
-    return 0
+    return harness.run_scenario(args, run, render, BEGIN_MARK, END_MARK)
 
 
 if __name__ == "__main__":
