@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from mpspool import __version__, rundir, wire
+from mpspool import __version__, process, rundir, wire
 from mpspool.config import (
     DISPATCH_POLICIES,
     QUEUE_ORDERS,
@@ -145,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="how often the base path is read for new and removed versions (default "
         "%(default)s s, as TF Serving; 0: only at start)",
+    )
+    start.add_argument(
+        "--loading-nice",
+        type=int,
+        default=10,
+        help="the nice value (0..19) at which workers and weight publishers load, so that a "
+        "version loading beside one that serves leaves the cores to the serving workers; a "
+        "worker goes back to 0 when it takes traffic (default %(default)s; needs "
+        "CAP_SYS_NICE or RLIMIT_NICE to go back, else loading runs at normal priority)",
     )
     start.add_argument(
         "--enable-model-warmup",
@@ -465,6 +475,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         allow_copied_weights=args.allow_copied_weights,
         version_policy=args.version_policy,
         file_system_poll_wait_s=args.file_system_poll_wait_s,
+        loading_nice=args.loading_nice,
         model_warmup=args.model_warmup,
         warmup_iterations=args.warmup_iterations,
         **_batching_fields(args),
@@ -481,6 +492,14 @@ def cmd_start(args: argparse.Namespace) -> int:
         pinned_mem_limit_mib=args.pinned_mem_limit,
         **gpu_fields,
     ).validate()
+    if config.loading_nice and not process.can_restore_priority():
+        # A worker that loaded at nice 10 would serve at nice 10 for good.
+        print(
+            f"mpspool: --loading-nice {config.loading_nice} needs CAP_SYS_NICE or RLIMIT_NICE "
+            "to put a loaded worker back to 0; loading at normal priority",
+            file=sys.stderr,
+        )
+        config = dataclasses.replace(config, loading_nice=0)
     created = rundir.prepare(run_dir)
     config.save(run_dir)
     import psutil

@@ -211,6 +211,12 @@ class PoolConfig:
     # is read for new and removed versions (0: only at start).
     version_policy: str = "latest:1"
     file_system_poll_wait_s: float = 1.0
+    # Workers and weight publishers load at this nice value (0: as everything else), so that
+    # a version loading beside one that serves takes the cores the serving workers leave;
+    # the controller puts a worker back to 0 once it takes traffic. Needs the right to raise
+    # priority again (CAP_SYS_NICE or RLIMIT_NICE): without it, the controller sets this to
+    # 0 at start and says so (process.can_restore_priority).
+    loading_nice: int = 10
     # Before a worker says READY it replays the version's recorded requests
     # (assets.extra/tf_serving_warmup_requests, worker/warmup.py) this many times each, as TF
     # Serving's --enable_model_warmup and --num_request_iterations_for_warmup; a version
@@ -328,6 +334,8 @@ class PoolConfig:
             raise ConfigError(
                 f"--file_system_poll_wait_seconds must be >= 0, got {self.file_system_poll_wait_s}"
             )
+        if not 0 <= self.loading_nice <= 19:
+            raise ConfigError(f"--loading-nice must be in 0..19, got {self.loading_nice}")
         from mpspool.supervisor.versions import VersionPolicy
 
         try:

@@ -59,3 +59,53 @@ def fatal_reason(text: str) -> str:
         if line.startswith(FATAL_MARKER):
             return line[len(FATAL_MARKER) :]
     return ""
+
+
+# CPU priority while loading. Linux lets any process lower its own priority (raise its nice
+# value) but only CAP_SYS_NICE, or an RLIMIT_NICE that reaches the old value, may raise it
+# back; and nice is per thread, inherited by the threads a thread creates.
+_CAP_SYS_NICE = 23
+
+
+def can_restore_priority() -> bool:
+    """Whether this process (and so its children, same user) may put a nice value back to 0:
+    CAP_SYS_NICE in its effective set, or an RLIMIT_NICE soft limit of 20 or more."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    if int(line.split()[1], 16) >> _CAP_SYS_NICE & 1:
+                        return True
+                    break
+    except OSError:  # pragma: no cover - no procfs
+        return False
+    import resource
+
+    # A nice value n may be set when 20 - n <= RLIMIT_NICE (setrlimit(2)): 0 needs 20.
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or soft >= 20
+
+
+def restore_priority(pid: int) -> int:
+    """Every thread of `pid` back to nice 0; returns how many were changed. Threads are
+    listed until no new one appears, so one created while we walk is not missed.
+    PermissionError without the right (can_restore_priority); ProcessLookupError when the
+    process is gone."""
+    done: set[int] = set()
+    changed = 0
+    while True:
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+        except FileNotFoundError:
+            raise ProcessLookupError(pid) from None
+        new = tids - done
+        if not new:
+            return changed
+        for tid in new:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) != 0:
+                    os.setpriority(os.PRIO_PROCESS, tid, 0)
+                    changed += 1
+            except ProcessLookupError:
+                pass  # that thread ended meanwhile
+        done |= new

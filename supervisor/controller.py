@@ -22,6 +22,7 @@ import sys
 import time
 import xmlrpc.client
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -132,8 +133,15 @@ class RouterLink:
 
 
 class Controller:
-    def __init__(self, config: PoolConfig, created_run_dir: bool, clock: Clock = time) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        created_run_dir: bool,
+        clock: Clock = time,
+        restore_priority: Callable[[int], int] = process.restore_priority,
+    ) -> None:
         self.clock = clock
+        self._restore_priority = restore_priority  # a pid's threads back to nice 0
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.created_run_dir = created_run_dir
@@ -365,6 +373,7 @@ class Controller:
             self._fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
             return
         self._reconcile_versions(now, snap, router_answered)
+        self._restore_priorities()
         if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
             return
         if not self._announced and self.port and self._serving_version() is not None:
@@ -706,6 +715,35 @@ class Controller:
             return
         if self.router.ask("versions", versions=table, labels={}) is not None:
             self._versions_told = told
+
+    def _restore_priorities(self) -> None:
+        """Workers load at --loading-nice, so that a version loading beside one that serves
+        takes only the CPU the serving workers leave; a worker that takes traffic (READY, its
+        version AVAILABLE) gets every one of its threads back to nice 0, once per process."""
+        if not self.config.loading_nice:
+            return
+        for group in self.groups.values():
+            if group.state is not VersionState.AVAILABLE:
+                continue
+            for slot in group.slots.values():
+                if slot.state is not WorkerState.READY or slot.priority_restored == slot.pid:
+                    continue
+                slot.priority_restored = slot.pid
+                try:
+                    threads = self._restore_priority(slot.pid)
+                except ProcessLookupError:
+                    continue  # gone: its exit is seen on the next tick
+                except PermissionError as exc:
+                    log.warning(
+                        "slot %s: cannot put pid %d back to nice 0: %s", slot.name, slot.pid, exc
+                    )
+                    continue
+                log.info(
+                    "slot %s: pid %d back to normal CPU priority (%d threads)",
+                    slot.name,
+                    slot.pid,
+                    threads,
+                )
 
     def _restart_gpu(self, gpu: int, why: str) -> None:
         """Every worker of one GPU goes, in slot order; its daemon must answer again; then

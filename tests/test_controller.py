@@ -296,6 +296,7 @@ class Pool:
         controller.router.close()  # the real link's socket: closed before the swap
         controller.supervisord = self.sd  # type: ignore[assignment]
         controller.router = self.router  # type: ignore[assignment]
+        self.restored: list[int] = []  # pids put back to nice 0 (make_pool's recorder)
 
     def slot(self, name: str) -> Slot:
         return self.controller.slots[key_of(name)]
@@ -364,9 +365,22 @@ def make_pool(
         }
         settings.update(overrides)
         clock = FakeClock()
-        controller = Controller(PoolConfig(**settings), created_run_dir=False, clock=clock)
+        restored: list[int] = []
+
+        def restore_priority(pid: int) -> int:
+            restored.append(pid)  # fake pids: never a real process's priority
+            return 3
+
+        controller = Controller(
+            PoolConfig(**settings),
+            created_run_dir=False,
+            clock=clock,
+            restore_priority=restore_priority,
+        )
         made.append((controller, run_dir))
-        return Pool(controller, clock)
+        pool = Pool(controller, clock)
+        pool.restored = restored
+        return pool
 
     yield make
     for controller, run_dir in made:
@@ -1089,6 +1103,46 @@ def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
     assert sorted(pool.controller.slots) == ["cpu-0@2", "cpu-1@2"]
     assert ("cpu-0@1", 101) in pool.router.gone and ("cpu-1@1", 102) in pool.router.gone
     assert pool.controller.status()["pool"]["version"] == 2
+
+
+def test_a_worker_gets_its_priority_back_when_it_takes_traffic_not_before(
+    make_pool: Callable[..., Pool],
+):
+    pool, base = versioned_pool(make_pool, [1])
+    assert sorted(pool.restored) == [101, 102], "version 1 serves: both back to nice 0"
+    pool.tick(after_s=0.5)
+    assert sorted(pool.restored) == [101, 102], "once per process"
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    new = {name: pool.sd.pid_of(f"{name}@2") for name in ("cpu-0", "cpu-1")}
+    pool.router.register("cpu-0@2", new["cpu-0"])
+    pool.tick()
+    assert pool.slot("cpu-0@2").state is S.READY
+    assert new["cpu-0"] not in pool.restored, "READY, but its version takes no traffic yet"
+    pool.router.register("cpu-1@2", new["cpu-1"])
+    pool.tick()
+    assert told(pool)[2] == "AVAILABLE"
+    assert sorted(pool.restored) == sorted([101, 102, *new.values()])
+    # A worker of a serving version that restarts loads niced again, and is put back when
+    # it is READY once more.
+    pool.sd.exit("cpu-0@2", 1)
+    pool.tick()
+    pool.tick(after_s=5.0)
+    again = pool.sd.pid_of("cpu-0@2")
+    assert again != new["cpu-0"]
+    assert again not in pool.restored
+    pool.router.register("cpu-0@2", again)
+    pool.tick()
+    assert pool.restored[-1] == again
+
+
+def test_no_priority_is_touched_with_loading_nice_0(make_pool: Callable[..., Pool]):
+    pool = make_pool(loading_nice=0)
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    assert pool.restored == []
 
 
 def test_a_version_that_cannot_load_never_serves_and_is_not_retried(

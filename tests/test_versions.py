@@ -26,7 +26,7 @@ from tensorflow_serving.apis import (
     prediction_service_pb2_grpc,
 )
 
-from mpspool import segment
+from mpspool import process, segment
 from mpspool.demo_model import build_demo_model, demo_inputs
 from mpspool.supervisor.versions import VersionPolicy
 
@@ -147,6 +147,14 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         assert status["pool"]["version"] == 2
         assert {s["version"] for s in status["slots"]} == {2}
         assert len(_segments(pool.pool_id)) == 1, "version 1's segment is unlinked"
+        if process.can_restore_priority():
+            # Loaded at --loading-nice (10), serving at 0: every thread of every worker.
+            for pid in pool.worker_pids():
+                nices = {
+                    os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")
+                }
+                assert nices == {0}, f"worker {pid}: {nices}"
+            assert pool.output().count("back to normal CPU priority") >= 4
         seen = len(load.seen())
         time.sleep(1.0)
         assert set(load.seen()[seen:]) == {2}, "once 1 retired, everything is answered by 2"
@@ -154,8 +162,9 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         # Version 2 removed: 1 is the latest again and comes back in new workers.
         (base / "2").rename(tmp_path / "removed-2")
         wait(
-            lambda s: _versions(s).get(1) == ("AVAILABLE", "")
-            and _versions(s).get(2) == ("END", ""),
+            lambda s: (
+                _versions(s).get(1) == ("AVAILABLE", "") and _versions(s).get(2) == ("END", "")
+            ),
             timeout=90,
             what="version 1 serving again",
         )
