@@ -11,7 +11,10 @@ Each version folder is a symlink to the same SavedModel, so answers are checked 
 before and after every window, and memory growth across reloads is what the process
 replacement leaves behind, not a bigger model.
 
-    .venv/bin/python -m bench.reload            # ~8 minutes on 2 cores (2,000,000 rows)
+One pool per --loading-priority value (default idle, then normal), one after the other, so
+that the two are compared in one run.
+
+    .venv/bin/python -m bench.reload            # ~17 minutes on 2 cores (2,000,000 rows)
     .venv/bin/python -m bench.reload --quick    # 1,000-row model, 2 short reloads, no report
 """
 
@@ -136,9 +139,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rps": args.rps,
         "concurrency": args.concurrency,
         "window_s": args.window,
-        "reloads": [],
+        "pools": [],
     }
     checker = Checker()
+    leftovers: list[str] = []
     with (
         harness.frozen_code(args.source) as (source, env),
         tempfile.TemporaryDirectory(prefix="mpreload-") as tmp,
@@ -146,34 +150,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workdir = Path(tmp)
         report["source"] = harness._describe_source(source)
         model_dir = (harness.ensure_model(args.rows, env) / "1").resolve()
-        base = workdir / "model"
-        base.mkdir()
-        (base / "1").symlink_to(model_dir, target_is_directory=True)
         request = harness.predict_request("batch 1", "demo", demo_inputs(1, args.rows, seed=1))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        logs = harness.OUT_DIR / f"logs-reload-{stamp}"  # git-ignored
-        extra = ["--file_system_poll_wait_seconds", str(args.poll)]
-        with Pool(base, args.workers, logs, env, label="reload", extra_args=extra) as pool:
-            pool.wait_ready()
-            server = pool.server("reload")
-            checker.check(server, request)
-            harness.h2load(server.port, request, args.concurrency, 2.0, workdir, rps=args.rps)
-            report["pss_start_mib"] = harness.pss_mib(pool_processes(pool))
-            report["shm_start_mib"] = shm_mib(pool.pool_id)
-            report["steady"] = window(pool, server, request, args, workdir)
-            print(line("steady", report["steady"]), flush=True)
-            for new in range(2, args.reloads + 2):
-                row = window(
-                    pool, server, request, args, workdir,
-                    during=reload_once(pool, base, model_dir, new, args),
-                )  # fmt: skip
-                time.sleep(1.0)  # the old workers' memory is gone once they have exited
-                row["pss_after_mib"] = harness.pss_mib(pool_processes(pool))
-                row["shm_after_mib"] = shm_mib(pool.pool_id)
+        for priority in args.loading_priority:
+            base = workdir / f"model-{priority}"
+            base.mkdir()
+            (base / "1").symlink_to(model_dir, target_is_directory=True)
+            logs = harness.OUT_DIR / f"logs-reload-{stamp}-{priority}"  # git-ignored
+            extra = [
+                "--file_system_poll_wait_seconds", str(args.poll),
+                "--loading-priority", priority,
+            ]  # fmt: skip
+            with Pool(base, args.workers, logs, env, label="reload", extra_args=extra) as pool:
+                pool.wait_ready()
+                server = pool.server("reload")
                 checker.check(server, request)
-                report["reloads"].append(row)
-                print(line(f"reload to {new}", row), flush=True)
-        report["leftovers"] = pool.leftovers() + harness.shm_leftovers([pool.pool_id])
+                harness.h2load(server.port, request, args.concurrency, 2.0, workdir, rps=args.rps)
+                run_ = {"loading_priority": priority, "reloads": []}
+                run_["pss_start_mib"] = harness.pss_mib(pool_processes(pool))
+                run_["shm_start_mib"] = shm_mib(pool.pool_id)
+                run_["steady"] = window(pool, server, request, args, workdir)
+                print(line(f"{priority}: steady", run_["steady"]), flush=True)
+                for new in range(2, args.reloads + 2):
+                    row = window(
+                        pool, server, request, args, workdir,
+                        during=reload_once(pool, base, model_dir, new, args),
+                    )  # fmt: skip
+                    time.sleep(1.0)  # the old workers' memory is gone once they have exited
+                    row["pss_after_mib"] = harness.pss_mib(pool_processes(pool))
+                    row["shm_after_mib"] = shm_mib(pool.pool_id)
+                    checker.check(server, request)
+                    run_["reloads"].append(row)
+                    print(line(f"{priority}: reload to {new}", row), flush=True)
+                report["pools"].append(run_)
+            leftovers += pool.leftovers() + harness.shm_leftovers([pool.pool_id])
+    report["leftovers"] = leftovers
     report["load_end"] = harness.load_average()
     return report
 
@@ -192,30 +203,45 @@ def line(name: str, w: dict[str, Any]) -> str:
     return text
 
 
+def median_p99_ms(run_: dict[str, Any]) -> float:
+    """The median over its reloads of the p99 during each."""
+    rows = sorted(r["p99_ms"] for r in run_["reloads"])
+    return rows[len(rows) // 2]
+
+
+def median_p99_ratio(run_: dict[str, Any]) -> float:
+    """That median against the p99 of its steady window."""
+    return median_p99_ms(run_) / run_["steady"]["p99_ms"]
+
+
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Per reload: p99 during it against the steady window, and PSS before, at the peak and
-    after."""
+    """Per pool (loading priority) and reload: p99 during it against its steady window, and
+    PSS at the peak and after."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["reloads"]
-    n = [r["version"] for r in rows]
     fig, (lat, mem) = plt.subplots(1, 2, figsize=(12, 4))
-    lat.bar(n, [r["p99_ms"] for r in rows], color="tab:orange", label="p99 during the reload")
-    lat.axhline(report["steady"]["p99_ms"], color="tab:blue", label="p99 steady")
-    lat.axhline(report["steady"]["p99_ms"] * 1.5, color="tab:blue", ls=":", label="1.5× steady")
+    runs = report["pools"]
+    width = 0.8 / len(runs)
+    for i, run_ in enumerate(runs):
+        rows, priority = run_["reloads"], run_["loading_priority"]
+        n = [r["version"] + (i - (len(runs) - 1) / 2) * width for r in rows]
+        steady = run_["steady"]["p99_ms"]
+        lat.bar(n, [r["p99_ms"] / steady for r in rows], width, label=f"loading {priority}")
+        mem.plot([r["version"] for r in rows], [r["peak_pss_mib"] for r in rows], "o-",
+                 label=f"PSS peak, {priority}")  # fmt: skip
+        mem.plot([r["version"] for r in rows], [r["pss_after_mib"] for r in rows], "s--",
+                 label=f"PSS after, {priority}")  # fmt: skip
+    lat.axhline(1.5, color="tab:gray", ls=":", label="target 1.5×")
     lat.set_xlabel("reload to version")
-    lat.set_ylabel("ms")
+    lat.set_ylabel("p99 during the reload / p99 steady")
     lat.legend()
-    mem.plot(n, [r["peak_pss_mib"] for r in rows], "o-", color="tab:red", label="PSS peak")
-    mem.plot(n, [r["pss_after_mib"] for r in rows], "o-", color="tab:green", label="PSS after")
-    mem.axhline(report["pss_start_mib"], color="tab:gray", ls=":", label="PSS before any")
     mem.set_xlabel("reload to version")
     mem.set_ylabel("MiB (all the pool's processes)")
     mem.set_ylim(bottom=0)
-    mem.legend()
+    mem.legend(fontsize="small")
     fig.suptitle(f"{report['rows']:,}-row demo model, {report['rps']:.0f} req/s open loop")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +251,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 def render(report: dict[str, Any]) -> str:
-    steady, rows = report["steady"], report["reloads"]
+    runs = report["pools"]
     lines = [
         BEGIN_MARK,
         "## Reloading a version under load (issue 12), one run",
@@ -233,40 +259,58 @@ def render(report: dict[str, Any]) -> str:
         f"- **When / where:** {report['date']}; {report['machine']}; load average "
         f"{report['load_start']} at the start, {report['load_end']} at the end.",
         f"- **Command:** `{report['command']}` ({report['source']}).",
-        f"- **Pool:** {report['workers']} workers, the {report['rows']:,}-row demo model, "
-        "`--file_system_poll_wait_seconds` 0.2; each new version is a symlink to the same "
-        "SavedModel, so memory growth is what replacement leaves behind.",
+        f"- **Pools:** one after the other, one per `--loading-priority` "
+        f"({', '.join(r['loading_priority'] for r in runs)}): {report['workers']} workers, the "
+        f"{report['rows']:,}-row demo model, `--file_system_poll_wait_seconds` 0.2; each new "
+        "version is a symlink to the same SavedModel, so memory growth is what replacement "
+        "leaves behind.",
         f"- **Load:** h2load open loop, {report['rps']:.0f} req/s of batch 1, up to "
-        f"{report['concurrency']} outstanding, {report['window_s']:.0f} s windows: one steady "
-        "window, then one per reload (the version folder appears 1 s in). Failed: the front "
-        "door's non-OK answers in the window.",
+        f"{report['concurrency']} outstanding, {report['window_s']:.0f} s windows: per pool one "
+        "steady window, then one per reload (the version folder appears 1 s in). Failed: the "
+        "front door's non-OK answers in the window.",
         "",
-        "| window | req/s | p50 ms | p99 ms | p99 / steady | failed | to traffic s "
-        "| old ended s | PSS peak MiB | PSS after MiB | shm peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| steady | {fmt(steady['rps'])} | {steady['p50_ms']:.2f} | {steady['p99_ms']:.2f} | 1.00 "
-        f"| {steady['failed']} | | | {report['pss_start_mib']:.0f} | | "
-        f"{report['shm_start_mib']:.0f} |",
+        "| loading | window | req/s | p50 ms | p99 ms | p99 / steady | failed "
+        "| to traffic s | old ended s | PSS peak MiB | PSS after MiB | shm peak MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for run_ in runs:
+        steady, priority = run_["steady"], run_["loading_priority"]
         lines.append(
-            f"| reload to {r['version']} | {fmt(r['rps'])} | {r['p50_ms']:.2f} "
-            f"| {r['p99_ms']:.2f} | {r['p99_ms'] / steady['p99_ms']:.2f} | {r['failed']} "
-            f"| {fmt(r['to_traffic_s'], 1)} | {fmt(r['to_old_ended_s'], 1)} "
-            f"| {r['peak_pss_mib']:.0f} | {r['pss_after_mib']:.0f} | {r['peak_shm_mib']:.0f} |"
+            f"| {priority} | steady | {fmt(steady['rps'])} | {steady['p50_ms']:.2f} "
+            f"| {steady['p99_ms']:.2f} | 1.00 | {steady['failed']} | | "
+            f"| {run_['pss_start_mib']:.0f} | | {run_['shm_start_mib']:.0f} |"
         )
-    if rows:
+        for r in run_["reloads"]:
+            lines.append(
+                f"| {priority} | reload to {r['version']} | {fmt(r['rps'])} | {r['p50_ms']:.2f} "
+                f"| {r['p99_ms']:.2f} | {r['p99_ms'] / steady['p99_ms']:.2f} | {r['failed']} "
+                f"| {fmt(r['to_traffic_s'], 1)} | {fmt(r['to_old_ended_s'], 1)} "
+                f"| {r['peak_pss_mib']:.0f} | {r['pss_after_mib']:.0f} "
+                f"| {r['peak_shm_mib']:.0f} |"
+            )
+    lines.append("")
+    for run_ in runs:
+        rows = run_["reloads"]
+        if not rows:
+            continue
         failed = sum(r["failed"] for r in rows)
-        worst = max(r["p99_ms"] for r in rows) / steady["p99_ms"]
-        median = sorted(r["p99_ms"] for r in rows)[len(rows) // 2] / steady["p99_ms"]
+        worst = max(r["p99_ms"] for r in rows) / run_["steady"]["p99_ms"]
         first, last = rows[0]["pss_after_mib"], rows[-1]["pss_after_mib"]
-        lines += [
-            "",
-            f"Failed requests across {len(rows)} reloads: **{failed}** (target 0). p99 during a "
-            f"reload / steady: median **{median:.2f}×**, worst **{worst:.2f}×** (target ≤ "
-            f"1.5×). PSS after the last reload / after the first: **{last / first:.3f}** "
-            "(back to baseline: within 5%).",
-        ]
+        to_traffic = sorted(r["to_traffic_s"] or 0.0 for r in rows)[len(rows) // 2]
+        lines.append(
+            f"- `--loading-priority {run_['loading_priority']}`: failed requests across "
+            f"{len(rows)} reloads **{failed}** (target 0); p99 during a reload / steady: median "
+            f"**{median_p99_ratio(run_):.2f}×**, worst **{worst:.2f}×** (target ≤ 1.5×); "
+            f"median time to traffic {to_traffic:.1f} s; PSS after the last reload / after "
+            f"the first **{last / first:.3f}** (back to baseline: within 5%)."
+        )
+    if len(runs) == 2 and all(r["reloads"] for r in runs):
+        a, b = runs
+        lines.append(
+            f"- Median p99 during a reload, loading {a['loading_priority']} / "
+            f"{b['loading_priority']} (ms / ms, this run): "
+            f"**{median_p99_ms(a) / median_p99_ms(b):.2f}×**."
+        )
     if report.get("plot"):
         lines += ["", f"![reload]({report['plot']})"]
     lines += [""] + [f"- {note}" for note in report.get("notes", [])]
@@ -280,11 +324,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rows", type=int, default=2_000_000, help="embedding rows")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--reloads", type=int, default=10)
+    parser.add_argument("--reloads", type=int, default=10, help="per pool")
     parser.add_argument("--rps", type=float, default=200.0, help="open-loop requests/s")
     parser.add_argument("--concurrency", type=int, default=16, help="most outstanding")
     parser.add_argument("--window", type=float, default=40.0, help="seconds per window")
     parser.add_argument("--poll", type=float, default=0.2, help="file system poll, s")
+    parser.add_argument(
+        "--loading-priority",
+        type=lambda text: text.split(","),
+        default=["idle", "normal"],
+        help="one pool per value, one after the other, each reloaded --reloads times "
+        "(default idle,normal: the default against loading at normal priority)",
+    )
     harness.add_run_arguments(parser, quick="1,000 rows, 2 short reloads, no report")
     args = parser.parse_args(argv)
     if args.quick:
@@ -293,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     with harness.sigterm_as_exit():
         report = run(args)
     report["notes"] = args.note
-    if report["reloads"] and not args.quick:
+    if any(r["reloads"] for r in report["pools"]) and not args.quick:
         report["plot"] = os.path.relpath(plot(report, PLOT), harness.RESULTS_MD.parent)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -148,13 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s s, as TF Serving; 0: only at start)",
     )
     start.add_argument(
-        "--loading-nice",
-        type=int,
-        default=10,
-        help="the nice value (0..19) at which workers and weight publishers load, so that a "
-        "version loading beside one that serves leaves the cores to the serving workers; a "
-        "worker goes back to 0 when it takes traffic (default %(default)s; needs "
-        "CAP_SYS_NICE or RLIMIT_NICE to go back, else loading runs at normal priority)",
+        "--loading-priority",
+        choices=process.LOADING_PRIORITIES,
+        default="idle",
+        help="the CPU priority at which workers and weight publishers load: idle (Linux's "
+        "SCHED_IDLE: a version loading beside one that serves gets only the CPU the serving "
+        "workers leave; a worker goes back to normal when it takes traffic; needs "
+        "CAP_SYS_NICE or RLIMIT_NICE to go back, else normal is used) or normal "
+        "(default %(default)s)",
     )
     start.add_argument(
         "--enable-model-warmup",
@@ -475,7 +476,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         allow_copied_weights=args.allow_copied_weights,
         version_policy=args.version_policy,
         file_system_poll_wait_s=args.file_system_poll_wait_s,
-        loading_nice=args.loading_nice,
+        loading_priority=args.loading_priority,
         model_warmup=args.model_warmup,
         warmup_iterations=args.warmup_iterations,
         **_batching_fields(args),
@@ -492,14 +493,14 @@ def cmd_start(args: argparse.Namespace) -> int:
         pinned_mem_limit_mib=args.pinned_mem_limit,
         **gpu_fields,
     ).validate()
-    if config.loading_nice and not process.can_restore_priority():
-        # A worker that loaded at nice 10 would serve at nice 10 for good.
+    if config.loading_priority != "normal" and not process.can_restore_priority():
+        # A worker that loaded idle would serve idle for good.
         print(
-            f"mpspool: --loading-nice {config.loading_nice} needs CAP_SYS_NICE or RLIMIT_NICE "
-            "to put a loaded worker back to 0; loading at normal priority",
+            "mpspool: --loading-priority idle needs CAP_SYS_NICE or RLIMIT_NICE to put a "
+            "loaded worker back to normal; loading at normal priority",
             file=sys.stderr,
         )
-        config = dataclasses.replace(config, loading_nice=0)
+        config = dataclasses.replace(config, loading_priority="normal")
     created = rundir.prepare(run_dir)
     config.save(run_dir)
     import psutil

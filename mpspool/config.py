@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mpspool import process
+
 if TYPE_CHECKING:
     from mpspool.cpusets import Placement
 
@@ -211,12 +213,12 @@ class PoolConfig:
     # is read for new and removed versions (0: only at start).
     version_policy: str = "latest:1"
     file_system_poll_wait_s: float = 1.0
-    # Workers and weight publishers load at this nice value (0: as everything else), so that
-    # a version loading beside one that serves takes the cores the serving workers leave;
-    # the controller puts a worker back to 0 once it takes traffic. Needs the right to raise
-    # priority again (CAP_SYS_NICE or RLIMIT_NICE): without it, the controller sets this to
-    # 0 at start and says so (process.can_restore_priority).
-    loading_nice: int = 10
+    # Workers and weight publishers load at this CPU priority: "idle" (SCHED_IDLE), so that a
+    # version loading beside one that serves takes only the CPU the serving workers leave, or
+    # "normal"; the controller puts a worker back to normal once it takes traffic. Idle needs
+    # the right to go back (CAP_SYS_NICE or RLIMIT_NICE): without it, `mpspool start` says so
+    # and uses normal (process.can_restore_priority).
+    loading_priority: str = "idle"
     # Before a worker says READY it replays the version's recorded requests
     # (assets.extra/tf_serving_warmup_requests, worker/warmup.py) this many times each, as TF
     # Serving's --enable_model_warmup and --num_request_iterations_for_warmup; a version
@@ -334,8 +336,11 @@ class PoolConfig:
             raise ConfigError(
                 f"--file_system_poll_wait_seconds must be >= 0, got {self.file_system_poll_wait_s}"
             )
-        if not 0 <= self.loading_nice <= 19:
-            raise ConfigError(f"--loading-nice must be in 0..19, got {self.loading_nice}")
+        if self.loading_priority not in process.LOADING_PRIORITIES:
+            raise ConfigError(
+                f"--loading-priority must be one of {', '.join(process.LOADING_PRIORITIES)}, "
+                f"got {self.loading_priority!r}"
+            )
         from mpspool.supervisor.versions import VersionPolicy
 
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
 from typing import NoReturn
@@ -61,15 +62,29 @@ def fatal_reason(text: str) -> str:
     return ""
 
 
-# CPU priority while loading. Linux lets any process lower its own priority (raise its nice
-# value) but only CAP_SYS_NICE, or an RLIMIT_NICE that reaches the old value, may raise it
-# back; and nice is per thread, inherited by the threads a thread creates.
+# CPU priority while loading. Linux lets any process lower its own priority (SCHED_IDLE, or a
+# higher nice value) but only CAP_SYS_NICE, or an RLIMIT_NICE that reaches nice 0, may take it
+# back; and the policy is per thread, inherited by the threads a thread creates.
 _CAP_SYS_NICE = 23
+LOADING_PRIORITIES = ("idle", "normal")
+
+
+def at_loading_priority(argv: list[str], priority: str) -> list[str]:
+    """`argv` run at the loading priority from its first instruction: "idle" is Linux's
+    SCHED_IDLE (util-linux's chrt execs it: same pid), so that its interpreter start and
+    imports are idle too, and every thread it makes; "normal" leaves it as it is. A
+    SCHED_IDLE thread runs only on CPU time no normal thread wants, and gives way the moment
+    one wakes up (a nice value only weighs the shares, and the waking serving thread can wait
+    out the loader's slice)."""
+    if priority == "normal":
+        return argv
+    return [shutil.which("chrt") or "/usr/bin/chrt", "--idle", "0", *argv]
 
 
 def can_restore_priority() -> bool:
-    """Whether this process (and so its children, same user) may put a nice value back to 0:
-    CAP_SYS_NICE in its effective set, or an RLIMIT_NICE soft limit of 20 or more."""
+    """Whether this process (and so its children, same user) may put a thread back to the
+    normal policy at nice 0: CAP_SYS_NICE in its effective set, or an RLIMIT_NICE soft limit
+    of 20 or more."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -81,16 +96,16 @@ def can_restore_priority() -> bool:
         return False
     import resource
 
-    # A nice value n may be set when 20 - n <= RLIMIT_NICE (setrlimit(2)): 0 needs 20.
+    # Leaving SCHED_IDLE at nice n is allowed when 20 - n <= RLIMIT_NICE (sched(7)): 0 needs 20.
     soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
     return soft == resource.RLIM_INFINITY or soft >= 20
 
 
 def restore_priority(pid: int) -> int:
-    """Every thread of `pid` back to nice 0; returns how many were changed. Threads are
-    listed until no new one appears, so one created while we walk is not missed.
-    PermissionError without the right (can_restore_priority); ProcessLookupError when the
-    process is gone."""
+    """Every thread of `pid` back to the normal policy (SCHED_OTHER, nice 0); returns how many
+    were changed. Threads are listed until no new one appears, so one created while we walk
+    is not missed. PermissionError without the right (can_restore_priority);
+    ProcessLookupError when the process is gone."""
     done: set[int] = set()
     changed = 0
     while True:
@@ -103,7 +118,9 @@ def restore_priority(pid: int) -> int:
             return changed
         for tid in new:
             try:
-                if os.getpriority(os.PRIO_PROCESS, tid) != 0:
+                normal = os.sched_getscheduler(tid) == os.SCHED_OTHER
+                if not normal or os.getpriority(os.PRIO_PROCESS, tid) != 0:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                     os.setpriority(os.PRIO_PROCESS, tid, 0)
                     changed += 1
             except ProcessLookupError:

@@ -208,17 +208,22 @@ class Controller:
             sd.Program(
                 name=program_name(slot.name, slot.version),
                 group=group.group,
-                command=[
-                    python,
-                    "-m",
-                    "mpspool.worker",
-                    "--run-dir",
-                    str(self.run_dir),
-                    "--slot",
-                    slot.name,
-                    "--version",
-                    str(slot.version),
-                ],
+                # Loads at --loading-priority, every thread of it (TensorFlow's pools
+                # inherit it); _restore_priorities puts it back when it takes traffic.
+                command=process.at_loading_priority(
+                    [
+                        python,
+                        "-m",
+                        "mpspool.worker",
+                        "--run-dir",
+                        str(self.run_dir),
+                        "--slot",
+                        slot.name,
+                        "--version",
+                        str(slot.version),
+                    ],
+                    self.config.loading_priority,
+                ),
                 priority=20,
                 environment={**env, **self.gpu.worker_environment(slot.name)},
                 # Started by the controller once what they need is ready (MPS daemons).
@@ -511,15 +516,20 @@ class Controller:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab") as out:
             return subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "mpspool.worker.publish",
-                    "--run-dir",
-                    str(self.run_dir),
-                    "--version",
-                    str(version),
-                ],
+                # Reading and checksumming a checkpoint leaves the cores to the workers that
+                # serve (one-shot: it never needs its priority back).
+                process.at_loading_priority(
+                    [
+                        sys.executable,
+                        "-m",
+                        "mpspool.worker.publish",
+                        "--run-dir",
+                        str(self.run_dir),
+                        "--version",
+                        str(version),
+                    ],
+                    self.config.loading_priority,
+                ),
                 cwd=self.run_dir,  # not a source checkout (see supervisord.py)
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
                 stdin=subprocess.DEVNULL,
@@ -717,10 +727,11 @@ class Controller:
             self._versions_told = told
 
     def _restore_priorities(self) -> None:
-        """Workers load at --loading-nice, so that a version loading beside one that serves
-        takes only the CPU the serving workers leave; a worker that takes traffic (READY, its
-        version AVAILABLE) gets every one of its threads back to nice 0, once per process."""
-        if not self.config.loading_nice:
+        """Workers load at --loading-priority (idle), so that a version loading beside one
+        that serves takes only the CPU the serving workers leave; a worker that takes traffic
+        (READY, its version AVAILABLE) gets every one of its threads back to normal, once per
+        process."""
+        if self.config.loading_priority == "normal":
             return
         for group in self.groups.values():
             if group.state is not VersionState.AVAILABLE:
@@ -735,7 +746,10 @@ class Controller:
                     continue  # gone: its exit is seen on the next tick
                 except PermissionError as exc:
                     log.warning(
-                        "slot %s: cannot put pid %d back to nice 0: %s", slot.name, slot.pid, exc
+                        "slot %s: cannot put pid %d back to normal priority: %s",
+                        slot.name,
+                        slot.pid,
+                        exc,
                     )
                     continue
                 log.info(

@@ -921,7 +921,11 @@ def test_render_config_for_the_pools_programs(pool: Pool):
     for name in ("cpu-0", "cpu-1"):
         # One program per (slot, version), in the version's group.
         worker = conf[f"program:worker-{name}-v1"]
+        # Started idle (--loading-priority's default): util-linux's chrt execs the worker.
         assert shlex.split(worker["command"]) == [
+            shutil.which("chrt"),
+            "--idle",
+            "0",
             sys.executable,
             "-m",
             "mpspool.worker",
@@ -1124,7 +1128,7 @@ def test_a_worker_gets_its_priority_back_when_it_takes_traffic_not_before(
     pool.tick()
     assert told(pool)[2] == "AVAILABLE"
     assert sorted(pool.restored) == sorted([101, 102, *new.values()])
-    # A worker of a serving version that restarts loads niced again, and is put back when
+    # A worker of a serving version that restarts loads idle again, and is put back when
     # it is READY once more.
     pool.sd.exit("cpu-0@2", 1)
     pool.tick()
@@ -1137,8 +1141,8 @@ def test_a_worker_gets_its_priority_back_when_it_takes_traffic_not_before(
     assert pool.restored[-1] == again
 
 
-def test_no_priority_is_touched_with_loading_nice_0(make_pool: Callable[..., Pool]):
-    pool = make_pool(loading_nice=0)
+def test_no_priority_is_touched_when_loading_at_normal_priority(make_pool: Callable[..., Pool]):
+    pool = make_pool(loading_priority="normal")
     pool.start()
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")

@@ -1,5 +1,6 @@
-"""Loading at a lower CPU priority (--loading-nice), with real processes: a niced process and
-every thread it made put back to nice 0, the right to do so detected, and refusals said."""
+"""Loading at a lower CPU priority (--loading-priority idle), with real processes: an idle
+process and every thread it made put back to normal, the right to do so detected, refusals
+said, and the command line that starts a process idle from its first instruction."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest
 
 from mpspool import process
 
-# A process that lowers its priority while it is still one thread, then starts three
-# threads (as TensorFlow's pools are made after the worker's os.nice), and waits.
-NICED_CHILD = textwrap.dedent(
+# A process that makes itself SCHED_IDLE while it is still one thread, then starts three
+# threads (as TensorFlow's pools are made after the worker starts), and waits.
+IDLE_CHILD = textwrap.dedent(
     """
     import os, sys, threading
-    os.nice(10)
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    os.nice(5)
     threads = [threading.Thread(target=threading.Event().wait, daemon=True) for _ in range(3)]
     for t in threads:
         t.start()
@@ -28,20 +30,18 @@ NICED_CHILD = textwrap.dedent(
 )
 
 
-def thread_nices(pid: int) -> dict[int, int]:
+def thread_priorities(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's (scheduling policy, nice value)."""
     return {
-        int(tid): os.getpriority(os.PRIO_PROCESS, int(tid))
-        for tid in os.listdir(f"/proc/{pid}/task")
+        tid: (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
+        for tid in map(int, os.listdir(f"/proc/{pid}/task"))
     }
 
 
 @pytest.fixture
-def niced_child() -> Iterator[subprocess.Popen[str]]:
+def idle_child() -> Iterator[subprocess.Popen[str]]:
     child = subprocess.Popen(
-        [sys.executable, "-c", NICED_CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", IDLE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
     yield child
@@ -53,15 +53,16 @@ needs_the_right = pytest.mark.skipif(
     not process.can_restore_priority(),
     reason="this machine's user may not raise a priority (no CAP_SYS_NICE, RLIMIT_NICE < 20)",
 )
+NORMAL = (os.SCHED_OTHER, 0)
 
 
 @needs_the_right
-def test_every_thread_of_a_niced_process_goes_back_to_0(niced_child: subprocess.Popen[str]):
-    before = thread_nices(niced_child.pid)
-    assert len(before) == 4 and set(before.values()) == {10}
-    assert process.restore_priority(niced_child.pid) == 4
-    assert set(thread_nices(niced_child.pid).values()) == {0}
-    assert process.restore_priority(niced_child.pid) == 0, "nothing left to change"
+def test_every_thread_of_an_idle_process_goes_back_to_normal(idle_child: subprocess.Popen[str]):
+    before = thread_priorities(idle_child.pid)
+    assert len(before) == 4 and set(before.values()) == {(os.SCHED_IDLE, 5)}
+    assert process.restore_priority(idle_child.pid) == 4
+    assert set(thread_priorities(idle_child.pid).values()) == {NORMAL}
+    assert process.restore_priority(idle_child.pid) == 0, "nothing left to change"
 
 
 def test_a_process_that_is_gone_is_a_lookup_error():
@@ -73,16 +74,16 @@ def test_a_process_that_is_gone_is_a_lookup_error():
 
 @needs_the_right
 def test_without_cap_sys_nice_the_right_is_missing_and_restoring_is_refused(
-    niced_child: subprocess.Popen[str],
+    idle_child: subprocess.Popen[str],
 ):
     """A child that drops CAP_SYS_NICE (setpriv, util-linux) neither claims the right nor
-    gets it."""
+    gets it; the idle process stays idle."""
     probe = textwrap.dedent(
         f"""
         from mpspool import process
         print(process.can_restore_priority())
         try:
-            process.restore_priority({niced_child.pid})
+            process.restore_priority({idle_child.pid})
         except PermissionError:
             print("refused")
         """
@@ -101,4 +102,13 @@ def test_without_cap_sys_nice_the_right_is_missing_and_restoring_is_refused(
         check=True,
     ).stdout.split()
     assert out == ["False", "refused"]
-    assert set(thread_nices(niced_child.pid).values()) == {10}
+    assert set(thread_priorities(idle_child.pid).values()) == {(os.SCHED_IDLE, 5)}
+
+
+def test_the_loading_command_runs_idle_from_its_first_instruction():
+    probe = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+    for priority, policy in (("idle", os.SCHED_IDLE), ("normal", os.sched_getscheduler(0))):
+        argv = process.at_loading_priority(probe, priority)
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        assert int(out) == policy, priority
+    assert process.at_loading_priority(probe, "normal") == probe

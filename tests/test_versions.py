@@ -148,12 +148,14 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         assert {s["version"] for s in status["slots"]} == {2}
         assert len(_segments(pool.pool_id)) == 1, "version 1's segment is unlinked"
         if process.can_restore_priority():
-            # Loaded at --loading-nice (10), serving at 0: every thread of every worker.
+            # Loaded idle (--loading-priority's default), serving at normal priority: every
+            # thread of every worker.
             for pid in pool.worker_pids():
-                nices = {
-                    os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")
+                policies = {
+                    (os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t)))
+                    for t in os.listdir(f"/proc/{pid}/task")
                 }
-                assert nices == {0}, f"worker {pid}: {nices}"
+                assert policies == {(os.SCHED_OTHER, 0)}, f"worker {pid}: {policies}"
             assert pool.output().count("back to normal CPU priority") >= 4
         seen = len(load.seen())
         time.sleep(1.0)

@@ -274,9 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     process.die_with_parent()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     config = PoolConfig.load(args.run_dir)
-    # Reading and checksumming a checkpoint yields the cores to the workers serving (a
-    # one-shot process: it never needs its priority back).
-    os.nice(config.loading_nice)
     version = config.model_version if args.version is None else args.version
     destination = config.segment_for(version)
     owner = read_controller(Path(args.run_dir)) or {}

@@ -248,10 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     if cores:
         cpusets.pin(os.getpid(), cores)
         log.info("pinned to CPU cores %s", cpusets.format_cores(cores))
-    if config.loading_nice:
-        # Still one thread: every thread TensorFlow makes inherits this. The controller puts
-        # them all back to 0 once this worker takes traffic.
-        os.nice(config.loading_nice)
     stop = {"requested": False}
     # Until the serving loop exists, a stop request just ends the start-up.
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
