@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the built-in demo model as 'demo' (built on first use)",
     )
+    model.add_argument(
+        "--model-config-file",
+        "--model_config_file",
+        dest="model_config_file",
+        type=Path,
+        help="TF Serving's ModelServerConfig in text format: the model's name, base_path, "
+        "model_version_policy and version_labels (one model per pool)",
+    )
     start.add_argument(
         "--model-name", help="name clients use in model_spec.name (default: the directory's name)"
     )
@@ -133,10 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--version-policy",
         "--model-version-policy",
-        default="latest:1",
         help="which versions under the base path are served, as TF Serving's "
         "model_version_policy: latest[:N] (the newest N, default 1), all, or "
         "specific:V[,V...]; each version gets its own workers",
+    )
+    start.add_argument(
+        "--model-config-file-poll-wait-seconds",
+        "--model_config_file_poll_wait_seconds",
+        dest="model_config_file_poll_wait_s",
+        type=float,
+        default=0.0,
+        help="how often --model_config_file is read again, so that a new version policy or "
+        "new labels apply while the pool serves (default 0: only at start, as TF Serving)",
     )
     start.add_argument(
         "--file-system-poll-wait-seconds",
@@ -419,7 +435,19 @@ def cmd_start(args: argparse.Namespace) -> int:
     from mpspool.router import binary_path as router_binary
 
     router_binary()
-    if args.demo:
+    policy_text, labels = args.version_policy or "latest:1", {}
+    if args.model_config_file:
+        from mpspool.model_config import read_model_config
+
+        if args.model_name or args.version_policy:
+            raise ConfigError(
+                "--model_config_file names the model and its version policy: leave out "
+                "--model-name and --version-policy"
+            )
+        entry = read_model_config(args.model_config_file)
+        base_path, name = Path(entry.base_path), entry.name
+        policy_text, labels = entry.version_policy, entry.labels
+    elif args.demo:
         base_path = _demo_model(args.demo_rows)
         name = args.model_name or DEMO_MODEL_NAME
     else:
@@ -429,7 +457,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from mpspool.supervisor.versions import VersionPolicy
 
     try:
-        policy = VersionPolicy.parse(args.version_policy)
+        policy = VersionPolicy.parse(policy_text)
     except ValueError as exc:
         raise ConfigError(f"--version-policy: {exc}") from None
     try:
@@ -474,7 +502,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         allow_copied_weights=args.allow_copied_weights,
-        version_policy=args.version_policy,
+        version_policy=policy_text,
+        version_labels=labels,
+        model_config_file=str(args.model_config_file.resolve()) if args.model_config_file else "",
+        model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
         file_system_poll_wait_s=args.file_system_poll_wait_s,
         loading_priority=args.loading_priority,
         model_warmup=args.model_warmup,
@@ -664,6 +695,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for v in status.get("versions", [])
     )
     print(f"versions ({pool.get('version_policy')}): {versions or '-'}")
+    if pool.get("version_labels"):
+        labels = ", ".join(f"{k}={v}" for k, v in sorted(pool["version_labels"].items()))
+        print(f"labels: {labels}")
     print(
         f"{'SLOT':<10} {'VERSION':>7} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
         f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<14} REASON"

@@ -54,7 +54,7 @@ def default_cache_dir() -> Path:
 DEFAULT_PROMETHEUS_PATH = "/monitoring/prometheus/metrics"  # TF Serving's kPrometheusPath
 
 
-def _read_text_proto(path: Path, flag: str, message: Any, article: str) -> Any:
+def read_text_proto(path: Path, flag: str, message: Any, article: str) -> Any:
     """``message`` filled from a TF Serving configuration file in protobuf text format;
     ConfigError (one line) when it cannot be read or is not that message."""
     from google.protobuf import text_format
@@ -75,7 +75,7 @@ def prometheus_path_from(monitoring_config: Path) -> str:
     ``prometheus_config { enable: true path: "..." }``) turns on; "" when it does not."""
     from mpspool.protos import server_config_pb2
 
-    config = _read_text_proto(
+    config = read_text_proto(
         monitoring_config, "--monitoring_config_file", server_config_pb2.MonitoringConfig(), "a"
     )
     if not config.prometheus_config.enable:
@@ -88,7 +88,7 @@ def tls_from(ssl_config: Path) -> dict[str, Any]:
     for what TF Serving requires: a key and a certificate, and a CA to verify clients with."""
     from mpspool.protos import server_config_pb2
 
-    config = _read_text_proto(ssl_config, "--ssl_config_file", server_config_pb2.SSLConfig(), "an")
+    config = read_text_proto(ssl_config, "--ssl_config_file", server_config_pb2.SSLConfig(), "an")
     if not config.server_key or not config.server_cert:
         raise ConfigError(f"{ssl_config}: server_key and server_cert are required (PEM text)")
     if config.client_verify and not config.custom_ca:
@@ -113,7 +113,7 @@ def batching_parameters_from(path: Path) -> dict[str, Any]:
     meaning here is refused (pad_variable_length_inputs) or logged (num_batch_threads)."""
     from mpspool.protos import server_config_pb2
 
-    params = _read_text_proto(
+    params = read_text_proto(
         path, "--batching_parameters_file", server_config_pb2.BatchingParameters(), "a"
     )
     if params.pad_variable_length_inputs:
@@ -212,6 +212,13 @@ class PoolConfig:
     # model_version_policy: "latest:N", "all", "specific:V,..."), and how often the base path
     # is read for new and removed versions (0: only at start).
     version_policy: str = "latest:1"
+    # version_labels of TF Serving's model config: label ("stable", "canary") → version.
+    # The front door resolves a label only while its version is AVAILABLE.
+    version_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    # --model_config_file (mpspool/model_config.py), read again every this many seconds
+    # (0: only at start), when the pool was started from one.
+    model_config_file: str = ""
+    model_config_file_poll_wait_s: float = 0.0
     file_system_poll_wait_s: float = 1.0
     # Workers and weight publishers load at this CPU priority: "idle" (SCHED_IDLE), so that a
     # version loading beside one that serves takes only the CPU the serving workers leave, or
@@ -336,6 +343,14 @@ class PoolConfig:
             raise ConfigError(
                 f"--file_system_poll_wait_seconds must be >= 0, got {self.file_system_poll_wait_s}"
             )
+        if self.model_config_file_poll_wait_s < 0:
+            raise ConfigError(
+                "--model_config_file_poll_wait_seconds must be >= 0, "
+                f"got {self.model_config_file_poll_wait_s}"
+            )
+        bad = {k: v for k, v in self.version_labels.items() if not k or v < 0}
+        if bad:
+            raise ConfigError(f"version labels need a name and a version >= 0, got {bad}")
         if self.loading_priority not in process.LOADING_PRIORITIES:
             raise ConfigError(
                 f"--loading-priority must be one of {', '.join(process.LOADING_PRIORITIES)}, "

@@ -29,10 +29,13 @@ from typing import Any, Protocol
 import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
-from mpspool.config import PoolConfig
+from mpspool.config import ConfigError, PoolConfig
 from mpspool.demo_model import versions_on_disk
+from mpspool.model_config import ModelEntry, model_entry, read_model_config
 from mpspool.router import binary_path as router_binary
+from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
+from mpspool.supervisor.config_reload import PendingReload
 from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
@@ -158,7 +161,23 @@ class Controller:
         self.retired: list[int] = []  # versions retired, newest last
         self._next_poll = 0.0
         self._poll_error = ""  # the last failure to read the base path, said once
-        self._versions_told: tuple[int, Any] | None = None  # (router pid, table) last sent
+        # --model_config_file read again (policy and labels) every its poll wait; 0: never.
+        config_wait = config.model_config_file_poll_wait_s if config.model_config_file else 0
+        self._next_config_read = clock.monotonic() + config_wait if config_wait else math.inf
+        self._config_file_said = ""  # the last complaint about the file, said once
+        # What the file said last: it is applied again only when it says something new (a
+        # HandleReloadConfigRequest in between is not undone by an unchanged file).
+        self._file_entry = ModelEntry(
+            config.model_name, config.model_base_path, config.version_policy,
+            dict(config.version_labels),
+        )  # fmt: skip
+        self.on_disk: set[int] = set()  # the versions under the base path, as last read
+        self._reloads: list[PendingReload] = []  # HandleReloadConfigRequests not answered
+        # Answers given to calls the front door still lists (a lost reply is sent again).
+        self._reload_answers: dict[int, tuple[int, str]] = {}
+        self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
+        # (router pid, table, labels) last sent to the front door.
+        self._versions_told: tuple[int, Any, dict[str, int]] | None = None
         self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
         self.events: deque[str] = deque()  # signals and admin requests, in arrival order
         self.exit_code = 0
@@ -377,7 +396,10 @@ class Controller:
             reasons = {s.reason for s in live}
             self._fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
             return
+        if router_answered:
+            self._take_reload_requests(snap.get("reload_requests") or [], now)
         self._reconcile_versions(now, snap, router_answered)
+        self._answer_reloads()
         self._restore_priorities()
         if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
             return
@@ -556,6 +578,8 @@ class Controller:
     def _reconcile_versions(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
         policy wants, move each group along, and tell the front door when anything changed."""
+        if now >= self._next_config_read:
+            self._read_model_config(now)
         if now >= self._next_poll:
             self._poll_versions(now)
         # Newest first: a version that became AVAILABLE retires the one it replaces in the
@@ -564,6 +588,130 @@ class Controller:
             if version in self.groups:
                 self._advance(self.groups[version], now, snap)
         self._tell_router_versions(router_answered)
+
+    def _read_model_config(self, now: float) -> None:
+        """--model_config_file again: a new version policy or new labels apply at once. A file
+        that cannot be read, or that names another model, changes nothing (said once)."""
+        self._next_config_read = now + self.config.model_config_file_poll_wait_s
+        try:
+            entry = read_model_config(Path(self.config.model_config_file))
+        except ConfigError as exc:
+            self._say_once_of_config_file(f"{exc}; serving on as before")
+            return
+        if entry == self._file_entry:
+            return
+        refused = self._apply_model_entry(entry, now, self.config.model_config_file)
+        if refused:
+            self._say_once_of_config_file(refused)
+            return
+        self._config_file_said = ""
+        self._file_entry = entry
+
+    def _apply_model_entry(self, entry: ModelEntry, now: float, source: str) -> str:
+        """A model config's policy and labels, in force from now; the refusal ("" when
+        applied) when it names another model than the pool serves."""
+        config = self.config
+        if (entry.name, entry.base_path) != (config.model_name, config.model_base_path):
+            return (
+                f"{source} names model {entry.name!r} at {entry.base_path}; a pool serves the "
+                f"model it started with ({config.model_name!r} at {config.model_base_path}): "
+                "start a new pool for another"
+            )
+        if (entry.version_policy, entry.labels) == (config.version_policy, config.version_labels):
+            return ""
+        log.info(
+            "%s: version policy %s, labels %s", source, entry.version_policy, entry.labels or "none"
+        )
+        self.policy = VersionPolicy.parse(entry.version_policy)
+        self.config = dataclasses.replace(
+            config, version_policy=entry.version_policy, version_labels=entry.labels
+        )
+        self.config.save(self.run_dir)
+        self._next_poll = now  # the base path read again under the new policy, now
+        return ""
+
+    def _take_reload_requests(self, listed: list[Any], now: float) -> None:
+        """The front door lists each HandleReloadConfigRequest until it is answered: a new
+        one is taken, one answered already is answered again (that reply was lost)."""
+        ids = {int(request_id) for request_id, _ in listed}
+        self._reload_answers = {k: v for k, v in self._reload_answers.items() if k in ids}
+        pending = {p.request_id for p in self._reloads}
+        for request_id, body in listed:
+            request_id = int(request_id)
+            if request_id in self._reload_answers:
+                code, message = self._reload_answers[request_id]
+                self.router.ask("reload_done", id=request_id, code=code, message=message)
+            elif request_id not in pending:
+                self._reload_config_request(request_id, bytes(body), now)
+
+    def _reload_config_request(self, request_id: int, body: bytes, now: float) -> None:
+        """A HandleReloadConfigRequest the front door holds: applied now, answered when it
+        has taken effect (`_answer_reloads`), or refused at once."""
+        from google.protobuf.message import DecodeError
+
+        from mpspool.protos import server_config_pb2
+
+        source = "HandleReloadConfigRequest"
+        try:
+            entry = model_entry(server_config_pb2.ModelServerConfig.FromString(body), source)
+        except (DecodeError, ConfigError) as exc:
+            self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, str(exc))
+            return
+        refused = self._apply_model_entry(entry, now, source)
+        if refused:
+            self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
+            return
+        self._reloads.append(PendingReload(request_id, now))
+
+    def _answer_reloads(self) -> None:
+        if not self._reloads:
+            return
+        available = {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
+        result = config_reload.outcome(
+            self.config.model_name,
+            self.policy,
+            self.on_disk,
+            available,
+            self.failed,
+            self.config.version_labels,
+        )
+        if result is None:
+            return
+        for pending in self._reloads:
+            self._tell_reload(pending.request_id, *result)
+        self._reloads = []
+
+    def _tell_reload(self, request_id: int, code: int, message: str) -> None:
+        if code:
+            log.warning("HandleReloadConfigRequest %d refused: %s", request_id, message)
+        else:
+            log.info("HandleReloadConfigRequest %d: in effect", request_id)
+        self._reload_answers[request_id] = (code, message)
+        self.router.ask("reload_done", id=request_id, code=code, message=message)
+
+    def _say_once_of_config_file(self, what: str) -> None:
+        if what != self._config_file_said:
+            log.warning("%s", what)
+        self._config_file_said = what
+
+    def _labels_for_router(self) -> dict[str, int]:
+        """The configured labels whose version is AVAILABLE: a label moves to a version only
+        once it serves (as TF Serving, which refuses a label on a version not loaded); until
+        then the label stays where it was told last, or is unknown."""
+        available = {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
+        before = self._versions_told[2] if self._versions_told else {}
+        labels = {}
+        for label, version in sorted(self.config.version_labels.items()):
+            if version in available:
+                labels[label] = version
+                self._labels_held.discard((label, version))
+                continue
+            if before.get(label) in available:
+                labels[label] = before[label]
+            if (label, version) not in self._labels_held:
+                self._labels_held.add((label, version))
+                log.info("label %r waits for version %d to be AVAILABLE", label, version)
+        return labels
 
     def _poll_versions(self, now: float) -> None:
         wait = self.config.file_system_poll_wait_s
@@ -576,6 +724,7 @@ class Controller:
             self._poll_error = str(exc)
             return
         self._poll_error = ""
+        self.on_disk = on_disk
         for version in [v for v in self.failed if v not in on_disk]:
             del self.failed[version]  # gone: if it comes back, it is tried again
         self.aspired = self.policy.aspired(on_disk, set(self.failed))
@@ -720,10 +869,11 @@ class Controller:
         if not router_answered:
             return
         table = self._version_table()
-        told = (self._router_pid, table)
+        labels = self._labels_for_router()
+        told = (self._router_pid, table, labels)
         if told == self._versions_told:
             return
-        if self.router.ask("versions", versions=table, labels={}) is not None:
+        if self.router.ask("versions", versions=table, labels=labels) is not None:
             self._versions_told = told
 
     def _restore_priorities(self) -> None:
@@ -932,6 +1082,7 @@ class Controller:
                 "model": self.config.model_name,
                 "version": self._serving_version(),
                 "version_policy": self.policy.describe(),
+                "version_labels": self.config.version_labels,
                 "model_base_path": self.config.model_base_path,
                 "listen": f"{self.config.host}:{self.port}" if self.port else None,
                 "metrics": (

@@ -19,6 +19,7 @@ from __future__ import annotations
 import configparser
 import copy
 import itertools
+import logging
 import shlex
 import shutil
 import subprocess
@@ -238,6 +239,10 @@ class FakeRouter:
         self.gone: list[tuple[str, int]] = []
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
         self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
+        self.labels: list[dict[str, int]] = []  # and its labels
+        # HandleReloadConfigRequests held: id → config bytes, listed until answered.
+        self.reload_requests: dict[int, bytes] = {}
+        self.reload_done: list[tuple[int, int, str]] = []
         self.answering = True
         self.closed = False
 
@@ -263,6 +268,7 @@ class FakeRouter:
                 "workers": copy.deepcopy(self.workers),
                 "declared_dead": dict(self.declared_dead),
                 "inflight": sum(w["inflight"] for w in self.workers.values()),
+                "reload_requests": [[k, v] for k, v in self.reload_requests.items()],
             }
         if op == "gone":
             slot, pid = fields["slot"], int(fields["pid"])
@@ -273,8 +279,13 @@ class FakeRouter:
         if op == "gpus":
             self.gpu_samples.append(fields["gpus"])
             return {"ok": True}
+        if op == "reload_done":
+            request_id = int(fields["id"])
+            self.reload_done.append((request_id, int(fields["code"]), fields["message"]))
+            return {"ok": self.reload_requests.pop(request_id, None) is not None}
         if op == "versions":
             self.versions.append(fields["versions"])
+            self.labels.append(fields["labels"])
             return {"ok": True}
         raise AssertionError(f"the controller asked the router for {op!r}")
 
@@ -1147,6 +1158,160 @@ def test_no_priority_is_touched_when_loading_at_normal_priority(make_pool: Calla
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
     assert pool.restored == []
+
+
+def write_model_config(path: Path, base: Path, policy: str, labels: dict[str, int]) -> None:
+    text = f'model_config_list {{ config {{ name: "demo" base_path: "{base}" '
+    text += f"model_version_policy {{ {policy} }} "
+    text += "".join(f'version_labels {{ key: "{k}" value: {v} }} ' for k, v in labels.items())
+    path.write_text(text + "} }")
+
+
+def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """A label reaches the front door once its version is AVAILABLE; moved by the config file
+    to a version still loading, it stays on the old one until the new one serves."""
+    config_file = tmp_path / "models.config"
+    pool = make_pool(
+        share_weights=False,
+        start_retries=0,
+        version_policy="specific:1",
+        version_labels={"stable": 1, "canary": 2},
+        model_config_file=str(config_file),
+        model_config_file_poll_wait_s=1.0,
+    )
+    base = Path(pool.controller.config.model_base_path)
+    for version in (1, 2):
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    write_model_config(config_file, base, "specific { versions: 1 }", {"stable": 1, "canary": 2})
+    pool.start()
+    pool.make_ready("cpu-0")
+    assert pool.router.labels[-1] == {"stable": 1}, "canary waits for version 2"
+
+    write_model_config(
+        config_file, base, "specific { versions: 1 versions: 2 }", {"stable": 2, "canary": 2}
+    )
+    pool.tick(after_s=1.0)  # the file read again: version 2 loads
+    assert pool.controller.policy.describe() == "specific:1,2"
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert pool.router.labels[-1] == {"stable": 1}, "stable stays on 1 while 2 loads"
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert told(pool)[2] == "AVAILABLE"
+    assert pool.router.labels[-1] == {"canary": 2, "stable": 2}
+    status = pool.controller.status()["pool"]
+    assert status["version_labels"] == {"stable": 2, "canary": 2}
+    assert status["version_policy"] == "specific:1,2"
+
+
+def reload_request(base: Path, versions: list[int], labels: dict[str, int], name="demo") -> bytes:
+    from mpspool.protos import server_config_pb2
+
+    config = server_config_pb2.ModelServerConfig()
+    model = config.model_config_list.config.add(name=name, base_path=str(base))
+    model.model_version_policy.specific.versions.extend(versions)
+    model.version_labels.update(labels)
+    return config.SerializeToString()
+
+
+def test_a_reload_config_request_is_answered_once_it_is_in_effect(
+    make_pool: Callable[..., Pool],
+):
+    pool = make_pool(share_weights=False, start_retries=0, version_policy="specific:1")
+    base = Path(pool.controller.config.model_base_path)
+    for version in (1, 2):
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    pool.router.reload_requests[7] = reload_request(base, [1, 2], {"canary": 2})
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert pool.router.reload_done == [], "answered when version 2 serves, not before"
+    pool.tick(after_s=0.5)
+    assert pool.router.reload_done == [], "listed again: taken once"
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert pool.router.reload_done == [(7, 0, "")]
+    assert pool.router.labels[-1] == {"canary": 2}
+    assert pool.controller.status()["pool"]["version_policy"] == "specific:1,2"
+
+    # Refused at once: another model; bytes that are no ModelServerConfig; two models.
+    pool.router.reload_requests[8] = reload_request(base, [1], {}, name="other")
+    pool.router.reload_requests[9] = b"\xff\xff\xff"
+    pool.tick()
+    done = {request_id: (code, message) for request_id, code, message in pool.router.reload_done}
+    assert done[8][0] == 3 and "a pool serves the model it started with" in done[8][1]
+    assert done[9][0] == 3
+    assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
+
+    # A label on a version the policy leaves out: TF Serving's refusal, once settled.
+    pool.router.reload_requests[10] = reload_request(base, [2], {"canary": 1})
+    pool.tick()
+    pool.tick(after_s=0.5)
+    code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[10]
+    assert code == 9
+    assert message == (
+        "Request to assign label to version 1 of model demo, which is not currently "
+        "available for inference"
+    )
+
+
+def test_a_lost_reload_answer_is_given_again(make_pool: Callable[..., Pool]):
+    pool, base = versioned_pool(make_pool, [1])
+    pool.router.reload_requests[3] = reload_request(base, [1], {"stable": 1})
+    real_ask = pool.router.ask
+
+    def lose_reload_done(op: str, timeout_s: float = 0.5, **fields: Any):
+        if op == "reload_done":
+            pool.router.reload_done.append((int(fields["id"]), -1, "lost"))
+            return None  # the reply never reached the front door
+        return real_ask(op, timeout_s, **fields)
+
+    pool.router.ask = lose_reload_done  # type: ignore[method-assign]
+    pool.tick()
+    assert pool.router.reload_done == [(3, -1, "lost")]
+    pool.router.ask = real_ask  # type: ignore[method-assign]
+    pool.tick()
+    assert pool.router.reload_done[-1] == (3, 0, "")
+    assert 3 not in pool.router.reload_requests
+
+
+def test_a_config_file_that_breaks_or_names_another_model_changes_nothing(
+    make_pool: Callable[..., Pool], tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    config_file = tmp_path / "models.config"
+    pool = make_pool(
+        share_weights=False,
+        version_labels={"stable": 1},
+        model_config_file=str(config_file),
+        model_config_file_poll_wait_s=1.0,
+    )
+    base = Path(pool.controller.config.model_base_path)
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    write_model_config(config_file, base, "latest { }", {"stable": 1})
+    pool.start()
+    pool.make_ready("cpu-0")
+    config_file.write_text("model_config_list { config { name: ")
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)
+        pool.tick(after_s=1.0)
+    said = [r.getMessage() for r in caplog.records if "serving on as before" in r.getMessage()]
+    assert len(said) == 1, "said once"
+    assert "is not a ModelServerConfig" in said[0]
+    write_model_config(config_file, tmp_path / "elsewhere", "all { }", {})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)
+    assert "a pool serves the model it started with" in caplog.text
+    assert pool.controller.policy.describe() == "latest:1"
+    assert pool.router.labels[-1] == {"stable": 1}
 
 
 def test_a_version_that_cannot_load_never_serves_and_is_not_retried(

@@ -9,7 +9,9 @@ the version its `model_spec.version` names, and no request may fail.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,8 +21,10 @@ import grpc
 import numpy as np
 import pytest
 import tensorflow as tf
+from google.protobuf import text_format
 from tensorflow_serving.apis import (
     get_model_status_pb2,
+    model_management_pb2,
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
@@ -30,7 +34,7 @@ from mpspool import process, segment
 from mpspool.demo_model import build_demo_model, demo_inputs
 from mpspool.supervisor.versions import VersionPolicy
 
-from poolproc import Pool
+from poolproc import Pool, mpspool_cmd
 
 ROWS = 2000
 
@@ -212,5 +216,120 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
     finally:
         if load is not None:
             load.stop()
+        assert pool.stop() == 0
+    assert pool.leftovers() == []
+
+
+def _model_config(path: Path, base: Path, versions: list[int], labels: dict[str, int]) -> None:
+    """A TF Serving model config file, written with the official messages."""
+    from tensorflow_serving.config import model_server_config_pb2
+
+    config = model_server_config_pb2.ModelServerConfig()
+    model = config.model_config_list.config.add(name="demo", base_path=str(base))
+    model.model_platform = "tensorflow"
+    model.model_version_policy.specific.versions.extend(versions)
+    model.version_labels.update(labels)
+    path.write_text(text_format.MessageToString(config))
+
+
+def _predict_by_label(channel: grpc.Channel, inputs: dict[str, np.ndarray], label: str):
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    request.model_spec.version_label = label
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    return stub.Predict(request, timeout=30)
+
+
+def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: Path) -> None:
+    """--model_config_file with two versions and two labels: requests by label (gRPC with the
+    official client, REST with curl) reach the version the label names; an unknown label is
+    TF Serving's INVALID_ARGUMENT; the file rewritten (policy and label) applies live, and so
+    does a HandleReloadConfigRequest."""
+    base = tmp_path / "model"
+    for version in (1, 2):
+        build_demo_model(base, embedding_rows=ROWS, version=version, seed=version)
+    inputs = demo_inputs(3, ROWS, seed=7)
+    want = {v: _direct(base / str(v), inputs) for v in (1, 2)}
+    config_file = tmp_path / "models.config"
+    _model_config(config_file, base, [1, 2], {"stable": 1, "canary": 2})
+
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1, "--model_config_file_poll_wait_seconds", "0.2")
+    at = pool.args.index("--model-base-path")
+    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]  # name and path: the file
+    pool.start()
+    try:
+        status = pool.wait_for(
+            lambda s: _versions(s) == {1: ("AVAILABLE", ""), 2: ("AVAILABLE", "")},
+            timeout=90,
+            what="versions 1 and 2 serving",
+        )
+        pool.wait_ready(2)
+        assert status["pool"]["version_labels"] == {"stable": 1, "canary": 2}
+        with pool.channel() as channel:
+            for label, version in (("stable", 1), ("canary", 2)):
+                answer = _predict_by_label(channel, inputs, label)
+                assert answer.model_spec.version.value == version
+                np.testing.assert_allclose(
+                    tf.make_ndarray(answer.outputs["score"]), want[version], atol=1e-6
+                )
+            with pytest.raises(grpc.RpcError) as refused:
+                _predict_by_label(channel, inputs, "beta")
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == "Unrecognized servable version label: beta"
+
+        body = json.dumps({"inputs": {k: v.tolist() for k, v in inputs.items()}})
+        out = subprocess.run(
+            ["curl", "-sS", "-X", "POST", "-d", body,
+             f"{pool.rest_url}/v1/models/demo/labels/canary:predict"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        outputs = json.loads(out.stdout)["outputs"]
+        np.testing.assert_allclose(np.array(outputs, dtype=np.float32), want[2], atol=1e-6)
+
+        # Version 1 dropped from the policy, stable moved to 2: applied while serving.
+        _model_config(config_file, base, [2], {"stable": 2, "canary": 2})
+        status = pool.wait_for(
+            lambda s: _versions(s).get(1, ("", ""))[0] == "END",
+            timeout=60,
+            what="version 1 retired by the new policy",
+        )
+        assert status["pool"]["version_labels"] == {"stable": 2, "canary": 2}
+        with pool.channel() as channel:
+            assert _predict_by_label(channel, inputs, "stable").model_spec.version.value == 2
+        shown = subprocess.run(
+            mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        assert "labels: canary=2, stable=2" in shown
+        assert "versions (specific:2)" in shown
+
+        # HandleReloadConfigRequest (the official client): version 1 back, stable on it; the
+        # call returns once that is in effect. The file, unchanged, does not undo it.
+        with pool.channel() as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            request = model_management_pb2.ReloadConfigRequest()
+            _model_config(config_file.with_suffix(".rpc"), base, [1, 2], {"stable": 1})
+            text_format.Parse(config_file.with_suffix(".rpc").read_text(), request.config)
+            answer = stub.HandleReloadConfigRequest(request, timeout=90)
+            assert answer.status.error_code == 0
+            assert _versions(pool.status())[1] == ("AVAILABLE", "")
+            assert _predict_by_label(channel, inputs, "stable").model_spec.version.value == 1
+            time.sleep(1.0)  # five reads of the unchanged file
+            assert _predict_by_label(channel, inputs, "stable").model_spec.version.value == 1
+            # A config naming two models: refused, nothing changed.
+            two = model_management_pb2.ReloadConfigRequest()
+            two.config.CopyFrom(request.config)
+            two.config.model_config_list.config.add(name="other", base_path=str(base))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.HandleReloadConfigRequest(two, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "lists 2 models ('demo', 'other'); a pool serves one model" in (
+                refused.value.details()
+            )
+            assert pool.status()["pool"]["version_labels"] == {"stable": 1}
+    finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []

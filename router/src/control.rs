@@ -7,7 +7,9 @@
 //! (the controller saw a worker's process exit), `timeline` (`mpspool timeline`), `drain`
 //! (start a graceful stop; the server performs it), `gpus` (the controller's NVML samples of
 //! each GPU, exported as metrics), `versions` (the model's versions with their states and
-//! errors, and its labels: where requests go from now on, and what GetModelStatus says).
+//! errors, and its labels: where requests go from now on, and what GetModelStatus says),
+//! `reload_done` (the controller's answer to a HandleReloadConfigRequest the snapshot listed
+//! in `reload_requests`: `id`, `code`, `message`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -101,6 +103,19 @@ fn op<P>(
                     "queued",
                     Value::from(pool.state.queued.load(Ordering::Relaxed)),
                 ),
+                (
+                    "reload_requests",
+                    Value::Array(
+                        pool.state
+                            .reloads
+                            .listed()
+                            .into_iter()
+                            .map(|(id, config)| {
+                                Value::Array(vec![Value::from(id), Value::Binary(config)])
+                            })
+                            .collect(),
+                    ),
+                ),
             ]
         }
         "gone" => {
@@ -152,6 +167,21 @@ fn op<P>(
                 }
                 Err(message) => error(message),
             }
+        }
+        "reload_done" => {
+            let id = field(request, "id").and_then(Value::as_u64);
+            let code = field(request, "code")
+                .and_then(Value::as_i64)
+                .and_then(|c| i32::try_from(c).ok());
+            let (Some(id), Some(code)) = (id, code) else {
+                return error("reload_done needs id and code".to_string());
+            };
+            let message = field(request, "message")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            let delivered = pool.state.reloads.answer(id, (code, message));
+            vec![("ok", Value::from(delivered))]
         }
         other => error(format!("unknown op '{other}'")),
     }
@@ -278,5 +308,64 @@ mod tests {
         let reply = answer(b"\xc1garbage", &mut pool);
         let bad: serde_json::Value = rmp_serde::from_slice(&reply.message).unwrap();
         assert!(bad["error"].as_str().unwrap().contains("undecodable"));
+    }
+
+    #[test]
+    fn reload_requests_are_listed_until_the_controller_answers() {
+        let (state, _drains) = RouterState::new();
+        let mut table = WorkerTable::<u32>::new(
+            Duration::from_secs(3),
+            crate::policies::chooser("round-robin").expect("known"),
+        );
+        let mut timeline = Timeline::new(10);
+        let (versions, _) =
+            tokio::sync::watch::channel(Arc::new(VersionTable::configured("demo", 1)));
+        let mut pool = Pool {
+            table: &mut table,
+            timeline: &mut timeline,
+            versions: &versions,
+            state: &state,
+            now: Instant::now(),
+        };
+        let mut call = pool.state.reloads.submit(b"\x0a\x00".to_vec());
+        let listed = |pool: &mut Pool<'_, u32>| {
+            let body =
+                rmp_serde::to_vec_named(&serde_json::json!({"v": 1, "op": "snapshot", "n": 1}))
+                    .expect("encodes");
+            let reply = answer(&body, pool);
+            let snap = rmpv::decode::read_value(&mut reply.message.as_slice()).expect("decodes");
+            let found = snap
+                .as_map()
+                .and_then(|m| {
+                    m.iter()
+                        .find(|(k, _)| k.as_str() == Some("reload_requests"))
+                })
+                .map(|(_, v)| v.clone());
+            found.expect("listed in every snapshot")
+        };
+        let expected = Value::Array(vec![Value::Array(vec![
+            Value::from(1),
+            Value::Binary(b"\x0a\x00".to_vec()),
+        ])]);
+        assert_eq!(listed(&mut pool), expected);
+        assert_eq!(listed(&mut pool), expected, "until answered");
+        let done = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "reload_done", "n": 2, "id": 1, "code": 9,
+                "message": "not available"}),
+        );
+        assert_eq!(done["ok"], true);
+        assert_eq!(call.try_recv().ok(), Some((9, "not available".to_string())));
+        assert_eq!(listed(&mut pool), Value::Array(vec![]));
+        let again = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "reload_done", "n": 3, "id": 1, "code": 0}),
+        );
+        assert_eq!(again["ok"], false, "answered already");
+        let bad = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "reload_done", "n": 4}),
+        );
+        assert_eq!(bad["error"], "reload_done needs id and code");
     }
 }

@@ -21,14 +21,18 @@ use crate::metrics::{Entrypoint, Method, Metrics, TfApi};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, GetModelMetadataRequest, GetModelMetadataResponse,
     GetModelStatusRequest, GetModelStatusResponse, ModelSpec, PredictRequest, PredictResponse,
+    StatusProto,
 };
 use crate::proto::tensorflow::serving::model_service_server::ModelService;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionService;
 use crate::proto::tensorflow::serving::{
     inference_result, ClassificationRequest, ClassificationResponse, InferenceResult, Input,
     MultiInferenceRequest, MultiInferenceResponse, RegressionRequest, RegressionResponse,
+    ReloadConfigRequest, ReloadConfigResponse,
 };
+use crate::server::Peer;
 use crate::signature::{self, ModelSignatures, SignatureSpec};
+use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::versions::Target;
 #[cfg(test)]
@@ -54,6 +58,8 @@ pub struct Api {
     /// Classify/Regress/MultiInference require the signature's method name to match (TF
     /// Serving's `--enable_signature_method_name_check`; off by default there too).
     pub method_name_check: bool,
+    /// Where HandleReloadConfigRequest calls wait for the controller.
+    pub state: Arc<RouterState>,
 }
 
 impl Api {
@@ -516,6 +522,41 @@ impl ModelService for Api {
         let mut guard = self.metrics.start(Method::GetModelStatus);
         let result = self.status_checked(request.get_ref());
         finish(result, &mut guard)
+    }
+
+    /// Handed to the controller, which applies the config's version policy and labels and
+    /// answers once they are in effect (supervisor/config_reload.py); the call waits for that
+    /// (or the client's deadline). An admin action: taken only from this host.
+    async fn handle_reload_config_request(
+        &self,
+        request: Request<ReloadConfigRequest>,
+    ) -> Result<Response<ReloadConfigResponse>, Status> {
+        if !Peer::is_local(request.extensions()) {
+            return Err(ServingError::new(
+                Code::PermissionDenied,
+                "HandleReloadConfigRequest changes the pool's configuration, an admin action: \
+                 it is taken only from this host",
+            )
+            .into());
+        }
+        let answer = self
+            .state
+            .reloads
+            .submit(request.into_inner().config.to_vec());
+        match answer.await {
+            Ok((0, _)) => Ok(Response::new(ReloadConfigResponse {
+                status: Some(StatusProto {
+                    error_code: 0,
+                    error_message: String::new(),
+                }),
+            })),
+            Ok((code, message)) => Err(ServingError::new(Code::from_i32(code), message).into()),
+            Err(_) => Err(ServingError::new(
+                Code::Unavailable,
+                "the front door restarted before the controller answered",
+            )
+            .into()),
+        }
     }
 }
 

@@ -17,6 +17,7 @@ mod log;
 mod metrics;
 mod policies;
 mod proto;
+mod reload;
 mod rest;
 mod server;
 mod signature;
@@ -169,6 +170,7 @@ async fn serve(config: Config) -> ExitCode {
         metrics,
         tensor_content_outputs: config.serialize_as_tensor_content,
         method_name_check: config.signature_method_name_check,
+        state: state.clone(),
     };
     let tls = match config.tls.as_ref().map(tls::acceptor).transpose() {
         Ok(tls) => tls,

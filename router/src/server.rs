@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
+use tower::ServiceExt;
 
 use crate::grpc::Api;
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
@@ -170,7 +171,9 @@ impl Server {
                         }
                     };
                     let _ = stream.set_nodelay(true);
-                    let service = TowerToHyperService::new(routes.clone());
+                    let service = TowerToHyperService::new(
+                        routes.clone().map_request(tag_peer(stream.peer_addr().ok())),
+                    );
                     tokio::spawn(serve_accepted(
                         stream,
                         tls.clone(),
@@ -207,7 +210,9 @@ impl Server {
                 accepted = listener.accept() => {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
-                        let service = TowerToHyperService::new(routes.clone());
+                        let service = TowerToHyperService::new(
+                            routes.clone().map_request(tag_peer(stream.peer_addr().ok())),
+                        );
                         tokio::spawn(serve_accepted(stream, tls.clone(), service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
                     }
                 }
@@ -281,6 +286,31 @@ async fn recv_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
             signal.recv().await;
         }
         None => std::future::pending().await,
+    }
+}
+
+/// The client's address, in the extensions of every request of its connection: admin calls
+/// (HandleReloadConfigRequest) are taken only from this host.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub std::net::SocketAddr);
+
+impl Peer {
+    /// Whether a request came from this host; false when its peer is not known.
+    pub fn is_local(extensions: &tonic::Extensions) -> bool {
+        extensions
+            .get::<Peer>()
+            .is_some_and(|peer| peer.0.ip().is_loopback())
+    }
+}
+
+fn tag_peer(
+    peer: Option<std::net::SocketAddr>,
+) -> impl Fn(http::Request<hyper::body::Incoming>) -> http::Request<hyper::body::Incoming> + Clone {
+    move |mut request| {
+        if let Some(peer) = peer {
+            request.extensions_mut().insert(Peer(peer));
+        }
+        request
     }
 }
 
@@ -456,6 +486,20 @@ mod tests {
     use tokio::time::Instant;
 
     const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+    #[test]
+    fn only_a_loopback_peer_is_local() {
+        let tagged = |addr: &str| {
+            let mut extensions = tonic::Extensions::new();
+            extensions.insert(Peer(addr.parse().expect("an address")));
+            Peer::is_local(&extensions)
+        };
+        assert!(tagged("127.0.0.1:5000"));
+        assert!(tagged("[::1]:5000"));
+        assert!(!tagged("10.1.2.3:5000"));
+        assert!(!tagged("[2001:db8::1]:5000"));
+        assert!(!Peer::is_local(&tonic::Extensions::new()), "unknown peer");
+    }
     const SETTINGS: u8 = 4;
     const PING: u8 = 6;
     const GOAWAY: u8 = 7;

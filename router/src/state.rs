@@ -54,6 +54,8 @@ pub struct RouterState {
     gpus: Mutex<Vec<GpuSample>>,
     /// Drain requests from the control channel; the server acts on the first.
     pub drain: mpsc::UnboundedSender<DrainRequest>,
+    /// HandleReloadConfigRequest calls waiting for the controller's answer.
+    pub reloads: crate::reload::Reloads,
 }
 
 impl RouterState {
@@ -71,6 +73,7 @@ impl RouterState {
                 queue_wait_max_us: AtomicU64::new(0),
                 gpus: Mutex::new(Vec::new()),
                 drain,
+                reloads: crate::reload::Reloads::default(),
             },
             drain_rx,
         )

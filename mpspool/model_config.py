@@ -1,0 +1,121 @@
+"""TF Serving's `--model_config_file` (a ModelServerConfig in protobuf text format) read into
+what a pool serves: the model's name and base path, its version policy and its version labels.
+
+    model_config_list {
+      config {
+        name: "wdl"
+        base_path: "/models/wdl"
+        model_platform: "tensorflow"
+        model_version_policy { specific { versions: 1 versions: 2 } }
+        version_labels { key: "stable" value: 1 }
+        version_labels { key: "canary" value: 2 }
+      }
+    }
+
+A pool serves one model (its workers, weight segments and front-door tables are that
+model's): a file that lists more is refused with the names it lists, so that nothing is
+silently left out. Read again every `--model_config_file_poll_wait_seconds`, or sent with
+`ModelService/HandleReloadConfigRequest`, the policy and the labels change while the pool
+serves; a new name or base path needs a new pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpspool.config import ConfigError, read_text_proto
+
+FLAG = "--model_config_file"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One `config { ... }` of the file, checked."""
+
+    name: str
+    base_path: str  # absolute
+    version_policy: str  # supervisor/versions.py's text: "latest:N", "all", "specific:V,..."
+    labels: dict[str, int] = field(default_factory=dict)
+
+
+def read_model_config(path: Path) -> ModelEntry:
+    """The file's one model; ConfigError (one line, naming the file) for anything a pool
+    cannot serve as written."""
+    from mpspool.protos import server_config_pb2
+
+    config = read_text_proto(path, FLAG, server_config_pb2.ModelServerConfig(), "a")
+    return model_entry(config, str(path))
+
+
+def model_entry(config: object, source: str) -> ModelEntry:
+    """The one model of a ModelServerConfig (from a file, or a HandleReloadConfigRequest);
+    ConfigError whose message starts with `source`."""
+    from mpspool.protos import server_config_pb2
+
+    assert isinstance(config, server_config_pb2.ModelServerConfig)
+    if config.WhichOneof("config") != "model_config_list":
+        raise ConfigError(f"{source}: no model_config_list")
+    models = list(config.model_config_list.config)
+    if not models:
+        raise ConfigError(f"{source}: model_config_list lists no model (config {{ ... }})")
+    if len(models) > 1:
+        names = ", ".join(repr(m.name) for m in models)
+        raise ConfigError(
+            f"{source}: lists {len(models)} models ({names}); a pool serves one model: start "
+            "one pool per model, each with a config of its own"
+        )
+    return _entry(source, models[0])
+
+
+def _entry(source: str, model: object) -> ModelEntry:
+    from mpspool.protos import server_config_pb2
+
+    assert isinstance(model, server_config_pb2.ModelConfig)
+    where = f"{source}: model {model.name!r}"
+    if not model.name:
+        raise ConfigError(f"{source}: a model config needs a name")
+    if not model.base_path:
+        raise ConfigError(f"{where}: base_path is required")
+    if model.model_platform not in ("", "tensorflow"):
+        raise ConfigError(
+            f"{where}: model_platform {model.model_platform!r}; mpspool serves tensorflow "
+            "SavedModels"
+        )
+    if model.model_type == server_config_pb2.OTHER:
+        raise ConfigError(f"{where}: model_type OTHER; mpspool serves tensorflow SavedModels")
+    if model.HasField("logging_config"):
+        raise ConfigError(f"{where}: logging_config (request logging) is not supported")
+    labels = dict(model.version_labels)
+    for label, version in labels.items():
+        if not label:
+            raise ConfigError(f"{where}: a version label needs a name")
+        if version < 0:
+            raise ConfigError(f"{where}: label {label!r} names version {version}, not >= 0")
+    return ModelEntry(
+        name=model.name,
+        # Relative paths as TF Serving takes them: from where the server was started.
+        base_path=str(Path(model.base_path).resolve()),
+        version_policy=_policy_text(where, model.model_version_policy),
+        labels=labels,
+    )
+
+
+def _policy_text(where: str, policy: object) -> str:
+    """TF Serving's ServableVersionPolicy as supervisor/versions.py's policy text; none set is
+    TF Serving's default, the latest version."""
+    from mpspool.protos import server_config_pb2
+
+    assert isinstance(policy, server_config_pb2.ServableVersionPolicy)
+    choice = policy.WhichOneof("policy_choice")
+    if choice == "all":
+        return "all"
+    if choice == "specific":
+        versions = sorted(set(policy.specific.versions))
+        if not versions:
+            raise ConfigError(f"{where}: model_version_policy specific lists no versions")
+        if versions[0] < 0:
+            raise ConfigError(f"{where}: model_version_policy specific: versions are >= 0")
+        return "specific:" + ",".join(str(v) for v in versions)
+    # latest { num_versions: 0 } or no policy: one version, as TF Serving.
+    return f"latest:{max(1, policy.latest.num_versions) if choice == 'latest' else 1}"

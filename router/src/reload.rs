@@ -1,0 +1,107 @@
+//! `ModelService/HandleReloadConfigRequest` calls waiting for the controller, which owns the
+//! pool's configuration: the front door holds each call, lists it in every `snapshot` until
+//! the controller answers it with `reload_done` (the code and message TF Serving's call
+//! returns), and passes the config on as the bytes the client sent (the controller parses
+//! it; the front door never needs to).
+//!
+//! Listing a call until it is answered, rather than once, means a snapshot reply the
+//! controller gave up on loses nothing; the controller recognises the ids it has taken.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use tokio::sync::oneshot;
+
+/// What the controller answered: a TF Serving status code (0 OK) and its message.
+pub type Outcome = (i32, String);
+
+struct Waiting {
+    config: Vec<u8>,
+    answer: oneshot::Sender<Outcome>,
+}
+
+#[derive(Default)]
+pub struct Reloads {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    next_id: u64,
+    waiting: BTreeMap<u64, Waiting>,
+}
+
+impl Reloads {
+    /// A call with its serialized ModelServerConfig; the receiver gets the controller's answer
+    /// (or is closed if the call is dropped from the table, which only a new front door does).
+    pub fn submit(&self, config: Vec<u8>) -> oneshot::Receiver<Outcome> {
+        let (answer, receiver) = oneshot::channel();
+        if let Ok(mut inner) = self.inner.lock() {
+            // Calls whose client went away (deadline, cancel) leave with the next submit.
+            inner.waiting.retain(|_, w| !w.answer.is_closed());
+            inner.next_id += 1;
+            let id = inner.next_id;
+            inner.waiting.insert(id, Waiting { config, answer });
+        }
+        receiver
+    }
+
+    /// Every call not yet answered, oldest first: (id, config bytes).
+    pub fn listed(&self) -> Vec<(u64, Vec<u8>)> {
+        self.inner
+            .lock()
+            .map(|inner| {
+                inner
+                    .waiting
+                    .iter()
+                    .map(|(id, w)| (*id, w.config.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The controller's answer to call `id`; false when no such call waits (answered
+    /// already, or its client gave up and it was dropped).
+    pub fn answer(&self, id: u64, outcome: Outcome) -> bool {
+        let waiting = self
+            .inner
+            .lock()
+            .ok()
+            .and_then(|mut i| i.waiting.remove(&id));
+        match waiting {
+            Some(w) => w.answer.send(outcome).is_ok(),
+            None => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_is_listed_until_answered_and_gets_the_answer() {
+        let reloads = Reloads::default();
+        let mut first = reloads.submit(b"one".to_vec());
+        let _second = reloads.submit(b"two".to_vec());
+        assert_eq!(
+            reloads.listed(),
+            vec![(1, b"one".to_vec()), (2, b"two".to_vec())]
+        );
+        assert_eq!(reloads.listed().len(), 2, "listing takes nothing away");
+        assert!(reloads.answer(1, (0, String::new())));
+        assert_eq!(first.try_recv().ok(), Some((0, String::new())));
+        assert_eq!(reloads.listed(), vec![(2, b"two".to_vec())]);
+        assert!(!reloads.answer(1, (0, String::new())), "answered once");
+        assert!(!reloads.answer(9, (3, "x".to_string())), "no such call");
+    }
+
+    #[test]
+    fn a_call_whose_client_left_is_dropped() {
+        let reloads = Reloads::default();
+        drop(reloads.submit(b"gone".to_vec()));
+        let _kept = reloads.submit(b"kept".to_vec());
+        assert_eq!(reloads.listed(), vec![(2, b"kept".to_vec())]);
+        assert!(!reloads.answer(1, (0, String::new())));
+    }
+}

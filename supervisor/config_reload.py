@@ -1,0 +1,63 @@
+"""`ModelService/HandleReloadConfigRequest`: a ModelServerConfig for the pool's model, sent by a
+client through the front door, applied by the controller (its policy and labels, as a changed
+`--model_config_file` is), and answered once it has taken effect: every version the new
+policy wants is AVAILABLE, or could not load, and every label names a version that serves.
+
+The front door holds the client's call; the controller finds the request in the front door's
+snapshot and answers it with the control op `reload_done` (code and message, TF Serving's
+status codes). TF Serving returns from a reload of a model it already serves without waiting
+for the versions, and then refuses a label on a version not yet loaded; waiting first means
+a caller learns whether the change worked, and the label rule holds on the settled state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpspool.supervisor.versions import VersionPolicy
+
+OK = 0
+UNKNOWN = 2
+INVALID_ARGUMENT = 3
+FAILED_PRECONDITION = 9
+
+
+@dataclass(frozen=True)
+class PendingReload:
+    request_id: int  # the front door's, echoed in reload_done
+    since: float  # monotonic time it was applied
+
+
+def outcome(
+    model: str,
+    policy: VersionPolicy,
+    on_disk: set[int],
+    available: set[int],
+    failed: dict[int, str],
+    labels: dict[str, int],
+) -> tuple[int, str] | None:
+    """(code, message) once the pool has settled under the new config; None while a version
+    the policy wants is still on its way."""
+    wanted = policy.aspired(on_disk, set())  # as if nothing had failed
+    could_not = sorted(v for v in wanted if v in failed)
+    if could_not:
+        why = "; ".join(f"version {v}: {failed[v]}" for v in could_not)
+        return UNKNOWN, f"model {model} could not load {why}"
+    if not wanted:
+        found = ", ".join(str(v) for v in sorted(on_disk)) or "none"
+        return (
+            FAILED_PRECONDITION,
+            f"no version of model {model} fits the version policy {policy.describe()} "
+            f"(on disk: {found})",
+        )
+    if wanted - available:
+        return None
+    for version in sorted(set(labels.values())):
+        if version not in available:
+            # TF Serving's words (ServerCore::UpdateModelVersionLabelMap).
+            return (
+                FAILED_PRECONDITION,
+                f"Request to assign label to version {version} of model {model}, which is not "
+                "currently available for inference",
+            )
+    return OK, ""

@@ -1,0 +1,139 @@
+"""--model_config_file: TF Serving's ModelServerConfig, written with the official
+`tensorflow_serving` messages, read into what a pool serves; every file a pool cannot serve
+as written refused with a one-line reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format, unknown_fields
+from tensorflow_serving.config import model_server_config_pb2 as official
+
+from mpspool.config import ConfigError
+from mpspool.model_config import ModelEntry, read_model_config
+from mpspool.protos import server_config_pb2
+
+
+def official_config(**policy: object) -> official.ModelServerConfig:
+    config = official.ModelServerConfig()
+    model = config.model_config_list.config.add()
+    model.name = "wdl"
+    model.base_path = "/models/wdl"
+    model.model_platform = "tensorflow"
+    model.version_labels["stable"] = 1
+    model.version_labels["canary"] = 2
+    for kind, value in policy.items():
+        choice = getattr(model.model_version_policy, kind)
+        if kind == "latest":
+            choice.num_versions = value
+        elif kind == "specific":
+            choice.versions.extend(value)
+        else:
+            choice.SetInParent()
+    return config
+
+
+def write(tmp_path: Path, config: object | str) -> Path:
+    path = tmp_path / "models.config"
+    path.write_text(config if isinstance(config, str) else text_format.MessageToString(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "policy, text",
+    [
+        ({}, "latest:1"),
+        ({"latest": 0}, "latest:1"),  # TF Serving's default number of versions
+        ({"latest": 3}, "latest:3"),
+        ({"all": None}, "all"),
+        ({"specific": [3, 1, 3]}, "specific:1,3"),
+    ],
+)
+def test_a_file_tf_serving_reads_is_read_the_same(tmp_path: Path, policy: dict, text: str):
+    entry = read_model_config(write(tmp_path, official_config(**policy)))
+    assert entry == ModelEntry(
+        name="wdl",
+        base_path="/models/wdl",
+        version_policy=text,
+        labels={"stable": 1, "canary": 2},
+    )
+
+
+def test_the_binary_form_is_tf_servings_field_for_field():
+    theirs = official_config(specific=[1, 2])
+    ours = server_config_pb2.ModelServerConfig.FromString(theirs.SerializeToString())
+    assert len(unknown_fields.UnknownFieldSet(ours.model_config_list.config[0])) == 0
+    assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(
+        deterministic=True
+    )
+
+
+def test_a_relative_base_path_is_taken_from_where_the_pool_starts(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, 'model_config_list { config { name: "m" base_path: "models/m" } }')
+    assert read_model_config(path).base_path == str(tmp_path / "models" / "m")
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (
+            'model_config_list { config { name: "a" base_path: "/a" } '
+            'config { name: "b" base_path: "/b" } }',
+            "lists 2 models ('a', 'b'); a pool serves one model: start one pool per model",
+        ),
+        ("model_config_list { }", "model_config_list lists no model"),
+        ("", "no model_config_list"),
+        ('model_config_list { config { base_path: "/a" } }', "a model config needs a name"),
+        ('model_config_list { config { name: "a" } }', "model 'a': base_path is required"),
+        (
+            'model_config_list { config { name: "a" base_path: "/a" model_platform: "pytorch" } }',
+            "model 'a': model_platform 'pytorch'; mpspool serves tensorflow SavedModels",
+        ),
+        (
+            'model_config_list { config { name: "a" base_path: "/a" '
+            "logging_config { sampling_config { sampling_rate: 0.1 } } } }",
+            "model 'a': logging_config (request logging) is not supported",
+        ),
+        (
+            'model_config_list { config { name: "a" base_path: "/a" '
+            'version_labels { key: "old" value: -1 } } }',
+            "label 'old' names version -1, not >= 0",
+        ),
+        (
+            'model_config_list { config { name: "a" base_path: "/a" '
+            "model_version_policy { specific { } } } }",
+            "model_version_policy specific lists no versions",
+        ),
+        (
+            'model_config_list { config { name: "a" base_pth: "/a" } }',
+            'is not a ModelServerConfig: 1:40 : Message type "mpspool.tfs.ModelConfig" has no '
+            'field named "base_pth".',
+        ),
+    ],
+)
+def test_a_file_a_pool_cannot_serve_is_refused_with_why(tmp_path: Path, text: str, says: str):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as refused:
+        read_model_config(path)
+    assert says in str(refused.value)
+    assert str(path) in str(refused.value)
+
+
+def test_a_missing_file_is_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"cannot read --model_config_file .*nope\.config"):
+        read_model_config(tmp_path / "nope.config")
+
+
+def test_start_refuses_a_model_name_beside_the_file(tmp_path: Path):
+    path = write(tmp_path, official_config())
+    out = subprocess.run(
+        [sys.executable, "-m", "mpspool", "start", "--model_config_file", str(path),
+         "--model-name", "other", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--model_config_file names the model and its version policy" in out.stderr
