@@ -21,9 +21,11 @@ that the two are compared in one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -57,12 +59,58 @@ def versions(status: dict[str, Any]) -> dict[int, str]:
     return {v["version"]: v["state"] for v in status.get("versions", [])}
 
 
+class Watcher:
+    """Samples the pool beside a load window, every 0.2 s until stopped: the controller's
+    status (versions and their states), total PSS and the weight segments. It runs as a
+    SCHED_IDLE thread (its `mpspool status` children inherit that), and it samples in the
+    steady window as in the reload windows, so that what watching costs the server is the
+    same on both sides of the p99 ratio (until 2026-11-23 only the reload windows were
+    watched, at normal priority)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.stop_flag = threading.Event()
+        self.lock = threading.Lock()
+        self.states: dict[int, str] = {}
+        self.peak_pss = self.peak_shm = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Watcher:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # not Linux: sample at normal priority
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        while not self.stop_flag.is_set():
+            pss = harness.pss_mib(pool_processes(self.pool))
+            shm = shm_mib(self.pool.pool_id)
+            try:
+                states = versions(self.pool.status())
+            except (subprocess.SubprocessError, ValueError):
+                states = None  # a status that timed out or came back garbled: next time
+            with self.lock:
+                self.peak_pss, self.peak_shm = max(self.peak_pss, pss), max(self.peak_shm, shm)
+                if states is not None:
+                    self.states = states
+            self.stop_flag.wait(0.2)
+
+    def state(self, version: int) -> str | None:
+        with self.lock:
+            return self.states.get(version)
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(60)
+
+
 def window(
     pool: Pool, server: harness.Server, request: harness.Request, args: argparse.Namespace,
     workdir: Path, during: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One open-loop h2load window; ``during`` runs beside it (the reload). Failures are the
-    front door's non-OK answers in the window (gRPC errors travel in HTTP 200 responses)."""
+    """One open-loop h2load window, watched (Watcher); ``during`` runs beside it (the
+    reload). Failures are the front door's non-OK answers in the window (gRPC errors travel
+    in HTTP 200 responses)."""
     before = harness.request_counts(server.metrics_url)
     result: dict[str, Any] = {}
 
@@ -71,10 +119,12 @@ def window(
             server.port, request, args.concurrency, args.window, workdir, rps=args.rps
         )
 
+    watcher = Watcher(pool).start()
     driver = threading.Thread(target=drive)
     driver.start()
-    extra = during() if during else {}
+    extra = during(watcher) if during else {}
     driver.join()
+    watcher.stop()
     after = harness.request_counts(server.metrics_url)
     grew = {code: after.get(code, 0) - before.get(code, 0) for code in after}
     grew.pop("OK", None)
@@ -89,41 +139,33 @@ def window(
         "p99_ms": drive.p99_ms,
         "failed": sum(grew.values()),
         "failed_by_code": {k: v for k, v in grew.items() if v},
+        "peak_pss_mib": watcher.peak_pss,
+        "peak_shm_mib": watcher.peak_shm,
         **extra,
     }
 
 
-def reload_once(pool: Pool, base: Path, model_dir: Path, new: int, args: argparse.Namespace):
+def reload_once(base: Path, model_dir: Path, new: int, args: argparse.Namespace):
     """Returns the function run beside the load window: after a second of load, version
-    ``new`` appears; it watches status and memory until the old version has ended."""
+    ``new`` appears; it follows the watcher's status until the old version has ended."""
     old = new - 1
 
-    def during() -> dict[str, Any]:
+    def during(watcher: Watcher) -> dict[str, Any]:
         time.sleep(1.0)
-        peak_pss = peak_shm = 0.0
         appeared = time.monotonic()
         (base / str(new)).symlink_to(model_dir, target_is_directory=True)
         available_s = ended_s = None
         deadline = appeared + args.window + 60
         while time.monotonic() < deadline:
-            peak_pss = max(peak_pss, harness.pss_mib(pool_processes(pool)))
-            peak_shm = max(peak_shm, shm_mib(pool.pool_id))
-            state = versions(pool.status())
             now = time.monotonic() - appeared
-            if available_s is None and state.get(new) == "AVAILABLE":
+            if available_s is None and watcher.state(new) == "AVAILABLE":
                 available_s = now
-            if available_s is not None and state.get(old) in (None, "END"):
+            if available_s is not None and watcher.state(old) in (None, "END"):
                 ended_s = now
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         (base / str(old)).unlink(missing_ok=True)  # tidy: the policy already retired it
-        return {
-            "version": new,
-            "to_traffic_s": available_s,
-            "to_old_ended_s": ended_s,
-            "peak_pss_mib": peak_pss,
-            "peak_shm_mib": peak_shm,
-        }
+        return {"version": new, "to_traffic_s": available_s, "to_old_ended_s": ended_s}
 
     return during
 
@@ -174,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for new in range(2, args.reloads + 2):
                     row = window(
                         pool, server, request, args, workdir,
-                        during=reload_once(pool, base, model_dir, new, args),
+                        during=reload_once(base, model_dir, new, args),
                     )  # fmt: skip
                     time.sleep(1.0)  # the old workers' memory is gone once they have exited
                     row["pss_after_mib"] = harness.pss_mib(pool_processes(pool))
@@ -266,7 +308,8 @@ def render(report: dict[str, Any]) -> str:
         "leaves behind.",
         f"- **Load:** h2load open loop, {report['rps']:.0f} req/s of batch 1, up to "
         f"{report['concurrency']} outstanding, {report['window_s']:.0f} s windows: per pool one "
-        "steady window, then one per reload (the version folder appears 1 s in). Failed: the "
+        "steady window, then one per reload (the version folder appears 1 s in); every window "
+        "watched alike (status and PSS every 0.2 s from a SCHED_IDLE thread). Failed: the "
         "front door's non-OK answers in the window.",
         "",
         "| loading | window | req/s | p50 ms | p99 ms | p99 / steady | failed "
@@ -278,7 +321,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"| {priority} | steady | {fmt(steady['rps'])} | {steady['p50_ms']:.2f} "
             f"| {steady['p99_ms']:.2f} | 1.00 | {steady['failed']} | | "
-            f"| {run_['pss_start_mib']:.0f} | | {run_['shm_start_mib']:.0f} |"
+            f"| {steady['peak_pss_mib']:.0f} | | {steady['peak_shm_mib']:.0f} |"
         )
         for r in run_["reloads"]:
             lines.append(
