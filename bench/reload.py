@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,6 +73,9 @@ class Watcher:
         self.stop_flag = threading.Event()
         self.lock = threading.Lock()
         self.states: dict[int, str] = {}
+        # Wall time each thing was first seen: "v2 AVAILABLE", "v2 slots" (a worker of
+        # version 2 listed, i.e. its weights are published and its processes started).
+        self.first_seen: dict[str, float] = {}
         self.peak_pss = self.peak_shm = 0.0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -86,13 +90,18 @@ class Watcher:
             pss = harness.pss_mib(pool_processes(self.pool))
             shm = shm_mib(self.pool.pool_id)
             try:
-                states = versions(self.pool.status())
+                status = self.pool.status()
             except (subprocess.SubprocessError, ValueError):
-                states = None  # a status that timed out or came back garbled: next time
+                status = None  # a status that timed out or came back garbled: next time
+            seen = time.time()
             with self.lock:
                 self.peak_pss, self.peak_shm = max(self.peak_pss, pss), max(self.peak_shm, shm)
-                if states is not None:
-                    self.states = states
+                if status is not None:
+                    self.states = versions(status)
+                    names = [f"v{v} {state}" for v, state in self.states.items()]
+                    names += [f"v{s['version']} slots" for s in status.get("slots", [])]
+                    for name in names:
+                        self.first_seen.setdefault(name, seen)
             self.stop_flag.wait(0.2)
 
     def state(self, version: int) -> str | None:
@@ -104,9 +113,40 @@ class Watcher:
         self.thread.join(60)
 
 
+PHASES = ("publishing", "loading", "switching", "after")
+
+
+def phases(
+    log: str, appeared_at: float, new: int, first_seen: dict[str, float], slow_ms: float
+) -> dict[str, dict[str, float]]:
+    """Where a reload window's slow requests (slower than ``slow_ms``, the steady window's
+    p99) fell: publishing (the folder appeared; no worker of the new version yet), loading
+    (its workers start, load, warm up), switching (it is AVAILABLE; the old version drains
+    and ends) and after. Phase edges are the watcher's first sight, so within 0.2 s; a
+    request belongs to the phase it started in (h2load's log: start µs, status, µs taken)."""
+    edges = [
+        appeared_at,
+        first_seen.get(f"v{new} slots", math.inf),
+        first_seen.get(f"v{new} AVAILABLE", math.inf),
+        first_seen.get(f"v{new - 1} END", math.inf),
+    ]
+    counts = {name: {"requests": 0, "slow": 0, "seconds": 0.0} for name in PHASES}
+    for fields in (line.split("\t") for line in log.splitlines()):
+        start_s, took_ms = int(fields[0]) / 1e6, int(fields[2]) / 1e3
+        if start_s < appeared_at:
+            continue
+        name = PHASES[max(i for i, edge in enumerate(edges) if start_s >= edge)]
+        counts[name]["requests"] += 1
+        counts[name]["slow"] += took_ms > slow_ms
+    for i, name in enumerate(PHASES[:-1]):
+        if math.isfinite(edges[i + 1]) and math.isfinite(edges[i]):
+            counts[name]["seconds"] = max(0.0, edges[i + 1] - edges[i])
+    return counts
+
+
 def window(
     pool: Pool, server: harness.Server, request: harness.Request, args: argparse.Namespace,
-    workdir: Path, during: Any = None,
+    workdir: Path, during: Any = None, slow_ms: float = math.inf,
 ) -> dict[str, Any]:  # fmt: skip
     """One open-loop h2load window, watched (Watcher); ``during`` runs beside it (the
     reload). Failures are the front door's non-OK answers in the window (gRPC errors travel
@@ -125,6 +165,11 @@ def window(
     extra = during(watcher) if during else {}
     driver.join()
     watcher.stop()
+    if "appeared_at" in extra:
+        extra["phases"] = phases(
+            (workdir / "h2load.log").read_text(), extra.pop("appeared_at"), extra["version"],
+            watcher.first_seen, slow_ms,
+        )  # fmt: skip
     after = harness.request_counts(server.metrics_url)
     grew = {code: after.get(code, 0) - before.get(code, 0) for code in after}
     grew.pop("OK", None)
@@ -152,7 +197,7 @@ def reload_once(base: Path, model_dir: Path, new: int, args: argparse.Namespace)
 
     def during(watcher: Watcher) -> dict[str, Any]:
         time.sleep(1.0)
-        appeared = time.monotonic()
+        appeared, appeared_at = time.monotonic(), time.time()
         (base / str(new)).symlink_to(model_dir, target_is_directory=True)
         available_s = ended_s = None
         deadline = appeared + args.window + 60
@@ -165,7 +210,12 @@ def reload_once(base: Path, model_dir: Path, new: int, args: argparse.Namespace)
                 break
             time.sleep(0.1)
         (base / str(old)).unlink(missing_ok=True)  # tidy: the policy already retired it
-        return {"version": new, "to_traffic_s": available_s, "to_old_ended_s": ended_s}
+        return {
+            "version": new,
+            "to_traffic_s": available_s,
+            "to_old_ended_s": ended_s,
+            "appeared_at": appeared_at,
+        }
 
     return during
 
@@ -217,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row = window(
                         pool, server, request, args, workdir,
                         during=reload_once(base, model_dir, new, args),
+                        slow_ms=run_["steady"]["p99_ms"],
                     )  # fmt: skip
                     time.sleep(1.0)  # the old workers' memory is gone once they have exited
                     row["pss_after_mib"] = harness.pss_mib(pool_processes(pool))
@@ -243,6 +294,20 @@ def line(name: str, w: dict[str, Any]) -> str:
             f"{w['pss_after_mib']:.0f} MiB"
         )
     return text
+
+
+def phase_summary(rows: list[dict[str, Any]]) -> str:
+    """Each phase's slow requests over all reloads, their share, and its median length."""
+    parts = []
+    for name in PHASES:
+        counted = [r["phases"][name] for r in rows if "phases" in r]
+        requests = sum(c["requests"] for c in counted)
+        slow = sum(c["slow"] for c in counted)
+        seconds = sorted(c["seconds"] for c in counted)
+        share = f"{slow / requests:.1%}" if requests else "-"
+        length = f", ~{seconds[len(seconds) // 2]:.1f} s" if seconds and name != "after" else ""
+        parts.append(f"{name} {slow:,} of {requests:,} ({share}{length})")
+    return "; ".join(parts)
 
 
 def median_p99_ms(run_: dict[str, Any]) -> float:
@@ -346,6 +411,10 @@ def render(report: dict[str, Any]) -> str:
             f"**{median_p99_ratio(run_):.2f}×**, worst **{worst:.2f}×** (target ≤ 1.5×); "
             f"median time to traffic {to_traffic:.1f} s; PSS after the last reload / after "
             f"the first **{last / first:.3f}** (back to baseline: within 5%)."
+        )
+        lines.append(
+            f"  Slower than its steady p99, by phase of the reload (all {len(rows)}; a steady "
+            "window has 1% so): " + phase_summary(rows) + "."
         )
     if len(runs) == 2 and all(r["reloads"] for r in runs):
         a, b = runs
