@@ -73,8 +73,8 @@ class Watcher:
         self.stop_flag = threading.Event()
         self.lock = threading.Lock()
         self.states: dict[int, str] = {}
-        # Wall time each thing was first seen: "v2 AVAILABLE", "v2 slots" (a worker of
-        # version 2 listed, i.e. its weights are published and its processes started).
+        # Wall time each thing was first seen: "v2 AVAILABLE", "v2 started" (a worker of
+        # version 2 STARTING: its weights are published and its processes asked for).
         self.first_seen: dict[str, float] = {}
         self.peak_pss = self.peak_shm = 0.0
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -99,7 +99,11 @@ class Watcher:
                 if status is not None:
                     self.states = versions(status)
                     names = [f"v{v} {state}" for v, state in self.states.items()]
-                    names += [f"v{s['version']} slots" for s in status.get("slots", [])]
+                    names += [
+                        f"v{s['version']} started"
+                        for s in status.get("slots", [])
+                        if s["state"] in ("STARTING", "READY")
+                    ]
                     for name in names:
                         self.first_seen.setdefault(name, seen)
             self.stop_flag.wait(0.2)
@@ -126,7 +130,7 @@ def phases(
     request belongs to the phase it started in (h2load's log: start µs, status, µs taken)."""
     edges = [
         appeared_at,
-        first_seen.get(f"v{new} slots", math.inf),
+        first_seen.get(f"v{new} started", math.inf),
         first_seen.get(f"v{new} AVAILABLE", math.inf),
         first_seen.get(f"v{new - 1} END", math.inf),
     ]
