@@ -12,20 +12,12 @@ a caller learns whether the change worked, and the label rule holds on the settl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from mpspool.supervisor.versions import VersionPolicy
 
 OK = 0
 UNKNOWN = 2
 INVALID_ARGUMENT = 3
 FAILED_PRECONDITION = 9
-
-
-@dataclass(frozen=True)
-class PendingReload:
-    request_id: int  # the front door's, echoed in reload_done
-    since: float  # monotonic time it was applied
 
 
 def outcome(

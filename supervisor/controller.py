@@ -35,7 +35,6 @@ from mpspool.model_config import ModelEntry, model_entry, read_model_config
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
-from mpspool.supervisor.config_reload import PendingReload
 from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
@@ -172,7 +171,7 @@ class Controller:
             dict(config.version_labels),
         )  # fmt: skip
         self.on_disk: set[int] = set()  # the versions under the base path, as last read
-        self._reloads: list[PendingReload] = []  # HandleReloadConfigRequests not answered
+        self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
         # Answers given to calls the front door still lists (a lost reply is sent again).
         self._reload_answers: dict[int, tuple[int, str]] = {}
         self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
@@ -570,10 +569,12 @@ class Controller:
         return reason or f"exit code {code}, see {path}"
 
     # -- model versions ------------------------------------------------------------
+    def _available_versions(self) -> set[int]:
+        return {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
+
     def _serving_version(self) -> int | None:
         """Where requests that name no version go: the newest AVAILABLE version."""
-        available = [v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE]
-        return max(available) if available else None
+        return max(self._available_versions(), default=None)
 
     def _reconcile_versions(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
@@ -635,13 +636,12 @@ class Controller:
         one is taken, one answered already is answered again (that reply was lost)."""
         ids = {int(request_id) for request_id, _ in listed}
         self._reload_answers = {k: v for k, v in self._reload_answers.items() if k in ids}
-        pending = {p.request_id for p in self._reloads}
         for request_id, body in listed:
             request_id = int(request_id)
             if request_id in self._reload_answers:
                 code, message = self._reload_answers[request_id]
                 self.router.ask("reload_done", id=request_id, code=code, message=message)
-            elif request_id not in pending:
+            elif request_id not in self._reloads:
                 self._reload_config_request(request_id, bytes(body), now)
 
     def _reload_config_request(self, request_id: int, body: bytes, now: float) -> None:
@@ -661,24 +661,23 @@ class Controller:
         if refused:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
             return
-        self._reloads.append(PendingReload(request_id, now))
+        self._reloads.append(request_id)
 
     def _answer_reloads(self) -> None:
         if not self._reloads:
             return
-        available = {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
         result = config_reload.outcome(
             self.config.model_name,
             self.policy,
             self.on_disk,
-            available,
+            self._available_versions(),
             self.failed,
             self.config.version_labels,
         )
         if result is None:
             return
-        for pending in self._reloads:
-            self._tell_reload(pending.request_id, *result)
+        for request_id in self._reloads:
+            self._tell_reload(request_id, *result)
         self._reloads = []
 
     def _tell_reload(self, request_id: int, code: int, message: str) -> None:
@@ -698,7 +697,7 @@ class Controller:
         """The configured labels whose version is AVAILABLE: a label moves to a version only
         once it serves (as TF Serving, which refuses a label on a version not loaded); until
         then the label stays where it was told last, or is unknown."""
-        available = {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
+        available = self._available_versions()
         before = self._versions_told[2] if self._versions_told else {}
         labels = {}
         for label, version in sorted(self.config.version_labels.items()):

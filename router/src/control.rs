@@ -210,6 +210,44 @@ fn gpu_sample(value: &Value) -> Option<GpuSample> {
 mod tests {
     use super::*;
 
+    /// What the ops work on, owned; `pool` lends it out as the server does.
+    struct Fixture {
+        state: RouterState,
+        table: WorkerTable<u32>,
+        timeline: Timeline,
+        versions: tokio::sync::watch::Sender<Arc<VersionTable>>,
+    }
+
+    impl Fixture {
+        fn new() -> (Fixture, tokio::sync::mpsc::UnboundedReceiver<DrainRequest>) {
+            let (state, drains) = RouterState::new();
+            let table = WorkerTable::<u32>::new(
+                Duration::from_secs(3),
+                crate::policies::chooser("round-robin").expect("known"),
+            );
+            let (versions, _) =
+                tokio::sync::watch::channel(Arc::new(VersionTable::configured("demo", 1)));
+            let timeline = Timeline::new(10);
+            let fixture = Fixture {
+                state,
+                table,
+                timeline,
+                versions,
+            };
+            (fixture, drains)
+        }
+
+        fn pool(&mut self, now: Instant) -> Pool<'_, u32> {
+            Pool {
+                table: &mut self.table,
+                timeline: &mut self.timeline,
+                versions: &self.versions,
+                state: &self.state,
+                now,
+            }
+        }
+    }
+
     fn ask(pool: &mut Pool<'_, u32>, fields: serde_json::Value) -> serde_json::Value {
         let body = rmp_serde::to_vec_named(&fields).unwrap();
         let reply = answer(&body, pool);
@@ -218,23 +256,12 @@ mod tests {
 
     #[test]
     fn ops_answer_with_n_echoed() {
-        let (state, mut drains) = RouterState::new();
-        let mut table = WorkerTable::<u32>::new(
-            Duration::from_secs(3),
-            crate::policies::chooser("round-robin").expect("known"),
-        );
+        let (mut fixture, mut drains) = Fixture::new();
         let now = Instant::now();
-        table.register(b"cpu-0:10", "cpu-0", 10, 1, Value::Nil, now);
-        let mut timeline = Timeline::new(10);
-        let (versions, _) =
-            tokio::sync::watch::channel(Arc::new(VersionTable::configured("demo", 1)));
-        let mut pool = Pool {
-            table: &mut table,
-            timeline: &mut timeline,
-            versions: &versions,
-            state: &state,
-            now,
-        };
+        fixture
+            .table
+            .register(b"cpu-0:10", "cpu-0", 10, 1, Value::Nil, now);
+        let mut pool = fixture.pool(now);
 
         let gpus = ask(
             &mut pool,
@@ -312,21 +339,8 @@ mod tests {
 
     #[test]
     fn reload_requests_are_listed_until_the_controller_answers() {
-        let (state, _drains) = RouterState::new();
-        let mut table = WorkerTable::<u32>::new(
-            Duration::from_secs(3),
-            crate::policies::chooser("round-robin").expect("known"),
-        );
-        let mut timeline = Timeline::new(10);
-        let (versions, _) =
-            tokio::sync::watch::channel(Arc::new(VersionTable::configured("demo", 1)));
-        let mut pool = Pool {
-            table: &mut table,
-            timeline: &mut timeline,
-            versions: &versions,
-            state: &state,
-            now: Instant::now(),
-        };
+        let (mut fixture, _drains) = Fixture::new();
+        let mut pool = fixture.pool(Instant::now());
         let mut call = pool.state.reloads.submit(b"\x0a\x00".to_vec());
         let listed = |pool: &mut Pool<'_, u32>| {
             let body =
