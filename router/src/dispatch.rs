@@ -30,6 +30,7 @@ use crate::timeline::{Timeline, DEFAULT_CAPACITY};
 use crate::versions::{Target, VersionTable};
 use crate::wire::{self, TensorMeta, WorkerMessage};
 use crate::workers::{Departure, WorkerTable};
+use crate::zmtp::{self, RouterSocket, SendError};
 use crate::{log_info, log_warn};
 
 /// How long a request waits for some worker to become routable when none is (a restart in
@@ -100,6 +101,11 @@ enum Command {
 #[derive(Debug, thiserror::Error)]
 pub enum DispatchError {
     #[error("cannot bind the worker socket {endpoint}: {source}")]
+    BindWorkers {
+        endpoint: String,
+        source: std::io::Error,
+    },
+    #[error("cannot bind the control socket {endpoint}: {source}")]
     Bind {
         endpoint: String,
         source: zmq::Error,
@@ -176,16 +182,11 @@ impl Dispatcher {
             return Err(DispatchError::Scheduling(format!("{scheduling:?}")));
         };
         let context = zmq::Context::new();
-        let workers = context.socket(zmq::ROUTER)?;
-        workers.set_router_mandatory(true)?;
-        workers.set_linger(0)?;
-        let endpoint = wire::endpoint(run_dir, wire::WORKERS_ENDPOINT);
-        workers
-            .bind(&endpoint)
-            .map_err(|source| DispatchError::Bind {
-                endpoint: endpoint.clone(),
-                source,
-            })?;
+        let path = std::path::Path::new(run_dir).join(wire::WORKERS_ENDPOINT);
+        let workers = RouterSocket::bind(&path).map_err(|source| DispatchError::BindWorkers {
+            endpoint: wire::endpoint(run_dir, wire::WORKERS_ENDPOINT),
+            source,
+        })?;
         let control = context.socket(zmq::ROUTER)?;
         control.set_linger(0)?;
         let endpoint = wire::endpoint(run_dir, wire::CONTROL_ENDPOINT);
@@ -203,7 +204,6 @@ impl Dispatcher {
         let (ready_tx, ready) = watch::channel(0);
         let (copied_tx, copied) = watch::channel(Default::default());
         let actor = Actor {
-            workers_fd: signal_fd(&workers)?,
             control_fd: signal_fd(&control)?,
             workers,
             control,
@@ -461,21 +461,12 @@ fn signal_fd(socket: &zmq::Socket) -> Result<AsyncFd<SignalFd>, DispatchError> {
     Ok(watcher.map_err(std::io::Error::from)?)
 }
 
-/// A received message's frame, kept in the ZeroMQ message it arrived in (no copy).
-struct Frame(zmq::Message);
-
-impl AsRef<[u8]> for Frame {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
 struct Actor {
-    // The FD watchers first: fields drop in order, and they must be gone before the sockets
-    // close the FDs they watch.
-    workers_fd: AsyncFd<SignalFd>,
+    // The FD watcher first: fields drop in order, and it must be gone before the socket
+    // closes the FD it watches.
     control_fd: AsyncFd<SignalFd>,
-    workers: zmq::Socket,
+    /// The workers' DEALER sockets connect here (ZMTP spoken natively: `zmtp`).
+    workers: RouterSocket,
     control: zmq::Socket,
     table: WorkerTable<Pending>,
     /// Request id → the worker it was sent to (for Cancel).
@@ -520,10 +511,9 @@ impl Actor {
                     }
                     self.drain_workers();
                 }
-                guard = self.workers_fd.readable() => {
-                    if let Ok(mut guard) = guard {
-                        guard.clear_ready();
-                    }
+                incoming = self.workers.recv() => {
+                    let Some(incoming) = incoming else { break };
+                    self.incoming(incoming);
                     self.drain_workers();
                 }
                 guard = self.control_fd.readable() => {
@@ -754,28 +744,28 @@ impl Actor {
             (members[0].0, members[0].1.request.clone())
         };
         let header = wire::encode_request(id, &sent.signature, &sent.tensors, &sent.outputs);
-        // Tensor frames are copied into ZeroMQ messages here (a memcpy; the request's
-        // protobuf buffer cannot be handed to libzmq without an unsafe lifetime bridge).
-        let mut frames: Vec<zmq::Message> = Vec::with_capacity(2 + sent.frames.len());
-        frames.push(zmq::Message::from(identity.as_slice()));
-        frames.push(zmq::Message::from(header));
-        frames.extend(sent.frames.iter().map(|f| zmq::Message::from(&f[..])));
+        // Header and tensor frames are copied once, into the bytes written to the worker.
+        let mut frames: Vec<&[u8]> = Vec::with_capacity(1 + sent.frames.len());
+        frames.push(&header);
+        frames.extend(sent.frames.iter().map(|f| &f[..]));
+        let sent_now = self.workers.send(&identity, &frames);
+        drop(frames);
         let pending = Pending {
             id,
             sent,
             members,
             merged,
         };
-        match self.workers.send_multipart(frames, zmq::DONTWAIT) {
+        match sent_now {
             Ok(()) => {
                 if let Some(handle) = self.table.get_mut(&identity) {
                     handle.inflight.insert(id, pending);
                 }
                 self.requests.insert(id, identity);
             }
-            Err(zmq::Error::EHOSTUNREACH) => {
-                // ROUTER_MANDATORY: the worker's connection is gone (killed); do not wait for
-                // the liveness window to notice. The requests go back to wait for another.
+            Err(SendError::Unreachable) => {
+                // The worker's connection is gone (killed); do not wait for the liveness
+                // window to notice. The requests go back to wait for another.
                 if let Some(departure) = self.table.leave(&identity, "its connection is gone") {
                     self.departed(departure);
                 }
@@ -783,14 +773,9 @@ impl Actor {
                     self.requeue(member_id, member);
                 }
             }
-            Err(zmq::Error::EAGAIN) => {
+            Err(SendError::Full) => {
                 let message = format!("worker {slot} has too many requests queued");
                 let error = ServingError::new(Code::ResourceExhausted, message);
-                pending.tell_all(|| Outcome::Error(error.clone()));
-            }
-            Err(error) => {
-                let message = format!("sending to worker {slot} failed: {error}");
-                let error = ServingError::new(Code::Internal, message);
                 pending.tell_all(|| Outcome::Error(error.clone()));
             }
         }
@@ -869,38 +854,44 @@ impl Actor {
         }
     }
 
+    /// Everything already received, without waiting.
     fn drain_workers(&mut self) {
-        loop {
-            let socket = &self.workers;
-            match socket.get_events() {
-                Ok(events) if events.contains(zmq::POLLIN) => {}
-                _ => return,
-            }
-            let mut frames = Vec::with_capacity(4);
-            while let Ok(message) = socket.recv_msg(zmq::DONTWAIT) {
-                let more = message.get_more();
-                frames.push(message);
-                if !more {
-                    break;
+        while let Some(incoming) = self.workers.try_recv() {
+            self.incoming(incoming);
+        }
+    }
+
+    fn incoming(&mut self, incoming: zmtp::Incoming) {
+        match incoming {
+            zmtp::Incoming::Message(message) => self.receive(message),
+            // The process is gone or closed its socket: what it had in flight is retried
+            // now, not when its silence is noticed or the controller reports its exit.
+            zmtp::Incoming::Left(identity) => {
+                if let Some(departure) = self.table.leave(&identity, "its connection closed") {
+                    self.departed(departure);
                 }
-            }
-            if frames.len() >= 2 {
-                self.receive(frames);
             }
         }
     }
 
-    fn receive(&mut self, mut frames: Vec<zmq::Message>) {
+    fn receive(&mut self, message: zmtp::Message) {
         let now = Instant::now().into_std();
-        let identity = frames[0].to_vec();
-        let message = match wire::decode_worker_header(&frames[1]) {
+        let zmtp::Message {
+            identity,
+            mut frames,
+            ..
+        } = message;
+        if frames.is_empty() {
+            return;
+        }
+        let message = match wire::decode_worker_header(&frames[0]) {
             Ok(message) => message,
             Err(error) => {
                 log_warn!(
                     "dropping a message from {}: {error}",
                     String::from_utf8_lossy(&identity)
                 );
-                self.fail_unreadable_answer(&identity, &frames[1], &error, now);
+                self.fail_unreadable_answer(&identity, &frames[0], &error, now);
                 return;
             }
         };
@@ -926,10 +917,7 @@ impl Actor {
                     let sent = &pending.sent;
                     self.costs.observe(&sent.signature, sent.rows(), micros);
                 }
-                let frames: Vec<Bytes> = frames
-                    .drain(2..)
-                    .map(|m| Bytes::from_owner(Frame(m)))
-                    .collect();
+                frames.remove(0);
                 let reply = WorkReply {
                     tensors,
                     frames,
@@ -957,11 +945,7 @@ impl Actor {
                 if self.table.seen(&identity, now).is_none() {
                     // A worker we do not know (this front door restarted, or it was declared
                     // dead and woke up): ask it to introduce itself again.
-                    let reply = [
-                        zmq::Message::from(identity.as_slice()),
-                        zmq::Message::from(wire::encode_reregister()),
-                    ];
-                    let _ = self.workers.send_multipart(reply, zmq::DONTWAIT);
+                    let _ = self.workers.send(&identity, &[wire::encode_reregister()]);
                 }
             }
             WorkerMessage::Ready {
@@ -974,7 +958,7 @@ impl Actor {
                 if self.table.declared_dead.get(&slot) == Some(&pid) {
                     return; // declared dead and about to be replaced: it does not come back
                 }
-                let Some(signature_defs) = frames.get(2) else {
+                let Some(signature_defs) = frames.get(1) else {
                     log_warn!("READY from {slot} without its signatures: ignored");
                     return;
                 };

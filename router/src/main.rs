@@ -30,6 +30,7 @@ mod tls;
 mod versions;
 mod wire;
 mod workers;
+mod zmtp;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -695,33 +695,43 @@ fn a_worker_reported_gone_has_its_request_retried_and_its_late_reply_dropped() {
 }
 
 #[test]
-fn a_worker_whose_connection_is_gone_is_dropped_at_send() {
+fn a_worker_whose_connection_closes_leaves_at_once_and_its_request_is_retried() {
     let runtime = runtime();
     let (_dir, dir) = run_dir();
-    // A long liveness window: only the failed send can tell the front door.
-    let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
+    // A long liveness window and no controller: only the closed connection can tell.
+    let (dispatcher, state) = runtime.block_on(async { start(&dir, Duration::from_secs(30)) });
     let a = Scripted::connect(&dir, "cpu-0", 100);
     a.ready();
-    let b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
-    wait_until("both registered", || {
-        registered(&dir, "cpu-0", 100) && registered(&dir, "cpu-1", 101)
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
     });
-    drop(a); // killed: its connection closes, no BYE
-             // Until the ROUTER has processed the disconnect a send would go into the dead pipe.
-    thread::sleep(Duration::from_millis(500));
-    assert!(registered(&dir, "cpu-0", 100), "nothing told the table yet");
-    for _ in 0..4 {
-        let reply = runtime
-            .block_on(dispatcher.call(request(), Some(Instant::now() + WAIT)))
-            .unwrap();
-        assert_eq!(reply.slot, "cpu-1");
-    }
+    let _held = a.next_request();
+    let b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    wait_until("cpu-1 registered", || registered(&dir, "cpu-1", 101));
+    let closed = std::time::Instant::now();
+    drop(a); // killed mid-request: its connection closes, no BYE, no answer
+    let reply = runtime.block_on(call).unwrap().unwrap();
+    assert_eq!(reply.slot, "cpu-1");
+    assert!(
+        closed.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        closed.elapsed()
+    );
+    assert_eq!(state.retries.load(Ordering::Relaxed), 1);
     let snap = snapshot(&dir);
     assert_eq!(snap["workers"].as_object().unwrap().len(), 1, "{snap}");
     assert!(
         snap["declared_dead"].as_object().unwrap().is_empty(),
         "a closed connection is not a liveness verdict"
     );
+    for _ in 0..3 {
+        let reply = runtime
+            .block_on(dispatcher.call(request(), Some(Instant::now() + WAIT)))
+            .unwrap();
+        assert_eq!(reply.slot, "cpu-1");
+    }
     assert_eq!(b.served(), 4);
     dispatcher.shutdown();
 }
