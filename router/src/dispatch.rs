@@ -538,6 +538,8 @@ impl Actor {
             }
             // Answers and arrivals free and add room: send what waits.
             self.pump();
+            // Everything this round sent to a worker leaves in one write per worker.
+            self.workers.flush();
         }
     }
 

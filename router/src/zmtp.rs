@@ -28,8 +28,10 @@ use tokio::sync::{mpsc, Notify};
 
 /// How long a new connection may take to greet and say READY.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Messages a peer may have waiting unwritten before sends to it fail (libzmq's SNDHWM).
+/// Writes a peer may have waiting unwritten before sends to it fail (libzmq's SNDHWM).
 pub const SEND_HIGH_WATER: usize = 1000;
+/// Bytes queued for one peer between flushes past which they are written at once.
+const CORK_LIMIT: usize = 64 * 1024;
 /// A frame larger than this closes the connection (a peer that is not speaking ZMTP).
 const MAX_FRAME: u64 = 1 << 32;
 
@@ -78,6 +80,8 @@ enum Event {
 /// The ROUTER socket: the dispatcher owns it and is its one reader and writer.
 pub struct RouterSocket {
     peers: HashMap<Vec<u8>, (u64, Arc<PeerOut>)>,
+    /// Messages sent since the last `flush`, per peer (a handful of peers: a list).
+    corked: Vec<(Arc<PeerOut>, BytesMut, usize)>,
     events: mpsc::UnboundedReceiver<Event>,
     path: PathBuf,
     accept: tokio::task::JoinHandle<()>,
@@ -97,6 +101,7 @@ impl RouterSocket {
         let accept = tokio::spawn(accept_loop(listener, events_tx));
         Ok(RouterSocket {
             peers: HashMap::new(),
+            corked: Vec::new(),
             events,
             path: path.to_path_buf(),
             accept,
@@ -167,22 +172,48 @@ impl RouterSocket {
         }
     }
 
-    /// Send `frames` to the peer `identity` as one multipart message, without waiting.
-    pub fn send<F: AsRef<[u8]>>(&self, identity: &[u8], frames: &[F]) -> Result<(), SendError> {
+    /// Queue `frames` for the peer `identity` as one multipart message; they leave at the
+    /// next `flush` (or at once past `CORK_LIMIT` bytes). Never waits.
+    pub fn send<F: AsRef<[u8]>>(&mut self, identity: &[u8], frames: &[F]) -> Result<(), SendError> {
         let Some((_, out)) = self.peers.get(identity) else {
             return Err(SendError::Unreachable);
         };
+        out.can_take()?;
+        let at = match self
+            .corked
+            .iter()
+            .position(|(peer, _, _)| Arc::ptr_eq(peer, out))
+        {
+            Some(at) => at,
+            None => {
+                self.corked.push((out.clone(), BytesMut::new(), 0));
+                self.corked.len() - 1
+            }
+        };
+        let (_, corked, messages) = &mut self.corked[at];
         let size: usize = frames.iter().map(|f| 9 + f.as_ref().len()).sum();
-        let mut encoded = BytesMut::with_capacity(size);
+        corked.reserve(size);
         for (i, frame) in frames.iter().enumerate() {
             let more = i + 1 < frames.len();
-            put_frame(
-                &mut encoded,
-                if more { FLAG_MORE } else { 0 },
-                frame.as_ref(),
-            );
+            put_frame(corked, if more { FLAG_MORE } else { 0 }, frame.as_ref());
         }
-        out.write(encoded.freeze())
+        *messages += 1;
+        if corked.len() >= CORK_LIMIT {
+            let data = corked.split().freeze();
+            return out.write(data, std::mem::take(messages));
+        }
+        Ok(())
+    }
+
+    /// Write what `send` queued: one write per peer for everything sent since the last flush
+    /// (what libzmq's I/O thread did by batching its pipe). A peer whose write fails is closed;
+    /// its departure comes back through `recv`.
+    pub fn flush(&mut self) {
+        for (out, corked, messages) in self.corked.drain(..) {
+            if !corked.is_empty() {
+                let _ = out.write(corked.freeze(), messages);
+            }
+        }
     }
 }
 
@@ -217,19 +248,33 @@ struct PeerOut {
 
 #[derive(Default)]
 struct Backlog {
-    queue: VecDeque<Bytes>,
+    /// Unwritten bytes, each with the number of messages it ends.
+    queue: VecDeque<(Bytes, usize)>,
+    /// Messages in `queue` (what the high-water mark counts).
+    messages: usize,
     closed: bool,
 }
 
 impl PeerOut {
-    fn write(&self, mut data: Bytes) -> Result<(), SendError> {
+    /// Whether a send to this peer can be accepted now.
+    fn can_take(&self) -> Result<(), SendError> {
+        match self.backlog.lock() {
+            Ok(backlog) if backlog.closed => Err(SendError::Unreachable),
+            Ok(backlog) if backlog.messages >= SEND_HIGH_WATER => Err(SendError::Full),
+            Ok(_) => Ok(()),
+            Err(_) => Err(SendError::Unreachable),
+        }
+    }
+
+    /// Writes `data` (`messages` whole messages) now, or queues what the kernel did not take.
+    fn write(&self, mut data: Bytes, messages: usize) -> Result<(), SendError> {
         let Ok(mut backlog) = self.backlog.lock() else {
             return Err(SendError::Unreachable);
         };
         if backlog.closed {
             return Err(SendError::Unreachable);
         }
-        if backlog.queue.len() >= SEND_HIGH_WATER {
+        if backlog.messages >= SEND_HIGH_WATER {
             return Err(SendError::Full);
         }
         if backlog.queue.is_empty() {
@@ -246,7 +291,8 @@ impl PeerOut {
                 }
             }
         }
-        backlog.queue.push_back(data);
+        backlog.queue.push_back((data, messages));
+        backlog.messages += messages;
         drop(backlog);
         self.wake_writer.notify_one();
         Ok(())
@@ -257,6 +303,7 @@ impl PeerOut {
         if let Ok(mut backlog) = self.backlog.lock() {
             backlog.closed = true;
             backlog.queue.clear();
+            backlog.messages = 0;
         }
         self.wake_writer.notify_one();
         let _ = self.stream_shutdown();
@@ -280,10 +327,12 @@ impl PeerOut {
                 let Ok(mut backlog) = self.backlog.lock() else {
                     return;
                 };
-                while let Some(front) = backlog.queue.front_mut() {
+                while let Some((front, messages)) = backlog.queue.front_mut() {
                     match self.stream.try_write(front) {
                         Ok(n) if n == front.len() => {
+                            let messages = *messages;
                             backlog.queue.pop_front();
+                            backlog.messages -= messages;
                         }
                         Ok(n) => front.advance(n),
                         Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
@@ -372,7 +421,7 @@ async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::Unbounded
             while let Some((flags, body)) = frames.pop_front() {
                 if flags & FLAG_COMMAND != 0 {
                     if let Some(pong) = pong_for(&body) {
-                        let _ = out.write(pong);
+                        let _ = out.write(pong, 1);
                     }
                     continue;
                 }

@@ -65,6 +65,14 @@ impl Fixture {
         self.socket.as_mut().unwrap()
     }
 
+    /// `send` then `flush`, as the dispatcher does at the end of a round.
+    fn send_now<F: AsRef<[u8]>>(&mut self, identity: &[u8], frames: &[F]) -> Result<(), SendError> {
+        let socket = self.socket();
+        let sent = socket.send(identity, frames);
+        socket.flush();
+        sent
+    }
+
     fn endpoint(&self) -> String {
         format!("ipc://{}", self.path.display())
     }
@@ -129,7 +137,7 @@ fn a_libzmq_dealer_and_the_router_exchange_multipart_messages_of_every_size() {
     assert_eq!(frames_of(&message), sent);
 
     let reply: [&[u8]; 3] = [b"answer", &big, b""];
-    fixture.socket().send(b"cpu-0:41", &reply).unwrap();
+    fixture.send_now(b"cpu-0:41", &reply).unwrap();
     let received = dealer_recv(&worker);
     assert_eq!(
         received,
@@ -147,6 +155,7 @@ fn a_libzmq_dealer_and_the_router_exchange_multipart_messages_of_every_size() {
             .send(b"cpu-0:41", &[i.to_be_bytes()])
             .unwrap();
     }
+    fixture.socket().flush(); // all 500 leave in one write
     for i in 0..500u32 {
         assert_eq!(dealer_recv(&worker), vec![i.to_be_bytes().to_vec()]);
     }
@@ -164,10 +173,7 @@ fn a_peer_without_an_identity_gets_one_made_up_and_can_be_answered() {
         message.identity[0], 0,
         "libzmq's made-up identities start with 0"
     );
-    fixture
-        .socket()
-        .send(&message.identity, &[b"back".as_slice()])
-        .unwrap();
+    fixture.send_now(&message.identity, &[b"back"]).unwrap();
     assert_eq!(dealer_recv(&anonymous), vec![b"back".to_vec()]);
 }
 
@@ -182,10 +188,7 @@ fn sending_to_an_unknown_or_departed_peer_fails_at_once() {
     let worker = dealer(&context, &fixture.endpoint(), Some(b"cpu-1:7"));
     worker.send("hi", 0).unwrap();
     assert_eq!(fixture.recv().identity, b"cpu-1:7");
-    fixture
-        .socket()
-        .send(b"cpu-1:7", &[b"x".as_slice()])
-        .unwrap();
+    fixture.send_now(b"cpu-1:7", &[b"x"]).unwrap();
     drop(worker); // its connection closes (kill -9 looks the same to the front door)
     match fixture.next() {
         Incoming::Left(identity) => assert_eq!(identity, b"cpu-1:7"),
@@ -200,10 +203,7 @@ fn sending_to_an_unknown_or_departed_peer_fails_at_once() {
     again.send("back", 0).unwrap();
     let message = fixture.recv();
     assert_eq!(frames_of(&message), vec![b"back".to_vec()]);
-    fixture
-        .socket()
-        .send(b"cpu-1:7", &[b"welcome".as_slice()])
-        .unwrap();
+    fixture.send_now(b"cpu-1:7", &[b"welcome"]).unwrap();
     assert_eq!(dealer_recv(&again), vec![b"welcome".to_vec()]);
 }
 
@@ -220,10 +220,7 @@ fn a_second_connection_with_a_connected_identity_is_not_heard() {
     // Answers still reach the first.
     first.send("three", 0).unwrap();
     assert_eq!(frames_of(&fixture.recv()), vec![b"three".to_vec()]);
-    fixture
-        .socket()
-        .send(b"dup", &[b"four".as_slice()])
-        .unwrap();
+    fixture.send_now(b"dup", &[b"four"]).unwrap();
     assert_eq!(dealer_recv(&first), vec![b"four".to_vec()]);
 }
 
@@ -317,7 +314,7 @@ fn a_stalled_peer_takes_sends_up_to_the_high_water_mark_and_loses_none() {
     let refused = loop {
         let mut numbered = accepted.to_be_bytes().to_vec();
         numbered.extend_from_slice(&body);
-        match fixture.socket().send(b"slow", &[numbered]) {
+        match fixture.send_now(b"slow", &[&numbered]) {
             Ok(()) => accepted += 1,
             Err(error) => break error,
         }
@@ -333,7 +330,7 @@ fn a_stalled_peer_takes_sends_up_to_the_high_water_mark_and_loses_none() {
         assert_eq!(frame.len(), 1004);
     }
     // Room again.
-    fixture.socket().send(b"slow", &[b"after"]).unwrap();
+    fixture.send_now(b"slow", &[b"after"]).unwrap();
     assert_eq!(peer.frame().1, b"after");
 }
 
