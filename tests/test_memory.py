@@ -3,6 +3,9 @@ nothing more — measured as USS (pages only that process has), not RSS."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from pathlib import Path
 
 import psutil
@@ -73,3 +76,65 @@ def test_workers_do_not_copy_shared_weights(
         # Not even transiently at start: the peak RSS, which also counts the shared pages a
         # worker touched, stays near the small model's.
         assert peak < runtime_peak + 0.10 * TABLE_BYTES, (pid, peak >> 20, runtime_peak >> 20)
+
+
+RELOADS = 10
+
+
+def _pool_pss(pool: Pool) -> int:
+    """Σ PSS of every process of the pool (controller and all it started), in bytes: the
+    weight segment's pages are shared among the workers that map it and counted once."""
+    assert pool.proc is not None
+    root = psutil.Process(pool.proc.pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_full_info().pss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _add_version(base: Path, version: int) -> None:
+    """Version 1 again as `version` (hard links, so no disk copy), renamed into place whole."""
+    hidden = base / f".v{version}"
+    shutil.copytree(base / "1", hidden, copy_function=os.link)
+    hidden.rename(base / str(version))
+
+
+def test_ten_reloads_give_memory_back_and_leave_no_retired_segment(
+    tmp_path: Path, big_model: Path
+) -> None:
+    base = tmp_path / "demo"
+    base.mkdir()
+    shutil.copytree(big_model / "1", base / "1", copy_function=os.link)
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1, "--file_system_poll_wait_seconds", "0.2").start()
+    after: dict[int, int] = {}
+    try:
+        pool.wait_ready(1)
+        for version in range(2, 2 + RELOADS):
+            _add_version(base, version)
+            pool.wait_for(
+                lambda s, v=version: {x["version"]: x["state"] for x in s["versions"]}.get(v - 1)
+                == "END"
+                and s["pool"]["version"] == v
+                and len(s["slots"]) == 1
+                and all(x["state"] == "READY" for x in s["slots"]),
+                timeout=120,
+                what=f"version {version} serving alone",
+            )
+            # The retired version's processes and segment are gone before memory is read.
+            deadline = time.monotonic() + 30
+            while len(pool.segments()) != 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            [segment] = pool.segments()
+            assert segment.name.endswith(f"-v{version}"), segment.name
+            after[version - 1] = _pool_pss(pool)
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+    first, last = after[1], after[RELOADS]
+    print("pool PSS MiB after each reload:", {n: pss >> 20 for n, pss in after.items()})
+    assert last <= 1.05 * first, {n: pss >> 20 for n, pss in after.items()}
