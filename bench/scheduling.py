@@ -16,7 +16,7 @@ Capacity is measured once, on the fcfs pool (the first to run), closed loop: bat
 batch-512 requests per second alone, mixed as 1 / (0.9 / small + 0.1 / large). Not on the push
 pool: holding requests in the front door costs capacity (a worker idles between answering and
 being sent its next request), so 80% of the push pool's capacity overloaded fcfs and sjf alike
-(2026-11-23 17:28: they answered 1,827 and 1,608 of 2,332 req/s offered), and a comparison
+(2026-11-23 17:27: they answered 1,827 and 1,608 of 2,332 req/s offered), and a comparison
 between two overloaded queues says nothing about their order. Reported per pool: per-size p50,
 p99 and max latency, throughput, failed requests (the front door's own counters), the
 longest wait in the front door's queue (`mpspool_queue_wait_max_seconds`); the task-density
