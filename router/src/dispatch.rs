@@ -1,10 +1,11 @@
 //! Sending requests to workers over ZeroMQ and matching their replies.
 //!
-//! One actor task owns both ZeroMQ sockets (a socket is not thread-safe: "one socket, one
-//! owner"): the ROUTER the workers connect to and the ROUTER of the controller's control
-//! channel. Request handlers talk to it through a channel; it reads the sockets through
-//! their ZMQ_FD with `AsyncFd`. That FD is edge-triggered, and a send can swallow a pending
-//! edge, so after it fires and after every batch of sends, everything queued is read.
+//! One actor task owns both sockets: the ROUTER the workers connect to (ZMTP spoken by
+//! `zmtp`; what a round sends leaves at its end, one write per worker) and the libzmq ROUTER
+//! of the controller's control channel (a libzmq socket is not thread-safe: "one socket, one
+//! owner"). Request handlers talk to it through a channel; it reads the control socket
+//! through its ZMQ_FD with `AsyncFd`. That FD is edge-triggered, and a send can swallow a
+//! pending edge, so after it fires and after every batch of sends, everything queued is read.
 //!
 //! In-flight work when a worker dies: the request goes to another worker (inference is
 //! idempotent) while the client's deadline allows; the caller (`call`) owns that loop.
@@ -60,7 +61,7 @@ impl WorkRequest {
 #[derive(Debug)]
 pub struct WorkReply {
     pub tensors: Vec<TensorMeta>,
-    /// The output tensors' bytes, each still in the ZeroMQ message it arrived in.
+    /// The output tensors' bytes, each a slice of the buffer its frame was read into.
     pub frames: Vec<Bytes>,
     /// The worker that answered (the gRPC side has no use for it yet; tests check where a
     /// retried request went).
@@ -528,7 +529,7 @@ impl Actor {
                 scheduled = sweep.tick() => {
                     // Silence is only evidence if this front door was listening: after a late
                     // wake-up (the machine starved of CPU) heartbeats may be queued unread, some
-                    // still in ZeroMQ's I/O thread. Read what is there, judge next round.
+                    // still in the socket's reader tasks. Read what is there, judge next round.
                     let woke = Instant::now();
                     self.drain_workers();
                     if !sweep_was_late(scheduled, woke) {
@@ -751,7 +752,6 @@ impl Actor {
         frames.push(&header);
         frames.extend(sent.frames.iter().map(|f| &f[..]));
         let sent_now = self.workers.send(&identity, &frames);
-        drop(frames);
         let pending = Pending {
             id,
             sent,

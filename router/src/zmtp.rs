@@ -18,7 +18,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,7 +49,8 @@ pub enum SendError {
 
 /// One multipart message from a peer.
 pub struct Message {
-    pub identity: Vec<u8>,
+    /// Shared by every message of the connection (no allocation per message).
+    pub identity: Bytes,
     pub frames: Vec<Bytes>,
     /// The connection it came on (a refused duplicate's messages are dropped by this).
     connection: u64,
@@ -131,7 +131,7 @@ impl RouterSocket {
     fn take(&mut self, event: Event) -> Option<Incoming> {
         match event {
             Event::Message(message) => {
-                let (connection, _) = self.peers.get(&message.identity)?;
+                let (connection, _) = self.peers.get(message.identity.as_ref())?;
                 (*connection == message.connection).then_some(Incoming::Message(message))
             }
             Event::Joined {
@@ -255,15 +255,26 @@ struct Backlog {
     closed: bool,
 }
 
+impl Backlog {
+    /// Whether one more message may be queued.
+    fn can_take(&self) -> Result<(), SendError> {
+        if self.closed {
+            Err(SendError::Unreachable)
+        } else if self.messages >= SEND_HIGH_WATER {
+            Err(SendError::Full)
+        } else {
+            Ok(())
+        }
+    }
+}
+
 impl PeerOut {
     /// Whether a send to this peer can be accepted now.
     fn can_take(&self) -> Result<(), SendError> {
-        match self.backlog.lock() {
-            Ok(backlog) if backlog.closed => Err(SendError::Unreachable),
-            Ok(backlog) if backlog.messages >= SEND_HIGH_WATER => Err(SendError::Full),
-            Ok(_) => Ok(()),
-            Err(_) => Err(SendError::Unreachable),
-        }
+        self.backlog
+            .lock()
+            .map_err(|_| SendError::Unreachable)?
+            .can_take()
     }
 
     /// Writes `data` (`messages` whole messages) now, or queues what the kernel did not take.
@@ -271,12 +282,7 @@ impl PeerOut {
         let Ok(mut backlog) = self.backlog.lock() else {
             return Err(SendError::Unreachable);
         };
-        if backlog.closed {
-            return Err(SendError::Unreachable);
-        }
-        if backlog.messages >= SEND_HIGH_WATER {
-            return Err(SendError::Full);
-        }
+        backlog.can_take()?;
         if backlog.queue.is_empty() {
             // The lock is held across the write so the writer task cannot slip data in
             // between: bytes leave in the order they were sent.
@@ -306,7 +312,7 @@ impl PeerOut {
             backlog.messages = 0;
         }
         self.wake_writer.notify_one();
-        let _ = self.stream_shutdown();
+        self.shutdown_stream();
     }
 
     /// The writer task: empties the backlog whenever the socket can take more.
@@ -347,26 +353,22 @@ impl PeerOut {
         }
     }
 
-    fn stream_shutdown(&self) -> io::Result<()> {
+    /// Both directions closed; an error (already closed) changes nothing.
+    fn shutdown_stream(&self) {
         use std::os::fd::AsRawFd;
         // SAFETY: shutdown(2) on a descriptor this stream owns and keeps open; it only makes
         // the reader see end-of-file.
-        let rc = unsafe { libc::shutdown(self.stream.as_raw_fd(), libc::SHUT_RDWR) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        unsafe { libc::shutdown(self.stream.as_raw_fd(), libc::SHUT_RDWR) };
     }
 }
 
 async fn accept_loop(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
-    let connections = Arc::new(AtomicU64::new(0));
+    let mut connections: u64 = 0;
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let connection = connections.fetch_add(1, Ordering::Relaxed) + 1;
-                tokio::spawn(serve_peer(stream, connection, events.clone()));
+                connections += 1;
+                tokio::spawn(serve_peer(stream, connections, events.clone()));
             }
             Err(error) => {
                 // EMFILE and the like: wait instead of spinning; the listener stays.
@@ -384,9 +386,11 @@ async fn accept_loop(listener: UnixListener, events: mpsc::UnboundedSender<Event
 async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::UnboundedSender<Event>) {
     let stream = Arc::new(stream);
     let mut reader = FrameReader::default();
+    // Frames read with READY stay here and are delivered first.
+    let mut frames = VecDeque::new();
     let identity = match tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        handshake(&stream, &mut reader, connection),
+        handshake(&stream, &mut reader, &mut frames, connection),
     )
     .await
     {
@@ -411,9 +415,9 @@ async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::Unbounded
         connection,
         out: out.clone(),
     };
+    let shared_identity = Bytes::from(identity.clone());
     if events.send(joined).is_ok() {
         let mut message: Vec<Bytes> = Vec::with_capacity(4);
-        let mut frames = VecDeque::new();
         // What came with READY is parsed before anything more is read.
         loop {
             let ok = reader.frames(&mut frames);
@@ -428,7 +432,7 @@ async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::Unbounded
                 message.push(body);
                 if flags & FLAG_MORE == 0 {
                     let delivery = Event::Message(Message {
-                        identity: identity.clone(),
+                        identity: shared_identity.clone(),
                         frames: std::mem::replace(&mut message, Vec::with_capacity(4)),
                         connection,
                     });
@@ -471,6 +475,7 @@ async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::Unbounded
 async fn handshake(
     stream: &UnixStream,
     reader: &mut FrameReader,
+    frames: &mut VecDeque<(u8, Bytes)>,
     connection: u64,
 ) -> io::Result<Vec<u8>> {
     let mut ours = BytesMut::with_capacity(128);
@@ -486,9 +491,8 @@ async fn handshake(
     }
     let theirs = reader.buffer.split_to(GREETING_LEN);
     check_greeting(&theirs)?;
-    let mut frames = VecDeque::new();
     let body = loop {
-        if !reader.frames(&mut frames) {
+        if !reader.frames(frames) {
             return Err(invalid("a frame too large"));
         }
         if let Some((flags, body)) = frames.pop_front() {
@@ -517,13 +521,6 @@ async fn handshake(
         .map(|(_, value)| value)
         .filter(|value| !value.is_empty() && value[0] != 0)
         .unwrap_or_else(|| made_up_identity(connection));
-    // Frames that came with READY are the first messages; put them back.
-    let mut rest = BytesMut::new();
-    for (flags, body) in frames {
-        put_frame(&mut rest, flags, &body);
-    }
-    rest.unsplit(reader.buffer.split());
-    reader.buffer = rest;
     Ok(identity)
 }
 

@@ -133,7 +133,7 @@ fn a_libzmq_dealer_and_the_router_exchange_multipart_messages_of_every_size() {
     let sent = vec![b"head".to_vec(), Vec::new(), vec![7u8; 300], big.clone()];
     worker.send_multipart(sent.clone(), 0).unwrap();
     let message = fixture.recv();
-    assert_eq!(message.identity, b"cpu-0:41");
+    assert_eq!(message.identity, b"cpu-0:41"[..]);
     assert_eq!(frames_of(&message), sent);
 
     let reply: [&[u8]; 3] = [b"answer", &big, b""];
@@ -187,7 +187,7 @@ fn sending_to_an_unknown_or_departed_peer_fails_at_once() {
     let context = zmq::Context::new();
     let worker = dealer(&context, &fixture.endpoint(), Some(b"cpu-1:7"));
     worker.send("hi", 0).unwrap();
-    assert_eq!(fixture.recv().identity, b"cpu-1:7");
+    assert_eq!(fixture.recv().identity, b"cpu-1:7"[..]);
     fixture.send_now(b"cpu-1:7", &[b"x"]).unwrap();
     drop(worker); // its connection closes (kill -9 looks the same to the front door)
     match fixture.next() {
@@ -307,7 +307,7 @@ fn a_stalled_peer_takes_sends_up_to_the_high_water_mark_and_loses_none() {
     let mut fixture = Fixture::new();
     let mut peer = RawPeer::handshake(&fixture.path, b"slow");
     peer.send_frame(0, b"here");
-    assert_eq!(fixture.recv().identity, b"slow");
+    assert_eq!(fixture.recv().identity, b"slow"[..]);
     // The peer reads nothing: the kernel's buffer fills, then the backlog, then sends fail.
     let body = vec![0xAB_u8; 1000];
     let mut accepted = 0u32;
