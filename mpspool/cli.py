@@ -393,12 +393,16 @@ def build_parser() -> argparse.ArgumentParser:
         "timeline",
         help="print the worker-side span of each recently answered request (JSON)",
         description='Prints {"now_us", "spans": [[slot, start_us, end_us], ...], '
-        '"dropped"}: when each worker started and finished the model call of each request '
-        "answered since the last --clear (wall clock, microseconds; the most recent 200,000).",
+        '"dropped", "queue_wait_max_us"}: when each worker started and finished the model '
+        "call of each request answered since the last --clear (wall clock, microseconds; the "
+        "most recent 200,000), and the longest any request waited in the front door's queue "
+        "since then.",
     )
     _add_run_dir(timeline)
     timeline.add_argument(
-        "--clear", action="store_true", help="forget the spans after printing them"
+        "--clear",
+        action="store_true",
+        help="forget the spans and the longest wait after printing them",
     )
 
     demo = sub.add_parser("demo-model", help="write the demo SavedModel (TF Serving layout)")

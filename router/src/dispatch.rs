@@ -646,8 +646,9 @@ impl Actor {
             match self.gather(id, head, now) {
                 Gathered::Send { members, padded } => {
                     for (_, member) in &members {
-                        self.state
-                            .note_queue_wait(now.saturating_duration_since(member.arrived));
+                        let waited = now.saturating_duration_since(member.arrived);
+                        self.state.note_queue_wait(waited);
+                        self.timeline.note_queue_wait(waited);
                     }
                     self.transmit(identity, members, padded);
                 }

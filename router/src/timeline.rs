@@ -3,7 +3,9 @@
 //! Workers stamp each reply with the wall-clock microseconds their model call started and
 //! ended; the front door keeps the most recent ones so a load test can draw per-worker task
 //! density (`mpspool timeline`), taken and cleared over the control channel, never on the
-//! request path beyond one push.
+//! request path beyond one push. Beside the spans, the longest any request waited in the front
+//! door's queue since the last clear: a load test clears before its measured window, so this
+//! is that window's, where the `mpspool_queue_wait_max_seconds` gauge counts since start.
 
 use std::collections::VecDeque;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -16,6 +18,8 @@ pub struct Timeline {
     capacity: usize,
     /// Spans pushed out by newer ones since the last take(clear).
     pub dropped: u64,
+    /// The longest wait in the front door's queue since the last take(clear), µs.
+    queue_wait_max_us: u64,
 }
 
 impl Timeline {
@@ -24,7 +28,14 @@ impl Timeline {
             spans: VecDeque::new(),
             capacity,
             dropped: 0,
+            queue_wait_max_us: 0,
         }
+    }
+
+    /// A request left the front door's queue after waiting `waited`.
+    pub fn note_queue_wait(&mut self, waited: std::time::Duration) {
+        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        self.queue_wait_max_us = self.queue_wait_max_us.max(micros);
     }
 
     pub fn record(&mut self, slot: &str, start_us: i64, end_us: i64) {
@@ -38,8 +49,8 @@ impl Timeline {
         self.spans.push_back((slot.to_string(), start_us, end_us));
     }
 
-    /// `{now_us, spans: [[slot, start, end], ...], dropped}`, oldest first; with `clear`,
-    /// forget them afterwards.
+    /// `{now_us, spans: [[slot, start, end], ...], dropped, queue_wait_max_us}`, spans oldest
+    /// first; with `clear`, forget them (and the longest wait) afterwards.
     pub fn take(&mut self, clear: bool) -> Vec<(&'static str, rmpv::Value)> {
         let now_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -60,10 +71,15 @@ impl Timeline {
             ("now_us", rmpv::Value::from(now_us)),
             ("spans", rmpv::Value::Array(spans)),
             ("dropped", rmpv::Value::from(self.dropped)),
+            (
+                "queue_wait_max_us",
+                rmpv::Value::from(self.queue_wait_max_us),
+            ),
         ];
         if clear {
             self.spans.clear();
             self.dropped = 0;
+            self.queue_wait_max_us = 0;
         }
         taken
     }
@@ -116,6 +132,17 @@ mod tests {
         assert_eq!(starts, [2, 3, 4]);
         assert_eq!(taken["dropped"], 2);
         assert_eq!(json(t.take(false))["dropped"], 0);
+    }
+
+    #[test]
+    fn the_longest_queue_wait_is_the_one_since_the_last_clear() {
+        let mut t = Timeline::new(10);
+        assert_eq!(json(t.take(false))["queue_wait_max_us"], 0);
+        t.note_queue_wait(std::time::Duration::from_micros(70_000));
+        t.note_queue_wait(std::time::Duration::from_micros(3_000));
+        assert_eq!(json(t.take(true))["queue_wait_max_us"], 70_000);
+        t.note_queue_wait(std::time::Duration::from_micros(4_000));
+        assert_eq!(json(t.take(false))["queue_wait_max_us"], 4_000);
     }
 
     #[test]
