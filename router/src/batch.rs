@@ -211,6 +211,7 @@ mod tests {
         }
         WorkRequest {
             target: crate::versions::Target {
+                model: 0,
                 version: 1,
                 pinned: false,
             },

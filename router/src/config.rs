@@ -12,10 +12,23 @@ use crate::policies::Scheduling;
 
 pub const POOL_FILE: &str = "pool.json";
 
+/// One model of a pool that serves several (`models` in pool.json).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct ModelEntry {
+    pub name: String,
+    /// The version it serves until the controller lists versions.
+    pub version: i64,
+}
+
 #[derive(Clone, Debug, Deserialize)]
 pub struct Config {
+    /// The pool's model (the first, when `models` lists several).
     pub model_name: String,
     pub model_version: i64,
+    /// Every model the pool serves, in order (a model's place is its id); absent or empty:
+    /// the one model of `model_name` and `model_version`.
+    #[serde(default)]
+    pub models: Vec<ModelEntry>,
     pub run_dir: String,
     #[serde(default = "default_host")]
     pub host: String,
@@ -151,6 +164,17 @@ pub fn seconds(name: &str, value: f64) -> Result<Duration, ConfigError> {
 }
 
 impl Config {
+    /// The models the front door serves, in order: `models`, or the one model.
+    pub fn served_models(&self) -> Vec<ModelEntry> {
+        if self.models.is_empty() {
+            return vec![ModelEntry {
+                name: self.model_name.clone(),
+                version: self.model_version,
+            }];
+        }
+        self.models.clone()
+    }
+
     /// The scheduling settings. The queue order and batching only apply to requests that
     /// wait in the front door, so without a `worker_inflight` limit both get a limit of 1:
     /// every request that is not computing waits here, where it can be ordered or merged
@@ -210,6 +234,15 @@ impl Config {
         }
         seconds("aging_bound_ms", config.aging_bound_ms / 1000.0)?;
         config.scheduling().check().map_err(ConfigError::Invalid)?;
+        let models = config.served_models();
+        for (i, model) in models.iter().enumerate() {
+            if model.name.is_empty() || models[..i].iter().any(|m| m.name == model.name) {
+                return Err(ConfigError::Invalid(format!(
+                    "models: each needs a name of its own, not {:?}",
+                    model.name
+                )));
+            }
+        }
         Ok(config)
     }
 }
@@ -267,5 +300,32 @@ mod tests {
             r#"{"model_name": "m", "model_version": 1, "run_dir": "/r", "dispatch": "random"}"#;
         assert!(Config::parse(bad).is_err());
         assert!(Config::parse("{").is_err());
+    }
+
+    #[test]
+    fn several_models_are_listed_in_order_and_each_named_once() {
+        let base = r#""model_name": "wdl", "model_version": 3, "run_dir": "/r""#;
+        let one = Config::parse(&format!("{{{base}}}")).unwrap();
+        let wdl = ModelEntry {
+            name: "wdl".to_string(),
+            version: 3,
+        };
+        assert_eq!(one.served_models(), std::slice::from_ref(&wdl));
+        let two = Config::parse(&format!(
+            r#"{{{base}, "models": [{{"name": "wdl", "version": 3}},
+                {{"name": "ranker", "version": 1}}]}}"#
+        ))
+        .unwrap();
+        let ranker = ModelEntry {
+            name: "ranker".to_string(),
+            version: 1,
+        };
+        assert_eq!(two.served_models(), [wdl, ranker]);
+        let twice = Config::parse(&format!(
+            r#"{{{base}, "models": [{{"name": "wdl", "version": 3}},
+                {{"name": "wdl", "version": 1}}]}}"#
+        ))
+        .unwrap_err();
+        assert!(twice.to_string().contains("a name of its own"), "{twice}");
     }
 }

@@ -7,7 +7,8 @@
 //! (the controller saw a worker's process exit), `timeline` (`mpspool timeline`), `drain`
 //! (start a graceful stop; the server performs it), `gpus` (the controller's NVML samples of
 //! each GPU, exported as metrics), `versions` (the model's versions with their states and
-//! errors, and its labels: where requests go from now on, and what GetModelStatus says),
+//! errors, and its labels: where requests go from now on, and what GetModelStatus says; a
+//! pool of several models names the one it means in `model`, the first by default),
 //! `reload_done` (the controller's answer to a HandleReloadConfigRequest the snapshot listed
 //! in `reload_requests`: `id`, `code`, `message`).
 
@@ -19,7 +20,7 @@ use rmpv::Value;
 
 use crate::state::{DrainRequest, GpuSample, RouterState};
 use crate::timeline::Timeline;
-use crate::versions::VersionTable;
+use crate::versions::{Models, VersionTable};
 use crate::wire;
 use crate::workers::{Departure, WorkerTable};
 
@@ -27,7 +28,7 @@ use crate::workers::{Departure, WorkerTable};
 pub struct Pool<'a, P> {
     pub table: &'a mut WorkerTable<P>,
     pub timeline: &'a mut Timeline,
-    pub versions: &'a tokio::sync::watch::Sender<Arc<VersionTable>>,
+    pub versions: &'a tokio::sync::watch::Sender<Arc<Models>>,
     pub state: &'a RouterState,
     pub now: Instant,
 }
@@ -159,10 +160,24 @@ fn op<P>(
             let Some(Value::Array(listed)) = field(request, "versions") else {
                 return error("versions needs a list of {version, state, error}".to_string());
             };
-            let model = pool.versions.borrow().model.clone();
-            match VersionTable::from_control(&model, listed, field(request, "labels")) {
+            let models = pool.versions.borrow().clone();
+            let named = match field(request, "model") {
+                None | Some(Value::Nil) => models.iter().next(),
+                Some(name) => name.as_str().and_then(|name| models.named(name)),
+            };
+            let Some(current) = named else {
+                let served: Vec<&str> = models.iter().map(|t| t.model.as_str()).collect();
+                return error(format!(
+                    "versions names a model this pool does not serve (it serves {})",
+                    served.join(", ")
+                ));
+            };
+            let labels = field(request, "labels");
+            match VersionTable::from_control(current.id, &current.model, listed, labels) {
                 Ok(table) => {
-                    pool.versions.send_replace(Arc::new(table));
+                    let mut models = Models::clone(&models);
+                    models.replace(table);
+                    pool.versions.send_replace(Arc::new(models));
                     vec![("ok", Value::from(true))]
                 }
                 Err(message) => error(message),
@@ -209,13 +224,19 @@ fn gpu_sample(value: &Value) -> Option<GpuSample> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::versions::Servable;
+
+    const V1: Servable = Servable {
+        model: 0,
+        version: 1,
+    };
 
     /// What the ops work on, owned; `pool` lends it out as the server does.
     struct Fixture {
         state: RouterState,
         table: WorkerTable<u32>,
         timeline: Timeline,
-        versions: tokio::sync::watch::Sender<Arc<VersionTable>>,
+        versions: tokio::sync::watch::Sender<Arc<Models>>,
     }
 
     impl Fixture {
@@ -225,8 +246,9 @@ mod tests {
                 Duration::from_secs(3),
                 crate::policies::chooser("round-robin").expect("known"),
             );
-            let (versions, _) =
-                tokio::sync::watch::channel(Arc::new(VersionTable::configured("demo", 1)));
+            let configured = [("demo".to_string(), 1), ("ranker".to_string(), 4)];
+            let models = Models::configured(&configured).expect("two models");
+            let (versions, _) = tokio::sync::watch::channel(Arc::new(models));
             let timeline = Timeline::new(10);
             let fixture = Fixture {
                 state,
@@ -260,7 +282,7 @@ mod tests {
         let now = Instant::now();
         fixture
             .table
-            .register(b"cpu-0:10", "cpu-0", 10, 1, Value::Nil, now);
+            .register(b"cpu-0:10", "cpu-0", 10, V1, Value::Nil, now);
         let mut pool = fixture.pool(now);
 
         let gpus = ask(
@@ -295,9 +317,33 @@ mod tests {
                 "labels": {"canary": 2}}),
         );
         assert_eq!(listed["ok"], true);
-        let table = pool.versions.borrow().clone();
+        let models = pool.versions.borrow().clone();
+        let table = models.get(0).unwrap();
         assert_eq!((table.model.as_str(), table.latest()), ("demo", Some(2)));
         assert_eq!(table.labels.get("canary"), Some(&2));
+        assert_eq!(
+            models.get(1).unwrap().latest(),
+            Some(4),
+            "no model named: the first"
+        );
+        let ranker = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "versions", "n": 13, "model": "ranker",
+                "versions": [{"version": 5, "state": "AVAILABLE"}]}),
+        );
+        assert_eq!(ranker["ok"], true);
+        let models = pool.versions.borrow().clone();
+        assert_eq!(models.get(1).unwrap().latest(), Some(5));
+        assert_eq!(models.get(0).unwrap().latest(), Some(2));
+        let unknown = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "versions", "n": 14, "model": "nope",
+                "versions": [{"version": 5, "state": "AVAILABLE"}]}),
+        );
+        assert_eq!(
+            unknown["error"],
+            "versions names a model this pool does not serve (it serves demo, ranker)"
+        );
         let bad = ask(
             &mut pool,
             serde_json::json!({"v": 1, "op": "versions", "n": 12, "versions": [{"version": 1}]}),
@@ -307,7 +353,7 @@ mod tests {
             .unwrap()
             .contains("needs version and state"));
         assert_eq!(
-            pool.versions.borrow().latest(),
+            pool.versions.borrow().get(0).unwrap().latest(),
             Some(2),
             "a bad table changes nothing"
         );

@@ -28,7 +28,7 @@ use crate::split;
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::timeline::{Timeline, DEFAULT_CAPACITY};
-use crate::versions::{Target, VersionTable};
+use crate::versions::{ModelId, Models, Servable, Target};
 use crate::wire::{self, TensorMeta, WorkerMessage};
 use crate::workers::{Departure, WorkerTable};
 use crate::zmtp::{self, RouterSocket, SendError};
@@ -124,7 +124,7 @@ pub struct Dispatcher {
     commands: mpsc::UnboundedSender<Command>,
     ids: Arc<AtomicU64>,
     signatures: watch::Receiver<Signatures>,
-    versions: watch::Receiver<Arc<VersionTable>>,
+    versions: watch::Receiver<Arc<Models>>,
     routable: watch::Receiver<Routable>,
     ready: watch::Receiver<usize>,
     copied: watch::Receiver<std::collections::BTreeMap<String, u64>>,
@@ -135,34 +135,39 @@ pub struct Dispatcher {
     split_rows: u64,
 }
 
-/// The served model, as the configuration names it: READY from anything else is not learned.
+/// A served model, as the configuration names it: READY from any other is not learned.
 /// `version` is the one served until the controller lists versions (`VersionTable`).
 pub struct ServedModel {
     pub name: String,
     pub version: i64,
 }
 
-/// Each version's signatures, as its workers reported them in READY.
-pub type Signatures = std::collections::BTreeMap<i64, Arc<ModelSignatures>>;
+/// Each servable's signatures, as its workers reported them in READY.
+pub type Signatures = std::collections::BTreeMap<Servable, Arc<ModelSignatures>>;
 
-/// Which versions a request can be sent to now: routable workers per version, and the
-/// latest AVAILABLE version (where requests that named none go).
+/// Which servables a request can be sent to now: routable workers per model version, and
+/// each model's latest AVAILABLE version (where requests that named none go).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Routable {
-    pub by_version: std::collections::BTreeMap<i64, usize>,
-    pub latest: Option<i64>,
+    pub by_servable: std::collections::BTreeMap<Servable, usize>,
+    pub latest: std::collections::BTreeMap<ModelId, i64>,
 }
 
 impl Routable {
-    /// The version a request goes to now: its own while that has a worker; one that named
-    /// no version moves to the latest if its own has none left (it retired). None: no
+    /// Where a request goes now: its own version while that has a worker; one that named no
+    /// version moves to its model's latest if its own has none left (it retired). None: no
     /// worker can take it.
-    pub fn route(&self, target: Target) -> Option<i64> {
-        let has = |v: i64| self.by_version.get(&v).is_some_and(|n| *n > 0);
-        if has(target.version) {
-            return Some(target.version);
+    pub fn route(&self, target: Target) -> Option<Servable> {
+        let at = |version: i64| Servable {
+            model: target.model,
+            version,
+        };
+        let has = |s: &Servable| self.by_servable.get(s).is_some_and(|n| *n > 0);
+        if has(&target.servable()) {
+            return Some(target.servable());
         }
-        self.latest.filter(|l| !target.pinned && has(*l))
+        let latest = self.latest.get(&target.model).map(|v| at(*v));
+        latest.filter(|l| !target.pinned && has(l))
     }
 }
 
@@ -170,7 +175,7 @@ impl Dispatcher {
     /// Bind the sockets in `run_dir` and start the actor on the current runtime.
     pub fn start(
         run_dir: &str,
-        model: ServedModel,
+        models: &[ServedModel],
         worker_timeout: Duration,
         scheduling: &Scheduling,
         state: Arc<RouterState>,
@@ -199,8 +204,16 @@ impl Dispatcher {
             })?;
         let (commands, commands_rx) = mpsc::unbounded_channel();
         let (signatures_tx, signatures) = watch::channel(Signatures::new());
-        let table = VersionTable::configured(&model.name, model.version);
-        let (versions_tx, versions) = watch::channel(Arc::new(table));
+        let configured: Vec<(String, i64)> =
+            models.iter().map(|m| (m.name.clone(), m.version)).collect();
+        let Some(tables) = Models::configured(&configured) else {
+            return Err(DispatchError::Scheduling(format!(
+                "a pool serves 1 to {} models, not {}",
+                ModelId::MAX,
+                models.len()
+            )));
+        };
+        let (versions_tx, versions) = watch::channel(Arc::new(tables));
         let (routable_tx, routable) = watch::channel(Routable::default());
         let (ready_tx, ready) = watch::channel(0);
         let (copied_tx, copied) = watch::channel(Default::default());
@@ -218,7 +231,6 @@ impl Dispatcher {
             next_batch_id: FIRST_BATCH_ID,
             wake_at: None,
             timeline: Timeline::new(DEFAULT_CAPACITY),
-            model,
             signatures: signatures_tx,
             versions: versions_tx,
             routable: routable_tx,
@@ -246,8 +258,8 @@ impl Dispatcher {
         self.signatures.clone()
     }
 
-    /// The served model's versions and labels (the controller's word).
-    pub fn versions(&self) -> Arc<VersionTable> {
+    /// The served models' versions and labels (the controller's word).
+    pub fn versions(&self) -> Arc<Models> {
         self.versions.borrow().clone()
     }
 
@@ -400,8 +412,8 @@ struct Queued {
     request: Arc<WorkRequest>,
     answer: oneshot::Sender<Outcome>,
     arrived: std::time::Instant,
-    /// The version it goes to (its request's, or the latest if that one retired).
-    version: i64,
+    /// The model version it goes to (its request's, or the latest if that one retired).
+    servable: Servable,
     /// Expected compute µs (the queue order's input).
     cost: f64,
     /// What must match for it to share a call (batching only), taken once on arrival. None:
@@ -483,9 +495,8 @@ struct Actor {
     /// When a batch waiting to fill must leave (`batch_timeout_micros`).
     wake_at: Option<std::time::Instant>,
     timeline: Timeline,
-    model: ServedModel,
     signatures: watch::Sender<Signatures>,
-    versions: watch::Sender<Arc<VersionTable>>,
+    versions: watch::Sender<Arc<Models>>,
     routable: watch::Sender<Routable>,
     ready: watch::Sender<usize>,
     copied: watch::Sender<std::collections::BTreeMap<String, u64>>,
@@ -574,7 +585,7 @@ impl Actor {
         answer: oneshot::Sender<Outcome>,
         arrived: std::time::Instant,
     ) {
-        let Some(version) = self.routable.borrow().route(request.target) else {
+        let Some(servable) = self.routable.borrow().route(request.target) else {
             let _ = answer.send(Outcome::NoWorker);
             return;
         };
@@ -586,7 +597,9 @@ impl Actor {
                 return;
             }
         }
-        let cost = self.costs.estimate(&request.signature, rows);
+        let cost = self
+            .costs
+            .estimate(request.target.model, &request.signature, rows);
         let merge_key = match &self.batching {
             Some(batching) if rows <= batching.max_batch_size => {
                 batch::merge_key(&request).map(|(key, _)| key)
@@ -597,7 +610,7 @@ impl Actor {
             request,
             answer,
             arrived,
-            version,
+            servable,
             cost,
             merge_key,
         };
@@ -625,22 +638,24 @@ impl Actor {
 
     /// Send waiting requests, in the queue's order, while some worker has room.
     fn pump(&mut self) {
+        // Requests whose own model version has no worker with room: they keep their place
+        // (arrival and cost) and go back when this round ends, while requests for other
+        // models (or versions) behind them go on to their own workers.
+        let mut held: Vec<(u64, Queued)> = Vec::new();
         // Every worker full (the common case under load): leave the queue as it is.
         while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
             let now = std::time::Instant::now();
             let Some((id, mut head)) = self.queue_pop(now) else {
                 break;
             };
-            let Some(version) = self.routable.borrow().route(head.request.target) else {
+            let Some(servable) = self.routable.borrow().route(head.request.target) else {
                 let _ = head.answer.send(Outcome::NoWorker); // its caller waits for one
                 continue;
             };
-            head.version = version;
-            let Some(handle) = self.table.pick(self.worker_inflight, version) else {
-                // Its version's workers are all full. Requests for other versions wait
-                // behind it: two versions serve at once only while one replaces the other.
-                self.queue_push(id, head);
-                break;
+            head.servable = servable;
+            let Some(handle) = self.table.pick(self.worker_inflight, servable) else {
+                held.push((id, head));
+                continue;
             };
             let identity = handle.identity.clone();
             match self.gather(id, head, now) {
@@ -657,6 +672,9 @@ impl Actor {
                     break;
                 }
             }
+        }
+        for (id, queued) in held {
+            self.queue_push(id, queued);
         }
         self.publish_queue();
     }
@@ -689,7 +707,7 @@ impl Actor {
                 break;
             };
             let fits = other.merge_key.is_some()
-                && other.version == members[0].1.version
+                && other.servable == members[0].1.servable
                 && other.merge_key == members[0].1.merge_key
                 && total + other.request.rows() <= max;
             if fits {
@@ -832,7 +850,7 @@ impl Actor {
     /// copied-weights gauge follow.
     fn publish_ready(&self) {
         let routable = Routable {
-            by_version: self.table.ready_by_version(),
+            by_servable: self.table.ready_by_servable(),
             latest: self.versions.borrow().latest(),
         };
         self.routable
@@ -903,7 +921,7 @@ impl Actor {
                 let Some(handle) = self.table.seen(&identity, now) else {
                     return;
                 };
-                let (slot, version) = (handle.slot.clone(), handle.version);
+                let (slot, servable) = (handle.slot.clone(), handle.servable);
                 self.requests.remove(&id);
                 let Some(pending) = self.table.resolve(&identity, id) else {
                     if let Some((start, end)) = t {
@@ -918,14 +936,16 @@ impl Actor {
                     }
                     let micros = end.saturating_sub(start) as f64;
                     let sent = &pending.sent;
-                    self.costs.observe(&sent.signature, sent.rows(), micros);
+                    let model = servable.model;
+                    self.costs
+                        .observe(model, &sent.signature, sent.rows(), micros);
                 }
                 frames.remove(0);
                 let reply = WorkReply {
                     tensors,
                     frames,
                     slot,
-                    version,
+                    version: servable.version,
                     span: t,
                 };
                 self.answer(pending, reply);
@@ -965,11 +985,16 @@ impl Actor {
                     log_warn!("READY from {slot} without its signatures: ignored");
                     return;
                 };
-                self.learn_signatures(&model, version, Bytes::copy_from_slice(signature_defs));
+                let Some(id) = self.versions.borrow().named(&model).map(|t| t.id) else {
+                    log_warn!("READY from {slot} for model {model:?}, not served here: ignored");
+                    return;
+                };
+                let servable = Servable { model: id, version };
+                self.learn_signatures(servable, Bytes::copy_from_slice(signature_defs));
                 let weights = weights.unwrap_or(rmpv::Value::Nil);
                 let joined = self
                     .table
-                    .register(&identity, &slot, pid, version, weights, now);
+                    .register(&identity, &slot, pid, servable, weights, now);
                 if let Some(departure) = joined {
                     self.departed(departure);
                 }
@@ -1046,14 +1071,11 @@ impl Actor {
         }
     }
 
-    fn learn_signatures(&mut self, model: &str, version: i64, signature_defs: Bytes) {
-        if model != self.model.name {
-            return;
-        }
+    fn learn_signatures(&mut self, servable: Servable, signature_defs: Bytes) {
         let known = self
             .signatures
             .borrow()
-            .get(&version)
+            .get(&servable)
             .map(|s| s.signature_defs.clone());
         if known.as_ref() == Some(&signature_defs) {
             return;
@@ -1061,10 +1083,12 @@ impl Actor {
         match signature::parse(signature_defs) {
             Ok(parsed) => {
                 self.signatures.send_modify(|all| {
-                    all.insert(version, Arc::new(parsed));
+                    all.insert(servable, Arc::new(parsed));
                 });
             }
-            Err(error) => log_warn!("undecodable signatures from a worker of {model}: {error}"),
+            Err(error) => {
+                log_warn!("undecodable signatures from a worker of {servable:?}: {error}")
+            }
         }
     }
 
@@ -1100,17 +1124,19 @@ impl Actor {
         }
     }
 
-    /// Signatures of versions the controller no longer lists and no worker serves.
+    /// Signatures of versions the controller no longer lists and no worker serves (of a
+    /// model the controller has spoken of: until then only the configured version is known).
     fn forget_retired_signatures(&mut self) {
-        let table = self.versions.borrow().clone();
-        if !table.from_controller {
-            return;
-        }
-        let table_lists = |v: &i64| table.versions.contains_key(v);
-        let served = self.table.ready_by_version();
+        let models = self.versions.borrow().clone();
+        let kept = |s: &Servable| {
+            models
+                .get(s.model)
+                .is_none_or(|t| !t.from_controller || t.versions.contains_key(&s.version))
+        };
+        let served = self.table.ready_by_servable();
         self.signatures.send_if_modified(|all| {
             let before = all.len();
-            all.retain(|v, _| table_lists(v) || served.contains_key(v));
+            all.retain(|s, _| kept(s) || served.contains_key(s));
             all.len() != before
         });
     }

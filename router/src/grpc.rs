@@ -34,9 +34,7 @@ use crate::server::Peer;
 use crate::signature::{self, ModelSignatures, SignatureSpec};
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
-use crate::versions::Target;
-#[cfg(test)]
-use crate::versions::VersionTable;
+use crate::versions::{ModelId, Servable, Target};
 
 /// Microseconds since the Unix epoch: the clock workers stamp their spans with.
 fn wall_micros() -> i64 {
@@ -49,7 +47,6 @@ pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.
 
 #[derive(Clone)]
 pub struct Api {
-    pub model: String,
     pub dispatcher: Dispatcher,
     pub metrics: Arc<Metrics>,
     /// Outputs in `tensor_content` (TF Serving's `--enable_serialization_as_tensor_content`)
@@ -68,24 +65,37 @@ impl Api {
         self.dispatcher.versions().resolve(spec)
     }
 
-    /// A version's signatures, as its workers reported them.
-    pub fn signatures(&self, version: i64) -> Result<Arc<ModelSignatures>, ServingError> {
-        self.dispatcher
-            .signatures()
-            .borrow()
-            .get(&version)
-            .cloned()
-            .ok_or_else(|| {
-                ServingError::new(
-                    Code::Unavailable,
-                    format!("model {} version {version} is still loading", self.model),
-                )
-            })
+    /// The name of a served model.
+    fn model_name(&self, model: ModelId) -> String {
+        let versions = self.dispatcher.versions();
+        versions
+            .get(model)
+            .map_or_else(String::new, |t| t.model.clone())
     }
 
-    fn served_spec(&self, version: i64, signature_name: &str) -> ModelSpec {
+    /// The signatures of a target's model version, as its workers reported them.
+    pub fn signatures(&self, target: Target) -> Result<Arc<ModelSignatures>, ServingError> {
+        let found = self
+            .dispatcher
+            .signatures()
+            .borrow()
+            .get(&target.servable())
+            .cloned();
+        found.ok_or_else(|| {
+            ServingError::new(
+                Code::Unavailable,
+                format!(
+                    "model {} version {} is still loading",
+                    self.model_name(target.model),
+                    target.version
+                ),
+            )
+        })
+    }
+
+    fn served_spec(&self, model: ModelId, version: i64, signature_name: &str) -> ModelSpec {
         ModelSpec {
-            name: self.model.clone(),
+            name: self.model_name(model),
             version_choice: Some(VersionChoice::Version(version)),
             signature_name: signature_name.to_string(),
         }
@@ -99,18 +109,24 @@ impl Api {
         api: TfApi,
     ) -> Result<WorkReply, ServingError> {
         let handed_us = wall_micros();
+        let model = work.target.model;
         let reply = self.dispatcher.call(work, deadline).await?;
         if let Some((start, end)) = reply.span {
             let queue = u64::try_from(start - handed_us).unwrap_or(0);
             let compute = u64::try_from(end - start).unwrap_or(0);
-            self.metrics.record_span(api, queue, compute);
+            self.metrics.record_span(model, api, queue, compute);
         }
         Ok(reply)
     }
 
-    /// Whether a request names the served model (and so is counted in TF Serving's metrics).
-    pub fn names_this_model(&self, spec: Option<&ModelSpec>) -> bool {
-        spec.is_some_and(|s| s.name == self.model)
+    /// The served model a request names, if any (such requests are counted in TF Serving's
+    /// metrics, under that model).
+    pub fn served_model(&self, name: &str) -> Option<ModelId> {
+        self.dispatcher.versions().named(name).map(|t| t.id)
+    }
+
+    fn model_of(&self, spec: Option<&ModelSpec>) -> Option<ModelId> {
+        spec.and_then(|s| self.served_model(&s.name))
     }
 
     /// A Predict, checked and run; its outputs in the typed fields unless `tensor_content`.
@@ -121,7 +137,7 @@ impl Api {
         tensor_content: bool,
     ) -> Result<PredictResponse, ServingError> {
         let target = self.resolve(request.model_spec.as_ref())?;
-        let signatures = self.signatures(target.version)?;
+        let signatures = self.signatures(target)?;
         let name = request
             .model_spec
             .as_ref()
@@ -154,7 +170,7 @@ impl Api {
         };
         let reply = self.run(work, deadline, TfApi::Predict).await?;
         let mut response = PredictResponse {
-            model_spec: Some(self.served_spec(reply.version, &spec.key)),
+            model_spec: Some(self.served_spec(target.model, reply.version, &spec.key)),
             ..PredictResponse::default()
         };
         let output_tensor = if tensor_content {
@@ -181,14 +197,14 @@ impl Api {
     ) -> Result<(WorkReply, usize, ModelSpec), ServingError> {
         let target = self.resolve(spec)?;
         let examples = inference::serialized_examples(input)?;
-        let signatures = self.signatures(target.version)?;
+        let signatures = self.signatures(target)?;
         let name = spec.map_or("", |s| s.signature_name.as_str());
         let (signature, outputs) =
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
         let reply = self
             .run_task(target, signature, outputs, &examples, task, deadline)
             .await?;
-        let served = self.served_spec(reply.version, &signature.key);
+        let served = self.served_spec(target.model, reply.version, &signature.key);
         Ok((reply, examples.len(), served))
     }
 
@@ -223,7 +239,9 @@ impl Api {
                 deadline,
             )
             .await?;
-        self.metrics.tf_serving.record_examples(n);
+        if let Some(model) = self.served_model(&spec.name) {
+            self.metrics.tf_serving.record_examples(model, n);
+        }
         Ok(ClassificationResponse {
             model_spec: Some(spec),
             result: Some(inference::classification_result(&reply, n)?),
@@ -243,7 +261,9 @@ impl Api {
                 deadline,
             )
             .await?;
-        self.metrics.tf_serving.record_examples(n);
+        if let Some(model) = self.served_model(&spec.name) {
+            self.metrics.tf_serving.record_examples(model, n);
+        }
         Ok(RegressionResponse {
             model_spec: Some(spec),
             result: Some(inference::regression_result(&reply, n)?),
@@ -308,7 +328,7 @@ impl Api {
             pinned: true,
             ..self.resolve(tasks[0].0)?
         };
-        let signatures = self.signatures(target.version)?;
+        let signatures = self.signatures(target)?;
         let mut plans = Vec::with_capacity(tasks.len());
         for (spec, kind) in tasks {
             self.resolve(spec)?;
@@ -342,10 +362,11 @@ impl Api {
                 ),
             };
             if response.results.is_empty() {
-                self.metrics.tf_serving.record_examples(n); // as TF Serving: once it ran
+                // As TF Serving: once it ran.
+                self.metrics.tf_serving.record_examples(target.model, n);
             }
             response.results.push(InferenceResult {
-                model_spec: Some(self.served_spec(reply.version, &signature.key)),
+                model_spec: Some(self.served_spec(target.model, reply.version, &signature.key)),
                 result: Some(result),
             });
         }
@@ -371,9 +392,9 @@ impl Api {
                 "Metadata field {other} is not supported"
             )));
         }
-        let signatures = self.signatures(target.version)?;
+        let signatures = self.signatures(target)?;
         let mut response = GetModelMetadataResponse {
-            model_spec: Some(self.served_spec(target.version, "")),
+            model_spec: Some(self.served_spec(target.model, target.version, "")),
             ..GetModelMetadataResponse::default()
         };
         response.metadata.insert(
@@ -392,7 +413,7 @@ impl Api {
     ) -> Result<GetModelStatusResponse, ServingError> {
         let signatures = self.dispatcher.signatures().borrow().clone();
         let ready = *self.dispatcher.ready_workers().borrow() > 0;
-        let up = |version: i64| ready && signatures.contains_key(&version);
+        let up = |servable: Servable| ready && signatures.contains_key(&servable);
         let model_version_status = self
             .dispatcher
             .versions()
@@ -447,8 +468,8 @@ impl PredictionService for Api {
         request: Request<PredictRequest>,
     ) -> Result<Response<PredictResponse>, Status> {
         let mut guard = self.metrics.start(Method::Predict);
-        if self.names_this_model(request.get_ref().model_spec.as_ref()) {
-            guard.tf_serving(TfApi::Predict, Entrypoint::Grpc);
+        if let Some(model) = self.model_of(request.get_ref().model_spec.as_ref()) {
+            guard.tf_serving(model, TfApi::Predict, Entrypoint::Grpc);
         }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
@@ -462,8 +483,8 @@ impl PredictionService for Api {
         request: Request<ClassificationRequest>,
     ) -> Result<Response<ClassificationResponse>, Status> {
         let mut guard = self.metrics.start(Method::Classify);
-        if self.names_this_model(request.get_ref().model_spec.as_ref()) {
-            guard.tf_serving(TfApi::Classify, Entrypoint::Grpc);
+        if let Some(model) = self.model_of(request.get_ref().model_spec.as_ref()) {
+            guard.tf_serving(model, TfApi::Classify, Entrypoint::Grpc);
         }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self.classify_checked(request.into_inner(), deadline).await;
@@ -475,8 +496,8 @@ impl PredictionService for Api {
         request: Request<RegressionRequest>,
     ) -> Result<Response<RegressionResponse>, Status> {
         let mut guard = self.metrics.start(Method::Regress);
-        if self.names_this_model(request.get_ref().model_spec.as_ref()) {
-            guard.tf_serving(TfApi::Regress, Entrypoint::Grpc);
+        if let Some(model) = self.model_of(request.get_ref().model_spec.as_ref()) {
+            guard.tf_serving(model, TfApi::Regress, Entrypoint::Grpc);
         }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self.regress_checked(request.into_inner(), deadline).await;
@@ -489,12 +510,14 @@ impl PredictionService for Api {
     ) -> Result<Response<MultiInferenceResponse>, Status> {
         let mut guard = self.metrics.start(Method::MultiInference);
         let tasks = &request.get_ref().tasks;
-        if !tasks.is_empty()
-            && tasks
-                .iter()
-                .all(|t| self.names_this_model(t.model_spec.as_ref()))
-        {
-            guard.tf_serving(TfApi::MultiInference, Entrypoint::Grpc);
+        let models: Option<Vec<ModelId>> = tasks
+            .iter()
+            .map(|t| self.model_of(t.model_spec.as_ref()))
+            .collect();
+        if let Some(&[model, ref rest @ ..]) = models.as_deref() {
+            if rest.iter().all(|m| *m == model) {
+                guard.tf_serving(model, TfApi::MultiInference, Entrypoint::Grpc);
+            }
         }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
@@ -563,6 +586,12 @@ impl ModelService for Api {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::versions::Models;
+
+    /// A pool serving version 3 of demo (and version 1 of another model), as configured.
+    fn models() -> Models {
+        Models::configured(&[("demo".to_string(), 3), ("other".to_string(), 1)]).unwrap()
+    }
 
     fn spec(name: &str, choice: Option<VersionChoice>) -> ModelSpec {
         ModelSpec {
@@ -572,12 +601,8 @@ mod tests {
         }
     }
 
-    /// A pool serving version 3 of demo, as configured (before the controller lists any).
     fn refusal(spec: Option<&ModelSpec>) -> Option<(Code, String)> {
-        VersionTable::configured("demo", 3)
-            .resolve(spec)
-            .err()
-            .map(|e| (e.code, e.message))
+        models().resolve(spec).err().map(|e| (e.code, e.message))
     }
 
     #[test]
@@ -630,7 +655,7 @@ mod tests {
     fn status_specs_are_checked_as_tf_serving_does() {
         use VersionChoice::{Version, VersionLabel};
         let refusal = |spec: Option<&ModelSpec>| {
-            VersionTable::configured("demo", 3)
+            models()
                 .status(spec, |_| true)
                 .err()
                 .map(|e| (e.code, e.message))

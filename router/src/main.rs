@@ -127,13 +127,17 @@ async fn serve(config: Config) -> ExitCode {
         return fail("pool.json holds a negative duration"); // Config::parse refuses these
     };
     let scheduling = config.scheduling();
-    let model = ServedModel {
-        name: config.model_name.clone(),
-        version: config.model_version,
-    };
+    let served = config.served_models();
+    let models: Vec<ServedModel> = served
+        .iter()
+        .map(|m| ServedModel {
+            name: m.name.clone(),
+            version: m.version,
+        })
+        .collect();
     let dispatcher = match Dispatcher::start(
         &config.run_dir,
-        model,
+        &models,
         worker_timeout,
         &scheduling,
         state.clone(),
@@ -155,8 +159,9 @@ async fn serve(config: Config) -> ExitCode {
         .map(|a| a.port())
         .unwrap_or(config.port);
     server::record_port(&state, port);
+    let names: Vec<String> = served.into_iter().map(|m| m.name).collect();
     let metrics = Arc::new(metrics::Metrics::new(
-        &config.model_name,
+        &names,
         dispatcher.ready_workers(),
         dispatcher.copied_weights(),
         state.clone(),
@@ -166,7 +171,6 @@ async fn serve(config: Config) -> ExitCode {
         state.metrics_port.store(bound, Ordering::Relaxed);
     }
     let api = grpc::Api {
-        model: config.model_name.clone(),
         dispatcher,
         metrics,
         tensor_content_outputs: config.serialize_as_tensor_content,

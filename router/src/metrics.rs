@@ -19,6 +19,7 @@ use crate::state::RouterState;
 use crate::status::Code;
 use crate::tfs_metrics::TfServingMetrics;
 pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
+use crate::versions::ModelId;
 use crate::{log_error, log_info};
 
 /// Small-batch inference lives between a fraction of a millisecond and a few hundred.
@@ -105,6 +106,8 @@ impl Histogram {
 }
 
 pub struct Metrics {
+    /// The `model` label of mpspool's own series: the pool's model (its models,
+    /// comma-separated, for a pool of several; TF Serving's series are per model).
     model: String,
     /// The same requests under TF Serving's names (served at its Prometheus path).
     pub tf_serving: TfServingMetrics,
@@ -127,8 +130,8 @@ pub struct InFlight<'a> {
     method: Method,
     started: std::time::Instant,
     code: Code,
-    /// Counted in TF Serving's metrics too (a request naming the served model).
-    tf_serving: Option<(TfApi, Entrypoint)>,
+    /// Counted in TF Serving's metrics too, under the served model it names.
+    tf_serving: Option<(ModelId, TfApi, Entrypoint)>,
 }
 
 impl InFlight<'_> {
@@ -136,9 +139,9 @@ impl InFlight<'_> {
         self.code = code;
     }
 
-    /// Count this request in TF Serving's metrics as `api` through `entrypoint`.
-    pub fn tf_serving(&mut self, api: TfApi, entrypoint: Entrypoint) {
-        self.tf_serving = Some((api, entrypoint));
+    /// Count this request in TF Serving's metrics as `model`'s `api` through `entrypoint`.
+    pub fn tf_serving(&mut self, model: ModelId, api: TfApi, entrypoint: Entrypoint) {
+        self.tf_serving = Some((model, api, entrypoint));
     }
 }
 
@@ -146,11 +149,11 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let took = self.started.elapsed();
         self.metrics.record(self.method, self.code, took);
-        if let Some((api, entrypoint)) = self.tf_serving {
+        if let Some((model, api, entrypoint)) = self.tf_serving {
             let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
             self.metrics
                 .tf_serving
-                .record_request(api, entrypoint, self.code, micros);
+                .record_request(model, api, entrypoint, self.code, micros);
         }
         self.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
     }
@@ -158,14 +161,14 @@ impl Drop for InFlight<'_> {
 
 impl Metrics {
     pub fn new(
-        model: &str,
+        models: &[String],
         ready: watch::Receiver<usize>,
         copied: watch::Receiver<BTreeMap<String, u64>>,
         state: Arc<RouterState>,
     ) -> Metrics {
         Metrics {
-            model: model.to_string(),
-            tf_serving: TfServingMetrics::new(model),
+            model: models.join(","),
+            tf_serving: TfServingMetrics::new(models),
             queue: Histogram::default(),
             compute: Histogram::default(),
             requests: Default::default(),
@@ -198,10 +201,10 @@ impl Metrics {
 
     /// A worker's span of one request: `queue_us` from hand-over to the start of its model
     /// call, `compute_us` the call (wall-clock microseconds, both clocks on this host).
-    pub fn record_span(&self, api: TfApi, queue_us: u64, compute_us: u64) {
+    pub fn record_span(&self, model: ModelId, api: TfApi, queue_us: u64, compute_us: u64) {
         self.queue.observe(Duration::from_micros(queue_us));
         self.compute.observe(Duration::from_micros(compute_us));
-        self.tf_serving.record_runtime(api, compute_us);
+        self.tf_serving.record_runtime(model, api, compute_us);
     }
 
     /// The Prometheus text exposition (labels in name order, as prometheus_client writes them).
@@ -385,7 +388,7 @@ mod tests {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(0usize);
         let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new("m", ready, copied, Arc::new(state));
+        let metrics = Metrics::new(&["m".to_string()], ready, copied, Arc::new(state));
         for ms in [0, 3, 3, 40, 9000] {
             metrics.record(Method::Predict, Code::Ok, Duration::from_millis(ms));
         }
@@ -431,7 +434,7 @@ mod tests {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(0usize);
         let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new("m\"x", ready, copied, Arc::new(state));
+        let metrics = Metrics::new(&["m\"x".to_string()], ready, copied, Arc::new(state));
         let request = metrics.start(Method::GetModelStatus);
         assert!(metrics
             .render()
@@ -457,7 +460,7 @@ mod tests {
         let (_tx, ready) = watch::channel(2usize);
         let copied = BTreeMap::from([("cpu-0".to_string(), 0u64), ("cpu-1".to_string(), 8)]);
         let (_copied_tx, copied) = watch::channel(copied);
-        let metrics = Metrics::new("demo", ready, copied, Arc::new(state));
+        let metrics = Metrics::new(&["demo".to_string()], ready, copied, Arc::new(state));
         {
             let mut request = metrics.start(Method::Predict);
             request.set_code(Code::Ok);

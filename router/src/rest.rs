@@ -323,13 +323,13 @@ impl Rest {
             _ => Method::Predict,
         };
         let mut guard = self.api.metrics.start(kind);
-        if model == self.api.model {
+        if let Some(served) = self.api.served_model(model) {
             let api = match kind {
                 Method::Classify => TfApi::Classify,
                 Method::Regress => TfApi::Regress,
                 _ => TfApi::Predict,
             };
-            guard.tf_serving(api, Entrypoint::Rest);
+            guard.tf_serving(served, api, Entrypoint::Rest);
         }
         let answer = match kind {
             Method::Classify => self.classify(model, version, body, deadline).await,
@@ -386,7 +386,7 @@ impl Rest {
         let parsed = json_tensor::parse_predict(body)?;
         let spec = model_spec(model, version, &parsed.signature_name);
         let target = self.api.resolve(Some(&spec))?;
-        let signatures = self.api.signatures(target.version)?;
+        let signatures = self.api.signatures(target)?;
         let key = if parsed.signature_name.is_empty() {
             DEFAULT_SIGNATURE
         } else {

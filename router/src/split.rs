@@ -217,6 +217,7 @@ mod tests {
         let s: Vec<Vec<u8>> = (0..5).map(|i| format!("row{i}").into_bytes()).collect();
         WorkRequest {
             target: crate::versions::Target {
+                model: 0,
                 version: 1,
                 pinned: false,
             },

@@ -12,8 +12,9 @@
 //!   tf.Examples per Classify/Regress/MultiInference.
 //!
 //! Histograms have TF Serving's buckets (×1.8 from 10 µs, 33 of them; ×2 from 1 example, 15).
-//! Only requests that name the served model are counted: a client cannot grow the label set
-//! by sending made-up names (TF Serving counts those under whatever name they carry).
+//! Only requests that name a served model are counted, each under its model: a client cannot
+//! grow the label set by sending made-up names (TF Serving counts those under whatever name
+//! they carry).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::json_tensor::format_g;
 use crate::metrics::escape;
 use crate::status::Code;
+use crate::versions::ModelId;
 
 /// The TF Serving APIs that are counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,8 +133,10 @@ fn latency_histogram() -> Exponential {
     Exponential::new(10.0, 1.8, 33)
 }
 
-pub struct TfServingMetrics {
-    model: String,
+/// One model's series.
+struct ModelSeries {
+    /// The model's name, escaped for a label value.
+    label: String,
     /// By status code number.
     request_count: [AtomicU64; 17],
     /// By API, then entrypoint.
@@ -142,10 +146,10 @@ pub struct TfServingMetrics {
     example_total: AtomicU64,
 }
 
-impl TfServingMetrics {
-    pub fn new(model: &str) -> TfServingMetrics {
-        TfServingMetrics {
-            model: model.to_string(),
+impl ModelSeries {
+    fn new(model: &str) -> ModelSeries {
+        ModelSeries {
+            label: escape(model),
             request_count: Default::default(),
             request_latency: APIS
                 .iter()
@@ -156,81 +160,124 @@ impl TfServingMetrics {
             example_total: AtomicU64::new(0),
         }
     }
+}
+
+/// Every served model's series, by `ModelId`; a family's lines for all models come under
+/// its one `# TYPE` line, as the exposition format requires.
+pub struct TfServingMetrics {
+    models: Vec<ModelSeries>,
+}
+
+impl TfServingMetrics {
+    pub fn new(models: &[String]) -> TfServingMetrics {
+        TfServingMetrics {
+            models: models.iter().map(|m| ModelSeries::new(m)).collect(),
+        }
+    }
+
+    fn of(&self, model: ModelId) -> Option<&ModelSeries> {
+        self.models.get(usize::from(model))
+    }
 
     /// A finished request: counted by status; its latency kept when it succeeded.
-    pub fn record_request(&self, api: Api, entrypoint: Entrypoint, code: Code, micros: u64) {
-        self.request_count[code as usize].fetch_add(1, Ordering::Relaxed);
+    pub fn record_request(
+        &self,
+        model: ModelId,
+        api: Api,
+        entrypoint: Entrypoint,
+        code: Code,
+        micros: u64,
+    ) {
+        let Some(series) = self.of(model) else { return };
+        series.request_count[code as usize].fetch_add(1, Ordering::Relaxed);
         if code == Code::Ok {
-            self.request_latency[api as usize][entrypoint as usize].observe(micros);
+            series.request_latency[api as usize][entrypoint as usize].observe(micros);
         }
     }
 
     /// One model call's duration on its worker.
-    pub fn record_runtime(&self, api: Api, micros: u64) {
-        self.runtime_latency[api as usize].observe(micros);
+    pub fn record_runtime(&self, model: ModelId, api: Api, micros: u64) {
+        if let Some(series) = self.of(model) {
+            series.runtime_latency[api as usize].observe(micros);
+        }
     }
 
     /// The number of tf.Examples of a Classify, Regress or MultiInference.
-    pub fn record_examples(&self, examples: usize) {
-        self.example_counts.observe(examples as u64);
-        self.example_total
-            .fetch_add(examples as u64, Ordering::Relaxed);
+    pub fn record_examples(&self, model: ModelId, examples: usize) {
+        if let Some(series) = self.of(model) {
+            series.example_counts.observe(examples as u64);
+            series
+                .example_total
+                .fetch_add(examples as u64, Ordering::Relaxed);
+        }
     }
 
     /// The page TF Serving serves at its Prometheus path.
     pub fn render(&self) -> String {
-        let model = escape(&self.model);
         let mut out = String::new();
         let name = ":tensorflow:serving:request_count";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for code in 0..17 {
-            let n = self.request_count[code].load(Ordering::Relaxed);
-            if n > 0 {
-                let status = Code::from_i32(code as i32).name();
-                let _ = writeln!(
-                    out,
-                    "{name}{{model_name=\"{model}\",status=\"{status}\"}} {n}"
-                );
+        for series in &self.models {
+            let model = &series.label;
+            for code in 0..17 {
+                let n = series.request_count[code].load(Ordering::Relaxed);
+                if n > 0 {
+                    let status = Code::from_i32(code as i32).name();
+                    let _ = writeln!(
+                        out,
+                        "{name}{{model_name=\"{model}\",status=\"{status}\"}} {n}"
+                    );
+                }
             }
         }
         let name = ":tensorflow:serving:request_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for api in APIS {
-            for entrypoint in ENTRYPOINTS {
-                let histogram = &self.request_latency[api as usize][entrypoint as usize];
-                if histogram.count() > 0 {
-                    let labels = format!(
-                        "model_name=\"{model}\",API=\"{}\",entrypoint=\"{}\"",
-                        api.label(entrypoint),
-                        entrypoint.label()
-                    );
-                    histogram.render(&mut out, name, &labels);
+        for series in &self.models {
+            for api in APIS {
+                for entrypoint in ENTRYPOINTS {
+                    let histogram = &series.request_latency[api as usize][entrypoint as usize];
+                    if histogram.count() > 0 {
+                        let labels = format!(
+                            "model_name=\"{}\",API=\"{}\",entrypoint=\"{}\"",
+                            series.label,
+                            api.label(entrypoint),
+                            entrypoint.label()
+                        );
+                        histogram.render(&mut out, name, &labels);
+                    }
                 }
             }
         }
         let name = ":tensorflow:serving:runtime_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for api in APIS {
-            let histogram = &self.runtime_latency[api as usize];
-            if histogram.count() > 0 {
-                let labels = format!(
-                    "model_name=\"{model}\",API=\"{}\",runtime=\"TF1\"",
-                    api.label(Entrypoint::Grpc)
-                );
-                histogram.render(&mut out, name, &labels);
+        for series in &self.models {
+            for api in APIS {
+                let histogram = &series.runtime_latency[api as usize];
+                if histogram.count() > 0 {
+                    let labels = format!(
+                        "model_name=\"{}\",API=\"{}\",runtime=\"TF1\"",
+                        series.label,
+                        api.label(Entrypoint::Grpc)
+                    );
+                    histogram.render(&mut out, name, &labels);
+                }
             }
         }
         let name = ":tensorflow:serving:request_example_counts";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        if self.example_counts.count() > 0 {
-            self.example_counts
-                .render(&mut out, name, &format!("model=\"{model}\""));
+        for series in &self.models {
+            if series.example_counts.count() > 0 {
+                let labels = format!("model=\"{}\"", series.label);
+                series.example_counts.render(&mut out, name, &labels);
+            }
         }
         let name = ":tensorflow:serving:request_example_count_total";
         let _ = writeln!(out, "# TYPE {name} counter");
-        let total = self.example_total.load(Ordering::Relaxed);
-        if total > 0 {
-            let _ = writeln!(out, "{name}{{model=\"{model}\"}} {total}");
+        for series in &self.models {
+            let total = series.example_total.load(Ordering::Relaxed);
+            if total > 0 {
+                let _ = writeln!(out, "{name}{{model=\"{}\"}} {total}", series.label);
+            }
         }
         out
     }
@@ -242,12 +289,12 @@ mod tests {
 
     #[test]
     fn pages_have_tf_servings_names_labels_and_buckets() {
-        let metrics = TfServingMetrics::new("de\"mo");
-        metrics.record_request(Api::Predict, Entrypoint::Grpc, Code::Ok, 10);
-        metrics.record_request(Api::Predict, Entrypoint::Grpc, Code::Ok, 250);
-        metrics.record_request(Api::Predict, Entrypoint::Rest, Code::InvalidArgument, 99);
-        metrics.record_runtime(Api::Classify, 20);
-        metrics.record_examples(3);
+        let metrics = TfServingMetrics::new(&["de\"mo".to_string()]);
+        metrics.record_request(0, Api::Predict, Entrypoint::Grpc, Code::Ok, 10);
+        metrics.record_request(0, Api::Predict, Entrypoint::Grpc, Code::Ok, 250);
+        metrics.record_request(0, Api::Predict, Entrypoint::Rest, Code::InvalidArgument, 99);
+        metrics.record_runtime(0, Api::Classify, 20);
+        metrics.record_examples(0, 3);
         let page = metrics.render();
         assert!(page.contains(
             ":tensorflow:serving:request_count{model_name=\"de\\\"mo\",status=\"OK\"} 2\n"
@@ -273,5 +320,30 @@ mod tests {
         assert!(page
             .contains(":tensorflow:serving:request_example_count_total{model=\"de\\\"mo\"} 3\n"));
         assert_eq!(page.matches("request_latency_bucket").count(), 34);
+    }
+
+    #[test]
+    fn each_model_counts_under_its_name_and_each_family_is_typed_once() {
+        let metrics = TfServingMetrics::new(&["wdl".to_string(), "ranker".to_string()]);
+        metrics.record_request(0, Api::Predict, Entrypoint::Grpc, Code::Ok, 100);
+        metrics.record_request(1, Api::Predict, Entrypoint::Grpc, Code::Ok, 100);
+        metrics.record_request(1, Api::Predict, Entrypoint::Grpc, Code::NotFound, 5);
+        metrics.record_request(7, Api::Predict, Entrypoint::Grpc, Code::Ok, 5); // no such model
+        let page = metrics.render();
+        let count = ":tensorflow:serving:request_count";
+        assert!(page.contains(&format!("{count}{{model_name=\"wdl\",status=\"OK\"}} 1\n")));
+        assert!(page.contains(&format!(
+            "{count}{{model_name=\"ranker\",status=\"OK\"}} 1\n"
+        )));
+        assert!(page.contains(&format!(
+            "{count}{{model_name=\"ranker\",status=\"NOT_FOUND\"}} 1\n"
+        )));
+        assert_eq!(page.matches(&format!("# TYPE {count} counter")).count(), 1);
+        assert_eq!(
+            page.matches("# TYPE :tensorflow:serving:request_latency ")
+                .count(),
+            1
+        );
+        assert_eq!(page.matches("request_latency_count{").count(), 2);
     }
 }

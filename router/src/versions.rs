@@ -9,6 +9,10 @@
 //! Until the controller says anything (`versions` on the control channel), the table holds
 //! the version the pool was configured with, AVAILABLE: the pool as it was before versions
 //! could change.
+//!
+//! A pool may serve several models (`Models`): one table each, a request goes to the one its
+//! spec names. Each model has a `ModelId`, its place in the configuration's list, so that a
+//! request's target and a worker's servable stay small `Copy` values on the request path.
 
 use std::collections::BTreeMap;
 
@@ -57,16 +61,38 @@ pub struct VersionEntry {
     pub error: String,
 }
 
-/// Where a request goes: a version, and whether the client named it. A request that did not
-/// name one may move to the newest version if its own retires before it is sent.
+/// A model's place in the pool's list of models (pool.json's `models`, in order).
+pub type ModelId = u16;
+
+/// One version of one model: what a group of workers serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Servable {
+    pub model: ModelId,
+    pub version: i64,
+}
+
+/// Where a request goes: a model's version, and whether the client named the version. A
+/// request that did not name one may move to the newest version of its model if its own
+/// retires before it is sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Target {
+    pub model: ModelId,
     pub version: i64,
     pub pinned: bool,
 }
 
+impl Target {
+    pub fn servable(self) -> Servable {
+        Servable {
+            model: self.model,
+            version: self.version,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct VersionTable {
+    pub id: ModelId,
     pub model: String,
     pub versions: BTreeMap<i64, VersionEntry>,
     pub labels: BTreeMap<String, i64>,
@@ -75,12 +101,13 @@ pub struct VersionTable {
 }
 
 impl VersionTable {
-    pub fn configured(model: &str, version: i64) -> VersionTable {
+    pub fn configured(id: ModelId, model: &str, version: i64) -> VersionTable {
         let available = VersionEntry {
             state: VersionState::Available,
             error: String::new(),
         };
         VersionTable {
+            id,
             model: model.to_string(),
             versions: BTreeMap::from([(version, available)]),
             labels: BTreeMap::new(),
@@ -123,6 +150,7 @@ impl VersionTable {
                     return Err(specific(*v));
                 }
                 Ok(Target {
+                    model: self.id,
                     version: *v,
                     pinned: true,
                 })
@@ -136,6 +164,7 @@ impl VersionTable {
                     return Err(specific(version));
                 }
                 Ok(Target {
+                    model: self.id,
                     version,
                     pinned: true,
                 })
@@ -144,6 +173,7 @@ impl VersionTable {
                 let latest = self.latest().filter(|_| spec.name == self.model);
                 let version = latest.ok_or_else(|| not_found(format!("Latest({})", spec.name)))?;
                 Ok(Target {
+                    model: self.id,
                     version,
                     pinned: false,
                 })
@@ -225,11 +255,13 @@ impl VersionTable {
     /// The table the controller sent: `versions` a list of {version, state, error}, `labels`
     /// a map of label → version; a label must name a listed version.
     pub fn from_control(
+        id: ModelId,
         model: &str,
         versions: &[rmpv::Value],
         labels: Option<&rmpv::Value>,
     ) -> Result<VersionTable, String> {
         let mut table = VersionTable {
+            id,
             model: model.to_string(),
             versions: BTreeMap::new(),
             labels: BTreeMap::new(),
@@ -281,6 +313,93 @@ impl VersionTable {
     }
 }
 
+/// Every model the pool serves, each with its version table; never empty (the configuration
+/// lists at least one model).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Models {
+    tables: Vec<VersionTable>,
+}
+
+impl Models {
+    /// The configured models, in order (a model's index is its `ModelId`), each at the
+    /// version it was configured with. None when the list is empty or longer than `ModelId`
+    /// counts.
+    pub fn configured(models: &[(String, i64)]) -> Option<Models> {
+        if models.is_empty() {
+            return None;
+        }
+        let tables = models
+            .iter()
+            .enumerate()
+            .map(|(id, (name, version))| {
+                ModelId::try_from(id)
+                    .ok()
+                    .map(|id| VersionTable::configured(id, name, *version))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Models { tables })
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &VersionTable> {
+        self.tables.iter()
+    }
+
+    pub fn get(&self, id: ModelId) -> Option<&VersionTable> {
+        self.tables.get(usize::from(id))
+    }
+
+    pub fn named(&self, name: &str) -> Option<&VersionTable> {
+        self.tables.iter().find(|t| t.model == name)
+    }
+
+    /// The table a spec is answered from: its model's, or — for a name the pool does not
+    /// serve — the first one, whose own rules then say NOT_FOUND in TF Serving's words.
+    fn for_spec(&self, spec: Option<&ModelSpec>) -> &VersionTable {
+        spec.and_then(|s| self.named(&s.name))
+            .unwrap_or(&self.tables[0])
+    }
+
+    /// `VersionTable::resolve` on the model the spec names.
+    pub fn resolve(&self, spec: Option<&ModelSpec>) -> Result<Target, ServingError> {
+        self.for_spec(spec).resolve(spec)
+    }
+
+    /// `VersionTable::status` on the model the spec names; `up` is asked per servable.
+    pub fn status(
+        &self,
+        spec: Option<&ModelSpec>,
+        up: impl Fn(Servable) -> bool,
+    ) -> Result<Vec<ModelVersionStatus>, ServingError> {
+        let table = self.for_spec(spec);
+        table.status(spec, |version| {
+            up(Servable {
+                model: table.id,
+                version,
+            })
+        })
+    }
+
+    /// Each model's newest AVAILABLE version.
+    pub fn latest(&self) -> BTreeMap<ModelId, i64> {
+        self.tables
+            .iter()
+            .filter_map(|t| Some((t.id, t.latest()?)))
+            .collect()
+    }
+
+    /// The controller's new table for one model (`from_control` made it with that model's
+    /// id); false when no such model is served.
+    pub fn replace(&mut self, table: VersionTable) -> bool {
+        match self.tables.get_mut(usize::from(table.id)) {
+            Some(slot) if slot.model == table.model => {
+                *slot = table;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,11 +429,15 @@ mod tests {
             ]),
         ];
         let labels = rmpv::Value::Map(vec![("stable".into(), 2.into()), ("old".into(), 1.into())]);
-        VersionTable::from_control("demo", &versions, Some(&labels)).unwrap()
+        VersionTable::from_control(0, "demo", &versions, Some(&labels)).unwrap()
     }
 
     fn target(v: i64, pinned: bool) -> Target {
-        Target { version: v, pinned }
+        Target {
+            model: 0,
+            version: v,
+            pinned,
+        }
     }
 
     #[test]
@@ -368,7 +491,7 @@ mod tests {
             ("version".into(), 4.into()),
             ("state".into(), "LOADING".into()),
         ])];
-        let t = VersionTable::from_control("demo", &versions, None).unwrap();
+        let t = VersionTable::from_control(0, "demo", &versions, None).unwrap();
         assert_eq!(
             t.resolve(Some(&spec("demo", None))),
             Err(ServingError::new(
@@ -442,7 +565,7 @@ mod tests {
 
     #[test]
     fn the_configured_version_is_loading_until_it_is_up() {
-        let t = VersionTable::configured("demo", 5);
+        let t = VersionTable::configured(0, "demo", 5);
         assert_eq!(t.resolve(Some(&spec("demo", None))), Ok(target(5, false)));
         let state = |up: bool| t.status(Some(&spec("demo", None)), |_| up).unwrap()[0].state;
         use model_version_status::State;
@@ -456,7 +579,7 @@ mod tests {
             ("version".into(), 1.into()),
             ("state".into(), "READY".into()),
         ])];
-        assert!(VersionTable::from_control("m", &bad_state, None)
+        assert!(VersionTable::from_control(0, "m", &bad_state, None)
             .unwrap_err()
             .contains("START, LOADING"));
         let ok = [rmpv::Value::Map(vec![
@@ -465,8 +588,91 @@ mod tests {
         ])];
         let dangling = rmpv::Value::Map(vec![("stable".into(), 2.into())]);
         assert_eq!(
-            VersionTable::from_control("m", &ok, Some(&dangling)).unwrap_err(),
+            VersionTable::from_control(0, "m", &ok, Some(&dangling)).unwrap_err(),
             "label stable names version 2, not listed"
         );
+    }
+
+    #[test]
+    fn several_models_each_resolve_on_their_own_table() {
+        let mut models =
+            Models::configured(&[("wdl".to_string(), 3), ("ranker".to_string(), 7)]).unwrap();
+        assert_eq!(
+            models.resolve(Some(&spec("ranker", None))),
+            Ok(Target {
+                model: 1,
+                version: 7,
+                pinned: false
+            })
+        );
+        let three = Some(VersionChoice::Version(3));
+        assert_eq!(
+            models.resolve(Some(&spec("wdl", three.clone()))),
+            Ok(Target {
+                model: 0,
+                version: 3,
+                pinned: true
+            })
+        );
+        // Versions are per model: ranker has no version 3.
+        assert_eq!(
+            models.resolve(Some(&spec("ranker", three))),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Servable not found for request: Specific(ranker, 3)"
+            ))
+        );
+        assert_eq!(
+            models.resolve(Some(&spec("nope", None))),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Servable not found for request: Latest(nope)"
+            ))
+        );
+        assert_eq!(
+            models.status(Some(&spec("nope", None)), |_| true),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Could not find any versions of model nope"
+            ))
+        );
+        // The controller's table for ranker: its labels are its own.
+        let listed = [
+            rmpv::Value::Map(vec![
+                ("version".into(), 7.into()),
+                ("state".into(), "AVAILABLE".into()),
+            ]),
+            rmpv::Value::Map(vec![
+                ("version".into(), 8.into()),
+                ("state".into(), "AVAILABLE".into()),
+            ]),
+        ];
+        let labels = rmpv::Value::Map(vec![("canary".into(), 8.into())]);
+        let ranker = VersionTable::from_control(1, "ranker", &listed, Some(&labels)).unwrap();
+        assert!(models.replace(ranker));
+        let canary = Some(VersionChoice::VersionLabel("canary".into()));
+        assert_eq!(
+            models.resolve(Some(&spec("ranker", canary.clone()))),
+            Ok(Target {
+                model: 1,
+                version: 8,
+                pinned: true
+            })
+        );
+        assert_eq!(
+            models.resolve(Some(&spec("wdl", canary))),
+            Err(ServingError::invalid_argument(
+                "Unrecognized servable version label: canary"
+            ))
+        );
+        assert_eq!(models.latest(), BTreeMap::from([(0, 3), (1, 8)]));
+        let up = models
+            .status(Some(&spec("ranker", None)), |s| s.model == 1)
+            .unwrap();
+        assert_eq!(up.len(), 2);
+        // A table under another model's id is not taken.
+        let stray = VersionTable::from_control(1, "wdl", &listed, None).unwrap();
+        assert!(!models.replace(stray));
+        assert!(Models::configured(&[]).is_none());
     }
 }

@@ -13,12 +13,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::policies::Choose;
+use crate::versions::Servable;
 
 pub struct WorkerHandle<P> {
     pub slot: String,
     pub pid: i64,
-    /// The model version it serves (from its READY).
-    pub version: i64,
+    /// The model and version it serves (from its READY).
+    pub servable: Servable,
     pub identity: Vec<u8>,
     pub last_seen: Instant,
     /// Request id → what waits for its answer.
@@ -66,7 +67,7 @@ impl<P> WorkerTable<P> {
         identity: &[u8],
         slot: &str,
         pid: i64,
-        version: i64,
+        servable: Servable,
         weights: rmpv::Value,
         now: Instant,
     ) -> Option<Departure<P>> {
@@ -83,7 +84,7 @@ impl<P> WorkerTable<P> {
             .or_insert_with(|| WorkerHandle {
                 slot: slot.to_string(),
                 pid,
-                version,
+                servable,
                 identity: identity.to_vec(),
                 last_seen: now,
                 inflight: HashMap::new(),
@@ -91,7 +92,7 @@ impl<P> WorkerTable<P> {
                 weights: rmpv::Value::Nil,
             });
         handle.last_seen = now;
-        handle.version = version;
+        handle.servable = servable;
         handle.weights = weights;
         self.by_slot.insert(slot.to_string(), identity.to_vec());
         if self.declared_dead.get(slot) != Some(&pid) {
@@ -167,11 +168,11 @@ impl<P> WorkerTable<P> {
     }
 
     /// Routable workers per model version.
-    pub fn ready_by_version(&self) -> BTreeMap<i64, usize> {
+    pub fn ready_by_servable(&self) -> BTreeMap<Servable, usize> {
         let mut counts = BTreeMap::new();
         for identity in self.by_slot.values() {
             if let Some(handle) = self.by_identity.get(identity) {
-                *counts.entry(handle.version).or_insert(0) += 1;
+                *counts.entry(handle.servable).or_insert(0) += 1;
             }
         }
         counts
@@ -186,16 +187,16 @@ impl<P> WorkerTable<P> {
         })
     }
 
-    /// The worker of `version` for the next request, among those with fewer than `limit`
+    /// The worker of `servable` for the next request, among those with fewer than `limit`
     /// requests in flight (0: no limit); None when none is routable or every one is full.
-    pub fn pick(&mut self, limit: usize, version: i64) -> Option<&mut WorkerHandle<P>> {
+    pub fn pick(&mut self, limit: usize, servable: Servable) -> Option<&mut WorkerHandle<P>> {
         let mut candidates: Vec<&Vec<u8>> = Vec::with_capacity(self.by_slot.len());
         let mut inflight: Vec<usize> = Vec::with_capacity(self.by_slot.len());
         for identity in self.by_slot.values() {
             let Some(handle) = self.by_identity.get(identity) else {
                 continue;
             };
-            if handle.version != version {
+            if handle.servable != servable {
                 continue;
             }
             let load = handle.inflight.len();
@@ -261,7 +262,10 @@ impl<P> WorkerTable<P> {
                 let silent = now.saturating_duration_since(h.last_seen).as_secs_f64();
                 let fields = vec![
                     (rmpv::Value::from("pid"), rmpv::Value::from(h.pid)),
-                    (rmpv::Value::from("version"), rmpv::Value::from(h.version)),
+                    (
+                        rmpv::Value::from("version"),
+                        rmpv::Value::from(h.servable.version),
+                    ),
                     (
                         rmpv::Value::from("inflight"),
                         rmpv::Value::from(h.inflight.len() as u64),
@@ -287,6 +291,12 @@ mod tests {
 
     use super::*;
 
+    /// The one model's version 1.
+    const V1: Servable = Servable {
+        model: 0,
+        version: 1,
+    };
+
     type Table = WorkerTable<u32>;
     const TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -300,7 +310,7 @@ mod tests {
     }
 
     fn join(t: &mut Table, slot: &str, pid: i64, now: Instant) -> Option<Departure<u32>> {
-        t.register(&ident(slot, pid), slot, pid, 1, rmpv::Value::Nil, now)
+        t.register(&ident(slot, pid), slot, pid, V1, rmpv::Value::Nil, now)
     }
 
     /// What the dispatcher does before sending: park the request on the worker.
@@ -310,7 +320,9 @@ mod tests {
     }
 
     fn slots(t: &mut Table, n: usize) -> Vec<String> {
-        (0..n).map(|_| t.pick(0, 1).unwrap().slot.clone()).collect()
+        (0..n)
+            .map(|_| t.pick(0, V1).unwrap().slot.clone())
+            .collect()
     }
 
     fn sorted(mut pending: Vec<u32>) -> Vec<u32> {
@@ -324,10 +336,10 @@ mod tests {
     fn register_makes_a_worker_routable() {
         let (mut t, now) = table("round-robin");
         assert_eq!(t.ready(), 0);
-        assert!(t.pick(0, 1).is_none());
+        assert!(t.pick(0, V1).is_none());
         assert!(join(&mut t, "cpu-0", 101, now).is_none());
         assert_eq!(t.ready(), 1);
-        let handle = t.pick(0, 1).unwrap();
+        let handle = t.pick(0, V1).unwrap();
         assert_eq!(
             (handle.slot.as_str(), handle.pid, handle.identity.clone()),
             ("cpu-0", 101, ident("cpu-0", 101))
@@ -392,7 +404,7 @@ mod tests {
         assert!(gone.reason.contains("exited"), "{}", gone.reason);
         assert_eq!(gone.pending, vec![1]);
         assert_eq!(t.ready(), 0);
-        assert!(t.pick(0, 1).is_none());
+        assert!(t.pick(0, V1).is_none());
         // An exit is not a liveness verdict.
         assert!(t.declared_dead.is_empty());
     }
@@ -407,7 +419,7 @@ mod tests {
         assert!(replaced.reason.contains("re-registered by pid 202"));
         assert_eq!(replaced.pending, vec![1]);
         assert_eq!(t.ready(), 1);
-        assert_eq!(t.pick(0, 1).unwrap().identity, ident("cpu-0", 202));
+        assert_eq!(t.pick(0, V1).unwrap().identity, ident("cpu-0", 202));
         assert!(
             t.seen(&ident("cpu-0", 101), now).is_none(),
             "the old incarnation is forgotten"
@@ -416,7 +428,7 @@ mod tests {
         assert_eq!(t.resolve(&ident("cpu-0", 101), 1), None);
         // And a late "gone" for the old pid does not remove the new incarnation.
         assert!(t.gone("cpu-0", 101).is_none());
-        assert_eq!(t.pick(0, 1).unwrap().pid, 202);
+        assert_eq!(t.pick(0, V1).unwrap().pid, 202);
     }
 
     // -- liveness -----------------------------------------------------------------
@@ -533,34 +545,36 @@ mod tests {
     }
 
     #[test]
-    fn a_request_goes_only_to_workers_of_its_version() {
+    fn a_request_goes_only_to_workers_of_its_model_and_version() {
         let (mut t, now) = table("round-robin");
+        let servable = |model, version| Servable { model, version };
         join(&mut t, "cpu-0@1", 101, now);
-        t.register(
-            &ident("cpu-0@2", 201),
-            "cpu-0@2",
-            201,
-            2,
-            rmpv::Value::Nil,
-            now,
-        );
-        t.register(
-            &ident("cpu-1@2", 202),
-            "cpu-1@2",
-            202,
-            2,
-            rmpv::Value::Nil,
-            now,
-        );
-        assert_eq!(t.ready_by_version(), BTreeMap::from([(1, 1), (2, 2)]));
-        for _ in 0..4 {
-            assert_eq!(t.pick(0, 1).unwrap().version, 1);
-            assert_eq!(t.pick(0, 2).unwrap().version, 2);
+        for (slot, pid, model) in [
+            ("cpu-0@2", 201, 0),
+            ("cpu-1@2", 202, 0),
+            ("r/cpu-0@2", 301, 1),
+        ] {
+            let at = servable(model, 2);
+            t.register(&ident(slot, pid), slot, pid, at, rmpv::Value::Nil, now);
         }
-        assert!(t.pick(0, 3).is_none());
+        assert_eq!(
+            t.ready_by_servable(),
+            BTreeMap::from([(V1, 1), (servable(0, 2), 2), (servable(1, 2), 1)])
+        );
+        for _ in 0..4 {
+            assert_eq!(t.pick(0, V1).unwrap().servable, V1);
+            assert_eq!(t.pick(0, servable(0, 2)).unwrap().servable, servable(0, 2));
+            // Another model's version 2 is another group of workers.
+            assert_eq!(t.pick(0, servable(1, 2)).unwrap().slot, "r/cpu-0@2");
+        }
+        assert!(t.pick(0, servable(0, 3)).is_none());
+        assert!(t.pick(0, servable(1, 1)).is_none());
         t.leave(&ident("cpu-0@1", 101), "bye");
-        assert_eq!(t.ready_by_version(), BTreeMap::from([(2, 2)]));
-        assert!(t.pick(0, 1).is_none());
+        assert_eq!(
+            t.ready_by_servable(),
+            BTreeMap::from([(servable(0, 2), 2), (servable(1, 2), 1)])
+        );
+        assert!(t.pick(0, V1).is_none());
     }
 
     #[test]
@@ -571,15 +585,15 @@ mod tests {
         send(&mut t, "cpu-0", 1, 1);
         // Limit 1: only cpu-1 has room, whatever the turn says.
         for _ in 0..3 {
-            assert_eq!(t.pick(1, 1).unwrap().slot, "cpu-1");
+            assert_eq!(t.pick(1, V1).unwrap().slot, "cpu-1");
         }
         send(&mut t, "cpu-1", 2, 2);
-        assert!(t.pick(1, 1).is_none());
+        assert!(t.pick(1, V1).is_none());
         assert!(!t.has_room(1) && t.has_room(2) && t.has_room(0));
-        assert!(t.pick(2, 1).is_some());
-        assert!(t.pick(0, 1).is_some()); // no limit
+        assert!(t.pick(2, V1).is_some());
+        assert!(t.pick(0, V1).is_some()); // no limit
         t.resolve(&ident("cpu-0", 1), 1);
-        assert_eq!(t.pick(1, 1).unwrap().slot, "cpu-0");
+        assert_eq!(t.pick(1, V1).unwrap().slot, "cpu-0");
     }
 
     #[test]
@@ -667,7 +681,7 @@ mod tests {
                 (rmpv::Value::from("b:0"), rmpv::Value::from(4u64)),
             ]),
         )]);
-        t.register(b"cpu-0:10", "cpu-0", 10, 1, report, now);
+        t.register(b"cpu-0:10", "cpu-0", 10, V1, report, now);
         join(&mut t, "cpu-1", 11, now);
         let copied = t.copied_bytes();
         assert_eq!(copied.get("cpu-0"), Some(&12));

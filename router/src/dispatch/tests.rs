@@ -44,6 +44,19 @@ impl FakeWorker {
         version: i64,
         behaviour: Behaviour,
     ) -> FakeWorker {
+        FakeWorker::of_model(run_dir, slot, pid, "m", version, behaviour)
+    }
+
+    /// A worker of `model`'s version `version`.
+    fn of_model(
+        run_dir: &str,
+        slot: &str,
+        pid: i64,
+        model: &str,
+        version: i64,
+        behaviour: Behaviour,
+    ) -> FakeWorker {
+        let model = model.to_string();
         let endpoint = wire::endpoint(run_dir, wire::WORKERS_ENDPOINT);
         let slot = slot.to_string();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -59,7 +72,7 @@ impl FakeWorker {
             socket.set_linger(0).unwrap();
             socket.connect(&endpoint).unwrap();
             let ready = rmp_serde::to_vec_named(&serde_json::json!({
-                "v": 1, "k": "ready", "slot": slot, "pid": pid, "model": "m",
+                "v": 1, "k": "ready", "slot": slot, "pid": pid, "model": model,
                 "version": version, "weights": null
             }))
             .unwrap();
@@ -179,13 +192,13 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 fn start(run_dir: &str, timeout: Duration) -> (Dispatcher, Arc<RouterState>) {
     let (state, _drains) = RouterState::new();
     let state = Arc::new(state);
-    let model = ServedModel {
+    let models = [ServedModel {
         name: "m".into(),
         version: 1,
-    };
+    }];
     let dispatcher = Dispatcher::start(
         run_dir,
-        model,
+        &models,
         timeout,
         &Scheduling::default(),
         state.clone(),
@@ -197,12 +210,13 @@ fn start(run_dir: &str, timeout: Duration) -> (Dispatcher, Arc<RouterState>) {
 fn start_scheduled(run_dir: &str, scheduling: &Scheduling) -> (Dispatcher, Arc<RouterState>) {
     let (state, _drains) = RouterState::new();
     let state = Arc::new(state);
-    let model = ServedModel {
+    let models = [ServedModel {
         name: "m".into(),
         version: 1,
-    };
+    }];
     let timeout = Duration::from_secs(3);
-    let dispatcher = Dispatcher::start(run_dir, model, timeout, scheduling, state.clone()).unwrap();
+    let dispatcher =
+        Dispatcher::start(run_dir, &models, timeout, scheduling, state.clone()).unwrap();
     (dispatcher, state)
 }
 
@@ -210,6 +224,7 @@ fn start_scheduled(run_dir: &str, scheduling: &Scheduling) -> (Dispatcher, Arc<R
 fn rows_request(rows: usize) -> WorkRequest {
     WorkRequest {
         target: Target {
+            model: 0,
             version: 1,
             pinned: false,
         },
@@ -303,6 +318,7 @@ async fn a_queued_request_past_its_deadline_leaves_the_queue() {
 fn request() -> WorkRequest {
     WorkRequest {
         target: Target {
+            model: 0,
             version: 1,
             pinned: false,
         },
@@ -331,7 +347,7 @@ async fn a_request_is_answered_with_the_workers_frames() {
     assert_eq!(reply.tensors, vec![("x".to_string(), 1, vec![1, 2])]);
     assert_eq!(&reply.frames[0][..], &[0, 0, 128, 63, 0, 0, 0, 64]);
     assert!(
-        dispatcher.signatures().borrow().contains_key(&1),
+        dispatcher.signatures().borrow().contains_key(&V1),
         "learned from READY"
     );
     assert_eq!(worker.served(), 1);
@@ -883,13 +899,13 @@ async fn the_control_snapshot_and_timeline_carry_what_the_controller_reads() {
 async fn a_drain_request_reaches_the_server() {
     let (_dir, dir) = run_dir();
     let (state, mut drains) = RouterState::new();
-    let model = ServedModel {
+    let models = [ServedModel {
         name: "m".into(),
         version: 1,
-    };
+    }];
     let dispatcher = Dispatcher::start(
         &dir,
-        model,
+        &models,
         Duration::from_secs(3),
         &Scheduling::default(),
         Arc::new(state),
@@ -1099,7 +1115,11 @@ async fn beyond_max_enqueued_batches_requests_are_refused_as_tf_serving_does() {
 
 fn aimed(version: i64, pinned: bool) -> WorkRequest {
     WorkRequest {
-        target: Target { version, pinned },
+        target: Target {
+            model: 0,
+            version,
+            pinned,
+        },
         ..request()
     }
 }
@@ -1121,6 +1141,7 @@ async fn requests_run_on_their_version_and_unnamed_ones_follow_the_latest() {
     assert_eq!(
         target,
         Target {
+            model: 0,
             version: 1,
             pinned: false
         }
@@ -1129,6 +1150,7 @@ async fn requests_run_on_their_version_and_unnamed_ones_follow_the_latest() {
         (target, 1),
         (
             Target {
+                model: 0,
                 version: 2,
                 pinned: true,
             },
@@ -1145,7 +1167,8 @@ async fn requests_run_on_their_version_and_unnamed_ones_follow_the_latest() {
         );
     }
     let signatures = dispatcher.signatures().borrow().clone();
-    assert_eq!(signatures.keys().copied().collect::<Vec<_>>(), vec![1, 2]);
+    let versions: Vec<i64> = signatures.keys().map(|s| s.version).collect();
+    assert_eq!(versions, vec![1, 2]);
 
     // Version 2 takes over; 1 retires: new requests resolve to 2, one already aimed at 1
     // still runs there while 1 has a worker, and moves to 2 once it has none.
@@ -1159,6 +1182,7 @@ async fn requests_run_on_their_version_and_unnamed_ones_follow_the_latest() {
     assert_eq!(
         target,
         Target {
+            model: 0,
             version: 2,
             pinned: false
         }
@@ -1197,6 +1221,97 @@ async fn requests_run_on_their_version_and_unnamed_ones_follow_the_latest() {
             {"version": 2, "state": "AVAILABLE"}]}),
     );
     let signatures = dispatcher.signatures().borrow().clone();
-    assert_eq!(signatures.keys().copied().collect::<Vec<_>>(), vec![2]);
+    let versions: Vec<i64> = signatures.keys().map(|s| s.version).collect();
+    assert_eq!(versions, vec![2]);
+    dispatcher.shutdown();
+}
+
+/// The one model's version 1 (what `start` serves).
+const V1: Servable = Servable {
+    model: 0,
+    version: 1,
+};
+
+fn spawn_call(
+    dispatcher: &Dispatcher,
+    target: Target,
+) -> tokio::task::JoinHandle<Result<WorkReply, ServingError>> {
+    let dispatcher = dispatcher.clone();
+    let work = WorkRequest {
+        target,
+        ..request()
+    };
+    tokio::spawn(async move { dispatcher.call(work, None).await })
+}
+
+/// Two models behind one front door: each request runs on its own model's workers; requests
+/// for a model whose workers are all busy wait without holding up the other model's; a READY
+/// for a model the pool does not serve is not learned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_run_on_their_own_workers_and_neither_waits_behind_the_other() {
+    use crate::proto::mpspool::tfs::ModelSpec;
+    let (_dir, dir) = run_dir();
+    let (state, _drains) = RouterState::new();
+    let models = [
+        ServedModel {
+            name: "m".into(),
+            version: 1,
+        },
+        ServedModel {
+            name: "r".into(),
+            version: 4,
+        },
+    ];
+    // One request per worker at a time: the rest wait in the front door's queue.
+    let scheduling = Scheduling {
+        worker_inflight: 1,
+        ..Scheduling::default()
+    };
+    let timeout = Duration::from_secs(3);
+    let dispatcher =
+        Dispatcher::start(&dir, &models, timeout, &scheduling, Arc::new(state)).unwrap();
+    let m_worker = FakeWorker::of_model(&dir, "cpu-0@1", 100, "m", 1, Behaviour::SlowEcho(1000));
+    let r_worker = FakeWorker::of_model(&dir, "r/cpu-0@4", 200, "r", 4, Behaviour::Echo);
+    let _stray = FakeWorker::of_model(&dir, "x/cpu-0@1", 300, "x", 1, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let resolve = |name: &str| {
+        let spec = ModelSpec {
+            name: name.into(),
+            ..ModelSpec::default()
+        };
+        dispatcher.versions().resolve(Some(&spec)).unwrap()
+    };
+    let (m, r) = (resolve("m"), resolve("r"));
+    assert_eq!((m.model, m.version, r.model, r.version), (0, 1, 1, 4));
+
+    // m's worker computes for a second; a second request for m waits at the queue's head.
+    let busy = spawn_call(&dispatcher, m);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiting = spawn_call(&dispatcher, m);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    let reply = spawn_call(&dispatcher, r).await.unwrap().unwrap();
+    let took = started.elapsed();
+    assert_eq!((reply.slot.as_str(), reply.version), ("r/cpu-0@4", 4));
+    assert!(
+        took < Duration::from_millis(600),
+        "r's request waited {took:?} behind m's"
+    );
+    for call in [busy, waiting] {
+        let reply = call.await.unwrap().unwrap();
+        assert_eq!((reply.slot.as_str(), reply.version), ("cpu-0@1", 1));
+    }
+    assert_eq!(
+        *dispatcher.ready_workers().borrow(),
+        2,
+        "x is not served here"
+    );
+    let learned: Vec<Servable> = dispatcher.signatures().borrow().keys().copied().collect();
+    let r4 = Servable {
+        model: 1,
+        version: 4,
+    };
+    assert_eq!(learned, vec![V1, r4]);
+    assert_eq!((m_worker.served(), r_worker.served()), (2, 1));
     dispatcher.shutdown();
 }
