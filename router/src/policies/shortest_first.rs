@@ -1,11 +1,9 @@
 //! Shortest job first with aging: the waiting request with the smallest expected compute
 //! time goes first — unless some request is overdue; then the overdue ones go first, oldest
-//! first. A request is overdue once it has waited `aging_bound` less twice the longest
-//! expected compute time of the requests waiting (at most half the bound): an overdue request
-//! still waits for a worker's current call to end and, at worst, for one overdue request that
-//! went before it; starting early by about two calls is what keeps its whole wait within
-//! `aging_bound` while the cost model is right. (With one call of margin, measured on the
-//! mixed load of bench/scheduling.py, the longest wait was 55 ms against a 50 ms bound.)
+//! first. A request is overdue once it has waited `aging_bound` less the longest expected
+//! compute time of the requests waiting (at most half the bound): an overdue request still
+//! waits for a worker's current call to end, and starting early by about one call is what
+//! keeps its whole wait within `aging_bound` while the cost model is right.
 //!
 //! Why: with FCFS a batch-512 request at the head of the queue makes every batch-1 request
 //! behind it wait for it; served shortest first, small requests overtake it and the mean and
@@ -17,11 +15,11 @@
 //! Once it is overdue only requests that became overdue before it can still go ahead of it —
 //! never a newer, shorter one. So its wait in the front door is at most its overdue time plus
 //! the time to send the requests that were already overdue when it became overdue. While the
-//! pool keeps up with its load (at most one other request overdue) that is the overdue time
-//! plus up to two calls, which is within `aging_bound` when no call takes longer than the
-//! longest request waiting (and than a quarter of the bound), and at most `aging_bound` plus
-//! a call or two otherwise; under overload everything becomes overdue and the order is FCFS,
-//! the fair order when nothing can be served in time.
+//! pool keeps up with its load (nothing else overdue) that is the overdue time plus one worker
+//! slot's time to free, which is `aging_bound` when no call takes longer than the longest
+//! request waiting (and than half the bound), and at most `aging_bound` plus one call
+//! otherwise; under overload everything becomes overdue and the order is FCFS, the fair
+//! order when nothing can be served in time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -54,17 +52,15 @@ impl<T> ShortestFirst<T> {
 }
 
 impl<T> ShortestFirst<T> {
-    /// How long a request waits before it is overdue: the bound less twice the longest
-    /// compute time expected of a waiting request (a worker's current call and one overdue
-    /// request ahead, each most likely no longer than that), never less than half the bound,
-    /// so that shortest-first still orders the rest.
+    /// How long a request waits before it is overdue: the bound less the longest compute time
+    /// expected of a waiting request (what a worker's current call most likely takes at
+    /// worst), never less than half the bound, so that shortest-first still orders the rest.
     fn overdue_after(&self) -> Duration {
         let longest = self
             .by_cost
             .last_key_value()
             .map_or(0, |(&(cost, _, _), _)| cost);
-        let margin = Duration::from_nanos(longest.saturating_mul(2));
-        self.aging_bound - margin.min(self.aging_bound / 2)
+        self.aging_bound - Duration::from_nanos(longest).min(self.aging_bound / 2)
     }
 }
 
@@ -137,10 +133,10 @@ mod tests {
         let t0 = Instant::now();
         let mut queue = ShortestFirst::new(BOUND);
         queue.push(1, "big", t0, 5000.0);
-        queue.push(2, "bigger, later", t0 + ms(20), 9000.0);
+        queue.push(2, "bigger, later", t0 + ms(10), 9000.0);
         queue.push(3, "small", t0 + ms(59), 1.0);
-        // The longest waiting request is expected to take 9 ms: overdue after 50 - 2 × 9 =
-        // 32 ms. At 46 ms only "big" is overdue ("bigger" has waited 26 ms).
+        // The longest waiting request is expected to take 9 ms: overdue after 50 - 9 = 41 ms.
+        // At 46 ms only "big" is overdue.
         assert_eq!(queue.pop(t0 + ms(46)), Some((1, "big")));
         assert_eq!(queue.pop(t0 + ms(46)), Some((3, "small")));
         assert_eq!(queue.pop(t0 + ms(52)), Some((2, "bigger, later")));
@@ -163,9 +159,8 @@ mod tests {
 
     /// The bound is the wait's, not the moment a request turns overdue: with one worker slot
     /// busy with a 20 ms call, a 20 ms request that arrived just after it turns overdue at
-    /// 25 ms (the margin of two calls capped at half the bound) and — the slot freeing every
-    /// 20 ms — is sent by the 40 ms mark, within 50 ms; overdue at the bound itself it would
-    /// have been sent at 60 ms.
+    /// 30 ms and — the slot freeing every 20 ms — is sent by the 40 ms mark, within 50 ms;
+    /// overdue at the bound itself it would have been sent at 60 ms.
     #[test]
     fn a_request_that_waits_for_a_call_to_end_is_sent_within_the_bound() {
         let t0 = Instant::now();
@@ -195,11 +190,11 @@ mod tests {
         let mut queue: ShortestFirst<&str> = ShortestFirst::new(BOUND);
         assert_eq!(queue.overdue_after(), BOUND);
         queue.push(1, "small", t0, 250.0);
-        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(500));
+        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(250));
         queue.push(2, "huge", t0, 10_000_000.0);
         assert_eq!(queue.overdue_after(), BOUND / 2);
         queue.remove(2);
-        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(500));
+        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(250));
     }
 
     /// The adversary: one worker slot, a large request, and a small request arriving every
