@@ -1,5 +1,5 @@
 """The front door's queue order under a mixed workload (issue 14): shortest-job-first with
-aging against first-come-first-served, one run.
+aging against first-come-first-served, one run of several rounds.
 
 The workload: 90% of requests batch 1, 10% batch 512, open loop — two h2load processes at
 once, each pacing its own size (`--rps`), so a slow answer does not slow the arrivals — at
@@ -17,14 +17,17 @@ batch-512 requests per second alone, mixed as 1 / (0.9 / small + 0.1 / large). N
 pool: holding requests in the front door costs capacity (a worker idles between answering and
 being sent its next request), so 80% of the push pool's capacity overloaded fcfs and sjf alike
 (2026-11-23 17:27: they answered 1,827 and 1,608 of 2,332 req/s offered), and a comparison
-between two overloaded queues says nothing about their order. Reported per pool: per-size p50,
-p99 and max latency, throughput, failed requests (the front door's own counters), the
-longest wait in the front door's queue over the measured window (`mpspool timeline`, cleared
-before it; the aging bound is judged on this) and since the pool started, calibration and
-warm-up included (`mpspool_queue_wait_max_seconds`); the task-density
-plot (bench/out/scheduling.png) shows what each worker computed over one second.
+between two overloaded queues says nothing about their order. The order in a round is
+rotated: `fcfs, sjf, push`, then `sjf, push, fcfs`, ...: the machine's speed drifts within
+minutes, so every policy runs once per round (`--rounds`, default 3) on a pool of its own, and
+ratios are taken within a round. Reported per pool: per-size p50, p99 and max latency,
+throughput, failed requests (the front door's own counters), the longest wait in the front
+door's queue over the measured window (`mpspool timeline`, cleared before it; the aging bound
+is judged on this) and since the pool started, calibration and warm-up included
+(`mpspool_queue_wait_max_seconds`); the task-density plot (bench/out/scheduling.png) shows what
+each worker computed over one second, in the last round.
 
-    .venv/bin/python -m bench.scheduling            # ~4 minutes on 2 cores
+    .venv/bin/python -m bench.scheduling            # ~12 minutes on 2 cores (3 rounds)
     .venv/bin/python -m bench.scheduling --quick    # 1,000-row model, short windows, no report
 """
 
@@ -169,8 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rates: dict[int, float] = {}
-        for name, extra in policies(args).items():
-            logs = harness.OUT_DIR / f"logs-scheduling-{stamp}-{name}"  # git-ignored
+        for round_, name, extra in alternating(policies(args), args.rounds):
+            logs = harness.OUT_DIR / f"logs-scheduling-{stamp}-{name}-{round_}"  # git-ignored
             with Pool(base, args.workers, logs, env, label=f"s{name}", extra_args=extra) as pool:
                 pool.wait_ready()
                 server = pool.server(name)
@@ -204,6 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for request in requests.values():
                     checker.check(server, request)
                 window["policy"] = name
+                window["round"] = round_
                 window["load1"] = os.getloadavg()[0]
                 report["windows"].append(window)
                 report["spans"][name] = spans["spans"]
@@ -212,10 +216,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def alternating(pools: dict[str, list[str]], rounds: int) -> list[tuple[int, str, list[str]]]:
+    """(round, policy, arguments) in running order: every policy once per round, the order
+    rotated each round so that no policy always runs first or last while the machine's speed
+    drifts; the first is fcfs (the capacity is measured on it)."""
+    names = list(pools)
+    order = []
+    for round_ in range(rounds):
+        turn = names[round_ % len(names) :] + names[: round_ % len(names)]
+        order += [(round_ + 1, name, pools[name]) for name in turn]
+    return order
+
+
 def line(w: dict[str, Any]) -> str:
     s, g = w["sizes"][SMALL], w["sizes"][LARGE]
     return (
-        f"{w['policy']}: {w['requests_per_s']:,.0f} req/s; batch 1 p50 {s['p50_ms']:.2f} "
+        f"{w['policy']} (round {w.get('round', 1)}): {w['requests_per_s']:,.0f} req/s; "
+        f"batch 1 p50 {s['p50_ms']:.2f} "
         f"p99 {s['p99_ms']:.2f} ms; batch 512 p50 {g['p50_ms']:.2f} p99 {g['p99_ms']:.2f} max "
         f"{g['max_ms']:.1f} ms; failed {w['failed'] or 0}; queue wait max "
         f"{w.get('window_wait_max_ms', float('nan')):.1f} ms in the window, "
@@ -266,9 +283,27 @@ def client_nice(report: dict[str, Any]) -> str:
     return f", at nice {nice}" if nice else ""
 
 
+def ratios(report: dict[str, Any], of: str, to: str) -> dict[str, list[float]]:
+    """Per round, `of`'s batch-1 p99 and req/s over `to`'s (rounds where both ran)."""
+    by = {(w.get("round", 1), w["policy"]): w for w in report["windows"]}
+    rounds = sorted({r for r, _ in by})
+    pairs = [(by[(r, of)], by[(r, to)]) for r in rounds if (r, of) in by and (r, to) in by]
+    return {
+        "p99": [a["sizes"][SMALL]["p99_ms"] / b["sizes"][SMALL]["p99_ms"] for a, b in pairs],
+        "rps": [a["requests_per_s"] / b["requests_per_s"] for a, b in pairs],
+    }
+
+
+def listed(values: list[float]) -> str:
+    each = ", ".join(f"{v:.2f}×" for v in values)
+    return f"{each} (median **{float(np.median(values)):.2f}×**)" if len(values) > 1 else each
+
+
 def render(report: dict[str, Any]) -> str:
-    by = {w["policy"]: w for w in report["windows"]}
+    windows = report["windows"]
     rates = report["rates"]
+    rounds = 1 + max((w.get("round", 1) - 1 for w in windows), default=0)
+    offered = sum(rates.values())
     lines = [
         BEGIN_MARK,
         "## Scheduling: shortest-job-first with aging vs first-come-first-served, mixed load, "
@@ -288,37 +323,40 @@ def render(report: dict[str, Any]) -> str:
         "warm-up. fcfs and sjf: "
         f"`--worker-inflight {report['worker_inflight']}`; sjf `--aging-bound-ms "
         f"{report['aging_bound_ms']}`.",
+        f"- **Rounds:** {rounds}, each policy once per round on a pool of its own, the order "
+        "rotated each round (the machine's speed drifts within minutes); ratios are taken "
+        "within a round.",
         "",
-        "| policy | req/s | rows/s | batch 1 p50 ms | batch 1 p99 ms | batch 512 p50 ms "
-        "| batch 512 p99 ms | batch 512 max ms | longest front-door wait ms: window "
-        "| since start | failed |",
+        "| policy | round | req/s (of offered) | batch 1 p50 ms | batch 1 p99 ms "
+        "| batch 512 p50 ms | batch 512 p99 ms | batch 512 max ms "
+        "| longest front-door wait ms: window | since start | failed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, w in by.items():
+    for w in sorted(windows, key=lambda w: (w["policy"], w.get("round", 1))):
         s, g = w["sizes"][SMALL], w["sizes"][LARGE]
         lines.append(
-            f"| {name} | {fmt(w['requests_per_s'])} | {fmt(w['rows_per_s'])} "
+            f"| {w['policy']} | {w.get('round', 1)} | {fmt(w['requests_per_s'])} "
+            f"({w['requests_per_s'] / offered:.0%}) "
             f"| {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} "
             f"| {g['max_ms']:.1f} | {w.get('window_wait_max_ms', float('nan')):.1f} "
             f"| {w['queue_wait_max_ms']:.1f} "
             f"| {sum(w['failed'].values()) if w['failed'] else 0} |"
         )
-    if {"sjf", "fcfs"} <= set(by):
-        sjf, fcfs = by["sjf"], by["fcfs"]
-        small = sjf["sizes"][SMALL]["p99_ms"] / fcfs["sizes"][SMALL]["p99_ms"]
-        thr = sjf["requests_per_s"] / fcfs["requests_per_s"]
+    sjf_fcfs = ratios(report, "sjf", "fcfs")
+    if sjf_fcfs["p99"]:
+        waits = [w.get("window_wait_max_ms", float("nan")) for w in windows
+                 if w["policy"] == "sjf"]  # fmt: skip
         lines += [
             "",
-            f"sjf / fcfs in this run: batch-1 p99 **{small:.2f}×** (target ≤ 0.5×), "
-            f"throughput **{thr:.2f}×** (target ≥ 1.0×); longest front-door wait under sjf "
-            f"in the measured window **{sjf.get('window_wait_max_ms', float('nan')):.1f} ms** "
-            f"against an aging bound of {report['aging_bound_ms']} ms (since the pool "
-            f"started, warm-up included: {sjf['queue_wait_max_ms']:.1f} ms).",
+            f"sjf / fcfs per round: batch-1 p99 {listed(sjf_fcfs['p99'])} (target ≤ 0.5×), "
+            f"throughput {listed(sjf_fcfs['rps'])} (target ≥ 1.0×); longest front-door wait "
+            f"under sjf in a measured window **{max(waits):.1f} ms** against an aging bound of "
+            f"{report['aging_bound_ms']} ms.",
         ]
-        if "push" in by:
-            push = by["push"]["sizes"][SMALL]["p99_ms"]
-            lines.append(f"sjf / push (today's default): batch-1 p99 "
-                         f"{sjf['sizes'][SMALL]['p99_ms'] / push:.2f}×.")  # fmt: skip
+        sjf_push = ratios(report, "sjf", "push")
+        if sjf_push["p99"]:
+            lines.append(f"sjf / push (today's default) per round: batch-1 p99 "
+                         f"{listed(sjf_push['p99'])}.")  # fmt: skip
     lines += ["", f"![worker task density]({PLOT.relative_to(harness.RESULTS_MD.parent)})", ""]
     lines += [f"- {note}" for note in report.get("notes", [])]
     lines.append(END_MARK)
@@ -337,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.8, help="share of capacity offered")
     parser.add_argument("--aging-bound-ms", type=float, default=50.0)
     parser.add_argument("--worker-inflight", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="every policy this many times")
     parser.add_argument(
         "--client-nice", type=int, default=0,
         help="run the h2load clients at this nice value (0: the server's priority)",
@@ -345,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.duration, args.warmup, args.calibrate = 1000, 2.0, 0.5, 1.0
+        args.rounds = 1
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with harness.sigterm_as_exit():
         report = run(args)
