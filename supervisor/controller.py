@@ -3,10 +3,11 @@
 Renders the pool into supervisord programs, starts supervisord, then runs one loop that
 owns every decision: which slot is READY, what to replace (a worker the router declared
 dead), how to back off a worker that cannot load its model and when to give up on it, which
-model versions are served (supervisor/versions.py: new version folders are published and
-get their own workers; versions the policy no longer wants drain and stop), and the
-shutdown order (router drains → workers stop → router stops → supervisord exits → run
-directory cleaned). Signal handlers and admin requests only enqueue; the loop acts.
+model versions are served (supervisor/model_versions.py, one object per model: new version
+folders are published and get their own workers; versions the policy no longer wants drain
+and stop), and the shutdown order (router drains → workers stop → router stops → supervisord
+exits → run directory cleaned). Signal handlers and admin requests only enqueue; the loop
+acts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 import xmlrpc.client
@@ -30,15 +30,15 @@ import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
 from mpspool.config import ConfigError, PoolConfig
-from mpspool.demo_model import versions_on_disk
 from mpspool.model_config import ModelEntry, model_entry, read_model_config
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.gpu_watch import GpuWatch
+from mpspool.supervisor.model_versions import ModelVersions
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
-from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
+from mpspool.supervisor.versions import VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
 
@@ -57,8 +57,6 @@ SUPERVISORD_DEATHS_WINDOW_S = 300.0
 ROUTER_SILENT_DEATHS = 5
 # The router's expected exit codes: supervisord restarts it after any other.
 ROUTER_EXIT_CODES = (process.EXIT_OK, process.EXIT_CONFIG_ERROR)
-# Retired versions listed (END) in status and GetModelStatus, newest last.
-RETIRED_SHOWN = 5
 
 
 class PoolPhase(enum.Enum):
@@ -149,17 +147,8 @@ class Controller:
         self.created_run_dir = created_run_dir
         self.log_dir = Path(config.log_dir)
         self.phase = PoolPhase.STARTING  # changed only by _set_phase
-        self.policy = VersionPolicy.parse(config.version_policy)
-        # Model version → its group of workers; the first, the version found at start.
-        self.groups: dict[int, VersionGroup] = {}
-        first = self._new_group(config.model_version)
-        first.state = VersionState.LOADING
-        self.groups[first.version] = first
-        self.aspired = {config.model_version}  # what the policy wants, as last polled
-        self.failed: dict[int, str] = {}  # version → why it could not serve (while on disk)
-        self.retired: list[int] = []  # versions retired, newest last
-        self._next_poll = 0.0
-        self._poll_error = ""  # the last failure to read the base path, said once
+        # The model's versions: their worker groups, states and what the front door is told.
+        self.model = ModelVersions(self)
         # --model_config_file read again (policy and labels) every its poll wait; 0: never.
         config_wait = config.model_config_file_poll_wait_s if config.model_config_file else 0
         self._next_config_read = clock.monotonic() + config_wait if config_wait else math.inf
@@ -170,13 +159,9 @@ class Controller:
             config.model_name, config.model_base_path, config.version_policy,
             dict(config.version_labels),
         )  # fmt: skip
-        self.on_disk: set[int] = set()  # the versions under the base path, as last read
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
         # Answers given to calls the front door still lists (a lost reply is sent again).
         self._reload_answers: dict[int, tuple[int, str]] = {}
-        self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
-        # (router pid, table, labels) last sent to the front door.
-        self._versions_told: tuple[int, Any, dict[str, int]] | None = None
         self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
         self.events: deque[str] = deque()  # signals and admin requests, in arrival order
         self.exit_code = 0
@@ -254,23 +239,26 @@ class Controller:
                 startsecs=0,
                 startretries=0,
             )
-            for group in self.groups.values()
+            for group in self.model.groups.values()
             if group.state is not VersionState.END
             for slot in group.slots.values()
         ]
         return [*daemons, router, *workers]
 
     @property
+    def router_pid(self) -> int:
+        """The front door's incarnation seen last (0: none yet)."""
+        return self._router_pid
+
+    @property
+    def policy(self) -> VersionPolicy:
+        """The model's version policy in force."""
+        return self.model.policy
+
+    @property
     def slots(self) -> dict[str, Slot]:
         """Every version's slots, by key ("cpu-0@2")."""
-        return {key: slot for group in self.groups.values() for key, slot in group.slots.items()}
-
-    def _new_group(self, version: int) -> VersionGroup:
-        slots = {}
-        for name in self.config.slots:
-            slot = Slot(name, version)
-            slots[slot.key] = slot
-        return VersionGroup(version, slots, self.config.segment_for(version))
+        return self.model.slots
 
     # -- main loop ----------------------------------------------------------------
     def run(self) -> int:
@@ -284,9 +272,12 @@ class Controller:
             )
             for stale in segment.remove_stale():
                 log.info("removed a weight segment left by a pool that died: %s", stale)
-            first = self.groups[self.config.model_version]
-            if self.config.share_weights and not self._publish():
-                return self.exit_code
+            first = self.model.groups[self.config.model_version]
+            if self.config.share_weights:
+                failed = self.model.publish_first()
+                if failed:
+                    self.fail_pool(failed)
+                    return self.exit_code
             self._supervisord_config = text
             self._place_self()
             self.supervisord.start(text)
@@ -294,7 +285,7 @@ class Controller:
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
             self.gpu.start(self.supervisord.process_info())
-            self._rpc("startProcessGroup", first.group, False)
+            self.rpc("startProcessGroup", first.group, False)
             for slot in first.slots.values():
                 slot.start_pending = True
                 slot.change_state(WorkerState.STARTING, "spawned")
@@ -352,7 +343,7 @@ class Controller:
             infos.get(ROUTER_PROGRAM, {}), router_answered
         )
         if router_down:
-            self._fail_pool(
+            self.fail_pool(
                 f"the router {router_down}: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
             )
             return
@@ -387,13 +378,13 @@ class Controller:
             )
         live = [
             s
-            for g in self.groups.values()
+            for g in self.model.groups.values()
             if g.state in (VersionState.LOADING, VersionState.AVAILABLE) and g.publisher is None
             for s in g.slots.values()
         ]
         if live and all(s.state is WorkerState.FATAL for s in live):
             reasons = {s.reason for s in live}
-            self._fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
+            self.fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
             return
         if router_answered:
             self._take_reload_requests(snap.get("reload_requests") or [], now)
@@ -402,7 +393,7 @@ class Controller:
         self._restore_priorities()
         if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
             return
-        if not self._announced and self.port and self._serving_version() is not None:
+        if not self._announced and self.port and self.model.serving_version() is not None:
             self._announce()
 
     def _observe(
@@ -434,7 +425,7 @@ class Controller:
             slot.start_pending = False
             if pid != slot.pid:
                 if slot.pid:
-                    self._forget(slot, "replaced")
+                    self.forget(slot, "replaced")
                 slot.incarnations += 1
                 slot.pid = pid
                 slot.started_at = float(info.get("start") or self.clock.time())
@@ -447,7 +438,7 @@ class Controller:
                         "slot %s: pid %d declared dead by the router; killing it", slot.name, pid
                     )
                     slot.kill_sent_to = pid
-                    self._rpc("signalProcess", slot.program, "KILL")
+                    self.rpc("signalProcess", slot.program, "KILL")
                 return
             if registered and int(registered["pid"]) == pid:
                 slot.answered = int(registered["answered"])
@@ -464,7 +455,7 @@ class Controller:
             return  # supervisord is retrying a process that died right after spawn
         if state == sd.FATAL:
             # Only a spawn error gets here (startsecs=0): the command itself cannot run.
-            self._forget(slot, "supervisord gave up")
+            self.forget(slot, "supervisord gave up")
             slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
             self._make_fatal(slot, now)
             return
@@ -478,7 +469,7 @@ class Controller:
         who = f"pid {slot.pid}" if slot.pid else "its process"
         killed_by_us = slot.pid and slot.kill_sent_to == slot.pid
         was_ready = slot.state is WorkerState.READY
-        self._forget(slot, ended)
+        self.forget(slot, ended)
         slot.pid = 0
         if exitstatus == process.EXIT_LOAD_FAILED or not (was_ready or killed_by_us):
             # It could not load, or died before it was ever ready (a crash loop, or killed
@@ -503,92 +494,20 @@ class Controller:
 
     def _start(self, slot: Slot, why: str) -> None:
         slot.start_pending = True
-        self._rpc("startProcess", slot.program, False)
+        self.rpc("startProcess", slot.program, False)
         slot.change_state(WorkerState.STARTING, why)
 
     def _make_fatal(self, slot: Slot, now: float) -> None:
         slot.retry_at = now + self.config.fatal_retry_s
         slot.change_state(WorkerState.FATAL, slot.reason)
 
-    def _publish(self) -> bool:
-        """Publish the first version's weights into shared memory before any worker starts.
-        Later versions are published the same way while the pool serves (`_load`)."""
-        started = time.monotonic()
-        version = self.config.model_version
-        code = self._start_publisher(version).wait()
-        if code != 0:
-            why = self._publish_failure(version, code)
-            self._fail_pool(f"publishing the weights failed: {why}")
-            return False
-        size = Path(self.config.segment_for(version)).stat().st_size
-        log.info(
-            "weights of version %d published to %s (%.1f MiB) in %.1f s",
-            version,
-            self.config.segment_for(version),
-            size / 2**20,
-            time.monotonic() - started,
-        )
-        return True
-
-    def _start_publisher(self, version: int) -> subprocess.Popen[bytes]:
-        """The one-shot child that publishes a version's weights (it needs TensorFlow, which
-        the controller never loads); its output goes to `_publish_log_path`."""
-        path = self._publish_log_path(version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as out:
-            return subprocess.Popen(
-                # Reading and checksumming a checkpoint leaves the cores to the workers that
-                # serve (one-shot: it never needs its priority back).
-                process.at_loading_priority(
-                    [
-                        sys.executable,
-                        "-m",
-                        "mpspool.worker.publish",
-                        "--run-dir",
-                        str(self.run_dir),
-                        "--version",
-                        str(version),
-                    ],
-                    self.config.loading_priority,
-                ),
-                cwd=self.run_dir,  # not a source checkout (see supervisord.py)
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=process.die_with_parent_sigterm,
-            )
-
-    def _publish_log_path(self, version: int) -> Path:
-        first = version == self.config.model_version
-        return self.log_dir / ("publish.log" if first else f"publish-v{version}.log")
-
-    def _publish_failure(self, version: int, code: int) -> str:
-        path = self._publish_log_path(version)
-        reason = process.fatal_reason(path.read_text(errors="replace"))
-        return reason or f"exit code {code}, see {path}"
-
     # -- model versions ------------------------------------------------------------
-    def _available_versions(self) -> set[int]:
-        return {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
-
-    def _serving_version(self) -> int | None:
-        """Where requests that name no version go: the newest AVAILABLE version."""
-        return max(self._available_versions(), default=None)
-
     def _reconcile_versions(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
         policy wants, move each group along, and tell the front door when anything changed."""
         if now >= self._next_config_read:
             self._read_model_config(now)
-        if now >= self._next_poll:
-            self._poll_versions(now)
-        # Newest first: a version that became AVAILABLE retires the one it replaces in the
-        # same tick.
-        for version in sorted(self.groups, reverse=True):
-            if version in self.groups:
-                self._advance(self.groups[version], now, snap)
-        self._tell_router_versions(router_answered)
+        self.model.reconcile(now, snap, router_answered)
 
     def _read_model_config(self, now: float) -> None:
         """--model_config_file again: a new version policy or new labels apply at once. A file
@@ -623,12 +542,12 @@ class Controller:
         log.info(
             "%s: version policy %s, labels %s", source, entry.version_policy, entry.labels or "none"
         )
-        self.policy = VersionPolicy.parse(entry.version_policy)
         self.config = dataclasses.replace(
             config, version_policy=entry.version_policy, version_labels=entry.labels
         )
         self.config.save(self.run_dir)
-        self._next_poll = now  # the base path read again under the new policy, now
+        # The base path read again under the new policy, now.
+        self.model.set_policy(VersionPolicy.parse(entry.version_policy), now)
         return ""
 
     def _take_reload_requests(self, listed: list[Any], now: float) -> None:
@@ -668,10 +587,10 @@ class Controller:
             return
         result = config_reload.outcome(
             self.config.model_name,
-            self.policy,
-            self.on_disk,
-            self._available_versions(),
-            self.failed,
+            self.model.policy,
+            self.model.on_disk,
+            self.model.available_versions(),
+            self.model.failed,
             self.config.version_labels,
         )
         if result is None:
@@ -693,149 +612,7 @@ class Controller:
             log.warning("%s", what)
         self._config_file_said = what
 
-    def _labels_for_router(self) -> dict[str, int]:
-        """The configured labels whose version is AVAILABLE: a label moves to a version only
-        once it serves (as TF Serving, which refuses a label on a version not loaded); until
-        then the label stays where it was told last, or is unknown."""
-        available = self._available_versions()
-        before = self._versions_told[2] if self._versions_told else {}
-        labels = {}
-        for label, version in sorted(self.config.version_labels.items()):
-            if version in available:
-                labels[label] = version
-                self._labels_held.discard((label, version))
-                continue
-            if before.get(label) in available:
-                labels[label] = before[label]
-            if (label, version) not in self._labels_held:
-                self._labels_held.add((label, version))
-                log.info("label %r waits for version %d to be AVAILABLE", label, version)
-        return labels
-
-    def _poll_versions(self, now: float) -> None:
-        wait = self.config.file_system_poll_wait_s
-        self._next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
-        try:
-            on_disk = versions_on_disk(self.config.model_base_path)
-        except OSError as exc:
-            if str(exc) != self._poll_error:  # said once, not every poll
-                log.warning("cannot read the model base path (serving on): %s", exc)
-            self._poll_error = str(exc)
-            return
-        self._poll_error = ""
-        self.on_disk = on_disk
-        for version in [v for v in self.failed if v not in on_disk]:
-            del self.failed[version]  # gone: if it comes back, it is tried again
-        self.aspired = self.policy.aspired(on_disk, set(self.failed))
-        for version in sorted(self.aspired - set(self.groups)):
-            group = self._new_group(version)
-            self.groups[version] = group
-            self._load(group, now)
-
-    def _load(self, group: VersionGroup, now: float) -> None:
-        """START -> LOADING: publish its weights (a child process, polled by `_advance`),
-        or start its workers at once when weights are not shared."""
-        group.change_state(VersionState.LOADING, now, "new on disk")
-        if not self.config.share_weights:
-            self._start_group(group)
-            return
-        group.publisher = self._start_publisher(group.version)
-
-    def _start_group(self, group: VersionGroup) -> None:
-        self._sync_supervisord()
-        self._rpc("startProcessGroup", group.group, False)
-        for slot in group.slots.values():
-            slot.start_pending = True
-            slot.change_state(WorkerState.STARTING, f"version {group.version} loading")
-
-    def _advance(self, group: VersionGroup, now: float, snap: dict[str, Any]) -> None:
-        if group.state is VersionState.LOADING:
-            self._advance_loading(group, now)
-        elif group.state is VersionState.AVAILABLE:
-            # Retired once a version the policy wants serves in its place: never before,
-            # so a version that fails to load leaves the old one serving.
-            replaced = any(
-                g.state is VersionState.AVAILABLE and g.version in self.aspired
-                for g in self.groups.values()
-            )
-            if group.version not in self.aspired and replaced:
-                self._retire(group, now)
-        elif group.state is VersionState.UNLOADING:
-            workers = snap.get("workers", {})
-            busy = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
-            busy += int(snap.get("queued", 0))  # may be another version's: wait anyway
-            if busy and now - group.since < self.config.drain_timeout_s:
-                return
-            self._end_group(group, now, "retired")
-            self.retired = [*self.retired, group.version][-RETIRED_SHOWN:]
-
-    def _advance_loading(self, group: VersionGroup, now: float) -> None:
-        if group.publisher is not None:
-            code = group.publisher.poll()
-            if code is None:
-                return
-            group.publisher = None
-            if code != 0:
-                why = self._publish_failure(group.version, code)
-                self._fail_version(group, f"publishing the weights failed: {why}", now)
-                return
-            log.info("weights of version %d published", group.version)
-            self._start_group(group)
-            return
-        slots = list(group.slots.values())
-        ready = [s for s in slots if s.state is WorkerState.READY]
-        others = self._serving_version() is not None
-        if ready and (len(ready) == len(slots) or not others):
-            # The first version serves with its first worker; a replacement only when all
-            # of its workers are ready, so the pool never serves with fewer.
-            group.change_state(VersionState.AVAILABLE, now, f"{len(ready)} workers READY")
-            return
-        failed = [s for s in slots if s.load_failures and s.state in FINAL_STATES]
-        failed += [s for s in slots if s.load_failures and s.state is WorkerState.BACKOFF]
-        if others and failed:
-            # While another version serves, a version that cannot load is not retried.
-            self._fail_version(group, failed[0].reason, now)
-
-    def _fail_version(self, group: VersionGroup, reason: str, now: float) -> None:
-        log.error("version %d cannot serve: %s", group.version, reason)
-        group.error = reason
-        self.failed[group.version] = reason
-        self._end_group(group, now, reason)
-        if not self.groups:
-            self._fail_pool(reason)
-
-    def _retire(self, group: VersionGroup, now: float) -> None:
-        """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);
-        its workers finish what they have (`_advance`), then stop."""
-        group.change_state(VersionState.UNLOADING, now, "replaced")
-        for slot in group.slots.values():
-            if slot.state in (WorkerState.READY, WorkerState.STARTING):
-                slot.change_state(WorkerState.DRAINING, f"version {group.version} retiring")
-            elif slot.state is WorkerState.BACKOFF:
-                slot.change_state(WorkerState.STOPPED, f"version {group.version} retiring")
-
-    def _end_group(self, group: VersionGroup, now: float, why: str) -> None:
-        """Its processes stop, its program group leaves supervisord, its segment is unlinked
-        (the memory goes back with the processes that mapped it)."""
-        if group.publisher is not None:
-            group.publisher.terminate()
-            group.publisher.wait()
-            group.publisher = None
-        if group.in_supervisord:
-            self._rpc("stopProcessGroup", group.group, True)
-        for slot in group.slots.values():
-            self._forget(slot, why)
-            if slot.state is not WorkerState.STOPPED:
-                slot.change_state(WorkerState.STOPPED, why)
-        group.change_state(VersionState.END, now, why)
-        del self.groups[group.version]
-        if group.in_supervisord:
-            self._sync_supervisord()
-        if group.segment:
-            Path(group.segment).unlink(missing_ok=True)
-            Path(group.segment + ".partial").unlink(missing_ok=True)
-
-    def _sync_supervisord(self) -> None:
+    def sync_supervisord(self) -> None:
         """supervisord's programs made to match the groups: the configuration rewritten and
         reloaded, groups added and removed (supervisord's own reloadConfig protocol)."""
         text = sd.render_config(
@@ -844,36 +621,11 @@ class Controller:
         self._supervisord_config = text
         added, _changed, removed = self.supervisord.update(text)
         for name in removed:
-            self._rpc("removeProcessGroup", name)
+            self.rpc("removeProcessGroup", name)
         for name in added:
-            self._rpc("addProcessGroup", name)
-        for group in self.groups.values():
+            self.rpc("addProcessGroup", name)
+        for group in self.model.groups.values():
             group.in_supervisord = True
-
-    def _version_table(self) -> list[dict[str, Any]]:
-        """What the front door and status report: every group, the failed versions still on
-        disk, the last retired ones (END)."""
-        rows: dict[int, dict[str, Any]] = {}
-        for version in self.retired:
-            rows[version] = {"version": version, "state": VersionState.END.value, "error": ""}
-        for version, why in self.failed.items():
-            rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
-        for group in self.groups.values():
-            rows[group.version] = group.describe()
-        return [rows[v] for v in sorted(rows)]
-
-    def _tell_router_versions(self, router_answered: bool) -> None:
-        """The version table, to the front door when it changed or the front door is a new
-        one (which starts with the configured version only)."""
-        if not router_answered:
-            return
-        table = self._version_table()
-        labels = self._labels_for_router()
-        told = (self._router_pid, table, labels)
-        if told == self._versions_told:
-            return
-        if self.router.ask("versions", versions=table, labels=labels) is not None:
-            self._versions_told = told
 
     def _restore_priorities(self) -> None:
         """Workers load at --loading-priority (idle), so that a version loading beside one
@@ -882,7 +634,7 @@ class Controller:
         process."""
         if self.config.loading_priority == "normal":
             return
-        for group in self.groups.values():
+        for group in self.model.groups.values():
             if group.state is not VersionState.AVAILABLE:
                 continue
             for slot in group.slots.values():
@@ -916,17 +668,17 @@ class Controller:
         for slot in slots:
             if slot.state in FINAL_STATES:
                 continue
-            self._forget(slot, why)  # the router retries their requests elsewhere now
-            self._rpc("stopProcess", slot.program, True)
+            self.forget(slot, why)  # the router retries their requests elsewhere now
+            self.rpc("stopProcess", slot.program, True)
             if slot.state is not WorkerState.BACKOFF:
                 slot.change_state(WorkerState.STARTING, f"GPU {gpu}: {why}")
         self.gpu.recover(gpu, self.supervisord.process_info())
         for slot in slots:
             if slot.state is WorkerState.STARTING:
                 slot.start_pending = True
-                self._rpc("startProcess", slot.program, False)
+                self.rpc("startProcess", slot.program, False)
 
-    def _rpc(self, method: str, *args: Any) -> Any:
+    def rpc(self, method: str, *args: Any) -> Any:
         """A supervisord command whose refusal is news, not an error: between our look and
         our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
         try:
@@ -941,7 +693,7 @@ class Controller:
         except (OSError, xmlrpc.client.Error):
             return {}
 
-    def _forget(self, slot: Slot, why: str, tell_router: bool = True) -> None:
+    def forget(self, slot: Slot, why: str, tell_router: bool = True) -> None:
         """The incarnation slot.pid is over: tell the router at once (its in-flight requests
         are retried elsewhere now, not after the liveness window)."""
         if slot.pid and tell_router:
@@ -962,7 +714,7 @@ class Controller:
         log.info("pool: %s -> %s (%s)", self.phase.value, new.value, why)
         self.phase = new
 
-    def _fail_pool(self, reason: str) -> None:
+    def fail_pool(self, reason: str) -> None:
         log.error("%s", reason)
         self.exit_code, self.exit_reason = 1, reason
         self._set_phase(PoolPhase.DRAINING, reason)
@@ -979,7 +731,7 @@ class Controller:
             t for t in self._supervisord_deaths if now - t < SUPERVISORD_DEATHS_WINDOW_S
         ] + [now]
         if len(self._supervisord_deaths) > SUPERVISORD_DEATHS:
-            self._fail_pool(
+            self.fail_pool(
                 f"supervisord exited with {code}, {len(self._supervisord_deaths)} times in "
                 f"{SUPERVISORD_DEATHS_WINDOW_S:.0f} s"
             )
@@ -987,7 +739,7 @@ class Controller:
         log.warning("supervisord exited with %s: starting it and the pool's processes again", code)
         for slot in self.slots.values():
             # The front door died too: nobody to tell that these processes are gone.
-            self._forget(slot, "supervisord died", tell_router=False)
+            self.forget(slot, "supervisord died", tell_router=False)
             slot.pid = 0
             if slot.state in (WorkerState.READY, WorkerState.STARTING):
                 slot.change_state(WorkerState.STARTING, "supervisord died")
@@ -997,7 +749,7 @@ class Controller:
         for slot in self.slots.values():
             if slot.state is WorkerState.STARTING:
                 slot.start_pending = True
-                self._rpc("startProcess", slot.program, False)
+                self.rpc("startProcess", slot.program, False)
         return True
 
     def _router_crash_loop(self, info: dict[str, Any], answered: bool) -> str:
@@ -1030,8 +782,8 @@ class Controller:
     def _announce(self) -> None:
         self._announced = True
         self._set_phase(PoolPhase.SERVING, "a version is AVAILABLE and the front door listens")
-        version = self._serving_version()
-        slots = self.groups[version].slots.values() if version is not None else []
+        version = self.model.serving_version()
+        slots = self.model.groups[version].slots.values() if version is not None else []
         ready = sum(s.state is WorkerState.READY for s in slots)
         host, model = self.config.host, self.config.model_name
         print(
@@ -1079,8 +831,8 @@ class Controller:
                 "pool_id": self.config.pool_id,
                 "phase": self.phase.value,
                 "model": self.config.model_name,
-                "version": self._serving_version(),
-                "version_policy": self.policy.describe(),
+                "version": self.model.serving_version(),
+                "version_policy": self.model.policy.describe(),
                 "version_labels": self.config.version_labels,
                 "model_base_path": self.config.model_base_path,
                 "listen": f"{self.config.host}:{self.port}" if self.port else None,
@@ -1102,7 +854,7 @@ class Controller:
                 # Read back from the live processes, not from the config: what the OS applies.
                 "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
             },
-            "versions": self._version_table(),
+            "versions": self.model.version_table(),
             "slots": [self._describe(slot, now) for slot in self.slots.values()],
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
@@ -1126,7 +878,7 @@ class Controller:
                 self._drain_router()
                 self.gpu.terminate_clients()
                 rpc = self.supervisord.rpc(timeout=60.0)
-                for group in self.groups.values():
+                for group in self.model.groups.values():
                     if group.in_supervisord:
                         rpc.stopProcessGroup(group.group, True)
                 self.gpu.quit()
@@ -1134,15 +886,8 @@ class Controller:
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("orderly stop failed (%s); shutting supervisord down", exc)
         self.supervisord.shutdown()
-        for group in self.groups.values():
-            if group.publisher is not None:
-                group.publisher.terminate()
-                group.publisher.wait()
-                group.publisher = None
-            if group.segment:
-                # The versions retire with the pool; workers, which map them, are gone.
-                Path(group.segment).unlink(missing_ok=True)
-                Path(group.segment + ".partial").unlink(missing_ok=True)
+        # The versions retire with the pool; workers, which map their segments, are gone.
+        self.model.stop()
         for slot in self.slots.values():
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, "pool stopped")

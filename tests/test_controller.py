@@ -859,7 +859,7 @@ def test_the_pool_fails_when_supervisord_gives_up_on_the_router(pool: Pool):
 def test_stop_everything_ends_every_slot_stopped(
     pool: Pool, attempts: list[Attempt], capsys: pytest.CaptureFixture[str]
 ):
-    pool.controller._fail_pool("a reason to stop")
+    pool.controller.fail_pool("a reason to stop")
     pool.start()
     pool.make_ready("cpu-0")
     pool.sd.logs[program_of("cpu-1")] = LOAD_ERROR
@@ -1344,7 +1344,7 @@ def test_the_pool_phase_moves_only_forward(pool: Pool):
     pool.start()
     pool.make_ready("cpu-0")
     assert pool.controller.phase is PoolPhase.SERVING
-    pool.controller._fail_pool("test")
+    pool.controller.fail_pool("test")
     assert pool.controller.phase is PoolPhase.DRAINING
     with pytest.raises(RuntimeError, match="draining -> serving"):
         pool.controller._set_phase(PoolPhase.SERVING, "cannot come back")

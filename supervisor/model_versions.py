@@ -1,0 +1,364 @@
+"""One model's versions, as the controller runs them: which versions the policy wants
+(supervisor/versions.py), a group of workers and a weight segment per version, their states
+(START → LOADING → AVAILABLE → UNLOADING → END), what the front door is told, and the
+publisher child that puts a version's weights into shared memory.
+
+The controller owns the pool (supervisord, the front door link, the MPS daemons, the pool's
+phase) and offers it here through `Pool`; this object owns the decisions about its model's
+versions and nothing else. Its slots' own states (STARTING, READY, BACKOFF, ...) stay with
+the controller's reconciling, which reads them through `groups`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from mpspool import process
+from mpspool.config import PoolConfig
+from mpspool.demo_model import versions_on_disk
+from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.states import FINAL_STATES, WorkerState
+from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
+
+log = logging.getLogger("mpspool.controller")
+
+# Retired versions listed (END) in status and GetModelStatus, newest last.
+RETIRED_SHOWN = 5
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+
+class RouterAsk(Protocol):
+    def ask(self, op: str, timeout_s: float = 0.5, **fields: Any) -> dict[str, Any] | None: ...
+
+
+class Pool(Protocol):
+    """What the controller offers a model's versions."""
+
+    config: PoolConfig
+    clock: Clock
+    run_dir: Path
+    log_dir: Path
+    router: RouterAsk
+
+    @property
+    def router_pid(self) -> int: ...
+
+    def rpc(self, method: str, *args: Any) -> Any: ...
+
+    def sync_supervisord(self) -> None: ...
+
+    def forget(self, slot: Slot, why: str, tell_router: bool = True) -> None: ...
+
+    def fail_pool(self, reason: str) -> None: ...
+
+
+class ModelVersions:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        config = pool.config
+        self.policy = VersionPolicy.parse(config.version_policy)
+        # Model version → its group of workers; the first, the version found at start.
+        self.groups: dict[int, VersionGroup] = {}
+        first = self.new_group(config.model_version)
+        first.state = VersionState.LOADING
+        self.groups[first.version] = first
+        self.aspired = {config.model_version}  # what the policy wants, as last polled
+        self.failed: dict[int, str] = {}  # version → why it could not serve (while on disk)
+        self.retired: list[int] = []  # versions retired, newest last
+        self.on_disk: set[int] = set()  # the versions under the base path, as last read
+        self.next_poll = 0.0
+        self._poll_error = ""  # the last failure to read the base path, said once
+        self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
+        # (router pid, table, labels) last sent to the front door.
+        self._versions_told: tuple[int, Any, dict[str, int]] | None = None
+
+    @property
+    def config(self) -> PoolConfig:
+        """The model's configuration: its name, base path, policy and labels, and the pool's
+        settings."""
+        return self.pool.config
+
+    @property
+    def slots(self) -> dict[str, Slot]:
+        """Every version's slots, by key ("cpu-0@2")."""
+        return {key: slot for group in self.groups.values() for key, slot in group.slots.items()}
+
+    def new_group(self, version: int) -> VersionGroup:
+        slots = {}
+        for name in self.config.slots:
+            slot = Slot(name, version)
+            slots[slot.key] = slot
+        return VersionGroup(version, slots, self.config.segment_for(version))
+
+    # -- publishing ---------------------------------------------------------------
+    def publish_first(self) -> str:
+        """Publish the first version's weights into shared memory before any worker starts;
+        the reason it failed ("" when it did not). Later versions are published the same way
+        while the pool serves (`_load`)."""
+        started = time.monotonic()
+        version = self.config.model_version
+        code = self._start_publisher(version).wait()
+        if code != 0:
+            return f"publishing the weights failed: {self._publish_failure(version, code)}"
+        size = Path(self.config.segment_for(version)).stat().st_size
+        log.info(
+            "weights of version %d published to %s (%.1f MiB) in %.1f s",
+            version,
+            self.config.segment_for(version),
+            size / 2**20,
+            time.monotonic() - started,
+        )
+        return ""
+
+    def _start_publisher(self, version: int) -> subprocess.Popen[bytes]:
+        """The one-shot child that publishes a version's weights (it needs TensorFlow, which
+        the controller never loads); its output goes to `_publish_log_path`."""
+        path = self._publish_log_path(version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as out:
+            return subprocess.Popen(
+                # Reading and checksumming a checkpoint leaves the cores to the workers that
+                # serve (one-shot: it never needs its priority back).
+                process.at_loading_priority(
+                    [
+                        sys.executable,
+                        "-m",
+                        "mpspool.worker.publish",
+                        "--run-dir",
+                        str(self.pool.run_dir),
+                        "--version",
+                        str(version),
+                    ],
+                    self.config.loading_priority,
+                ),
+                cwd=self.pool.run_dir,  # not a source checkout (see supervisord.py)
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=process.die_with_parent_sigterm,
+            )
+
+    def _publish_log_path(self, version: int) -> Path:
+        first = version == self.config.model_version
+        return self.pool.log_dir / ("publish.log" if first else f"publish-v{version}.log")
+
+    def _publish_failure(self, version: int, code: int) -> str:
+        path = self._publish_log_path(version)
+        reason = process.fatal_reason(path.read_text(errors="replace"))
+        return reason or f"exit code {code}, see {path}"
+
+    # -- what serves ----------------------------------------------------------------
+    def available_versions(self) -> set[int]:
+        return {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
+
+    def serving_version(self) -> int | None:
+        """Where requests that name no version go: the newest AVAILABLE version."""
+        return max(self.available_versions(), default=None)
+
+    def set_policy(self, policy: VersionPolicy, now: float) -> None:
+        """A new version policy, in force from now: the base path is read again at once."""
+        self.policy = policy
+        self.next_poll = now
+
+    # -- reconciling ---------------------------------------------------------------
+    def reconcile(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
+        """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
+        policy wants, move each group along, and tell the front door when anything changed."""
+        if now >= self.next_poll:
+            self._poll_versions(now)
+        # Newest first: a version that became AVAILABLE retires the one it replaces in the
+        # same tick.
+        for version in sorted(self.groups, reverse=True):
+            if version in self.groups:
+                self._advance(self.groups[version], now, snap)
+        self._tell_router_versions(router_answered)
+
+    def _labels_for_router(self) -> dict[str, int]:
+        """The configured labels whose version is AVAILABLE: a label moves to a version only
+        once it serves (as TF Serving, which refuses a label on a version not loaded); until
+        then the label stays where it was told last, or is unknown."""
+        available = self.available_versions()
+        before = self._versions_told[2] if self._versions_told else {}
+        labels = {}
+        for label, version in sorted(self.config.version_labels.items()):
+            if version in available:
+                labels[label] = version
+                self._labels_held.discard((label, version))
+                continue
+            if before.get(label) in available:
+                labels[label] = before[label]
+            if (label, version) not in self._labels_held:
+                self._labels_held.add((label, version))
+                log.info("label %r waits for version %d to be AVAILABLE", label, version)
+        return labels
+
+    def _poll_versions(self, now: float) -> None:
+        wait = self.config.file_system_poll_wait_s
+        self.next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
+        try:
+            on_disk = versions_on_disk(self.config.model_base_path)
+        except OSError as exc:
+            if str(exc) != self._poll_error:  # said once, not every poll
+                log.warning("cannot read the model base path (serving on): %s", exc)
+            self._poll_error = str(exc)
+            return
+        self._poll_error = ""
+        self.on_disk = on_disk
+        for version in [v for v in self.failed if v not in on_disk]:
+            del self.failed[version]  # gone: if it comes back, it is tried again
+        self.aspired = self.policy.aspired(on_disk, set(self.failed))
+        for version in sorted(self.aspired - set(self.groups)):
+            group = self.new_group(version)
+            self.groups[version] = group
+            self._load(group, now)
+
+    def _load(self, group: VersionGroup, now: float) -> None:
+        """START -> LOADING: publish its weights (a child process, polled by `_advance`),
+        or start its workers at once when weights are not shared."""
+        group.change_state(VersionState.LOADING, now, "new on disk")
+        if not self.config.share_weights:
+            self._start_group(group)
+            return
+        group.publisher = self._start_publisher(group.version)
+
+    def _start_group(self, group: VersionGroup) -> None:
+        self.pool.sync_supervisord()
+        self.pool.rpc("startProcessGroup", group.group, False)
+        for slot in group.slots.values():
+            slot.start_pending = True
+            slot.change_state(WorkerState.STARTING, f"version {group.version} loading")
+
+    def _advance(self, group: VersionGroup, now: float, snap: dict[str, Any]) -> None:
+        if group.state is VersionState.LOADING:
+            self._advance_loading(group, now)
+        elif group.state is VersionState.AVAILABLE:
+            # Retired once a version the policy wants serves in its place: never before,
+            # so a version that fails to load leaves the old one serving.
+            replaced = any(
+                g.state is VersionState.AVAILABLE and g.version in self.aspired
+                for g in self.groups.values()
+            )
+            if group.version not in self.aspired and replaced:
+                self._retire(group, now)
+        elif group.state is VersionState.UNLOADING:
+            workers = snap.get("workers", {})
+            busy = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
+            busy += int(snap.get("queued", 0))  # may be another version's: wait anyway
+            if busy and now - group.since < self.config.drain_timeout_s:
+                return
+            self.end_group(group, now, "retired")
+            self.retired = [*self.retired, group.version][-RETIRED_SHOWN:]
+
+    def _advance_loading(self, group: VersionGroup, now: float) -> None:
+        if group.publisher is not None:
+            code = group.publisher.poll()
+            if code is None:
+                return
+            group.publisher = None
+            if code != 0:
+                why = self._publish_failure(group.version, code)
+                self._fail_version(group, f"publishing the weights failed: {why}", now)
+                return
+            log.info("weights of version %d published", group.version)
+            self._start_group(group)
+            return
+        slots = list(group.slots.values())
+        ready = [s for s in slots if s.state is WorkerState.READY]
+        others = self.serving_version() is not None
+        if ready and (len(ready) == len(slots) or not others):
+            # The first version serves with its first worker; a replacement only when all
+            # of its workers are ready, so the pool never serves with fewer.
+            group.change_state(VersionState.AVAILABLE, now, f"{len(ready)} workers READY")
+            return
+        failed = [s for s in slots if s.load_failures and s.state in FINAL_STATES]
+        failed += [s for s in slots if s.load_failures and s.state is WorkerState.BACKOFF]
+        if others and failed:
+            # While another version serves, a version that cannot load is not retried.
+            self._fail_version(group, failed[0].reason, now)
+
+    def _fail_version(self, group: VersionGroup, reason: str, now: float) -> None:
+        log.error("version %d cannot serve: %s", group.version, reason)
+        group.error = reason
+        self.failed[group.version] = reason
+        self.end_group(group, now, reason)
+        if not self.groups:
+            self.pool.fail_pool(reason)
+
+    def _retire(self, group: VersionGroup, now: float) -> None:
+        """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);
+        its workers finish what they have (`_advance`), then stop."""
+        group.change_state(VersionState.UNLOADING, now, "replaced")
+        for slot in group.slots.values():
+            if slot.state in (WorkerState.READY, WorkerState.STARTING):
+                slot.change_state(WorkerState.DRAINING, f"version {group.version} retiring")
+            elif slot.state is WorkerState.BACKOFF:
+                slot.change_state(WorkerState.STOPPED, f"version {group.version} retiring")
+
+    def end_group(self, group: VersionGroup, now: float, why: str) -> None:
+        """Its processes stop, its program group leaves supervisord, its segment is unlinked
+        (the memory goes back with the processes that mapped it)."""
+        if group.publisher is not None:
+            group.publisher.terminate()
+            group.publisher.wait()
+            group.publisher = None
+        if group.in_supervisord:
+            self.pool.rpc("stopProcessGroup", group.group, True)
+        for slot in group.slots.values():
+            self.pool.forget(slot, why)
+            if slot.state is not WorkerState.STOPPED:
+                slot.change_state(WorkerState.STOPPED, why)
+        group.change_state(VersionState.END, now, why)
+        del self.groups[group.version]
+        if group.in_supervisord:
+            self.pool.sync_supervisord()
+        if group.segment:
+            Path(group.segment).unlink(missing_ok=True)
+            Path(group.segment + ".partial").unlink(missing_ok=True)
+
+    def version_table(self) -> list[dict[str, Any]]:
+        """What the front door and status report: every group, the failed versions still on
+        disk, the last retired ones (END)."""
+        rows: dict[int, dict[str, Any]] = {}
+        for version in self.retired:
+            rows[version] = {"version": version, "state": VersionState.END.value, "error": ""}
+        for version, why in self.failed.items():
+            rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
+        for group in self.groups.values():
+            rows[group.version] = group.describe()
+        return [rows[v] for v in sorted(rows)]
+
+    def _tell_router_versions(self, router_answered: bool) -> None:
+        """The version table, to the front door when it changed or the front door is a new
+        one (which starts with the configured version only)."""
+        if not router_answered:
+            return
+        table = self.version_table()
+        labels = self._labels_for_router()
+        told = (self.pool.router_pid, table, labels)
+        if told == self._versions_told:
+            return
+        if self.pool.router.ask("versions", versions=table, labels=labels) is not None:
+            self._versions_told = told
+
+    def stop(self) -> None:
+        """The pool stops: publishers end, every segment is unlinked (the workers that map
+        them are gone)."""
+        for group in self.groups.values():
+            if group.publisher is not None:
+                group.publisher.terminate()
+                group.publisher.wait()
+                group.publisher = None
+            if group.segment:
+                Path(group.segment).unlink(missing_ok=True)
+                Path(group.segment + ".partial").unlink(missing_ok=True)
