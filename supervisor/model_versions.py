@@ -33,10 +33,6 @@ log = logging.getLogger("mpspool.controller")
 RETIRED_SHOWN = 5
 
 
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-
 class RouterAsk(Protocol):
     def ask(self, op: str, timeout_s: float = 0.5, **fields: Any) -> dict[str, Any] | None: ...
 
@@ -45,7 +41,6 @@ class Pool(Protocol):
     """What the controller offers a model's versions."""
 
     config: PoolConfig
-    clock: Clock
     run_dir: Path
     log_dir: Path
     router: RouterAsk
@@ -308,10 +303,7 @@ class ModelVersions:
     def end_group(self, group: VersionGroup, now: float, why: str) -> None:
         """Its processes stop, its program group leaves supervisord, its segment is unlinked
         (the memory goes back with the processes that mapped it)."""
-        if group.publisher is not None:
-            group.publisher.terminate()
-            group.publisher.wait()
-            group.publisher = None
+        group.stop_publisher()
         if group.in_supervisord:
             self.pool.rpc("stopProcessGroup", group.group, True)
         for slot in group.slots.values():
@@ -322,9 +314,7 @@ class ModelVersions:
         del self.groups[group.version]
         if group.in_supervisord:
             self.pool.sync_supervisord()
-        if group.segment:
-            Path(group.segment).unlink(missing_ok=True)
-            Path(group.segment + ".partial").unlink(missing_ok=True)
+        group.unlink_segment()
 
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on
@@ -355,10 +345,5 @@ class ModelVersions:
         """The pool stops: publishers end, every segment is unlinked (the workers that map
         them are gone)."""
         for group in self.groups.values():
-            if group.publisher is not None:
-                group.publisher.terminate()
-                group.publisher.wait()
-                group.publisher = None
-            if group.segment:
-                Path(group.segment).unlink(missing_ok=True)
-                Path(group.segment + ".partial").unlink(missing_ok=True)
+            group.stop_publisher()
+            group.unlink_segment()

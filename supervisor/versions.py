@@ -19,6 +19,7 @@ import enum
 import logging
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from mpspool.supervisor.slots import Slot
 
@@ -109,6 +110,20 @@ class VersionGroup:
     def group(self) -> str:
         """Its supervisord program group."""
         return f"v{self.version}"
+
+    def stop_publisher(self) -> None:
+        """End the child publishing its weights, if it still runs."""
+        if self.publisher is not None:
+            self.publisher.terminate()
+            self.publisher.wait()
+            self.publisher = None
+
+    def unlink_segment(self) -> None:
+        """Its weight segment (and a half-written one) leaves /dev/shm; the memory goes back
+        with the last process that maps it."""
+        if self.segment:
+            Path(self.segment).unlink(missing_ok=True)
+            Path(self.segment + ".partial").unlink(missing_ok=True)
 
     def change_state(self, new: VersionState, now: float, why: str = "") -> None:
         if new is self.state:

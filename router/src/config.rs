@@ -20,6 +20,15 @@ pub struct ModelEntry {
     pub version: i64,
 }
 
+impl ModelEntry {
+    pub fn new(name: &str, version: i64) -> ModelEntry {
+        ModelEntry {
+            name: name.to_string(),
+            version,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize)]
 pub struct Config {
     /// The pool's model (the first, when `models` lists several).
@@ -167,10 +176,7 @@ impl Config {
     /// The models the front door serves, in order: `models`, or the one model.
     pub fn served_models(&self) -> Vec<ModelEntry> {
         if self.models.is_empty() {
-            return vec![ModelEntry {
-                name: self.model_name.clone(),
-                version: self.model_version,
-            }];
+            return vec![ModelEntry::new(&self.model_name, self.model_version)];
         }
         self.models.clone()
     }
@@ -306,20 +312,14 @@ mod tests {
     fn several_models_are_listed_in_order_and_each_named_once() {
         let base = r#""model_name": "wdl", "model_version": 3, "run_dir": "/r""#;
         let one = Config::parse(&format!("{{{base}}}")).unwrap();
-        let wdl = ModelEntry {
-            name: "wdl".to_string(),
-            version: 3,
-        };
+        let wdl = ModelEntry::new("wdl", 3);
         assert_eq!(one.served_models(), std::slice::from_ref(&wdl));
         let two = Config::parse(&format!(
             r#"{{{base}, "models": [{{"name": "wdl", "version": 3}},
                 {{"name": "ranker", "version": 1}}]}}"#
         ))
         .unwrap();
-        let ranker = ModelEntry {
-            name: "ranker".to_string(),
-            version: 1,
-        };
+        let ranker = ModelEntry::new("ranker", 1);
         assert_eq!(two.served_models(), [wdl, ranker]);
         let twice = Config::parse(&format!(
             r#"{{{base}, "models": [{{"name": "wdl", "version": 3}},

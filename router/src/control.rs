@@ -224,6 +224,7 @@ fn gpu_sample(value: &Value) -> Option<GpuSample> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ModelEntry;
     use crate::versions::Servable;
 
     const V1: Servable = Servable {
@@ -246,7 +247,7 @@ mod tests {
                 Duration::from_secs(3),
                 crate::policies::chooser("round-robin").expect("known"),
             );
-            let configured = [("demo".to_string(), 1), ("ranker".to_string(), 4)];
+            let configured = [ModelEntry::new("demo", 1), ModelEntry::new("ranker", 4)];
             let models = Models::configured(&configured).expect("two models");
             let (versions, _) = tokio::sync::watch::channel(Arc::new(models));
             let timeline = Timeline::new(10);

@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::batch::{self, Batching};
+use crate::config::ModelEntry;
 use crate::control;
 use crate::policies::{self, CostModel, Order, Scheduling};
 use crate::signature::{self, ModelSignatures};
@@ -135,13 +136,6 @@ pub struct Dispatcher {
     split_rows: u64,
 }
 
-/// A served model, as the configuration names it: READY from any other is not learned.
-/// `version` is the one served until the controller lists versions (`VersionTable`).
-pub struct ServedModel {
-    pub name: String,
-    pub version: i64,
-}
-
 /// Each servable's signatures, as its workers reported them in READY.
 pub type Signatures = std::collections::BTreeMap<Servable, Arc<ModelSignatures>>;
 
@@ -175,7 +169,7 @@ impl Dispatcher {
     /// Bind the sockets in `run_dir` and start the actor on the current runtime.
     pub fn start(
         run_dir: &str,
-        models: &[ServedModel],
+        models: &[ModelEntry],
         worker_timeout: Duration,
         scheduling: &Scheduling,
         state: Arc<RouterState>,
@@ -204,9 +198,8 @@ impl Dispatcher {
             })?;
         let (commands, commands_rx) = mpsc::unbounded_channel();
         let (signatures_tx, signatures) = watch::channel(Signatures::new());
-        let configured: Vec<(String, i64)> =
-            models.iter().map(|m| (m.name.clone(), m.version)).collect();
-        let Some(tables) = Models::configured(&configured) else {
+        // READY from a model not listed here is not learned.
+        let Some(tables) = Models::configured(models) else {
             return Err(DispatchError::Scheduling(format!(
                 "a pool serves 1 to {} models, not {}",
                 ModelId::MAX,

@@ -586,11 +586,12 @@ impl ModelService for Api {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ModelEntry;
     use crate::versions::Models;
 
     /// A pool serving version 3 of demo (and version 1 of another model), as configured.
     fn models() -> Models {
-        Models::configured(&[("demo".to_string(), 3), ("other".to_string(), 1)]).unwrap()
+        Models::configured(&[ModelEntry::new("demo", 3), ModelEntry::new("other", 1)]).unwrap()
     }
 
     fn spec(name: &str, choice: Option<VersionChoice>) -> ModelSpec {

@@ -38,7 +38,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::config::{seconds, Config};
-use crate::dispatch::{Dispatcher, ServedModel};
+use crate::dispatch::Dispatcher;
 use crate::state::{DrainRequest, RouterState};
 
 /// Reserved exit codes and the fatal-reason marker of mpspool/process.py: the controller tells
@@ -127,14 +127,7 @@ async fn serve(config: Config) -> ExitCode {
         return fail("pool.json holds a negative duration"); // Config::parse refuses these
     };
     let scheduling = config.scheduling();
-    let served = config.served_models();
-    let models: Vec<ServedModel> = served
-        .iter()
-        .map(|m| ServedModel {
-            name: m.name.clone(),
-            version: m.version,
-        })
-        .collect();
+    let models = config.served_models();
     let dispatcher = match Dispatcher::start(
         &config.run_dir,
         &models,
@@ -159,7 +152,7 @@ async fn serve(config: Config) -> ExitCode {
         .map(|a| a.port())
         .unwrap_or(config.port);
     server::record_port(&state, port);
-    let names: Vec<String> = served.into_iter().map(|m| m.name).collect();
+    let names: Vec<String> = models.into_iter().map(|m| m.name).collect();
     let metrics = Arc::new(metrics::Metrics::new(
         &names,
         dispatcher.ready_workers(),

@@ -16,6 +16,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::config::ModelEntry;
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, ModelSpec, ModelVersionStatus, StatusProto,
 };
@@ -322,19 +323,19 @@ pub struct Models {
 
 impl Models {
     /// The configured models, in order (a model's index is its `ModelId`), each at the
-    /// version it was configured with. None when the list is empty or longer than `ModelId`
-    /// counts.
-    pub fn configured(models: &[(String, i64)]) -> Option<Models> {
+    /// version it was configured with (served until the controller lists versions). None
+    /// when the list is empty or longer than `ModelId` counts.
+    pub fn configured(models: &[ModelEntry]) -> Option<Models> {
         if models.is_empty() {
             return None;
         }
         let tables = models
             .iter()
             .enumerate()
-            .map(|(id, (name, version))| {
+            .map(|(id, m)| {
                 ModelId::try_from(id)
                     .ok()
-                    .map(|id| VersionTable::configured(id, name, *version))
+                    .map(|id| VersionTable::configured(id, &m.name, m.version))
             })
             .collect::<Option<Vec<_>>>()?;
         Some(Models { tables })
@@ -596,7 +597,7 @@ mod tests {
     #[test]
     fn several_models_each_resolve_on_their_own_table() {
         let mut models =
-            Models::configured(&[("wdl".to_string(), 3), ("ranker".to_string(), 7)]).unwrap();
+            Models::configured(&[ModelEntry::new("wdl", 3), ModelEntry::new("ranker", 7)]).unwrap();
         assert_eq!(
             models.resolve(Some(&spec("ranker", None))),
             Ok(Target {

@@ -6,6 +6,7 @@ use std::thread;
 use std::time::Duration;
 
 use super::*;
+use crate::config::ModelEntry;
 
 /// What a fake worker does with each request it receives.
 #[derive(Clone, Copy)]
@@ -192,10 +193,7 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 fn start(run_dir: &str, timeout: Duration) -> (Dispatcher, Arc<RouterState>) {
     let (state, _drains) = RouterState::new();
     let state = Arc::new(state);
-    let models = [ServedModel {
-        name: "m".into(),
-        version: 1,
-    }];
+    let models = [ModelEntry::new("m", 1)];
     let dispatcher = Dispatcher::start(
         run_dir,
         &models,
@@ -210,10 +208,7 @@ fn start(run_dir: &str, timeout: Duration) -> (Dispatcher, Arc<RouterState>) {
 fn start_scheduled(run_dir: &str, scheduling: &Scheduling) -> (Dispatcher, Arc<RouterState>) {
     let (state, _drains) = RouterState::new();
     let state = Arc::new(state);
-    let models = [ServedModel {
-        name: "m".into(),
-        version: 1,
-    }];
+    let models = [ModelEntry::new("m", 1)];
     let timeout = Duration::from_secs(3);
     let dispatcher =
         Dispatcher::start(run_dir, &models, timeout, scheduling, state.clone()).unwrap();
@@ -899,10 +894,7 @@ async fn the_control_snapshot_and_timeline_carry_what_the_controller_reads() {
 async fn a_drain_request_reaches_the_server() {
     let (_dir, dir) = run_dir();
     let (state, mut drains) = RouterState::new();
-    let models = [ServedModel {
-        name: "m".into(),
-        version: 1,
-    }];
+    let models = [ModelEntry::new("m", 1)];
     let dispatcher = Dispatcher::start(
         &dir,
         &models,
@@ -1252,16 +1244,7 @@ async fn two_models_run_on_their_own_workers_and_neither_waits_behind_the_other(
     use crate::proto::mpspool::tfs::ModelSpec;
     let (_dir, dir) = run_dir();
     let (state, _drains) = RouterState::new();
-    let models = [
-        ServedModel {
-            name: "m".into(),
-            version: 1,
-        },
-        ServedModel {
-            name: "r".into(),
-            version: 4,
-        },
-    ];
+    let models = [ModelEntry::new("m", 1), ModelEntry::new("r", 4)];
     // One request per worker at a time: the rest wait in the front door's queue.
     let scheduling = Scheduling {
         worker_inflight: 1,
