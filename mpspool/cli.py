@@ -21,6 +21,7 @@ from mpspool.config import (
     QUEUE_ORDERS,
     ConfigError,
     PoolConfig,
+    ServedModel,
     batching_parameters_from,
     default_cache_dir,
     default_log_dir,
@@ -29,6 +30,7 @@ from mpspool.config import (
     tls_from,
     usable_cores,
 )
+from mpspool.model_config import ModelEntry
 
 DEMO_MODEL_NAME = "demo"
 
@@ -64,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model_config_file",
         dest="model_config_file",
         type=Path,
-        help="TF Serving's ModelServerConfig in text format: the model's name, base_path, "
-        "model_version_policy and version_labels (one model per pool)",
+        help="TF Serving's ModelServerConfig in text format: each model's name, base_path, "
+        "model_version_policy and version_labels; every model listed gets workers of its own",
     )
     start.add_argument(
         "--model-name", help="name clients use in model_spec.name (default: the directory's name)"
@@ -74,7 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=usable_cores(),
-        help="worker processes (default: usable cores, %(default)s)",
+        help="worker processes (default: usable cores, %(default)s); each model's, when "
+        "--model_config_file lists several",
+    )
+    start.add_argument(
+        "--model-workers",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="a model of --model_config_file gets N workers (GPU pools: N contexts per GPU) "
+        "instead of --workers (--contexts-per-gpu); repeat for each model",
     )
     start.add_argument(
         "--host",
@@ -440,6 +451,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     router_binary()
     policy_text, labels = args.version_policy or "latest:1", {}
+    entries: list[ModelEntry] = []
     if args.model_config_file:
         from mpspool.model_config import read_model_config
 
@@ -448,33 +460,32 @@ def cmd_start(args: argparse.Namespace) -> int:
                 "--model_config_file names the model and its version policy: leave out "
                 "--model-name and --version-policy"
             )
-        entry = read_model_config(args.model_config_file)
-        base_path, name = Path(entry.base_path), entry.name
-        policy_text, labels = entry.version_policy, entry.labels
+        entries = read_model_config(args.model_config_file)
+        base_path, name = Path(entries[0].base_path), entries[0].name
+        policy_text, labels = entries[0].version_policy, entries[0].labels
+    elif args.model_workers:
+        raise ConfigError("--model-workers names models of --model_config_file: give one")
     elif args.demo:
         base_path = _demo_model(args.demo_rows)
         name = args.model_name or DEMO_MODEL_NAME
     else:
         base_path = args.model_base_path.resolve()
         name = args.model_name or base_path.name
-    from mpspool.demo_model import latest_version, versions_on_disk
-    from mpspool.supervisor.versions import VersionPolicy
-
-    try:
-        policy = VersionPolicy.parse(policy_text)
-    except ValueError as exc:
-        raise ConfigError(f"--version-policy: {exc}") from None
-    try:
-        latest_version(base_path)  # says what was expected when there is no version at all
-        wanted = policy.aspired(versions_on_disk(base_path), set())
-    except FileNotFoundError as exc:
-        raise ConfigError(str(exc)) from None
-    if not wanted:
-        found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))
-        raise ConfigError(
-            f"no version in {base_path} fits --version-policy {policy.describe()} (found {found})"
+    workers = _model_workers(args.model_workers, [e.name for e in entries])
+    version = _first_version(base_path, policy_text)
+    models = tuple(
+        ServedModel(
+            e.name,
+            e.base_path,
+            _first_version(Path(e.base_path), e.version_policy, e.name),
+            e.version_policy,
+            e.labels,
+            workers.get(e.name, 0),
         )
-    version = max(wanted)
+        for e in entries
+    )
+    if len(models) == 1 and not models[0].workers:
+        models = ()  # one model: the fields of the pool's model say it all
     run_dir = args.run_dir.resolve()
     config = PoolConfig(
         model_name=name,
@@ -508,6 +519,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         allow_copied_weights=args.allow_copied_weights,
         version_policy=policy_text,
         version_labels=labels,
+        models=models,
         model_config_file=str(args.model_config_file.resolve()) if args.model_config_file else "",
         model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
         file_system_poll_wait_s=args.file_system_poll_wait_s,
@@ -522,8 +534,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         split_rows=args.split_rows,
         contexts_per_gpu=args.contexts_per_gpu,
         mps=args.mps,
+        # "split": shared by every model's contexts on a GPU.
         active_thread_percentage=_thread_percentage(
-            args.active_thread_percentage, args.contexts_per_gpu
+            args.active_thread_percentage,
+            sum(m.workers or args.contexts_per_gpu for m in models) or args.contexts_per_gpu,
         ),
         pinned_mem_limit_mib=args.pinned_mem_limit,
         **gpu_fields,
@@ -546,12 +560,53 @@ def cmd_start(args: argparse.Namespace) -> int:
     )
     from mpspool.supervisor.controller import Controller
 
-    print(
-        f"mpspool: starting {len(config.slots)} worker(s) for {name!r} "
-        f"version {version} from {base_path} (pool {config.pool_id})",
-        flush=True,
-    )
+    for model in config.served_models():
+        print(
+            f"mpspool: starting {len(config.for_model(model.name).slots)} worker(s) for "
+            f"{model.name!r} version {model.version} from {model.base_path} "
+            f"(pool {config.pool_id})",
+            flush=True,
+        )
     return Controller(config, created).run()
+
+
+def _first_version(base_path: Path, policy_text: str, model: str = "") -> int:
+    """The newest version under a base path that the policy wants: what a model serves first."""
+    from mpspool.demo_model import latest_version, versions_on_disk
+    from mpspool.supervisor.versions import VersionPolicy
+
+    flag = f"model {model!r}: version policy" if model else "--version-policy"
+    try:
+        policy = VersionPolicy.parse(policy_text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    try:
+        latest_version(base_path)  # says what was expected when there is no version at all
+        wanted = policy.aspired(versions_on_disk(base_path), set())
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    if not wanted:
+        found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))
+        raise ConfigError(
+            f"no version in {base_path} fits {flag} {policy.describe()} (found {found})"
+        )
+    return max(wanted)
+
+
+def _model_workers(given: list[str], models: list[str]) -> dict[str, int]:
+    """--model-workers NAME=N, each naming a model of the config file once."""
+    workers: dict[str, int] = {}
+    for text in given:
+        name, sep, count = text.partition("=")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise ConfigError(f"--model-workers takes NAME=N with N >= 1, got {text!r}")
+        if name not in models:
+            served = ", ".join(repr(m) for m in models)
+            raise ConfigError(f"--model-workers {text!r}: the config file lists {served}")
+        if name in workers:
+            raise ConfigError(f"--model-workers names {name!r} twice")
+        workers[name] = int(count)
+    return workers
 
 
 def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -694,22 +749,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     if pool.get("cpu_placement"):
         front = pool.get("router_cpus") or "-"
         print(f"CPUs: {pool['cpu_placement']} (front door now on {front})")
-    versions = ", ".join(
-        f"{v['version']} {v['state']}" + (f" ({v['error']})" if v["error"] else "")
-        for v in status.get("versions", [])
-    )
-    print(f"versions ({pool.get('version_policy')}): {versions or '-'}")
-    if pool.get("version_labels"):
-        labels = ", ".join(f"{k}={v}" for k, v in sorted(pool["version_labels"].items()))
-        print(f"labels: {labels}")
+    models = status.get("models") or [
+        {"name": pool["model"], **{k: pool.get(k) for k in ("version_policy", "version_labels")}}
+        | {"versions": status.get("versions", [])}
+    ]
+    for model in models:
+        # A pool of several models: a line of each model's versions and labels, by name.
+        which = f"model {model['name']!r} " if len(models) > 1 else ""
+        versions = ", ".join(
+            f"{v['version']} {v['state']}" + (f" ({v['error']})" if v["error"] else "")
+            for v in model["versions"]
+        )
+        print(f"{which}versions ({model.get('version_policy')}): {versions or '-'}")
+        if model.get("version_labels"):
+            labels = ", ".join(f"{k}={v}" for k, v in sorted(model["version_labels"].items()))
+            print(f"{which}labels: {labels}")
     print(
         f"{'SLOT':<10} {'VERSION':>7} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
         f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<14} REASON"
     )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
+        slot = f"{s['model']}/{s['slot']}" if s.get("model") else s["slot"]
         print(
-            f"{s['slot']:<10} {s['version']:>7} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} "
+            f"{slot:<10} {s['version']:>7} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} "
             f"{s['restarts']:>8} {s['inflight']:>8} {s['served']:>9}  {s.get('cpus') or '-':<9} "
             f"{_weights(s.get('weights')):<14} {s['reason']}"
         )

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,26 @@ def _usable_cpus() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
+# A model name that is also safe in supervisord program and group names, log file names and
+# shared-memory segment names (every model of a pool that serves several has its own).
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model of a pool that serves several: its name, where its versions are, the
+    version it starts with, its policy and labels, and its share of the pool's workers."""
+
+    name: str
+    base_path: str
+    version: int
+    version_policy: str = "latest:1"
+    version_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Its worker processes (CPU pools) or contexts per GPU (GPU pools); 0: the pool's
+    # --workers or --contexts-per-gpu.
+    workers: int = 0
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     model_name: str
@@ -219,6 +240,11 @@ class PoolConfig:
     # (0: only at start), when the pool was started from one.
     model_config_file: str = ""
     model_config_file_poll_wait_s: float = 0.0
+    # Every model when the pool serves several (a --model_config_file listing more than one),
+    # the first being the model of the fields above (model_name, ..., version_labels), which
+    # keeps every name a one-model pool has; empty: the pool serves that one model. Each
+    # model has its own workers (`for_model`), versions and weight segments.
+    models: tuple[ServedModel, ...] = ()
     file_system_poll_wait_s: float = 1.0
     # Workers and weight publishers load at this CPU priority: "idle" (SCHED_IDLE), so that a
     # version loading beside one that serves takes only the CPU the serving workers leave, or
@@ -282,8 +308,9 @@ class PoolConfig:
     def slots(self) -> list[str]:
         """Worker slot names: "cpu-<i>", or "gpu<g>-<context>" for each (GPU, context)."""
         if self.gpus:
-            return [f"gpu{g}-{c}" for g in self.gpus for c in range(self.contexts_per_gpu)]
-        return [f"cpu-{i}" for i in range(self.workers)]
+            contexts = self.workers_of(self.model_name)
+            return [f"gpu{g}-{c}" for g in self.gpus for c in range(contexts)]
+        return [f"cpu-{i}" for i in range(self.workers_of(self.model_name))]
 
     def slot_gpu(self, slot: str) -> int | None:
         """The GPU index of a slot, None for a CPU slot."""
@@ -297,7 +324,69 @@ class PoolConfig:
     def pinned_limit_mib(self, gpu: int) -> int:
         if self.pinned_mem_limit_mib >= 0:
             return self.pinned_mem_limit_mib
-        return self.gpu_memory[self.gpus.index(gpu)] // self.contexts_per_gpu // 2**20
+        return self.gpu_memory[self.gpus.index(gpu)] // self.contexts_on_gpu() // 2**20
+
+    # -- the models it serves -------------------------------------------------------
+    def served_models(self) -> tuple[ServedModel, ...]:
+        """Every model the pool serves, the first being the model of `model_name`."""
+        if self.models:
+            return self.models
+        return (
+            ServedModel(
+                self.model_name, self.model_base_path, self.model_version,
+                self.version_policy, dict(self.version_labels),
+            ),
+        )  # fmt: skip
+
+    def model_prefix(self, name: str) -> str:
+        """What tells a model's slots, programs and groups apart from the others': "" for the
+        first (a one-model pool keeps its names: "cpu-0@2", "worker-cpu-0-v2", "v2"), the
+        model's name for the others ("ranker/cpu-0@2", "worker-ranker-cpu-0-v2")."""
+        return "" if name == self.model_name else name
+
+    def for_model(self, name: str) -> PoolConfig:
+        """The configuration one model's workers, publishers and versions read: that model's
+        name, base path, version, policy, labels and workers; the pool's everything else."""
+        for model in self.served_models():
+            if model.name == name:
+                if name == self.model_name:
+                    return self
+                # Its workers: `slots` finds its entry in `models` by name.
+                return dataclasses.replace(
+                    self,
+                    model_name=model.name,
+                    model_base_path=model.base_path,
+                    model_version=model.version,
+                    version_policy=model.version_policy,
+                    version_labels=dict(model.version_labels),
+                )
+        served = ", ".join(repr(m.name) for m in self.served_models())
+        raise ConfigError(f"this pool serves no model {name!r} (it serves {served})")
+
+    def with_versions(self, name: str, version_policy: str, labels: dict[str, int]) -> PoolConfig:
+        """This configuration with one model's version policy and labels replaced."""
+        config = self
+        if name == self.model_name:
+            config = dataclasses.replace(
+                config, version_policy=version_policy, version_labels=dict(labels)
+            )
+        models = tuple(
+            dataclasses.replace(m, version_policy=version_policy, version_labels=dict(labels))
+            if m.name == name
+            else m
+            for m in self.models
+        )
+        return dataclasses.replace(config, models=models)
+
+    def workers_of(self, name: str) -> int:
+        """A model's workers (CPU pools) or contexts per GPU (GPU pools): its own number, or
+        the pool's --workers or --contexts-per-gpu."""
+        default = self.contexts_per_gpu if self.gpus else self.workers
+        return next((m.workers for m in self.models if m.name == name), 0) or default
+
+    def contexts_on_gpu(self) -> int:
+        """MPS clients per GPU: every model's contexts."""
+        return sum(self.workers_of(m.name) for m in self.served_models())
 
     def placement(self) -> Placement:
         """Which cores each slot runs on (cpusets.py owns the rule)."""
@@ -323,6 +412,7 @@ class PoolConfig:
     def validate(self) -> PoolConfig:
         if not self.model_name or "/" in self.model_name:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
+        self._validate_models()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
         if self.dispatch not in DISPATCH_POLICIES:
@@ -376,6 +466,11 @@ class PoolConfig:
                 "--contexts-per-gpu must be in 1..48 (MPS's limit per GPU), "
                 f"got {self.contexts_per_gpu}"
             )
+        if self.gpus and self.contexts_on_gpu() > 48:
+            raise ConfigError(
+                "contexts per GPU, every model's together, must be at most 48 (MPS's limit "
+                f"per GPU), got {self.contexts_on_gpu()}"
+            )
         if not 0 < self.active_thread_percentage <= 100:
             raise ConfigError(
                 "--active-thread-percentage must be in (0, 100], "
@@ -427,6 +522,48 @@ class PoolConfig:
             )
         return self
 
+    def _validate_models(self) -> None:
+        """A pool of several models: each named once, with a name safe in process and file
+        names, the first being the pool's model; each one's own settings valid."""
+        if not self.models:
+            return
+        first = self.models[0]
+        if (first.name, first.base_path, first.version) != (
+            self.model_name, self.model_base_path, self.model_version,
+        ):  # fmt: skip
+            raise ConfigError(f"models: the first must be the pool's model {self.model_name!r}")
+        seen: set[str] = set()
+        for model in self.models:
+            if not MODEL_NAME.fullmatch(model.name):
+                raise ConfigError(
+                    f"model name {model.name!r}: a pool of several models needs names of "
+                    "letters, digits, '_', '.' and '-' (they name its processes and files)"
+                )
+            if model.name in seen:
+                raise ConfigError(f"model {model.name!r} is listed twice")
+            seen.add(model.name)
+            if model.workers < 0:
+                raise ConfigError(f"model {model.name!r}: workers must be >= 0")
+            if model is not first:
+                self.for_model(model.name)._validate_model()
+
+    def _validate_model(self) -> None:
+        """The settings each model has of its own."""
+        from mpspool.supervisor.versions import VersionPolicy
+
+        where = f"model {self.model_name!r}"
+        try:
+            VersionPolicy.parse(self.version_policy)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: version policy: {exc}") from None
+        bad = {k: v for k, v in self.version_labels.items() if not k or v < 0}
+        if bad:
+            raise ConfigError(f"{where}: version labels need a name and a version >= 0: {bad}")
+        model_pb = Path(self.model_path) / "saved_model.pb"
+        if not model_pb.is_file():
+            raise ConfigError(f"{where}: no SavedModel at {self.model_path}: expected {model_pb}")
+        self.placement()
+
     def _validate_batching(self) -> None:
         """TF Serving's rules for its batching parameters."""
         if self.max_batch_size < 1:
@@ -463,4 +600,5 @@ class PoolConfig:
         for name in ("gpus", "gpu_uuids", "gpu_memory", "allowed_batch_sizes", "usable_cpus"):
             if name in data:  # absent: the field's default
                 data[name] = tuple(data[name])
+        data["models"] = tuple(ServedModel(**m) for m in data.get("models", ()))
         return cls(**data)

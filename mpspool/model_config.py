@@ -1,5 +1,5 @@
 """TF Serving's `--model_config_file` (a ModelServerConfig in protobuf text format) read into
-what a pool serves: the model's name and base path, its version policy and its version labels.
+what a pool serves: each model's name and base path, its version policy and its version labels.
 
     model_config_list {
       config {
@@ -12,11 +12,12 @@ what a pool serves: the model's name and base path, its version policy and its v
       }
     }
 
-A pool serves one model (its workers, weight segments and front-door tables are that
-model's): a file that lists more is refused with the names it lists, so that nothing is
-silently left out. Read again every `--model_config_file_poll_wait_seconds`, or sent with
-`ModelService/HandleReloadConfigRequest`, the policy and the labels change while the pool
-serves; a new name or base path needs a new pool.
+Every model listed gets workers of its own (`mpspool start --model-workers NAME=N` sets how
+many; by default each gets --workers, or --contexts-per-gpu on GPUs), its own versions and
+weight segments; the front door routes by the name a request gives. Read again every
+`--model_config_file_poll_wait_seconds`, or sent with `ModelService/HandleReloadConfigRequest`,
+each model's policy and labels change while the pool serves; another set of models, or a model
+at another base path, needs a new pool (said, and nothing changed).
 """
 
 from __future__ import annotations
@@ -39,18 +40,18 @@ class ModelEntry:
     labels: dict[str, int] = field(default_factory=dict)
 
 
-def read_model_config(path: Path) -> ModelEntry:
-    """The file's one model; ConfigError (one line, naming the file) for anything a pool
-    cannot serve as written."""
+def read_model_config(path: Path) -> list[ModelEntry]:
+    """The file's models, in its order; ConfigError (one line, naming the file) for anything
+    a pool cannot serve as written."""
     from mpspool.protos import server_config_pb2
 
     config = read_text_proto(path, FLAG, server_config_pb2.ModelServerConfig(), "a")
-    return model_entry(config, str(path))
+    return model_entries(config, str(path))
 
 
-def model_entry(config: object, source: str) -> ModelEntry:
-    """The one model of a ModelServerConfig (from a file, or a HandleReloadConfigRequest);
-    ConfigError whose message starts with `source`."""
+def model_entries(config: object, source: str) -> list[ModelEntry]:
+    """The models of a ModelServerConfig (from a file, or a HandleReloadConfigRequest), each
+    named once; ConfigError whose message starts with `source`."""
     from mpspool.protos import server_config_pb2
 
     assert isinstance(config, server_config_pb2.ModelServerConfig)
@@ -59,13 +60,13 @@ def model_entry(config: object, source: str) -> ModelEntry:
     models = list(config.model_config_list.config)
     if not models:
         raise ConfigError(f"{source}: model_config_list lists no model (config {{ ... }})")
-    if len(models) > 1:
-        names = ", ".join(repr(m.name) for m in models)
-        raise ConfigError(
-            f"{source}: lists {len(models)} models ({names}); a pool serves one model: start "
-            "one pool per model, each with a config of its own"
-        )
-    return _entry(source, models[0])
+    entries = [_entry(source, model) for model in models]
+    names = [e.name for e in entries]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        # TF Serving refuses the same (ServerCore: "Illegal to list model ... multiple times").
+        raise ConfigError(f"{source}: lists model {twice[0]!r} more than once")
+    return entries
 
 
 def _entry(source: str, model: object) -> ModelEntry:

@@ -72,10 +72,11 @@ def endpoint(run_dir: str, name: str) -> str:
     return f"ipc://{run_dir}/{name}"
 
 
-def slot_key(placement: str, version: int) -> str:
+def slot_key(placement: str, version: int, model: str = "") -> str:
     """The slot a worker registers as: its placement and its model version ("cpu-0@2"), as
-    two versions' workers share a placement while one replaces the other."""
-    return f"{placement}@{version}"
+    two versions' workers share a placement while one replaces the other; in a pool of
+    several models, other models' than the first also their model ("ranker/cpu-0@2")."""
+    return f"{model}/{placement}@{version}" if model else f"{placement}@{version}"
 
 
 def worker_identity(slot: str, pid: int) -> bytes:

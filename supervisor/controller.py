@@ -30,7 +30,7 @@ import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
 from mpspool.config import ConfigError, PoolConfig
-from mpspool.model_config import ModelEntry, model_entry, read_model_config
+from mpspool.model_config import ModelEntry, model_entries, read_model_config
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
@@ -38,7 +38,7 @@ from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.model_versions import ModelVersions
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
-from mpspool.supervisor.versions import VersionPolicy, VersionState
+from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
 
@@ -147,18 +147,19 @@ class Controller:
         self.created_run_dir = created_run_dir
         self.log_dir = Path(config.log_dir)
         self.phase = PoolPhase.STARTING  # changed only by _set_phase
-        # The model's versions: their worker groups, states and what the front door is told.
-        self.model = ModelVersions(self)
+        # Each model's versions: their worker groups, states and what the front door is told;
+        # in the order of the configuration (the first is the pool's model).
+        self.models = {m.name: ModelVersions(self, m.name) for m in config.served_models()}
         # --model_config_file read again (policy and labels) every its poll wait; 0: never.
         config_wait = config.model_config_file_poll_wait_s if config.model_config_file else 0
         self._next_config_read = clock.monotonic() + config_wait if config_wait else math.inf
         self._config_file_said = ""  # the last complaint about the file, said once
         # What the file said last: it is applied again only when it says something new (a
         # HandleReloadConfigRequest in between is not undone by an unchanged file).
-        self._file_entry = ModelEntry(
-            config.model_name, config.model_base_path, config.version_policy,
-            dict(config.version_labels),
-        )  # fmt: skip
+        self._file_entries = [
+            ModelEntry(m.name, m.base_path, m.version_policy, dict(m.version_labels))
+            for m in config.served_models()
+        ]
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
         # Answers given to calls the front door still lists (a lost reply is sent again).
         self._reload_answers: dict[int, tuple[int, str]] = {}
@@ -209,7 +210,7 @@ class Controller:
         daemons = self.gpu.programs(env)
         workers = [
             sd.Program(
-                name=program_name(slot.name, slot.version),
+                name=program_name(slot.name, slot.version, slot.model),
                 group=group.group,
                 # Loads at --loading-priority, every thread of it (TensorFlow's pools
                 # inherit it); _restore_priorities puts it back when it takes traffic.
@@ -220,6 +221,8 @@ class Controller:
                         "mpspool.worker",
                         "--run-dir",
                         str(self.run_dir),
+                        "--model",
+                        model.name,
                         "--slot",
                         slot.name,
                         "--version",
@@ -239,7 +242,8 @@ class Controller:
                 startsecs=0,
                 startretries=0,
             )
-            for group in self.model.groups.values()
+            for model in self.models.values()
+            for group in model.groups.values()
             if group.state is not VersionState.END
             for slot in group.slots.values()
         ]
@@ -251,14 +255,23 @@ class Controller:
         return self._router_pid
 
     @property
+    def model(self) -> ModelVersions:
+        """The pool's first model (its only one, unless the configuration lists several)."""
+        return next(iter(self.models.values()))
+
+    @property
     def policy(self) -> VersionPolicy:
-        """The model's version policy in force."""
+        """The first model's version policy in force."""
         return self.model.policy
 
     @property
     def slots(self) -> dict[str, Slot]:
-        """Every version's slots, by key ("cpu-0@2")."""
-        return self.model.slots
+        """Every model's and version's slots, by key ("cpu-0@2", "ranker/cpu-0@2")."""
+        return {key: slot for model in self.models.values() for key, slot in model.slots.items()}
+
+    def groups(self) -> list[VersionGroup]:
+        """Every model's version groups."""
+        return [g for model in self.models.values() for g in model.groups.values()]
 
     # -- main loop ----------------------------------------------------------------
     def run(self) -> int:
@@ -272,23 +285,25 @@ class Controller:
             )
             for stale in segment.remove_stale():
                 log.info("removed a weight segment left by a pool that died: %s", stale)
-            first = self.model.groups[self.config.model_version]
+            firsts = [m.groups[m.config.model_version] for m in self.models.values()]
             if self.config.share_weights:
-                failed = self.model.publish_first()
-                if failed:
-                    self.fail_pool(failed)
-                    return self.exit_code
+                for model in self.models.values():
+                    failed = model.publish_first()
+                    if failed:
+                        self.fail_pool(failed)
+                        return self.exit_code
             self._supervisord_config = text
             self._place_self()
             self.supervisord.start(text)
-            first.in_supervisord = True
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
             self.gpu.start(self.supervisord.process_info())
-            self.rpc("startProcessGroup", first.group, False)
-            for slot in first.slots.values():
-                slot.start_pending = True
-                slot.change_state(WorkerState.STARTING, "spawned")
+            for first in firsts:
+                first.in_supervisord = True
+                self.rpc("startProcessGroup", first.group, False)
+                for slot in first.slots.values():
+                    slot.start_pending = True
+                    slot.change_state(WorkerState.STARTING, "spawned")
             failures = 0
             while self.phase in (PoolPhase.STARTING, PoolPhase.SERVING):
                 self._serve_admin(TICK_S)
@@ -376,16 +391,18 @@ class Controller:
                 now,
                 router_answered,
             )
-        live = [
-            s
-            for g in self.model.groups.values()
-            if g.state in (VersionState.LOADING, VersionState.AVAILABLE) and g.publisher is None
-            for s in g.slots.values()
-        ]
-        if live and all(s.state is WorkerState.FATAL for s in live):
-            reasons = {s.reason for s in live}
-            self.fail_pool("no worker could start: " + "; ".join(sorted(reasons)))
-            return
+        for model in self.models.values():
+            live = [
+                s
+                for g in model.groups.values()
+                if g.state in (VersionState.LOADING, VersionState.AVAILABLE) and g.publisher is None
+                for s in g.slots.values()
+            ]
+            if live and all(s.state is WorkerState.FATAL for s in live):
+                reasons = {s.reason for s in live}
+                which = f" of model {model.name}" if len(self.models) > 1 else ""
+                self.fail_pool(f"no worker{which} could start: " + "; ".join(sorted(reasons)))
+                return
         if router_answered:
             self._take_reload_requests(snap.get("reload_requests") or [], now)
         self._reconcile_versions(now, snap, router_answered)
@@ -393,7 +410,8 @@ class Controller:
         self._restore_priorities()
         if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
             return
-        if not self._announced and self.port and self.model.serving_version() is not None:
+        serving = all(m.serving_version() is not None for m in self.models.values())
+        if not self._announced and self.port and serving:
             self._announce()
 
     def _observe(
@@ -507,47 +525,54 @@ class Controller:
         policy wants, move each group along, and tell the front door when anything changed."""
         if now >= self._next_config_read:
             self._read_model_config(now)
-        self.model.reconcile(now, snap, router_answered)
+        for model in self.models.values():
+            model.reconcile(now, snap, router_answered)
 
     def _read_model_config(self, now: float) -> None:
         """--model_config_file again: a new version policy or new labels apply at once. A file
-        that cannot be read, or that names another model, changes nothing (said once)."""
+        that cannot be read, or that names other models, changes nothing (said once)."""
         self._next_config_read = now + self.config.model_config_file_poll_wait_s
         try:
-            entry = read_model_config(Path(self.config.model_config_file))
+            entries = read_model_config(Path(self.config.model_config_file))
         except ConfigError as exc:
             self._say_once_of_config_file(f"{exc}; serving on as before")
             return
-        if entry == self._file_entry:
+        if entries == self._file_entries:
             return
-        refused = self._apply_model_entry(entry, now, self.config.model_config_file)
+        refused = self._apply_model_entries(entries, now, self.config.model_config_file)
         if refused:
             self._say_once_of_config_file(refused)
             return
         self._config_file_said = ""
-        self._file_entry = entry
+        self._file_entries = entries
 
-    def _apply_model_entry(self, entry: ModelEntry, now: float, source: str) -> str:
-        """A model config's policy and labels, in force from now; the refusal ("" when
-        applied) when it names another model than the pool serves."""
-        config = self.config
-        if (entry.name, entry.base_path) != (config.model_name, config.model_base_path):
+    def _apply_model_entries(self, entries: list[ModelEntry], now: float, source: str) -> str:
+        """A model config's policies and labels, in force from now; the refusal ("" when
+        applied) when it does not name the models the pool serves, at their base paths."""
+        served = {m.name: m.base_path for m in self.config.served_models()}
+        named = {e.name: e.base_path for e in entries}
+        if named != served:
+            listed = ", ".join(f"{n!r} at {p}" for n, p in served.items())
+            asked = ", ".join(f"{n!r} at {p}" for n, p in named.items())
             return (
-                f"{source} names model {entry.name!r} at {entry.base_path}; a pool serves the "
-                f"model it started with ({config.model_name!r} at {config.model_base_path}): "
-                "start a new pool for another"
+                f"{source} names {asked}; a pool serves the models it started with ({listed}): "
+                "start a new pool for others"
             )
-        if (entry.version_policy, entry.labels) == (config.version_policy, config.version_labels):
-            return ""
-        log.info(
-            "%s: version policy %s, labels %s", source, entry.version_policy, entry.labels or "none"
-        )
-        self.config = dataclasses.replace(
-            config, version_policy=entry.version_policy, version_labels=entry.labels
-        )
-        self.config.save(self.run_dir)
-        # The base path read again under the new policy, now.
-        self.model.set_policy(VersionPolicy.parse(entry.version_policy), now)
+        for entry in entries:
+            model = self.models[entry.name]
+            config = model.config
+            if (entry.version_policy, entry.labels) == (
+                config.version_policy, config.version_labels,
+            ):  # fmt: skip
+                continue
+            log.info(
+                "%s: model %s: version policy %s, labels %s",
+                source, entry.name, entry.version_policy, entry.labels or "none",
+            )  # fmt: skip
+            self.config = self.config.with_versions(entry.name, entry.version_policy, entry.labels)
+            self.config.save(self.run_dir)
+            # The base path read again under the new policy, now.
+            model.set_policy(VersionPolicy.parse(entry.version_policy), now)
         return ""
 
     def _take_reload_requests(self, listed: list[Any], now: float) -> None:
@@ -572,11 +597,11 @@ class Controller:
 
         source = "HandleReloadConfigRequest"
         try:
-            entry = model_entry(server_config_pb2.ModelServerConfig.FromString(body), source)
+            entries = model_entries(server_config_pb2.ModelServerConfig.FromString(body), source)
         except (DecodeError, ConfigError) as exc:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, str(exc))
             return
-        refused = self._apply_model_entry(entry, now, source)
+        refused = self._apply_model_entries(entries, now, source)
         if refused:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
             return
@@ -585,16 +610,21 @@ class Controller:
     def _answer_reloads(self) -> None:
         if not self._reloads:
             return
-        result = config_reload.outcome(
-            self.config.model_name,
-            self.model.policy,
-            self.model.on_disk,
-            self.model.available_versions(),
-            self.model.failed,
-            self.config.version_labels,
-        )
-        if result is None:
-            return
+        outcomes = [
+            config_reload.outcome(
+                model.name,
+                model.policy,
+                model.on_disk,
+                model.available_versions(),
+                model.failed,
+                model.config.version_labels,
+            )
+            for model in self.models.values()
+        ]
+        if any(o is None for o in outcomes):
+            return  # a model's versions are still on their way
+        # The first model that did not take the change says why; else every one did.
+        result = next((o for o in outcomes if o is not None and o[0]), (config_reload.OK, ""))
         for request_id in self._reloads:
             self._tell_reload(request_id, *result)
         self._reloads = []
@@ -624,7 +654,7 @@ class Controller:
             self.rpc("removeProcessGroup", name)
         for name in added:
             self.rpc("addProcessGroup", name)
-        for group in self.model.groups.values():
+        for group in self.groups():
             group.in_supervisord = True
 
     def _restore_priorities(self) -> None:
@@ -634,7 +664,7 @@ class Controller:
         process."""
         if self.config.loading_priority == "normal":
             return
-        for group in self.model.groups.values():
+        for group in self.groups():
             if group.state is not VersionState.AVAILABLE:
                 continue
             for slot in group.slots.values():
@@ -781,15 +811,21 @@ class Controller:
 
     def _announce(self) -> None:
         self._announced = True
-        self._set_phase(PoolPhase.SERVING, "a version is AVAILABLE and the front door listens")
-        version = self.model.serving_version()
-        slots = self.model.groups[version].slots.values() if version is not None else []
-        ready = sum(s.state is WorkerState.READY for s in slots)
+        self._set_phase(
+            PoolPhase.SERVING, "a version of each model is AVAILABLE and the front door listens"
+        )
         host, model = self.config.host, self.config.model_name
+        serving = ""
+        for each in self.models.values():
+            version = each.serving_version()
+            slots = each.groups[version].slots.values() if version is not None else []
+            ready = sum(s.state is WorkerState.READY for s in slots)
+            serving += (
+                f"mpspool: serving model {each.name!r} version {version} "
+                f"on {host}:{self.port} ({ready}/{len(slots)} workers ready)\n"
+            )
         print(
-            f"mpspool: serving model {model!r} version {version} "
-            f"on {host}:{self.port} ({ready}/{len(slots)} workers ready)\n"
-            "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
+            serving + "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
             "ModelService, grpc.health.v1\n"
             f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
             + (
@@ -854,7 +890,19 @@ class Controller:
                 # Read back from the live processes, not from the config: what the OS applies.
                 "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
             },
+            # The first model's versions, as before pools served several; then every model's.
             "versions": self.model.version_table(),
+            "models": [
+                {
+                    "name": model.name,
+                    "base_path": model.config.model_base_path,
+                    "version": model.serving_version(),
+                    "version_policy": model.policy.describe(),
+                    "version_labels": model.config.version_labels,
+                    "versions": model.version_table(),
+                }
+                for model in self.models.values()
+            ],
             "slots": [self._describe(slot, now) for slot in self.slots.values()],
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
@@ -878,7 +926,7 @@ class Controller:
                 self._drain_router()
                 self.gpu.terminate_clients()
                 rpc = self.supervisord.rpc(timeout=60.0)
-                for group in self.model.groups.values():
+                for group in self.groups():
                     if group.in_supervisord:
                         rpc.stopProcessGroup(group.group, True)
                 self.gpu.quit()
@@ -887,7 +935,8 @@ class Controller:
             log.warning("orderly stop failed (%s); shutting supervisord down", exc)
         self.supervisord.shutdown()
         # The versions retire with the pool; workers, which map their segments, are gone.
-        self.model.stop()
+        for model in self.models.values():
+            model.stop()
         for slot in self.slots.values():
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, "pool stopped")

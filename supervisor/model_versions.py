@@ -58,9 +58,12 @@ class Pool(Protocol):
 
 
 class ModelVersions:
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, name: str) -> None:
         self.pool = pool
-        config = pool.config
+        self.name = name
+        # What tells its slots, programs and groups from other models' ("" for the first).
+        self.prefix = pool.config.model_prefix(name)
+        config = self.config
         self.policy = VersionPolicy.parse(config.version_policy)
         # Model version → its group of workers; the first, the version found at start.
         self.groups: dict[int, VersionGroup] = {}
@@ -79,9 +82,9 @@ class ModelVersions:
 
     @property
     def config(self) -> PoolConfig:
-        """The model's configuration: its name, base path, policy and labels, and the pool's
-        settings."""
-        return self.pool.config
+        """The model's configuration: its name, base path, policy, labels and workers, and
+        the pool's settings (read from the pool each time: a reload changes them)."""
+        return self.pool.config.for_model(self.name)
 
     @property
     def slots(self) -> dict[str, Slot]:
@@ -91,9 +94,9 @@ class ModelVersions:
     def new_group(self, version: int) -> VersionGroup:
         slots = {}
         for name in self.config.slots:
-            slot = Slot(name, version)
+            slot = Slot(name, version, self.prefix)
             slots[slot.key] = slot
-        return VersionGroup(version, slots, self.config.segment_for(version))
+        return VersionGroup(version, slots, self.config.segment_for(version), model=self.prefix)
 
     # -- publishing ---------------------------------------------------------------
     def publish_first(self) -> str:
@@ -107,8 +110,8 @@ class ModelVersions:
             return f"publishing the weights failed: {self._publish_failure(version, code)}"
         size = Path(self.config.segment_for(version)).stat().st_size
         log.info(
-            "weights of version %d published to %s (%.1f MiB) in %.1f s",
-            version,
+            "weights of %s published to %s (%.1f MiB) in %.1f s",
+            self.groups[version].label,
             self.config.segment_for(version),
             size / 2**20,
             time.monotonic() - started,
@@ -131,6 +134,8 @@ class ModelVersions:
                         "mpspool.worker.publish",
                         "--run-dir",
                         str(self.pool.run_dir),
+                        "--model",
+                        self.name,
                         "--version",
                         str(version),
                     ],
@@ -146,7 +151,8 @@ class ModelVersions:
 
     def _publish_log_path(self, version: int) -> Path:
         first = version == self.config.model_version
-        return self.pool.log_dir / ("publish.log" if first else f"publish-v{version}.log")
+        name = "publish" + (f"-{self.prefix}" if self.prefix else "")
+        return self.pool.log_dir / (f"{name}.log" if first else f"{name}-v{version}.log")
 
     def _publish_failure(self, version: int, code: int) -> str:
         path = self._publish_log_path(version)
@@ -195,7 +201,10 @@ class ModelVersions:
                 labels[label] = before[label]
             if (label, version) not in self._labels_held:
                 self._labels_held.add((label, version))
-                log.info("label %r waits for version %d to be AVAILABLE", label, version)
+                log.info(
+                    "label %r of model %s waits for version %d to be AVAILABLE",
+                    label, self.name, version,
+                )  # fmt: skip
         return labels
 
     def _poll_versions(self, now: float) -> None:
@@ -205,7 +214,7 @@ class ModelVersions:
             on_disk = versions_on_disk(self.config.model_base_path)
         except OSError as exc:
             if str(exc) != self._poll_error:  # said once, not every poll
-                log.warning("cannot read the model base path (serving on): %s", exc)
+                log.warning("cannot read model %s's base path (serving on): %s", self.name, exc)
             self._poll_error = str(exc)
             return
         self._poll_error = ""
@@ -265,7 +274,7 @@ class ModelVersions:
                 why = self._publish_failure(group.version, code)
                 self._fail_version(group, f"publishing the weights failed: {why}", now)
                 return
-            log.info("weights of version %d published", group.version)
+            log.info("weights of %s published", group.label)
             self._start_group(group)
             return
         slots = list(group.slots.values())
@@ -283,7 +292,7 @@ class ModelVersions:
             self._fail_version(group, failed[0].reason, now)
 
     def _fail_version(self, group: VersionGroup, reason: str, now: float) -> None:
-        log.error("version %d cannot serve: %s", group.version, reason)
+        log.error("%s cannot serve: %s", group.label, reason)
         group.error = reason
         self.failed[group.version] = reason
         self.end_group(group, now, reason)
@@ -338,7 +347,8 @@ class ModelVersions:
         told = (self.pool.router_pid, table, labels)
         if told == self._versions_told:
             return
-        if self.pool.router.ask("versions", versions=table, labels=labels) is not None:
+        answer = self.pool.router.ask("versions", model=self.name, versions=table, labels=labels)
+        if answer is not None:
             self._versions_told = told
 
     def stop(self) -> None:

@@ -17,6 +17,8 @@ log = logging.getLogger("mpspool.controller")
 class Slot:
     name: str  # its placement ("cpu-0", "gpu1-2"): cores, GPU and MPS context
     version: int = 0  # the model version its workers serve
+    # Its model's prefix (ModelVersions.prefix): "" for the pool's first model, else its name.
+    model: str = ""
     state: WorkerState = WorkerState.STOPPED
     pid: int = 0  # the incarnation we have accounted for; 0 when none
     started_at: float = 0.0  # wall-clock start of the current incarnation
@@ -39,12 +41,13 @@ class Slot:
     @property
     def key(self) -> str:
         """What it is known by to the router and in status: placement and version."""
-        return slot_key(self.name, self.version)
+        return slot_key(self.name, self.version, self.model)
 
     @property
     def program(self) -> str:
-        """Its supervisord program: one group per version."""
-        return f"v{self.version}:{program_name(self.name, self.version)}"
+        """Its supervisord program: one group per (model, version)."""
+        group = group_name(self.version, self.model)
+        return f"{group}:{program_name(self.name, self.version, self.model)}"
 
     def change_state(self, new: WorkerState, why: str = "") -> None:
         if new is self.state and new is not WorkerState.STARTING:
@@ -69,6 +72,7 @@ class Slot:
         )
         return {
             "slot": self.name,
+            "model": self.model,
             "version": self.version,
             "state": self.state.value,
             "pid": self.pid or None,
@@ -81,5 +85,11 @@ class Slot:
         }
 
 
-def program_name(placement: str, version: int) -> str:
-    return f"worker-{placement}-v{version}"
+def program_name(placement: str, version: int, model: str = "") -> str:
+    """A worker's supervisord program ("worker-cpu-0-v2", "worker-ranker-cpu-0-v2")."""
+    return f"worker-{model}-{placement}-v{version}" if model else f"worker-{placement}-v{version}"
+
+
+def group_name(version: int, model: str = "") -> str:
+    """A version's supervisord program group ("v2", "ranker-v2")."""
+    return f"{model}-v{version}" if model else f"v{version}"

@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.slots import Slot, group_name
 
 log = logging.getLogger("mpspool.controller")
 
@@ -105,11 +105,21 @@ class VersionGroup:
     publisher: subprocess.Popen[bytes] | None = None  # publishing its weights, while running
     since: float = 0.0  # monotonic time of the last state change
     in_supervisord: bool = False  # its program group was added to supervisord
+    model: str = ""  # its model's prefix (Slot.model): "" for the pool's first model
 
     @property
     def group(self) -> str:
         """Its supervisord program group."""
-        return f"v{self.version}"
+        return group_name(self.version, self.model)
+
+    @property
+    def label(self) -> str:
+        """What logs call it: "version 2", or "model ranker version 2"."""
+        return (
+            f"model {self.model} version {self.version}"
+            if self.model
+            else f"version {self.version}"
+        )
 
     def stop_publisher(self) -> None:
         """End the child publishing its weights, if it still runs."""
@@ -129,12 +139,10 @@ class VersionGroup:
         if new is self.state:
             return
         if new not in ALLOWED[self.state]:
-            raise IllegalVersionTransition(
-                f"version {self.version}: {self.state.value} -> {new.value}"
-            )
+            raise IllegalVersionTransition(f"{self.label}: {self.state.value} -> {new.value}")
         log.info(
-            "version %d: %s -> %s%s",
-            self.version,
+            "%s: %s -> %s%s",
+            self.label,
             self.state.value,
             new.value,
             f" ({why})" if why else "",

@@ -34,12 +34,12 @@ from typing import Any
 import pytest
 
 from mpspool import process
-from mpspool.config import PoolConfig
+from mpspool.config import PoolConfig, ServedModel
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import controller as controller_module
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.controller import ROUTER_PROGRAM, Controller, PoolPhase
-from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.slots import Slot, group_name, program_name
 from mpspool.supervisor.states import ALLOWED, IllegalTransition, WorkerState
 
 S = WorkerState
@@ -61,8 +61,10 @@ def key_of(slot: str) -> str:
 
 
 def program_of(slot: str) -> str:
-    name, version = key_of(slot).split("@")
-    return f"v{version}:worker-{name}-v{version}"
+    """A slot's supervisord program ("v1:worker-cpu-0-v1", "ranker-v1:worker-ranker-...")."""
+    model, _, rest = key_of(slot).rpartition("/")
+    name, version = rest.split("@")
+    return f"{group_name(int(version), model)}:{program_name(name, int(version), model)}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,6 +242,7 @@ class FakeRouter:
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
         self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
         self.labels: list[dict[str, int]] = []  # and its labels
+        self.versions_of: list[str] = []  # and the model it names ("": none named)
         # HandleReloadConfigRequests held: id → config bytes, listed until answered.
         self.reload_requests: dict[int, bytes] = {}
         self.reload_done: list[tuple[int, int, str]] = []
@@ -286,6 +289,7 @@ class FakeRouter:
         if op == "versions":
             self.versions.append(fields["versions"])
             self.labels.append(fields["labels"])
+            self.versions_of.append(fields.get("model", ""))
             return {"ok": True}
         raise AssertionError(f"the controller asked the router for {op!r}")
 
@@ -314,9 +318,9 @@ class Pool:
 
     def start(self, pids: dict[str, int] | None = None) -> None:
         """What Controller.run does after supervisord is up; the workers get pids."""
-        for key, slot in self.controller.slots.items():
+        for i, (key, slot) in enumerate(self.controller.slots.items()):
             slot.change_state(S.STARTING, "spawned")
-            pid = (pids or {}).get(slot.name, 101 + int(slot.name.split("-")[1]))
+            pid = (pids or {}).get(slot.name, 101 + i)
             self.sd.run(key, pid)
         self.tick()
 
@@ -446,6 +450,77 @@ def test_a_slot_is_ready_once_registered_with_the_router(
     assert described["cpu-0"]["pid"] == 101
     assert described["cpu-0"]["served"] == 3
     assert pool.sd.calls == [] and pool.router.gone == []
+
+
+def test_each_model_of_a_pool_has_its_own_workers_versions_and_names(
+    make_pool: Callable[..., Pool], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    demo, ranker = tmp_path / "demo", tmp_path / "ranker"
+    for base in (demo, ranker):
+        (base / "1").mkdir(parents=True)
+        (base / "1" / "saved_model.pb").write_bytes(b"")
+    pool = make_pool(
+        share_weights=False,
+        model_base_path=str(demo),
+        models=(
+            ServedModel("demo", str(demo), 1),
+            ServedModel("ranker", str(ranker), 1, "latest:1", {"stable": 1}, workers=1),
+        ),
+    )
+    controller = pool.controller
+    # The first model keeps a one-model pool's names; the other's carry its name.
+    assert list(controller.slots) == ["cpu-0@1", "cpu-1@1", "ranker/cpu-0@1"]
+    conf = configparser.ConfigParser()
+    conf.read_string(render(controller.run_dir, controller.programs()))
+    assert conf["group:v1"]["programs"] == "worker-cpu-0-v1,worker-cpu-1-v1"
+    assert conf["group:ranker-v1"]["programs"] == "worker-ranker-cpu-0-v1"
+    command = shlex.split(conf["program:worker-ranker-cpu-0-v1"]["command"])
+    assert command[command.index("--model") :] == [
+        "--model", "ranker", "--slot", "cpu-0", "--version", "1",
+    ]  # fmt: skip
+
+    pool.start()
+    pool.make_ready("cpu-0")
+    assert controller.phase is PoolPhase.STARTING, "serving once every model has a version"
+    pool.make_ready("ranker/cpu-0")
+    assert controller.phase is PoolPhase.SERVING
+    banner = capsys.readouterr().out
+    assert "serving model 'demo' version 1 on 127.0.0.1:8500 (1/2 workers ready)" in banner
+    assert "serving model 'ranker' version 1 on 127.0.0.1:8500 (1/1 workers ready)" in banner
+    # Each model's table and labels, told under its name; the label once its version serves.
+    told = dict(zip(pool.router.versions_of, pool.router.labels, strict=True))
+    assert told == {"demo": {}, "ranker": {"stable": 1}}
+    models = controller.status()["models"]
+    assert [(m["name"], m["version"], m["version_labels"]) for m in models] == [
+        ("demo", 1, {}),
+        ("ranker", 1, {"stable": 1}),
+    ]
+    slots = {(d["model"], d["slot"], d["state"]) for d in controller.status()["slots"]}
+    assert slots == {
+        ("", "cpu-0", "READY"),
+        ("", "cpu-1", "STARTING"),
+        ("ranker", "cpu-0", "READY"),
+    }
+
+    # A new version of one model: a group of that model's, none of the other's.
+    (ranker / "2").mkdir()
+    (ranker / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    assert "ranker/cpu-0@2" in controller.slots and "cpu-0@2" not in controller.slots
+    assert ("startProcessGroup", "ranker-v2") in pool.sd.calls
+    pool.router.register("ranker/cpu-0@2", pool.sd.pid_of("ranker/cpu-0@2"))
+    pool.tick()
+    pool.tick()
+    assert [m["version"] for m in controller.status()["models"]] == [1, 2]
+    assert "ranker/cpu-0@1" not in controller.slots, "ranker's version 1 retired"
+    assert ("stopProcessGroup", "ranker-v1") in [c[:2] for c in pool.sd.calls]
+
+    # A reload that leaves a model out, or names another, changes nothing.
+    pool.router.reload_requests[4] = reload_request(demo, [1], {})
+    pool.tick()
+    code, message = pool.router.reload_done[-1][1:]
+    assert code == 3 and "a pool serves the models it started with" in message
+    assert controller.models["ranker"].policy.describe() == "latest:1"
 
 
 def test_a_registration_from_another_pid_does_not_make_the_slot_ready(pool: Pool):
@@ -942,6 +1017,8 @@ def test_render_config_for_the_pools_programs(pool: Pool):
             "mpspool.worker",
             "--run-dir",
             str(run_dir),
+            "--model",
+            controller.config.model_name,
             "--slot",
             name,
             "--version",
@@ -1246,7 +1323,7 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     pool.router.reload_requests[9] = b"\xff\xff\xff"
     pool.tick()
     done = {request_id: (code, message) for request_id, code, message in pool.router.reload_done}
-    assert done[8][0] == 3 and "a pool serves the model it started with" in done[8][1]
+    assert done[8][0] == 3 and "a pool serves the models it started with" in done[8][1]
     assert done[9][0] == 3
     assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
 
@@ -1309,7 +1386,7 @@ def test_a_config_file_that_breaks_or_names_another_model_changes_nothing(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
         pool.tick(after_s=1.0)
-    assert "a pool serves the model it started with" in caplog.text
+    assert "a pool serves the models it started with" in caplog.text
     assert pool.controller.policy.describe() == "latest:1"
     assert pool.router.labels[-1] == {"stable": 1}
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from test_controller import Pool, attempts, make_pool  # noqa: F401 - fixtures
 
-from mpspool.config import PoolConfig
+from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.mps.gpus import EXCLUSIVE_PROCESS, FakeGpuBackend, GpuInfo
 from mpspool.supervisor import controller as controller_module
 from mpspool.supervisor import supervisord as sd
@@ -82,6 +82,54 @@ def test_an_xid_on_one_gpu_restarts_exactly_its_workers_in_order(
         pool.make_ready(name)
         assert pool.slot(name).restarts == 1
     assert pool.slot("gpu0-0").restarts == 0
+
+
+def test_every_models_contexts_share_each_gpu_and_its_faults(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = FakeGpuBackend([GpuInfo(0, U0, "Fake", 12 << 30, EXCLUSIVE_PROCESS)])
+    monkeypatch.setattr(controller_module, "_gpu_backend", lambda config: fake)
+    demo, ranker = tmp_path / "demo", tmp_path / "ranker"
+    pool = make_pool(
+        gpus=(0,), gpu_uuids=(U0,), gpu_memory=(12 << 30,), contexts_per_gpu=2, mps=False,
+        model_base_path=str(demo),
+        models=(
+            ServedModel("demo", str(demo), 1), ServedModel("ranker", str(ranker), 1, workers=1),
+        ),
+    )  # fmt: skip
+    config = pool.controller.config
+    assert list(pool.controller.slots) == ["gpu0-0@1", "gpu0-1@1", "ranker/gpu0-0@1"]
+    # Three MPS clients on the GPU: each one's pinned-memory share is a third.
+    assert config.contexts_on_gpu() == 3
+    assert config.pinned_limit_mib(0) == config.for_model("ranker").pinned_limit_mib(0) == 4096
+    env = pool.controller.gpu.worker_environment(pool.slot("ranker/gpu0-0").name)
+    assert env["CUDA_VISIBLE_DEVICES"] == U0
+
+    pids = {"gpu0-0": 101, "gpu0-1": 102}
+    pool.start(pids)
+    for name in ("gpu0-0", "gpu0-1", "ranker/gpu0-0"):
+        pool.make_ready(name)
+    pool.sd.calls.clear()
+    fake.queue_xid(U0, 79)
+    pool.tick()
+    stopped = [c[1] for c in pool.sd.calls if c[0] == "stopProcess"]
+    assert stopped == [
+        "v1:worker-gpu0-0-v1", "v1:worker-gpu0-1-v1", "ranker-v1:worker-ranker-gpu0-0-v1",
+    ]  # fmt: skip
+
+
+def test_more_contexts_than_mps_serves_are_refused_counting_every_model(tmp_path: Path) -> None:
+    base = tmp_path / "m"
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    models = (ServedModel("a", str(base), 1), ServedModel("b", str(base), 1, workers=30))
+    config = PoolConfig(
+        model_name="a", model_base_path=str(base), model_version=1, run_dir=str(tmp_path),
+        log_dir=str(tmp_path), workers=1, gpus=(0,), gpu_uuids=(U0,), gpu_memory=(1 << 30,),
+        contexts_per_gpu=20, models=models,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"every model's together, must be at most 48 .*got 50"):
+        config.validate()
 
 
 class _TailRPC:

@@ -53,7 +53,7 @@ def write(tmp_path: Path, config: object | str) -> Path:
     ],
 )
 def test_a_file_tf_serving_reads_is_read_the_same(tmp_path: Path, policy: dict, text: str):
-    entry = read_model_config(write(tmp_path, official_config(**policy)))
+    (entry,) = read_model_config(write(tmp_path, official_config(**policy)))
     assert entry == ModelEntry(
         name="wdl",
         base_path="/models/wdl",
@@ -74,7 +74,23 @@ def test_the_binary_form_is_tf_servings_field_for_field():
 def test_a_relative_base_path_is_taken_from_where_the_pool_starts(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = write(tmp_path, 'model_config_list { config { name: "m" base_path: "models/m" } }')
-    assert read_model_config(path).base_path == str(tmp_path / "models" / "m")
+    assert read_model_config(path)[0].base_path == str(tmp_path / "models" / "m")
+
+
+def test_every_model_of_the_list_is_read_in_its_order(tmp_path: Path):
+    path = write(
+        tmp_path,
+        'model_config_list { config { name: "wdl" base_path: "/m/wdl" } '
+        'config { name: "ranker" base_path: "/m/ranker" '
+        "model_version_policy { all { } } "
+        'version_labels { key: "stable" value: 3 } } }',
+    )
+    assert read_model_config(path) == [
+        ModelEntry(name="wdl", base_path="/m/wdl", version_policy="latest:1"),
+        ModelEntry(
+            name="ranker", base_path="/m/ranker", version_policy="all", labels={"stable": 3}
+        ),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -82,8 +98,8 @@ def test_a_relative_base_path_is_taken_from_where_the_pool_starts(tmp_path: Path
     [
         (
             'model_config_list { config { name: "a" base_path: "/a" } '
-            'config { name: "b" base_path: "/b" } }',
-            "lists 2 models ('a', 'b'); a pool serves one model: start one pool per model",
+            'config { name: "a" base_path: "/b" } }',
+            "lists model 'a' more than once",
         ),
         ("model_config_list { }", "model_config_list lists no model"),
         ("", "no model_config_list"),
@@ -137,3 +153,37 @@ def test_start_refuses_a_model_name_beside_the_file(tmp_path: Path):
     )  # fmt: skip
     assert out.returncode == 2
     assert "--model_config_file names the model and its version policy" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        (["--model-workers", "wdl=0"], "--model-workers takes NAME=N with N >= 1, got 'wdl=0'"),
+        (
+            ["--model-workers", "ranker=2"],
+            "--model-workers 'ranker=2': the config file lists 'wdl'",
+        ),
+        (["--model-workers", "wdl=1", "--model-workers", "wdl=2"], "names 'wdl' twice"),
+    ],
+)
+def test_start_refuses_model_workers_for_models_the_file_does_not_list(
+    tmp_path: Path, given: list[str], says: str
+):
+    path = write(tmp_path, official_config())
+    out = subprocess.run(
+        [sys.executable, "-m", "mpspool", "start", "--model_config_file", str(path), *given,
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr
+
+
+def test_model_workers_needs_a_config_file(tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mpspool", "start", "--demo", "--model-workers", "demo=2",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--model-workers names models of --model_config_file" in out.stderr

@@ -269,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker.publish")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--version", type=int, help="default: the version the pool started with")
+    parser.add_argument("--model", help="the model it is for (default: the pool's first)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s publish %(levelname)s %(message)s")
     process.die_with_parent()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    config = PoolConfig.load(args.run_dir)
+    pool = PoolConfig.load(args.run_dir)
+    config = pool.for_model(args.model) if args.model else pool
     version = config.model_version if args.version is None else args.version
     destination = config.segment_for(version)
     owner = read_controller(Path(args.run_dir)) or {}

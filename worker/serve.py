@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--slot", required=True, help="its placement (cores, GPU context)")
+    parser.add_argument("--model", help="the model it is for (default: the pool's first)")
     parser.add_argument(
         "--version", type=int, help="the model version to serve (default: the pool's first)"
     )
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     process.die_with_parent()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-    config = PoolConfig.load(args.run_dir)
+    pool = PoolConfig.load(args.run_dir)
+    config = pool.for_model(args.model) if args.model else pool
     version = config.model_version if args.version is None else args.version
     # Before TensorFlow is imported: its thread pools are created on this process's cores
     # and sized from the intra-op setting (the worker's core count when pinned).
@@ -297,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info(
             "weights: %.1f MiB shared from %s", weights["shared_bytes"] / 2**20, weights["segment"]
         )
-    # Known to the front door by placement and version: two versions share a placement
-    # while one replaces the other.
-    worker = Worker(config, wire.slot_key(args.slot, version), runtime, weights)
+    # Known to the front door by placement and version (and model, but the first's): two
+    # versions share a placement while one replaces the other.
+    key = wire.slot_key(args.slot, version, pool.model_prefix(config.model_name))
+    worker = Worker(config, key, runtime, weights)
     _freeze_loaded_objects()
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, version, worker.pid)

@@ -1,0 +1,222 @@
+"""A pool of several models, from one TF Serving `--model_config_file`: each model has its own
+workers, versions, weight segments and labels, and the front door routes by the name (then
+the version or label) a request gives.
+
+The pool serves the demo model as "wdl" (versions 1 and 2, labels stable and canary) and a
+Keras 3 model exported with `model.export()` as "ranker" (its own worker count, from
+`--model-workers`). Every answer is compared with a direct TensorFlow call of the version it
+names; the official client, `curl` for REST.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from google.protobuf import text_format
+from tensorflow_serving.apis import (
+    get_model_metadata_pb2,
+    get_model_status_pb2,
+    model_service_pb2_grpc,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+)
+
+from mpspool.demo_model import build_demo_model, demo_inputs
+
+from poolproc import Pool, mpspool_cmd
+
+ROWS = 2000
+
+
+def _ranker(path: Path) -> dict[str, np.ndarray]:
+    """A Keras functional model with an embedding, exported as people export them."""
+    import keras
+
+    keras.utils.set_random_seed(3)
+    ids = keras.Input(shape=(4,), dtype="int64", name="ids")
+    dense = keras.Input(shape=(3,), dtype="float32", name="features")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(ids))
+    hidden = keras.layers.Dense(5, activation="relu")(keras.layers.Concatenate()([pooled, dense]))
+    model = keras.Model(inputs=[ids, dense], outputs=keras.layers.Dense(1)(hidden))
+    model.export(str(path), verbose=False)
+    rng = np.random.default_rng(5)
+    return {
+        "ids": rng.integers(0, 50, (2, 4), dtype=np.int64),
+        "features": rng.standard_normal((2, 3)).astype(np.float32),
+    }
+
+
+def _direct(version_dir: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    function = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
+    result = function(**{k: tf.constant(v) for k, v in inputs.items()})
+    return {k: v.numpy() for k, v in result.items()}
+
+
+def _config_file(path: Path, wdl: Path, ranker: Path) -> None:
+    """The file TF Serving would read, written with its own messages."""
+    from tensorflow_serving.config import model_server_config_pb2
+
+    config = model_server_config_pb2.ModelServerConfig()
+    model = config.model_config_list.config.add(name="wdl", base_path=str(wdl))
+    model.model_platform = "tensorflow"
+    model.model_version_policy.specific.versions.extend([1, 2])
+    model.version_labels.update({"stable": 1, "canary": 2})
+    config.model_config_list.config.add(name="ranker", base_path=str(ranker))
+    path.write_text(text_format.MessageToString(config))
+
+
+def _predict(
+    channel: grpc.Channel,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    version: int | None = None,
+    label: str = "",
+) -> predict_pb2.PredictResponse:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model
+    if version is not None:
+        request.model_spec.version.value = version
+    if label:
+        request.model_spec.version_label = label
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    return stub.Predict(request, timeout=30)
+
+
+def _check(answer: predict_pb2.PredictResponse, want: dict[str, np.ndarray]) -> None:
+    for name, values in want.items():
+        got = tf.make_ndarray(answer.outputs[name])
+        np.testing.assert_allclose(got, values, rtol=0, atol=1e-5, err_msg=name)
+
+
+def _states(status: dict[str, Any]) -> dict[str, dict[int, str]]:
+    return {
+        m["name"]: {v["version"]: v["state"] for v in m["versions"]}
+        for m in status.get("models", [])
+    }
+
+
+def test_two_models_from_one_config_file_each_on_its_own_workers(tmp_path: Path) -> None:
+    wdl, ranker = tmp_path / "wdl", tmp_path / "ranker"
+    for version in (1, 2):
+        build_demo_model(wdl, embedding_rows=ROWS, version=version, seed=version)
+    ranker_inputs = _ranker(ranker / "1")
+    wdl_inputs = demo_inputs(3, ROWS, seed=7)
+    want = {
+        ("wdl", 1): _direct(wdl / "1", wdl_inputs),
+        ("wdl", 2): _direct(wdl / "2", wdl_inputs),
+        ("ranker", 1): _direct(ranker / "1", ranker_inputs),
+    }
+    config_file = tmp_path / "models.config"
+    _config_file(config_file, wdl, ranker)
+
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", wdl, 1, "--model-workers", "ranker=2")
+    at = pool.args.index("--model-base-path")
+    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]  # names: the file's
+    pool.start()
+    try:
+        status = pool.wait_for(
+            lambda s: (
+                _states(s) == {"wdl": {1: "AVAILABLE", 2: "AVAILABLE"}, "ranker": {1: "AVAILABLE"}}
+            ),
+            timeout=120,
+            what="both models serving",
+        )
+        status = pool.wait_ready(4)
+        # Each model's own workers: wdl one per version (--workers 1), ranker two.
+        slots = sorted((s["model"], s["slot"], s["version"]) for s in status["slots"])
+        assert slots == [
+            ("", "cpu-0", 1),
+            ("", "cpu-0", 2),
+            ("ranker", "cpu-0", 1),
+            ("ranker", "cpu-1", 1),
+        ]
+        for slot in status["slots"]:
+            assert slot["weights"] and slot["weights"]["copied"] == {}, slot
+        segments = {s["weights"]["segment"] for s in status["slots"]}
+        assert len(segments) == 3, "one weight segment per (model, version)"
+        assert [(m["name"], m["version_labels"]) for m in status["models"]] == [
+            ("wdl", {"stable": 1, "canary": 2}),
+            ("ranker", {}),
+        ]
+
+        with pool.channel() as channel:
+            # By name: the newest version of each.
+            answer = _predict(channel, "wdl", wdl_inputs)
+            assert (answer.model_spec.name, answer.model_spec.version.value) == ("wdl", 2)
+            _check(answer, want["wdl", 2])
+            for _ in range(3):  # both of ranker's workers
+                answer = _predict(channel, "ranker", ranker_inputs)
+                assert (answer.model_spec.name, answer.model_spec.version.value) == ("ranker", 1)
+                _check(answer, want["ranker", 1])
+            # By version, and by label.
+            _check(_predict(channel, "wdl", wdl_inputs, version=1), want["wdl", 1])
+            for label, version in (("stable", 1), ("canary", 2)):
+                answer = _predict(channel, "wdl", wdl_inputs, label=label)
+                assert answer.model_spec.version.value == version
+                _check(answer, want["wdl", version])
+            # Labels are each model's own: ranker has none; an unknown one is TF Serving's error.
+            for model in ("wdl", "ranker"):
+                with pytest.raises(grpc.RpcError) as refused:
+                    _predict(channel, model, wdl_inputs, label="beta")
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.details() == "Unrecognized servable version label: beta"
+            with pytest.raises(grpc.RpcError) as refused:
+                _predict(channel, "ranker", ranker_inputs, version=2)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as refused:
+                _predict(channel, "nope", ranker_inputs)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "nope" in refused.value.details()
+            # A request shaped for the other model: its own signature's error, nothing dies.
+            with pytest.raises(grpc.RpcError) as refused:
+                _predict(channel, "ranker", wdl_inputs)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # Status and metadata per model.
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            request = get_model_status_pb2.GetModelStatusRequest()
+            request.model_spec.name = "ranker"
+            states = stub.GetModelStatus(request, timeout=30).model_version_status
+            assert [(s.version, s.state) for s in states] == [
+                (1, get_model_status_pb2.ModelVersionStatus.AVAILABLE)
+            ]
+            metadata = get_model_metadata_pb2.GetModelMetadataRequest()
+            metadata.model_spec.name = "ranker"
+            metadata.metadata_field.append("signature_def")
+            answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).GetModelMetadata(
+                metadata, timeout=30
+            )
+            assert answer.model_spec.name == "ranker"
+            signatures = get_model_metadata_pb2.SignatureDefMap()
+            answer.metadata["signature_def"].Unpack(signatures)
+            assert set(signatures.signature_def["serving_default"].inputs) == {"ids", "features"}
+
+        body = json.dumps({"inputs": {k: v.tolist() for k, v in ranker_inputs.items()}})
+        out = subprocess.run(
+            ["curl", "-sS", "-X", "POST", "-d", body,
+             f"{pool.rest_url}/v1/models/ranker:predict"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        outputs = np.array(json.loads(out.stdout)["outputs"], dtype=np.float32)
+        np.testing.assert_allclose(outputs, next(iter(want["ranker", 1].values())), atol=1e-5)
+
+        shown = subprocess.run(
+            mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        assert "model 'wdl' labels: canary=2, stable=1" in shown
+        assert "model 'ranker' versions (latest:1): 1 AVAILABLE" in shown
+        assert "ranker/cpu-1" in shown
+    finally:
+        assert pool.stop() == 0
+    assert pool.leftovers() == []
