@@ -30,7 +30,7 @@ from mpspool.config import (
     tls_from,
     usable_cores,
 )
-from mpspool.model_config import ModelEntry
+from mpspool.model_config import ModelEntry, first_version
 
 DEMO_MODEL_NAME = "demo"
 
@@ -472,12 +472,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         base_path = args.model_base_path.resolve()
         name = args.model_name or base_path.name
     workers = _model_workers(args.model_workers, [e.name for e in entries])
-    version = _first_version(base_path, policy_text)
+    version = first_version(base_path, policy_text)
     models = tuple(
         ServedModel(
             e.name,
             e.base_path,
-            _first_version(Path(e.base_path), e.version_policy, e.name),
+            first_version(Path(e.base_path), e.version_policy, e.name),
             e.version_policy,
             e.labels,
             workers.get(e.name, 0),
@@ -568,29 +568,6 @@ def cmd_start(args: argparse.Namespace) -> int:
             flush=True,
         )
     return Controller(config, created).run()
-
-
-def _first_version(base_path: Path, policy_text: str, model: str = "") -> int:
-    """The newest version under a base path that the policy wants: what a model serves first."""
-    from mpspool.demo_model import latest_version, versions_on_disk
-    from mpspool.supervisor.versions import VersionPolicy
-
-    flag = f"model {model!r}: version policy" if model else "--version-policy"
-    try:
-        policy = VersionPolicy.parse(policy_text)
-    except ValueError as exc:
-        raise ConfigError(f"{flag}: {exc}") from None
-    try:
-        latest_version(base_path)  # says what was expected when there is no version at all
-        wanted = policy.aspired(versions_on_disk(base_path), set())
-    except FileNotFoundError as exc:
-        raise ConfigError(str(exc)) from None
-    if not wanted:
-        found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))
-        raise ConfigError(
-            f"no version in {base_path} fits {flag} {policy.describe()} (found {found})"
-        )
-    return max(wanted)
 
 
 def _model_workers(given: list[str], models: list[str]) -> dict[str, int]:

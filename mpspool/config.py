@@ -547,6 +547,21 @@ class PoolConfig:
             if model is not first:
                 self.for_model(model.name)._validate_model()
 
+    def validate_added(self, name: str) -> None:
+        """A model added while the pool serves: a name safe in process and file names, a
+        SavedModel at its first version, and room for its contexts on each GPU."""
+        if not MODEL_NAME.fullmatch(name):
+            raise ConfigError(
+                f"model name {name!r}: a pool of several models needs names of letters, "
+                "digits, '_', '.' and '-' (they name its processes and files)"
+            )
+        if self.gpus and self.contexts_on_gpu() > 48:
+            raise ConfigError(
+                f"model {name!r} would make {self.contexts_on_gpu()} contexts per GPU, more "
+                "than MPS's 48"
+            )
+        self.for_model(name)._validate_model()
+
     def _validate_model(self) -> None:
         """The settings each model has of its own."""
         from mpspool.supervisor.versions import VersionPolicy

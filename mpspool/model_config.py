@@ -16,8 +16,9 @@ Every model listed gets workers of its own (`mpspool start --model-workers NAME=
 many; by default each gets --workers, or --contexts-per-gpu on GPUs), its own versions and
 weight segments; the front door routes by the name a request gives. Read again every
 `--model_config_file_poll_wait_seconds`, or sent with `ModelService/HandleReloadConfigRequest`,
-each model's policy and labels change while the pool serves; another set of models, or a model
-at another base path, needs a new pool (said, and nothing changed).
+each model's policy and labels change while the pool serves, models not served are added
+and served models left out are removed (the controller's `_apply_model_entries`); a model at
+another base path, or the pool's first model left out, is refused (said, nothing changed).
 """
 
 from __future__ import annotations
@@ -120,3 +121,26 @@ def _policy_text(where: str, policy: object) -> str:
         return "specific:" + ",".join(str(v) for v in versions)
     # latest { num_versions: 0 } or no policy: one version, as TF Serving.
     return f"latest:{max(1, policy.latest.num_versions) if choice == 'latest' else 1}"
+
+
+def first_version(base_path: Path, policy_text: str, model: str = "") -> int:
+    """The newest version under a base path that the policy wants: what a model serves first."""
+    from mpspool.demo_model import latest_version, versions_on_disk
+    from mpspool.supervisor.versions import VersionPolicy
+
+    flag = f"model {model!r}: version policy" if model else "--version-policy"
+    try:
+        policy = VersionPolicy.parse(policy_text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    try:
+        latest_version(base_path)  # says what was expected when there is no version at all
+        wanted = policy.aspired(versions_on_disk(base_path), set())
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    if not wanted:
+        found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))
+        raise ConfigError(
+            f"no version in {base_path} fits {flag} {policy.describe()} (found {found})"
+        )
+    return max(wanted)

@@ -5,9 +5,10 @@ owns every decision: which slot is READY, what to replace (a worker the router d
 dead), how to back off a worker that cannot load its model and when to give up on it, which
 model versions are served (supervisor/model_versions.py, one object per model: new version
 folders are published and get their own workers; versions the policy no longer wants drain
-and stop), and the shutdown order (router drains → workers stop → router stops → supervisord
-exits → run directory cleaned). Signal handlers and admin requests only enqueue; the loop
-acts.
+and stop), which models are served (added and removed by the model config file or a
+HandleReloadConfigRequest), and the shutdown order (router drains → workers stop → router
+stops → supervisord exits → run directory cleaned). Signal handlers and admin requests only
+enqueue; the loop acts.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any, Protocol
 import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
-from mpspool.config import ConfigError, PoolConfig
-from mpspool.model_config import ModelEntry, model_entries, read_model_config
+from mpspool.config import ConfigError, PoolConfig, ServedModel
+from mpspool.model_config import ModelEntry, first_version, model_entries, read_model_config
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
@@ -161,6 +162,8 @@ class Controller:
             for m in config.served_models()
         ]
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
+        # (router pid, names) of the models last told to the front door.
+        self._models_told: tuple[int, list[str]] | None = None
         # Answers given to calls the front door still lists (a lost reply is sent again).
         self._reload_answers: dict[int, tuple[int, str]] = {}
         self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
@@ -406,6 +409,8 @@ class Controller:
         if router_answered:
             self._take_reload_requests(snap.get("reload_requests") or [], now)
         self._reconcile_versions(now, snap, router_answered)
+        self._tell_router_models(router_answered)
+        self._forget_removed_models()
         self._answer_reloads()
         self._restore_priorities()
         if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
@@ -547,33 +552,100 @@ class Controller:
         self._file_entries = entries
 
     def _apply_model_entries(self, entries: list[ModelEntry], now: float, source: str) -> str:
-        """A model config's policies and labels, in force from now; the refusal ("" when
-        applied) when it does not name the models the pool serves, at their base paths."""
-        served = {m.name: m.base_path for m in self.config.served_models()}
-        named = {e.name: e.base_path for e in entries}
-        if named != served:
-            listed = ", ".join(f"{n!r} at {p}" for n, p in served.items())
-            asked = ", ".join(f"{n!r} at {p}" for n, p in named.items())
-            return (
-                f"{source} names {asked}; a pool serves the models it started with ({listed}): "
-                "start a new pool for others"
-            )
+        """A model config in force from now: each model's policy and labels, models not
+        served added (their first version loads beside what serves), served models not
+        listed removed (they drain, then end). The refusal ("" when applied), with nothing
+        changed: a model at another base path, the pool's first model left out, a model
+        still being removed, a new model that cannot be served."""
+        served = {m.name: m for m in self.config.served_models()}
+        first = self.config.model_name
+        named = {e.name for e in entries}
         for entry in entries:
-            model = self.models[entry.name]
-            config = model.config
-            if (entry.version_policy, entry.labels) == (
-                config.version_policy, config.version_labels,
+            model = served.get(entry.name)
+            if model is not None and model.base_path != entry.base_path:
+                return (
+                    f"{source} names model {entry.name!r} at {entry.base_path}; it is served "
+                    f"from {model.base_path}: a model's base path is fixed while it is served "
+                    "(remove it, then add it back)"
+                )
+            if model is not None and self.models[entry.name].removed:
+                return f"{source}: model {entry.name!r} is still being removed; ask again"
+        if first not in named:
+            return (
+                f"{source} leaves out {first!r}, the model the pool started with, which "
+                "cannot be removed while it serves: start a new pool without it"
+            )
+        config = self.config
+        added = [e for e in entries if e.name not in served]
+        if added:
+            try:
+                models = list(config.served_models())
+                for entry in added:
+                    version = first_version(Path(entry.base_path), entry.version_policy, entry.name)
+                    models.append(
+                        ServedModel(
+                            entry.name,
+                            entry.base_path,
+                            version,
+                            entry.version_policy,
+                            dict(entry.labels),
+                        )
+                    )
+                config = dataclasses.replace(config, models=tuple(models))
+                for entry in added:
+                    config.validate_added(entry.name)
+            except ConfigError as exc:
+                return f"{source}: {exc}"
+        self.config = config
+        for entry in entries:
+            model_config = self.config.for_model(entry.name)
+            if entry.name in served and (entry.version_policy, entry.labels) != (
+                model_config.version_policy, model_config.version_labels,
             ):  # fmt: skip
-                continue
-            log.info(
-                "%s: model %s: version policy %s, labels %s",
-                source, entry.name, entry.version_policy, entry.labels or "none",
-            )  # fmt: skip
-            self.config = self.config.with_versions(entry.name, entry.version_policy, entry.labels)
-            self.config.save(self.run_dir)
-            # The base path read again under the new policy, now.
-            model.set_policy(VersionPolicy.parse(entry.version_policy), now)
+                log.info(
+                    "%s: model %s: version policy %s, labels %s",
+                    source, entry.name, entry.version_policy, entry.labels or "none",
+                )  # fmt: skip
+                self.config = self.config.with_versions(
+                    entry.name, entry.version_policy, entry.labels
+                )
+                # The base path read again under the new policy, now.
+                self.models[entry.name].set_policy(VersionPolicy.parse(entry.version_policy), now)
+        self.config.save(self.run_dir)
+        for entry in added:
+            log.info("%s: model %s added from %s", source, entry.name, entry.base_path)
+            model = ModelVersions(self, entry.name, required=False)
+            self.models[entry.name] = model
+            model.start_added(now)
+        for name in served.keys() - named:
+            if not self.models[name].removed:
+                self.models[name].remove(now)
         return ""
+
+    def _tell_router_models(self, router_answered: bool) -> None:
+        """The models to serve (all but those being removed), to the front door when that
+        changed or the front door is a new one (which starts with pool.json's list)."""
+        if not router_answered:
+            return
+        listed = [
+            {"name": m.name, "version": m.version}
+            for m in self.config.served_models()
+            if not self.models[m.name].removed
+        ]
+        told = (self._router_pid, [m["name"] for m in listed])
+        if told == self._models_told:
+            return
+        if self.router.ask("models", models=listed) is not None:
+            self._models_told = told
+
+    def _forget_removed_models(self) -> None:
+        """A removed model whose versions have all ended leaves the pool's configuration."""
+        for name in [n for n, m in self.models.items() if m.removed and not m.groups]:
+            del self.models[name]
+            models = tuple(m for m in self.config.served_models() if m.name != name)
+            self.config = dataclasses.replace(self.config, models=models)
+            self.config.save(self.run_dir)
+            log.info("model %s removed: its versions have ended", name)
 
     def _take_reload_requests(self, listed: list[Any], now: float) -> None:
         """The front door lists each HandleReloadConfigRequest until it is answered: a new
@@ -620,6 +692,7 @@ class Controller:
                 model.config.version_labels,
             )
             for model in self.models.values()
+            if not model.removed
         ]
         if any(o is None for o in outcomes):
             return  # a model's versions are still on their way
@@ -900,6 +973,7 @@ class Controller:
                     "version_policy": model.policy.describe(),
                     "version_labels": model.config.version_labels,
                     "versions": model.version_table(),
+                    "removing": model.removed,
                 }
                 for model in self.models.values()
             ],

@@ -58,9 +58,15 @@ class Pool(Protocol):
 
 
 class ModelVersions:
-    def __init__(self, pool: Pool, name: str) -> None:
+    def __init__(self, pool: Pool, name: str, required: bool = True) -> None:
         self.pool = pool
         self.name = name
+        # A model the pool started with must serve, or the pool fails (as TF Serving fails
+        # to start); one added while serving that cannot load only shows why in its status.
+        self.required = required
+        # Removed from the configuration while serving: its versions drain and end, then the
+        # controller forgets it.
+        self.removed = False
         # What tells its slots, programs and groups from other models' ("" for the first).
         self.prefix = pool.config.model_prefix(name)
         config = self.config
@@ -68,7 +74,8 @@ class ModelVersions:
         # Model version → its group of workers; the first, the version found at start.
         self.groups: dict[int, VersionGroup] = {}
         first = self.new_group(config.model_version)
-        first.state = VersionState.LOADING
+        if required:
+            first.state = VersionState.LOADING  # published and started by the controller
         self.groups[first.version] = first
         self.aspired = {config.model_version}  # what the policy wants, as last polled
         self.failed: dict[int, str] = {}  # version → why it could not serve (while on disk)
@@ -159,6 +166,22 @@ class ModelVersions:
         reason = process.fatal_reason(path.read_text(errors="replace"))
         return reason or f"exit code {code}, see {path}"
 
+    def start_added(self, now: float) -> None:
+        """A model added while the pool serves: its first version loads as any new version
+        does (its weights published by a child, then its workers started)."""
+        self._load(self.groups[self.config.model_version], now, "model added")
+
+    def remove(self, now: float) -> None:
+        """The model leaves the configuration: versions loading end at once, those serving
+        retire (drain, then end); nothing new is loaded."""
+        log.info("model %s removed from the configuration: its versions retire", self.name)
+        self.removed = True
+        self.aspired = set()
+        self.next_poll = math.inf
+        for group in list(self.groups.values()):
+            if group.state in (VersionState.START, VersionState.LOADING):
+                self.end_group(group, now, "model removed")
+
     # -- what serves ----------------------------------------------------------------
     def available_versions(self) -> set[int]:
         return {v for v, g in self.groups.items() if g.state is VersionState.AVAILABLE}
@@ -227,10 +250,10 @@ class ModelVersions:
             self.groups[version] = group
             self._load(group, now)
 
-    def _load(self, group: VersionGroup, now: float) -> None:
+    def _load(self, group: VersionGroup, now: float, why: str = "new on disk") -> None:
         """START -> LOADING: publish its weights (a child process, polled by `_advance`),
         or start its workers at once when weights are not shared."""
-        group.change_state(VersionState.LOADING, now, "new on disk")
+        group.change_state(VersionState.LOADING, now, why)
         if not self.config.share_weights:
             self._start_group(group)
             return
@@ -253,8 +276,10 @@ class ModelVersions:
                 g.state is VersionState.AVAILABLE and g.version in self.aspired
                 for g in self.groups.values()
             )
-            if group.version not in self.aspired and replaced:
-                self._retire(group, now)
+            if self.removed:
+                self._retire(group, now, "model removed")
+            elif group.version not in self.aspired and replaced:
+                self._retire(group, now, "replaced")
         elif group.state is VersionState.UNLOADING:
             workers = snap.get("workers", {})
             busy = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
@@ -287,8 +312,9 @@ class ModelVersions:
             return
         failed = [s for s in slots if s.load_failures and s.state in FINAL_STATES]
         failed += [s for s in slots if s.load_failures and s.state is WorkerState.BACKOFF]
-        if others and failed:
-            # While another version serves, a version that cannot load is not retried.
+        if failed and (others or not self.required):
+            # While another version serves (or for a model added while the pool serves), a
+            # version that cannot load ends at once instead of being retried to FATAL.
             self._fail_version(group, failed[0].reason, now)
 
     def _fail_version(self, group: VersionGroup, reason: str, now: float) -> None:
@@ -296,13 +322,13 @@ class ModelVersions:
         group.error = reason
         self.failed[group.version] = reason
         self.end_group(group, now, reason)
-        if not self.groups:
+        if not self.groups and self.required:
             self.pool.fail_pool(reason)
 
-    def _retire(self, group: VersionGroup, now: float) -> None:
+    def _retire(self, group: VersionGroup, now: float, why: str) -> None:
         """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);
         its workers finish what they have (`_advance`), then stop."""
-        group.change_state(VersionState.UNLOADING, now, "replaced")
+        group.change_state(VersionState.UNLOADING, now, why)
         for slot in group.slots.values():
             if slot.state in (WorkerState.READY, WorkerState.STARTING):
                 slot.change_state(WorkerState.DRAINING, f"version {group.version} retiring")

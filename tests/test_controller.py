@@ -243,6 +243,7 @@ class FakeRouter:
         self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
         self.labels: list[dict[str, int]] = []  # and its labels
         self.versions_of: list[str] = []  # and the model it names ("": none named)
+        self.models: list[list[str]] = []  # each "models" op's names
         # HandleReloadConfigRequests held: id → config bytes, listed until answered.
         self.reload_requests: dict[int, bytes] = {}
         self.reload_done: list[tuple[int, int, str]] = []
@@ -286,6 +287,9 @@ class FakeRouter:
             request_id = int(fields["id"])
             self.reload_done.append((request_id, int(fields["code"]), fields["message"]))
             return {"ok": self.reload_requests.pop(request_id, None) is not None}
+        if op == "models":
+            self.models.append([m["name"] for m in fields["models"]])
+            return {"ok": True}
         if op == "versions":
             self.versions.append(fields["versions"])
             self.labels.append(fields["labels"])
@@ -515,12 +519,90 @@ def test_each_model_of_a_pool_has_its_own_workers_versions_and_names(
     assert "ranker/cpu-0@1" not in controller.slots, "ranker's version 1 retired"
     assert ("stopProcessGroup", "ranker-v1") in [c[:2] for c in pool.sd.calls]
 
-    # A reload that leaves a model out, or names another, changes nothing.
-    pool.router.reload_requests[4] = reload_request(demo, [1], {})
+    # A reload that moves a model to another base path changes nothing.
+    pool.router.reload_requests[4] = models_request(("demo", demo, [1]), ("ranker", demo, [2]))
     pool.tick()
     code, message = pool.router.reload_done[-1][1:]
-    assert code == 3 and "a pool serves the models it started with" in message
+    assert code == 3 and f"it is served from {ranker}" in message
     assert controller.models["ranker"].policy.describe() == "latest:1"
+
+
+def models_request(*models: tuple[str, Path, list[int]]) -> bytes:
+    """A HandleReloadConfigRequest's config of several models: (name, base path, versions)."""
+    from mpspool.protos import server_config_pb2
+
+    config = server_config_pb2.ModelServerConfig()
+    for name, base, versions in models:
+        model = config.model_config_list.config.add(name=name, base_path=str(base))
+        if versions:
+            model.model_version_policy.specific.versions.extend(versions)
+    return config.SerializeToString()
+
+
+def test_models_are_added_and_removed_while_the_pool_serves(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    pool, base = versioned_pool(make_pool, [1])
+    controller = pool.controller
+    tower, broken = tmp_path / "tower", tmp_path / "broken"
+    for path in (tower / "3", broken / "1"):
+        path.mkdir(parents=True)
+        (path / "saved_model.pb").write_bytes(b"")
+
+    # Added: its first version loads on workers of its own beside what serves; the front
+    # door hears of the model before its workers can say READY; pool.json lists it.
+    pool.router.reload_requests[1] = models_request(("demo", base, [1]), ("tower", tower, []))
+    pool.tick()
+    assert pool.router.models[-1] == ["demo", "tower"]
+    assert "tower/cpu-0@3" in controller.slots and "tower/cpu-1@3" in controller.slots
+    assert ("startProcessGroup", "tower-v3") in pool.sd.calls
+    saved = PoolConfig.load(controller.run_dir)
+    assert [(m.name, m.version) for m in saved.served_models()] == [("demo", 1), ("tower", 3)]
+    assert pool.router.reload_done == [], "answered once tower serves"
+    pool.router.register("tower/cpu-0@3", pool.sd.pid_of("tower/cpu-0@3"))
+    pool.tick()
+    assert pool.router.reload_done == [(1, 0, "")]
+    assert controller.phase is PoolPhase.SERVING
+
+    # An added model that cannot load: its version ends with the reason; the pool serves on.
+    pool.router.reload_requests[2] = models_request(
+        ("demo", base, [1]), ("tower", tower, []), ("broken", broken, [])
+    )
+    pool.tick()
+    pool.sd.exit("broken/cpu-0@1", process.EXIT_LOAD_FAILED)
+    pool.sd.logs["broken-v1:worker-broken-cpu-0-v1"] = "cannot load model broken: bad graph"
+    pool.tick()
+    code, message = pool.router.reload_done[-1][1:]
+    assert code == 2 and "cannot load model broken: bad graph" in message
+    assert controller.phase is PoolPhase.SERVING
+    broken_status = {m["name"]: m for m in controller.status()["models"]}["broken"]
+    assert broken_status["version"] is None
+    assert broken_status["versions"] == [
+        {"version": 1, "state": "END", "error": "cannot load model broken: bad graph"}
+    ]
+
+    # Removed: tower and broken leave the front door at once, tower's workers drain, end,
+    # and the model leaves pool.json.
+    pool.router.reload_requests[3] = models_request(("demo", base, [1]))
+    pool.tick()
+    assert pool.router.reload_done[-1] == (3, 0, "")
+    assert pool.router.models[-1] == ["demo"]
+    assert "broken" not in controller.models, "nothing of it left to drain"
+    assert pool.slot("tower/cpu-0@3").state is S.DRAINING
+    pool.tick()
+    assert ("stopProcessGroup", "tower-v3") in [c[:2] for c in pool.sd.calls]
+    assert list(controller.models) == ["demo"]
+    assert [m.name for m in PoolConfig.load(controller.run_dir).served_models()] == ["demo"]
+    assert list(controller.slots) == ["cpu-0@1", "cpu-1@1"]
+
+    # Refused, nothing changed: the pool's first model left out; a model with no version.
+    pool.router.reload_requests[4] = models_request(("tower", tower, []))
+    pool.router.reload_requests[5] = models_request(("demo", base, [1]), ("t", tmp_path, []))
+    pool.tick()
+    done = {r: (c, m) for r, c, m in pool.router.reload_done}
+    assert done[4][0] == 3 and "leaves out 'demo', the model the pool started with" in done[4][1]
+    assert done[5][0] == 3 and f"no servable model version found in {tmp_path}" in done[5][1]
+    assert list(controller.models) == ["demo"]
 
 
 def test_a_registration_from_another_pid_does_not_make_the_slot_ready(pool: Pool):
@@ -1318,12 +1400,12 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     assert pool.router.labels[-1] == {"canary": 2}
     assert pool.controller.status()["pool"]["version_policy"] == "specific:1,2"
 
-    # Refused at once: another model; bytes that are no ModelServerConfig; two models.
+    # Refused at once: the pool's model left out; bytes that are no ModelServerConfig.
     pool.router.reload_requests[8] = reload_request(base, [1], {}, name="other")
     pool.router.reload_requests[9] = b"\xff\xff\xff"
     pool.tick()
     done = {request_id: (code, message) for request_id, code, message in pool.router.reload_done}
-    assert done[8][0] == 3 and "a pool serves the models it started with" in done[8][1]
+    assert done[8][0] == 3 and "leaves out 'demo', the model the pool started with" in done[8][1]
     assert done[9][0] == 3
     assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
 
@@ -1359,7 +1441,7 @@ def test_a_lost_reload_answer_is_given_again(make_pool: Callable[..., Pool]):
     assert 3 not in pool.router.reload_requests
 
 
-def test_a_config_file_that_breaks_or_names_another_model_changes_nothing(
+def test_a_config_file_that_breaks_or_moves_the_model_changes_nothing(
     make_pool: Callable[..., Pool], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
     config_file = tmp_path / "models.config"
@@ -1386,7 +1468,7 @@ def test_a_config_file_that_breaks_or_names_another_model_changes_nothing(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
         pool.tick(after_s=1.0)
-    assert "a pool serves the models it started with" in caplog.text
+    assert "a model's base path is fixed while it is served" in caplog.text
     assert pool.controller.policy.describe() == "latest:1"
     assert pool.router.labels[-1] == {"stable": 1}
 

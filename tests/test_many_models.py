@@ -220,3 +220,90 @@ def test_two_models_from_one_config_file_each_on_its_own_workers(tmp_path: Path)
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+def test_models_are_added_and_removed_while_another_serves_without_a_failed_request(
+    tmp_path: Path,
+) -> None:
+    """The config file rewritten with a second model: it loads on workers of its own and
+    serves; a HandleReloadConfigRequest without it: it leaves at once (NOT_FOUND), its
+    workers and weight segment go. The first model answers throughout, every answer right."""
+    import threading
+
+    from tensorflow_serving.apis import model_management_pb2
+    from tensorflow_serving.config import model_server_config_pb2
+
+    wdl, ranker = tmp_path / "wdl", tmp_path / "ranker"
+    build_demo_model(wdl, embedding_rows=ROWS, version=1, seed=1)
+    ranker_inputs = _ranker(ranker / "1")
+    wdl_inputs = demo_inputs(3, ROWS, seed=7)
+    want_wdl = _direct(wdl / "1", wdl_inputs)
+    want_ranker = _direct(ranker / "1", ranker_inputs)
+    config_file = tmp_path / "models.config"
+    one = model_server_config_pb2.ModelServerConfig()
+    one.model_config_list.config.add(name="wdl", base_path=str(wdl))
+    config_file.write_text(text_format.MessageToString(one))
+
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", wdl, 1, "--model_config_file_poll_wait_seconds", "0.2")
+    at = pool.args.index("--model-base-path")
+    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]
+    pool.start()
+    answered, failed = [0], []
+    stop = threading.Event()
+
+    def load() -> None:
+        with pool.channel() as channel:
+            while not stop.is_set():
+                try:
+                    _check(_predict(channel, "wdl", wdl_inputs), want_wdl)
+                    answered[0] += 1
+                except (grpc.RpcError, AssertionError) as exc:
+                    failed.append(repr(exc))
+
+    try:
+        pool.wait_ready(1)
+        loader = threading.Thread(target=load)
+        loader.start()
+        two = model_server_config_pb2.ModelServerConfig()
+        two.CopyFrom(one)
+        two.model_config_list.config.add(name="ranker", base_path=str(ranker))
+        config_file.write_text(text_format.MessageToString(two))
+        status = pool.wait_for(
+            lambda s: _states(s).get("ranker") == {1: "AVAILABLE"},
+            timeout=90,
+            what="ranker added and serving",
+        )
+        assert [s["model"] for s in status["slots"]] == ["", "ranker"]
+        with pool.channel() as channel:
+            _check(_predict(channel, "ranker", ranker_inputs), want_ranker)
+            segment = next(s for s in status["slots"] if s["model"] == "ranker")
+            segment = segment["weights"]["segment"]
+            assert Path(segment).exists()
+
+            # Removed by a reload (the file still lists it: written back first, so that its
+            # next read does not add it again).
+            config_file.write_text(text_format.MessageToString(one))
+            request = model_management_pb2.ReloadConfigRequest()
+            request.config.CopyFrom(one)
+            answer = model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
+                request, timeout=60
+            )
+            assert answer.status.error_code == 0
+            with pytest.raises(grpc.RpcError) as refused:
+                _predict(channel, "ranker", ranker_inputs)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        status = pool.wait_for(
+            lambda s: [m["name"] for m in s["models"]] == ["wdl"] and len(s["slots"]) == 1,
+            timeout=60,
+            what="ranker's workers ended",
+        )
+        assert not Path(segment).exists(), "its weight segment unlinked"
+        stop.set()
+        loader.join(timeout=30)
+        assert failed == [], failed[:3]
+        assert answered[0] > 20
+    finally:
+        stop.set()
+        assert pool.stop() == 0
+    assert pool.leftovers() == []

@@ -9,7 +9,8 @@
 //! each GPU, exported as metrics), `versions` (the model's versions with their states and
 //! errors, and its labels: where requests go from now on, and what GetModelStatus says; a
 //! pool of several models names the one it means in `model`, the first by default),
-//! `reload_done` (the controller's answer to a HandleReloadConfigRequest the snapshot listed
+//! `models` (the models to serve from now on, in order, each `{name, version}`: models
+//! added while the pool serves, and removed: `Models::serve`), `reload_done` (the controller's answer to a HandleReloadConfigRequest the snapshot listed
 //! in `reload_requests`: `id`, `code`, `message`).
 
 use std::sync::atomic::Ordering;
@@ -18,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use rmpv::Value;
 
+use crate::config::ModelEntry;
+use crate::log_info;
 use crate::state::{DrainRequest, GpuSample, RouterState};
 use crate::timeline::Timeline;
 use crate::versions::{Models, VersionTable};
@@ -183,6 +186,25 @@ fn op<P>(
                 Err(message) => error(message),
             }
         }
+        "models" => {
+            let Some(Value::Array(listed)) = field(request, "models") else {
+                return error("models needs a list of {name, version}".to_string());
+            };
+            let Some(entries) = listed.iter().map(model_entry).collect::<Option<Vec<_>>>() else {
+                return error("each model needs a name and a version".to_string());
+            };
+            let mut models = Models::clone(&pool.versions.borrow());
+            match models.serve(&entries) {
+                Ok(changed) => {
+                    if !changed.is_empty() {
+                        log_info!("models: {}", changed.join(", "));
+                        pool.versions.send_replace(Arc::new(models));
+                    }
+                    vec![("ok", Value::from(true))]
+                }
+                Err(message) => error(message),
+            }
+        }
         "reload_done" => {
             let id = field(request, "id").and_then(Value::as_u64);
             let code = field(request, "code")
@@ -200,6 +222,22 @@ fn op<P>(
         }
         other => error(format!("unknown op '{other}'")),
     }
+}
+
+fn model_entry(value: &Value) -> Option<ModelEntry> {
+    let Value::Map(entries) = value else {
+        return None;
+    };
+    let get = |name: &str| {
+        entries
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v)
+    };
+    Some(ModelEntry::new(
+        get("name")?.as_str()?,
+        get("version")?.as_i64()?,
+    ))
 }
 
 fn gpu_sample(value: &Value) -> Option<GpuSample> {
@@ -345,6 +383,38 @@ mod tests {
             unknown["error"],
             "versions names a model this pool does not serve (it serves demo, ranker)"
         );
+        // Models added and removed: a version table for the new one is then taken.
+        let added = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "models", "n": 15, "models": [
+                {"name": "demo", "version": 2}, {"name": "tower", "version": 1}]}),
+        );
+        assert_eq!(added["ok"], true);
+        let tower = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "versions", "n": 16, "model": "tower",
+                "versions": [{"version": 4, "state": "AVAILABLE"}]}),
+        );
+        assert_eq!(tower["ok"], true);
+        let models = pool.versions.borrow().clone();
+        let served: Vec<&str> = models.iter().map(|t| t.model.as_str()).collect();
+        assert_eq!(served, ["demo", "tower"], "ranker, not listed, is removed");
+        assert_eq!(models.named("tower").and_then(|t| t.latest()), Some(4));
+        let refused = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "models", "n": 17, "models": [
+                {"name": "tower", "version": 1}]}),
+        );
+        assert!(refused["error"]
+            .as_str()
+            .unwrap()
+            .contains("first model demo first"));
+        let bad = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "models", "n": 18, "models": [{"name": "x"}]}),
+        );
+        assert_eq!(bad["error"], "each model needs a name and a version");
+
         let bad = ask(
             &mut pool,
             serde_json::json!({"v": 1, "op": "versions", "n": 12, "versions": [{"version": 1}]}),

@@ -256,6 +256,11 @@ impl Dispatcher {
         self.versions.borrow().clone()
     }
 
+    /// The served models, as they change.
+    pub fn models(&self) -> watch::Receiver<Arc<Models>> {
+        self.versions.clone()
+    }
+
     pub fn ready_workers(&self) -> watch::Receiver<usize> {
         self.ready.clone()
     }
@@ -1121,10 +1126,12 @@ impl Actor {
     /// model the controller has spoken of: until then only the configured version is known).
     fn forget_retired_signatures(&mut self) {
         let models = self.versions.borrow().clone();
+        // A removed model's signatures go with its last worker.
         let kept = |s: &Servable| {
-            models
-                .get(s.model)
-                .is_none_or(|t| !t.from_controller || t.versions.contains_key(&s.version))
+            models.is_served(s.model)
+                && models
+                    .get(s.model)
+                    .is_none_or(|t| !t.from_controller || t.versions.contains_key(&s.version))
         };
         let served = self.table.ready_by_servable();
         self.signatures.send_if_modified(|all| {

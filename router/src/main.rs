@@ -152,9 +152,8 @@ async fn serve(config: Config) -> ExitCode {
         .map(|a| a.port())
         .unwrap_or(config.port);
     server::record_port(&state, port);
-    let names: Vec<String> = models.into_iter().map(|m| m.name).collect();
     let metrics = Arc::new(metrics::Metrics::new(
-        &names,
+        dispatcher.models(),
         dispatcher.ready_workers(),
         dispatcher.copied_weights(),
         state.clone(),

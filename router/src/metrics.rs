@@ -19,7 +19,7 @@ use crate::state::RouterState;
 use crate::status::Code;
 use crate::tfs_metrics::TfServingMetrics;
 pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
-use crate::versions::ModelId;
+use crate::versions::{ModelId, Models};
 use crate::{log_error, log_info};
 
 /// Small-batch inference lives between a fraction of a millisecond and a few hundred.
@@ -107,8 +107,9 @@ impl Histogram {
 
 pub struct Metrics {
     /// The `model` label of mpspool's own series: the pool's model (its models,
-    /// comma-separated, for a pool of several; TF Serving's series are per model).
-    model: String,
+    /// comma-separated, for a pool of several; TF Serving's series are per model), as served
+    /// when the page is made.
+    models: watch::Receiver<Arc<Models>>,
     /// The same requests under TF Serving's names (served at its Prometheus path).
     pub tf_serving: TfServingMetrics,
     /// Where a request's time went: from the front door handing it over until its worker's
@@ -161,14 +162,14 @@ impl Drop for InFlight<'_> {
 
 impl Metrics {
     pub fn new(
-        models: &[String],
+        models: watch::Receiver<Arc<Models>>,
         ready: watch::Receiver<usize>,
         copied: watch::Receiver<BTreeMap<String, u64>>,
         state: Arc<RouterState>,
     ) -> Metrics {
         Metrics {
-            model: models.join(","),
-            tf_serving: TfServingMetrics::new(models),
+            tf_serving: TfServingMetrics::following(models.clone()),
+            models,
             queue: Histogram::default(),
             compute: Histogram::default(),
             requests: Default::default(),
@@ -209,7 +210,13 @@ impl Metrics {
 
     /// The Prometheus text exposition (labels in name order, as prometheus_client writes them).
     pub fn render(&self) -> String {
-        let model = escape(&self.model);
+        let names: Vec<String> = self
+            .models
+            .borrow()
+            .iter()
+            .map(|t| t.model.clone())
+            .collect();
+        let model = escape(&names.join(","));
         let mut out = String::new();
         out.push_str(
             "# HELP mpspool_requests_total Requests answered, by method and gRPC status code.\n",
@@ -382,13 +389,19 @@ fn answer(metrics: &Metrics, request: &Request<hyper::body::Incoming>) -> Respon
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ModelEntry;
+
+    fn models_of(name: &str) -> watch::Receiver<Arc<Models>> {
+        let models = Models::configured(&[ModelEntry::new(name, 1)]).expect("one model");
+        watch::channel(Arc::new(models)).1
+    }
 
     #[test]
     fn latency_buckets_are_cumulative() {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(0usize);
         let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new(&["m".to_string()], ready, copied, Arc::new(state));
+        let metrics = Metrics::new(models_of("m"), ready, copied, Arc::new(state));
         for ms in [0, 3, 3, 40, 9000] {
             metrics.record(Method::Predict, Code::Ok, Duration::from_millis(ms));
         }
@@ -434,7 +447,7 @@ mod tests {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(0usize);
         let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new(&["m\"x".to_string()], ready, copied, Arc::new(state));
+        let metrics = Metrics::new(models_of("m\"x"), ready, copied, Arc::new(state));
         let request = metrics.start(Method::GetModelStatus);
         assert!(metrics
             .render()
@@ -460,7 +473,7 @@ mod tests {
         let (_tx, ready) = watch::channel(2usize);
         let copied = BTreeMap::from([("cpu-0".to_string(), 0u64), ("cpu-1".to_string(), 8)]);
         let (_copied_tx, copied) = watch::channel(copied);
-        let metrics = Metrics::new(&["demo".to_string()], ready, copied, Arc::new(state));
+        let metrics = Metrics::new(models_of("demo"), ready, copied, Arc::new(state));
         {
             let mut request = metrics.start(Method::Predict);
             request.set_code(Code::Ok);

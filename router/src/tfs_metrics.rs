@@ -18,11 +18,14 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use tokio::sync::watch;
 
 use crate::json_tensor::format_g;
 use crate::metrics::escape;
 use crate::status::Code;
-use crate::versions::ModelId;
+use crate::versions::{ModelId, Models};
 
 /// The TF Serving APIs that are counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,21 +165,75 @@ impl ModelSeries {
     }
 }
 
-/// Every served model's series, by `ModelId`; a family's lines for all models come under
-/// its one `# TYPE` line, as the exposition format requires.
+/// Every model's series, by `ModelId`; a family's lines for all models come under its one
+/// `# TYPE` line, as the exposition format requires. A model added while the pool serves gets
+/// its series when it is first counted or shown; a removed model's stay (TF Serving's
+/// counters outlive an unloaded model too).
 pub struct TfServingMetrics {
-    models: Vec<ModelSeries>,
+    models: RwLock<Vec<Arc<ModelSeries>>>,
+    /// Where the names of models added later come from (None: a fixed list).
+    names: Option<watch::Receiver<Arc<Models>>>,
 }
 
 impl TfServingMetrics {
+    /// Series for a fixed list of models.
+    #[cfg(test)]
     pub fn new(models: &[String]) -> TfServingMetrics {
         TfServingMetrics {
-            models: models.iter().map(|m| ModelSeries::new(m)).collect(),
+            models: RwLock::new(
+                models
+                    .iter()
+                    .map(|m| Arc::new(ModelSeries::new(m)))
+                    .collect(),
+            ),
+            names: None,
         }
     }
 
-    fn of(&self, model: ModelId) -> Option<&ModelSeries> {
-        self.models.get(usize::from(model))
+    /// Series for the models of `models`, now and as it changes.
+    pub fn following(models: watch::Receiver<Arc<Models>>) -> TfServingMetrics {
+        let metrics = TfServingMetrics {
+            models: RwLock::new(Vec::new()),
+            names: Some(models),
+        };
+        metrics.catch_up();
+        metrics
+    }
+
+    /// Series for every model id given since the last look.
+    fn catch_up(&self) {
+        let Some(names) = &self.names else { return };
+        let models = names.borrow().clone();
+        let mut series = self.models.write().unwrap_or_else(PoisonError::into_inner);
+        let known = series.len();
+        series.extend(
+            models
+                .ids()
+                .skip(known)
+                .map(|(_, name)| Arc::new(ModelSeries::new(name))),
+        );
+    }
+
+    fn of(&self, model: ModelId) -> Option<Arc<ModelSeries>> {
+        let found = |metrics: &TfServingMetrics| {
+            let series = metrics
+                .models
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            series.get(usize::from(model)).cloned()
+        };
+        found(self).or_else(|| {
+            self.catch_up();
+            found(self)
+        })
+    }
+
+    fn all(&self) -> Vec<Arc<ModelSeries>> {
+        self.catch_up();
+        self.models
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// A finished request: counted by status; its latency kept when it succeeded.
@@ -214,10 +271,11 @@ impl TfServingMetrics {
 
     /// The page TF Serving serves at its Prometheus path.
     pub fn render(&self) -> String {
+        let models = self.all();
         let mut out = String::new();
         let name = ":tensorflow:serving:request_count";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for series in &self.models {
+        for series in &models {
             let model = &series.label;
             for code in 0..17 {
                 let n = series.request_count[code].load(Ordering::Relaxed);
@@ -232,7 +290,7 @@ impl TfServingMetrics {
         }
         let name = ":tensorflow:serving:request_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for series in &self.models {
+        for series in &models {
             for api in APIS {
                 for entrypoint in ENTRYPOINTS {
                     let histogram = &series.request_latency[api as usize][entrypoint as usize];
@@ -250,7 +308,7 @@ impl TfServingMetrics {
         }
         let name = ":tensorflow:serving:runtime_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for series in &self.models {
+        for series in &models {
             for api in APIS {
                 let histogram = &series.runtime_latency[api as usize];
                 if histogram.count() > 0 {
@@ -265,7 +323,7 @@ impl TfServingMetrics {
         }
         let name = ":tensorflow:serving:request_example_counts";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for series in &self.models {
+        for series in &models {
             if series.example_counts.count() > 0 {
                 let labels = format!("model=\"{}\"", series.label);
                 series.example_counts.render(&mut out, name, &labels);
@@ -273,7 +331,7 @@ impl TfServingMetrics {
         }
         let name = ":tensorflow:serving:request_example_count_total";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for series in &self.models {
+        for series in &models {
             let total = series.example_total.load(Ordering::Relaxed);
             if total > 0 {
                 let _ = writeln!(out, "{name}{{model=\"{}\"}} {total}", series.label);
@@ -320,6 +378,24 @@ mod tests {
         assert!(page
             .contains(":tensorflow:serving:request_example_count_total{model=\"de\\\"mo\"} 3\n"));
         assert_eq!(page.matches("request_latency_bucket").count(), 34);
+    }
+
+    #[test]
+    fn a_model_added_while_serving_gets_its_series() {
+        use crate::config::ModelEntry;
+
+        let models = Models::configured(&[ModelEntry::new("wdl", 1)]).unwrap();
+        let (tx, rx) = watch::channel(Arc::new(models.clone()));
+        let metrics = TfServingMetrics::following(rx);
+        let mut grown = models;
+        let listed = [ModelEntry::new("wdl", 1), ModelEntry::new("tower", 1)];
+        grown.serve(&listed).unwrap();
+        tx.send_replace(Arc::new(grown));
+        metrics.record_request(1, Api::Predict, Entrypoint::Grpc, Code::Ok, 100);
+        metrics.record_request(7, Api::Predict, Entrypoint::Grpc, Code::Ok, 100); // no such id
+        let page = metrics.render();
+        assert!(page.contains("request_count{model_name=\"tower\",status=\"OK\"} 1\n"));
+        assert_eq!(page.matches("status=\"OK\"").count(), 1);
     }
 
     #[test]

@@ -13,8 +13,11 @@
 //! A pool may serve several models (`Models`): one table each, a request goes to the one its
 //! spec names. Each model has a `ModelId`, its place in the configuration's list, so that a
 //! request's target and a worker's servable stay small `Copy` values on the request path.
+//! The controller may add and remove models while the pool serves (`Models::serve`): an
+//! added model takes the next id, a removed one keeps its id (requests already on their way
+//! to it finish) and is no longer found by name.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::ModelEntry;
 use crate::proto::mpspool::tfs::{
@@ -319,6 +322,8 @@ impl VersionTable {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Models {
     tables: Vec<VersionTable>,
+    /// Models the controller removed: kept for their ids, never found by name.
+    removed: BTreeSet<ModelId>,
 }
 
 impl Models {
@@ -338,19 +343,89 @@ impl Models {
                     .map(|id| VersionTable::configured(id, &m.name, m.version))
             })
             .collect::<Option<Vec<_>>>()?;
-        Some(Models { tables })
+        Some(Models {
+            tables,
+            removed: BTreeSet::new(),
+        })
     }
 
+    /// The models served now, in order.
     pub fn iter(&self) -> impl Iterator<Item = &VersionTable> {
-        self.tables.iter()
+        self.tables.iter().filter(|t| !self.removed.contains(&t.id))
     }
 
+    /// A model by id, served or removed (its name stays known for what is on its way).
     pub fn get(&self, id: ModelId) -> Option<&VersionTable> {
         self.tables.get(usize::from(id))
     }
 
+    pub fn is_served(&self, id: ModelId) -> bool {
+        usize::from(id) < self.tables.len() && !self.removed.contains(&id)
+    }
+
+    /// Every model id ever given in this process, served or removed.
+    pub fn ids(&self) -> impl Iterator<Item = (ModelId, &str)> {
+        self.tables.iter().map(|t| (t.id, t.model.as_str()))
+    }
+
     pub fn named(&self, name: &str) -> Option<&VersionTable> {
-        self.tables.iter().find(|t| t.model == name)
+        self.iter().find(|t| t.model == name)
+    }
+
+    /// The controller's list of the models to serve from now on, in order: models not yet
+    /// served are added (a new id, or the id they had before they were removed) at the
+    /// version listed, served models missing from the list are removed. The first model
+    /// stays the first (the pool's model: names no other model answers fall to it). What
+    /// changed, or why nothing did.
+    pub fn serve(&mut self, listed: &[ModelEntry]) -> Result<Vec<String>, String> {
+        let first = &self.tables[0].model;
+        if listed.first().map(|m| &m.name) != Some(first) {
+            return Err(format!(
+                "models must list the pool's first model {first} first"
+            ));
+        }
+        for (i, entry) in listed.iter().enumerate() {
+            if entry.name.is_empty() || listed[..i].iter().any(|m| m.name == entry.name) {
+                return Err(format!(
+                    "models: each needs a name of its own, not {:?}",
+                    entry.name
+                ));
+            }
+        }
+        let new = listed
+            .iter()
+            .filter(|m| !self.tables.iter().any(|t| t.model == m.name))
+            .count();
+        if self.tables.len() + new > usize::from(ModelId::MAX) {
+            return Err(format!("a pool serves at most {} models", ModelId::MAX));
+        }
+        let mut changed = Vec::new();
+        for entry in listed {
+            match self.tables.iter().position(|t| t.model == entry.name) {
+                Some(at) => {
+                    let id = self.tables[at].id;
+                    if self.removed.remove(&id) {
+                        self.tables[at] = VersionTable::configured(id, &entry.name, entry.version);
+                        changed.push(format!("{} served again", entry.name));
+                    }
+                }
+                None => {
+                    let Ok(id) = ModelId::try_from(self.tables.len()) else {
+                        return Err(format!("a pool serves at most {} models", ModelId::MAX));
+                    };
+                    let table = VersionTable::configured(id, &entry.name, entry.version);
+                    self.tables.push(table);
+                    changed.push(format!("{} added", entry.name));
+                }
+            }
+        }
+        for table in &self.tables {
+            if !self.removed.contains(&table.id) && !listed.iter().any(|m| m.name == table.model) {
+                self.removed.insert(table.id);
+                changed.push(format!("{} removed", table.model));
+            }
+        }
+        Ok(changed)
     }
 
     /// The table a spec is answered from: its model's, or — for a name the pool does not
@@ -380,10 +455,9 @@ impl Models {
         })
     }
 
-    /// Each model's newest AVAILABLE version.
+    /// Each served model's newest AVAILABLE version.
     pub fn latest(&self) -> BTreeMap<ModelId, i64> {
-        self.tables
-            .iter()
+        self.iter()
             .filter_map(|t| Some((t.id, t.latest()?)))
             .collect()
     }
@@ -391,6 +465,9 @@ impl Models {
     /// The controller's new table for one model (`from_control` made it with that model's
     /// id); false when no such model is served.
     pub fn replace(&mut self, table: VersionTable) -> bool {
+        if self.removed.contains(&table.id) {
+            return false;
+        }
         match self.tables.get_mut(usize::from(table.id)) {
             Some(slot) if slot.model == table.model => {
                 *slot = table;
@@ -592,6 +669,74 @@ mod tests {
             VersionTable::from_control(0, "m", &ok, Some(&dangling)).unwrap_err(),
             "label stable names version 2, not listed"
         );
+    }
+
+    #[test]
+    fn models_are_added_and_removed_while_ids_stay() {
+        let mut models = Models::configured(&[ModelEntry::new("wdl", 3)]).unwrap();
+        let listed = [ModelEntry::new("wdl", 3), ModelEntry::new("ranker", 1)];
+        assert_eq!(models.serve(&listed), Ok(vec!["ranker added".to_string()]));
+        assert_eq!(
+            models.serve(&listed),
+            Ok(vec![]),
+            "the same list again: no change"
+        );
+        let ranker = Some(&spec("ranker", None));
+        assert_eq!(
+            models.resolve(ranker).map(|t| (t.model, t.version)),
+            Ok((1, 1))
+        );
+
+        // Removed: not found by name, no latest, no new table from the controller; its id
+        // keeps its name for what is on its way.
+        assert_eq!(
+            models.serve(&[ModelEntry::new("wdl", 3)]),
+            Ok(vec!["ranker removed".to_string()])
+        );
+        assert_eq!(
+            models.resolve(ranker),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Servable not found for request: Latest(ranker)"
+            ))
+        );
+        assert!(!models.is_served(1) && models.get(1).is_some_and(|t| t.model == "ranker"));
+        assert_eq!(models.latest(), BTreeMap::from([(0, 3)]));
+        assert!(!models.replace(VersionTable::configured(1, "ranker", 2)));
+        assert_eq!(models.iter().count(), 1);
+
+        // Back, at its old id, at the version listed; another model takes the next id.
+        let listed = [
+            ModelEntry::new("wdl", 3),
+            ModelEntry::new("ranker", 2),
+            ModelEntry::new("tower", 5),
+        ];
+        assert_eq!(
+            models.serve(&listed),
+            Ok(vec![
+                "ranker served again".to_string(),
+                "tower added".to_string()
+            ])
+        );
+        assert_eq!(
+            models.resolve(ranker).map(|t| (t.model, t.version)),
+            Ok((1, 2))
+        );
+        let tower = Some(&spec("tower", None));
+        assert_eq!(
+            models.resolve(tower).map(|t| (t.model, t.version)),
+            Ok((2, 5))
+        );
+
+        // The pool's first model stays first; names are each listed once.
+        let refused = models.serve(&[ModelEntry::new("ranker", 2)]);
+        assert_eq!(
+            refused,
+            Err("models must list the pool's first model wdl first".to_string())
+        );
+        let twice = [ModelEntry::new("wdl", 3), ModelEntry::new("wdl", 3)];
+        assert!(models.serve(&twice).is_err());
+        assert_eq!(models.iter().count(), 3, "a refused list changes nothing");
     }
 
     #[test]
