@@ -555,6 +555,14 @@ class PoolConfig:
                 f"model name {name!r}: a pool of several models needs names of letters, "
                 "digits, '_', '.' and '-' (they name its processes and files)"
             )
+        from mpspool.segment import segment_path
+
+        for model in self.served_models():
+            if model.name != name and segment_path("", model.name, 0) == segment_path("", name, 0):
+                raise ConfigError(
+                    f"model name {name!r} is too like {model.name!r}'s: their weight segments "
+                    "would share a name"
+                )
         if self.gpus and self.contexts_on_gpu() > 48:
             raise ConfigError(
                 f"model {name!r} would make {self.contexts_on_gpu()} contexts per GPU, more "

@@ -136,7 +136,7 @@ def first_version(base_path: Path, policy_text: str, model: str = "") -> int:
     try:
         latest_version(base_path)  # says what was expected when there is no version at all
         wanted = policy.aspired(versions_on_disk(base_path), set())
-    except FileNotFoundError as exc:
+    except OSError as exc:  # not there, or not readable
         raise ConfigError(str(exc)) from None
     if not wanted:
         found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))

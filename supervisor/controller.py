@@ -395,6 +395,8 @@ class Controller:
                 router_answered,
             )
         for model in self.models.values():
+            if not model.required:
+                continue  # added while serving: a version that cannot load just ends
             live = [
                 s
                 for g in model.groups.values()
@@ -409,13 +411,12 @@ class Controller:
         if router_answered:
             self._take_reload_requests(snap.get("reload_requests") or [], now)
         self._reconcile_versions(now, snap, router_answered)
-        self._tell_router_models(router_answered)
         self._forget_removed_models()
         self._answer_reloads()
         self._restore_priorities()
         if self.phase is not PoolPhase.STARTING and self.phase is not PoolPhase.SERVING:
             return
-        serving = all(m.serving_version() is not None for m in self.models.values())
+        serving = all(m.serving_version() is not None for m in self.models.values() if m.required)
         if not self._announced and self.port and serving:
             self._announce()
 
@@ -530,6 +531,8 @@ class Controller:
         policy wants, move each group along, and tell the front door when anything changed."""
         if now >= self._next_config_read:
             self._read_model_config(now)
+        # The models first: a model's version table is only taken for a model it serves.
+        self._tell_router_models(router_answered)
         for model in self.models.values():
             model.reconcile(now, snap, router_answered)
 
@@ -594,7 +597,7 @@ class Controller:
                 config = dataclasses.replace(config, models=tuple(models))
                 for entry in added:
                     config.validate_added(entry.name)
-            except ConfigError as exc:
+            except (ConfigError, OSError) as exc:
                 return f"{source}: {exc}"
         self.config = config
         for entry in entries:
@@ -635,8 +638,11 @@ class Controller:
         told = (self._router_pid, [m["name"] for m in listed])
         if told == self._models_told:
             return
-        if self.router.ask("models", models=listed) is not None:
+        answer = self.router.ask("models", models=listed)
+        if answer is not None and answer.get("ok"):
             self._models_told = told
+        elif answer is not None:
+            log.warning("the front door refused the models %s: %s", told[1], answer.get("error"))
 
     def _forget_removed_models(self) -> None:
         """A removed model whose versions have all ended leaves the pool's configuration."""

@@ -157,9 +157,12 @@ class ModelVersions:
             )
 
     def _publish_log_path(self, version: int) -> Path:
+        # "publish-v2.log", "publish@ranker@v2.log": '@' is in no model name, so no two
+        # models' logs can share a name.
         first = version == self.config.model_version
-        name = "publish" + (f"-{self.prefix}" if self.prefix else "")
-        return self.pool.log_dir / (f"{name}.log" if first else f"{name}-v{version}.log")
+        name = "publish" + (f"@{self.prefix}" if self.prefix else "")
+        sep = "@" if self.prefix else "-"
+        return self.pool.log_dir / (f"{name}.log" if first else f"{name}{sep}v{version}.log")
 
     def _publish_failure(self, version: int, code: int) -> str:
         path = self._publish_log_path(version)
@@ -366,15 +369,15 @@ class ModelVersions:
     def _tell_router_versions(self, router_answered: bool) -> None:
         """The version table, to the front door when it changed or the front door is a new
         one (which starts with the configured version only)."""
-        if not router_answered:
-            return
+        if not router_answered or self.removed:
+            return  # removed: the front door no longer serves it
         table = self.version_table()
         labels = self._labels_for_router()
         told = (self.pool.router_pid, table, labels)
         if told == self._versions_told:
             return
         answer = self.pool.router.ask("versions", model=self.name, versions=table, labels=labels)
-        if answer is not None:
+        if answer is not None and answer.get("ok"):
             self._versions_told = told
 
     def stop(self) -> None:

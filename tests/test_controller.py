@@ -290,6 +290,9 @@ class FakeRouter:
         if op == "models":
             self.models.append([m["name"] for m in fields["models"]])
             return {"ok": True}
+        if op == "versions" and self.models and fields.get("model") not in self.models[-1]:
+            # As the front door: a table is only taken for a model it serves.
+            return {"error": "versions names a model this pool does not serve"}
         if op == "versions":
             self.versions.append(fields["versions"])
             self.labels.append(fields["labels"])
@@ -554,6 +557,10 @@ def test_models_are_added_and_removed_while_the_pool_serves(
     pool.router.reload_requests[1] = models_request(("demo", base, [1]), ("tower", tower, []))
     pool.tick()
     assert pool.router.models[-1] == ["demo", "tower"]
+    # Told in that order: the front door takes tower's table (LOADING, not the AVAILABLE it
+    # assumes of a model nobody has spoken of).
+    tables = dict(zip(pool.router.versions_of, pool.router.versions, strict=True))
+    assert tables["tower"] == [{"version": 3, "state": "LOADING", "error": ""}]
     assert "tower/cpu-0@3" in controller.slots and "tower/cpu-1@3" in controller.slots
     assert ("startProcessGroup", "tower-v3") in pool.sd.calls
     saved = PoolConfig.load(controller.run_dir)
@@ -569,8 +576,9 @@ def test_models_are_added_and_removed_while_the_pool_serves(
         ("demo", base, [1]), ("tower", tower, []), ("broken", broken, [])
     )
     pool.tick()
-    pool.sd.exit("broken/cpu-0@1", process.EXIT_LOAD_FAILED)
-    pool.sd.logs["broken-v1:worker-broken-cpu-0-v1"] = "cannot load model broken: bad graph"
+    for name in ("cpu-0", "cpu-1"):  # every worker of it FATAL at once (no retries here)
+        pool.sd.exit(f"broken/{name}@1", process.EXIT_LOAD_FAILED)
+        pool.sd.logs[f"broken-v1:worker-broken-{name}-v1"] = "cannot load model broken: bad graph"
     pool.tick()
     code, message = pool.router.reload_done[-1][1:]
     assert code == 2 and "cannot load model broken: bad graph" in message
@@ -1507,3 +1515,21 @@ def test_the_pool_phase_moves_only_forward(pool: Pool):
     assert pool.controller.phase is PoolPhase.DRAINING
     with pytest.raises(RuntimeError, match="draining -> serving"):
         pool.controller._set_phase(PoolPhase.SERVING, "cannot come back")
+
+
+def test_an_added_model_whose_segment_name_is_taken_is_refused(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    pool = make_pool(model_name="my model", share_weights=False, start_retries=0)
+    base = Path(pool.controller.config.model_base_path)
+    other = tmp_path / "other"
+    for path in (base / "1", other / "1"):
+        path.mkdir(parents=True)
+        (path / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.router.reload_requests[1] = models_request(("my model", base, []), ("my_model", other, []))
+    pool.tick()
+    code, message = pool.router.reload_done[-1][1:]
+    assert code == 3 and "'my_model' is too like 'my model''s" in message
+    assert list(pool.controller.models) == ["my model"]
