@@ -286,7 +286,11 @@ class ModelVersions:
         elif group.state is VersionState.UNLOADING:
             workers = snap.get("workers", {})
             busy = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
-            busy += int(snap.get("queued", 0))  # may be another version's: wait anyway
+            # Requests of its model waiting for a worker may be pinned to it: wait for them
+            # too (another model's queue is none of its business).
+            by_model = snap.get("queued_by_model")
+            waiting = by_model.get(self.name, 0) if by_model is not None else snap.get("queued", 0)
+            busy += int(waiting)
             if busy and now - group.since < self.config.drain_timeout_s:
                 return
             self.end_group(group, now, "retired")

@@ -244,6 +244,7 @@ class FakeRouter:
         self.labels: list[dict[str, int]] = []  # and its labels
         self.versions_of: list[str] = []  # and the model it names ("": none named)
         self.models: list[list[str]] = []  # each "models" op's names
+        self.queued_by_model: dict[str, int] = {}  # requests waiting for a worker
         # HandleReloadConfigRequests held: id → config bytes, listed until answered.
         self.reload_requests: dict[int, bytes] = {}
         self.reload_done: list[tuple[int, int, str]] = []
@@ -273,6 +274,7 @@ class FakeRouter:
                 "declared_dead": dict(self.declared_dead),
                 "inflight": sum(w["inflight"] for w in self.workers.values()),
                 "reload_requests": [[k, v] for k, v in self.reload_requests.items()],
+                "queued_by_model": dict(self.queued_by_model),
             }
         if op == "gone":
             slot, pid = fields["slot"], int(fields["pid"])
@@ -597,8 +599,14 @@ def test_models_are_added_and_removed_while_the_pool_serves(
     assert pool.router.models[-1] == ["demo"]
     assert "broken" not in controller.models, "nothing of it left to drain"
     assert pool.slot("tower/cpu-0@3").state is S.DRAINING
+    pool.router.queued_by_model = {"demo": 3, "tower": 1}
     pool.tick()
-    assert ("stopProcessGroup", "tower-v3") in [c[:2] for c in pool.sd.calls]
+    assert list(controller.models) == ["demo", "tower"], "its own waiting request holds it"
+    pool.router.queued_by_model = {"demo": 3}
+    pool.tick()
+    assert ("stopProcessGroup", "tower-v3") in [c[:2] for c in pool.sd.calls], (
+        "another model's queue does not hold it"
+    )
     assert list(controller.models) == ["demo"]
     assert [m.name for m in PoolConfig.load(controller.run_dir).served_models()] == ["demo"]
     assert list(controller.slots) == ["cpu-0@1", "cpu-1@1"]

@@ -23,7 +23,7 @@ use crate::config::ModelEntry;
 use crate::log_info;
 use crate::state::{DrainRequest, GpuSample, RouterState};
 use crate::timeline::Timeline;
-use crate::versions::{Models, VersionTable};
+use crate::versions::{ModelId, Models, VersionTable};
 use crate::wire;
 use crate::workers::{Departure, WorkerTable};
 
@@ -33,6 +33,8 @@ pub struct Pool<'a, P> {
     pub timeline: &'a mut Timeline,
     pub versions: &'a tokio::sync::watch::Sender<Arc<Models>>,
     pub state: &'a RouterState,
+    /// Requests waiting for a worker, by model.
+    pub queued_by_model: &'a std::collections::BTreeMap<ModelId, u64>,
     pub now: Instant,
 }
 
@@ -107,6 +109,8 @@ fn op<P>(
                     "queued",
                     Value::from(pool.state.queued.load(Ordering::Relaxed)),
                 ),
+                // The same by model name: a version retiring waits for its own model's only.
+                ("queued_by_model", queued_by_model(pool)),
                 (
                     "reload_requests",
                     Value::Array(
@@ -224,6 +228,21 @@ fn op<P>(
     }
 }
 
+fn queued_by_model<P>(pool: &Pool<'_, P>) -> Value {
+    let models = pool.versions.borrow();
+    Value::Map(
+        pool.queued_by_model
+            .iter()
+            .filter_map(|(id, n)| {
+                Some((
+                    Value::from(models.get(*id)?.model.as_str()),
+                    Value::from(*n),
+                ))
+            })
+            .collect(),
+    )
+}
+
 fn model_entry(value: &Value) -> Option<ModelEntry> {
     let Value::Map(entries) = value else {
         return None;
@@ -276,6 +295,7 @@ mod tests {
         table: WorkerTable<u32>,
         timeline: Timeline,
         versions: tokio::sync::watch::Sender<Arc<Models>>,
+        queued_by_model: std::collections::BTreeMap<ModelId, u64>,
     }
 
     impl Fixture {
@@ -294,6 +314,8 @@ mod tests {
                 table,
                 timeline,
                 versions,
+                // Two of ranker's requests wait; model 7 is none the pool knows.
+                queued_by_model: std::collections::BTreeMap::from([(1, 2), (7, 1)]),
             };
             (fixture, drains)
         }
@@ -304,6 +326,7 @@ mod tests {
                 timeline: &mut self.timeline,
                 versions: &self.versions,
                 state: &self.state,
+                queued_by_model: &self.queued_by_model,
                 now,
             }
         }
@@ -346,6 +369,7 @@ mod tests {
         assert_eq!(snap["phase"], "serving");
         assert_eq!(snap["workers"]["cpu-0"]["pid"], 10);
         assert_eq!(snap["workers"]["cpu-0"]["version"], 1);
+        assert_eq!(snap["queued_by_model"], serde_json::json!({"ranker": 2}));
 
         let listed = ask(
             &mut pool,

@@ -10,7 +10,7 @@
 //! In-flight work when a worker dies: the request goes to another worker (inference is
 //! idempotent) while the client's deadline allows; the caller (`call`) owns that loop.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -218,6 +218,7 @@ impl Dispatcher {
             requests: HashMap::new(),
             queue,
             queued_rows: 0,
+            queued_by_model: BTreeMap::new(),
             worker_inflight: scheduling.worker_inflight,
             costs: CostModel::default(),
             batching: scheduling.batching.clone(),
@@ -486,6 +487,8 @@ struct Actor {
     queue: Box<dyn Order<Queued>>,
     /// Rows waiting in `queue` (for `max_enqueued_batches`).
     queued_rows: u64,
+    /// Requests waiting in `queue`, by model (what the controller's retiring waits for).
+    queued_by_model: BTreeMap<ModelId, u64>,
     worker_inflight: usize,
     costs: CostModel,
     batching: Option<Batching>,
@@ -618,20 +621,35 @@ impl Actor {
 
     fn queue_push(&mut self, id: u64, queued: Queued) {
         self.queued_rows += queued.request.rows();
+        *self
+            .queued_by_model
+            .entry(queued.servable.model)
+            .or_default() += 1;
         let (arrived, cost) = (queued.arrived, queued.cost);
         self.queue.push(id, queued, arrived, cost);
     }
 
     fn queue_pop(&mut self, now: std::time::Instant) -> Option<(u64, Queued)> {
         let (id, queued) = self.queue.pop(now)?;
-        self.queued_rows = self.queued_rows.saturating_sub(queued.request.rows());
+        self.left_queue(&queued);
         Some((id, queued))
     }
 
     fn queue_remove(&mut self, id: u64) -> Option<Queued> {
         let queued = self.queue.remove(id)?;
-        self.queued_rows = self.queued_rows.saturating_sub(queued.request.rows());
+        self.left_queue(&queued);
         Some(queued)
+    }
+
+    fn left_queue(&mut self, queued: &Queued) {
+        self.queued_rows = self.queued_rows.saturating_sub(queued.request.rows());
+        let model = queued.servable.model;
+        if let Some(n) = self.queued_by_model.get_mut(&model) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.queued_by_model.remove(&model);
+            }
+        }
     }
 
     /// Send waiting requests, in the queue's order, while some worker has room.
@@ -1108,6 +1126,7 @@ impl Actor {
                     timeline: &mut self.timeline,
                     versions: &self.versions,
                     state: &self.state,
+                    queued_by_model: &self.queued_by_model,
                     now: Instant::now().into_std(),
                 },
             );

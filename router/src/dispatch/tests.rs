@@ -1272,6 +1272,8 @@ async fn two_models_run_on_their_own_workers_and_neither_waits_behind_the_other(
     tokio::time::sleep(Duration::from_millis(100)).await;
     let waiting = spawn_call(&dispatcher, m);
     tokio::time::sleep(Duration::from_millis(100)).await;
+    let snap = snapshot(&dir);
+    assert_eq!(snap["queued_by_model"], serde_json::json!({"m": 1}));
     let started = std::time::Instant::now();
     let reply = spawn_call(&dispatcher, r).await.unwrap().unwrap();
     let took = started.elapsed();
@@ -1296,5 +1298,6 @@ async fn two_models_run_on_their_own_workers_and_neither_waits_behind_the_other(
     };
     assert_eq!(learned, vec![V1, r4]);
     assert_eq!((m_worker.served(), r_worker.served()), (2, 1));
+    assert_eq!(snapshot(&dir)["queued_by_model"], serde_json::json!({}));
     dispatcher.shutdown();
 }
