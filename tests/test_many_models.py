@@ -3,9 +3,9 @@ workers, versions, weight segments and labels, and the front door routes by the 
 the version or label) a request gives.
 
 The pool serves the demo model as "wdl" (versions 1 and 2, labels stable and canary) and a
-Keras 3 model exported with `model.export()` as "ranker" (its own worker count, from
-`--model-workers`). Every answer is compared with a direct TensorFlow call of the version it
-names; the official client, `curl` for REST.
+Keras 3 model exported with `model.export()` as "ranker" (test_model_zoo's `keras_export`;
+its own worker count, from `--model-workers`). Every answer is compared with a direct
+TensorFlow call of the version it names; the official client, `curl` for REST.
 """
 
 from __future__ import annotations
@@ -28,36 +28,14 @@ from tensorflow_serving.apis import (
     predict_pb2,
     prediction_service_pb2_grpc,
 )
+from test_model_zoo import _direct, keras_export
+from test_rest import curl
 
 from mpspool.demo_model import build_demo_model, demo_inputs
 
 from poolproc import Pool, mpspool_cmd
 
 ROWS = 2000
-
-
-def _ranker(path: Path) -> dict[str, np.ndarray]:
-    """A Keras functional model with an embedding, exported as people export them."""
-    import keras
-
-    keras.utils.set_random_seed(3)
-    ids = keras.Input(shape=(4,), dtype="int64", name="ids")
-    dense = keras.Input(shape=(3,), dtype="float32", name="features")
-    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(ids))
-    hidden = keras.layers.Dense(5, activation="relu")(keras.layers.Concatenate()([pooled, dense]))
-    model = keras.Model(inputs=[ids, dense], outputs=keras.layers.Dense(1)(hidden))
-    model.export(str(path), verbose=False)
-    rng = np.random.default_rng(5)
-    return {
-        "ids": rng.integers(0, 50, (2, 4), dtype=np.int64),
-        "features": rng.standard_normal((2, 3)).astype(np.float32),
-    }
-
-
-def _direct(version_dir: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    function = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
-    result = function(**{k: tf.constant(v) for k, v in inputs.items()})
-    return {k: v.numpy() for k, v in result.items()}
 
 
 def _config_file(path: Path, wdl: Path, ranker: Path) -> None:
@@ -109,7 +87,7 @@ def test_two_models_from_one_config_file_each_on_its_own_workers(tmp_path: Path)
     wdl, ranker = tmp_path / "wdl", tmp_path / "ranker"
     for version in (1, 2):
         build_demo_model(wdl, embedding_rows=ROWS, version=version, seed=version)
-    ranker_inputs = _ranker(ranker / "1")
+    ranker_inputs = keras_export(ranker / "1")
     wdl_inputs = demo_inputs(3, ROWS, seed=7)
     want = {
         ("wdl", 1): _direct(wdl / "1", wdl_inputs),
@@ -203,12 +181,8 @@ def test_two_models_from_one_config_file_each_on_its_own_workers(tmp_path: Path)
             assert set(signatures.signature_def["serving_default"].inputs) == {"ids", "features"}
 
         body = json.dumps({"inputs": {k: v.tolist() for k, v in ranker_inputs.items()}})
-        out = subprocess.run(
-            ["curl", "-sS", "-X", "POST", "-d", body,
-             f"{pool.rest_url}/v1/models/ranker:predict"],
-            capture_output=True, text=True, timeout=30, check=True,
-        )  # fmt: skip
-        outputs = np.array(json.loads(out.stdout)["outputs"], dtype=np.float32)
+        _, answer = curl(pool, "ranker:predict", body)
+        outputs = np.array(answer["outputs"], dtype=np.float32)
         np.testing.assert_allclose(outputs, next(iter(want["ranker", 1].values())), atol=1e-5)
 
         shown = subprocess.run(
@@ -237,7 +211,7 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
 
     wdl, ranker = tmp_path / "wdl", tmp_path / "ranker"
     build_demo_model(wdl, embedding_rows=ROWS, version=1, seed=1)
-    ranker_inputs = _ranker(ranker / "1")
+    ranker_inputs = keras_export(ranker / "1")
     wdl_inputs = demo_inputs(3, ROWS, seed=7)
     want_wdl = _direct(wdl / "1", wdl_inputs)
     want_ranker = _direct(ranker / "1", ranker_inputs)

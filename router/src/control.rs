@@ -243,16 +243,19 @@ fn queued_by_model<P>(pool: &Pool<'_, P>) -> Value {
     )
 }
 
-fn model_entry(value: &Value) -> Option<ModelEntry> {
+/// A field of a msgpack map (None: not a map, or no such field).
+fn map_field<'a>(value: &'a Value, name: &str) -> Option<&'a Value> {
     let Value::Map(entries) = value else {
         return None;
     };
-    let get = |name: &str| {
-        entries
-            .iter()
-            .find(|(k, _)| k.as_str() == Some(name))
-            .map(|(_, v)| v)
-    };
+    entries
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(name))
+        .map(|(_, v)| v)
+}
+
+fn model_entry(value: &Value) -> Option<ModelEntry> {
+    let get = |name: &str| map_field(value, name);
     Some(ModelEntry::new(
         get("name")?.as_str()?,
         get("version")?.as_i64()?,
@@ -260,15 +263,7 @@ fn model_entry(value: &Value) -> Option<ModelEntry> {
 }
 
 fn gpu_sample(value: &Value) -> Option<GpuSample> {
-    let Value::Map(entries) = value else {
-        return None;
-    };
-    let get = |name: &str| {
-        entries
-            .iter()
-            .find(|(k, _)| k.as_str() == Some(name))
-            .map(|(_, v)| v)
-    };
+    let get = |name: &str| map_field(value, name);
     Some(GpuSample {
         gpu: get("gpu")?.as_u64()?,
         uuid: get("uuid")?.as_str()?.to_string(),

@@ -214,18 +214,16 @@ impl TfServingMetrics {
         );
     }
 
-    fn of(&self, model: ModelId) -> Option<Arc<ModelSeries>> {
-        let found = |metrics: &TfServingMetrics| {
-            let series = metrics
-                .models
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
-            series.get(usize::from(model)).cloned()
-        };
-        found(self).or_else(|| {
+    /// `record` on a model's series, under the read lock (no copy on the request path); a
+    /// model not known yet is looked up once among those added since.
+    fn with(&self, model: ModelId, record: impl FnOnce(&ModelSeries)) {
+        let read = || self.models.read().unwrap_or_else(PoisonError::into_inner);
+        if usize::from(model) >= read().len() {
             self.catch_up();
-            found(self)
-        })
+        }
+        if let Some(series) = read().get(usize::from(model)) {
+            record(series);
+        }
     }
 
     fn all(&self) -> Vec<Arc<ModelSeries>> {
@@ -245,28 +243,29 @@ impl TfServingMetrics {
         code: Code,
         micros: u64,
     ) {
-        let Some(series) = self.of(model) else { return };
-        series.request_count[code as usize].fetch_add(1, Ordering::Relaxed);
-        if code == Code::Ok {
-            series.request_latency[api as usize][entrypoint as usize].observe(micros);
-        }
+        self.with(model, |series| {
+            series.request_count[code as usize].fetch_add(1, Ordering::Relaxed);
+            if code == Code::Ok {
+                series.request_latency[api as usize][entrypoint as usize].observe(micros);
+            }
+        });
     }
 
     /// One model call's duration on its worker.
     pub fn record_runtime(&self, model: ModelId, api: Api, micros: u64) {
-        if let Some(series) = self.of(model) {
+        self.with(model, |series| {
             series.runtime_latency[api as usize].observe(micros);
-        }
+        });
     }
 
     /// The number of tf.Examples of a Classify, Regress or MultiInference.
     pub fn record_examples(&self, model: ModelId, examples: usize) {
-        if let Some(series) = self.of(model) {
+        self.with(model, |series| {
             series.example_counts.observe(examples as u64);
             series
                 .example_total
                 .fetch_add(examples as u64, Ordering::Relaxed);
-        }
+        });
     }
 
     /// The page TF Serving serves at its Prometheus path.
