@@ -28,6 +28,7 @@ from mpspool import dtypes, process, wire
 from mpspool.config import PoolConfig
 from mpspool.protos import serving_pb2
 from mpspool.router import binary_path
+from mpspool.worker.dealer import Dealer
 
 MODEL = "echo"
 
@@ -50,22 +51,23 @@ def main(run_dir: str, slot: str) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     pid = os.getpid()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, wire.worker_identity(slot, pid))
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(wire.endpoint(run_dir, wire.WORKERS_ENDPOINT))
     ready = [wire.pack(wire.Kind.READY, slot=slot, pid=pid, model=MODEL, version=1, weights=None),
              signature_defs()]  # fmt: skip
-    sock.send_multipart(ready)
+    sock = Dealer(
+        os.path.join(run_dir, wire.WORKERS_ENDPOINT),
+        wire.worker_identity(slot, pid),
+        ready,
+        wake_on_signals=True,
+    )
     next_beat = time.monotonic() + wire.HEARTBEAT_INTERVAL_S
     while not stop["now"]:
         if sock.poll(max(0, int((next_beat - time.monotonic()) * 1000))):
-            frames = sock.recv_multipart(copy=False)
-            header = wire.unpack(frames[0].buffer)
+            frames = sock.recv_multipart()
+            header = wire.unpack(frames[0])
             kind = wire.kind_of(header)
             if kind is wire.Kind.REQUEST:
                 head = wire.pack(wire.Kind.REPLY, id=header["id"], tensors=header["tensors"])
-                sock.send_multipart([head, *frames[1:]], copy=False)
+                sock.send_multipart([head, *frames[1:]])
             elif kind is wire.Kind.REREGISTER:
                 sock.send_multipart(ready)
         if time.monotonic() >= next_beat:

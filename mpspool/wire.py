@@ -4,9 +4,10 @@ Both ends import this module and neither owns it (as the ZeroMQ guide's Majordom
 MDP.py). Everything that crosses a socket is msgpack — never pickle — plus raw tensor
 buffers as separate frames, sent without copies.
 
-Worker channel: each worker's DEALER connects to the router's ROUTER at
-``ipc://<run-dir>/workers.ipc`` with the identity ``<slot>:<pid>`` (one per incarnation,
-so a late message from a replaced process is recognisable). A message is
+Worker channel: each worker's DEALER (worker/dealer.py: ZMTP spoken in the serving loop's
+own thread) connects to the router's ROUTER at ``ipc://<run-dir>/workers.ipc`` with the
+identity ``<slot>:<pid>`` (one per incarnation, so a late message from a replaced process is
+recognisable); READY is its first message on every connection. A message is
 ``[header, *tensor frames]`` where header is a msgpack map ``{"v": 1, "k": kind, ...}``.
 
   worker → router
@@ -114,7 +115,7 @@ TensorMeta = list  # [name, dtype, shape]
 
 def encode_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[list[TensorMeta], list[Any]]:
     """Header entries and frames for named arrays; numeric frames are the arrays themselves
-    (pyzmq sends them from their buffers when called with copy=False)."""
+    (the worker's socket writes them from their buffers, without copying)."""
     metas: list[TensorMeta] = []
     frames: list[Any] = []
     for name, array in tensors.items():
@@ -123,7 +124,7 @@ def encode_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[list[TensorMeta],
         if dt == dtypes.DT_STRING:
             frames.append(string_frame(array))
         else:
-            # Little-endian bytes, as uint8: pyzmq's buffer export refuses some dtypes
+            # Little-endian bytes, as uint8: a buffer export refuses some dtypes
             # (ml_dtypes' bfloat16), and the receiver reads the dtype from the header.
             little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
             frames.append(little.reshape(-1).view(np.uint8))

@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from mpspool import cpusets, process, rundir, wire
 from mpspool.config import PoolConfig
 from mpspool.errors import Code, ServingError
 from mpspool.signature import check_inputs, check_output_filter, select_signature
+from mpspool.worker.dealer import Dealer
 
 log = logging.getLogger("mpspool.worker")
 
@@ -49,17 +48,20 @@ class Worker:
         self.pid = os.getpid()
         self.served = 0
         self.stop_requested = False
-        self._context = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, wire.worker_identity(slot, self.pid))
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(wire.endpoint(config.run_dir, wire.WORKERS_ENDPOINT))
+        # The front door's ROUTER; READY is the first message on every connection, so a
+        # restarted front door knows this worker at once.
+        self._socket = Dealer(
+            os.path.join(config.run_dir, wire.WORKERS_ENDPOINT),
+            wire.worker_identity(slot, self.pid),
+            self._ready_message(),
+            wake_on_signals=True,
+        )
 
     def request_stop(self, *_: Any) -> None:
         # Signal handler: only record the wish; the loop acts on it between requests.
         self.stop_requested = True
 
-    def send_ready(self) -> None:
+    def _ready_message(self) -> list[bytes]:
         header = wire.pack(
             wire.Kind.READY,
             slot=self.slot,
@@ -68,20 +70,13 @@ class Worker:
             version=self.runtime.version,
             weights=self.weights,
         )
-        self._socket.send_multipart([header, self.runtime.signature_defs])
+        return [header, self.runtime.signature_defs]
 
     def serve(self) -> None:
-        self.send_ready()
         next_beat = time.monotonic() + wire.HEARTBEAT_INTERVAL_S
         while not self.stop_requested:
             timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
-            try:
-                ready = self._socket.poll(timeout_ms)
-            except zmq.ZMQError as exc:  # EINTR when a signal lands mid-poll
-                if exc.errno != zmq.EINTR:
-                    raise
-                continue
-            if ready:
+            if self._socket.poll(timeout_ms):  # a signal ends the wait early
                 self._handle_queued()
             now = time.monotonic()
             if now >= next_beat:
@@ -97,20 +92,24 @@ class Worker:
     def _handle_queued(self) -> None:
         """Answer one message. Batching is the front door's (router/src/batch.rs): a merged
         call arrives here as one request like any other."""
-        request = self._accept(self._socket.recv_multipart(copy=False))
+        try:
+            frames = self._socket.recv_multipart()
+        except ConnectionError:  # the front door went away mid-message; it is reconnected
+            return
+        request = self._accept(frames)
         if request is not None:
-            self._socket.send_multipart(self._execute(request), copy=False)
+            self._socket.send_multipart(self._execute(request))
 
-    def _accept(self, frames: list[zmq.Frame]) -> Pending | None:
+    def _accept(self, frames: list[memoryview]) -> Pending | None:
         """A checked request ready to run; anything else is handled (or refused) here."""
         try:
-            header = wire.unpack(frames[0].buffer)
+            header = wire.unpack(frames[0])
             kind = wire.kind_of(header)
         except wire.ProtocolError as exc:
             log.warning("dropping undecodable message: %s", exc)
             return None
         if kind is wire.Kind.REREGISTER:
-            self.send_ready()
+            self._socket.send_multipart(self._ready_message())
             return None
         if kind is not wire.Kind.REQUEST:
             log.warning("unexpected %s message from the router", kind.value)
@@ -125,7 +124,7 @@ class Worker:
             self._socket.send(self._error(request_id, Code.INTERNAL, str(exc)))
         return None
 
-    def _check(self, request_id: Any, header: dict[str, Any], frames: list[zmq.Frame]) -> Pending:
+    def _check(self, request_id: Any, header: dict[str, Any], frames: list[memoryview]) -> Pending:
         try:
             inputs = wire.decode_tensors(header["tensors"], frames)
         except (wire.ProtocolError, KeyError, TypeError, ValueError) as exc:

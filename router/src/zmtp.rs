@@ -5,9 +5,10 @@
 //! through a mailbox to send; it wakes the actor through another to deliver the answer), and
 //! those hand-offs were a large part of the front door's CPU per batch-1 request (issue 11).
 //! Here a send is one `write` from the dispatcher's task, and an answer is read by a task of
-//! the same runtime. The workers keep their libzmq DEALER sockets, unchanged: this speaks the
-//! protocol they speak (rfc.zeromq.org/spec/23 and /37) — greeting, READY with the socket type
-//! and identity, frames with MORE/LONG flags, PING answered with PONG.
+//! the same runtime. The workers speak ZMTP in their serving loop too (`worker/dealer.py`,
+//! no libzmq there either), and any libzmq DEALER can connect: this speaks the protocol both
+//! speak (rfc.zeromq.org/spec/23 and /37) — greeting, READY with the socket type and identity,
+//! frames with MORE/LONG flags, PING answered with PONG.
 //!
 //! ROUTER semantics kept from libzmq as the front door used it: a peer is addressed by the
 //! identity it announced (one is made up when it announced none); sending to an identity that

@@ -1,0 +1,198 @@
+"""The worker's own DEALER (worker/dealer.py) against libzmq's ROUTER (pyzmq): the protocol
+as libzmq speaks it, messages both ways, large and many frames, PING/PONG heartbeats,
+reconnection to a new ROUTER on the same path, and signals ending a wait.
+
+The front door's ROUTER (router/src/zmtp.rs) is the other peer it meets; the pool tests
+cover that pairing (every request of the suite crosses it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from mpspool.worker import dealer as dealer_module
+from mpspool.worker.dealer import Dealer
+
+HELLO = [b"hello", b"second frame"]
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> str:
+    return str(tmp_path / "workers.ipc")
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def router(ctx: zmq.Context, path: str, **options: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a peer not connected raises
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.bind(f"ipc://{path}")
+    return sock
+
+
+def pump(d: Dealer, until: float = 5.0) -> list[list[bytes]]:
+    """Poll the dealer (connecting it) until it has a message or ``until`` seconds pass."""
+    deadline = time.monotonic() + until
+    while time.monotonic() < deadline:
+        if d.poll(50):
+            return [[bytes(f) for f in d.recv_multipart()]]
+    return []
+
+
+def connect(d: Dealer, r: zmq.Socket) -> None:
+    """Poll until the dealer is connected and the ROUTER has its hello."""
+    deadline = time.monotonic() + 5
+    while not d.connected and time.monotonic() < deadline:
+        d.poll(20)
+    assert d.connected
+    assert r.recv_multipart() == [b"w-1", *HELLO]
+
+
+def test_hello_identity_and_messages_both_ways(context: zmq.Context, path: str) -> None:
+    r = router(context, path)
+    d = Dealer(path, b"w-1", HELLO)
+    assert not d.connected  # nothing before the first poll
+    connect(d, r)
+    assert d.send_multipart([b"a", memoryview(b"bc"), bytearray(b"")])
+    assert r.recv_multipart() == [b"w-1", b"a", b"bc", b""]
+    r.send_multipart([b"w-1", b"x", b"yz"])
+    assert pump(d) == [[b"x", b"yz"]]
+    assert d.send(b"one")
+    assert r.recv_multipart() == [b"w-1", b"one"]
+    d.close()
+
+
+def test_large_frames_and_many_messages_in_one_read(context: zmq.Context, path: str) -> None:
+    r = router(context, path)
+    d = Dealer(path, b"w-1", HELLO)
+    connect(d, r)
+    big = os.urandom(5 * 2**20)  # a LONG frame, many reads
+    medium = os.urandom(300)  # just past the short-frame limit
+    r.send_multipart([b"w-1", medium, big, b"end"])
+    assert pump(d) == [[medium, big, b"end"]]
+    assert d.send_multipart([big, medium])
+    assert r.recv_multipart() == [b"w-1", big, medium]
+    # Many messages written at once reach the dealer in few reads, and come out in order.
+    for i in range(500):
+        r.send_multipart([b"w-1", b"m%d" % i, os.urandom(i)])
+    got: list[bytes] = []
+    deadline = time.monotonic() + 10
+    while len(got) < 500 and time.monotonic() < deadline:
+        if d.poll(50):
+            frames = d.recv_multipart()
+            assert len(frames[1]) == int(bytes(frames[0])[1:])
+            got.append(bytes(frames[0]))
+    assert got == [b"m%d" % i for i in range(500)]
+
+
+def test_a_message_held_stays_intact_while_later_ones_are_read(
+    context: zmq.Context, path: str
+) -> None:
+    """Frames are views of the read buffer: later reads must never write under them (a
+    request's input arrays are such views while the model runs)."""
+    r = router(context, path)
+    d = Dealer(path, b"w-1", HELLO)
+    connect(d, r)
+    first = os.urandom(1000)
+    r.send_multipart([b"w-1", first])
+    held = None
+    while held is None:
+        if d.poll(50):
+            held = d.recv_multipart()
+    for i in range(300):  # several buffers' worth, read and parsed after it
+        r.send_multipart([b"w-1", os.urandom(997 + i)])
+    taken = 0
+    while taken < 300:
+        if d.poll(50):
+            d.recv_multipart()
+            taken += 1
+    assert bytes(held[0]) == first
+
+
+def test_pings_are_answered_so_a_heartbeating_router_keeps_the_peer(
+    context: zmq.Context, path: str
+) -> None:
+    # libzmq's ROUTER pings every 50 ms and drops a peer silent for 300 ms.
+    r = router(context, path, HEARTBEAT_IVL=50, HEARTBEAT_TIMEOUT=300, HEARTBEAT_TTL=0)
+    d = Dealer(path, b"w-1", HELLO)
+    connect(d, r)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        d.poll(20)
+    r.send_multipart([b"w-1", b"still there"])  # EHOSTUNREACH had the peer been dropped
+    assert pump(d) == [[b"still there"]]
+    assert d.connections == 1
+
+
+def test_a_new_router_on_the_same_path_gets_the_hello_again(
+    context: zmq.Context, path: str
+) -> None:
+    r = router(context, path)
+    d = Dealer(path, b"w-1", HELLO)
+    connect(d, r)
+    r.close(linger=0)
+    os.unlink(path)
+    # The loss is noticed at the next read or write; what is sent meanwhile is dropped.
+    deadline = time.monotonic() + 5
+    while d.connected and time.monotonic() < deadline:
+        d.poll(20)
+    assert not d.connected
+    assert d.send(b"into the void") is False
+    r2 = router(context, path)
+    connect(d, r2)  # the hello, before anything else
+    assert d.connections == 2
+    assert d.send(b"after")
+    assert r2.recv_multipart() == [b"w-1", b"after"]
+
+
+def test_no_router_yet_then_one(context: zmq.Context, path: str) -> None:
+    d = Dealer(path, b"w-1", HELLO)
+    assert pump(d, until=0.3) == []
+    assert not d.connected
+    r = router(context, path)
+    connect(d, r)
+
+
+def test_a_peer_that_is_not_a_router_is_refused(context: zmq.Context, path: str) -> None:
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"ipc://{path}")
+    d = Dealer(path, b"w-1", HELLO)
+    assert pump(d, until=0.5) == []
+    assert not d.connected
+
+
+def test_a_signal_ends_a_wait(
+    monkeypatch: pytest.MonkeyPatch, context: zmq.Context, path: str
+) -> None:
+    monkeypatch.setattr(dealer_module, "_WAKEUP_FD", None)
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, _: caught.append(signum))
+    try:
+        r = router(context, path)
+        d = Dealer(path, b"w-1", HELLO, wake_on_signals=True)
+        connect(d, r)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        start = time.monotonic()
+        assert d.poll(3000) is False
+        assert caught == [signal.SIGALRM]
+        assert time.monotonic() - start < 1.0  # not the 3 s asked for
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        signal.set_wakeup_fd(-1)
