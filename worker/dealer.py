@@ -50,6 +50,11 @@ READ_CHUNK = 64 * 1024
 # Room kept free for a read from poll (less and the unparsed rest moves to a new buffer).
 MIN_READ_ROOM = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
+# A write the front door does not take within this long (stopped, hung) ends the connection:
+# the serving loop must not block for ever, and SIGTERM must be heard (libzmq queued instead).
+SEND_TIMEOUT_S = 5.0
+# sendmsg takes at most this many buffers (two per frame: header and body).
+MAX_IOV = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # How often a lost connection is tried again (libzmq's ZMQ_RECONNECT_IVL is 100 ms).
 RECONNECT_INTERVAL_S = 0.1
 
@@ -230,9 +235,9 @@ class Dealer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             sock.connect(self.path)
             self._handshake(sock, reader)
-            sock.settimeout(None)
+            sock.settimeout(SEND_TIMEOUT_S)
             _send_all(sock, _message_buffers(self.hello))
-        except (OSError, HandshakeError) as exc:
+        except (OSError, HandshakeError, MemoryError) as exc:
             sock.close()
             if not isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
                 log.warning("connecting to the front door at %s failed: %s", self.path, exc)
@@ -243,6 +248,7 @@ class Dealer:
         self.connections += 1
         if self.connections > 1:
             log.info("connected to the front door again (connection %d)", self.connections)
+        self._parse()  # what came with the peer's READY is not left waiting for more bytes
         return True
 
     def _handshake(self, sock: socket.socket, reader: _Reader) -> None:
@@ -266,7 +272,7 @@ class Dealer:
             self._sock.close()
         self._sock = None
         self._frames, self._messages = [], deque()
-        self._retry_at = time.monotonic()
+        self._retry_at = time.monotonic() + RECONNECT_INTERVAL_S
 
     # -- receiving ------------------------------------------------------------------------------
     def poll(self, timeout_ms: int) -> bool:
@@ -280,17 +286,16 @@ class Dealer:
             if wait_s > 0:
                 self._wait(None, min(timeout_ms / 1000, wait_s))
                 return False
-            self._connect()
-            return False
+            return self._connect() and bool(self._messages)
         if not self._wait(self._sock, timeout_ms / 1000):
             return False
         reader = self._reader
-        reader.make_room(max(MIN_READ_ROOM, reader.missing()))
         try:
+            reader.make_room(max(MIN_READ_ROOM, reader.missing()))
             got = self._sock.recv_into(reader.view[reader.end :], 0, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
-        except OSError as exc:
+        except (OSError, HandshakeError, MemoryError) as exc:  # MemoryError: a bad frame size
             self._lost(exc)
             return False
         if not got:
@@ -308,9 +313,9 @@ class Dealer:
                 raise ConnectionResetError(errno.ENOTCONN, "not connected to the front door")
             try:
                 self._reader.fill(self._sock, self._reader.missing())
-            except (OSError, HandshakeError) as exc:
+            except (OSError, HandshakeError, MemoryError) as exc:
                 self._lost(exc)
-                raise
+                raise ConnectionResetError(f"lost the front door: {exc}") from exc
             self._parse()
         return self._messages.popleft()
 
@@ -397,7 +402,12 @@ def _message_buffers(frames: Sequence[Any]) -> list[Any]:
 
 
 def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
-    """``sendmsg`` until every byte is written (a signal can cut a blocking write short)."""
+    """``sendmsg`` until every byte is written (a signal can cut a blocking write short),
+    at most MAX_IOV buffers per call."""
+    if len(buffers) > MAX_IOV:
+        for at in range(0, len(buffers), MAX_IOV):
+            _send_all(sock, buffers[at : at + MAX_IOV])
+        return
     total = sum(len(b) for b in buffers)
     sent = sock.sendmsg(buffers)
     if sent == total:
