@@ -54,7 +54,7 @@ def main(run_dir: str, slot: str) -> int:
     ready = [wire.pack(wire.Kind.READY, slot=slot, pid=pid, model=MODEL, version=1, weights=None),
              signature_defs()]  # fmt: skip
     sock = Dealer(
-        os.path.join(run_dir, wire.WORKERS_ENDPOINT),
+        wire.socket_path(run_dir, wire.WORKERS_ENDPOINT),
         wire.worker_identity(slot, pid),
         ready,
         wake_on_signals=True,

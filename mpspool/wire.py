@@ -69,8 +69,14 @@ class ProtocolError(ValueError):
     """A message that does not follow this protocol (wrong version, bad framing)."""
 
 
+def socket_path(run_dir: str, name: str) -> str:
+    """The Unix socket of a channel in the run directory (what workers connect to)."""
+    return f"{run_dir}/{name}"
+
+
 def endpoint(run_dir: str, name: str) -> str:
-    return f"ipc://{run_dir}/{name}"
+    """The same socket as a ZeroMQ endpoint (libzmq's sockets)."""
+    return f"ipc://{socket_path(run_dir, name)}"
 
 
 def slot_key(placement: str, version: int, model: str = "") -> str:

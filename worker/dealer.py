@@ -50,9 +50,10 @@ READ_CHUNK = 64 * 1024
 # Room kept free for a read from poll (less and the unparsed rest moves to a new buffer).
 MIN_READ_ROOM = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
-# A write the front door does not take within this long (stopped, hung) ends the connection:
-# the serving loop must not block for ever, and SIGTERM must be heard (libzmq queued instead).
-SEND_TIMEOUT_S = 5.0
+# A write the front door does not take, or a message it leaves half-sent, within this long
+# (stopped, hung) ends the connection: the serving loop must not block for ever, and SIGTERM
+# must be heard (libzmq queued instead).
+IO_TIMEOUT_S = 5.0
 # sendmsg takes at most this many buffers (two per frame: header and body).
 MAX_IOV = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # How often a lost connection is tried again (libzmq's ZMQ_RECONNECT_IVL is 100 ms).
@@ -235,7 +236,7 @@ class Dealer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             sock.connect(self.path)
             self._handshake(sock, reader)
-            sock.settimeout(SEND_TIMEOUT_S)
+            sock.settimeout(IO_TIMEOUT_S)
             _send_all(sock, _message_buffers(self.hello))
         except (OSError, HandshakeError, MemoryError) as exc:
             sock.close()

@@ -51,7 +51,7 @@ class Worker:
         # The front door's ROUTER; READY is the first message on every connection, so a
         # restarted front door knows this worker at once.
         self._socket = Dealer(
-            os.path.join(config.run_dir, wire.WORKERS_ENDPOINT),
+            wire.socket_path(config.run_dir, wire.WORKERS_ENDPOINT),
             wire.worker_identity(slot, self.pid),
             self._ready_message(),
             wake_on_signals=True,
@@ -109,7 +109,7 @@ class Worker:
             log.warning("dropping undecodable message: %s", exc)
             return None
         if kind is wire.Kind.REREGISTER:
-            self._socket.send_multipart(self._ready_message())
+            self._socket.send_multipart(self._socket.hello)
             return None
         if kind is not wire.Kind.REQUEST:
             log.warning("unexpected %s message from the router", kind.value)
