@@ -27,7 +27,7 @@ from bench.harness import REPO, Server
 from mpspool import dtypes, process, wire
 from mpspool.config import PoolConfig
 from mpspool.protos import serving_pb2
-from mpspool.router import binary_path
+from mpspool.router import THREADS_ENV, binary_path, runtime_threads
 from mpspool.worker.dealer import Dealer
 
 MODEL = "echo"
@@ -89,9 +89,12 @@ def echo_pool(workers: int) -> Iterator[Server]:
     config.save(run_dir)
     procs: list[subprocess.Popen[bytes]] = []
     try:
+        # The front door's threads as a pool's controller gives them (cpusets.py decides).
+        threads = runtime_threads(config.placement().front_door_threads)
         with open(run_dir / "router.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [binary_path(), "--run-dir", str(run_dir)], stderr=log,
+                env={**os.environ, THREADS_ENV: threads},
                 preexec_fn=process.die_with_parent_sigterm,
             ))  # fmt: skip
         for slot in range(workers):

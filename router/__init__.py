@@ -16,6 +16,9 @@ from mpspool.config import ConfigError
 BINARY = "mpspool-router"
 # For development: run a front door built elsewhere (e.g. `cargo build` in router/).
 BINARY_ENV = "MPSPOOL_ROUTER"
+# The front door's async-runtime threads (src/main.rs reads it). The controller sets it from
+# the CPU placement (mpspool/cpusets.py: front_door_threads) unless `mpspool start` has it.
+THREADS_ENV = "MPSPOOL_ROUTER_THREADS"
 
 # Metric names that deploy/ (the HorizontalPodAutoscaler) and the tests refer to; the Rust
 # front door's src/metrics.rs exports them.
@@ -25,6 +28,11 @@ READY_WORKERS_METRIC = "mpspool_workers_ready"
 
 class BinaryNotFound(ConfigError):
     """The front door's binary is not installed where this Python can find it."""
+
+
+def runtime_threads(placed: int) -> str:
+    """The value of THREADS_ENV the front door gets: the user's, else the placement's."""
+    return os.environ.get(THREADS_ENV) or str(placed)
 
 
 def binary_path() -> str:

@@ -32,7 +32,9 @@ import zmq
 from mpspool import cpusets, process, rundir, segment, wire
 from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.model_config import ModelEntry, first_version, model_entries, read_model_config
+from mpspool.router import THREADS_ENV as ROUTER_THREADS_ENV
 from mpspool.router import binary_path as router_binary
+from mpspool.router import runtime_threads as router_threads
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.gpu_watch import GpuWatch
@@ -202,7 +204,10 @@ class Controller:
             # then the MPS daemons (5). Start order is the controller's: workers are not
             # autostarted, so the daemons and then the front door start first anyway.
             priority=30,
-            environment=env,
+            environment={
+                **env,
+                ROUTER_THREADS_ENV: router_threads(self.placement.front_door_threads),
+            },
             autorestart="unexpected",
             exitcodes=ROUTER_EXIT_CODES,
             # Every spawn counts as started: kills soon after a restart must not make
@@ -968,6 +973,7 @@ class Controller:
                 "cpu_placement": self.placement.explanation,
                 # Read back from the live processes, not from the config: what the OS applies.
                 "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
+                "router_pid": self._router_pid or None,
             },
             # The first model's versions, as before pools served several; then every model's.
             "versions": self.model.version_table(),

@@ -1141,6 +1141,25 @@ def test_render_config_for_the_pools_programs(pool: Pool):
     assert "group:router" not in conf
 
 
+def test_the_front_door_runs_as_many_threads_as_the_placement_says(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    def router_env(pool: Pool) -> dict[str, str]:
+        (router,) = [p for p in pool.controller.programs() if p.name == "router"]
+        return router.environment
+
+    monkeypatch.delenv("MPSPOOL_ROUTER_THREADS", raising=False)
+    # 16 usable cores, 4 workers unpinned: the 12 the workers leave.
+    pool = make_pool(workers=4, usable_cpus=tuple(range(16)))
+    assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "12"
+    # auto with a spare core: one thread on the front door's core.
+    pool = make_pool(workers=4, usable_cpus=tuple(range(16)), cpuset="auto")
+    assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "1"
+    # The environment of `mpspool start` wins.
+    monkeypatch.setenv("MPSPOOL_ROUTER_THREADS", "3")
+    assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "3"
+
+
 def test_render_config_quotes_arguments_and_escapes_percent(tmp_path: Path):
     program = sd.Program(
         name="worker-cpu-0",

@@ -118,6 +118,34 @@ def test_auto(
     assert used == set(cores)
 
 
+@pytest.mark.parametrize(
+    ("spec", "cores", "workers", "threads"),
+    [
+        # Unpinned: the workers still keep a core each busy; the front door gets the rest.
+        ("", range(2), 2, 1),
+        ("", range(2), 1, 1),
+        ("", range(16), 4, 12),
+        ("", range(2), 4, 1),
+        # auto with a spare core: that core is the front door's, one thread on it.
+        ("auto", range(16), 4, 1),
+        ("auto", range(3), 2, 1),
+        # auto without one: the front door shares the workers' cores, with one thread.
+        ("auto", range(2), 2, 1),
+        ("auto", range(2), 4, 1),
+        # Explicit groups: the cores no group names.
+        ("0;1", range(8), 2, 6),
+        ("0-3;4-7", range(8), 2, 1),
+        ("0;0", range(4), 2, 3),
+    ],
+)
+def test_front_door_threads_are_the_cores_workers_leave(
+    spec: str, cores: range, workers: int, threads: int
+) -> None:
+    placement = cpusets.plan(spec, workers, cores)
+    assert placement.front_door_threads == threads
+    assert f"front door: {threads} thread(s)" in placement.explanation
+
+
 def test_format_cores() -> None:
     assert cpusets.format_cores([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
     assert cpusets.format_cores([]) == ""
@@ -210,6 +238,15 @@ def test_pool_workers_run_on_their_cores(tmp_path: Path, demo_model_dir: Path) -
         assert "workers on 0, 1" in status["pool"]["cpu_placement"]
         # With explicit sets the front door is not pinned: it keeps every usable core.
         assert status["pool"]["router_cpus"] == cpusets.format_cores(os.sched_getaffinity(0))
+        # Its async runtime runs on the cores the workers leave, at least one thread (tokio
+        # names its runtime's threads "tokio-rt-worker"; one per core by default).
+        router_pid = status["pool"]["router_pid"]
+        comms = [
+            Path(f"/proc/{router_pid}/task/{t}/comm").read_text().strip()
+            for t in os.listdir(f"/proc/{router_pid}/task")
+        ]
+        cores = len(os.sched_getaffinity(0))
+        assert sum(c.startswith("tokio-r") for c in comms) == max(1, cores - 2), comms
 
         request = predict_pb2.PredictRequest()
         request.model_spec.name = "demo"
