@@ -392,7 +392,11 @@ class PoolConfig:
         """Which cores each slot runs on (cpusets.py owns the rule)."""
         from mpspool import cpusets
 
-        return cpusets.plan(self.cpuset, len(self.slots), self.usable_cpus)
+        # Every model's workers keep cores busy (they share the first model's placement).
+        every_worker = sum(self.workers_of(m.name) for m in self.served_models()) * max(
+            1, len(self.gpus)
+        )
+        return cpusets.plan(self.cpuset, len(self.slots), self.usable_cpus, every_worker)
 
     def cpu_set(self, slot: str) -> frozenset[int]:
         """The cores of one worker slot; empty when workers are not pinned."""

@@ -108,7 +108,7 @@ def _blocks(cores: Sequence[int], workers: int) -> tuple[frozenset[int], ...]:
     return tuple(blocks)
 
 
-def auto(workers: int, usable: Iterable[int]) -> Placement:
+def auto(workers: int, usable: Iterable[int], every_worker: int = 0) -> Placement:
     """Own cores for each worker where the machine allows:
     - cores >= workers + 1: the first core for the front door and controller, the rest split
       into contiguous blocks, one per worker (so request handling never preempts a model call);
@@ -135,7 +135,8 @@ def auto(workers: int, usable: Iterable[int]) -> Placement:
         )
     per_worker = ", ".join(format_cores(s) for s in sets)
     # A reserved core is the front door's (and the controller's) alone: one thread on it.
-    threads = len(reserved) if reserved else front_door_threads(len(cores), workers)
+    busy = max(workers, every_worker)
+    threads = len(reserved) if reserved else front_door_threads(len(cores), busy)
     return Placement(
         workers=sets,
         reserved=reserved,
@@ -152,20 +153,26 @@ def front_door_threads(usable: int, busy: int) -> int:
     ``busy`` busy: the cores left over, at least one. A runtime thread beyond them competes
     with model calls for a core, and every thread more costs wake-ups as tasks hand requests
     to each other. Measured on 2 cores with 1 and 2 workers (bench/RESULTS.md, "The front
-    door's threads"): one thread instead of one per core cut the front door's CPU per
-    request by 10-14%, the workers' preemptions by two thirds, and p50 at concurrency 1 by
-    ~40 us, at equal throughput. A one-thread runtime still answers ~20,000 requests/s."""
+    door's threads"): one thread instead of one per core took the front door's CPU per
+    request to 0.84-0.91x (equal with one worker under full load), p50 at concurrency 1
+    down by 35-47 us, throughput equal within noise; over echo workers one thread answers
+    ~30,000 requests/s, 1.14-1.18x what two did."""
     return max(1, usable - busy)
 
 
-def plan(spec: str, workers: int, usable: Iterable[int]) -> Placement:
+def plan(
+    spec: str, workers: int, usable: Iterable[int], every_worker: int | None = None
+) -> Placement:
     """The placement of ``workers`` worker slots for a --cpuset / SESSION_GROUP_CPUSET text
-    (``""``: none, ``"auto"``, or explicit groups) over the ``usable`` cores."""
+    (``""``: none, ``"auto"``, or explicit groups) over the ``usable`` cores. ``every_worker``
+    counts the workers of every model the pool serves (they share these slots' placement;
+    default: ``workers``): they are what keeps cores busy beside the front door."""
     spec = spec.strip()
     cores = frozenset(usable)
+    busy = max(workers, every_worker or 0)
     if not spec:
         # Unpinned workers still keep a core each busy under load.
-        threads = front_door_threads(len(cores), workers)
+        threads = front_door_threads(len(cores), busy)
         return Placement(
             (),
             frozenset(),
@@ -174,7 +181,7 @@ def plan(spec: str, workers: int, usable: Iterable[int]) -> Placement:
             threads,
         )
     if spec.lower() == AUTO:
-        return auto(workers, cores)
+        return auto(workers, cores, busy)
     sets = parse(spec, workers, cores)
     per_worker = ", ".join(format_cores(s) for s in sets)
     threads = front_door_threads(len(cores), len(frozenset().union(*sets)))

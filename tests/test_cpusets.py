@@ -14,7 +14,7 @@ import pytest
 
 from mpspool import cpusets
 from mpspool.cli import build_parser
-from mpspool.config import ConfigError, PoolConfig
+from mpspool.config import ConfigError, PoolConfig, ServedModel
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
@@ -144,6 +144,23 @@ def test_front_door_threads_are_the_cores_workers_leave(
     placement = cpusets.plan(spec, workers, cores)
     assert placement.front_door_threads == threads
     assert f"front door: {threads} thread(s)" in placement.explanation
+
+
+def test_every_models_workers_count_for_the_front_doors_threads(demo_model_dir: Path) -> None:
+    # Other models' workers share the first model's placement but keep cores busy too.
+    assert cpusets.plan("", 2, range(8), every_worker=5).front_door_threads == 3
+    assert cpusets.plan("auto", 2, range(4), every_worker=5).front_door_threads == 1  # reserved
+    assert cpusets.plan("auto", 2, range(2), every_worker=5).front_door_threads == 1
+    two_models = config(
+        demo_model_dir,
+        usable_cpus=tuple(range(8)),
+        models=(
+            ServedModel("demo", str(demo_model_dir), 1),
+            ServedModel("ranker", str(demo_model_dir), 1, workers=3),
+        ),
+    )
+    assert len(two_models.slots) == 2
+    assert two_models.placement().front_door_threads == 8 - (2 + 3)
 
 
 def test_format_cores() -> None:
