@@ -396,7 +396,9 @@ class PoolConfig:
         every_worker = sum(self.workers_of(m.name) for m in self.served_models()) * max(
             1, len(self.gpus)
         )
-        return cpusets.plan(self.cpuset, len(self.slots), self.usable_cpus, every_worker)
+        return cpusets.plan(
+            self.cpuset, len(self.slots), self.usable_cpus, every_worker, cpusets.quota_cores()
+        )
 
     def cpu_set(self, slot: str) -> frozenset[int]:
         """The cores of one worker slot; empty when workers are not pinned."""

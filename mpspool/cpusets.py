@@ -10,15 +10,17 @@ It also decides how many threads the front door's async runtime runs (`front_doo
 the cores the workers leave, at least one.
 
 Everything here is pure (the usable cores are an argument), so the rule can be tested on
-machines of any size; only `pin` and `affinity` touch the OS.
+machines of any size; only `pin`, `affinity` and `quota_cores` touch the OS.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from mpspool.config import ConfigError
 
@@ -108,7 +110,9 @@ def _blocks(cores: Sequence[int], workers: int) -> tuple[frozenset[int], ...]:
     return tuple(blocks)
 
 
-def auto(workers: int, usable: Iterable[int], every_worker: int = 0) -> Placement:
+def auto(
+    workers: int, usable: Iterable[int], every_worker: int = 0, budget: int = 0
+) -> Placement:
     """Own cores for each worker where the machine allows:
     - cores >= workers + 1: the first core for the front door and controller, the rest split
       into contiguous blocks, one per worker (so request handling never preempts a model call);
@@ -136,7 +140,7 @@ def auto(workers: int, usable: Iterable[int], every_worker: int = 0) -> Placemen
     per_worker = ", ".join(format_cores(s) for s in sets)
     # A reserved core is the front door's (and the controller's) alone: one thread on it.
     busy = max(workers, every_worker)
-    threads = len(reserved) if reserved else front_door_threads(len(cores), busy)
+    threads = len(reserved) if reserved else front_door_threads(budget or len(cores), busy)
     return Placement(
         workers=sets,
         reserved=reserved,
@@ -161,18 +165,26 @@ def front_door_threads(usable: int, busy: int) -> int:
 
 
 def plan(
-    spec: str, workers: int, usable: Iterable[int], every_worker: int | None = None
+    spec: str,
+    workers: int,
+    usable: Iterable[int],
+    every_worker: int | None = None,
+    quota: int | None = None,
 ) -> Placement:
     """The placement of ``workers`` worker slots for a --cpuset / SESSION_GROUP_CPUSET text
     (``""``: none, ``"auto"``, or explicit groups) over the ``usable`` cores. ``every_worker``
     counts the workers of every model the pool serves (they share these slots' placement;
-    default: ``workers``): they are what keeps cores busy beside the front door."""
+    default: ``workers``): they are what keeps cores busy beside the front door. ``quota``:
+    the cores a CPU quota allows (`quota_cores`), which the front door's threads count
+    instead of the usable cores when it is fewer (a pod limited to 4 CPUs on a 64-core node
+    sees 64 cores in its affinity)."""
     spec = spec.strip()
     cores = frozenset(usable)
     busy = max(workers, every_worker or 0)
+    budget = min(len(cores), quota) if quota else len(cores)
     if not spec:
         # Unpinned workers still keep a core each busy under load.
-        threads = front_door_threads(len(cores), busy)
+        threads = front_door_threads(budget, busy)
         return Placement(
             (),
             frozenset(),
@@ -181,10 +193,10 @@ def plan(
             threads,
         )
     if spec.lower() == AUTO:
-        return auto(workers, cores, busy)
+        return auto(workers, cores, busy, budget)
     sets = parse(spec, workers, cores)
     per_worker = ", ".join(format_cores(s) for s in sets)
-    threads = front_door_threads(len(cores), len(frozenset().union(*sets)))
+    threads = front_door_threads(budget, len(frozenset().union(*sets)))
     return Placement(
         workers=sets,
         reserved=frozenset(),
@@ -194,6 +206,58 @@ def plan(
         ),
         front_door_threads=threads,
     )
+
+
+def quota_cores(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Whole cores the CPU quota of this process's cgroup allows (a container's CPU limit),
+    rounded up; None without one. cgroup v2: ``cpu.max`` ("400000 100000"; "max" means none)
+    in the process's cgroup and each parent up to the root, the smallest; cgroup v1: the
+    ``cpu`` controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none), in the
+    process's cgroup or, inside a container that mounts its own, at the mount's root."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        relative = path.lstrip("/")
+        if controllers == "":  # v2: walk from the process's cgroup up to the root
+            here = root / relative
+            while True:
+                quotas += _quota_v2(here / "cpu.max")
+                if here == root or root not in here.parents:
+                    break
+                here = here.parent
+        elif "cpu" in controllers.split(","):
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                found = _quota_v1(mount / relative) or _quota_v1(mount)
+                if found:
+                    quotas += found
+                    break
+    return math.ceil(min(quotas)) if quotas else None
+
+
+def _quota_v2(path: Path) -> list[float]:
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return []
+    return [] if quota == "max" else [int(quota) / int(period)]
+
+
+def _quota_v1(folder: Path) -> list[float]:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return []
+    return [quota / period] if quota > 0 and period > 0 else []
 
 
 def pin(pid: int, cores: Iterable[int]) -> None:

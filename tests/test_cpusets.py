@@ -163,6 +163,56 @@ def test_every_models_workers_count_for_the_front_doors_threads(demo_model_dir: 
     assert two_models.placement().front_door_threads == 8 - (2 + 3)
 
 
+def test_a_cpu_quota_caps_the_front_doors_threads() -> None:
+    # A pod limited to 4 CPUs on a 64-core node: its affinity still lists 64 cores.
+    assert cpusets.plan("", 4, range(64), quota=4).front_door_threads == 1
+    assert cpusets.plan("", 4, range(64), quota=12).front_door_threads == 8
+    assert cpusets.plan("", 4, range(64)).front_door_threads == 60
+    assert cpusets.plan("auto", 4, range(4), quota=2).front_door_threads == 1
+    assert cpusets.plan("0;1", 2, range(64), quota=6).front_door_threads == 4
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_quota_cores_reads_cgroup_v2_up_to_the_root(tmp_path: Path) -> None:
+    proc = tmp_path / "proc-cgroup"
+    root = tmp_path / "cgroup"
+    write(proc, "0::/kubepods/pod1/ctr\n")
+    assert cpusets.quota_cores(proc, root) is None  # no cpu.max anywhere
+    write(root / "kubepods/pod1/ctr/cpu.max", "max 100000\n")
+    assert cpusets.quota_cores(proc, root) is None
+    write(root / "kubepods/pod1/cpu.max", "250000 100000\n")  # 2.5 CPUs: 3 cores
+    assert cpusets.quota_cores(proc, root) == 3
+    write(root / "kubepods/cpu.max", "100000 100000\n")  # a tighter parent wins
+    assert cpusets.quota_cores(proc, root) == 1
+    # Inside a container with its own cgroup namespace the path is "/".
+    write(proc, "0::/\n")
+    write(root / "cpu.max", "400000 100000\n")
+    assert cpusets.quota_cores(proc, root) == 4
+
+
+def test_quota_cores_reads_cgroup_v1(tmp_path: Path) -> None:
+    proc = tmp_path / "proc-cgroup"
+    root = tmp_path / "cgroup"
+    write(proc, "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    write(root / "cpu,cpuacct/cpu.cfs_quota_us", "-1\n")
+    write(root / "cpu,cpuacct/cpu.cfs_period_us", "100000\n")
+    assert cpusets.quota_cores(proc, root) is None
+    # The container's own mount: its quota at the mount's root.
+    write(root / "cpu,cpuacct/cpu.cfs_quota_us", "200000\n")
+    assert cpusets.quota_cores(proc, root) == 2
+    # Seen from the host: at the process's path under the mount.
+    write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "50000\n")
+    write(root / "cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    assert cpusets.quota_cores(proc, root) == 1
+    assert cpusets.quota_cores(tmp_path / "missing", root) is None
+    write(proc, "garbage\n3:cpu,cpuacct:/docker/abc\n")
+    assert cpusets.quota_cores(proc, root) == 1
+
+
 def test_format_cores() -> None:
     assert cpusets.format_cores([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
     assert cpusets.format_cores([]) == ""
