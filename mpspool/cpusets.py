@@ -215,7 +215,9 @@ def quota_cores(
     rounded up; None without one. cgroup v2: ``cpu.max`` ("400000 100000"; "max" means none)
     in the process's cgroup and each parent up to the root, the smallest; cgroup v1: the
     ``cpu`` controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none), in the
-    process's cgroup or, inside a container that mounts its own, at the mount's root."""
+    process's cgroup or, inside a container that mounts its own, at the mount's root (a
+    quota set only on a parent v1 cgroup is not seen). Files that cannot be read or parsed
+    count as no quota."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -246,9 +248,12 @@ def quota_cores(
 def _quota_v2(path: Path) -> list[float]:
     try:
         quota, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        return []
-    return [] if quota == "max" else [int(quota) / int(period)]
+        if quota == "max":
+            return []
+        cores = int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return []  # unreadable or malformed: no quota known (never a failed start)
+    return [cores] if cores > 0 else []
 
 
 def _quota_v1(folder: Path) -> list[float]:
@@ -256,7 +261,7 @@ def _quota_v1(folder: Path) -> list[float]:
         quota = int((folder / "cpu.cfs_quota_us").read_text())
         period = int((folder / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
-        return []
+        return []  # unreadable or malformed: no quota known (never a failed start)
     return [quota / period] if quota > 0 and period > 0 else []
 
 

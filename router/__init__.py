@@ -6,12 +6,15 @@ package only tells the controller where the binary is, and names what other part
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from mpspool.config import ConfigError
+
+log = logging.getLogger("mpspool.router")
 
 BINARY = "mpspool-router"
 # For development: run a front door built elsewhere (e.g. `cargo build` in router/).
@@ -31,8 +34,15 @@ class BinaryNotFound(ConfigError):
 
 
 def runtime_threads(placed: int) -> str:
-    """The value of THREADS_ENV the front door gets: the user's, else the placement's."""
-    return os.environ.get(THREADS_ENV) or str(placed)
+    """The value of THREADS_ENV the front door gets: the user's when it is a whole number of
+    at least 1, else the placement's (the front door would drop anything else for tokio's
+    one thread per core, which is neither)."""
+    given = os.environ.get(THREADS_ENV, "").strip()
+    if given.isdigit() and int(given) >= 1:
+        return given
+    if given:
+        log.warning("%s=%r is not a number of threads (>= 1): using %d", THREADS_ENV, given, placed)
+    return str(placed)
 
 
 def binary_path() -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from mpspool import process
+from mpspool import cpusets, process
 from mpspool.config import PoolConfig, ServedModel
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import controller as controller_module
@@ -1149,6 +1149,7 @@ def test_the_front_door_runs_as_many_threads_as_the_placement_says(
         return router.environment
 
     monkeypatch.delenv("MPSPOOL_ROUTER_THREADS", raising=False)
+    monkeypatch.setattr(cpusets, "quota_cores", lambda *_: None)  # whatever this machine has
     # 16 usable cores, 4 workers unpinned: the 12 the workers leave.
     pool = make_pool(workers=4, usable_cpus=tuple(range(16)))
     assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "12"
@@ -1158,6 +1159,10 @@ def test_the_front_door_runs_as_many_threads_as_the_placement_says(
     # The environment of `mpspool start` wins.
     monkeypatch.setenv("MPSPOOL_ROUTER_THREADS", "3")
     assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "3"
+    # One it cannot use is not passed on (the front door would fall back to one per core).
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("MPSPOOL_ROUTER_THREADS", bad)
+        assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "1"
 
 
 def test_render_config_quotes_arguments_and_escapes_percent(tmp_path: Path):

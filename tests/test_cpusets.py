@@ -146,7 +146,10 @@ def test_front_door_threads_are_the_cores_workers_leave(
     assert f"front door: {threads} thread(s)" in placement.explanation
 
 
-def test_every_models_workers_count_for_the_front_doors_threads(demo_model_dir: Path) -> None:
+def test_every_models_workers_count_for_the_front_doors_threads(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpusets, "quota_cores", lambda *_: None)  # whatever this machine has
     # Other models' workers share the first model's placement but keep cores busy too.
     assert cpusets.plan("", 2, range(8), every_worker=5).front_door_threads == 3
     assert cpusets.plan("auto", 2, range(4), every_worker=5).front_door_threads == 1  # reserved
@@ -192,6 +195,9 @@ def test_quota_cores_reads_cgroup_v2_up_to_the_root(tmp_path: Path) -> None:
     write(proc, "0::/\n")
     write(root / "cpu.max", "400000 100000\n")
     assert cpusets.quota_cores(proc, root) == 4
+    for text in ("abc 100000\n", "100000 0\n", "100000\n", "0 100000\n", ""):
+        write(root / "cpu.max", text)
+        assert cpusets.quota_cores(proc, root) is None, text
 
 
 def test_quota_cores_reads_cgroup_v1(tmp_path: Path) -> None:
@@ -209,6 +215,13 @@ def test_quota_cores_reads_cgroup_v1(tmp_path: Path) -> None:
     write(root / "cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
     assert cpusets.quota_cores(proc, root) == 1
     assert cpusets.quota_cores(tmp_path / "missing", root) is None
+    # Malformed files count as no quota, never as a failed start.
+    for text in ("-1\n", "abc\n", ""):
+        write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", text)
+        write(root / "cpu,cpuacct/cpu.cfs_quota_us", text)
+        assert cpusets.quota_cores(proc, root) is None
+    # A line that is not "id:controllers:path" is skipped.
+    write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "50000\n")
     write(proc, "garbage\n3:cpu,cpuacct:/docker/abc\n")
     assert cpusets.quota_cores(proc, root) == 1
 
@@ -286,12 +299,15 @@ def test_pin_moves_every_thread_of_a_process() -> None:
 
 # -- a real pool --------------------------------------------------------------------------
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1 usable")
-def test_pool_workers_run_on_their_cores(tmp_path: Path, demo_model_dir: Path) -> None:
+def test_pool_workers_run_on_their_cores(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tensorflow as tf
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
     from mpspool.demo_model import demo_inputs
 
+    monkeypatch.delenv("MPSPOOL_ROUTER_THREADS", raising=False)  # the placement decides
     pool = Pool(tmp_path, demo_model_dir, 2, "--cpuset", "0;1").start()
     try:
         status = pool.wait_ready(2)
@@ -306,13 +322,15 @@ def test_pool_workers_run_on_their_cores(tmp_path: Path, demo_model_dir: Path) -
         # With explicit sets the front door is not pinned: it keeps every usable core.
         assert status["pool"]["router_cpus"] == cpusets.format_cores(os.sched_getaffinity(0))
         # Its async runtime runs on the cores the workers leave, at least one thread (tokio
-        # names its runtime's threads "tokio-rt-worker"; one per core by default).
+        # names its runtime's threads "tokio-r…"; one per core by default). The pool's
+        # start had no MPSPOOL_ROUTER_THREADS (see below), so the placement decided.
         router_pid = status["pool"]["router_pid"]
         comms = [
             Path(f"/proc/{router_pid}/task/{t}/comm").read_text().strip()
             for t in os.listdir(f"/proc/{router_pid}/task")
         ]
         cores = len(os.sched_getaffinity(0))
+        cores = min(cores, cpusets.quota_cores() or cores)
         assert sum(c.startswith("tokio-r") for c in comms) == max(1, cores - 2), comms
 
         request = predict_pb2.PredictRequest()
