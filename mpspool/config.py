@@ -392,10 +392,9 @@ class PoolConfig:
         """Which cores each slot runs on (cpusets.py owns the rule)."""
         from mpspool import cpusets
 
-        # Every model's workers keep cores busy (they share the first model's placement).
-        every_worker = sum(self.workers_of(m.name) for m in self.served_models()) * max(
-            1, len(self.gpus)
-        )
+        # Every model's workers keep cores busy (they share the first model's placement):
+        # each model's workers (CPU pools) or contexts on each GPU.
+        every_worker = self.contexts_on_gpu() * max(1, len(self.gpus))
         return cpusets.plan(
             self.cpuset, len(self.slots), self.usable_cpus, every_worker, cpusets.quota_cores()
         )

@@ -110,10 +110,9 @@ def _blocks(cores: Sequence[int], workers: int) -> tuple[frozenset[int], ...]:
     return tuple(blocks)
 
 
-def auto(
-    workers: int, usable: Iterable[int], every_worker: int = 0, budget: int = 0
-) -> Placement:
-    """Own cores for each worker where the machine allows:
+def auto(workers: int, usable: Iterable[int], busy: int, budget: int) -> Placement:
+    """Own cores for each worker where the machine allows (``busy`` and ``budget``: the
+    workers and the cores the front door's threads are counted from, as `plan` gives them):
     - cores >= workers + 1: the first core for the front door and controller, the rest split
       into contiguous blocks, one per worker (so request handling never preempts a model call);
     - cores >= workers: all cores split among the workers, the front door shares them;
@@ -139,8 +138,7 @@ def auto(
         )
     per_worker = ", ".join(format_cores(s) for s in sets)
     # A reserved core is the front door's (and the controller's) alone: one thread on it.
-    busy = max(workers, every_worker)
-    threads = len(reserved) if reserved else front_door_threads(budget or len(cores), busy)
+    threads = len(reserved) if reserved else front_door_threads(budget, busy)
     return Placement(
         workers=sets,
         reserved=reserved,
