@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mpspool.config import usable_cores
+from mpspool import cpusets
 
 # Loading a 488 MiB table from disk on a busy 2-core machine can take a while; a process that
 # has not reported in this long is broken, not slow.
@@ -131,8 +131,9 @@ class InProcessLimit:
         self.model_dir = str(model_dir)
         self.rows = rows
         self.processes = processes
-        # The pool's rule (PoolConfig.threads_per_worker): usable cores shared among workers.
-        self.intra = intra_op_threads or max(1, usable_cores() // processes)
+        # The pool's rule for unpinned workers (cpusets.plan): the core budget shared.
+        unpinned = cpusets.plan("", processes, os.sched_getaffinity(0), None, cpusets.quota_cores())
+        self.intra = intra_op_threads or unpinned.worker_threads(0)
         self.inter = inter_op_threads
         self.pids: list[int] = []
         self.load_s = 0.0

@@ -175,12 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s s, as TF Serving; 0: only at start)",
     )
     start.add_argument(
+        "--worker-policy",
+        choices=process.SERVING_POLICIES,
+        default="batch",
+        help="the Linux scheduling policy workers serve under: batch (SCHED_BATCH at nice 0: "
+        "the same CPU share, but a worker's wake-up does not preempt the front door in the "
+        "middle of handing out a round of requests) or normal (default %(default)s)",
+    )
+    start.add_argument(
         "--loading-priority",
         choices=process.LOADING_PRIORITIES,
         default="idle",
         help="the CPU priority at which workers and weight publishers load: idle (Linux's "
         "SCHED_IDLE: a version loading beside one that serves gets only the CPU the serving "
-        "workers leave; a worker goes back to normal when it takes traffic; needs "
+        "workers leave; a worker goes to --worker-policy when it takes traffic; needs "
         "CAP_SYS_NICE or RLIMIT_NICE to go back, else normal is used) or normal "
         "(default %(default)s)",
     )
@@ -267,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="TensorFlow intra-op threads per worker (0: the worker's cores when pinned, "
-        "else cores / workers)",
+        "else cores / workers of every model, a CPU quota counting as cores when fewer)",
     )
     start.add_argument(
         "--cpuset",
@@ -524,6 +532,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
         file_system_poll_wait_s=args.file_system_poll_wait_s,
         loading_priority=args.loading_priority,
+        worker_policy=args.worker_policy,
         model_warmup=args.model_warmup,
         warmup_iterations=args.warmup_iterations,
         **_batching_fields(args),
@@ -546,7 +555,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         # A worker that loaded idle would serve idle for good.
         print(
             "mpspool: --loading-priority idle needs CAP_SYS_NICE or RLIMIT_NICE to put a "
-            "loaded worker back to normal; loading at normal priority",
+            "loaded worker to its serving policy; loading at normal priority",
             file=sys.stderr,
         )
         config = dataclasses.replace(config, loading_priority="normal")

@@ -248,10 +248,14 @@ class PoolConfig:
     file_system_poll_wait_s: float = 1.0
     # Workers and weight publishers load at this CPU priority: "idle" (SCHED_IDLE), so that a
     # version loading beside one that serves takes only the CPU the serving workers leave, or
-    # "normal"; the controller puts a worker back to normal once it takes traffic. Idle needs
+    # "normal"; the controller moves a worker to --worker-policy once it takes traffic. Idle needs
     # the right to go back (CAP_SYS_NICE or RLIMIT_NICE): without it, `mpspool start` says so
     # and uses normal (process.can_restore_priority).
     loading_priority: str = "idle"
+    # The policy workers serve under (process.SERVING_POLICIES): "batch" (SCHED_BATCH: a
+    # worker's wake-up does not take the front door's core in the middle of its round) or
+    # "normal".
+    worker_policy: str = "batch"
     # Before a worker says READY it replays the version's recorded requests
     # (assets.extra/tf_serving_warmup_requests, worker/warmup.py) this many times each, as TF
     # Serving's --enable_model_warmup and --num_request_iterations_for_warmup; a version
@@ -404,15 +408,12 @@ class PoolConfig:
         placement = self.placement()
         return placement.workers[self.slots.index(slot)] if placement.pinned else frozenset()
 
-    def threads_per_worker(self, slot: str | None = None) -> int:
+    def threads_per_worker(self, slot: str) -> int:
+        """A worker's TensorFlow intra-op threads: --intra-op-threads, else the placement's
+        (cpusets decides: its own cores when pinned, else its share of the pool's)."""
         if self.intra_op_threads > 0:
             return self.intra_op_threads
-        # A pinned worker sizes its thread pool to its own cores: more threads than cores
-        # only preempt each other.
-        cores = self.cpu_set(slot) if slot is not None else frozenset()
-        if cores:
-            return len(cores)
-        return max(1, usable_cores() // len(self.slots))
+        return self.placement().worker_threads(self.slots.index(slot))
 
     def validate(self) -> PoolConfig:
         if not self.model_name or "/" in self.model_name:
@@ -446,6 +447,11 @@ class PoolConfig:
         bad = {k: v for k, v in self.version_labels.items() if not k or v < 0}
         if bad:
             raise ConfigError(f"version labels need a name and a version >= 0, got {bad}")
+        if self.worker_policy not in process.SERVING_POLICIES:
+            raise ConfigError(
+                f"--worker-policy must be one of {', '.join(process.SERVING_POLICIES)}, "
+                f"got {self.worker_policy!r}"
+            )
         if self.loading_priority not in process.LOADING_PRIORITIES:
             raise ConfigError(
                 f"--loading-priority must be one of {', '.join(process.LOADING_PRIORITIES)}, "

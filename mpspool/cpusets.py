@@ -7,7 +7,9 @@ groups separated by ``;``, cores by ``,``, ranges as ``a-b`` (``"2-4;5-7"`` or
 door and the controller when there are enough (see `auto`). Empty: no pinning, as TF Serving.
 
 It also decides how many threads the front door's async runtime runs (`front_door_threads`):
-the cores the workers leave, at least one.
+the cores the workers leave, at least one; and, unless --intra-op-threads says, how many
+threads each worker's TensorFlow thread pool runs (`Placement.worker_threads`): a pinned
+worker's own cores, or the pool's core budget shared among every worker.
 
 Everything here is pure (the usable cores are an argument), so the rule can be tested on
 machines of any size; only `pin`, `affinity` and `quota_cores` touch the OS.
@@ -37,17 +39,24 @@ _SYNTAX = (
 @dataclass(frozen=True)
 class Placement:
     """Cores per worker slot (in slot order; empty: no pinning), the cores kept for the front
-    door and controller (empty: they are not pinned), the front door's runtime threads, and
-    one line saying what was done."""
+    door and controller (empty: they are not pinned), the front door's runtime threads, one
+    line saying what was done, and the thread-pool size of each unpinned worker."""
 
     workers: tuple[frozenset[int], ...]
     reserved: frozenset[int]
     explanation: str
     front_door_threads: int
+    unpinned_worker_threads: int = 1
 
     @property
     def pinned(self) -> bool:
         return bool(self.workers)
+
+    def worker_threads(self, index: int) -> int:
+        """Threads for the TensorFlow thread pool of worker slot ``index``: its own cores when
+        pinned (more threads than cores only preempt each other), else its share of the
+        pool's cores."""
+        return len(self.workers[index]) if self.pinned else self.unpinned_worker_threads
 
 
 def format_cores(cores: Iterable[int]) -> str:
@@ -175,20 +184,24 @@ def plan(
     default: ``workers``): they are what keeps cores busy beside the front door. ``quota``:
     the cores a CPU quota allows (`quota_cores`), which the front door's threads count
     instead of the usable cores when it is fewer (a pod limited to 4 CPUs on a 64-core node
-    sees 64 cores in its affinity)."""
+    sees 64 cores in its affinity); unpinned workers share the same count among them."""
     spec = spec.strip()
     cores = frozenset(usable)
     busy = max(workers, every_worker or 0)
     budget = min(len(cores), quota) if quota else len(cores)
     if not spec:
-        # Unpinned workers still keep a core each busy under load.
+        # Unpinned workers still keep a core each busy under load, and share the budget:
+        # a pool limited to 4 CPUs on a 64-core node runs 4 workers of 1 thread, not of 16
+        # (a quota's throttling is what pinning and thread sizing are there to avoid).
         threads = front_door_threads(budget, busy)
+        each = max(1, budget // busy)
         return Placement(
             (),
             frozenset(),
             "no CPU pinning (--cpuset or SESSION_GROUP_CPUSET pins); "
-            f"front door: {threads} thread(s)",
+            f"workers: {each} thread(s) each; front door: {threads} thread(s)",
             threads,
+            each,
         )
     if spec.lower() == AUTO:
         return auto(workers, cores, busy, budget)

@@ -68,17 +68,35 @@ def fatal_reason(text: str) -> str:
 _CAP_SYS_NICE = 23
 LOADING_PRIORITIES = ("idle", "normal")
 
+# The policy a worker serves under. "batch" is Linux's SCHED_BATCH at nice 0: the same CPU
+# share as a normal thread, but its wake-ups do not preempt the thread running on its core;
+# it runs when that thread blocks or its tick comes. What it is for: the front door hands a
+# request to a worker and goes on with the rest of its round (another worker's chunk, the
+# next answer); a worker woken on the front door's own core used to take that core at once,
+# for its whole model call, while the rest of the round waited. Measured on 2 cores
+# (bench/RESULTS.md, "Batching and splitting"): split requests (2 chunks, 2 pinned workers)
+# ran their chunks side by side in 90-93% of requests under "normal", 99.7-99.9% under
+# "batch", p99 0.80-0.82x; at batch 1 and concurrency 4 or 16 no difference, at concurrency 1
+# 0.96-0.98x the requests/s (+10-20 us p50: the worker now waits for the front door to
+# block). Any process may move its threads between the two at nice 0 (sched(7)).
+SERVING_POLICIES = ("batch", "normal")
+_POLICY = {"batch": os.SCHED_BATCH, "normal": os.SCHED_OTHER}
 
-def at_loading_priority(argv: list[str], priority: str) -> list[str]:
+
+def at_loading_priority(argv: list[str], priority: str, serving: str = "batch") -> list[str]:
     """`argv` run at the loading priority from its first instruction: "idle" is Linux's
     SCHED_IDLE (util-linux's chrt execs it: same pid), so that its interpreter start and
-    imports are idle too, and every thread it makes; "normal" leaves it as it is. A
-    SCHED_IDLE thread runs only on CPU time no normal thread wants, and gives way the moment
-    one wakes up (a nice value only weighs the shares, and the waking serving thread can wait
-    out the loader's slice)."""
-    if priority == "normal":
-        return argv
-    return [shutil.which("chrt") or "/usr/bin/chrt", "--idle", "0", *argv]
+    imports are idle too, and every thread it makes; "normal" runs it under the ``serving``
+    policy from the start (chrt --batch for "batch"; as it is for "normal"). A SCHED_IDLE
+    thread runs only on CPU time no normal thread wants, and gives way the moment one wakes
+    up (a nice value only weighs the shares, and the waking serving thread can wait out the
+    loader's slice)."""
+    chrt = shutil.which("chrt") or "/usr/bin/chrt"
+    if priority == "idle":
+        return [chrt, "--idle", "0", *argv]
+    if serving == "batch":
+        return [chrt, "--batch", "0", *argv]
+    return argv
 
 
 def can_restore_priority() -> bool:
@@ -101,11 +119,11 @@ def can_restore_priority() -> bool:
     return soft == resource.RLIM_INFINITY or soft >= 20
 
 
-def restore_priority(pid: int) -> int:
-    """Every thread of `pid` back to the normal policy (SCHED_OTHER, nice 0); returns how many
-    were changed. Threads are listed until no new one appears, so one created while we walk
-    is not missed. PermissionError without the right (can_restore_priority);
-    ProcessLookupError when the process is gone."""
+def restore_priority(pid: int, serving: str = "batch") -> int:
+    """Every thread of `pid` to the ``serving`` policy at nice 0 (SERVING_POLICIES: SCHED_BATCH
+    or SCHED_OTHER); returns how many were changed. Threads are listed until no new one
+    appears, so one created while we walk is not missed. PermissionError without the right
+    (can_restore_priority); ProcessLookupError when the process is gone."""
     done: set[int] = set()
     changed = 0
     while True:
@@ -118,9 +136,9 @@ def restore_priority(pid: int) -> int:
             return changed
         for tid in new:
             try:
-                normal = os.sched_getscheduler(tid) == os.SCHED_OTHER
-                if not normal or os.getpriority(os.PRIO_PROCESS, tid) != 0:
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                there = os.sched_getscheduler(tid) == _POLICY[serving]
+                if not there or os.getpriority(os.PRIO_PROCESS, tid) != 0:
+                    os.sched_setscheduler(tid, _POLICY[serving], os.sched_param(0))
                     os.setpriority(os.PRIO_PROCESS, tid, 0)
                     changed += 1
             except ProcessLookupError:

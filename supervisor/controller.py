@@ -141,10 +141,11 @@ class Controller:
         config: PoolConfig,
         created_run_dir: bool,
         clock: Clock = time,
-        restore_priority: Callable[[int], int] = process.restore_priority,
+        restore_priority: Callable[[int, str], int] = process.restore_priority,
     ) -> None:
         self.clock = clock
-        self._restore_priority = restore_priority  # a pid's threads back to nice 0
+        # A pid's threads to the serving policy at nice 0.
+        self._restore_priority = restore_priority
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.created_run_dir = created_run_dir
@@ -221,7 +222,9 @@ class Controller:
                 name=program_name(slot.name, slot.version, slot.model),
                 group=group.group,
                 # Loads at --loading-priority, every thread of it (TensorFlow's pools
-                # inherit it); _restore_priorities puts it back when it takes traffic.
+                # inherit it); _restore_priorities moves it to --worker-policy when it takes
+                # traffic (loading at normal priority, it runs under that policy from the
+                # start).
                 command=process.at_loading_priority(
                     [
                         python,
@@ -237,6 +240,7 @@ class Controller:
                         str(slot.version),
                     ],
                     self.config.loading_priority,
+                    self.config.worker_policy,
                 ),
                 priority=20,
                 environment={**env, **self.gpu.worker_environment(slot.name)},
@@ -744,8 +748,8 @@ class Controller:
     def _restore_priorities(self) -> None:
         """Workers load at --loading-priority (idle), so that a version loading beside one
         that serves takes only the CPU the serving workers leave; a worker that takes traffic
-        (READY, its version AVAILABLE) gets every one of its threads back to normal, once per
-        process."""
+        (READY, its version AVAILABLE) gets every one of its threads to the serving policy
+        (--worker-policy) at nice 0, once per process."""
         if self.config.loading_priority == "normal":
             return
         for group in self.groups():
@@ -756,21 +760,22 @@ class Controller:
                     continue
                 slot.priority_restored = slot.pid
                 try:
-                    threads = self._restore_priority(slot.pid)
+                    threads = self._restore_priority(slot.pid, self.config.worker_policy)
                 except ProcessLookupError:
                     continue  # gone: its exit is seen on the next tick
                 except PermissionError as exc:
                     log.warning(
-                        "slot %s: cannot put pid %d back to normal priority: %s",
+                        "slot %s: cannot put pid %d to its serving priority: %s",
                         slot.name,
                         slot.pid,
                         exc,
                     )
                     continue
                 log.info(
-                    "slot %s: pid %d back to normal CPU priority (%d threads)",
+                    "slot %s: pid %d to the %s CPU policy at nice 0 (%d threads)",
                     slot.name,
                     slot.pid,
+                    self.config.worker_policy,
                     threads,
                 )
 

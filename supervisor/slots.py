@@ -32,7 +32,7 @@ class Slot:
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
     start_pending: bool = False  # a start was asked for and its process not yet seen
     weights: dict[str, Any] | None = None  # where the current process's variables live
-    priority_restored: int = 0  # the pid put back to normal priority after loading
+    priority_restored: int = 0  # the pid moved to its serving policy after loading
 
     @property
     def restarts(self) -> int:

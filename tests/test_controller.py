@@ -391,7 +391,8 @@ def make_pool(
         clock = FakeClock()
         restored: list[int] = []
 
-        def restore_priority(pid: int) -> int:
+        def restore_priority(pid: int, policy: str) -> int:
+            assert policy == settings.get("worker_policy", "batch")
             restored.append(pid)  # fake pids: never a real process's priority
             return 3
 
@@ -1357,6 +1358,20 @@ def test_no_priority_is_touched_when_loading_at_normal_priority(make_pool: Calla
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
     assert pool.restored == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "prefix"), [("batch", [shutil.which("chrt"), "--batch", "0"]), ("normal", [])]
+)
+def test_loading_at_normal_priority_starts_workers_under_the_serving_policy(
+    make_pool: Callable[..., Pool], policy: str, prefix: list[str]
+):
+    # Nothing moves them later: the policy they serve under is the one they start with.
+    pool = make_pool(loading_priority="normal", worker_policy=policy)
+    conf = configparser.ConfigParser()
+    conf.read_string(render(pool.controller.run_dir, pool.controller.programs()))
+    argv = shlex.split(conf["program:worker-cpu-0-v1"]["command"])
+    assert argv[: len(prefix) + 1] == [*prefix, sys.executable]
 
 
 def write_model_config(path: Path, base: Path, policy: str, labels: dict[str, int]) -> None:

@@ -175,6 +175,35 @@ def test_a_cpu_quota_caps_the_front_doors_threads() -> None:
     assert cpusets.plan("0;1", 2, range(64), quota=6).front_door_threads == 4
 
 
+def test_unpinned_workers_share_the_core_budget_among_every_model(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cpusets.plan("", 4, range(64)).worker_threads(3) == 16
+    # A pod limited to 4 CPUs on a 64-core node: one thread each, not 16.
+    limited = cpusets.plan("", 4, range(64), quota=4)
+    assert [limited.worker_threads(i) for i in range(4)] == [1, 1, 1, 1]
+    assert "workers: 1 thread(s) each" in limited.explanation
+    assert cpusets.plan("", 4, range(2)).worker_threads(0) == 1  # never none
+    assert cpusets.plan("", 2, range(8), every_worker=5).worker_threads(1) == 1
+    # Pinned: a worker's own cores, whatever the quota.
+    assert cpusets.plan("0-2;3", 2, range(4), quota=1).worker_threads(0) == 3
+    monkeypatch.setattr(cpusets, "quota_cores", lambda *_: None)  # whatever this machine has
+    two_models = config(
+        demo_model_dir,
+        usable_cpus=tuple(range(12)),
+        models=(
+            ServedModel("demo", str(demo_model_dir), 1),
+            ServedModel("ranker", str(demo_model_dir), 1, workers=4),
+        ),
+    )
+    # 6 workers on 12 cores: 2 threads each for both models' workers (not 12 / 2 = 6 for
+    # the first model's).
+    assert two_models.threads_per_worker("cpu-1") == 2
+    assert two_models.for_model("ranker").threads_per_worker("cpu-3") == 2
+    monkeypatch.setattr(cpusets, "quota_cores", lambda *_: 3)
+    assert two_models.threads_per_worker("cpu-0") == 1
+
+
 def write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

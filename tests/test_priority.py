@@ -1,6 +1,7 @@
 """Loading at a lower CPU priority (--loading-priority idle), with real processes: an idle
-process and every thread it made put back to normal, the right to do so detected, refusals
-said, and the command line that starts a process idle from its first instruction."""
+process and every thread it made moved to the serving policy (--worker-policy), the right to
+do so detected, refusals said, and the command line that starts a process at its policy from
+its first instruction."""
 
 from __future__ import annotations
 
@@ -54,15 +55,36 @@ needs_the_right = pytest.mark.skipif(
     reason="this machine's user may not raise a priority (no CAP_SYS_NICE, RLIMIT_NICE < 20)",
 )
 NORMAL = (os.SCHED_OTHER, 0)
+BATCH = (os.SCHED_BATCH, 0)
 
 
 @needs_the_right
-def test_every_thread_of_an_idle_process_goes_back_to_normal(idle_child: subprocess.Popen[str]):
+def test_every_thread_of_an_idle_process_goes_to_the_serving_policy(
+    idle_child: subprocess.Popen[str],
+):
     before = thread_priorities(idle_child.pid)
     assert len(before) == 4 and set(before.values()) == {(os.SCHED_IDLE, 5)}
     assert process.restore_priority(idle_child.pid) == 4
-    assert set(thread_priorities(idle_child.pid).values()) == {NORMAL}
+    assert set(thread_priorities(idle_child.pid).values()) == {BATCH}  # the default
     assert process.restore_priority(idle_child.pid) == 0, "nothing left to change"
+    assert process.restore_priority(idle_child.pid, "normal") == 4
+    assert set(thread_priorities(idle_child.pid).values()) == {NORMAL}
+
+
+def test_batch_and_normal_are_reachable_without_the_right() -> None:
+    # sched(7): an unprivileged thread may move between SCHED_OTHER and SCHED_BATCH at a nice
+    # value its RLIMIT_NICE allows (0 is always allowed from 0): no CAP_SYS_NICE needed.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.restore_priority(child.pid, "batch") == 1
+        assert set(thread_priorities(child.pid).values()) == {BATCH}
+        assert process.restore_priority(child.pid, "normal") == 1
+        assert set(thread_priorities(child.pid).values()) == {NORMAL}
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_process_that_is_gone_is_a_lookup_error():
@@ -105,10 +127,15 @@ def test_without_cap_sys_nice_the_right_is_missing_and_restoring_is_refused(
     assert set(thread_priorities(idle_child.pid).values()) == {(os.SCHED_IDLE, 5)}
 
 
-def test_the_loading_command_runs_idle_from_its_first_instruction():
+def test_the_loading_command_runs_at_its_policy_from_its_first_instruction():
     probe = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
-    for priority, policy in (("idle", os.SCHED_IDLE), ("normal", os.sched_getscheduler(0))):
-        argv = process.at_loading_priority(probe, priority)
+    for priority, serving, policy in (
+        ("idle", "batch", os.SCHED_IDLE),
+        ("idle", "normal", os.SCHED_IDLE),
+        ("normal", "batch", os.SCHED_BATCH),  # serves as it loaded: nothing to restore
+        ("normal", "normal", os.sched_getscheduler(0)),
+    ):
+        argv = process.at_loading_priority(probe, priority, serving)
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-        assert int(out) == policy, priority
-    assert process.at_loading_priority(probe, "normal") == probe
+        assert int(out) == policy, (priority, serving)
+    assert process.at_loading_priority(probe, "normal", "normal") == probe
