@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peer_versions": {},
     }
     checker = Checker()
-    echo = harness.predict_request("echo", "echo", {"x": np.zeros((1, 29), np.float32)})
+    echo_rows = np.zeros((args.echo_rows, 29), np.float32)
+    echo = harness.predict_request("echo", "echo", {"x": echo_rows})
     echo.output = "x"
     with (
         harness.frozen_code(args.source) as (source, env),
@@ -395,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=ints, default=[1, 256])
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16])
     parser.add_argument("--echo-concurrency", type=ints, default=[16, 64])
+    parser.add_argument(
+        "--echo-rows", type=int, default=1,
+        help="rows of the echo workers' request (29 float32 each; they answer it back)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="every system this many times")
     parser.add_argument(
         "--source", choices=("worktree", "HEAD", "live"), default="worktree",

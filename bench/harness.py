@@ -701,6 +701,27 @@ def measure(
     }
 
 
+def alternating(pools: dict[str, list[str]], rounds: int) -> list[tuple[int, str, list[str]]]:
+    """(round, pool, arguments) in running order: every pool once per round, the order rotated
+    each round so that none always runs first or last while the machine's speed drifts; round
+    1 runs them in the order given."""
+    names = list(pools)
+    order = []
+    for round_ in range(rounds):
+        turn = names[round_ % len(names) :] + names[: round_ % len(names)]
+        order += [(round_ + 1, name, pools[name]) for name in turn]
+    return order
+
+
+def timeline(pool: Pool, env: dict[str, str]) -> dict[str, Any]:
+    """`mpspool timeline --clear`: the workers' model-call spans since the last clear."""
+    out = subprocess.run(
+        _mpspool("timeline", "--clear", "--run-dir", str(pool.run_dir)),
+        cwd=tempfile.gettempdir(), env=env, capture_output=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    return json.loads(out)
+
+
 def pss_mib(processes: Sequence[psutil.Process]) -> float:
     """Total proportional set size of ``processes``."""
     total = 0

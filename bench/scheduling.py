@@ -39,7 +39,6 @@ import datetime as dt
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -132,14 +131,6 @@ def mixed_window(
     }
 
 
-def timeline(pool: Pool, env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run(
-        harness._mpspool("timeline", "--clear", "--run-dir", str(pool.run_dir)),
-        cwd=tempfile.gettempdir(), env=env, capture_output=True, check=True, timeout=30,
-    ).stdout  # fmt: skip
-    return json.loads(out)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -172,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rates: dict[int, float] = {}
-        for round_, name, extra in alternating(policies(args), args.rounds):
+        # Round 1 starts with fcfs, the first policy: the capacity is measured on its pool.
+        for round_, name, extra in harness.alternating(policies(args), args.rounds):
             logs = harness.OUT_DIR / f"logs-scheduling-{stamp}-{name}-{round_}"  # git-ignored
             with Pool(base, args.workers, logs, env, label=f"s{name}", extra_args=extra) as pool:
                 pool.wait_ready()
@@ -196,11 +188,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"capacity {capacity:,.0f} req/s alone {alone}; offering {rates}")
                 # Warm-up at the same load, then the measured window.
                 mixed_window(pool, requests, rates, args.warmup, workdir, args.client_nice)
-                timeline(pool, env)
+                harness.timeline(pool, env)
                 window = mixed_window(
                     pool, requests, rates, args.duration, workdir, args.client_nice
                 )
-                spans = timeline(pool, env)
+                spans = harness.timeline(pool, env)
                 # Cleared before the window: the longest wait of the measured window alone
                 # (the gauge counts calibration and warm-up too).
                 window["window_wait_max_ms"] = spans["queue_wait_max_us"] / 1e3
@@ -214,18 +206,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(line(window), flush=True)
     report["load_end"] = harness.load_average()
     return report
-
-
-def alternating(pools: dict[str, list[str]], rounds: int) -> list[tuple[int, str, list[str]]]:
-    """(round, policy, arguments) in running order: every policy once per round, the order
-    rotated each round so that no policy always runs first or last while the machine's speed
-    drifts; the first is fcfs (the capacity is measured on it)."""
-    names = list(pools)
-    order = []
-    for round_ in range(rounds):
-        turn = names[round_ % len(names) :] + names[: round_ % len(names)]
-        order += [(round_ + 1, name, pools[name]) for name in turn]
-    return order
 
 
 def line(w: dict[str, Any]) -> str:
