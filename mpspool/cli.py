@@ -178,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-policy",
         choices=process.SERVING_POLICIES,
         default="batch",
-        help="the Linux scheduling policy workers serve under: batch (SCHED_BATCH at nice 0: "
-        "the same CPU share, but a worker's wake-up does not preempt the front door in the "
-        "middle of handing out a round of requests) or normal (default %(default)s)",
+        help="the Linux scheduling policy of a worker's serving thread (the one the front "
+        "door wakes; TensorFlow's threads run normal): batch (SCHED_BATCH at nice 0: the same "
+        "CPU share, but its wake-up does not preempt the front door in the middle of handing "
+        "out a round of requests) or normal (default %(default)s)",
     )
     start.add_argument(
         "--loading-priority",
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="idle",
         help="the CPU priority at which workers and weight publishers load: idle (Linux's "
         "SCHED_IDLE: a version loading beside one that serves gets only the CPU the serving "
-        "workers leave; a worker goes to --worker-policy when it takes traffic; needs "
+        "workers leave; a worker goes back to normal when it takes traffic; needs "
         "CAP_SYS_NICE or RLIMIT_NICE to go back, else normal is used) or normal "
         "(default %(default)s)",
     )
@@ -555,7 +556,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         # A worker that loaded idle would serve idle for good.
         print(
             "mpspool: --loading-priority idle needs CAP_SYS_NICE or RLIMIT_NICE to put a "
-            "loaded worker to its serving policy; loading at normal priority",
+            "loaded worker back to normal; loading at normal priority",
             file=sys.stderr,
         )
         config = dataclasses.replace(config, loading_priority="normal")

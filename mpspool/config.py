@@ -248,13 +248,13 @@ class PoolConfig:
     file_system_poll_wait_s: float = 1.0
     # Workers and weight publishers load at this CPU priority: "idle" (SCHED_IDLE), so that a
     # version loading beside one that serves takes only the CPU the serving workers leave, or
-    # "normal"; the controller moves a worker to --worker-policy once it takes traffic. Idle needs
+    # "normal"; the controller puts a worker back to normal once it takes traffic. Idle needs
     # the right to go back (CAP_SYS_NICE or RLIMIT_NICE): without it, `mpspool start` says so
     # and uses normal (process.can_restore_priority).
     loading_priority: str = "idle"
-    # The policy workers serve under (process.SERVING_POLICIES): "batch" (SCHED_BATCH: a
-    # worker's wake-up does not take the front door's core in the middle of its round) or
-    # "normal".
+    # The policy a worker's serving thread runs under once it serves (process.SERVING_POLICIES):
+    # "batch" (SCHED_BATCH: its wake-up does not take the front door's core in the middle of
+    # the front door's round) or "normal"; its TensorFlow threads run normal either way.
     worker_policy: str = "batch"
     # Before a worker says READY it replays the version's recorded requests
     # (assets.extra/tf_serving_warmup_requests, worker/warmup.py) this many times each, as TF

@@ -68,35 +68,34 @@ def fatal_reason(text: str) -> str:
 _CAP_SYS_NICE = 23
 LOADING_PRIORITIES = ("idle", "normal")
 
-# The policy a worker serves under. "batch" is Linux's SCHED_BATCH at nice 0: the same CPU
-# share as a normal thread, but its wake-ups do not preempt the thread running on its core;
-# it runs when that thread blocks or its tick comes. What it is for: the front door hands a
-# request to a worker and goes on with the rest of its round (another worker's chunk, the
-# next answer); a worker woken on the front door's own core used to take that core at once,
-# for its whole model call, while the rest of the round waited. Measured on 2 cores
-# (bench/RESULTS.md, "Batching and splitting"): split requests (2 chunks, 2 pinned workers)
-# ran their chunks side by side in 90-93% of requests under "normal", 99.7-99.9% under
-# "batch", p99 0.80-0.82x; at batch 1 and concurrency 4 or 16 no difference, at concurrency 1
-# 0.96-0.98x the requests/s (+10-20 us p50: the worker now waits for the front door to
-# block). Any process may move its threads between the two at nice 0 (sched(7)).
+# The policy a worker's serving thread (its main thread: the serving loop, the one the front
+# door's writes wake) runs under once it serves; its other threads (TensorFlow's) run normal.
+# "batch" is Linux's SCHED_BATCH at nice 0: the same CPU share, but its wake-ups do not
+# preempt the thread running on its core; it runs when that thread blocks or its tick comes.
+# What it is for: the front door hands a request to a worker and goes on with the rest of its
+# round (another worker's chunk, the next answer); a worker woken on the front door's own core
+# used to take that core at once, and hand it to its model call, while the rest of the round
+# waited. Measured on 2 cores (bench/RESULTS.md, "Batching and splitting"): the 2 chunks of
+# split requests (2 pinned workers) ran side by side in 76-99% of requests with every thread
+# normal, 99.8-99.9% with the serving thread batch (p99 0.75-0.81x); batch 1 with one worker
+# at concurrency 1 equal (0.98-1.02x). Every thread batch did as well for the chunks but cost
+# one worker with two TensorFlow threads 0.83-0.86x the requests/s at concurrency 1 (a
+# TensorFlow thread woken on a core the front door or the client held waited for it). Any
+# thread may move between the two at nice 0 (sched(7)).
 SERVING_POLICIES = ("batch", "normal")
 _POLICY = {"batch": os.SCHED_BATCH, "normal": os.SCHED_OTHER}
 
 
-def at_loading_priority(argv: list[str], priority: str, serving: str = "batch") -> list[str]:
+def at_loading_priority(argv: list[str], priority: str) -> list[str]:
     """`argv` run at the loading priority from its first instruction: "idle" is Linux's
     SCHED_IDLE (util-linux's chrt execs it: same pid), so that its interpreter start and
-    imports are idle too, and every thread it makes; "normal" runs it under the ``serving``
-    policy from the start (chrt --batch for "batch"; as it is for "normal"). A SCHED_IDLE
-    thread runs only on CPU time no normal thread wants, and gives way the moment one wakes
-    up (a nice value only weighs the shares, and the waking serving thread can wait out the
-    loader's slice)."""
-    chrt = shutil.which("chrt") or "/usr/bin/chrt"
-    if priority == "idle":
-        return [chrt, "--idle", "0", *argv]
-    if serving == "batch":
-        return [chrt, "--batch", "0", *argv]
-    return argv
+    imports are idle too, and every thread it makes; "normal" leaves it as it is. A
+    SCHED_IDLE thread runs only on CPU time no normal thread wants, and gives way the moment
+    one wakes up (a nice value only weighs the shares, and the waking serving thread can wait
+    out the loader's slice)."""
+    if priority == "normal":
+        return argv
+    return [shutil.which("chrt") or "/usr/bin/chrt", "--idle", "0", *argv]
 
 
 def can_restore_priority() -> bool:
@@ -120,8 +119,9 @@ def can_restore_priority() -> bool:
 
 
 def restore_priority(pid: int, serving: str = "batch") -> int:
-    """Every thread of `pid` to the ``serving`` policy at nice 0 (SERVING_POLICIES: SCHED_BATCH
-    or SCHED_OTHER); returns how many were changed. Threads are listed until no new one
+    """The main thread of `pid` (its serving loop) to the ``serving`` policy at nice 0
+    (SERVING_POLICIES: SCHED_BATCH or SCHED_OTHER), every other thread to SCHED_OTHER at nice
+    0; returns how many were changed. Threads are listed until no new one
     appears, so one created while we walk is not missed. PermissionError without the right
     (can_restore_priority); ProcessLookupError when the process is gone."""
     done: set[int] = set()
@@ -135,10 +135,11 @@ def restore_priority(pid: int, serving: str = "batch") -> int:
         if not new:
             return changed
         for tid in new:
+            policy = _POLICY[serving] if tid == pid else os.SCHED_OTHER
             try:
-                there = os.sched_getscheduler(tid) == _POLICY[serving]
+                there = os.sched_getscheduler(tid) == policy
                 if not there or os.getpriority(os.PRIO_PROCESS, tid) != 0:
-                    os.sched_setscheduler(tid, _POLICY[serving], os.sched_param(0))
+                    os.sched_setscheduler(tid, policy, os.sched_param(0))
                     os.setpriority(os.PRIO_PROCESS, tid, 0)
                     changed += 1
             except ProcessLookupError:

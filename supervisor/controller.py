@@ -222,9 +222,8 @@ class Controller:
                 name=program_name(slot.name, slot.version, slot.model),
                 group=group.group,
                 # Loads at --loading-priority, every thread of it (TensorFlow's pools
-                # inherit it); _restore_priorities moves it to --worker-policy when it takes
-                # traffic (loading at normal priority, it runs under that policy from the
-                # start).
+                # inherit it); _restore_priorities sets its serving policy when it takes
+                # traffic.
                 command=process.at_loading_priority(
                     [
                         python,
@@ -240,7 +239,6 @@ class Controller:
                         str(slot.version),
                     ],
                     self.config.loading_priority,
-                    self.config.worker_policy,
                 ),
                 priority=20,
                 environment={**env, **self.gpu.worker_environment(slot.name)},
@@ -748,9 +746,10 @@ class Controller:
     def _restore_priorities(self) -> None:
         """Workers load at --loading-priority (idle), so that a version loading beside one
         that serves takes only the CPU the serving workers leave; a worker that takes traffic
-        (READY, its version AVAILABLE) gets every one of its threads to the serving policy
-        (--worker-policy) at nice 0, once per process."""
-        if self.config.loading_priority == "normal":
+        (READY, its version AVAILABLE) gets its serving thread to --worker-policy and every
+        other thread to normal, all at nice 0, once per process (process.restore_priority).
+        Loaded at normal priority under the normal policy, there is nothing to change."""
+        if self.config.loading_priority == "normal" and self.config.worker_policy == "normal":
             return
         for group in self.groups():
             if group.state is not VersionState.AVAILABLE:
@@ -772,7 +771,8 @@ class Controller:
                     )
                     continue
                 log.info(
-                    "slot %s: pid %d to the %s CPU policy at nice 0 (%d threads)",
+                    "slot %s: pid %d serving (its serving thread %s, the others normal, "
+                    "nice 0; %d threads changed)",
                     slot.name,
                     slot.pid,
                     self.config.worker_policy,

@@ -147,7 +147,6 @@ class ModelVersions:
                         str(version),
                     ],
                     self.config.loading_priority,
-                    self.config.worker_policy,
                 ),
                 cwd=self.pool.run_dir,  # not a source checkout (see supervisord.py)
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},

@@ -30,7 +30,7 @@ from tensorflow_serving.apis import (
     prediction_service_pb2_grpc,
 )
 
-from mpspool import process, segment
+from mpspool import segment
 from mpspool.demo_model import build_demo_model, demo_inputs
 from mpspool.supervisor.versions import VersionPolicy
 
@@ -152,16 +152,16 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         assert {s["version"] for s in status["slots"]} == {2}
         assert len(_segments(pool.pool_id)) == 1, "version 1's segment is unlinked"
         # Loaded idle (--loading-priority's default) where the right to leave SCHED_IDLE is
-        # there, else at normal priority under the serving policy from the start; either way
-        # every thread of every worker serves under SCHED_BATCH (--worker-policy's default).
+        # there, else at normal priority; either way, serving, each worker's serving thread
+        # (its main thread) is SCHED_BATCH (--worker-policy's default) and the others normal.
         for pid in pool.worker_pids():
             policies = {
-                (os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t)))
+                int(t): (os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t)))
                 for t in os.listdir(f"/proc/{pid}/task")
             }
-            assert policies == {(os.SCHED_BATCH, 0)}, f"worker {pid}: {policies}"
-        if process.can_restore_priority():
-            assert pool.output().count("to the batch CPU policy at nice 0") >= 4
+            assert policies.pop(pid) == (os.SCHED_BATCH, 0), f"worker {pid}"
+            assert set(policies.values()) == {(os.SCHED_OTHER, 0)}, f"worker {pid}: {policies}"
+        assert pool.output().count("its serving thread batch") >= 4
         seen = len(load.seen())
         time.sleep(1.0)
         assert set(load.seen()[seen:]) == {2}, "once 1 retired, everything is answered by 2"
