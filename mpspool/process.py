@@ -121,8 +121,8 @@ def can_restore_priority() -> bool:
 def restore_priority(pid: int, serving: str = "batch") -> int:
     """The main thread of `pid` (its serving loop) to the ``serving`` policy at nice 0
     (SERVING_POLICIES: SCHED_BATCH or SCHED_OTHER), every other thread to SCHED_OTHER at nice
-    0; returns how many were changed. Threads are listed until no new one
-    appears, so one created while we walk is not missed. PermissionError without the right
+    0; returns how many were changed. Threads are listed until no new one appears, so one
+    created while we walk is not missed. PermissionError without the right
     (can_restore_priority); ProcessLookupError when the process is gone."""
     done: set[int] = set()
     changed = 0
