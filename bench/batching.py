@@ -6,8 +6,9 @@
 - **splitting**: batch-2,048 requests at concurrency 1 against the same plain pool and one
   with `--split-rows 1024` (two chunks, one per worker), p50 and p99; again with both pools
   pinned (`--cpuset auto`, a core per worker). The workers' model-call spans (`mpspool
-  timeline`) say how often a request's two chunks ran side by side: unpinned, the kernel can
-  queue both workers on one core, and the request then takes both chunks' time;
+  timeline`) say how often a request's two chunks ran side by side: when a worker woken on
+  the front door's core preempts it (`--worker-policy normal`), the second chunk is sent only
+  after the first one's model call, and the request takes both chunks' time;
 - **CPU sets**: batch-1 requests at concurrency 4 against the plain pool and one with
   `--cpuset auto`, p99 (reported: 2 cores leave little to show).
 

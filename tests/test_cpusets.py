@@ -154,14 +154,7 @@ def test_every_models_workers_count_for_the_front_doors_threads(
     assert cpusets.plan("", 2, range(8), every_worker=5).front_door_threads == 3
     assert cpusets.plan("auto", 2, range(4), every_worker=5).front_door_threads == 1  # reserved
     assert cpusets.plan("auto", 2, range(2), every_worker=5).front_door_threads == 1
-    two_models = config(
-        demo_model_dir,
-        usable_cpus=tuple(range(8)),
-        models=(
-            ServedModel("demo", str(demo_model_dir), 1),
-            ServedModel("ranker", str(demo_model_dir), 1, workers=3),
-        ),
-    )
+    two_models = with_a_ranker(demo_model_dir, cores=8, ranker_workers=3)
     assert len(two_models.slots) == 2
     assert two_models.placement().front_door_threads == 8 - (2 + 3)
 
@@ -188,14 +181,7 @@ def test_unpinned_workers_share_the_core_budget_among_every_model(
     # Pinned: a worker's own cores, whatever the quota.
     assert cpusets.plan("0-2;3", 2, range(4), quota=1).worker_threads(0) == 3
     monkeypatch.setattr(cpusets, "quota_cores", lambda *_: None)  # whatever this machine has
-    two_models = config(
-        demo_model_dir,
-        usable_cpus=tuple(range(12)),
-        models=(
-            ServedModel("demo", str(demo_model_dir), 1),
-            ServedModel("ranker", str(demo_model_dir), 1, workers=4),
-        ),
-    )
+    two_models = with_a_ranker(demo_model_dir, cores=12, ranker_workers=4)
     # 6 workers on 12 cores: 2 threads each for both models' workers (not 12 / 2 = 6 for
     # the first model's).
     assert two_models.threads_per_worker("cpu-1") == 2
@@ -271,6 +257,18 @@ def config(demo_model_dir: Path, **fields: object) -> PoolConfig:
         workers=2,
     )
     return dataclasses.replace(base, **fields)
+
+
+def with_a_ranker(demo_model_dir: Path, cores: int, ranker_workers: int) -> PoolConfig:
+    """The demo model's 2 workers and a second model's, on ``cores`` usable cores."""
+    return config(
+        demo_model_dir,
+        usable_cpus=tuple(range(cores)),
+        models=(
+            ServedModel("demo", str(demo_model_dir), 1),
+            ServedModel("ranker", str(demo_model_dir), 1, workers=ranker_workers),
+        ),
+    )
 
 
 def test_config_validates_and_sizes_threads(demo_model_dir: Path) -> None:
