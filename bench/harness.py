@@ -217,11 +217,15 @@ class Pool:
     def __enter__(self) -> Pool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / "start.out", "wb") as out:
-            # Own session: a Ctrl-C reaches this script only, which then stops the pool in
-            # order; dying with us (SIGTERM) covers the case where we are killed.
+            # Own process group: a Ctrl-C reaches this script only, which then stops the pool
+            # in order; dying with us (SIGTERM) covers the case where we are killed. Our
+            # session: under Linux's autogroup (a CPU group per session) the pool and the
+            # load generator are one group, as a client on another machine would leave the
+            # pool's scheduling alone; in a session of its own the pool's idle-priority work
+            # (a loading version) competed with the client as a group of equal weight.
             self.proc = subprocess.Popen(
                 _mpspool(*self.args), cwd=_OUTSIDE, env=self.env, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                stderr=subprocess.STDOUT, process_group=0,
                 preexec_fn=process.die_with_parent_sigterm,
             )  # fmt: skip
         return self

@@ -215,9 +215,15 @@ class Supervisord:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err_file,
-            # Its own session: a Ctrl-C in the terminal reaches the controller only, which
-            # then drains in order instead of everything dying at once.
-            start_new_session=True,
+            # Its own process group: a Ctrl-C in the terminal reaches the controller only,
+            # which then drains in order instead of everything dying at once. Not its own
+            # session: where Linux groups each session's processes for CPU time (autogroup,
+            # on by default outside a cpu cgroup), a session of its own made the front door
+            # and workers a group apart from the controller and from any client started
+            # beside the pool, and SCHED_IDLE (the loading workers) yields only within a
+            # group: a loading version slowed clients 1.8-2.4x at p99 that way, 1.2-1.7x in
+            # one session (bench/RESULTS.md, reloading).
+            process_group=0,
             preexec_fn=process.die_with_parent_sigterm,
         )
 
