@@ -68,9 +68,15 @@ class Pool:
     def start(self) -> Pool:
         out = open(self.out_path, "wb")
         # cwd outside the repository: `python -m` puts the cwd on sys.path, and the
-        # repository's supervisor/ folder must not shadow supervisord's package.
+        # repository's supervisor/ folder must not shadow supervisord's package. Its own
+        # process group, as a shell starts a job: a terminal's Ctrl-C (ctrl_c) is a signal
+        # to that group.
         self.proc = subprocess.Popen(
-            mpspool_cmd(*self.args), cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT
+            mpspool_cmd(*self.args),
+            cwd=self.tmp,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,
         )
         return self
 
@@ -146,6 +152,11 @@ class Pool:
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
+
+    def ctrl_c(self) -> None:
+        """What a terminal's Ctrl-C does: SIGINT to the job's whole process group."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def kill(self) -> None:
         """Last resort at teardown: the whole tree, so a failed test leaks nothing."""
