@@ -2,7 +2,7 @@
 
 A scenario (bench/frontdoor.py, bench/memory.py) is a short script over these parts:
 
-- **Servers.** ``Pool`` runs `mpspool start` in its own session and finds its processes by
+- **Servers.** ``Pool`` runs `mpspool start` in its own process group and finds its processes by
   role (the front door is the process running `mpspool-router`); bench/echo_worker.py and
   bench/peers/ start the other systems. Each is described to the driver as a ``Server``: a
   port, a protocol, its processes by role, and (mpspool only) its own request counters.
@@ -172,7 +172,8 @@ def ensure_model(rows: int, env: dict[str, str] | None = None) -> Path:
 
 # -- a pool --------------------------------------------------------------------------------
 class Pool:
-    """One `mpspool start` in its own session; a context manager that always stops it.
+    """One `mpspool start` in its own process group (the bench's session); a context manager
+    that always stops it.
 
     ``roles`` (after wait_ready): "router" (the `mpspool-router` process), "workers",
     "control" (the controller and supervisord)."""
