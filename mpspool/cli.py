@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="idle",
         help="the CPU priority at which workers and weight publishers load: idle (Linux's "
         "SCHED_IDLE: a version loading beside one that serves gets only the CPU the serving "
-        "workers leave; a worker goes back to normal when it takes traffic; needs "
+        "workers leave; a worker leaves it when it takes traffic, its serving thread to "
+        "--worker-policy and the rest to normal; needs "
         "CAP_SYS_NICE or RLIMIT_NICE to go back, else normal is used) or normal "
         "(default %(default)s)",
     )

@@ -248,7 +248,8 @@ class PoolConfig:
     file_system_poll_wait_s: float = 1.0
     # Workers and weight publishers load at this CPU priority: "idle" (SCHED_IDLE), so that a
     # version loading beside one that serves takes only the CPU the serving workers leave, or
-    # "normal"; the controller puts a worker back to normal once it takes traffic. Idle needs
+    # "normal"; once a worker takes traffic the controller puts its serving thread to
+    # worker_policy and the rest back to normal (process.restore_priority). Idle needs
     # the right to go back (CAP_SYS_NICE or RLIMIT_NICE): without it, `mpspool start` says so
     # and uses normal (process.can_restore_priority).
     loading_priority: str = "idle"
