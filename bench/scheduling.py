@@ -10,7 +10,8 @@ in scheduling:
   in the worker's socket;
 - *fcfs*: requests wait in the front door while each worker has `--worker-inflight` in
   flight, then go in arrival order;
-- *sjf*: the same limit, shortest expected compute first, overdue after `--aging-bound-ms`.
+- *sjf*: the same limit, shortest expected compute first, oldest first while a request is at
+  risk of waiting longer than `--aging-bound-ms`.
 
 Capacity is measured once, on the fcfs pool (the first to run): closed loop, batch-1 and
 batch-512 requests per second alone, mixed as 1 / (0.9 / small + 0.1 / large); then the mix

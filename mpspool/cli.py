@@ -347,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=50.0,
         help="with --queue sjf: the longest a request should wait while shorter ones overtake "
-        "it; it goes first early enough for a worker's current call to end (default "
-        "%(default)s)",
+        "it; the queue goes oldest first early enough for the older work and a worker's "
+        "current call to end (default %(default)s)",
     )
     sched.add_argument(
         "--worker-inflight",

@@ -630,7 +630,7 @@ impl Actor {
     }
 
     fn queue_pop(&mut self, now: std::time::Instant) -> Option<(u64, Queued)> {
-        let (id, queued) = self.queue.pop(now)?;
+        let (id, queued) = self.queue.pop(now, self.table.ready())?;
         self.left_queue(&queued);
         Some((id, queued))
     }

@@ -280,7 +280,7 @@ async fn sjf_lets_small_requests_overtake_a_large_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sjf_aging_sends_an_overdue_large_request_first() {
-    // Bound 10 ms: by the time the first request is done (40 ms) the large one is overdue.
+    // Bound 10 ms: by the time the first request is done (40 ms) the large one is at risk.
     let (seen, _) = order_received(scheduling("sjf", 10)).await;
     assert_eq!(seen, [1, 512, 2, 3, 4]);
 }

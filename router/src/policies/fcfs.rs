@@ -29,7 +29,7 @@ impl<T: Send> Order<T> for Fcfs<T> {
         self.arrival.insert(id, arrived);
     }
 
-    fn pop(&mut self, _now: Instant) -> Option<(u64, T)> {
+    fn pop(&mut self, _now: Instant, _servers: usize) -> Option<(u64, T)> {
         let ((_, id), item) = self.by_arrival.pop_first()?;
         self.arrival.remove(&id);
         Some((id, item))
@@ -61,7 +61,7 @@ mod tests {
         queue.push(4, "cancelled", t0 + ms(3), 1.0);
         assert_eq!(queue.remove(4), Some("cancelled"));
         assert_eq!(queue.remove(4), None);
-        let order: Vec<_> = std::iter::from_fn(|| queue.pop(t0)).collect();
+        let order: Vec<_> = std::iter::from_fn(|| queue.pop(t0, 1)).collect();
         assert_eq!(order, [(2, "big first"), (3, "retried"), (1, "second")]);
         assert!(queue.is_empty());
     }

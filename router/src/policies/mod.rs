@@ -31,8 +31,9 @@ pub trait Order<T>: Send {
     /// `arrived`: when the client's request reached the front door (a retried request keeps
     /// its first arrival); `cost`: its expected compute time, in µs (`CostModel`).
     fn push(&mut self, id: u64, item: T, arrived: Instant, cost: f64);
-    /// The request to send next, and its id.
-    fn pop(&mut self, now: Instant) -> Option<(u64, T)>;
+    /// The request to send next, and its id; `servers`: how many workers drain the queue at
+    /// once (what a wait's estimate divides the work ahead by).
+    fn pop(&mut self, now: Instant, servers: usize) -> Option<(u64, T)>;
     /// Take a request out (its caller gave up).
     fn remove(&mut self, id: u64) -> Option<T>;
     fn len(&self) -> usize;

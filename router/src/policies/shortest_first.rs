@@ -1,9 +1,7 @@
 //! Shortest job first with aging: the waiting request with the smallest expected compute
-//! time goes first — unless some request is overdue; then the overdue ones go first, oldest
-//! first. A request is overdue once it has waited `aging_bound` less the longest expected
-//! compute time of the requests waiting (at most half the bound): an overdue request still
-//! waits for a worker's current call to end, and starting early by about one call is what
-//! keeps its whole wait within `aging_bound` while the cost model is right.
+//! time goes first — unless some request is at risk of waiting longer than `aging_bound`;
+//! then the oldest goes first (the queue is served first come, first served until no request
+//! is at risk).
 //!
 //! Why: with FCFS a batch-512 request at the head of the queue makes every batch-1 request
 //! behind it wait for it; served shortest first, small requests overtake it and the mean and
@@ -11,20 +9,38 @@
 //! capacity). The hazard of plain SJF is starvation: under a steady stream of small requests
 //! a large one never goes. Aging bounds that.
 //!
-//! The bound: a request is sent once it is at the head of this order and a worker has room.
-//! Once it is overdue only requests that became overdue before it can still go ahead of it —
-//! never a newer, shorter one. So its wait in the front door is at most its overdue time plus
-//! the time to send the requests that were already overdue when it became overdue. While the
-//! pool keeps up with its load (nothing else overdue) that is the overdue time plus one worker
-//! slot's time to free, which is `aging_bound` when no call takes longer than the longest
-//! request waiting (and than half the bound), and at most `aging_bound` plus one call
-//! otherwise; under overload everything becomes overdue and the order is FCFS, the fair
-//! order when nothing can be served in time.
+//! The bound: once the queue goes oldest first, a request waits for the requests older than
+//! it and for a worker to free. So a request is at risk when its wait so far, plus the
+//! expected compute of the older waiting requests that are not longer than it (within a
+//! factor of two) shared over the `servers` that drain the queue, plus one call (the longest
+//! expected compute of a waiting request, at most half the bound: what a worker's current call
+//! most likely takes at worst) reaches `aging_bound`. Counting the older requests' work is what
+//! keeps a run of large requests that arrived close together within the bound: judged by its
+//! own wait alone, the last of eight 3 ms requests on two workers would turn urgent only when
+//! one call short of the bound and then wait for the seven ahead of it, 10 ms more. Older
+//! *longer* requests are left out of a request's sum: shortest-first sends it before them, and
+//! they are judged by their own sums (counted, a small request behind a large one would make
+//! the queue send the large one first, the opposite of what it needs). While the pool keeps up
+//! with its load and the cost model is right, no request waits longer than `aging_bound`; a
+//! call that takes longer than its estimate adds its excess. Under overload every request is
+//! at risk and the order is FCFS, the fair order when nothing can be served in time.
+//!
+//! Cost: a pop scans the waiting requests oldest first until one is at risk, keeping the older
+//! work in power-of-two cost classes; a queue longer than `SCAN_LIMIT` counts as at risk (a
+//! backlog, served in arrival order).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use super::Order;
+
+/// The most waiting requests a pop looks at before it treats the queue as a backlog.
+const SCAN_LIMIT: usize = 512;
+
+/// A cost's class: ⌊log2(ns)⌋, so that requests within a factor of two share one.
+fn cost_class(cost: u64) -> usize {
+    (u64::BITS - cost.leading_zeros()) as usize
+}
 
 struct Entry<T> {
     item: T,
@@ -37,7 +53,8 @@ pub struct ShortestFirst<T> {
     entries: HashMap<u64, Entry<T>>,
     /// (cost in ns, arrival, id): the shortest first, the oldest among equals.
     by_cost: BTreeMap<(u64, Instant, u64), ()>,
-    by_arrival: BTreeMap<(Instant, u64), ()>,
+    /// (arrival, id) → cost in ns: the oldest first.
+    by_arrival: BTreeMap<(Instant, u64), u64>,
 }
 
 impl<T> ShortestFirst<T> {
@@ -52,15 +69,39 @@ impl<T> ShortestFirst<T> {
 }
 
 impl<T> ShortestFirst<T> {
-    /// How long a request waits before it is overdue: the bound less the longest compute time
-    /// expected of a waiting request (what a worker's current call most likely takes at
-    /// worst), never less than half the bound, so that shortest-first still orders the rest.
-    fn overdue_after(&self) -> Duration {
+    /// The bound less one call: the longest compute time expected of a waiting request (what
+    /// a worker's current call most likely takes at worst), never less than half the bound,
+    /// so that shortest-first still orders the rest.
+    fn slack(&self) -> Duration {
         let longest = self
             .by_cost
             .last_key_value()
             .map_or(0, |(&(cost, _, _), _)| cost);
         self.aging_bound - Duration::from_nanos(longest).min(self.aging_bound / 2)
+    }
+
+    /// Whether some waiting request, served after the older ones not longer than it by
+    /// `servers` workers, would start later than the bound allows.
+    fn at_risk(&self, now: Instant, servers: usize) -> bool {
+        let slack = self.slack();
+        let servers = servers.max(1) as u64;
+        // Expected compute of the requests scanned so far, by cost class.
+        let mut older_work = [0u64; u64::BITS as usize + 1];
+        for (seen, (&(arrived, _), &cost)) in self.by_arrival.iter().enumerate() {
+            if seen == SCAN_LIMIT {
+                return true;
+            }
+            let class = cost_class(cost);
+            let ahead: u64 = older_work[..=class]
+                .iter()
+                .fold(0u64, |sum, &work| sum.saturating_add(work));
+            let ahead = Duration::from_nanos(ahead / servers);
+            if now.saturating_duration_since(arrived) + ahead >= slack {
+                return true;
+            }
+            older_work[class] = older_work[class].saturating_add(cost);
+        }
+        false
     }
 }
 
@@ -69,7 +110,7 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
         // µs → ns, saturating (a NaN or negative estimate counts as free).
         let cost = (cost.max(0.0) * 1000.0).min(u64::MAX as f64) as u64;
         self.by_cost.insert((cost, arrived, id), ());
-        self.by_arrival.insert((arrived, id), ());
+        self.by_arrival.insert((arrived, id), cost);
         self.entries.insert(
             id,
             Entry {
@@ -80,10 +121,10 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
         );
     }
 
-    fn pop(&mut self, now: Instant) -> Option<(u64, T)> {
-        let (&(oldest, oldest_id), _) = self.by_arrival.first_key_value()?;
-        let id = if now.saturating_duration_since(oldest) >= self.overdue_after() {
-            oldest_id
+    fn pop(&mut self, now: Instant, servers: usize) -> Option<(u64, T)> {
+        let id = if self.at_risk(now, servers) {
+            let (&(_, oldest), _) = self.by_arrival.first_key_value()?;
+            oldest
         } else {
             let (&(_, _, shortest), _) = self.by_cost.first_key_value()?;
             shortest
@@ -113,6 +154,10 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
     #[test]
     fn shortest_first_oldest_among_equals() {
         let t0 = Instant::now();
@@ -122,7 +167,7 @@ mod tests {
         queue.push(3, "small, earlier", t0 + ms(1), 250.0);
         queue.push(4, "medium", t0 + ms(3), 900.0);
         let now = t0 + ms(5);
-        let order: Vec<_> = std::iter::from_fn(|| queue.pop(now))
+        let order: Vec<_> = std::iter::from_fn(|| queue.pop(now, 1))
             .map(|(_, s)| s)
             .collect();
         assert_eq!(order, ["small, earlier", "small, later", "medium", "big"]);
@@ -134,12 +179,46 @@ mod tests {
         let mut queue = ShortestFirst::new(BOUND);
         queue.push(1, "big", t0, 5000.0);
         queue.push(2, "bigger, later", t0 + ms(10), 9000.0);
-        queue.push(3, "small", t0 + ms(59), 1.0);
-        // The longest waiting request is expected to take 9 ms: overdue after 50 - 9 = 41 ms.
-        // At 46 ms only "big" is overdue.
-        assert_eq!(queue.pop(t0 + ms(46)), Some((1, "big")));
-        assert_eq!(queue.pop(t0 + ms(46)), Some((3, "small")));
-        assert_eq!(queue.pop(t0 + ms(52)), Some((2, "bigger, later")));
+        queue.push(3, "small", t0 + ms(45), 1.0);
+        // The longest waiting request is expected to take 9 ms: at risk after 50 - 9 = 41 ms.
+        // At 46 ms only "big" is ("bigger, later" has waited 36 ms, and "big", older but not
+        // within a factor of two of it, is not counted ahead of it).
+        assert_eq!(queue.pop(t0 + ms(46), 1), Some((1, "big")));
+        assert_eq!(queue.pop(t0 + ms(46), 1), Some((3, "small")));
+        assert_eq!(queue.pop(t0 + ms(52), 1), Some((2, "bigger, later")));
+    }
+
+    /// The work of older requests counts: a request that would start late behind them makes
+    /// the queue go oldest first before its own wait alone says so.
+    #[test]
+    fn older_work_of_the_same_size_brings_the_risk_forward() {
+        let t0 = Instant::now();
+        // Eight 3 ms requests that arrived together and a small one: slack 50 - 3 = 47 ms.
+        // The eighth has 7 × 3 ms of older work ahead of it: on two workers 10.5 ms (at risk
+        // once it has waited 36.5 ms), on one 21 ms (at risk from 26 ms).
+        for (servers, at_risk) in [(2, us(36_500)), (1, ms(26))] {
+            let mut queue = ShortestFirst::new(BOUND);
+            for id in 0..8 {
+                queue.push(id, "large", t0, 3000.0);
+            }
+            queue.push(8, "small", t0 + ms(20), 250.0);
+            queue.push(9, "small", t0 + ms(20), 250.0);
+            let just_before = at_risk - us(100);
+            assert_eq!(queue.pop(t0 + just_before, servers), Some((8, "small")));
+            assert_eq!(queue.pop(t0 + at_risk, servers), Some((0, "large")));
+        }
+    }
+
+    #[test]
+    fn a_small_request_behind_a_large_one_is_not_sent_after_it() {
+        let t0 = Instant::now();
+        let mut queue = ShortestFirst::new(BOUND);
+        queue.push(1, "large", t0, 100_000.0);
+        queue.push(2, "small", t0 + us(1), 250.0);
+        // Counted behind the large one, the small one would be at risk at once (100 ms of
+        // work ahead) and the queue would send the large one first.
+        assert_eq!(queue.pop(t0 + ms(1), 1), Some((2, "small")));
+        assert_eq!(queue.pop(t0 + ms(1), 1), Some((1, "large")));
     }
 
     #[test]
@@ -151,16 +230,16 @@ mod tests {
         assert_eq!(queue.remove(1), Some("a"));
         assert_eq!(queue.remove(1), None);
         assert_eq!(queue.len(), 1);
-        // "a" was overdue at 100 ms but is gone: nothing of it is left to pop.
-        assert_eq!(queue.pop(t0 + ms(100)), Some((2, "b")));
-        assert_eq!(queue.pop(t0 + ms(100)), None);
+        // "a" was at risk at 100 ms but is gone: nothing of it is left to pop.
+        assert_eq!(queue.pop(t0 + ms(100), 1), Some((2, "b")));
+        assert_eq!(queue.pop(t0 + ms(100), 1), None);
         assert!(queue.by_cost.is_empty() && queue.by_arrival.is_empty());
     }
 
-    /// The bound is the wait's, not the moment a request turns overdue: with one worker slot
-    /// busy with a 20 ms call, a 20 ms request that arrived just after it turns overdue at
-    /// 30 ms and — the slot freeing every 20 ms — is sent by the 40 ms mark, within 50 ms;
-    /// overdue at the bound itself it would have been sent at 60 ms.
+    /// The bound is the wait's, not the moment a request turns urgent: with one worker slot
+    /// busy with a 20 ms call, a 20 ms request that arrived just after it is at risk at 30 ms
+    /// and — the slot freeing every 20 ms — is sent by the 40 ms mark, within 50 ms; at risk
+    /// only at the bound itself it would have been sent at 60 ms.
     #[test]
     fn a_request_that_waits_for_a_call_to_end_is_sent_within_the_bound() {
         let t0 = Instant::now();
@@ -169,11 +248,11 @@ mod tests {
         let mut clock = t0;
         let mut id = 1;
         let sent = loop {
-            // A small request arrives before every slot frees and would overtake forever.
-            queue.push(id, "small", clock, 250.0);
+            // A small request arrives just before every slot frees and would overtake forever.
+            queue.push(id, "small", clock + ms(19), 250.0);
             id += 1;
             clock += ms(20); // the slot is busy with a 20 ms call
-            match queue.pop(clock) {
+            match queue.pop(clock, 1) {
                 Some((_, "large")) => break clock,
                 Some(_) => {}
                 None => panic!("empty"),
@@ -185,27 +264,101 @@ mod tests {
     }
 
     #[test]
-    fn the_overdue_time_gives_up_at_most_half_the_bound() {
+    fn the_slack_gives_up_at_most_half_the_bound() {
         let t0 = Instant::now();
         let mut queue: ShortestFirst<&str> = ShortestFirst::new(BOUND);
-        assert_eq!(queue.overdue_after(), BOUND);
+        assert_eq!(queue.slack(), BOUND);
         queue.push(1, "small", t0, 250.0);
-        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(250));
+        assert_eq!(queue.slack(), BOUND - Duration::from_micros(250));
         queue.push(2, "huge", t0, 10_000_000.0);
-        assert_eq!(queue.overdue_after(), BOUND / 2);
+        assert_eq!(queue.slack(), BOUND / 2);
         queue.remove(2);
-        assert_eq!(queue.overdue_after(), BOUND - Duration::from_micros(250));
+        assert_eq!(queue.slack(), BOUND - Duration::from_micros(250));
+    }
+
+    /// A discrete-event run: `servers` workers, each taking the queue's next request the
+    /// moment it frees, every call lasting exactly its expected cost. `arrivals`: (offset,
+    /// µs, label), in time order. Returns (label, wait) in the order sent.
+    fn simulate(
+        arrivals: &[(Duration, f64, &'static str)],
+        servers: usize,
+    ) -> Vec<(&'static str, Duration)> {
+        let t0 = Instant::now();
+        let mut queue = ShortestFirst::new(BOUND);
+        let mut free_at = vec![t0; servers];
+        let mut next = 0;
+        let mut sent = Vec::new();
+        loop {
+            let (worker, free) = free_at
+                .iter()
+                .copied()
+                .enumerate()
+                .min_by_key(|&(_, at)| at)
+                .expect("servers > 0");
+            while next < arrivals.len() && t0 + arrivals[next].0 <= free {
+                let (offset, cost, label) = arrivals[next];
+                queue.push(next as u64, (label, t0 + offset, cost), t0 + offset, cost);
+                next += 1;
+            }
+            let Some((_, (label, arrived, cost))) = queue.pop(free, servers) else {
+                if next == arrivals.len() {
+                    return sent;
+                }
+                free_at[worker] = t0 + arrivals[next].0; // idle until the next arrival
+                continue;
+            };
+            sent.push((label, free - arrived));
+            free_at[worker] = free + Duration::from_secs_f64(cost / 1e6);
+        }
+    }
+
+    /// Two workers kept busy by small requests (104% of what they can do for 60 ms, then
+    /// 50%), and a run of eight 3 ms requests arriving together at 1 ms: judged by its own
+    /// wait alone each would turn urgent one call short of the bound, and the last would then
+    /// wait for the seven ahead of it (56 ms).
+    #[test]
+    fn a_run_of_large_requests_is_sent_within_the_bound_while_the_pool_keeps_up() {
+        let mut arrivals = Vec::new();
+        let mut at = Duration::ZERO;
+        while at < ms(200) {
+            if arrivals.len() == 8 {
+                for _ in 0..8 {
+                    arrivals.push((at, 3000.0, "large"));
+                }
+            }
+            arrivals.push((at, 250.0, "small"));
+            arrivals.push((at, 250.0, "small"));
+            at += if at < ms(60) { us(240) } else { us(500) };
+        }
+        let sent = simulate(&arrivals, 2);
+        assert_eq!(sent.len(), arrivals.len());
+        let large: Vec<_> = sent.iter().filter(|(l, _)| *l == "large").collect();
+        assert_eq!(large.len(), 8);
+        let longest = sent.iter().map(|&(_, wait)| wait).max().unwrap();
+        assert!(longest <= BOUND, "longest wait {longest:?}");
+        // And shortest-first still did its work: the large ones waited, the small ones not.
+        assert!(large[0].1 > ms(20), "{:?}", large[0].1);
+        let mut small: Vec<_> = sent
+            .iter()
+            .filter(|(l, _)| *l == "small")
+            .map(|&(_, w)| w)
+            .collect();
+        small.sort();
+        assert!(
+            small[small.len() / 2] < ms(5),
+            "{:?}",
+            small[small.len() / 2]
+        );
     }
 
     /// The adversary: one worker slot, a large request, and a small request arriving every
     /// 0.1 ms forever, each served in 0.25 ms — more small work than the slot can do, so
-    /// without aging the large one would never go. With aging it is sent within the bound
-    /// plus the overdue work ahead of it (here: none older than it), i.e. by the first slot
-    /// that frees after it became overdue.
+    /// without aging the large one would never go. With aging it is sent within the bound:
+    /// the small ones pile up, the newest of them is at risk behind the older ones, and the
+    /// queue goes oldest first.
     #[test]
     fn aging_bound_holds_under_an_endless_stream_of_small_requests() {
         let t0 = Instant::now();
-        let us = Duration::from_micros;
         let mut queue = ShortestFirst::new(BOUND);
         queue.push(0, "large", t0, 100_000.0);
         let mut next_id = 1;
@@ -219,7 +372,7 @@ mod tests {
                 next_id += 1;
                 arrivals += us(100);
             }
-            let (_, what) = queue.pop(clock).expect("never empty");
+            let (_, what) = queue.pop(clock, 1).expect("never empty");
             if what == "large" {
                 large_sent_at = Some(clock);
                 break;
@@ -228,18 +381,30 @@ mod tests {
         }
         let sent = large_sent_at.expect("the large request starved");
         let waited = sent - t0;
-        // 100 ms of expected compute: overdue at half the bound, sent by the next free slot.
-        assert!(
-            waited >= BOUND / 2,
-            "sent before it was overdue: {waited:?}"
-        );
+        // 100 ms of expected compute: at most half the bound's slack, sent by the next free
+        // slot after something turned at risk.
         assert!(waited <= BOUND / 2 + us(250), "waited {waited:?}");
         // Without aging (an unreachable bound) the same stream starves it.
         let mut plain = ShortestFirst::new(Duration::from_secs(3600));
         plain.push(0, "large", t0, 100_000.0);
         for id in 1..10_000u64 {
             plain.push(id, "small", t0 + us(id * 100), 250.0);
-            assert_eq!(plain.pop(t0 + us(id * 100)).map(|(_, w)| w), Some("small"));
+            assert_eq!(
+                plain.pop(t0 + us(id * 100), 1).map(|(_, w)| w),
+                Some("small")
+            );
         }
+    }
+
+    #[test]
+    fn a_backlog_longer_than_the_scan_goes_oldest_first() {
+        let t0 = Instant::now();
+        let mut queue = ShortestFirst::new(BOUND);
+        queue.push(0, "oldest", t0, 10.0);
+        for id in 1..=SCAN_LIMIT as u64 {
+            queue.push(id, "tiny", t0 + us(1), 0.0);
+        }
+        assert_eq!(queue.pop(t0 + ms(1), 1), Some((0, "oldest")));
+        assert_eq!(queue.pop(t0 + ms(1), 1).map(|(_, w)| w), Some("tiny"));
     }
 }
