@@ -5,7 +5,9 @@ use std::path::PathBuf;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     std::env::set_var("PROTOC", protoc);
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    // Read when the script runs, not baked in when it compiles: a build script compiled for
+    // one checkout can be reused for another sharing its target directory.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("..");
     let services = root.join("router/proto/tfserving_services.proto");
     println!("cargo:rerun-if-changed={}", services.display());
     for name in ["serving.proto", "tensorflow.proto"] {
