@@ -65,11 +65,12 @@ PLOT = harness.OUT_DIR / "scheduling.png"
 
 def policies(args: argparse.Namespace) -> dict[str, list[str]]:
     limit = ["--worker-inflight", str(args.worker_inflight)]
+    common = ["--worker-policy", args.worker_policy] if args.worker_policy else []
     # fcfs first: the capacity every pool is offered a share of is measured on it.
     return {
-        "fcfs": ["--queue", "fcfs", *limit],
-        "sjf": ["--queue", "sjf", *limit, "--aging-bound-ms", str(args.aging_bound_ms)],
-        "push": [],
+        "fcfs": ["--queue", "fcfs", *limit, *common],
+        "sjf": ["--queue", "sjf", *limit, "--aging-bound-ms", str(args.aging_bound_ms), *common],
+        "push": common,
     }
 
 
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "aging_bound_ms": args.aging_bound_ms,
         "worker_inflight": args.worker_inflight,
         "client_nice": args.client_nice,
+        "worker_policy": args.worker_policy,
         "windows": [],
         "spans": {},
     }
@@ -279,6 +281,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def worker_policy(report: dict[str, Any]) -> str:
+    policy = report.get("worker_policy")
+    return f" Every pool `--worker-policy {policy}`." if policy else ""
+
+
 def client_nice(report: dict[str, Any]) -> str:
     nice = report.get("client_nice", 0)
     return f", at nice {nice}" if nice else ""
@@ -324,7 +331,7 @@ def render(report: dict[str, Any]) -> str:
         f"(64 streams each{client_nice(report)}), {report['duration_s']} s measured after a "
         "warm-up. fcfs and sjf: "
         f"`--worker-inflight {report['worker_inflight']}`; sjf `--aging-bound-ms "
-        f"{report['aging_bound_ms']}`.",
+        f"{report['aging_bound_ms']}`.{worker_policy(report)}",
         f"- **Rounds:** {rounds}, each policy once per round on a pool of its own, the order "
         "rotated each round (the machine's speed drifts within minutes); ratios are taken "
         "within a round.",
@@ -383,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--client-nice", type=int, default=0,
         help="run the h2load clients at this nice value (0: the server's priority)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--worker-policy", choices=["batch", "normal"], default=None,
+        help="every pool's --worker-policy (default: the pool's own default)",
     )  # fmt: skip
     harness.add_run_arguments(parser, quick="1,000 rows, short windows, no report")
     args = parser.parse_args(argv)
