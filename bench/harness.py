@@ -554,6 +554,7 @@ class Drive:
     p50_ms: float
     p99_ms: float
     cpu_s: float  # h2load's own CPU time
+    sent_rps: float = math.nan  # open loop: the arrival rate achieved (its log's start times)
 
 
 _FINISHED = re.compile(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s")
@@ -575,6 +576,29 @@ def parse_h2load(stdout: str, log: str) -> tuple[int, float, int, float, float]:
     return done, float(finished.group(3)), int(traffic.group(1)), float(p50), float(p99)
 
 
+# h2load 1.52 arms each timing-script request's timer from the moment the one before it was
+# sent (libev, millisecond epoll timeouts), so every gap comes out this much longer (measured
+# 2026-11-24, one connection: 0.4-0.8 ms at 100-1,800 req/s); scripts are drawn that much
+# shorter per gap, and what was achieved is read back from the log (Drive.sent_rps).
+H2LOAD_TIMER_LAG_MS = 0.5
+
+
+def poisson_script(path: Path, url: str, rps: float, duration_s: float, seed: int) -> int:
+    """An h2load timing script (offset ms, tab, URI per line) of Poisson arrivals at ``rps``
+    over ``duration_s`` as h2load will send them (each gap less h2load's timer lag, at least
+    a quarter of the mean); the number of requests in it."""
+    rng = np.random.default_rng(seed)
+    mean_ms = 1e3 / rps
+    drawn_ms = max(mean_ms - H2LOAD_TIMER_LAG_MS, mean_ms / 4)
+    gaps = rng.exponential(drawn_ms, size=int(rps * duration_s * 1.2) + 16)
+    offsets = np.cumsum(gaps)
+    # When h2load will send them: each gap about one lag longer than written.
+    sent = np.cumsum(gaps + (mean_ms - drawn_ms))
+    offsets = offsets[sent < duration_s * 1e3]
+    path.write_text("".join(f"{ms:.3f}\t{url}\n" for ms in offsets))
+    return len(offsets)
+
+
 def h2load(
     port: int,
     request: Request,
@@ -583,15 +607,21 @@ def h2load(
     workdir: Path,
     rps: float = 0.0,
     nice: int = 0,
+    poisson_seed: int | None = None,
 ) -> Drive:
     """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams;
-    with ``rps``, open loop: that many requests per second in all, paced per connection,
-    whatever the answers do (up to ``concurrency`` outstanding). ``nice`` runs the client at
-    that lower priority: on a machine whose cores the client shares with the server, the
-    nearest this can come to a client on another machine."""
+    with ``rps``, open loop: that many requests per second in all, whatever the answers do
+    (up to ``concurrency`` outstanding). Paced by h2load's ``--rps`` per connection, or with
+    ``poisson_seed``, at Poisson arrival times (a timing script, one connection): h2load
+    1.52's ``--rps`` sends each connection's share in a burst every 10 ms (measured
+    2026-11-24: bursts of 12-16 requests at 1,400 req/s, 87% of 1 ms bins empty), which
+    queues a burst's last request behind the rest of it whatever the server does. ``nice``
+    runs the client at that lower priority: on a machine whose cores the client shares with
+    the server, the nearest this can come to a client on another machine."""
     body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
+    url = f"http://127.0.0.1:{port}{request.path}"
     if request.protocol == "rest":
         # HTTP/1.1: one request at a time per connection (no pipelining), as REST clients do.
         protocol = ["--h1", "-H", "content-type: application/json"]
@@ -600,25 +630,48 @@ def h2load(
         protocol = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
         connections = min(concurrency, MAX_CONNECTIONS)
         streams = max(1, concurrency // connections)
+    if rps > 0 and poisson_seed is not None:
+        if request.protocol == "rest":
+            raise ValueError("Poisson arrivals need HTTP/2 streams (one connection)")
+        # Every client replays the whole script: one connection carries all the arrivals.
+        script = workdir / "arrivals.tsv"
+        poisson_script(script, url, rps, duration_s, poisson_seed)
+        connections, streams = 1, concurrency
+        pacing = [f"--timing-script-file={script}"]
+    else:
+        pacing = [f"--duration={int(duration_s * 1000)}ms"]
+        pacing += [f"--rps={rps / connections:.3f}"] if rps > 0 else []
     argv = [
         *(["nice", "-n", str(nice)] if nice else []),
         shutil.which("h2load") or "h2load",
         f"--clients={connections}",
         f"--max-concurrent-streams={streams}",
-        f"--duration={int(duration_s * 1000)}ms", "--threads=1",
+        "--threads=1", *pacing,
         f"--data={body_path}", f"--log-file={log_path}",
-        *([f"--rps={rps / connections:.3f}"] if rps > 0 else []),
         *protocol,
-        f"http://127.0.0.1:{port}{request.path}",
+        *([] if rps > 0 and poisson_seed is not None else [url]),
     ]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode != 0:
         raise RuntimeError(f"h2load failed ({out.returncode}): {out.stderr or out.stdout}")
-    done, rps, data, p50, p99 = parse_h2load(out.stdout, log_path.read_text())
+    log = log_path.read_text()
+    done, rps, data, p50, p99 = parse_h2load(out.stdout, log)
+    sent_rps = math.nan
+    if rps > 0 and poisson_seed is not None:
+        # h2load's own rate counts its start-up; here: answers over the time from the first
+        # request sent to the last answer (the script's length when the pool keeps up).
+        rows = [f for f in (line.split("\t") for line in log.splitlines()) if len(f) > 2]
+        if rows:
+            first = min(int(f[0]) for f in rows)
+            last = max(int(f[0]) + int(f[2]) for f in rows)
+            rps = done / max((last - first) / 1e6, duration_s)
+            starts = sorted(int(f[0]) for f in rows)
+            if len(starts) > 1 and starts[-1] > starts[0]:
+                sent_rps = (len(starts) - 1) / ((starts[-1] - starts[0]) / 1e6)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return Drive(done, rps, data, p50, p99, cpu)
+    return Drive(done, rps, data, p50, p99, cpu, sent_rps)
 
 
 def request_counts(metrics_url: str) -> dict[str, int]:

@@ -2,8 +2,13 @@
 aging against first-come-first-served, one run of several rounds.
 
 The workload: 90% of requests batch 1, 10% batch 512, open loop — two h2load processes at
-once, each pacing its own size (`--rps`), so a slow answer does not slow the arrivals — at
-`--load` (default 80%) of the pool's measured capacity for that mix. The pools differ only
+once, each sending its own size at Poisson arrival times (an h2load timing script), so a slow
+answer does not slow the arrivals — at `--load` (default 80%) of the pool's measured capacity
+for that mix. Every policy in a round gets the same arrival times. `--arrivals paced` uses
+h2load's `--rps` instead, as runs before 2026-11-24 21:00 did: h2load 1.52 sends each
+connection's share of a second in a burst every 10 ms, so the last of a burst of 12-16 small
+requests queued behind the rest of it under every policy (at 1,400 batch-1 requests/s on an
+otherwise idle 2-worker pool, p50 4.3 ms paced against 0.9 ms Poisson). The pools differ only
 in scheduling:
 
 - *push*: today's default — every request goes to a worker at once (round-robin) and queues
@@ -42,6 +47,7 @@ import argparse
 import concurrent.futures
 import datetime as dt
 import json
+import math
 import os
 import re
 import sys
@@ -91,43 +97,60 @@ def metric(url: str, name: str) -> float:
     return float(found.group(1)) if found else float("nan")
 
 
+# Poisson arrivals per h2load process at most (more: several processes, each its share):
+# above this, h2load's timer lag is no longer the ~0.5 ms its scripts are drawn for
+# (harness.H2LOAD_TIMER_LAG_MS; at 1,800 req/s in one process it sent 2,759).
+POISSON_RPS_PER_CLIENT = 500.0
+
+
 def mixed_window(
     pool: Pool, requests: dict[int, harness.Request], rates: dict[int, float], seconds: float,
-    workdir: Path, nice: int = 0,
+    workdir: Path, nice: int = 0, seed: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Both sizes at once, open loop, ``seconds`` long; per-size latencies and counts."""
+    """Both sizes at once, open loop, ``seconds`` long; per-size latencies and counts. With
+    ``seed``, Poisson arrivals drawn from it (the same seed, the same arrival times), from
+    as many h2load processes per size as keep each under POISSON_RPS_PER_CLIENT; else one
+    h2load per size with its ``--rps`` pacing."""
     server = pool.server("pool")
     before = harness.request_counts(server.metrics_url)
-    dirs = {batch: workdir / f"b{batch}" for batch in requests}
-    for d in dirs.values():
-        d.mkdir(exist_ok=True)
-    with concurrent.futures.ThreadPoolExecutor(len(requests)) as threads:
+    clients: dict[int, list[Path]] = {}
+    for batch in requests:
+        n = 1 if seed is None else max(1, math.ceil(rates[batch] / POISSON_RPS_PER_CLIENT))
+        clients[batch] = [workdir / f"b{batch}-{k}" for k in range(n)]
+        for d in clients[batch]:
+            d.mkdir(exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(sum(map(len, clients.values()))) as threads:
         drives = {
             # Room for many outstanding requests: arrivals must not wait for answers.
-            batch: threads.submit(
+            (batch, k): threads.submit(
                 harness.h2load,
                 server.port,
                 request,
                 64,
                 seconds,
-                dirs[batch],
-                rates[batch],
+                d,
+                rates[batch] / len(clients[batch]),
                 nice,
+                None if seed is None else seed * 100 + index * 10 + k,
             )
-            for batch, request in requests.items()
+            for index, (batch, request) in enumerate(requests.items())
+            for k, d in enumerate(clients[batch])
         }
-        done = {batch: d.result() for batch, d in drives.items()}
+        done = {key: d.result() for key, d in drives.items()}
     after = harness.request_counts(server.metrics_url)
     grew = {code: after.get(code, 0) - before.get(code, 0) for code in after}
     ok = grew.pop("OK", 0)
     grew.pop("CANCELLED", None)  # streams h2load resets at the end of its window
     sizes = {}
     for batch in requests:
-        lat = latencies_ms(dirs[batch] / "h2load.log")
+        lat = np.concatenate([latencies_ms(d / "h2load.log") for d in clients[batch]])
         p50, p99 = np.percentile(lat, [50, 99]) if len(lat) else (np.nan, np.nan)
+        mine = [drive for (b, _), drive in done.items() if b == batch]
         sizes[batch] = {
             "answered": len(lat),
-            "rps": done[batch].rps,
+            "rps": sum(d.rps for d in mine),
+            "sent_rps": sum(d.sent_rps for d in mine),
+            "clients": len(mine),
             "p50_ms": float(p50),
             "p99_ms": float(p99),
             "max_ms": float(lat.max()) if len(lat) else float("nan"),
@@ -140,6 +163,11 @@ def mixed_window(
         "requests_per_s": sum(s["rps"] for s in sizes.values()),
         "queue_wait_max_ms": metric(server.metrics_url, "mpspool_queue_wait_max_seconds") * 1e3,
     }
+
+
+def seeds(args: argparse.Namespace, round_: int, window: int) -> int | None:
+    """The arrival times' seed of a round's window (None: h2load's own pacing)."""
+    return round_ * 100 + window if args.arrivals == "poisson" else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "worker_inflight": args.worker_inflight,
         "client_nice": args.client_nice,
         "worker_policy": args.worker_policy,
+        "arrivals": args.arrivals,
         "windows": [],
         "spans": {},
     }
@@ -196,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # capacity for the mix.
                     mixed = mixed_window(
                         pool, requests, mix_rates(estimate), args.calibrate, workdir,
-                        args.client_nice,
+                        args.client_nice, seeds(args, 0, 0),
                     )["requests_per_s"]  # fmt: skip
                     capacity = min(estimate, mixed)
                     report["alone_rps"] = alone
@@ -210,11 +239,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"the mix offered that: {mixed:,.0f}); offering {rates}"
                     )
                 # Warm-up at the same load, then the measured window.
-                mixed_window(pool, requests, rates, args.warmup, workdir, args.client_nice)
+                mixed_window(
+                    pool, requests, rates, args.warmup, workdir, args.client_nice,
+                    seeds(args, round_, 1),
+                )  # fmt: skip
                 harness.timeline(pool, env)
+                # The same arrival times for every policy of the round.
                 window = mixed_window(
-                    pool, requests, rates, args.duration, workdir, args.client_nice
-                )
+                    pool, requests, rates, args.duration, workdir, args.client_nice,
+                    seeds(args, round_, 2),
+                )  # fmt: skip
                 spans = harness.timeline(pool, env)
                 # Cleared before the window: the longest wait of the measured window alone
                 # (the gauge counts calibration and warm-up too).
@@ -281,6 +315,24 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def arrivals(report: dict[str, Any]) -> str:
+    if report.get("arrivals", "paced") == "poisson":
+        sent = {
+            batch: [w["sizes"][batch].get("sent_rps", math.nan) for w in report["windows"]]
+            for batch in (SMALL, LARGE)
+        }
+        first = report["windows"][0]["sizes"] if report["windows"] else {}
+        clients = {batch: first.get(batch, {}).get("clients", 1) for batch in (SMALL, LARGE)}
+        return (
+            f"at Poisson arrival times (timing scripts, {clients[SMALL]} and {clients[LARGE]} "
+            "h2load processes of one connection each; the same times for every policy of a "
+            f"round; sent at {fmt(float(np.nanmedian(sent[SMALL])))} and "
+            f"{fmt(float(np.nanmedian(sent[LARGE])))} req/s, median over the windows, "
+            "read back from h2load's logs)"
+        )
+    return "with `--rps` (h2load 1.52: each connection's share in a burst every 10 ms)"
+
+
 def worker_policy(report: dict[str, Any]) -> str:
     policy = report.get("worker_policy")
     return f" Every pool `--worker-policy {policy}`." if policy else ""
@@ -327,7 +379,7 @@ def render(report: dict[str, Any]) -> str:
         f"for the 90/10 mix; offered that mix, open loop, it answered "
         f"{fmt(report['mixed_rps'])} req/s: capacity {fmt(report['capacity_rps'])} req/s.",
         f"- **Load:** open loop at {report['load']:.0%} of that: {fmt(rates[SMALL])} batch-1 "
-        f"and {fmt(rates[LARGE])} batch-512 requests/s, two h2load processes with `--rps` "
+        f"and {fmt(rates[LARGE])} batch-512 requests/s, h2load {arrivals(report)} "
         f"(64 streams each{client_nice(report)}), {report['duration_s']} s measured after a "
         "warm-up. fcfs and sjf: "
         f"`--worker-inflight {report['worker_inflight']}`; sjf `--aging-bound-ms "
@@ -390,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--client-nice", type=int, default=0,
         help="run the h2load clients at this nice value (0: the server's priority)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--arrivals", choices=["poisson", "paced"], default="poisson",
+        help="open-loop arrival times: Poisson (h2load timing scripts) or h2load's --rps, which "
+        "sends a burst every 10 ms (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--worker-policy", choices=["batch", "normal"], default=None,

@@ -388,15 +388,19 @@ def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
         assert tfs[f':tensorflow:serving:request_latency_bucket{{{labels},le="+Inf"}}'] >= 3
     runtime = 'model_name="demo",API="Predict",runtime="TF1"'
     assert tfs[f":tensorflow:serving:runtime_latency_count{{{runtime}}}"] >= 6
-    # The split, on mpspool's own page: every answered worker call has a queue and a compute
-    # part, and together they fit inside the requests' end-to-end time.
+    # The split, on mpspool's own page: every answered worker call has a wait in the front
+    # door, a hand-over and a compute part, and together they fit inside the requests'
+    # end-to-end time.
     ours = _samples(requests.get(demo.status()["pool"]["metrics"], timeout=30).text)
+    waited = ours['mpspool_request_front_door_queue_seconds_sum{model="demo"}']
     queue = ours['mpspool_request_queue_seconds_sum{model="demo"}']
     compute = ours['mpspool_request_compute_seconds_sum{model="demo"}']
     total = ours['mpspool_request_duration_seconds_sum{method="Predict",model="demo"}']
     calls = ours['mpspool_request_compute_seconds_count{model="demo"}']
     assert calls == ours['mpspool_request_queue_seconds_count{model="demo"}'] >= 6
-    assert 0 < compute and 0 <= queue and queue + compute <= total
+    assert ours['mpspool_request_front_door_queue_seconds_count{model="demo"}'] >= calls
+    assert ours['mpspool_request_reply_seconds_count{model="demo"}'] == calls
+    assert 0 < compute and 0 < queue and 0 <= waited and waited + queue + compute <= total
     # Microseconds of the model call, as TF Serving's runtime_latency counts them.
     assert tfs[f":tensorflow:serving:runtime_latency_sum{{{runtime}}}"] == pytest.approx(
         compute * 1e6, rel=0.01

@@ -402,6 +402,13 @@ async fn wake(at: Option<std::time::Instant>) {
 
 /// Whether a liveness sweep woke more than a sweep after it was due (`interval.tick()` yields
 /// the instant it was due, however late the task got to run).
+/// Wall-clock µs since the epoch: the clock workers stamp their model calls with.
+fn wall_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
 fn sweep_was_late(scheduled: Instant, woke: Instant) -> bool {
     woke.saturating_duration_since(scheduled) > LIVENESS_SWEEP
 }
@@ -430,6 +437,9 @@ struct Pending {
     members: Vec<(u64, Queued)>,
     /// The answer must be cut into the members' rows.
     merged: bool,
+    /// Wall-clock µs when it was written to the worker (the worker stamps its model call on
+    /// the same clock).
+    sent_us: i64,
 }
 
 impl Pending {
@@ -792,6 +802,7 @@ impl Actor {
             sent,
             members,
             merged,
+            sent_us: wall_micros(),
         };
         match sent_now {
             Ok(()) => {
@@ -946,9 +957,13 @@ impl Actor {
                     return;
                 };
                 if let Some((start, end)) = t {
-                    // One span per request answered, merged or not.
+                    // One span (hand-over and way back) per request answered, merged or not.
+                    let handoff = u64::try_from(start - pending.sent_us).unwrap_or(0);
+                    let back = u64::try_from(wall_micros() - end).unwrap_or(0);
                     for _ in &pending.members {
                         self.timeline.record(&slot, start, end);
+                        self.state.handoff.observe(Duration::from_micros(handoff));
+                        self.state.reply.observe(Duration::from_micros(back));
                     }
                     let micros = end.saturating_sub(start) as f64;
                     let sent = &pending.sent;

@@ -37,12 +37,6 @@ use crate::status::{Code, ServingError};
 use crate::versions::{ModelId, Servable, Target};
 
 /// Microseconds since the Unix epoch: the clock workers stamp their spans with.
-fn wall_micros() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-}
-
 pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.SignatureDefMap";
 
 #[derive(Clone)]
@@ -108,13 +102,11 @@ impl Api {
         deadline: Option<Instant>,
         api: TfApi,
     ) -> Result<WorkReply, ServingError> {
-        let handed_us = wall_micros();
         let model = work.target.model;
         let reply = self.dispatcher.call(work, deadline).await?;
         if let Some((start, end)) = reply.span {
-            let queue = u64::try_from(start - handed_us).unwrap_or(0);
             let compute = u64::try_from(end - start).unwrap_or(0);
-            self.metrics.record_span(model, api, queue, compute);
+            self.metrics.record_compute(model, api, compute);
         }
         Ok(reply)
     }

@@ -22,9 +22,10 @@ pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
 use crate::versions::{ModelId, Models};
 use crate::{log_error, log_info};
 
-/// Small-batch inference lives between a fraction of a millisecond and a few hundred.
-pub const BUCKETS: [f64; 13] = [
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+/// Small-batch inference lives between a fraction of a millisecond and a few hundred; a
+/// hand-over to a worker or a wait in an empty queue, in the tens to hundreds of µs.
+pub const BUCKETS: [f64; 15] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 ];
 
 pub const METHODS: [&str; 6] = [
@@ -68,15 +69,16 @@ pub enum Method {
     MultiInference = 5,
 }
 
+/// Prometheus histogram over `BUCKETS`, recorded with relaxed atomics from any thread.
 #[derive(Default)]
-struct Histogram {
-    buckets: [AtomicU64; 13],
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
     count: AtomicU64,
     sum_ns: AtomicU64,
 }
 
 impl Histogram {
-    fn observe(&self, took: Duration) {
+    pub fn observe(&self, took: Duration) {
         let secs = took.as_secs_f64();
         // One add in the first bucket that holds it; render() sums them into Prometheus's
         // cumulative buckets (past the last bound, only count and sum see it: +Inf).
@@ -88,9 +90,17 @@ impl Histogram {
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
 
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    pub fn sum(&self) -> Duration {
+        Duration::from_nanos(self.sum_ns.load(Ordering::Relaxed))
+    }
+
     /// The `_bucket`, `_count` and `_sum` lines for `labels` (written before `le`).
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let count = self.count.load(Ordering::Relaxed);
+    pub fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let count = self.count();
         let mut cumulative = 0;
         for (bucket, le) in self.buckets.iter().zip(BUCKETS) {
             cumulative += bucket.load(Ordering::Relaxed);
@@ -100,7 +110,7 @@ impl Histogram {
         }
         out.push_str(&format!("{name}_bucket{{le=\"+Inf\",{labels}}} {count}\n"));
         out.push_str(&format!("{name}_count{{{labels}}} {count}\n"));
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        let sum = self.sum().as_nanos() as f64 / 1e9;
         out.push_str(&format!("{name}_sum{{{labels}}} {sum:?}\n"));
     }
 }
@@ -112,9 +122,8 @@ pub struct Metrics {
     models: watch::Receiver<Arc<Models>>,
     /// The same requests under TF Serving's names (served at its Prometheus path).
     pub tf_serving: TfServingMetrics,
-    /// Where a request's time went: from the front door handing it over until its worker's
-    /// model call started (ZeroMQ, the worker's queue), and the call itself.
-    queue: Histogram,
+    /// The worker's model call of each request (where the rest of its time went, the
+    /// dispatcher records in `state`: the front door's queue, the hand-over to the worker).
     compute: Histogram,
     /// Answers by method and code (indexed by the code's number, 0..=16).
     requests: [[AtomicU64; 17]; METHODS.len()],
@@ -170,7 +179,6 @@ impl Metrics {
         Metrics {
             tf_serving: TfServingMetrics::following(models.clone()),
             models,
-            queue: Histogram::default(),
             compute: Histogram::default(),
             requests: Default::default(),
             latency: Default::default(),
@@ -200,10 +208,8 @@ impl Metrics {
         self.requests[method as usize][code as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A worker's span of one request: `queue_us` from hand-over to the start of its model
-    /// call, `compute_us` the call (wall-clock microseconds, both clocks on this host).
-    pub fn record_span(&self, model: ModelId, api: TfApi, queue_us: u64, compute_us: u64) {
-        self.queue.observe(Duration::from_micros(queue_us));
+    /// A worker's model call of one request, `compute_us` long.
+    pub fn record_compute(&self, model: ModelId, api: TfApi, compute_us: u64) {
         self.compute.observe(Duration::from_micros(compute_us));
         self.tf_serving.record_runtime(model, api, compute_us);
     }
@@ -236,16 +242,29 @@ impl Metrics {
         out.push_str("# HELP mpspool_request_duration_seconds Time from receiving a request to answering it.\n");
         out.push_str("# TYPE mpspool_request_duration_seconds histogram\n");
         for (method, histogram) in METHODS.iter().zip(&self.latency) {
-            if histogram.count.load(Ordering::Relaxed) > 0 {
+            if histogram.count() > 0 {
                 let labels = format!("method=\"{method}\",model=\"{model}\"");
                 histogram.render(&mut out, "mpspool_request_duration_seconds", &labels);
             }
         }
-        out.push_str("# HELP mpspool_request_queue_seconds From handing a request to a worker until its model call started (ZeroMQ and the worker's queue).\n");
-        out.push_str("# TYPE mpspool_request_queue_seconds histogram\n");
+        out.push_str("# HELP mpspool_request_front_door_queue_seconds How long a request waited in the front door's queue for a worker with room (--queue fcfs or sjf, --worker-inflight, batching).\n");
+        out.push_str("# TYPE mpspool_request_front_door_queue_seconds histogram\n");
         let labels = format!("model=\"{model}\"");
-        self.queue
+        self.state.front_door_wait.render(
+            &mut out,
+            "mpspool_request_front_door_queue_seconds",
+            &labels,
+        );
+        out.push_str("# HELP mpspool_request_queue_seconds From the front door sending a request to a worker until its model call started (the socket, the worker's wake-up and its queue).\n");
+        out.push_str("# TYPE mpspool_request_queue_seconds histogram\n");
+        self.state
+            .handoff
             .render(&mut out, "mpspool_request_queue_seconds", &labels);
+        out.push_str("# HELP mpspool_request_reply_seconds From the end of a request's model call until the front door read its answer.\n");
+        out.push_str("# TYPE mpspool_request_reply_seconds histogram\n");
+        self.state
+            .reply
+            .render(&mut out, "mpspool_request_reply_seconds", &labels);
         out.push_str(
             "# HELP mpspool_request_compute_seconds The worker's model call of a request.\n",
         );

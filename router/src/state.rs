@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
+use crate::metrics::Histogram;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
     /// Accepting requests (health follows worker readiness).
@@ -50,6 +52,12 @@ pub struct RouterState {
     pub queued: AtomicU64,
     /// The longest any request has waited in that queue since start, µs.
     pub queue_wait_max_us: AtomicU64,
+    /// Every request's wait in that queue (the dispatcher records; metrics render).
+    pub front_door_wait: Histogram,
+    /// From sending a request to a worker until its model call started, per request.
+    pub handoff: Histogram,
+    /// From the end of a request's model call until the front door read the answer.
+    pub reply: Histogram,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
     /// Drain requests from the control channel; the server acts on the first.
@@ -71,6 +79,9 @@ impl RouterState {
                 retries: AtomicU64::new(0),
                 queued: AtomicU64::new(0),
                 queue_wait_max_us: AtomicU64::new(0),
+                front_door_wait: Histogram::default(),
+                handoff: Histogram::default(),
+                reply: Histogram::default(),
                 gpus: Mutex::new(Vec::new()),
                 drain,
                 reloads: crate::reload::Reloads::default(),
@@ -97,6 +108,7 @@ impl RouterState {
         let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
         self.queue_wait_max_us
             .fetch_max(micros, std::sync::atomic::Ordering::Relaxed);
+        self.front_door_wait.observe(waited);
     }
 
     /// Replaces the GPU samples (the control channel's `gpus` op is the one writer).

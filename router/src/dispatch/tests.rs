@@ -127,8 +127,10 @@ impl FakeWorker {
                         serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, 20_000]})
                     }
                     Behaviour::SlowEcho(ms) => {
+                        // Stamped on the wall clock, as a worker stamps its model call.
+                        let start = wall_micros();
                         thread::sleep(Duration::from_millis(ms));
-                        serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, ms * 1000]})
+                        serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [start, wall_micros()]})
                     }
                 };
                 let mut out = vec![rmp_serde::to_vec_named(&reply).unwrap()];
@@ -270,6 +272,15 @@ async fn fcfs_sends_in_arrival_order_when_the_worker_is_full() {
     // The last one waited for the four before it: ~4 × 40 ms less its 20 ms head start.
     let waited = state.queue_wait_max_us.load(Ordering::Relaxed);
     assert!(waited > 100_000, "{waited}");
+    // Every request's wait is in the histogram: about 35 + 70 + 105 + 140 ms for the four
+    // behind the first (each arrived 5 ms after the one before it, each call takes 40).
+    assert_eq!(state.front_door_wait.count(), 5);
+    assert!(state.front_door_wait.sum() > Duration::from_millis(200));
+    // The hand-over to the worker (sent until its call started) is one per request, and a
+    // worker that was waiting starts within much less than a call.
+    assert_eq!(state.handoff.count(), 5);
+    assert_eq!(state.reply.count(), 5);
+    assert!(state.handoff.sum() < Duration::from_millis(5 * 40));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
