@@ -639,17 +639,6 @@ impl Actor {
         self.queue.push(id, queued, arrived, cost);
     }
 
-    /// The expected compute (µs) of what each routable worker has in flight, in slot order.
-    fn inflight_costs(&self) -> Vec<f64> {
-        self.table
-            .routable()
-            .map(|handle| {
-                let members = handle.inflight.values().flat_map(|p| &p.members);
-                members.map(|(_, queued)| queued.cost).sum()
-            })
-            .collect()
-    }
-
     fn queue_pop(&mut self, now: std::time::Instant) -> Option<(u64, Queued)> {
         let (id, queued) = self.queue.pop(now, self.table.ready())?;
         self.left_queue(&queued);
@@ -682,9 +671,6 @@ impl Actor {
         // Every worker full (the common case under load): leave the queue as it is.
         while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
             let now = std::time::Instant::now();
-            if self.queue.hold(now, &self.inflight_costs()) {
-                break; // a worker frees, or a request arrives: pumped again then
-            }
             let Some((id, mut head)) = self.queue_pop(now) else {
                 break;
             };

@@ -167,13 +167,6 @@ impl<P> WorkerTable<P> {
         self.by_slot.len()
     }
 
-    /// The routable workers, in slot order.
-    pub fn routable(&self) -> impl Iterator<Item = &WorkerHandle<P>> {
-        self.by_slot
-            .values()
-            .filter_map(|identity| self.by_identity.get(identity))
-    }
-
     /// Routable workers per model version.
     pub fn ready_by_servable(&self) -> BTreeMap<Servable, usize> {
         let mut counts = BTreeMap::new();

@@ -34,12 +34,6 @@ pub trait Order<T>: Send {
     /// The request to send next, and its id; `servers`: how many workers drain the queue at
     /// once (what a wait's estimate divides the work ahead by).
     fn pop(&mut self, now: Instant, servers: usize) -> Option<(u64, T)>;
-    /// Whether the request `pop` would send next should wait although a worker has room:
-    /// `busy[i]` is the expected compute (µs) of what routable worker `i` has in flight (0:
-    /// idle). Only an order that keeps workers back for some requests says yes.
-    fn hold(&self, _now: Instant, _busy: &[f64]) -> bool {
-        false
-    }
     /// Take a request out (its caller gave up).
     fn remove(&mut self, id: u64) -> Option<T>;
     fn len(&self) -> usize;

@@ -25,19 +25,6 @@
 //! call that takes longer than its estimate adds its excess. Under overload every request is
 //! at risk and the order is FCFS, the fair order when nothing can be served in time.
 //!
-//! A worker kept for short requests: a call cannot be preempted, so a small request that
-//! arrives while every worker computes a large one waits for the first of them to end, in any
-//! queue order (measured 2026-11-24, 2 workers, 90% batch 1 and 10% batch 512 at 70% load:
-//! both workers were on batch-512 calls 11% of the time, calls of 3.5 ms median, 7 ms p99, and
-//! the small requests' p99 under sjf was 5-7 ms). So a long request (expected compute at
-//! least `LONG_FACTOR` times the shortest request seen lately) that is not at risk waits
-//! while sending it would leave no worker idle or on short work (`hold`); with one worker
-//! there is nothing to keep. The hazard is capacity: long requests run on one worker fewer
-//! than the pool has, so a load whose long requests need every worker falls behind until they
-//! turn at risk, and then they go oldest first on any worker, as before. "Lately": the
-//! shortest cost seen, rising by 1/64 with every longer request pushed, so a pool whose small
-//! requests stopped coming stops keeping a worker for them within a few hundred requests.
-//!
 //! Cost: a pop scans the waiting requests oldest first until one is at risk, keeping the older
 //! work in power-of-two cost classes; a queue longer than `SCAN_LIMIT` counts as at risk (a
 //! backlog, served in arrival order).
@@ -49,9 +36,6 @@ use super::Order;
 
 /// The most waiting requests a pop looks at before it treats the queue as a backlog.
 const SCAN_LIMIT: usize = 512;
-/// A request is long when its expected compute is at least this many times the shortest
-/// seen lately (batch 512 against batch 1 on the demo model: about 8).
-const LONG_FACTOR: u64 = 4;
 
 /// A cost's class: ⌊log2(ns)⌋, so that requests within a factor of two share one.
 fn cost_class(cost: u64) -> usize {
@@ -71,8 +55,6 @@ pub struct ShortestFirst<T> {
     by_cost: BTreeMap<(u64, Instant, u64), ()>,
     /// (arrival, id) → cost in ns: the oldest first.
     by_arrival: BTreeMap<(Instant, u64), u64>,
-    /// The shortest cost pushed lately, ns (None before the first push).
-    short: Option<u64>,
 }
 
 impl<T> ShortestFirst<T> {
@@ -82,7 +64,6 @@ impl<T> ShortestFirst<T> {
             entries: HashMap::new(),
             by_cost: BTreeMap::new(),
             by_arrival: BTreeMap::new(),
-            short: None,
         }
     }
 }
@@ -97,12 +78,6 @@ impl<T> ShortestFirst<T> {
             .last_key_value()
             .map_or(0, |(&(cost, _, _), _)| cost);
         self.aging_bound - Duration::from_nanos(longest).min(self.aging_bound / 2)
-    }
-
-    /// Whether a request (or an in-flight call) of `cost` ns is long next to the short ones.
-    fn is_long(&self, cost: u64) -> bool {
-        self.short
-            .is_some_and(|short| cost >= short.max(1).saturating_mul(LONG_FACTOR))
     }
 
     /// Whether some waiting request, served after the older ones not longer than it by
@@ -134,10 +109,6 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
     fn push(&mut self, id: u64, item: T, arrived: Instant, cost: f64) {
         // µs → ns, saturating (a NaN or negative estimate counts as free).
         let cost = (cost.max(0.0) * 1000.0).min(u64::MAX as f64) as u64;
-        self.short = Some(match self.short {
-            Some(short) if short <= cost => short.saturating_add(short / 64).min(cost),
-            _ => cost,
-        });
         self.by_cost.insert((cost, arrived, id), ());
         self.by_arrival.insert((arrived, id), cost);
         self.entries.insert(
@@ -159,21 +130,6 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
             shortest
         };
         self.remove(id).map(|item| (id, item))
-    }
-
-    fn hold(&self, now: Instant, busy: &[f64]) -> bool {
-        let Some((&(shortest, _, _), _)) = self.by_cost.first_key_value() else {
-            return false;
-        };
-        if busy.len() < 2 || !self.is_long(shortest) {
-            return false;
-        }
-        // µs, as pushed; a worker that has nothing in flight counts as short.
-        let long_busy = busy
-            .iter()
-            .filter(|&&c| self.is_long((c.max(0.0) * 1000.0).min(u64::MAX as f64) as u64))
-            .count();
-        long_busy + 1 >= busy.len() && !self.at_risk(now, busy.len())
     }
 
     fn remove(&mut self, id: u64) -> Option<T> {
@@ -321,25 +277,15 @@ mod tests {
     }
 
     /// A discrete-event run: `servers` workers, each taking the queue's next request the
-    /// moment it frees (unless the queue holds it back, as the dispatcher asks), every call
-    /// lasting exactly its expected cost. `arrivals`: (offset, µs, label), in time order.
-    /// Returns (label, wait) in the order sent.
+    /// moment it frees, every call lasting exactly its expected cost. `arrivals`: (offset,
+    /// µs, label), in time order. Returns (label, wait) in the order sent.
     fn simulate(
         arrivals: &[(Duration, f64, &'static str)],
         servers: usize,
     ) -> Vec<(&'static str, Duration)> {
-        simulate_holding(arrivals, servers, true)
-    }
-
-    fn simulate_holding(
-        arrivals: &[(Duration, f64, &'static str)],
-        servers: usize,
-        holding: bool,
-    ) -> Vec<(&'static str, Duration)> {
         let t0 = Instant::now();
         let mut queue = ShortestFirst::new(BOUND);
         let mut free_at = vec![t0; servers];
-        let mut running = vec![0.0; servers];
         let mut next = 0;
         let mut sent = Vec::new();
         loop {
@@ -354,18 +300,6 @@ mod tests {
                 queue.push(next as u64, (label, t0 + offset, cost), t0 + offset, cost);
                 next += 1;
             }
-            let busy: Vec<f64> = (0..servers)
-                .map(|w| if free_at[w] > free { running[w] } else { 0.0 })
-                .collect();
-            if holding && queue.hold(free, &busy) {
-                // Idle until the next arrival or the next worker to free, whichever is first.
-                let others = (0..servers)
-                    .filter(|&w| free_at[w] > free)
-                    .map(|w| free_at[w]);
-                let arrival = arrivals.get(next).map(|a| t0 + a.0);
-                free_at[worker] = others.chain(arrival).min().expect("a busy worker");
-                continue;
-            }
             let Some((_, (label, arrived, cost))) = queue.pop(free, servers) else {
                 if next == arrivals.len() {
                     return sent;
@@ -375,70 +309,7 @@ mod tests {
             };
             sent.push((label, free - arrived));
             free_at[worker] = free + Duration::from_secs_f64(cost / 1e6);
-            running[worker] = cost;
         }
-    }
-
-    /// Two workers; every 10 ms two 3 ms requests arrive together, and a 250 µs request every
-    /// 400 µs (61% load). Sending both long ones at once leaves the small ones nowhere to go
-    /// for up to 3 ms; keeping a worker for short requests, the second long one waits
-    /// instead (within the bound), and no small request waits for a long call.
-    #[test]
-    fn a_worker_is_kept_for_short_requests_while_long_ones_wait_within_the_bound() {
-        let mut arrivals = Vec::new();
-        let mut at = Duration::ZERO;
-        while at < ms(200) {
-            if at.as_micros() % 10_000 == 0 {
-                arrivals.push((at, 3000.0, "long"));
-                arrivals.push((at, 3000.0, "long"));
-            }
-            arrivals.push((at, 250.0, "small"));
-            at += us(400);
-        }
-        let longest = |sent: &[(&str, Duration)], which: &str| {
-            sent.iter()
-                .filter(|(l, _)| *l == which)
-                .map(|&(_, w)| w)
-                .max()
-                .expect("some sent")
-        };
-        let both = simulate_holding(&arrivals, 2, false);
-        let kept = simulate_holding(&arrivals, 2, true);
-        assert_eq!(kept.len(), arrivals.len());
-        assert!(
-            longest(&both, "small") > ms(2),
-            "{:?}",
-            longest(&both, "small")
-        );
-        assert!(
-            longest(&kept, "small") < ms(1),
-            "{:?}",
-            longest(&kept, "small")
-        );
-        assert!(longest(&kept, "long") > longest(&both, "long"));
-        assert!(longest(&kept, "long") <= BOUND);
-    }
-
-    #[test]
-    fn hold_keeps_the_last_worker_only_from_long_requests_not_at_risk() {
-        let t0 = Instant::now();
-        let mut queue = ShortestFirst::new(BOUND);
-        queue.push(1, "small", t0, 250.0);
-        queue.pop(t0, 2);
-        queue.push(2, "long", t0, 3000.0);
-        let now = t0 + ms(1);
-        // The other worker on a long call: the long request waits; on a short call, it goes.
-        assert!(queue.hold(now, &[3000.0, 0.0]));
-        assert!(!queue.hold(now, &[250.0, 0.0]));
-        assert!(!queue.hold(now, &[0.0, 0.0]));
-        // One worker: nothing to keep. Three, one on a long call: one is left for short ones.
-        assert!(!queue.hold(now, &[0.0]));
-        assert!(!queue.hold(now, &[3000.0, 0.0, 0.0]));
-        // At risk, it goes whatever the others do.
-        assert!(!queue.hold(t0 + ms(48), &[3000.0, 0.0]));
-        // A short request ahead of it is never held.
-        queue.push(3, "small", now, 250.0);
-        assert!(!queue.hold(now, &[3000.0, 0.0]));
     }
 
     /// Two workers kept busy by small requests (104% of what they can do for 60 ms, then
