@@ -45,6 +45,9 @@ BEGIN_MARK = "<!-- reload:begin (written by bench/reload.py; edits here are lost
 END_MARK = "<!-- reload:end -->"
 PLOT = harness.OUT_DIR / "reload.png"
 
+# Seed of the windows' Poisson arrival times (harness.poisson_script).
+ARRIVALS_SEED = 1
+
 
 def pool_processes(pool: Pool) -> list[psutil.Process]:
     assert pool.proc is not None
@@ -159,9 +162,11 @@ def window(
     result: dict[str, Any] = {}
 
     def drive() -> None:
+        # The same Poisson arrival times in every window: each is compared with the steady one.
         result["drive"] = harness.h2load(
-            server.port, request, args.concurrency, args.window, workdir, rps=args.rps
-        )
+            server.port, request, args.concurrency, args.window, workdir, rps=args.rps,
+            poisson_seed=ARRIVALS_SEED,
+        )  # fmt: skip
 
     watcher = Watcher(pool).start()
     driver = threading.Thread(target=drive)
@@ -261,7 +266,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pool.wait_ready()
                 server = pool.server("reload")
                 checker.check(server, request)
-                harness.h2load(server.port, request, args.concurrency, 2.0, workdir, rps=args.rps)
+                harness.h2load(
+                    server.port, request, args.concurrency, 2.0, workdir, rps=args.rps,
+                    poisson_seed=ARRIVALS_SEED + 1,
+                )  # fmt: skip
                 run_ = {"loading_priority": priority, "reloads": []}
                 run_["pss_start_mib"] = harness.pss_mib(pool_processes(pool))
                 run_["shm_start_mib"] = shm_mib(pool.pool_id)
@@ -375,7 +383,9 @@ def render(report: dict[str, Any]) -> str:
         f"{report['rows']:,}-row demo model, `--file_system_poll_wait_seconds` 0.2; each new "
         "version is a symlink to the same SavedModel, so memory growth is what replacement "
         "leaves behind.",
-        f"- **Load:** h2load open loop, {report['rps']:.0f} req/s of batch 1, up to "
+        f"- **Load:** h2load open loop, {report['rps']:.0f} req/s of batch 1 at Poisson arrival "
+        "times (a timing script, the same times in every window; before 2026-11-24 21:55, "
+        "h2load's `--rps`, which sends a burst every 10 ms), up to "
         f"{report['concurrency']} outstanding, {report['window_s']:.0f} s windows: per pool one "
         "steady window, then one per reload (the version folder appears 1 s in); every window "
         "watched alike (status and PSS every 0.2 s from a SCHED_IDLE thread). Failed: the "
