@@ -622,6 +622,7 @@ def h2load(
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
     url = f"http://127.0.0.1:{port}{request.path}"
+    seed = poisson_seed if rps > 0 else None  # Poisson arrivals: open loop only
     if request.protocol == "rest":
         # HTTP/1.1: one request at a time per connection (no pipelining), as REST clients do.
         protocol = ["--h1", "-H", "content-type: application/json"]
@@ -630,12 +631,12 @@ def h2load(
         protocol = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
         connections = min(concurrency, MAX_CONNECTIONS)
         streams = max(1, concurrency // connections)
-    if rps > 0 and poisson_seed is not None:
+    if seed is not None:
         if request.protocol == "rest":
             raise ValueError("Poisson arrivals need HTTP/2 streams (one connection)")
         # Every client replays the whole script: one connection carries all the arrivals.
         script = workdir / "arrivals.tsv"
-        poisson_script(script, url, rps, duration_s, poisson_seed)
+        poisson_script(script, url, rps, duration_s, seed)
         connections, streams = 1, concurrency
         pacing = [f"--timing-script-file={script}"]
     else:
@@ -649,7 +650,7 @@ def h2load(
         "--threads=1", *pacing,
         f"--data={body_path}", f"--log-file={log_path}",
         *protocol,
-        *([] if rps > 0 and poisson_seed is not None else [url]),
+        *([] if seed is not None else [url]),
     ]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60)
@@ -659,16 +660,15 @@ def h2load(
     log = log_path.read_text()
     done, rps, data, p50, p99 = parse_h2load(out.stdout, log)
     sent_rps = math.nan
-    if rps > 0 and poisson_seed is not None:
+    if seed is not None:
         # h2load's own rate counts its start-up; here: answers over the time from the first
         # request sent to the last answer (the script's length when the pool keeps up).
         rows = [f for f in (line.split("\t") for line in log.splitlines()) if len(f) > 2]
         if rows:
-            first = min(int(f[0]) for f in rows)
-            last = max(int(f[0]) + int(f[2]) for f in rows)
-            rps = done / max((last - first) / 1e6, duration_s)
             starts = sorted(int(f[0]) for f in rows)
-            if len(starts) > 1 and starts[-1] > starts[0]:
+            last = max(int(f[0]) + int(f[2]) for f in rows)
+            rps = done / max((last - starts[0]) / 1e6, duration_s)
+            if starts[-1] > starts[0]:
                 sent_rps = (len(starts) - 1) / ((starts[-1] - starts[0]) / 1e6)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return Drive(done, rps, data, p50, p99, cpu, sent_rps)

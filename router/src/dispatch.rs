@@ -28,7 +28,7 @@ use crate::signature::{self, ModelSignatures};
 use crate::split;
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
-use crate::timeline::{Timeline, DEFAULT_CAPACITY};
+use crate::timeline::{wall_micros, Timeline, DEFAULT_CAPACITY};
 use crate::versions::{ModelId, Models, Servable, Target};
 use crate::wire::{self, TensorMeta, WorkerMessage};
 use crate::workers::{Departure, WorkerTable};
@@ -402,13 +402,6 @@ async fn wake(at: Option<std::time::Instant>) {
 
 /// Whether a liveness sweep woke more than a sweep after it was due (`interval.tick()` yields
 /// the instant it was due, however late the task got to run).
-/// Wall-clock µs since the epoch: the clock workers stamp their model calls with.
-fn wall_micros() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-}
-
 fn sweep_was_late(scheduled: Instant, woke: Instant) -> bool {
     woke.saturating_duration_since(scheduled) > LIVENESS_SWEEP
 }

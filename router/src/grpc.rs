@@ -36,7 +36,6 @@ use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::versions::{ModelId, Servable, Target};
 
-/// Microseconds since the Unix epoch: the clock workers stamp their spans with.
 pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.SignatureDefMap";
 
 #[derive(Clone)]

@@ -10,6 +10,13 @@
 use std::collections::VecDeque;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Wall-clock µs since the epoch: the clock workers stamp their model calls with.
+pub fn wall_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
 /// ~200 s at 1,000 requests/s.
 pub const DEFAULT_CAPACITY: usize = 200_000;
 
@@ -52,10 +59,7 @@ impl Timeline {
     /// `{now_us, spans: [[slot, start, end], ...], dropped, queue_wait_max_us}`, spans oldest
     /// first; with `clear`, forget them (and the longest wait) afterwards.
     pub fn take(&mut self, clear: bool) -> Vec<(&'static str, rmpv::Value)> {
-        let now_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_micros() as i64)
-            .unwrap_or(0);
+        let now_us = wall_micros();
         let spans: Vec<rmpv::Value> = self
             .spans
             .iter()
