@@ -109,6 +109,9 @@ fn keep_freed_buffers() {
 }
 
 /// `MPSPOOL_ROUTER_THREADS`: the async runtime's worker threads (default: one per core).
+/// One means tokio's current-thread runtime: every task on the thread that started it. A
+/// multi-thread runtime of one worker is two threads (the main thread polls `serve` while the
+/// worker polls the tasks) with work-stealing's bookkeeping on every wake-up, for nothing.
 fn runtime_threads() -> Option<usize> {
     let value = std::env::var("MPSPOOL_ROUTER_THREADS").ok()?;
     value.parse().ok().filter(|n| *n >= 1)
@@ -125,10 +128,15 @@ fn main() -> ExitCode {
         Ok(config) => config,
         Err(error) => return fail(error),
     };
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = runtime_threads() {
-        builder.worker_threads(threads);
-    }
+    let mut builder = match runtime_threads() {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(threads) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads);
+            builder
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => return fail(format!("cannot start the async runtime: {error}")),
