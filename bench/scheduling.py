@@ -11,33 +11,40 @@ requests queued behind the rest of it under every policy (at 1,400 batch-1 reque
 otherwise idle 2-worker pool, p50 4.3 ms paced against 0.9 ms Poisson). The pools differ only
 in scheduling:
 
-- *push*: today's default — every request goes to a worker at once (round-robin) and queues
-  in the worker's socket;
+- *push* (only with `--policies ...,push`): the pool's default — every request goes to a
+  worker at once (round-robin) and queues in the worker's socket;
 - *fcfs*: requests wait in the front door while each worker has `--worker-inflight` in
   flight, then go in arrival order;
 - *sjf*: the same limit, shortest expected compute first, oldest first while a request is at
-  risk of waiting longer than `--aging-bound-ms`.
+  risk of waiting longer than `--aging-bound-ms`;
+- *sjf+split*, *fcfs+split*: the same with `--split-rows` (default 256): a batch-512 request
+  runs as two 256-row calls. A model call cannot be preempted, so a small request that finds
+  both workers on large calls waits for the sooner to end whatever the order; shorter calls
+  bound that wait (sjf sends the small request before the next chunk), at the cost of one
+  call's fixed overhead per chunk (128-row chunks, 2026-11-24 23:45: four calls per large
+  request overloaded the pool at "70%", batch-1 p99 49-137 ms). *fcfs+split* shows what the
+  chunks do without the order.
 
 Capacity is measured once, on the fcfs pool (the first to run): closed loop, batch-1 and
 batch-512 requests per second alone, mixed as 1 / (0.9 / small + 0.1 / large); then the mix
 itself is offered at that rate, open loop, and what the pool answered is the capacity when it
-answered less (2026-11-24 13:57: fcfs kept up with "80%" of the estimate from the sizes
-alone in one round of three, 69% and 92% in the others — the mix, with two clients on the
-same cores, does less than its parts alone). Not on the push
-pool: holding requests in the front door costs capacity (a worker idles between answering and
-being sent its next request), so 80% of the push pool's capacity overloaded fcfs and sjf alike
-(2026-11-23 17:27: they answered 1,827 and 1,608 of 2,332 req/s offered), and a comparison
-between two overloaded queues says nothing about their order. The order in a round is
-rotated: `fcfs, sjf, push`, then `sjf, push, fcfs`, ...: the machine's speed drifts within
-minutes, so every policy runs once per round (`--rounds`, default 3) on a pool of its own, and
-ratios are taken within a round. Reported per pool: per-size p50, p99 and max latency,
-throughput, failed requests (the front door's own counters), the longest wait in the front
-door's queue over the measured window (`mpspool timeline`, cleared before it; the aging bound
-is judged on this) and since the pool started, calibration and warm-up included
-(`mpspool_queue_wait_max_seconds`); the task-density plot (bench/out/scheduling.png) shows what
-each worker computed over one second, in the last round.
+answered less (2026-11-24 13:57: fcfs kept up with "80%" of the estimate from the sizes alone
+in one round of three, 69% and 92% in the others — the mix, with two clients on the same cores,
+does less than its parts alone). Not on the push pool: holding requests in the front door costs
+capacity (a worker idles between answering and being sent its next request), so 80% of the push
+pool's capacity overloaded fcfs and sjf alike (2026-11-23 17:27: they answered 1,827 and 1,608
+of 2,332 req/s offered), and a comparison between two overloaded queues says nothing about
+their order. The order in a round is rotated: `fcfs, sjf, sjf+split, fcfs+split`, then `sjf,
+sjf+split, fcfs+split, fcfs`, ...: the machine's speed drifts within minutes, so every policy
+runs once per round (`--rounds`, default 3) on a pool of its own, and ratios are taken within a
+round. Reported per pool: per-size p50, p99 and max latency, throughput, failed requests (the
+front door's own counters), the longest wait in the front door's queue over the measured window
+(`mpspool timeline`, cleared before it; the aging bound is judged on this) and since the pool
+started, calibration and warm-up included (`mpspool_queue_wait_max_seconds`); the task-density
+plot (bench/out/scheduling.png) shows what each worker computed over one second, in the last
+round.
 
-    .venv/bin/python -m bench.scheduling            # ~12 minutes on 2 cores (3 rounds)
+    .venv/bin/python -m bench.scheduling            # ~14 minutes on 2 cores (3 rounds)
     .venv/bin/python -m bench.scheduling --quick    # 1,000-row model, short windows, no report
 """
 
@@ -72,12 +79,19 @@ PLOT = harness.OUT_DIR / "scheduling.png"
 def policies(args: argparse.Namespace) -> dict[str, list[str]]:
     limit = ["--worker-inflight", str(args.worker_inflight)]
     common = ["--worker-policy", args.worker_policy] if args.worker_policy else []
+    fcfs = ["--queue", "fcfs", *limit, *common]
+    sjf = ["--queue", "sjf", *limit, "--aging-bound-ms", str(args.aging_bound_ms), *common]
     # fcfs first: the capacity every pool is offered a share of is measured on it.
-    return {
-        "fcfs": ["--queue", "fcfs", *limit, *common],
-        "sjf": ["--queue", "sjf", *limit, "--aging-bound-ms", str(args.aging_bound_ms), *common],
-        "push": common,
-    }
+    pools = {"fcfs": fcfs, "sjf": sjf}
+    if args.split_rows:
+        split = ["--split-rows", str(args.split_rows)]
+        pools |= {"sjf+split": [*sjf, *split], "fcfs+split": [*fcfs, *split]}
+    chosen = args.policies or list(pools)
+    pools["push"] = common  # on request only: sjf / push measured 0.57-0.59× (2026-11-24)
+    unknown = set(chosen) - set(pools)
+    if unknown or chosen[0] != "fcfs":
+        raise SystemExit(f"--policies: fcfs first, then some of {list(pools)} (got {chosen})")
+    return {name: pools[name] for name in chosen}
 
 
 def mix_rates(total: float) -> dict[int, float]:
@@ -182,6 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load": args.load,
         "aging_bound_ms": args.aging_bound_ms,
         "worker_inflight": args.worker_inflight,
+        "split_rows": args.split_rows,
         "client_nice": args.client_nice,
         "worker_policy": args.worker_policy,
         "arrivals": args.arrivals,
@@ -338,6 +353,11 @@ def worker_policy(report: dict[str, Any]) -> str:
     return f" Every pool `--worker-policy {policy}`." if policy else ""
 
 
+def split_rows(report: dict[str, Any]) -> str:
+    rows = report.get("split_rows", 0)
+    return f"; sjf+split and fcfs+split `--split-rows {rows}`" if rows else ""
+
+
 def client_nice(report: dict[str, Any]) -> str:
     nice = report.get("client_nice", 0)
     return f", at nice {nice}" if nice else ""
@@ -383,7 +403,7 @@ def render(report: dict[str, Any]) -> str:
         f"(64 streams each{client_nice(report)}), {report['duration_s']} s measured after a "
         "warm-up. fcfs and sjf: "
         f"`--worker-inflight {report['worker_inflight']}`; sjf `--aging-bound-ms "
-        f"{report['aging_bound_ms']}`.{worker_policy(report)}",
+        f"{report['aging_bound_ms']}`{split_rows(report)}.{worker_policy(report)}",
         f"- **Rounds:** {rounds}, each policy once per round on a pool of its own, the order "
         "rotated each round (the machine's speed drifts within minutes); ratios are taken "
         "within a round.",
@@ -403,21 +423,23 @@ def render(report: dict[str, Any]) -> str:
             f"| {w['queue_wait_max_ms']:.1f} "
             f"| {sum(w['failed'].values()) if w['failed'] else 0} |"
         )
-    sjf_fcfs = ratios(report, "sjf", "fcfs")
-    if sjf_fcfs["p99"]:
+    lines.append("")
+    for sjf, to in (("sjf", "fcfs"), ("sjf+split", "fcfs"), ("sjf+split", "fcfs+split")):
+        both = ratios(report, sjf, to)
+        if not both["p99"]:
+            continue
         waits = [w.get("window_wait_max_ms", float("nan")) for w in windows
-                 if w["policy"] == "sjf"]  # fmt: skip
-        lines += [
-            "",
-            f"sjf / fcfs per round: batch-1 p99 {listed(sjf_fcfs['p99'])} (target ≤ 0.5×), "
-            f"throughput {listed(sjf_fcfs['rps'])} (target ≥ 1.0×); longest front-door wait "
-            f"under sjf in a measured window **{max(waits):.1f} ms** against an aging bound of "
-            f"{report['aging_bound_ms']} ms.",
-        ]
-        sjf_push = ratios(report, "sjf", "push")
-        if sjf_push["p99"]:
-            lines.append(f"sjf / push (today's default) per round: batch-1 p99 "
-                         f"{listed(sjf_push['p99'])}.")  # fmt: skip
+                 if w["policy"] == sjf]  # fmt: skip
+        lines.append(
+            f"{sjf} / {to} per round: batch-1 p99 {listed(both['p99'])} (target ≤ 0.5×), "
+            f"throughput {listed(both['rps'])} (target ≥ 1.0×); longest front-door wait "
+            f"under {sjf} in a measured window **{max(waits):.1f} ms** against an aging bound "
+            f"of {report['aging_bound_ms']} ms."
+        )
+    sjf_push = ratios(report, "sjf", "push")
+    if sjf_push["p99"]:
+        lines.append(f"sjf / push (the pool's default) per round: batch-1 p99 "
+                     f"{listed(sjf_push['p99'])}.")  # fmt: skip
     lines += ["", f"![worker task density]({PLOT.relative_to(harness.RESULTS_MD.parent)})", ""]
     lines += [f"- {note}" for note in report.get("notes", [])]
     lines.append(END_MARK)
@@ -438,6 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.8, help="share of capacity offered")
     parser.add_argument("--aging-bound-ms", type=float, default=50.0)
     parser.add_argument("--worker-inflight", type=int, default=1)
+    parser.add_argument(
+        "--split-rows", type=int, default=256,
+        help="the --split-rows of the pools sjf+split and fcfs+split (0: no such pools)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policies", type=lambda s: s.split(","), default=None,
+        help="the pools to run, fcfs first: fcfs, sjf, sjf+split, fcfs+split, push "
+        "(default: all but push)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="every policy this many times")
     parser.add_argument(
         "--client-nice", type=int, default=0,
