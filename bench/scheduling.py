@@ -323,7 +323,10 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                 ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
         ax.set_yticks(range(len(slots)), slots)
         ax.set_xlim(0, 1000)
-        ax.set_title(f"{name}: worker model calls over one second (blue batch 1, orange 512)")
+        ax.set_title(
+            f"{name}: worker model calls over one second (blue batch 1, orange batch 512 or "
+            "its chunks)"
+        )
     axes[-1, 0].set_xlabel("ms")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,13 @@
 //! call that takes longer than its estimate adds its excess. Under overload every request is
 //! at risk and the order is FCFS, the fair order when nothing can be served in time.
 //!
+//! When the estimates run short — calls slower than the worker-reported mean, as when the
+//! machine is busier than it was — the sum ahead is too small and a request can be sent past
+//! the bound (2026-11-25, 2 cores at 70% load: 51-57 ms against 50). The queue then learns a
+//! margin: each request sent later than the bound adds its excess (up to a quarter of the
+//! bound), the margin is subtracted from the slack, and it halves every `MARGIN_HALF_LIFE`, so
+//! a lasting slowdown keeps it up and a passing one gives shortest-first its slack back.
+//!
 //! Cost: a pop scans the waiting requests oldest first until one is at risk, keeping the older
 //! work in power-of-two cost classes; a queue longer than `SCAN_LIMIT` counts as at risk (a
 //! backlog, served in arrival order).
@@ -36,6 +43,12 @@ use super::Order;
 
 /// The most waiting requests a pop looks at before it treats the queue as a backlog.
 const SCAN_LIMIT: usize = 512;
+
+/// How fast the learned margin fades. A margin fades until requests are late again, so its
+/// half-life is how often that happens under a lasting slowdown: long (the simulation in the
+/// tests went late again after 1.5 s with 10 s), and the margin's cap (a quarter of the
+/// bound) limits what an overload, when every request is late, leaves behind it.
+const MARGIN_HALF_LIFE: Duration = Duration::from_secs(60);
 
 /// A cost's class: ⌊log2(ns)⌋, so that requests within a factor of two share one.
 fn cost_class(cost: u64) -> usize {
@@ -55,6 +68,9 @@ pub struct ShortestFirst<T> {
     by_cost: BTreeMap<(u64, Instant, u64), ()>,
     /// (arrival, id) → cost in ns: the oldest first.
     by_arrival: BTreeMap<(Instant, u64), u64>,
+    /// The learned margin as of `margin_at` (see the module's doc); written by `pop` alone.
+    margin: Duration,
+    margin_at: Option<Instant>,
 }
 
 impl<T> ShortestFirst<T> {
@@ -64,6 +80,8 @@ impl<T> ShortestFirst<T> {
             entries: HashMap::new(),
             by_cost: BTreeMap::new(),
             by_arrival: BTreeMap::new(),
+            margin: Duration::ZERO,
+            margin_at: None,
         }
     }
 }
@@ -80,10 +98,33 @@ impl<T> ShortestFirst<T> {
         self.aging_bound - Duration::from_nanos(longest).min(self.aging_bound / 2)
     }
 
+    /// The learned margin at `now`: what it was last set to, halved per `MARGIN_HALF_LIFE`
+    /// since.
+    fn margin(&self, now: Instant) -> Duration {
+        let Some(at) = self.margin_at else {
+            return Duration::ZERO;
+        };
+        let half_lives =
+            now.saturating_duration_since(at).as_secs_f64() / MARGIN_HALF_LIFE.as_secs_f64();
+        self.margin.mul_f64(0.5f64.powf(half_lives))
+    }
+
+    /// A request leaves the queue at `now` after waiting `waited`: past the bound, its excess
+    /// is added to the margin (added, not taken as the larger: a request still late with the
+    /// margin it has needs more of it).
+    fn learn(&mut self, now: Instant, waited: Duration) {
+        let excess = waited.saturating_sub(self.aging_bound);
+        if excess.is_zero() && self.margin_at.is_none() {
+            return;
+        }
+        self.margin = (self.margin(now) + excess).min(self.aging_bound / 4);
+        self.margin_at = Some(now);
+    }
+
     /// Whether some waiting request, served after the older ones not longer than it by
     /// `servers` workers, would start later than the bound allows.
     fn at_risk(&self, now: Instant, servers: usize) -> bool {
-        let slack = self.slack();
+        let slack = self.slack().saturating_sub(self.margin(now));
         let servers = servers.max(1) as u64;
         // Expected compute of the requests scanned so far, by cost class.
         let mut older_work = [0u64; u64::BITS as usize + 1];
@@ -129,6 +170,8 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
             let (&(_, _, shortest), _) = self.by_cost.first_key_value()?;
             shortest
         };
+        let arrived = self.entries.get(&id)?.arrived;
+        self.learn(now, now.saturating_duration_since(arrived));
         self.remove(id).map(|item| (id, item))
     }
 
@@ -283,6 +326,19 @@ mod tests {
         arrivals: &[(Duration, f64, &'static str)],
         servers: usize,
     ) -> Vec<(&'static str, Duration)> {
+        simulate_slow(arrivals, servers, 1.0)
+            .into_iter()
+            .map(|(label, _, wait)| (label, wait))
+            .collect()
+    }
+
+    /// `simulate` with every call lasting `overrun` times its expected cost; returns (label,
+    /// when sent, wait).
+    fn simulate_slow(
+        arrivals: &[(Duration, f64, &'static str)],
+        servers: usize,
+        overrun: f64,
+    ) -> Vec<(&'static str, Duration, Duration)> {
         let t0 = Instant::now();
         let mut queue = ShortestFirst::new(BOUND);
         let mut free_at = vec![t0; servers];
@@ -307,9 +363,87 @@ mod tests {
                 free_at[worker] = t0 + arrivals[next].0; // idle until the next arrival
                 continue;
             };
-            sent.push((label, free - arrived));
-            free_at[worker] = free + Duration::from_secs_f64(cost / 1e6);
+            sent.push((label, free - t0, free - arrived));
+            free_at[worker] = free + Duration::from_secs_f64(cost * overrun / 1e6);
         }
+    }
+
+    /// Calls 1.5× slower than their estimates (a machine busier than when they were learned),
+    /// two workers, every 100 ms a run of eight large requests and 60 ms of small ones at
+    /// what the estimates say is 70% of the workers (105% in fact), then 40 ms of them at 20%:
+    /// the work counted ahead of the last large requests falls short, and the first runs are
+    /// sent past the bound. Each late one raises the margin, and later runs are sent within it.
+    #[test]
+    fn calls_slower_than_their_estimates_teach_a_margin_that_keeps_the_bound() {
+        let overrun = 1.5;
+        let mut arrivals = Vec::new();
+        for phase in 0..30u64 {
+            let start = ms(100 * phase);
+            for _ in 0..8 {
+                arrivals.push((start, 2000.0, "large"));
+            }
+            let mut at = start;
+            while at < start + ms(100) {
+                arrivals.push((at, 250.0, "small"));
+                // 2 workers × 0.7 / 250 µs (estimated), then 2 × 0.2 / 250 µs.
+                at += if at < start + ms(60) {
+                    us(179)
+                } else {
+                    us(625)
+                };
+            }
+        }
+        let sent = simulate_slow(&arrivals, 2, overrun);
+        assert_eq!(sent.len(), arrivals.len());
+        let late = |from: Duration, to: Duration| {
+            sent.iter()
+                .filter(|&&(_, when, wait)| when >= from && when < to && wait > BOUND)
+                .count()
+        };
+        // Without a margin every run would be late (each run the same): the first are.
+        assert!(
+            late(Duration::ZERO, ms(200)) > 0,
+            "no request was late at first"
+        );
+        assert_eq!(
+            late(ms(200), ms(3000)),
+            0,
+            "late after the margin was learned"
+        );
+        // And shortest-first still did its work: the small ones did not wait for the large.
+        let mut small: Vec<_> = sent
+            .iter()
+            .filter(|(l, _, _)| *l == "small")
+            .map(|&(_, _, w)| w)
+            .collect();
+        small.sort();
+        assert!(
+            small[small.len() / 2] < ms(5),
+            "{:?}",
+            small[small.len() / 2]
+        );
+    }
+
+    #[test]
+    fn the_margin_adds_up_excesses_to_a_quarter_of_the_bound_and_halves_with_time() {
+        let t0 = Instant::now();
+        let mut queue: ShortestFirst<&str> = ShortestFirst::new(BOUND);
+        queue.learn(t0, ms(40));
+        assert_eq!(queue.margin(t0), Duration::ZERO);
+        queue.learn(t0, ms(54));
+        assert_eq!(queue.margin(t0), ms(4));
+        queue.learn(t0, ms(52)); // still late with 4 ms: 2 ms more
+        assert_eq!(queue.margin(t0), ms(6));
+        let later = t0 + MARGIN_HALF_LIFE;
+        assert_eq!(queue.margin(later).as_micros(), 3000);
+        queue.learn(later, ms(500)); // overload: capped
+        assert_eq!(queue.margin(later), BOUND / 4);
+        // Subtracted from the slack: a request turns at risk that much sooner.
+        queue.push(1, "large", later, 2000.0);
+        queue.push(2, "small", later + ms(1), 250.0);
+        let at_risk = BOUND - ms(2) - BOUND / 4; // the slack less the margin
+        assert!(!queue.at_risk(later + at_risk - ms(1), 1));
+        assert!(queue.at_risk(later + at_risk + us(10), 1)); // the margin fades meanwhile
     }
 
     /// Two workers kept busy by small requests (104% of what they can do for 60 ms, then
