@@ -332,6 +332,12 @@ mod tests {
             .collect()
     }
 
+    fn median(waits: impl Iterator<Item = Duration>) -> Duration {
+        let mut waits: Vec<_> = waits.collect();
+        waits.sort();
+        waits[waits.len() / 2]
+    }
+
     /// `simulate` with every call lasting `overrun` times its expected cost; returns (label,
     /// when sent, wait).
     fn simulate_slow(
@@ -411,17 +417,8 @@ mod tests {
             "late after the margin was learned"
         );
         // And shortest-first still did its work: the small ones did not wait for the large.
-        let mut small: Vec<_> = sent
-            .iter()
-            .filter(|(l, _, _)| *l == "small")
-            .map(|&(_, _, w)| w)
-            .collect();
-        small.sort();
-        assert!(
-            small[small.len() / 2] < ms(5),
-            "{:?}",
-            small[small.len() / 2]
-        );
+        let small = median(sent.iter().filter(|(l, _, _)| *l == "small").map(|s| s.2));
+        assert!(small < ms(5), "{small:?}");
     }
 
     #[test]
@@ -472,17 +469,8 @@ mod tests {
         assert!(longest <= BOUND, "longest wait {longest:?}");
         // And shortest-first still did its work: the large ones waited, the small ones not.
         assert!(large[0].1 > ms(20), "{:?}", large[0].1);
-        let mut small: Vec<_> = sent
-            .iter()
-            .filter(|(l, _)| *l == "small")
-            .map(|&(_, w)| w)
-            .collect();
-        small.sort();
-        assert!(
-            small[small.len() / 2] < ms(5),
-            "{:?}",
-            small[small.len() / 2]
-        );
+        let small = median(sent.iter().filter(|(l, _)| *l == "small").map(|s| s.1));
+        assert!(small < ms(5), "{small:?}");
     }
 
     /// The adversary: one worker slot, a large request, and a small request arriving every
