@@ -74,6 +74,8 @@ END_MARK = "<!-- scheduling:end -->"
 SMALL, LARGE = 1, 512
 LARGE_SHARE = 0.1
 PLOT = harness.OUT_DIR / "scheduling.png"
+# (sjf pool, the pool it is judged against): the reported ratios.
+COMPARISONS = (("sjf", "fcfs"), ("sjf+split", "fcfs"), ("sjf+split", "fcfs+split"))
 
 
 def policies(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -449,7 +451,7 @@ def render(report: dict[str, Any]) -> str:
             f"| {sum(w['failed'].values()) if w['failed'] else 0} |"
         )
     lines.append("")
-    for sjf, to in (("sjf", "fcfs"), ("sjf+split", "fcfs"), ("sjf+split", "fcfs+split")):
+    for sjf, to in COMPARISONS:
         both = ratios(report, sjf, to)
         if not both["p99"]:
             continue
@@ -467,7 +469,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"Batch-1 p99 over the {rounds} rounds' windows pooled: {each}.")
         lines += [
             f"Pooled, {sjf} / {to}: **{pooled[sjf] / pooled[to]:.2f}×** (target ≤ 0.5×)."
-            for sjf, to in (("sjf", "fcfs"), ("sjf+split", "fcfs"), ("sjf+split", "fcfs+split"))
+            for sjf, to in COMPARISONS
             if sjf in pooled and to in pooled
         ]
     sjf_push = ratios(report, "sjf", "push")

@@ -98,6 +98,14 @@ impl<T> ShortestFirst<T> {
         self.aging_bound - Duration::from_nanos(longest).min(self.aging_bound / 2)
     }
 
+    /// Out of every index.
+    fn take(&mut self, id: u64) -> Option<Entry<T>> {
+        let entry = self.entries.remove(&id)?;
+        self.by_cost.remove(&(entry.cost, entry.arrived, id));
+        self.by_arrival.remove(&(entry.arrived, id));
+        Some(entry)
+    }
+
     /// The learned margin at `now`: what it was last set to, halved per `MARGIN_HALF_LIFE`
     /// since.
     fn margin(&self, now: Instant) -> Duration {
@@ -114,8 +122,8 @@ impl<T> ShortestFirst<T> {
     /// margin it has needs more of it).
     fn learn(&mut self, now: Instant, waited: Duration) {
         let excess = waited.saturating_sub(self.aging_bound);
-        if excess.is_zero() && self.margin_at.is_none() {
-            return;
+        if excess.is_zero() {
+            return; // `margin(now)` fades it from `margin_at` meanwhile
         }
         self.margin = (self.margin(now) + excess).min(self.aging_bound / 4);
         self.margin_at = Some(now);
@@ -170,16 +178,13 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
             let (&(_, _, shortest), _) = self.by_cost.first_key_value()?;
             shortest
         };
-        let arrived = self.entries.get(&id)?.arrived;
-        self.learn(now, now.saturating_duration_since(arrived));
-        self.remove(id).map(|item| (id, item))
+        let entry = self.take(id)?;
+        self.learn(now, now.saturating_duration_since(entry.arrived));
+        Some((id, entry.item))
     }
 
     fn remove(&mut self, id: u64) -> Option<T> {
-        let entry = self.entries.remove(&id)?;
-        self.by_cost.remove(&(entry.cost, entry.arrived, id));
-        self.by_arrival.remove(&(entry.arrived, id));
-        Some(entry.item)
+        self.take(id).map(|entry| entry.item)
     }
 
     fn len(&self) -> usize {
