@@ -227,9 +227,7 @@ def test_rest_classify_and_regress(pool: Pool, direct) -> None:
     results = answer.json()["results"]
     assert [[label for label, _ in r] for r in results] == [[b.decode() for b in LABELS]] * 3
     np.testing.assert_allclose([[s for _, s in r] for r in results], want["scores"], atol=1e-6)
-    body = json.dumps(
-        {"signature_name": "regress", "context": {"country": "fr"}, "examples": rows}
-    )
+    body = json.dumps({"signature_name": "regress", "context": {"country": "fr"}, "examples": rows})
     out = subprocess.run(
         ["curl", "-sS", "-X", "POST", "-d", body, f"{url}/versions/1:regress"],
         capture_output=True,

@@ -116,11 +116,12 @@ def test_ten_reloads_give_memory_back_and_leave_no_retired_segment(
         for version in range(2, 2 + RELOADS):
             _add_version(base, version)
             pool.wait_for(
-                lambda s, v=version: {x["version"]: x["state"] for x in s["versions"]}.get(v - 1)
-                == "END"
-                and s["pool"]["version"] == v
-                and len(s["slots"]) == 1
-                and all(x["state"] == "READY" for x in s["slots"]),
+                lambda s, v=version: (
+                    {x["version"]: x["state"] for x in s["versions"]}.get(v - 1) == "END"
+                    and s["pool"]["version"] == v
+                    and len(s["slots"]) == 1
+                    and all(x["state"] == "READY" for x in s["slots"])
+                ),
                 timeout=120,
                 what=f"version {version} serving alone",
             )
