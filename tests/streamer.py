@@ -32,6 +32,10 @@ class Streamer:
     # gRPC's reconnect back-off (1 s, then longer) makes a client fail fast for a second or
     # more after one refused connection; this measures the server, not that policy.
     fast_reconnect: bool = False
+    # Seconds each thread waits between requests (0: back to back). Workers restarted under
+    # load start at idle priority (--loading-priority), so a closed loop on 2 cores starves
+    # their loading; a paced stream keeps serving while they load.
+    pause_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -74,6 +78,8 @@ class Streamer:
                     time.sleep(0.05)  # a failing server is not to be hammered
                 with self._lock:
                     self.outcomes.append(outcome)
+                if self.pause_s:
+                    self._stop.wait(self.pause_s)
 
     def wait_for_successes(self, n: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -154,7 +154,8 @@ def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
             assert f"mpspool_gpu_utilization_ratio{labels} 0.0" in text
 
         before = {s["slot"]: s["pid"] for s in status["slots"]}
-        streamer = Streamer(pool.port, DEMO_ROWS).start()
+        # Paced: the replacement loads at idle priority, starved by a closed loop on 2 cores.
+        streamer = Streamer(pool.port, DEMO_ROWS, pause_s=0.005).start()
         try:
             streamer.wait_for_successes(10)
             os.kill(_daemon_pid(pool, FAKE_GPUS[1]["uuid"]), signal.SIGKILL)
