@@ -37,11 +37,11 @@ between two overloaded queues says nothing about their order. The order in a rou
 rotated: `fcfs, sjf, sjf+split, fcfs+split`, then `sjf, sjf+split, fcfs+split, fcfs`, ...:
 the machine's speed drifts within minutes, so every policy runs once per round (`--rounds`,
 default 3) on a pool of its own, and ratios are taken within a round. Reported per pool:
-per-size p50, p99 and max latency, throughput, failed requests (the
-front door's own counters), the longest wait in the front door's queue over the measured window
-(`mpspool timeline`, cleared before it; the aging bound is judged on this) and since the pool
-started, calibration and warm-up included (`mpspool_queue_wait_max_seconds`); the task-density
-plot (bench/out/scheduling.png) shows what each worker computed over one second, in the last
+per-size p50, p99 and max latency, throughput, failed requests (the front door's own
+counters), the longest wait in the front door's queue over the measured window (`mpspool
+timeline`, cleared before it; the aging bound is judged on this) and since the pool started,
+calibration and warm-up included (`mpspool_queue_wait_max_seconds`); the task-density plot
+(bench/out/scheduling.png) shows what each worker computed over one second, in the last
 round.
 
     .venv/bin/python -m bench.scheduling            # ~14 minutes on 2 cores (3 rounds)
@@ -109,9 +109,10 @@ def latencies_ms(log: Path) -> np.ndarray:
 
 
 def metric(url: str, name: str) -> float:
+    """The front door's ``name``, its labelled series summed (NaN: not exposed)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else float("nan")
+    found = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return sum(map(float, found)) if found else float("nan")
 
 
 def drain(url: str, timeout: float = 60.0) -> None:
@@ -120,12 +121,9 @@ def drain(url: str, timeout: float = 60.0) -> None:
     backlog outlived the warm-up in a short run: fcfs p50 71 ms at 80% of a rate it had kept
     up with)."""
     deadline = time.monotonic() + timeout
-    while True:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        held = [float(v) for v in re.findall(
-            r"^mpspool_(?:queued|inflight)_requests(?:\{[^}]*\})? (\S+)$", text, re.M
-        )]  # fmt: skip
-        if not any(held) or time.monotonic() > deadline:
+    while time.monotonic() < deadline:
+        held = (metric(url, f"mpspool_{gauge}_requests") for gauge in ("queued", "inflight"))
+        if not any(v > 0 for v in held):  # NaN (not exposed) holds nothing
             return
         time.sleep(0.1)
 
@@ -203,7 +201,7 @@ def mixed_window(
 
 # The shares of the sizes-alone estimate offered, rising, to find the fcfs pool's knee.
 KNEE_SHARES = tuple(round(0.40 + 0.05 * k, 2) for k in range(13))  # 40% ... 100%
-# A window "kept up" when the pool answered this much of what h2load sent...
+# The share of what h2load sent that a window must answer to have kept up (`kept_up`).
 KEPT_UP_ANSWERED = 0.97
 
 
@@ -452,7 +450,7 @@ def capacity_text(report: dict[str, Any]) -> str:
     )
     return (
         f"Capacity found on the fcfs pool: {alone}; then the mix, open loop, "
-        f"{report.get('calibrate_s', 4.0):g} s a step, at rising shares of that (req/s asked: "
+        f"{report['calibrate_s']:g} s a step, at rising shares of that (req/s asked: "
         f"answered of sent, batch-1 p99): {steps}. It kept up (answered ≥ "
         f"{KEPT_UP_ANSWERED:.0%} of what was sent, batch-1 p99 under the aging bound) up to "
         f"**{fmt(report['capacity_rps'])} req/s: the capacity**."
