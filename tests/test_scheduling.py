@@ -88,11 +88,15 @@ def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
 
 
 # -- a real pool --------------------------------------------------------------------------
+AGING_BOUND_S = 0.05
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
     pool = Pool(
         tmp_path_factory.mktemp("scheduling"), demo_model_dir, 2, "--split-rows", "4",
         "--queue", "sjf", "--dispatch", "power-of-two",
+        "--aging-bound-ms", str(AGING_BOUND_S * 1e3),
     ).start()  # fmt: skip
     try:
         pool.wait_ready(2)
@@ -161,3 +165,7 @@ def test_sjf_answers_a_mixed_stream_each_with_its_own_rows(pool: Pool, reference
     metrics = urllib.request.urlopen(url, timeout=10).read().decode()
     assert "mpspool_queued_requests 0\n" in metrics
     assert "mpspool_queue_wait_max_seconds " in metrics
+    # sjf's learned margin: exported, and never more than its cap, a quarter of the bound.
+    (margin,) = [float(line.split()[1]) for line in metrics.splitlines()
+                 if line.startswith("mpspool_queue_aging_margin_seconds ")]  # fmt: skip
+    assert 0 <= margin <= AGING_BOUND_S / 4

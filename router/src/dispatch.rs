@@ -754,6 +754,11 @@ impl Actor {
         self.state
             .queued
             .store(self.queue.len() as u64, Ordering::Relaxed);
+        let margin = self.queue.margin(std::time::Instant::now());
+        self.state.queue_margin_us.store(
+            u64::try_from(margin.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// The members of a merged call that failed (or whose answer cannot be cut) go back to

@@ -52,6 +52,9 @@ pub struct RouterState {
     pub queued: AtomicU64,
     /// The longest any request has waited in that queue since start, µs.
     pub queue_wait_max_us: AtomicU64,
+    /// How much sooner than its aging bound the queue turns requests urgent (sjf's learned
+    /// margin) as of the dispatcher's last look, µs.
+    pub queue_margin_us: AtomicU64,
     /// Every request's wait in that queue (the dispatcher records; metrics render).
     pub front_door_wait: Histogram,
     /// From sending a request to a worker until its model call started, per request.
@@ -79,6 +82,7 @@ impl RouterState {
                 retries: AtomicU64::new(0),
                 queued: AtomicU64::new(0),
                 queue_wait_max_us: AtomicU64::new(0),
+                queue_margin_us: AtomicU64::new(0),
                 front_door_wait: Histogram::default(),
                 handoff: Histogram::default(),
                 reply: Histogram::default(),

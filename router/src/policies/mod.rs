@@ -40,6 +40,11 @@ pub trait Order<T>: Send {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// How much sooner than its bound the order turns a request urgent at `now` (sjf's
+    /// learned margin); zero for an order without a bound.
+    fn margin(&self, _now: Instant) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// Worker choices by their `--dispatch` names.

@@ -34,10 +34,10 @@
 //! margin is the largest such overrun, faded by half every `MARGIN_HALF_LIFE` and capped at a
 //! quarter of the bound. It is subtracted from the slack: requests turn at risk that much
 //! sooner. Overruns are measured from the point the margin already moved, so a margin that
-//! covers them stops growing; under a pool that keeps up, requests that go at risk are
-//! frequent (every large request that small ones overtook goes at risk), so the margin follows
-//! the machine of the last seconds; under overload every request overruns and the margin sits
-//! at its cap until the overload ends.
+//! covers them stops growing. Under a pool that keeps up, requests go at risk many times a
+//! second (every large request that small ones overtook does), so the margin is learned in a
+//! pool's first seconds of load, not from its first late requests; under overload every
+//! request overruns and the margin sits at its cap until the overload ends and it fades.
 //!
 //! Cost: a pop scans the waiting requests oldest first until one is at risk, keeping the older
 //! work in power-of-two cost classes; a queue longer than `SCAN_LIMIT` counts as at risk (a
@@ -203,6 +203,10 @@ impl<T: Send> Order<T> for ShortestFirst<T> {
 
     fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    fn margin(&self, now: Instant) -> Duration {
+        ShortestFirst::margin(self, now)
     }
 }
 
