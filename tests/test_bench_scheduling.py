@@ -62,3 +62,23 @@ def test_the_report_states_every_step_of_the_search_and_the_capacity_it_found():
     # A report of a run before the search (one overloaded window) still renders.
     old = {k: v for k, v in report.items() if k != "knee_steps"} | {"mixed_rps": 2_158.0}
     assert "it answered 2,158 req/s" in scheduling.capacity_text(old)
+
+
+def test_steady_ratios_leave_out_rounds_in_which_either_pool_fell_behind():
+    def measured(policy: str, round_: int, small_p99_ms: float, answered: float = 1_000.0):
+        window = _window((900, 100), answered, small_p99_ms)
+        return window | {"policy": policy, "round": round_}
+
+    report = {
+        "rates": {SMALL: 900.0, LARGE: 100.0},
+        "aging_bound_ms": 50.0,
+        "windows": [
+            measured("fcfs", 1, 10.0), measured("sjf", 1, 4.0),
+            measured("fcfs", 2, 180.0), measured("sjf", 2, 5.0),  # fcfs's spell
+            measured("fcfs", 3, 12.0), measured("sjf", 3, 6.0, answered=900.0),  # sjf's
+            measured("fcfs", 4, 8.0), measured("sjf", 4, 6.0),
+        ],
+    }  # fmt: skip
+    assert scheduling.ratios(report, "sjf", "fcfs")["p99"] == [0.4, 5.0 / 180.0, 0.5, 0.75]
+    assert scheduling.ratios(report, "sjf", "fcfs", steady=True)["p99"] == [0.4, 0.75]
+    assert not scheduling.window_kept_up(report, report["windows"][5])
