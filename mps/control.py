@@ -11,7 +11,11 @@ with the daemon's CUDA_MPS_PIPE_DIRECTORY. What it answers, as observed:
 - a known command: exit 0, the answer on stdout (possibly empty);
 - an unknown one: exit 0 and `Unknown command "..."` — so exit codes alone prove nothing;
 - no daemon behind the pipe directory: exit 1 and `Cannot find MPS control daemon
-  process`. Socket files left by a daemon that was killed do not mean it runs.
+  process`. Socket files left by a daemon that was killed do not mean it runs;
+- a daemon that takes the connection and hangs up (starting, or going away): exit 1 and
+  `Cannot authenticate or connect to MPS control daemon process` or `Cannot send command to
+  MPS control daemon process` (CI, 2026-11-25: a worker that asked 0.8 s after its daemon
+  was spawned on a busy machine got the second). All three mean no daemon answers now.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ FAULT_PATTERNS = (
     re.compile(r"Server encountered a fatal exception"),
     re.compile(r"Server \d+ exited"),
     re.compile(r"CUDA_ERROR_MPS_SERVER_NOT_READY"),
+)
+
+# What the client says when no daemon answers its command (the module's doc).
+NOT_ANSWERING = (
+    "Cannot find MPS control daemon",
+    "Cannot authenticate or connect to MPS control daemon",
+    "Cannot send command to MPS control daemon",
 )
 
 # MPS's own limit: a server accepts at most 48 client contexts per GPU (Volta and later).
@@ -113,7 +124,7 @@ class MpsDaemon:
             ) from None
         out = (result.stdout + result.stderr).strip()
         if result.returncode != 0:
-            if "Cannot find MPS control daemon" in out:
+            if any(says in out for says in NOT_ANSWERING):
                 raise DaemonDown(f"{self.program}: no control daemon answers in {self.pipe_dir}")
             raise MpsError(f"{self.program}: {command!r} failed ({result.returncode}): {out}")
         if out.startswith("Unknown command"):

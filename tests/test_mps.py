@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -89,6 +92,42 @@ def test_control_daemon_readiness_defaults_and_quit(daemon: MpsDaemon) -> None:
         daemon.quit()
         assert proc.wait(10) == 0
         assert not daemon.ready()
+    finally:
+        proc.kill()
+
+
+def _hang_up_once(path: Path) -> threading.Thread:
+    """A socket where a daemon's would be that greets one client as the daemon does and hangs
+    up: a daemon starting or going away, as a client can meet it."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                creds = struct.pack("iII", os.getpid(), os.getuid(), os.getgid())
+                conn.sendmsg([b"OUTBHELL\0"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_daemon_that_hangs_up_is_not_ready_and_is_waited_for(daemon: MpsDaemon) -> None:
+    # Before, the client's "Cannot ... connect" or "Cannot send command" was an MpsError, and a
+    # worker started beside its daemon exited instead of waiting (CI, 2026-11-25).
+    path = daemon.pipe_dir / "control_privileged"
+    served = _hang_up_once(path)
+    assert not daemon.ready()
+    served.join(10)
+    path.unlink()
+    proc = spawn(daemon)
+    try:
+        daemon.wait_ready(10)
+        daemon.quit()
+        assert proc.wait(10) == 0
     finally:
         proc.kill()
 
