@@ -5,9 +5,10 @@
 //! through a mailbox to send; it wakes the actor through another to deliver the answer), and
 //! those hand-offs were a large part of the front door's CPU per batch-1 request (issue 11).
 //! Here a send is one `write` from the dispatcher's task, and an answer is read by a task of
-//! the same runtime. The workers speak ZMTP in their serving loop too (`worker/dealer.py`,
-//! no libzmq there either), and any libzmq DEALER can connect: this speaks the protocol both
-//! speak (rfc.zeromq.org/spec/23 and /37) — greeting, READY with the socket type and identity,
+//! the same runtime; a connection is watched for reading only (`stream.rs` says why). The
+//! workers speak ZMTP in their serving loop too (`worker/dealer.py`, no libzmq there either),
+//! and any libzmq DEALER can connect: this speaks the protocol both speak
+//! (rfc.zeromq.org/spec/23 and /37) — greeting, READY with the socket type and identity,
 //! frames with MORE/LONG flags, PING answered with PONG.
 //!
 //! ROUTER semantics kept from libzmq as the front door used it: a peer is addressed by the
@@ -23,8 +24,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::{mpsc, Notify};
+
+use stream::PeerStream;
+
+mod stream;
 
 /// How long a new connection may take to greet and say READY.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -242,7 +247,7 @@ fn put_frame(buf: &mut BytesMut, flags: u8, body: &[u8]) {
 /// A peer's sending side: written directly while the kernel takes everything; what it does
 /// not take waits here, in order, for the peer's writer task.
 struct PeerOut {
-    stream: Arc<UnixStream>,
+    stream: Arc<PeerStream>,
     backlog: Mutex<Backlog>,
     wake_writer: Notify,
 }
@@ -320,6 +325,7 @@ impl PeerOut {
     async fn write_backlog(self: Arc<Self>) {
         loop {
             self.wake_writer.notified().await;
+            let mut wait = None;
             loop {
                 match self.backlog.lock() {
                     Ok(backlog) if backlog.closed => return,
@@ -327,10 +333,22 @@ impl PeerOut {
                     Ok(_) => {}
                     Err(_) => return,
                 }
-                if self.stream.writable().await.is_err() {
+                // Registered for writing only while there is something to write (stream.rs).
+                let room = match wait.take() {
+                    Some(room) => room,
+                    None => match self.stream.wait_for_room() {
+                        Ok(room) => room,
+                        Err(_) => {
+                            self.close();
+                            return;
+                        }
+                    },
+                };
+                if room.writable().await.is_err() {
                     self.close();
                     return;
                 }
+                wait = Some(room);
                 let Ok(mut backlog) = self.backlog.lock() else {
                     return;
                 };
@@ -384,8 +402,18 @@ async fn accept_loop(listener: UnixListener, events: mpsc::UnboundedSender<Event
 }
 
 /// One connection: the handshake, then every message it sends, until it closes.
-async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::UnboundedSender<Event>) {
-    let stream = Arc::new(stream);
+async fn serve_peer(
+    stream: tokio::net::UnixStream,
+    connection: u64,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let stream = match PeerStream::new(stream) {
+        Ok(stream) => Arc::new(stream),
+        Err(error) => {
+            crate::log_warn!("a worker connection could not be watched: {error}");
+            return;
+        }
+    };
     let mut reader = FrameReader::default();
     // Frames read with READY stay here and are delivered first.
     let mut frames = VecDeque::new();
@@ -474,7 +502,7 @@ async fn serve_peer(stream: UnixStream, connection: u64, events: mpsc::Unbounded
 
 /// Greeting and READY both ways; the peer's identity (made up when it announced none).
 async fn handshake(
-    stream: &UnixStream,
+    stream: &PeerStream,
     reader: &mut FrameReader,
     frames: &mut VecDeque<(u8, Bytes)>,
     connection: u64,
@@ -635,12 +663,19 @@ fn invalid(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.to_string())
 }
 
-async fn write_all(stream: &UnixStream, mut data: &[u8]) -> io::Result<()> {
+async fn write_all(stream: &PeerStream, mut data: &[u8]) -> io::Result<()> {
+    let mut wait = None;
     while !data.is_empty() {
-        stream.writable().await?;
         match stream.try_write(data) {
             Ok(n) => data = &data[n..],
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                if wait.is_none() {
+                    wait = Some(stream.wait_for_room()?);
+                }
+                if let Some(room) = &wait {
+                    room.writable().await?;
+                }
+            }
             Err(error) => return Err(error),
         }
     }
@@ -658,17 +693,12 @@ struct FrameReader {
 
 impl FrameReader {
     /// Read what the connection has (at least one byte); end-of-file is an error.
-    async fn fill(&mut self, stream: &UnixStream) -> io::Result<()> {
+    async fn fill(&mut self, stream: &PeerStream) -> io::Result<()> {
         let wanted = self.want.saturating_sub(self.buffer.len()).max(16 * 1024);
         self.buffer.reserve(wanted);
-        loop {
-            stream.readable().await?;
-            match stream.try_read_buf(&mut self.buffer) {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(_) => return Ok(()),
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(error) => return Err(error),
-            }
+        match stream.read_buf(&mut self.buffer).await? {
+            0 => Err(io::ErrorKind::UnexpectedEof.into()),
+            _ => Ok(()),
         }
     }
 
