@@ -89,24 +89,16 @@ fn die_with_parent() {
 
 /// Keep freed message buffers for the next request instead of giving them back to the kernel.
 ///
-/// glibc serves allocations from 128 KiB up with a fresh mmap and trims its heap whenever
-/// 128 KiB lie free at the top, so each request or answer past ~128 KiB (a batch of a few
-/// thousand rows) had its buffers mapped, zero-filled page by page and unmapped again:
-/// over echo workers, 237 KiB each way, page faults and their clearing were a fifth of the
-/// front door's CPU. These are the values glibc's own adaptive rule moves to once it has freed
-/// a 32 MiB block (its ceiling on 64-bit: `DEFAULT_MMAP_THRESHOLD_MAX`), set from the start:
-/// blocks under 32 MiB come from the heap and are reused, and the heap's top is given back
-/// past 64 MiB free. The cost is memory the front door keeps after a burst of large
-/// requests: what that burst had in flight at once.
-fn keep_freed_buffers() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt takes two integers and touches only the allocator's own settings; it is
-    // called before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
-    }
-}
+/// The allocator: mimalloc rather than glibc's malloc. A batch-1 request allocates and frees
+/// a few dozen small blocks (h2's frames and header maps, prost's messages, the wire
+/// encoding): glibc's malloc and free were 4% of the front door's CPU at concurrency 1
+/// (`perf record`), and with mimalloc its CPU per batch-1 request was 0.91-1.01x glibc's
+/// (bench/RESULTS.md, "The front door's wake-ups and allocator"). Freed memory stays in
+/// mimalloc's segments for reuse, so a large request's buffers are not mapped and zero-filled
+/// afresh each time, which glibc did from 128 KiB up until the front door raised its
+/// thresholds with mallopt ("The front door's freed buffers"); 237 KiB echoes cost no more.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// `MPSPOOL_ROUTER_THREADS`: the async runtime's worker threads (default: one per core).
 /// One means tokio's current-thread runtime: every task on the thread that started it. A
@@ -119,7 +111,6 @@ fn runtime_threads() -> Option<usize> {
 
 fn main() -> ExitCode {
     die_with_parent();
-    keep_freed_buffers();
     let run_dir = match run_dir_argument() {
         Ok(run_dir) => run_dir,
         Err(usage) => return fail(usage),
