@@ -334,21 +334,10 @@ impl PeerOut {
                     Err(_) => return,
                 }
                 // Registered for writing only while there is something to write (stream.rs).
-                let room = match wait.take() {
-                    Some(room) => room,
-                    None => match self.stream.wait_for_room() {
-                        Ok(room) => room,
-                        Err(_) => {
-                            self.close();
-                            return;
-                        }
-                    },
-                };
-                if room.writable().await.is_err() {
+                if self.stream.writable(&mut wait).await.is_err() {
                     self.close();
                     return;
                 }
-                wait = Some(room);
                 let Ok(mut backlog) = self.backlog.lock() else {
                     return;
                 };
@@ -669,12 +658,7 @@ async fn write_all(stream: &PeerStream, mut data: &[u8]) -> io::Result<()> {
         match stream.try_write(data) {
             Ok(n) => data = &data[n..],
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                if wait.is_none() {
-                    wait = Some(stream.wait_for_room()?);
-                }
-                if let Some(room) = &wait {
-                    room.writable().await?;
-                }
+                stream.writable(&mut wait).await?;
             }
             Err(error) => return Err(error),
         }

@@ -37,9 +37,6 @@ impl PeerStream {
     /// Appends what the socket holds to `buffer` (at least one byte; waits until there is
     /// one); `Ok(0)` is end-of-file.
     pub(super) async fn read_buf(&self, buffer: &mut BytesMut) -> io::Result<usize> {
-        if buffer.capacity() == buffer.len() {
-            buffer.reserve(16 * 1024);
-        }
         loop {
             let mut ready = self.read.readable().await?;
             let room = buffer.capacity() - buffer.len();
@@ -65,10 +62,20 @@ impl PeerStream {
         socket.write(data)
     }
 
-    /// A registration for writing, for a writer that found the socket full. Made from a
-    /// duplicate descriptor (one descriptor cannot be registered twice), dropped (and so
-    /// deregistered and closed) when the writer has nothing left to write.
-    pub(super) fn wait_for_room(&self) -> io::Result<WriteWait> {
+    /// Until the socket may take more, for a writer that found it full. `wait` holds the
+    /// registration for writing between the waits of one backlog (None: it is made now);
+    /// the writer drops it when it has nothing left to write.
+    pub(super) async fn writable(&self, wait: &mut Option<WriteWait>) -> io::Result<()> {
+        let room = match wait {
+            Some(room) => room,
+            None => wait.insert(self.wait_for_room()?),
+        };
+        room.writable().await
+    }
+
+    /// A registration for writing, made from a duplicate descriptor (one descriptor cannot be
+    /// registered twice); dropping it deregisters and closes the duplicate.
+    fn wait_for_room(&self) -> io::Result<WriteWait> {
         let duplicate = self.read.get_ref().try_clone()?;
         Ok(WriteWait(watch(duplicate, Interest::WRITABLE)?))
     }
@@ -85,7 +92,7 @@ pub(super) struct WriteWait(AsyncFd<UnixStream>);
 impl WriteWait {
     /// Until the socket may take more (at once when it already can: registering reports the
     /// state the socket is in, so room made before the registration is not missed).
-    pub(super) async fn writable(&self) -> io::Result<()> {
+    async fn writable(&self) -> io::Result<()> {
         let mut ready = self.0.writable().await?;
         // The writer's next write decides; a full socket again brings a new edge.
         ready.clear_ready();
@@ -100,7 +107,7 @@ fn watch(socket: UnixStream, interest: Interest) -> io::Result<AsyncFd<UnixStrea
     unsafe { AsyncFd::register_with_interest(socket, interest) }.map_err(|e| e.into_parts().1)
 }
 
-/// One recv(2) into the spare capacity of `buffer`.
+/// One recv(2) into the spare capacity of `buffer` (BytesMut makes room when it has none).
 fn recv_into(fd: RawFd, buffer: &mut BytesMut) -> io::Result<usize> {
     let spare = buffer.chunk_mut();
     let room = spare.len();
