@@ -24,6 +24,7 @@ from mpspool.errors import Code, ServingError
 from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
+from mpspool.worker.session_call import SessionCall, session_call
 
 log = logging.getLogger("mpspool.worker")
 
@@ -113,6 +114,10 @@ def load_saved_model(
     runtime = SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
     if shared is not None:
         runtime.shared, runtime.at_risk = shared[:2], shared[2]
+        if not runtime.at_risk:
+            segment, bound = shared[:2]
+            views = {key: segment.view(entry) for key, (_, entry) in bound.items()}
+            runtime.build_session_calls(views, intra_op_threads, inter_op_threads)
     return runtime
 
 
@@ -199,10 +204,12 @@ class SavedModelRuntime:
 
         self._tf = tf
         self._functions = {key: loaded.signatures[key] for key in specs}
-        # How each signature is called: "direct" (worker/direct_call.py: TensorFlow's eager
-        # C API, no Python layers), "flat" (see _flat_order) or "keywords" (the public call,
-        # which binds and converts every argument against the signature in Python). Warm-up
-        # checks the first two against the last and falls back when they disagree.
+        # How each signature is called: "session" (worker/session_call.py: a session
+        # callable on this thread; shared weights only, see build_session_calls), "direct"
+        # (worker/direct_call.py: TensorFlow's eager C API, no Python layers), "flat" (see
+        # _flat_order) or "keywords" (the public call, which binds and converts every
+        # argument against the signature in Python). Warm-up checks the one in use against
+        # the last and falls back to it when they disagree.
         self._flat_orders = {
             key: _flat_order(function, specs[key]) for key, function in self._functions.items()
         }
@@ -210,6 +217,7 @@ class SavedModelRuntime:
             key: direct_call(function, self._flat_orders[key], specs[key])
             for key, function in self._functions.items()
         }
+        self._sessions: dict[str, SessionCall | None] = dict.fromkeys(self._functions)
         self._op_error: type[Exception] = tf.errors.OpError
         self.shared: Any = None  # (AttachedSegment, bound variables) when weights are shared
         # variable name → why a served function may copy it (shared_weights.audit)
@@ -219,7 +227,24 @@ class SavedModelRuntime:
     def call_paths(self) -> dict[str, str]:
         return {key: self._call_path(key) for key in self._functions}
 
+    def build_session_calls(
+        self, shared_views: Mapping[int, np.ndarray], intra_op_threads: int, inter_op_threads: int
+    ) -> None:
+        """Serve each signature that allows it from a session whose variables are the weight
+        segment's views (``shared_views``: id() of each bound variable → its view)."""
+        for key, function in self._functions.items():
+            self._sessions[key] = session_call(
+                function,
+                self._flat_orders[key],
+                self.specs[key],
+                shared_views,
+                intra_op_threads,
+                inter_op_threads,
+            )
+
     def _call_path(self, key: str) -> str:
+        if self._sessions[key] is not None:
+            return "session"
         if self._direct[key] is not None:
             return "direct"
         return "flat" if self._flat_orders[key] else "keywords"
@@ -244,6 +269,10 @@ class SavedModelRuntime:
         embedding table: INVALID_ARGUMENT) reaches the client with its code and message.
         """
         try:
+            session = self._sessions[signature]
+            if session is not None:
+                answer = session(inputs)
+                return {alias: answer[alias] for alias in outputs}
             direct = self._direct[signature]
             if direct is not None:
                 answer = direct(inputs)
@@ -290,7 +319,7 @@ class SavedModelRuntime:
                         key,
                         exc.message.splitlines()[0][:200],
                     )
-                    self._direct[key] = self._flat_orders[key] = None
+                    self._drop_fast_calls(key)
                     continue
                 raise ModelLoadError(
                     f"warm-up of model {self.model_name!r} version {self.version}, "
@@ -304,19 +333,27 @@ class SavedModelRuntime:
                     key,
                     path,
                 )
-                self._direct[key] = self._flat_orders[key] = None
+                self._drop_fast_calls(key)
+
+    def _drop_fast_calls(self, key: str) -> None:
+        """From now on call ``key`` with keywords, the public call."""
+        session = self._sessions[key]
+        if session is not None:
+            session.close()
+        self._sessions[key] = self._direct[key] = self._flat_orders[key] = None
 
     def _fast_call_agrees(
         self, key: str, inputs: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]
     ) -> bool:
-        """The direct and flat calls rely on TensorFlow's argument and output order; check
-        the one in use once against the public call on the warm-up inputs, not trust it."""
-        direct, order = self._direct[key], self._flat_orders[key]
-        self._direct[key] = self._flat_orders[key] = None
+        """The session, direct and flat calls rely on TensorFlow's argument and output
+        order; check the one in use once against the public call on the warm-up inputs, not
+        trust it."""
+        session, direct, order = self._sessions[key], self._direct[key], self._flat_orders[key]
+        self._sessions[key] = self._direct[key] = self._flat_orders[key] = None
         try:
             want = self.run(key, inputs, list(got))
         finally:
-            self._direct[key], self._flat_orders[key] = direct, order
+            self._sessions[key], self._direct[key], self._flat_orders[key] = session, direct, order
         return all(
             want[alias].dtype == got[alias].dtype
             and want[alias].shape == got[alias].shape

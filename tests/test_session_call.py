@@ -1,0 +1,192 @@
+"""The worker's session call (worker/session_call.py) against real TensorFlow: it runs the
+graph on the worker's own thread, answers and fails as the public call does, and is used
+only where its variables are the shared segment's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpspool import segment
+from mpspool.demo_model import build_demo_model
+from mpspool.errors import Code, ServingError
+from mpspool.worker.publish import publish
+from mpspool.worker.runtime import load_saved_model
+
+ROWS = 1000
+SIG = "serving_default"
+CALLS = 400
+
+# Run in a fresh process: thread counts are fixed at TensorFlow's first op. Prints the CPU
+# time (µs per call, from each thread's schedstat) of every thread but the caller's over
+# CALLS calls, for the call path the runtime chose and for the direct call beside it.
+OTHER_THREADS_CPU = """
+import json, os, sys
+from pathlib import Path
+from mpspool.demo_model import demo_inputs
+from mpspool.worker.runtime import load_saved_model
+
+model_dir, shared, work_dir, inter, calls = sys.argv[1:6]
+rt = load_saved_model(model_dir, "demo", 1, intra_op_threads=1, inter_op_threads=int(inter),
+                      weights_segment=shared, work_dir=work_dir)
+rt.warm_up()
+inputs = demo_inputs(1, 1000)
+
+def others():
+    total = 0
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        if task.name != str(os.getpid()):
+            total += int((task / "schedstat").read_text().split()[0])  # ns on a CPU
+    return total
+
+def count():
+    for _ in range(20):
+        rt.run("serving_default", inputs, ["score"])
+    before = others()
+    for _ in range(int(calls)):
+        rt.run("serving_default", inputs, ["score"])
+    return (others() - before) / 1000 / int(calls)
+
+found = {"path": rt.call_paths["serving_default"], "chosen": count()}
+rt._sessions["serving_default"] = None
+found["direct"] = count()
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_demo_model(tmp_path_factory.mktemp("demo"), embedding_rows=ROWS)
+
+
+@pytest.fixture
+def shared(model_dir: Path) -> Iterator[Path]:
+    path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-session"
+    publish(model_dir, "demo", 1, path, os.getpid(), 0.0)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def _other_threads_cpu(model_dir: Path, shared: Path, work_dir: Path, inter: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", OTHER_THREADS_CPU, str(model_dir), str(shared), str(work_dir),
+         str(inter), str(CALLS)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_session_call_runs_on_the_workers_thread(
+    model_dir: Path, shared: Path, tmp_path: Path
+) -> None:
+    found = _other_threads_cpu(model_dir, shared, tmp_path, inter=1)
+    assert found["path"] == "session"
+    # The direct call hands every call to TensorFlow's inter-op thread and waits for it
+    # (38-51 µs of that thread's CPU per call here); the session call runs the graph itself
+    # (0.0).
+    assert found["direct"] >= 10, found
+    assert found["chosen"] <= 2, found
+
+
+def test_more_inter_op_threads_leave_the_graph_to_them(
+    model_dir: Path, shared: Path, tmp_path: Path
+) -> None:
+    found = _other_threads_cpu(model_dir, shared, tmp_path, inter=2)
+    assert found["path"] == "session"
+    assert found["chosen"] >= 10, found
+
+
+@pytest.fixture(scope="module")
+def three_output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Outputs of three dtypes whose aliases do not sort as they were written; a variable."""
+    import tensorflow as tf
+
+    class Three(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = tf.Variable([[1.0, 10.0]], dtype=tf.float32)
+
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([None, 2], tf.float32, name="x"),
+                tf.TensorSpec([None], tf.int32, name="n"),
+                tf.TensorSpec([None], tf.string, name="word"),
+            ]
+        )
+        def serve(self, x: tf.Tensor, n: tf.Tensor, word: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {
+                "zz_scaled": x * self.scale,
+                "aa_next": n + 1,
+                "mm_shout": tf.strings.upper(word),
+            }
+
+    path = tmp_path_factory.mktemp("three") / "1"
+    module = Three()
+    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
+    return path
+
+
+THREE_INPUTS = {
+    "x": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+    "n": np.array([7, 8], np.int32),
+    "word": np.array([b"ab", b"c"], dtype=object),
+}
+
+
+@pytest.fixture
+def three_shared(three_output_dir: Path) -> Iterator[Path]:
+    path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-three"
+    publish(three_output_dir, "three", 1, path, os.getpid(), 0.0)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_the_session_call_answers_and_fails_as_the_keyword_call(
+    three_output_dir: Path, three_shared: Path, tmp_path: Path
+) -> None:
+    runtime = load_saved_model(
+        str(three_output_dir), "three", 1, weights_segment=str(three_shared), work_dir=str(tmp_path)
+    )
+    runtime.warm_up()
+    assert runtime.call_paths == {SIG: "session"}
+    aliases = ["aa_next", "mm_shout", "zz_scaled"]
+    got = runtime.run(SIG, THREE_INPUTS, aliases)
+    np.testing.assert_array_equal(got["zz_scaled"], [[1.0, 20.0], [3.0, 40.0]])
+    assert got["aa_next"].dtype == np.int32 and got["aa_next"].tolist() == [8, 9]
+    assert list(got["mm_shout"]) == [b"AB", b"C"]
+    assert list(runtime.run(SIG, THREE_INPUTS, ["aa_next"])) == ["aa_next"]
+
+    bad = dict(THREE_INPUTS, x=np.ones((2, 3), np.float32))  # cannot broadcast with [1, 2]
+    with pytest.raises(ServingError) as info:
+        runtime.run(SIG, bad, ["zz_scaled"])
+    # The kernel's own words, without the session's node and function tags (the operands'
+    # order is the optimized graph's).
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert re.fullmatch(r"Incompatible shapes: \[\d,\d\] vs\. \[\d,\d\]", info.value.message)
+    # and it serves on
+    assert runtime.run(SIG, THREE_INPUTS, ["aa_next"])["aa_next"].tolist() == [8, 9]
+
+    runtime._drop_fast_calls(SIG)  # type: ignore[attr-defined]
+    assert runtime.call_paths == {SIG: "keywords"}
+    want = runtime.run(SIG, THREE_INPUTS, aliases)
+    for alias in aliases:
+        assert want[alias].dtype == got[alias].dtype
+        assert want[alias].tolist() == got[alias].tolist()
+
+
+def test_weights_not_shared_are_called_directly(three_output_dir: Path) -> None:
+    # Without a segment the variables' buffers are the eager context's own: nothing for a
+    # session to adopt without a copy, so the eager direct call serves.
+    runtime = load_saved_model(str(three_output_dir), "three", 1)
+    runtime.warm_up()
+    assert runtime.call_paths == {SIG: "direct"}
