@@ -1,14 +1,16 @@
 """How a worker calls its model (issue 11's lean worker path): CPU per call of each call path.
 
-One child process loads the demo model as a worker does (worker/runtime.py's
-load_saved_model and warm-up; the weights from the checkpoint, not a shared segment) with a
-2-worker pool's thread settings on this machine,
-then calls the signature back to back through each path the runtime knows, alternating them
-round by round so that the machine's noise falls on all alike:
+One child process loads the demo model as a pool worker does (worker/runtime.py's
+load_saved_model and warm-up, the weights published into a shared segment and bound from it)
+with a 2-worker pool's thread settings on this machine, then calls the signature back to back
+through each path the runtime knows, alternating them round by round so that the machine's
+noise falls on all alike:
 
 - *keywords*: the public call, ``signature(**inputs)``;
 - *flat*: ``ConcreteFunction._call_flat`` with tensors the worker converts itself;
-- *direct*: worker/direct_call.py, TensorFlow's eager C API (what a worker uses).
+- *direct*: worker/direct_call.py, TensorFlow's eager C API;
+- *session*: worker/session_call.py, a session callable on the caller's thread (what a
+  worker uses when it can).
 
 A second series sleeps 2 ms between calls, as a worker waits between requests at low load:
 a call after an idle gap costs more (caches, TensorFlow's pool threads parked), whichever path.
@@ -35,23 +37,51 @@ from mpspool.config import usable_cores
 
 BEGIN_MARK = "<!-- callpath:begin (written by bench/callpath.py; edits here are lost) -->"
 END_MARK = "<!-- callpath:end -->"
-PATHS = ("keywords", "flat", "direct")
+PATHS = ("keywords", "flat", "direct", "session")
 SIG = "serving_default"
 
 
 def measure_in_child(model_dir: str, rows: int, intra: int, calls: int, rounds: int) -> dict:
     """The child's work: load as a worker does, then time each path (CPU of every thread)."""
+    from mpspool import segment
+    from mpspool.worker.publish import publish
+
+    shared = segment.SHM_DIR / f"mpspool-bench-callpath-{os.getpid()}"
+    try:
+        publish(model_dir, "demo", 1, shared, os.getpid(), 0.0)
+        with tempfile.TemporaryDirectory() as work_dir:
+            return _measure(model_dir, str(shared), work_dir, rows, intra, calls, rounds)
+    finally:
+        shared.unlink(missing_ok=True)
+
+
+def _measure(
+    model_dir: str, shared: str, work_dir: str, rows: int, intra: int, calls: int, rounds: int
+) -> dict:
     from mpspool.demo_model import demo_inputs
     from mpspool.worker.runtime import load_saved_model
 
     runtime: Any = load_saved_model(
-        model_dir, "demo", 1, intra_op_threads=intra, inter_op_threads=1
+        model_dir,
+        "demo",
+        1,
+        intra_op_threads=intra,
+        inter_op_threads=1,
+        weights_segment=shared,
+        work_dir=work_dir,
     )
     runtime.warm_up()
-    if runtime.call_paths != {SIG: "direct"}:
-        raise SystemExit(f"the runtime does not call the demo model directly: {runtime.call_paths}")
-    direct, order = runtime._direct[SIG], runtime._flat_orders[SIG]
-    setting = {"keywords": (None, None), "flat": (None, order), "direct": (direct, order)}
+    if runtime.call_paths != {SIG: "session"}:
+        raise SystemExit(f"the demo model is not called in a session: {runtime.call_paths}")
+    session, direct, order = runtime._sessions[SIG], runtime._direct[SIG], runtime._flat_orders[SIG]
+    if direct is None:
+        raise SystemExit("the runtime has no direct call of the demo model")
+    setting = {
+        "keywords": (None, None, None),
+        "flat": (None, None, order),
+        "direct": (None, direct, order),
+        "session": (session, direct, order),
+    }
     results: list[dict[str, Any]] = []
     for batch in (1, 256):
         inputs = demo_inputs(batch, rows, seed=1)
@@ -60,7 +90,11 @@ def measure_in_child(model_dir: str, rows: int, intra: int, calls: int, rounds: 
         for gap_s in (0.0, 0.002):
             for round_ in range(rounds):
                 for path in PATHS:
-                    runtime._direct[SIG], runtime._flat_orders[SIG] = setting[path]
+                    (
+                        runtime._sessions[SIG],
+                        runtime._direct[SIG],
+                        runtime._flat_orders[SIG],
+                    ) = setting[path]
                     got = runtime.run(SIG, inputs, ["score"])["score"]
                     if got.tobytes() != want.tobytes():
                         raise SystemExit(f"{path} answered differently at batch {batch}")
@@ -123,22 +157,24 @@ def render(report: dict[str, Any]) -> str:
         f"- **When / where:** {report['date']}; {report['machine']}; load average "
         f"{report['load_start']} at the start, {report['load_end']} at the end.",
         f"- **Command:** `{report['command']}` ({report['source']}).",
-        f"- **Model:** demo, {report['rows']:,} embedding rows, loaded as a worker loads it "
-        f"(intra-op threads {report['intra']}, inter-op 1: a 2-worker pool's worker here).",
+        f"- **Model:** demo, {report['rows']:,} embedding rows, loaded as a pool worker loads "
+        "it (weights bound from a shared segment; intra-op threads "
+        f"{report['intra']}, inter-op 1: a 2-worker pool's worker here).",
         f"- **Calls:** {report['calls']:,} per window at batch 1, an eighth of that at batch "
         f"256, after a tenth as warm-up; paths alternate, {report['rounds']} rounds; the "
         "table shows each cell's median round. CPU is every thread of the process.",
         "",
-        "| batch | gap between calls | keywords µs | flat µs | direct µs | direct / flat |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | gap between calls | keywords µs | flat µs | direct µs | session µs "
+        "| session / direct |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for batch in (1, 256):
         for gap in (0.0, 2.0):
-            k, f, d = (med.get((batch, gap, p)) for p in PATHS)
-            ratio = f"{d / f:.2f}×" if d and f else "–"
+            k, f, d, s = (med.get((batch, gap, p)) for p in PATHS)
+            ratio = f"{s / d:.2f}×" if s and d else "–"
             lines.append(
                 f"| {batch} | {gap:g} ms | {harness.fmt(k)} | {harness.fmt(f)} | "
-                f"{harness.fmt(d)} | {ratio} |"
+                f"{harness.fmt(d)} | {harness.fmt(s)} | {ratio} |"
             )
     notes = report.get("notes", [])
     lines += [""] + [f"- {note}" for note in notes] if notes else []
