@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ CALLS = 400
 OTHER_THREADS_CPU = """
 import json, os, sys
 from pathlib import Path
+from typing import Any
 from mpspool.demo_model import demo_inputs
 from mpspool.worker.runtime import load_saved_model
 
@@ -190,3 +192,89 @@ def test_weights_not_shared_are_called_directly(three_output_dir: Path) -> None:
     runtime = load_saved_model(str(three_output_dir), "three", 1)
     runtime.warm_up()
     assert runtime.call_paths == {SIG: "direct"}
+
+
+@pytest.fixture(scope="module")
+def parsing_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Serialized tf.Examples in, a required feature (so warm-up's empty strings fail), a
+    string output (a label) and a float one out."""
+    import tensorflow as tf
+
+    class Parse(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = tf.Variable([[1.0, -1.0, 0.5], [0.5, 2.0, -1.0]])
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+        def serve(self, examples: tf.Tensor) -> dict[str, tf.Tensor]:
+            features = tf.io.parse_example(examples, {"x": tf.io.FixedLenFeature([2], tf.float32)})
+            scores = tf.matmul(features["x"], self.weights)
+            labels = tf.constant([b"low", b"mid", b"high"])
+            return {"scores": scores, "label": tf.gather(labels, tf.argmax(scores, axis=1))}
+
+    path = tmp_path_factory.mktemp("parse") / "1"
+    module = Parse()
+    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
+    return path
+
+
+def _examples(*xs: tuple[float, float]) -> dict[str, np.ndarray]:
+    import tensorflow as tf
+
+    serialized = [
+        tf.train.Example(
+            features=tf.train.Features(
+                feature={"x": tf.train.Feature(float_list=tf.train.FloatList(value=list(x)))}
+            )
+        ).SerializeToString()
+        for x in xs
+    ]
+    return {"examples": np.array(serialized, dtype=object)}
+
+
+@pytest.fixture
+def parsing_runtime(parsing_dir: Path, tmp_path: Path) -> Iterator[object]:
+    path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-parse"
+    publish(parsing_dir, "parse", 1, path, os.getpid(), 0.0)
+    try:
+        runtime = load_saved_model(
+            str(parsing_dir), "parse", 1, weights_segment=str(path), work_dir=str(tmp_path)
+        )
+        runtime.warm_up()  # skipped: the examples lack their required feature
+        yield runtime
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_signature_warm_up_cannot_run_is_checked_on_its_first_request(
+    parsing_runtime: Any,
+) -> None:
+    runtime = parsing_runtime
+    assert runtime.call_paths == {SIG: "session"} and runtime._unchecked == {SIG}
+    inputs = _examples((1.0, 2.0), (3.0, -1.0))
+    want = {"label": [b"mid", b"low"], "scores": [[2.0, 3.0, -1.5], [2.5, -5.0, 2.5]]}
+    for _ in range(2):  # the first answered by the keyword call, the second by the session
+        got = runtime.run(SIG, inputs, ["label", "scores"])
+        assert got["label"].tolist() == want["label"]  # strings compared by value, not pointer
+        np.testing.assert_allclose(got["scores"], want["scores"])
+        assert runtime.call_paths == {SIG: "session"} and runtime._unchecked == set()
+
+
+def test_a_first_request_that_disagrees_leaves_the_keyword_call(parsing_runtime: Any) -> None:
+    runtime = parsing_runtime
+    runtime._sessions[SIG].outputs.reverse()  # as if TensorFlow's fetch order were misread
+    got = runtime.run(SIG, _examples((1.0, 2.0)), ["label"])
+    assert got["label"].tolist() == [b"mid"]
+    assert runtime.call_paths == {SIG: "keywords"}
+
+
+def test_a_bad_first_request_fails_as_the_public_call_and_checks_nothing(
+    parsing_runtime: Any,
+) -> None:
+    runtime = parsing_runtime
+    with pytest.raises(ServingError) as info:
+        runtime.run(SIG, {"examples": np.array([b"not a tf.Example"], dtype=object)}, ["label"])
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert runtime._unchecked == {SIG}
+    assert runtime.run(SIG, _examples((0.0, 1.0)), ["label"])["label"].tolist() == [b"mid"]
+    assert runtime.call_paths == {SIG: "session"} and runtime._unchecked == set()

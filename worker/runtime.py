@@ -56,6 +56,11 @@ class ModelRuntime(Protocol):
         """Run every signature once so that the first real request is not the slow one."""
         ...
 
+    @property
+    def call_paths(self) -> dict[str, str]:
+        """signature → how it is called ("session", "direct", "flat" or "keywords")."""
+        ...
+
 
 def load_saved_model(
     model_dir: str,
@@ -218,6 +223,9 @@ class SavedModelRuntime:
             for key, function in self._functions.items()
         }
         self._sessions: dict[str, SessionCall | None] = dict.fromkeys(self._functions)
+        # Signatures whose fast call warm-up could not check (string inputs that need real
+        # data): their first request checks it (_run_unchecked).
+        self._unchecked: set[str] = set()
         self._op_error: type[Exception] = tf.errors.OpError
         self.shared: Any = None  # (AttachedSegment, bound variables) when weights are shared
         # variable name → why a served function may copy it (shared_weights.audit)
@@ -268,6 +276,13 @@ class SavedModelRuntime:
         TensorFlow's own error codes are gRPC's, so an op failure (an id outside the
         embedding table: INVALID_ARGUMENT) reaches the client with its code and message.
         """
+        if signature in self._unchecked:
+            return self._run_unchecked(signature, inputs, outputs)
+        return self._run(signature, inputs, outputs)
+
+    def _run(
+        self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
         try:
             session = self._sessions[signature]
             if session is not None:
@@ -313,13 +328,15 @@ class SavedModelRuntime:
                 if exc.code is Code.INVALID_ARGUMENT and _all_strings(spec):
                     # Empty strings are not a valid input of every model: a signature that
                     # parses serialized tf.Examples with required features refuses them.
-                    # Its first real request pays the set-up instead, on the public call.
+                    # Its first real request pays the set-up instead, and checks the fast
+                    # call against the public one (_run_unchecked).
                     log.warning(
                         "warm-up of signature %r skipped: its string inputs need real data (%s)",
                         key,
                         exc.message.splitlines()[0][:200],
                     )
-                    self._drop_fast_calls(key)
+                    if self._call_path(key) != "keywords":
+                        self._unchecked.add(key)
                     continue
                 raise ModelLoadError(
                     f"warm-up of model {self.model_name!r} version {self.version}, "
@@ -334,6 +351,35 @@ class SavedModelRuntime:
                     path,
                 )
                 self._drop_fast_calls(key)
+
+    def _run_unchecked(
+        self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        """A signature whose fast call warm-up could not check: the public call answers, and
+        the first request it answers checks the fast call on the same inputs."""
+        fast = self._sessions[key], self._direct[key], self._flat_orders[key]
+        self._sessions[key] = self._direct[key] = self._flat_orders[key] = None
+        try:
+            want = self._run(key, inputs, list(self.specs[key].outputs))
+        finally:
+            self._sessions[key], self._direct[key], self._flat_orders[key] = fast
+        self._unchecked.discard(key)
+        path = self._call_path(key)
+        try:
+            agrees = _same_answers(want, self._run(key, inputs, list(want)))
+        except ServingError:
+            agrees = False
+        if agrees:
+            log.info("signature %r: the %s call checked on its first request", key, path)
+        else:
+            log.warning(
+                "signature %r: the %s call disagrees with the keyword call on its first "
+                "request; using the keyword call",
+                key,
+                path,
+            )
+            self._drop_fast_calls(key)
+        return {alias: want[alias] for alias in outputs}
 
     def _drop_fast_calls(self, key: str) -> None:
         """From now on call ``key`` with keywords, the public call."""
@@ -354,12 +400,21 @@ class SavedModelRuntime:
             want = self.run(key, inputs, list(got))
         finally:
             self._sessions[key], self._direct[key], self._flat_orders[key] = session, direct, order
-        return all(
-            want[alias].dtype == got[alias].dtype
-            and want[alias].shape == got[alias].shape
-            and want[alias].tobytes() == got[alias].tobytes()
-            for alias in want
+        return _same_answers(want, got)
+
+
+def _same_answers(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> bool:
+    """Bit for bit, alias by alias; strings by value (an object array's bytes are pointers)."""
+    return want.keys() == got.keys() and all(
+        want[alias].dtype == got[alias].dtype
+        and want[alias].shape == got[alias].shape
+        and (
+            want[alias].tolist() == got[alias].tolist()
+            if want[alias].dtype == object
+            else want[alias].tobytes() == got[alias].tobytes()
         )
+        for alias in want
+    )
 
 
 def _all_strings(spec: SignatureSpec) -> bool:
