@@ -278,3 +278,36 @@ def test_a_bad_first_request_fails_as_the_public_call_and_checks_nothing(
     assert runtime._unchecked == {SIG}
     assert runtime.run(SIG, _examples((0.0, 1.0)), ["label"])["label"].tolist() == [b"mid"]
     assert runtime.call_paths == {SIG: "session"} and runtime._unchecked == set()
+
+
+def test_a_session_tensorflow_refuses_leaves_the_direct_call(three_output_dir: Path) -> None:
+    import tensorflow as tf
+
+    from mpspool.worker.session_call import session_call
+
+    runtime = load_saved_model(str(three_output_dir), "three", 1)
+    spec = runtime.specs[SIG]
+    loaded = tf.saved_model.load(str(three_output_dir))
+    function = loaded.signatures[SIG]
+    order = list(function.function_type.parameters)
+    (variable,) = function.variables
+    right = _aligned(variable.numpy())
+    call = session_call(function, order, spec, {id(variable): right}, 1, 1)
+    assert call is not None
+    assert call(THREE_INPUTS)["zz_scaled"].tolist() == [[1.0, 20.0], [3.0, 40.0]]
+    for wrong in (
+        _aligned(np.zeros((2, 1), np.float32)),  # the variable is [1, 2]
+        _aligned(right.astype(np.float64)),
+        _aligned(right, offset=4),  # TensorFlow would copy it
+    ):
+        assert session_call(function, order, spec, {id(variable): wrong}, 1, 1) is None
+    assert session_call(function, order, spec, {}, 1, 1) is None  # not a shared variable
+
+
+def _aligned(array: np.ndarray, offset: int = 0) -> np.ndarray:
+    """A copy of ``array`` starting ``offset`` bytes past a 64-byte boundary."""
+    raw = np.zeros(array.nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    out = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out

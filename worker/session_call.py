@@ -35,6 +35,8 @@ log = logging.getLogger("mpspool.worker")
 
 # RunOptions.inter_op_thread_pool: "-1 uses the caller thread to execute Session::Run()".
 CALLER_THREAD = -1
+# EIGEN_MAX_ALIGN_BYTES: a fed array aligned to it is adopted, any other is copied.
+ALIGNMENT = 64
 
 
 class SessionCall:
@@ -97,6 +99,17 @@ def session_call(
         return None
     if set(input_specs) != set(order):
         return None
+    # What TensorFlow would take without a word and get wrong: a buffer it must copy (not
+    # aligned as its own allocator aligns), or one of another shape or type than the variable.
+    for variable in bound:
+        view = shared_views[id(variable)]
+        if (
+            view.ctypes.data % ALIGNMENT
+            or view.shape != tuple(variable.shape)
+            or view.dtype != variable.dtype.as_numpy_dtype
+        ):
+            log.debug("no session call for %s: the view of %s", spec.key, variable.name)
+            return None
 
     graph = tf.Graph()
     with graph.as_default():
@@ -108,7 +121,9 @@ def session_call(
             handle = tf.raw_ops.VarHandleOp(
                 dtype=variable.dtype, shape=variable.shape, shared_name=f"capture_{index}"
             )
-            value = tf.compat.v1.placeholder(variable.dtype, variable.shape)
+            # No static shape: Grappler kept 1 bit per element (16 MiB of a 488 MiB table)
+            # when optimizing an assignment from a fully defined placeholder.
+            value = tf.compat.v1.placeholder(variable.dtype)
             assigns.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value))
             handles.append(handle)
             values.append(value)
@@ -129,19 +144,6 @@ def session_call(
         return None
     outputs = sorted(result)
 
-    config = tf.compat.v1.ConfigProto(
-        intra_op_parallelism_threads=intra_op_threads,
-        inter_op_parallelism_threads=inter_op_threads,
-    )
-    session = tf.compat.v1.Session(graph=graph, config=config)
-    # TensorFlow adopts a fed array's buffer when it is 64-byte aligned (the segment's
-    # tensors are, for DLPack's sake) and AssignVariableOp keeps the tensor it is given.
-    session.run(
-        assigns,
-        feed_dict={
-            value: shared_views[id(variable)] for value, variable in zip(values, bound, strict=True)
-        },
-    )
     from tensorflow.core.protobuf.config_pb2 import CallableOptions
 
     options = CallableOptions(
@@ -151,7 +153,24 @@ def session_call(
         # One inter-op thread (the pool's default) runs one op at a time anyway; so does the
         # caller, without the hand-off. Asked for more, the graph's branches get them.
         options.run_options.inter_op_thread_pool = CALLER_THREAD
-    return SessionCall(session, options, order, outputs)
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=intra_op_threads,
+        inter_op_parallelism_threads=inter_op_threads,
+    )
+    session = tf.compat.v1.Session(graph=graph, config=config)
+    try:
+        # TensorFlow adopts a fed array's buffer when it is 64-byte aligned (the segment's
+        # tensors are, for DLPack's sake) and AssignVariableOp keeps the tensor it is given.
+        assign = session._make_callable_from_options(
+            CallableOptions(feed=[v.name for v in values], target=[a.name for a in assigns])
+        )
+        assign(*[shared_views[id(v)] for v in bound])
+        del assign
+        return SessionCall(session, options, order, outputs)
+    except Exception as exc:  # TensorFlow's refusal of this graph: the direct call serves
+        session.close()
+        log.info("no session call for %s: %s: %s", spec.key, type(exc).__name__, exc)
+        return None
 
 
 def _named_resources(graph_def: Any, ours: set[str]) -> list[str]:
