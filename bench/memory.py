@@ -87,6 +87,7 @@ from mpspool import process
 from mpspool.cli import _ask_pool
 from mpspool.config import ConfigError
 from mpspool.demo_model import demo_inputs
+from mpspool.wire import slot_key
 
 BEGIN_MARK = "<!-- memory:begin (written by bench/memory.py; edits here are lost) -->"
 END_MARK = "<!-- memory:end -->"
@@ -585,9 +586,12 @@ def run_pool(
         log = read_controller_log(pool.log_dir)
         cold = []
         for proc in pool.roles["workers"]:
-            slot = slots.get(proc.pid, {}).get("slot", "")
+            described = slots.get(proc.pid, {})
+            slot = described.get("slot", "")
             born = spawned_at(proc, boot)
-            ready_at = log["ready_at"].get(slot)
+            # The controller's log names a slot by its key (placement and version, "cpu-0@1").
+            key = slot_key(slot, described.get("version", 0), described.get("model") or "")
+            ready_at = log["ready_at"].get(key)
             cold.append(
                 {
                     "slot": slot,
