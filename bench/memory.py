@@ -466,7 +466,8 @@ def spawned_at(proc: psutil.Process, boot: float) -> float:
 
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \w+ (.*)$")
 _READY = re.compile(r"^slot (\S+): STARTING -> READY")
-_PUBLISHED = re.compile(r"weights published to (\S+) \(([\d.]+) MiB\) in ([\d.]+) s")
+# "weights of version 1 published to /dev/shm/mpspool-... (488.3 MiB) in 1.2 s"
+_PUBLISHED = re.compile(r"weights of .* published to (\S+) \(([\d.]+) MiB\) in ([\d.]+) s")
 _PUBLISHER = re.compile(
     r"published (\d+) tensors, ([\d.]+) MiB, to (\S+) in ([\d.]+) s \(peak RSS (\d+) MiB\)"
 )
