@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from three_outputs import THREE_INPUTS, build_three_outputs
 
 from mpspool import segment
 from mpspool.demo_model import build_demo_model
@@ -33,7 +34,6 @@ CALLS = 400
 OTHER_THREADS_CPU = """
 import json, os, sys
 from pathlib import Path
-from typing import Any
 from mpspool.demo_model import demo_inputs
 from mpspool.worker.runtime import load_saved_model
 
@@ -110,39 +110,7 @@ def test_more_inter_op_threads_leave_the_graph_to_them(
 
 @pytest.fixture(scope="module")
 def three_output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Outputs of three dtypes whose aliases do not sort as they were written; a variable."""
-    import tensorflow as tf
-
-    class Three(tf.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = tf.Variable([[1.0, 10.0]], dtype=tf.float32)
-
-        @tf.function(
-            input_signature=[
-                tf.TensorSpec([None, 2], tf.float32, name="x"),
-                tf.TensorSpec([None], tf.int32, name="n"),
-                tf.TensorSpec([None], tf.string, name="word"),
-            ]
-        )
-        def serve(self, x: tf.Tensor, n: tf.Tensor, word: tf.Tensor) -> dict[str, tf.Tensor]:
-            return {
-                "zz_scaled": x * self.scale,
-                "aa_next": n + 1,
-                "mm_shout": tf.strings.upper(word),
-            }
-
-    path = tmp_path_factory.mktemp("three") / "1"
-    module = Three()
-    tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
-    return path
-
-
-THREE_INPUTS = {
-    "x": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
-    "n": np.array([7, 8], np.int32),
-    "word": np.array([b"ab", b"c"], dtype=object),
-}
+    return build_three_outputs(tmp_path_factory.mktemp("three") / "1")
 
 
 @pytest.fixture

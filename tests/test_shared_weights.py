@@ -281,6 +281,12 @@ def test_a_write_to_a_shared_variable_stays_in_its_process(
     reader = _load_shared(demo_version, path, "demo")
     inputs = demo_inputs(16, DEMO_ROWS)
 
+    # A write from Python lands in the eager variable; the session call (worker/session_call.py)
+    # reads its own variable over the same pages, which such a write does not reach (a model
+    # whose ops write is never called in a session), so the writer serves through the direct
+    # call, which reads the eager variable.
+    writer._sessions = dict.fromkeys(writer._sessions)  # type: ignore[attr-defined]
+    assert writer.call_paths == {"serving_default": "direct"}  # type: ignore[attr-defined]
     _bound_variable(writer, OUT_BIAS_KEY).assign_add([5.0])
 
     assert not np.array_equal(_run(writer, inputs)["score"], _run(plain_demo, inputs)["score"])
