@@ -47,6 +47,11 @@ SYSTEMS = (
     "echo-1", "echo-2", "inprocess-1", "inprocess-2", "mpspool-1", "mpspool-2",
     "plain", "ray", "triton",
 )  # fmt: skip
+# The in-process limit calls the SavedModel's public signature ("tensor": the issue's limit)
+# and, for reading beside it, a TF1 session on the caller's thread ("session": the call a
+# pool worker makes; bench/inprocess.py).
+INPROCESS_CALLS = ("tensor", "session")
+CALL_NAMES = {"tensor": "public call", "session": "session call"}
 PLOT = harness.OUT_DIR / "frontdoor.png"
 RESULTS_DIR = harness.RESULTS_MD.parent  # the plot's link is relative to RESULTS.md
 INSTANCES = 2  # the peers' replicas/instances, as mpspool-2's workers
@@ -118,11 +123,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     sweep(server, [1], args.echo_concurrency)
             elif kind == "inprocess":
                 with InProcessLimit(base / "1", args.rows, int(n)) as limit:
-                    for b in args.batches:
-                        point = limit.run(b, args.duration, args.warmup)
+                    for feed, b in [(f, b) for f in INPROCESS_CALLS for b in args.batches]:
+                        point = limit.run(b, args.duration, args.warmup, feed)
                         point["load1"], point["round"] = os.getloadavg()[0], round_
                         report["inprocess"].append(point)
-                        print(f"in-process P={n} batch {b}: {point['rows_per_s']:,.0f} rows/s, "
+                        print(f"in-process P={n} {CALL_NAMES[feed]} batch {b}: "
+                              f"{point['rows_per_s']:,.0f} rows/s, "
                               f"p50 {point['p50_ms']:.2f} ms", flush=True)  # fmt: skip
             elif kind == "mpspool":
                 label = f"mpspool {n}w"
@@ -212,9 +218,15 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         spent = sum(w["cpu_us"].get(r, 0.0) * w["requests"] for w in ws for r in roles)
         return spent / sum(w["requests"] for w in ws) if ws else np.nan
 
-    def limit(processes: int, batch: int, key: str) -> float:
+    def limit(processes: int, batch: int, key: str, feed: str = "tensor") -> float:
         """Of the in-process point's best round."""
-        points = [p for p in inproc if p["processes"] == processes and p["batch"] == batch]
+        points = [
+            p
+            for p in inproc
+            if p["processes"] == processes
+            and p["batch"] == batch
+            and p.get("feed", "tensor") == feed
+        ]
         return max(points, key=lambda p: p["rows_per_s"])[key] if points else np.nan
 
     def p50(system: str, batch: int, c: int) -> float:
@@ -252,6 +264,11 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
          f"{', '.join(peers) or 'none ran'})", min(ahead, default=np.nan), "×", lambda v: v > 1),
         ("p50 at concurrency 1, batch 1 ≤ the in-process call's + 150 µs (1 worker vs P=1)",
          (p50(one, 1, 1) - limit(1, 1, "p50_ms")) * 1e3, "µs over", lambda v: v <= 150),
+        # Not targets: the same ratios against processes making the worker's own call.
+        ("for reading, not a target: batch 1, 2 workers / P=2 calling a session",
+         best(two, 1) / limit(2, 1, "rows_per_s", "session"), "×", lambda v: None),
+        (f"for reading, not a target: batch {big}, 2 workers / P=2 calling a session",
+         best(two, big) / limit(2, big, "rows_per_s", "session"), "×", lambda v: None),
     ]  # fmt: skip
     return {
         "targets": [
@@ -334,9 +351,17 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
         ("System", "Batch", "C", "req/s", "rows/s", "p50 ms", "p99 ms", "server µs/req",
          "front door µs/req", "workers µs/req", "client µs/req", "load"), rows,
     )  # fmt: skip
-    lines += ["", "In-process limit (P processes calling the SavedModel back to back, no RPC):", ""]
+    lines += [
+        "",
+        "In-process limit (P processes calling the SavedModel back to back, no RPC; *public "
+        "call*: its serving signature on pre-built tensors, the targets' limit; *session "
+        "call*: a TF1 session callable on the caller's thread with numpy arrays, as a pool "
+        "worker calls it):",
+        "",
+    ]
     rows = [
-        (name(p, f"P={p['processes']}"), p["batch"], fmt(p["throughput_rps"]), fmt(p["rows_per_s"]),
+        (name(p, f"P={p['processes']}, {CALL_NAMES[p.get('feed', 'tensor')]}"), p["batch"],
+         fmt(p["throughput_rps"]), fmt(p["rows_per_s"]),
          fmt(p["p50_ms"], 2), fmt(p["p99_ms"], 2), fmt(p["cpu_us_per_call"]), fmt(p["load1"], 1))
         for p in report["inprocess"]
     ]  # fmt: skip
@@ -372,6 +397,8 @@ def draw(report: dict[str, Any], path: Path) -> Path:
     for p in report["inprocess"]:
         refs = references.setdefault(p["batch"], {})
         label = f"in-process P={p['processes']}"
+        if p.get("feed", "tensor") != "tensor":
+            label += f", {CALL_NAMES[p['feed']]}"
         refs[label] = max(refs.get(label, 0.0), p["rows_per_s"])
     best: dict[tuple[str, int, int], dict[str, Any]] = {}
     for w in report["windows"]:

@@ -38,6 +38,7 @@ from mpspool import cpusets
 # has not reported in this long is broken, not slow.
 LOAD_TIMEOUT_S = 300.0
 DISTINCT_INPUTS = 8
+FEEDS = ("tensor", "numpy", "session")
 
 
 def _child(
@@ -66,6 +67,7 @@ def _child(
         tf.config.threading.set_inter_op_parallelism_threads(inter)
         loaded = tf.saved_model.load(model_dir, tags=["serve"])
         serve = loaded.signatures["serving_default"]
+        session_call: Any = None  # built on the first "session" run: it costs a second copy
         conn.send(("loaded", os.getpid()))
     except Exception as exc:  # report why, then exit: the parent raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -79,6 +81,7 @@ def _child(
         # Pre-built tensors ("tensor"), like the load generator's pre-serialized requests: the
         # loop measures the model call, not input preparation. "numpy" feeds the arrays as a
         # worker has them after decoding a request, so the call includes converting them.
+        # "session" calls a TF1 session on this thread with the arrays (see _session_call).
         # Different seed per process, so the processes do not gather the same rows in step.
         inputs = [
             {
@@ -87,7 +90,16 @@ def _child(
             }
             for i in range(DISTINCT_INPUTS)
         ]
-        serve(**inputs[0])["score"].numpy()  # the first call at a new shape traces; not timed
+        if feed == "session":
+            if session_call is None:
+                session_call = _session_call(tf, model_dir, intra, inter)
+            call = session_call
+        else:
+            # .numpy() as a worker does: the answer must reach host memory to be sent.
+            def call(batch_inputs: dict[str, Any]) -> Any:
+                return serve(**batch_inputs)["score"].numpy()
+
+        call(inputs[0])  # the first call at a new shape traces; not timed
         barrier.wait(LOAD_TIMEOUT_S)
         start = time.perf_counter()
         window_start, window_end = start + warmup_s, start + warmup_s + duration_s
@@ -100,8 +112,7 @@ def _child(
                 break
             if not cpu_start and t0 >= window_start:
                 cpu_start = time.process_time()
-            # .numpy() as a worker does: the answer must reach host memory to be sent.
-            serve(**inputs[i % DISTINCT_INPUTS])["score"].numpy()
+            call(inputs[i % DISTINCT_INPUTS])
             i += 1
             t1 = time.perf_counter()
             # Attributed by completion time, as the load generator does.
@@ -109,6 +120,34 @@ def _child(
                 latencies.append(t1 - t0)
         cpu_s = time.process_time() - cpu_start if cpu_start else 0.0
         conn.send(("result", latencies, cpu_s))
+
+
+def _session_call(tf: Any, model_dir: str, intra: int, inter: int) -> Any:
+    """The serving signature as TensorFlow's cheapest call: the SavedModel loaded into a TF1
+    session (weights restored from the checkpoint) and called through a session callable on
+    the caller's thread, as a pool worker calls it (worker/session_call.py)."""
+    from tensorflow.core.protobuf.config_pb2 import CallableOptions
+
+    graph = tf.Graph()
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=intra, inter_op_parallelism_threads=inter
+    )
+    session = tf.compat.v1.Session(graph=graph, config=config)
+    with graph.as_default():
+        meta_graph = tf.compat.v1.saved_model.loader.load(session, ["serve"], model_dir)
+    signature = meta_graph.signature_def["serving_default"]
+    aliases = sorted(signature.inputs)
+    options = CallableOptions(
+        feed=[signature.inputs[a].name for a in aliases], fetch=[signature.outputs["score"].name]
+    )
+    options.run_options.inter_op_thread_pool = -1  # the caller's thread
+    run = session._make_callable_from_options(options)
+
+    def call(inputs: dict[str, Any]) -> Any:
+        return run(*[inputs[a] for a in aliases])[0]
+
+    call.session = session  # type: ignore[attr-defined]  # kept alive with the callable
+    return call
 
 
 class InProcessLimit:
@@ -192,12 +231,13 @@ class InProcessLimit:
     ) -> dict[str, Any]:
         """All P processes run a closed loop at ``batch`` together; the summed throughput.
 
-        ``feed``: "tensor" (pre-built tf.constant inputs: the model call alone) or "numpy"
-        (the arrays a worker decodes, converted by the call). Latency percentiles are over
-        every call of every process in the window.
+        ``feed``: "tensor" (pre-built tf.constant inputs: the model call alone), "numpy"
+        (the arrays a worker decodes, converted by the call) or "session" (the arrays fed to a
+        TF1 session callable on the caller's thread, the call a pool worker makes). Latency
+        percentiles are over every call of every process in the window.
         """
-        if feed not in ("tensor", "numpy"):
-            raise ValueError(f"feed must be 'tensor' or 'numpy', got {feed!r}")
+        if feed not in FEEDS:
+            raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
         for conn in self._conns:
             conn.send(("run", batch, warmup_s, duration_s, feed))
         latencies: list[float] = []
@@ -271,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--feed",
         default="tensor",
-        help="comma-separated: tensor (pre-built tensors), numpy (arrays, as a worker has them)",
+        help="comma-separated: tensor (pre-built tensors), numpy (arrays, as a worker has "
+        "them), session (arrays, a TF1 session callable on the caller's thread)",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)

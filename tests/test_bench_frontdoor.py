@@ -94,11 +94,13 @@ def _window(system: str, batch: int, c: int, rps: float, fd: float, wk: float, p
     }  # fmt: skip
 
 
-def _inprocess(p: int, batch: int, rows_per_s: float, p50: float, cpu: float) -> dict[str, Any]:
+def _inprocess(
+    p: int, batch: int, rows_per_s: float, p50: float, cpu: float, feed: str = "tensor"
+) -> dict[str, Any]:
     return {
         "processes": p, "batch": batch, "throughput_rps": rows_per_s / batch,
         "rows_per_s": rows_per_s, "p50_ms": p50, "p99_ms": p50, "cpu_us_per_call": cpu,
-        "load1": 1.0,
+        "load1": 1.0, "feed": feed,
     }  # fmt: skip
 
 
@@ -121,6 +123,10 @@ REPORT = {
         _inprocess(1, 1, 4000, 0.3, 250),
         _inprocess(2, 1, 5000, 0.3, 250),
         _inprocess(2, 256, 200000, 2.0, 2000),
+        # Processes calling a session: beside the limit, never in a target.
+        _inprocess(1, 1, 16000, 0.1, 60, "session"),
+        _inprocess(2, 1, 20000, 0.1, 60, "session"),
+        _inprocess(2, 256, 250000, 1.5, 1500, "session"),
     ],
     "systems": [{"system": "plain TF gRPC (1 process)", "processes": 1, "memory_mib": 900,
                  "start_s": 5.0}],
@@ -139,6 +145,9 @@ def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
     assert got["batch 256: 2 workers ≥ 1.6× 1 worker"] == (1.75, True)
     assert got["2 workers ahead of every peer at batch 1 and 256"] == (0.88, False)
     assert got["p50 at concurrency 1, batch 1 ≤ the in-process call's + 150 µs"] == (100, True)
+    reading = "for reading, not a target: batch {}, 2 workers / P=2 calling a session"
+    assert got[reading.format(1)] == (0.15, None)  # 3000 / 20000
+    assert got[reading.format(256)] == (0.72, None)  # 179200 / 250000
     text = frontdoor.render(report, frontdoor.draw(report, tmp_path / "fd.png"))
     assert (tmp_path / "fd.png").read_bytes()[:4] == b"\x89PNG"
     assert text.startswith(frontdoor.BEGIN_MARK) and text.endswith(frontdoor.END_MARK + "\n")
@@ -148,6 +157,8 @@ def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
         "| 0.88 × | **no** |",
         "ray: not installed: run bench/peers/setup-ray",
         "| plain TF gRPC (1 process), round 1 | 1 | 900 | 5.0 |",
+        "| P=2, session call, round 1 | 256 | 977 | 250,000 | 1.50 | 1.50 | 1,500 | 1.0 |",
+        "| 0.15 × | – |",
     ):
         assert fragment in text, fragment
     results = tmp_path / "RESULTS.md"
@@ -171,7 +182,10 @@ def test_a_short_run_of_each_kind_of_system(tmp_path: Path) -> None:
         ("echo 1w", 1), ("mpspool 1w", 1), ("mpspool 1w", 8),
         ("plain TF gRPC (1 process)", 1), ("plain TF gRPC (1 process)", 8),
     ]  # fmt: skip
-    assert [(p["processes"], p["batch"]) for p in report["inprocess"]] == [(1, 1), (1, 8)]
+    assert [(p["feed"], p["batch"]) for p in report["inprocess"]] == [
+        ("tensor", 1), ("tensor", 8), ("session", 1), ("session", 8),
+    ]  # fmt: skip
+    assert all(p["ok"] > 0 for p in report["inprocess"])
     assert {s["system"] for s in report["systems"]} == {"mpspool 1w", "plain TF gRPC (1 process)"}
     assert all(w["requests"] > 0 for w in report["windows"])
 
