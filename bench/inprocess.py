@@ -128,6 +128,8 @@ def _session_call(tf: Any, model_dir: str, intra: int, inter: int) -> Any:
     the caller's thread, as a pool worker calls it (worker/session_call.py)."""
     from tensorflow.core.protobuf.config_pb2 import CallableOptions
 
+    from mpspool.worker.session_call import CALLER_THREAD
+
     graph = tf.Graph()
     config = tf.compat.v1.ConfigProto(
         intra_op_parallelism_threads=intra, inter_op_parallelism_threads=inter
@@ -140,7 +142,7 @@ def _session_call(tf: Any, model_dir: str, intra: int, inter: int) -> Any:
     options = CallableOptions(
         feed=[signature.inputs[a].name for a in aliases], fetch=[signature.outputs["score"].name]
     )
-    options.run_options.inter_op_thread_pool = -1  # the caller's thread
+    options.run_options.inter_op_thread_pool = CALLER_THREAD
     run = session._make_callable_from_options(options)
 
     def call(inputs: dict[str, Any]) -> Any:

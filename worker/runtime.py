@@ -10,10 +10,11 @@ mpspool.errors.ServingError while running (one request failed; the worker keeps 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -357,12 +358,8 @@ class SavedModelRuntime:
     ) -> dict[str, np.ndarray]:
         """A signature whose fast call warm-up could not check: the public call answers, and
         the first request it answers checks the fast call on the same inputs."""
-        fast = self._sessions[key], self._direct[key], self._flat_orders[key]
-        self._sessions[key] = self._direct[key] = self._flat_orders[key] = None
-        try:
+        with self._keywords_only(key):
             want = self._run(key, inputs, list(self.specs[key].outputs))
-        finally:
-            self._sessions[key], self._direct[key], self._flat_orders[key] = fast
         self._unchecked.discard(key)
         path = self._call_path(key)
         try:
@@ -394,13 +391,20 @@ class SavedModelRuntime:
         """The session, direct and flat calls rely on TensorFlow's argument and output
         order; check the one in use once against the public call on the warm-up inputs, not
         trust it."""
-        session, direct, order = self._sessions[key], self._direct[key], self._flat_orders[key]
+        with self._keywords_only(key):
+            want = self.run(key, inputs, list(got))
+        return _same_answers(want, got)
+
+    @contextlib.contextmanager
+    def _keywords_only(self, key: str) -> Iterator[None]:
+        """Call ``key`` with keywords, the public call, inside the block; its fast calls
+        come back after it."""
+        fast = self._sessions[key], self._direct[key], self._flat_orders[key]
         self._sessions[key] = self._direct[key] = self._flat_orders[key] = None
         try:
-            want = self.run(key, inputs, list(got))
+            yield
         finally:
-            self._sessions[key], self._direct[key], self._flat_orders[key] = session, direct, order
-        return _same_answers(want, got)
+            self._sessions[key], self._direct[key], self._flat_orders[key] = fast
 
 
 def _same_answers(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> bool:
