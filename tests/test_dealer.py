@@ -248,3 +248,45 @@ def test_a_message_that_came_with_the_handshake_is_delivered_at_once(path: str) 
         thread.join(5)
         listener.close()
     assert b"hello" in done["heard"]
+
+
+def test_a_front_door_that_stops_reading_ends_the_connection_within_the_io_timeout(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A peer that completes the handshake and then reads nothing (hung, stopped): the
+    worker's write gives up after the I/O timeout, kept by the kernel (SO_SNDTIMEO), drops
+    the connection and says so, instead of blocking its serving loop for ever."""
+    monkeypatch.setattr(dealer_module, "IO_TIMEOUT_S", 0.3)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+
+    def handshake_then_stall() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.sendall(dealer_module.greeting() + dealer_module.ready_command(b"ROUTER", b""))
+
+    peer = threading.Thread(target=handshake_then_stall)
+    peer.start()
+    d = Dealer(path, b"w-1", HELLO)
+    try:
+        deadline = time.monotonic() + 5
+        while not d.connected and time.monotonic() < deadline:
+            d.poll(20)
+        assert d.connected
+        peer.join()
+        frame = bytes(4 << 20)
+        start = time.monotonic()
+        sent = 0
+        while d.send_multipart([frame]):  # until the kernel's buffers are full
+            sent += 1
+            assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < 5.0
+        assert not d.connected
+        assert sent < 16  # the socket's buffers hold a few MiB at most
+    finally:
+        d.close()
+        for conn in accepted:
+            conn.close()
+        listener.close()

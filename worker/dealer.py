@@ -236,7 +236,7 @@ class Dealer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             sock.connect(self.path)
             self._handshake(sock, reader)
-            sock.settimeout(IO_TIMEOUT_S)
+            _kernel_timeouts(sock, IO_TIMEOUT_S)
             _send_all(sock, _message_buffers(self.hello))
         except (OSError, HandshakeError, MemoryError) as exc:
             sock.close()
@@ -288,12 +288,24 @@ class Dealer:
                 self._wait(None, min(timeout_ms / 1000, wait_s))
                 return False
             return self._connect() and bool(self._messages)
-        if not self._wait(self._sock, timeout_ms / 1000):
+        # Under load the next request is in the socket by the time this one is answered:
+        # read first, and wait (a poll syscall and its Python) only when nothing is there.
+        if self._read_available() and self._messages:
+            return True
+        if self._sock is None or not self._wait(self._sock, timeout_ms / 1000):
             return False
-        reader = self._reader
+        self._read_available()
+        return bool(self._messages)
+
+    def _read_available(self) -> bool:
+        """One read of what the socket holds now, parsed; whether it read anything. A lost
+        connection reads nothing (a later poll makes it again)."""
+        sock, reader = self._sock, self._reader
+        if sock is None:
+            return False
         try:
             reader.make_room(max(MIN_READ_ROOM, reader.missing()))
-            got = self._sock.recv_into(reader.view[reader.end :], 0, socket.MSG_DONTWAIT)
+            got = sock.recv_into(reader.view[reader.end :], 0, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except (OSError, HandshakeError, MemoryError) as exc:  # MemoryError: a bad frame size
@@ -304,7 +316,7 @@ class Dealer:
             return False
         reader.end += got
         self._parse()
-        return bool(self._messages)
+        return True
 
     def recv_multipart(self) -> list[memoryview]:
         """The next message's frames, as views valid while the caller holds them; blocks
@@ -422,6 +434,20 @@ def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
             return
         views[0] = views[0][sent:]
         sent = sock.sendmsg(views)
+
+
+def _kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Make ``sock`` blocking with its read and write timeouts kept by the kernel
+    (SO_RCVTIMEO, SO_SNDTIMEO: a call that waits that long fails with EAGAIN).
+
+    Not Python's ``settimeout``: with it, every recv and sendmsg first polls the socket and
+    only then makes the call, two syscalls for one (strace under load: 3.5 polls per request
+    before this). The serving loop does its own waiting (``Dealer._wait``)."""
+    sock.settimeout(None)
+    seconds = int(timeout_s)
+    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _signal_wakeup_fd() -> int | None:

@@ -58,7 +58,7 @@ class DirectCall:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """alias → eager tensor of every output; TensorFlow's OpError subclasses on failure.
 
-        ``inputs`` hold every input alias (the caller checked them against the signature)."""
+        ``inputs`` hold every input alias (checked against the signature by the front door)."""
         context = self._context
         device = context.device_name
         tensor = self._eager_tensor

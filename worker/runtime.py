@@ -272,7 +272,8 @@ class SavedModelRuntime:
     def run(
         self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
     ) -> dict[str, np.ndarray]:
-        """Run ``signature`` on ``inputs`` (already checked against ``specs``), keep ``outputs``.
+        """Run ``signature`` on ``inputs``, keep ``outputs``. The inputs were checked against
+        ``specs`` before: by the front door for a request, by warm-up's replay for a record.
 
         TensorFlow's own error codes are gRPC's, so an op failure (an id outside the
         embedding table: INVALID_ARGUMENT) reaches the client with its code and message.
@@ -504,11 +505,12 @@ def _flat_order(function: Any, spec: SignatureSpec) -> list[str] | None:
 
     Calling a signature with keywords costs ~25% of a worker's CPU per request at batch 256:
     TensorFlow binds the arguments against the signature in Python and converts each array
-    through TensorSpec.cast. The worker has already checked every input's dtype and shape
-    against the same signature (check_inputs), so it converts the arrays itself and calls
-    the graph with its flat argument list, as the keyword call ends up doing. Only when the
-    signature's parameters are exactly its input aliases (names TensorFlow had to sanitize
-    are not) and the function has the flat entry point; warm_up() then compares both calls.
+    through TensorSpec.cast. Every input's dtype and shape was checked against the same
+    signature before (the front door's check_inputs), so the worker converts the arrays itself
+    and calls the graph with its flat argument list, as the keyword call ends up doing. Only
+    when the signature's parameters are exactly its input aliases (names TensorFlow had to
+    sanitize are not) and the function has the flat entry point; warm_up() then compares both
+    calls.
     """
     try:
         parameters = list(function.function_type.parameters)

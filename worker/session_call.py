@@ -54,7 +54,7 @@ class SessionCall:
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """alias → array of every output; TensorFlow's OpError subclasses on failure.
 
-        ``inputs`` hold every input alias (the caller checked them against the signature)."""
+        ``inputs`` hold every input alias (checked against the signature by the front door)."""
         fetched = self._callable(*[inputs[alias] for alias in self._order])
         return dict(zip(self.outputs, fetched, strict=True))
 
