@@ -333,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DISPATCH_POLICIES,
         default="round-robin",
         help="which worker takes a request: in turn (default), the fewest in flight (first "
-        "slot among equals), or the less loaded of two picked at random",
+        "slot among equals), the less loaded of two picked at random, or packed: the first "
+        "worker already working with fewer than 4 in flight, else the fewest in flight (a "
+        "sleeping worker costs a wake-up; see bench/RESULTS.md)",
     )
     sched.add_argument(
         "--queue",

@@ -105,7 +105,7 @@ def tls_from(ssl_config: Path) -> dict[str, Any]:
 
 
 # The front door's policies (router/src/policies/mod.rs: CHOOSERS, ORDERS).
-DISPATCH_POLICIES = ("round-robin", "least-loaded", "power-of-two")
+DISPATCH_POLICIES = ("round-robin", "least-loaded", "power-of-two", "packed")
 QUEUE_ORDERS = ("fcfs", "sjf")
 
 

@@ -237,42 +237,69 @@ def test_max_connection_age_closes_client_connections(tmp_path: Path, demo_model
         pool.kill()
 
 
+def _demo_request() -> Any:
+    from tensorflow_serving.apis import predict_pb2
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, array in demo_inputs(64, DEMO_ROWS).items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+    return request
+
+
+def _slots_answering(pool: Pool, send: Callable[[Any], None]) -> list[str]:
+    """The worker (placement@version, as the front door's timeline names it) of each request
+    ``send`` makes through the pool's front door, in order."""
+    from tensorflow_serving.apis import prediction_service_pb2_grpc
+
+    cli = mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), "--clear")
+    subprocess.run(cli, check=True, capture_output=True, timeout=30)
+    with pool.channel() as channel:
+        send(prediction_service_pb2_grpc.PredictionServiceStub(channel))
+    out = subprocess.run(cli, check=True, capture_output=True, timeout=30).stdout
+    return [slot for slot, _, _ in json.loads(out)["spans"]]
+
+
+def _rounds_of(request: Any, rounds: int, together: int) -> Callable[[Any], None]:
+    """``rounds`` times, ``together`` requests sent at once and all waited for."""
+
+    def send(stub: Any) -> None:
+        for _ in range(rounds):
+            futures = [stub.Predict.future(request, timeout=30) for _ in range(together)]
+            for future in futures:
+                future.result()
+
+    return send
+
+
 def test_dispatch_least_loaded_keeps_one_worker_busy_at_low_load(
     tmp_path: Path, demo_model_dir: Path
 ) -> None:
     """--dispatch least-loaded: requests one at a time all go to the first idle worker (the
     default, round-robin, would alternate); concurrent ones spread over both."""
-    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
-
     pool = Pool(tmp_path, demo_model_dir, 2, "--dispatch", "least-loaded").start()
     try:
         pool.wait_ready(2)
-        request = predict_pb2.PredictRequest()
-        request.model_spec.name = "demo"
-        for name, array in demo_inputs(64, DEMO_ROWS).items():
-            request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+        request = _demo_request()
+        assert _slots_answering(pool, _rounds_of(request, 6, 1)) == ["cpu-0@1"] * 6
+        assert set(_slots_answering(pool, _rounds_of(request, 5, 8))) == {"cpu-0@1", "cpu-1@1"}
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
 
-        def slots_answering(send: Callable[[Any], None]) -> list[str]:
-            cli = mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), "--clear")
-            subprocess.run(cli, check=True, capture_output=True, timeout=30)
-            with pool.channel() as channel:
-                send(prediction_service_pb2_grpc.PredictionServiceStub(channel))
-            out = subprocess.run(cli, check=True, capture_output=True, timeout=30).stdout
-            return [slot for slot, _, _ in json.loads(out)["spans"]]
 
-        def one_at_a_time(stub: Any) -> None:
-            for _ in range(6):
-                stub.Predict(request, timeout=30)
-
-        def together(stub: Any) -> None:
-            for _ in range(5):
-                futures = [stub.Predict.future(request, timeout=30) for _ in range(8)]
-                for future in futures:
-                    future.result()
-
-        # The timeline names workers as the front door knows them: placement@version.
-        assert slots_answering(one_at_a_time) == ["cpu-0@1"] * 6
-        assert set(slots_answering(together)) == {"cpu-0@1", "cpu-1@1"}
+def test_dispatch_packed_queues_on_a_working_worker_before_waking_another(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """--dispatch packed: requests sent together, up to 4, all go to the first worker (it is
+    working, or the first idle one), where least-loaded would give the second to the idle
+    worker; past 4 in flight the next worker takes the rest."""
+    pool = Pool(tmp_path, demo_model_dir, 2, "--dispatch", "packed").start()
+    try:
+        pool.wait_ready(2)
+        request = _demo_request()
+        assert _slots_answering(pool, _rounds_of(request, 5, 3)) == ["cpu-0@1"] * 15
+        assert set(_slots_answering(pool, _rounds_of(request, 5, 16))) == {"cpu-0@1", "cpu-1@1"}
         assert pool.stop() == 0
     finally:
         pool.kill()

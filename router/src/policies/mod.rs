@@ -13,6 +13,7 @@ use crate::batch::Batching;
 pub mod cost;
 mod fcfs;
 mod least_loaded;
+mod packed;
 mod power_of_two;
 mod round_robin;
 mod shortest_first;
@@ -48,7 +49,7 @@ pub trait Order<T>: Send {
 }
 
 /// Worker choices by their `--dispatch` names.
-pub const CHOOSERS: [&str; 3] = ["round-robin", "least-loaded", "power-of-two"];
+pub const CHOOSERS: [&str; 4] = ["round-robin", "least-loaded", "power-of-two", "packed"];
 /// Queue orders by their `--queue` names.
 pub const ORDERS: [&str; 2] = ["fcfs", "sjf"];
 
@@ -57,6 +58,7 @@ pub fn chooser(name: &str) -> Option<Box<dyn Choose>> {
         "round-robin" => Some(Box::new(round_robin::RoundRobin::default())),
         "least-loaded" => Some(Box::new(least_loaded::LeastLoaded)),
         "power-of-two" => Some(Box::new(power_of_two::PowerOfTwo::seeded(seed()))),
+        "packed" => Some(Box::new(packed::Packed::new(packed::DEFAULT_DEPTH))),
         _ => None,
     }
 }
