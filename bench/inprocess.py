@@ -128,7 +128,7 @@ def _session_call(tf: Any, model_dir: str, intra: int, inter: int) -> Any:
     the caller's thread, as a pool worker calls it (worker/session_call.py)."""
     from tensorflow.core.protobuf.config_pb2 import CallableOptions
 
-    from mpspool.worker.session_call import CALLER_THREAD
+    from mpspool.worker.session_call import CALLER_THREAD, SessionCall
 
     graph = tf.Graph()
     config = tf.compat.v1.ConfigProto(
@@ -143,13 +143,7 @@ def _session_call(tf: Any, model_dir: str, intra: int, inter: int) -> Any:
         feed=[signature.inputs[a].name for a in aliases], fetch=[signature.outputs["score"].name]
     )
     options.run_options.inter_op_thread_pool = CALLER_THREAD
-    run = session._make_callable_from_options(options)
-
-    def call(inputs: dict[str, Any]) -> Any:
-        return run(*[inputs[a] for a in aliases])[0]
-
-    call.session = session  # type: ignore[attr-defined]  # kept alive with the callable
-    return call
+    return SessionCall(session, options, aliases, ["score"])
 
 
 class InProcessLimit:

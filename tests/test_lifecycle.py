@@ -272,34 +272,29 @@ def _rounds_of(request: Any, rounds: int, together: int) -> Callable[[Any], None
     return send
 
 
-def test_dispatch_least_loaded_keeps_one_worker_busy_at_low_load(
-    tmp_path: Path, demo_model_dir: Path
+@pytest.mark.parametrize(
+    ("policy", "rounds", "together", "spread"),
+    [
+        # One at a time, every request finds the first worker idle and takes it (round-robin,
+        # the default, would alternate); 8 at once spread over both.
+        ("least-loaded", 6, 1, 8),
+        # Up to 4 at once go to the first worker, working or the first idle one (least-loaded
+        # would give the second to the idle worker); past 4 in flight the next takes the rest.
+        ("packed", 5, 3, 16),
+    ],
+)
+def test_dispatch_keeps_one_worker_busy_at_low_load(
+    tmp_path: Path, demo_model_dir: Path, policy: str, rounds: int, together: int, spread: int
 ) -> None:
-    """--dispatch least-loaded: requests one at a time all go to the first idle worker (the
-    default, round-robin, would alternate); concurrent ones spread over both."""
-    pool = Pool(tmp_path, demo_model_dir, 2, "--dispatch", "least-loaded").start()
+    """--dispatch least-loaded and packed: at low load the first worker answers everything;
+    more requests at once than it takes spread over both."""
+    pool = Pool(tmp_path, demo_model_dir, 2, "--dispatch", policy).start()
     try:
         pool.wait_ready(2)
         request = _demo_request()
-        assert _slots_answering(pool, _rounds_of(request, 6, 1)) == ["cpu-0@1"] * 6
-        assert set(_slots_answering(pool, _rounds_of(request, 5, 8))) == {"cpu-0@1", "cpu-1@1"}
-        assert pool.stop() == 0
-    finally:
-        pool.kill()
-
-
-def test_dispatch_packed_queues_on_a_working_worker_before_waking_another(
-    tmp_path: Path, demo_model_dir: Path
-) -> None:
-    """--dispatch packed: requests sent together, up to 4, all go to the first worker (it is
-    working, or the first idle one), where least-loaded would give the second to the idle
-    worker; past 4 in flight the next worker takes the rest."""
-    pool = Pool(tmp_path, demo_model_dir, 2, "--dispatch", "packed").start()
-    try:
-        pool.wait_ready(2)
-        request = _demo_request()
-        assert _slots_answering(pool, _rounds_of(request, 5, 3)) == ["cpu-0@1"] * 15
-        assert set(_slots_answering(pool, _rounds_of(request, 5, 16))) == {"cpu-0@1", "cpu-1@1"}
+        answering = _slots_answering(pool, _rounds_of(request, rounds, together))
+        assert answering == ["cpu-0@1"] * (rounds * together)
+        assert set(_slots_answering(pool, _rounds_of(request, 5, spread))) == {"cpu-0@1", "cpu-1@1"}
         assert pool.stop() == 0
     finally:
         pool.kill()

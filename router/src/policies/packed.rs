@@ -3,8 +3,8 @@
 //!
 //! Why: a worker with nothing to do sleeps, and a request sent to it pays for waking it: on
 //! the 2-core virtual machine of bench/RESULTS.md a wake-up across cores costs ~24 µs, and two
-//! workers at batch 1 and concurrency 4 spent 80–90 µs of worker CPU per request spread
-//! round-robin against 38 when one worker took them all (it never slept), serving 2.2× the
+//! workers at batch 1 and concurrency 4 spent 80–86 µs of worker CPU per request spread
+//! round-robin against 37–40 when one worker took them all (it never slept), serving 2.2× the
 //! requests. A request queued behind at most `depth - 1` others on an awake worker is cheaper
 //! than a wake-up while the others are short. Hazards: at low load the other workers (GPU
 //! contexts) idle; a request waits behind up to `depth - 1` others where another worker is
