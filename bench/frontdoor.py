@@ -5,7 +5,7 @@ Systems, one at a time (``--systems``, this order by default):
 - ``echo-1``, ``echo-2``: the front door binary over 1 or 2 workers that only echo
   (bench/echo_worker.py): its own ceiling and CPU per request, without TensorFlow.
 - ``inprocess-1``, ``inprocess-2``: the in-process limit, P processes calling the SavedModel
-  back to back (bench/inprocess.py), no RPC.
+  back to back (bench/inprocess.py), no RPC, on the inputs of the served systems' request.
 - ``mpspool-1``, ``mpspool-2``: `mpspool start` with 1 and 2 workers.
 - ``plain``, ``ray``, ``triton``: the peers (bench/peers/) with 2 instances where they have
   instances; one whose virtualenv is missing is skipped and named in the report.
@@ -36,7 +36,7 @@ import psutil
 from bench import harness
 from bench.echo_worker import echo_pool
 from bench.harness import Checker, Pool, Server, fmt, measure
-from bench.inprocess import InProcessLimit
+from bench.inprocess import REQUEST_SEED, InProcessLimit
 from bench.peers.run import PEERS, PeerServer
 from mpspool.demo_model import demo_inputs
 from mpspool.router import BINARY_ENV, binary_path
@@ -61,7 +61,7 @@ def requests(rows: int, batches: list[int]) -> dict[tuple[str, int], harness.Req
     """(protocol, batch) → the request every system of that protocol gets; the same ids."""
     out = {}
     for b in batches:
-        inputs = demo_inputs(b, rows, seed=1)
+        inputs = demo_inputs(b, rows, seed=REQUEST_SEED)
         out["tfserving", b] = harness.predict_request(f"demo batch {b}", "demo", inputs)
         out["kserve", b] = harness.kserve_request(f"demo batch {b}", "demo", inputs)
     return out
@@ -353,7 +353,8 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
     )  # fmt: skip
     lines += [
         "",
-        "In-process limit (P processes calling the SavedModel back to back, no RPC; *public "
+        "In-process limit (P processes calling the SavedModel back to back, no RPC, with the "
+        "inputs of the request h2load posts, so both sides gather the same rows; *public "
         "call*: its serving signature on pre-built tensors, the targets' limit; *session "
         "call*: a TF1 session callable on the caller's thread with numpy arrays, as a pool "
         "worker calls it):",

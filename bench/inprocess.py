@@ -3,9 +3,13 @@
 This is the ceiling a pool of P workers can approach on the same machine: each process loads
 the model with ``tf.saved_model.load`` and calls its serving signature back to back on
 pre-built tensors, with the thread settings a pool worker gets (intra-op = usable cores / P,
-inter-op 1). Each process is one closed-loop client of itself, so P processes are the
-in-process counterpart of a pool of P workers at concurrency P. Everything a served request
-adds — gRPC, protobuf, the router, ZeroMQ, copies — is what the pool pays above this.
+inter-op 1). The inputs are the ones the front-door bench's request carries (``REQUEST_SEED``;
+h2load posts that one body), so both sides gather the same rows: measured 2026-11-25, 8
+distinct inputs per process instead cost 1.2-1.7x the CPU per batch-256 call, by how many
+gathered rows missed cache, which changed from one start of the processes to the next. Each
+process is one closed-loop client of itself, so P processes are the in-process counterpart of
+a pool of P workers at concurrency P. Everything a served request adds — gRPC, protobuf, the
+router, ZeroMQ, copies — is what the pool pays above this.
 
 Processes start with multiprocessing's "spawn" (TensorFlow must not inherit a forked
 runtime), load once, and then run one measurement per command, all P in lock step (a barrier,
@@ -37,7 +41,8 @@ from mpspool import cpusets
 # Loading a 488 MiB table from disk on a busy 2-core machine can take a while; a process that
 # has not reported in this long is broken, not slow.
 LOAD_TIMEOUT_S = 300.0
-DISTINCT_INPUTS = 8
+# The seed of demo_inputs behind the front-door bench's one request per batch size.
+REQUEST_SEED = 1
 FEEDS = ("tensor", "numpy", "session")
 
 
@@ -50,7 +55,8 @@ def _child(
     inter: int,
     index: int,
 ) -> None:
-    """One process: load, then answer ("run", batch, warmup, duration, feed) until ("exit",)."""
+    """One process: load, then answer ("run", batch, warmup, duration, feed, seeds) until
+    ("exit",)."""
     from mpspool import process
 
     # A bench that dies (or is killed) must not leave model-sized processes behind; Ctrl-C
@@ -77,18 +83,18 @@ def _child(
         command = conn.recv()
         if command[0] != "run":
             return
-        _, batch, warmup_s, duration_s, feed = command
+        _, batch, warmup_s, duration_s, feed, seeds = command
         # Pre-built tensors ("tensor"), like the load generator's pre-serialized requests: the
         # loop measures the model call, not input preparation. "numpy" feeds the arrays as a
         # worker has them after decoding a request, so the call includes converting them.
         # "session" calls a TF1 session on this thread with the arrays (see _session_call).
-        # Different seed per process, so the processes do not gather the same rows in step.
+        # Every process cycles the same inputs, each from its own offset.
         inputs = [
             {
                 k: tf.constant(v) if feed == "tensor" else v
-                for k, v in demo_inputs(batch, rows, seed=index * 1000 + i).items()
+                for k, v in demo_inputs(batch, rows, seed=seed).items()
             }
-            for i in range(DISTINCT_INPUTS)
+            for seed in seeds[index % len(seeds) :] + seeds[: index % len(seeds)]
         ]
         if feed == "session":
             if session_call is None:
@@ -112,7 +118,7 @@ def _child(
                 break
             if not cpu_start and t0 >= window_start:
                 cpu_start = time.process_time()
-            call(inputs[i % DISTINCT_INPUTS])
+            call(inputs[i % len(inputs)])
             i += 1
             t1 = time.perf_counter()
             # Attributed by completion time, as the load generator does.
@@ -223,9 +229,17 @@ class InProcessLimit:
             ) from None
 
     def run(
-        self, batch: int, duration_s: float, warmup_s: float = 1.0, feed: str = "tensor"
+        self,
+        batch: int,
+        duration_s: float,
+        warmup_s: float = 1.0,
+        feed: str = "tensor",
+        seeds: tuple[int, ...] = (REQUEST_SEED,),
     ) -> dict[str, Any]:
         """All P processes run a closed loop at ``batch`` together; the summed throughput.
+
+        ``seeds``: the demo_inputs every process cycles through; the default is the front-door
+        bench's request, several make the gathered rows miss cache as varied traffic does.
 
         ``feed``: "tensor" (pre-built tf.constant inputs: the model call alone), "numpy"
         (the arrays a worker decodes, converted by the call) or "session" (the arrays fed to a
@@ -234,8 +248,10 @@ class InProcessLimit:
         """
         if feed not in FEEDS:
             raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
+        if not seeds:
+            raise ValueError("seeds must name at least one input")
         for conn in self._conns:
-            conn.send(("run", batch, warmup_s, duration_s, feed))
+            conn.send(("run", batch, warmup_s, duration_s, feed, list(seeds)))
         latencies: list[float] = []
         cpu_s = 0.0
         per_process = []
@@ -259,6 +275,7 @@ class InProcessLimit:
             "inter_op_threads": self.inter,
             "batch": batch,
             "feed": feed,
+            "seeds": list(seeds),
             "warmup_s": warmup_s,
             "duration_s": duration_s,
             "ok": calls,
@@ -310,13 +327,20 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: tensor (pre-built tensors), numpy (arrays, as a worker has "
         "them), session (arrays, a TF1 session callable on the caller's thread)",
     )
+    parser.add_argument(
+        "--seeds",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(REQUEST_SEED,),
+        help="comma-separated demo_inputs seeds every process cycles through (default: the "
+        "front-door bench's request; several make the gathered rows miss cache)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     results = []
     with InProcessLimit(args.model_dir, args.rows, args.processes) as limit:
         for batch in (int(b) for b in args.batches.split(",")):
             for feed in args.feed.split(","):
-                result = limit.run(batch, args.duration, args.warmup, feed)
+                result = limit.run(batch, args.duration, args.warmup, feed, args.seeds)
                 results.append(result)
                 print(
                     f"P={args.processes} batch={batch} feed={feed}: "
