@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # bench/ is a folder of the checkout, not an installed package
 
-from bench import frontdoor, harness  # noqa: E402
+from bench import frontdoor, harness, inprocess  # noqa: E402
 from bench.echo_worker import echo_pool  # noqa: E402
 
 
@@ -186,8 +186,27 @@ def test_a_short_run_of_each_kind_of_system(tmp_path: Path) -> None:
         ("tensor", 1), ("tensor", 8), ("session", 1), ("session", 8),
     ]  # fmt: skip
     assert all(p["ok"] > 0 for p in report["inprocess"])
+    # The limit ran on the inputs of the request the served systems got (see the next test).
+    assert all(p["seeds"] == [inprocess.REQUEST_SEED] for p in report["inprocess"])
     assert {s["system"] for s in report["systems"]} == {"mpspool 1w", "plain TF gRPC (1 process)"}
     assert all(w["requests"] > 0 for w in report["windows"])
+
+
+def test_the_limit_and_the_served_systems_get_the_same_inputs() -> None:
+    """The request h2load posts carries demo_inputs(seed=REQUEST_SEED), the inputs the
+    in-process limit calls the model with by default: both sides gather the same rows (8
+    inputs of the limit's own cost it 1.2-1.7x the CPU per batch-256 call, RESULTS.md)."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    from mpspool.demo_model import demo_inputs
+
+    request = frontdoor.requests(1000, [8])["tfserving", 8]
+    sent = predict_pb2.PredictRequest.FromString(request.body[5:])
+    expected = demo_inputs(8, 1000, seed=inprocess.REQUEST_SEED)
+    assert sorted(sent.inputs) == sorted(expected)
+    for name, values in expected.items():
+        np.testing.assert_array_equal(tf.make_ndarray(sent.inputs[name]), values)
 
 
 def test_rest_windows_beside_grpc(tmp_path: Path) -> None:
