@@ -290,33 +290,33 @@ class Dealer:
             return self._connect() and bool(self._messages)
         # Under load the next request is in the socket by the time this one is answered:
         # read first, and wait (a poll syscall and its Python) only when nothing is there.
-        if self._read_available() and self._messages:
+        self._read_available()
+        if self._messages:
             return True
         if self._sock is None or not self._wait(self._sock, timeout_ms / 1000):
             return False
         self._read_available()
         return bool(self._messages)
 
-    def _read_available(self) -> bool:
-        """One read of what the socket holds now, parsed; whether it read anything. A lost
+    def _read_available(self) -> None:
+        """One read of what the socket holds now, parsed into ``_messages``. A lost
         connection reads nothing (a later poll makes it again)."""
         sock, reader = self._sock, self._reader
         if sock is None:
-            return False
+            return
         try:
             reader.make_room(max(MIN_READ_ROOM, reader.missing()))
             got = sock.recv_into(reader.view[reader.end :], 0, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return False
+            return
         except (OSError, HandshakeError, MemoryError) as exc:  # MemoryError: a bad frame size
             self._lost(exc)
-            return False
+            return
         if not got:
             self._lost(ConnectionResetError("closed by the front door"))
-            return False
+            return
         reader.end += got
         self._parse()
-        return True
 
     def recv_multipart(self) -> list[memoryview]:
         """The next message's frames, as views valid while the caller holds them; blocks

@@ -506,11 +506,11 @@ def _flat_order(function: Any, spec: SignatureSpec) -> list[str] | None:
     Calling a signature with keywords costs ~25% of a worker's CPU per request at batch 256:
     TensorFlow binds the arguments against the signature in Python and converts each array
     through TensorSpec.cast. Every input's dtype and shape was checked against the same
-    signature before (the front door's check_inputs), so the worker converts the arrays itself
-    and calls the graph with its flat argument list, as the keyword call ends up doing. Only
-    when the signature's parameters are exactly its input aliases (names TensorFlow had to
-    sanitize are not) and the function has the flat entry point; warm_up() then compares both
-    calls.
+    signature before (router/src/signature.rs; warm-up records: check_inputs), so the worker
+    converts the arrays itself and calls the graph with its flat argument list, as the keyword
+    call ends up doing. Only when the signature's parameters are exactly its input aliases
+    (names TensorFlow had to sanitize are not) and the function has the flat entry point;
+    warm_up() then compares both calls.
     """
     try:
         parameters = list(function.function_type.parameters)
