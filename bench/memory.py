@@ -1337,8 +1337,10 @@ def reading(report: dict[str, Any]) -> list[str]:
             f"{_x(cold['ratio'])}× that with {_size(s['small_rows'] * 256)} "
             f"({verdict} the {TARGET_COLD_START:.2f} target), but the rounds disagree "
             f"({', '.join(_x(r) for r in rounds)}) and absolute times moved with the machine's "
-            f"load: the difference is of the order of the noise. The pool's start adds the "
-            f"publish step, which a bigger table lengthens."
+            f"load: the difference is of the order of the noise. The pool's first workers "
+            f"start beside the publisher and wait for its segment only after importing "
+            f"TensorFlow, so a bigger table lengthens the pool's start only by what publishing "
+            f"takes beyond that import, and by the cores the publisher shares with it."
         )
     out.append(
         "- Memory figures do not depend on the machine's load; they do depend on other "

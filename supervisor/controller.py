@@ -295,8 +295,9 @@ class Controller:
             )
             for stale in segment.remove_stale():
                 log.info("removed a weight segment left by a pool that died: %s", stale)
-            firsts = [m.groups[m.config.model_version] for m in self.models.values()]
             if self.config.share_weights:
+                # Each first version's publisher runs on while supervisord, the front door
+                # and its workers start (ModelVersions.publish_first).
                 for model in self.models.values():
                     failed = model.publish_first()
                     if failed:
@@ -308,12 +309,8 @@ class Controller:
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
             self.gpu.start(self.supervisord.process_info())
-            for first in firsts:
-                first.in_supervisord = True
-                self.rpc("startProcessGroup", first.group, False)
-                for slot in first.slots.values():
-                    slot.start_pending = True
-                    slot.change_state(WorkerState.STARTING, "spawned")
+            for model in self.models.values():
+                model.start_workers(model.groups[model.config.model_version], "spawned", False)
             failures = 0
             while self.phase in (PoolPhase.STARTING, PoolPhase.SERVING):
                 self._serve_admin(TICK_S)
@@ -343,7 +340,7 @@ class Controller:
 
     def _place_self(self) -> None:
         """Log the CPU placement; with a core kept for the front door and controller, move
-        this process there. Done after the weights are published (that step uses every core)
+        this process there. Done after the first publishers started (they keep every core)
         and before supervisord starts: supervisord inherits the affinity and hands it to the
         front door at each (re)start. Workers set their own cores before TensorFlow loads."""
         placement = self.placement

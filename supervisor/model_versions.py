@@ -31,6 +31,8 @@ log = logging.getLogger("mpspool.controller")
 
 # Retired versions listed (END) in status and GetModelStatus, newest last.
 RETIRED_SHOWN = 5
+# How often the pool's start looks for the first publisher's claim on its segment.
+CLAIM_POLL_S = 0.005
 
 
 class RouterAsk(Protocol):
@@ -107,21 +109,40 @@ class ModelVersions:
 
     # -- publishing ---------------------------------------------------------------
     def publish_first(self) -> str:
-        """Publish the first version's weights into shared memory before any worker starts;
-        the reason it failed ("" when it did not). Later versions are published the same way
-        while the pool serves (`_load`)."""
-        started = time.monotonic()
-        version = self.config.model_version
-        code = self._start_publisher(version).wait()
+        """Start publishing the first version's weights; return once the publisher has
+        claimed its segment (the ".partial" file it writes into, renamed into place when
+        complete), with the reason it failed ("" when it did not).
+
+        The controller then starts the version's workers beside the publisher: a worker
+        needs the weights only after importing TensorFlow and loading the graph, and waits
+        for the rename there (worker/runtime.py, `_wait_for_publisher`), so the copy and the
+        imports overlap. `_advance_loading` sees the publisher end. Later versions, loaded
+        while others serve, publish first and start their workers after (`_load`)."""
+        group = self.groups[self.config.model_version]
+        group.publisher = publisher = self._start_publisher(group.version)
+        group.publish_started = time.monotonic()
+        final = Path(group.segment)
+        partial = final.with_name(final.name + ".partial")
+        # Claimed within tens of ms (the checkpoint's index is read first, no TensorFlow);
+        # a worker started before the claim would find no segment at all.
+        while publisher.poll() is None and not (partial.exists() or final.exists()):
+            time.sleep(CLAIM_POLL_S)
+        code = publisher.poll()
+        return "" if code is None else self._published(group, code)
+
+    def _published(self, group: VersionGroup, code: int) -> str:
+        """The publisher of ``group`` ended with ``code``: "" with the segment said in the
+        log, or the reason it failed."""
+        group.publisher = None
         if code != 0:
-            return f"publishing the weights failed: {self._publish_failure(version, code)}"
-        size = Path(self.config.segment_for(version)).stat().st_size
+            return f"publishing the weights failed: {self._publish_failure(group.version, code)}"
+        size = Path(group.segment).stat().st_size
         log.info(
             "weights of %s published to %s (%.1f MiB) in %.1f s",
-            self.groups[version].label,
-            self.config.segment_for(version),
+            group.label,
+            group.segment,
             size / 2**20,
-            time.monotonic() - started,
+            time.monotonic() - group.publish_started,
         )
         return ""
 
@@ -258,16 +279,23 @@ class ModelVersions:
         or start its workers at once when weights are not shared."""
         group.change_state(VersionState.LOADING, now, why)
         if not self.config.share_weights:
-            self._start_group(group)
+            self.start_workers(group, f"version {group.version} loading")
             return
         group.publisher = self._start_publisher(group.version)
+        group.publish_started = time.monotonic()
 
-    def _start_group(self, group: VersionGroup) -> None:
-        self.pool.sync_supervisord()
+    def start_workers(self, group: VersionGroup, why: str, sync: bool = True) -> None:
+        """Its program group started in supervisord, its slots STARTING. ``sync``: add the
+        group to supervisord's programs first (not needed at the pool's start, where
+        supervisord starts with every program)."""
+        if sync:
+            self.pool.sync_supervisord()
+        group.in_supervisord = True
+        group.workers_started = True
         self.pool.rpc("startProcessGroup", group.group, False)
         for slot in group.slots.values():
             slot.start_pending = True
-            slot.change_state(WorkerState.STARTING, f"version {group.version} loading")
+            slot.change_state(WorkerState.STARTING, why)
 
     def _advance(self, group: VersionGroup, now: float, snap: dict[str, Any]) -> None:
         if group.state is VersionState.LOADING:
@@ -300,15 +328,14 @@ class ModelVersions:
         if group.publisher is not None:
             code = group.publisher.poll()
             if code is None:
+                return  # workers started beside it (the first version) wait for the segment
+            failed = self._published(group, code)
+            if failed:
+                self._fail_version(group, failed, now)
                 return
-            group.publisher = None
-            if code != 0:
-                why = self._publish_failure(group.version, code)
-                self._fail_version(group, f"publishing the weights failed: {why}", now)
+            if not group.workers_started:
+                self.start_workers(group, f"version {group.version} loading")
                 return
-            log.info("weights of %s published", group.label)
-            self._start_group(group)
-            return
         slots = list(group.slots.values())
         ready = [s for s in slots if s.state is WorkerState.READY]
         others = self.serving_version() is not None

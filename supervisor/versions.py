@@ -104,7 +104,9 @@ class VersionGroup:
     error: str = ""
     publisher: subprocess.Popen[bytes] | None = None  # publishing its weights, while running
     since: float = 0.0  # monotonic time of the last state change
+    publish_started: float = 0.0  # monotonic time its publisher was started
     in_supervisord: bool = False  # its program group was added to supervisord
+    workers_started: bool = False  # its program group was started (its slots STARTING)
     model: str = ""  # its model's prefix (Slot.model): "" for the pool's first model
 
     @property

@@ -41,6 +41,7 @@ from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.controller import ROUTER_PROGRAM, Controller, PoolPhase
 from mpspool.supervisor.slots import Slot, group_name, program_name
 from mpspool.supervisor.states import ALLOWED, IllegalTransition, WorkerState
+from mpspool.supervisor.versions import VersionGroup, VersionState
 
 S = WorkerState
 STATE_NAMES = {
@@ -1370,6 +1371,120 @@ def test_loaded_at_normal_priority_a_worker_still_gets_its_serving_policy(
     pool.start()
     pool.make_ready("cpu-0")
     assert pool.restored == [pool.slot("cpu-0").pid]
+
+
+# A publisher as the controller sees one: it claims the segment (".partial") at once, waits
+# for the test's go, then renames it into place and exits with the code it was given.
+FAKE_PUBLISHER = """
+import os, sys, time
+segment, go, code = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with open(segment + ".partial", "wb") as f:
+    f.write(bytes(4096))
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.01)
+if code:
+    os.unlink(segment + ".partial")
+    print("MPSPOOL-FATAL: the checkpoint is short by 4096 bytes", flush=True)
+    sys.exit(code)
+os.rename(segment + ".partial", segment)
+"""
+
+
+@pytest.fixture
+def fake_publisher(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[Callable[[int], Path]]:
+    """``arm(code)`` makes every publisher the controller starts the fake above, exiting with
+    ``code``; it returns the go file, which lets the publishers finish once it exists."""
+    from mpspool.supervisor.model_versions import ModelVersions
+
+    go = tmp_path / "go"
+    segments: list[str] = []
+
+    def arm(code: int) -> Path:
+        def start(self: ModelVersions, version: int) -> subprocess.Popen[bytes]:
+            segment = self.config.segment_for(version)
+            segments.append(segment)
+            log_path = self._publish_log_path(version)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:
+                command = [sys.executable, "-c", FAKE_PUBLISHER, segment, str(go), str(code)]
+                return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+        monkeypatch.setattr(ModelVersions, "_start_publisher", start)
+        return go
+
+    yield arm
+    go.touch()
+    for segment in segments:
+        Path(segment).unlink(missing_ok=True)
+        Path(segment + ".partial").unlink(missing_ok=True)
+
+
+def start_first_version(pool: Pool) -> VersionGroup:
+    """What Controller.run does with shared weights: the first version's publisher started
+    (returning once it claimed the segment), then its workers; the version's group."""
+    model = pool.controller.models["demo"]
+    group = model.groups[1]
+    assert model.publish_first() == ""
+    model.start_workers(group, "spawned", False)
+    return group
+
+
+def test_the_first_versions_workers_start_beside_its_publisher(
+    make_pool: Callable[..., Pool], fake_publisher: Callable[[int], Path]
+):
+    """The workers import TensorFlow while the weights are copied (they wait for the
+    segment only when they need it); the version serves once both are done."""
+    go = fake_publisher(0)
+    pool = make_pool()
+    group = start_first_version(pool)
+    publisher = group.publisher
+    assert publisher is not None and publisher.poll() is None, "started, not waited for"
+    assert Path(group.segment + ".partial").exists()
+    assert pool.sd.rpc_calls("startProcessGroup") == [("startProcessGroup", "v1")]
+    assert pool.slot("cpu-0").state is S.STARTING and pool.slot("cpu-1").state is S.STARTING
+
+    # Workers cannot be READY before the segment exists; were one to say so, the version
+    # still waits for its publisher.
+    for name in ("cpu-0", "cpu-1"):
+        pool.sd.run(key_of(name), pool.sd.pid_of(name))
+        pool.router.register(name, pool.sd.pid_of(name))
+    pool.tick()
+    assert group.state is VersionState.LOADING
+    assert told(pool) == {1: "LOADING"}
+
+    go.touch()
+    publisher.wait(timeout=30)
+    pool.tick()
+    assert group.publisher is None
+    assert Path(group.segment).exists()
+    assert told(pool) == {1: "AVAILABLE"}
+    assert pool.controller.phase is PoolPhase.SERVING
+    assert pool.sd.rpc_calls("startProcessGroup") == [("startProcessGroup", "v1")], "once"
+
+
+def test_a_first_publisher_failing_after_its_workers_started_fails_the_pool(
+    make_pool: Callable[..., Pool], fake_publisher: Callable[[int], Path]
+):
+    go = fake_publisher(1)
+    pool = make_pool()
+    group = start_first_version(pool)
+    publisher = group.publisher
+    assert publisher is not None
+    pool.tick()
+    assert pool.controller.phase is not PoolPhase.DRAINING
+    go.touch()
+    publisher.wait(timeout=30)
+    pool.tick()
+    assert pool.controller.phase is PoolPhase.DRAINING
+    reason = pool.controller.exit_reason
+    assert reason.startswith("publishing the weights failed:"), reason
+    assert "the checkpoint is short by 4096 bytes" in reason
+    assert ("stopProcessGroup", "v1") in pool.sd.calls, "its starting workers are stopped"
+    assert not Path(group.segment).exists()
+    assert not Path(group.segment + ".partial").exists()
 
 
 def write_model_config(path: Path, base: Path, policy: str, labels: dict[str, int]) -> None:
