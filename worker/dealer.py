@@ -33,6 +33,7 @@ import select
 import signal
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -212,6 +213,9 @@ class Dealer:
         self.hello = list(hello)
         self.connections = 0  # connections made so far, the first one included
         self._sock: socket.socket | None = None
+        # Held by every write and by whatever replaces or closes the socket: a second thread
+        # may send (`send_from_thread`), and a message's frames must not interleave.
+        self._write_lock = threading.Lock()
         self._reader = _Reader()
         self._frames: list[memoryview] = []  # the message being read: its frames so far
         self._messages: deque[list[memoryview]] = deque()  # whole messages not yet taken
@@ -244,7 +248,8 @@ class Dealer:
                 log.warning("connecting to the front door at %s failed: %s", self.path, exc)
             self._retry_at = time.monotonic() + RECONNECT_INTERVAL_S
             return False
-        self._sock, self._reader = sock, reader
+        with self._write_lock:
+            self._sock, self._reader = sock, reader
         self._frames, self._messages = [], deque()
         self.connections += 1
         if self.connections > 1:
@@ -269,9 +274,10 @@ class Dealer:
 
     def _lost(self, why: BaseException) -> None:
         log.warning("lost the front door's connection (%s); connecting again", why)
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = None
+        with self._write_lock:
+            if self._sock is not None:
+                self._sock.close()
+            self._sock = None
         self._frames, self._messages = [], deque()
         self._retry_at = time.monotonic() + RECONNECT_INTERVAL_S
 
@@ -368,20 +374,35 @@ class Dealer:
     def send(self, frame: Any) -> bool:
         return self._send_raw(_message_buffers((frame,)))
 
-    def _send_raw(self, buffers: list[Any]) -> bool:
-        if self._sock is None:
-            return False
-        try:
-            _send_all(self._sock, buffers)
-        except OSError as exc:
-            self._lost(exc)
-            return False
+    def send_from_thread(self, frame: Any) -> bool:
+        """``send`` for a thread other than the one that reads: a write that fails is left
+        for the reading thread to find (the connection's state is that thread's)."""
+        with self._write_lock:
+            if self._sock is None:
+                return False
+            try:
+                _send_all(self._sock, _message_buffers((frame,)))
+            except OSError:
+                return False
         return True
 
+    def _send_raw(self, buffers: list[Any]) -> bool:
+        with self._write_lock:
+            if self._sock is None:
+                return False
+            try:
+                _send_all(self._sock, buffers)
+                return True
+            except OSError as exc:
+                failed = exc
+        self._lost(failed)
+        return False
+
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        with self._write_lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
 
     # -- waiting --------------------------------------------------------------------------------
     def _wait(self, sock: socket.socket | None, timeout_s: float) -> bool:

@@ -2,7 +2,12 @@
 
 One process, one model runtime, one (slot). The serving loop is single-threaded and is
 also what sends heartbeats, so a heartbeat proves the loop turns — not merely that the
-process exists (a side thread would keep beating while the loop is stuck).
+process exists (a side thread would keep beating while the loop is stuck). One exception:
+while the loop is inside a model call, a side thread beats for it (`BusyBeats`). A call
+longer than the front door's liveness window (--worker-timeout) is work, not silence:
+without those beats the worker computing it was declared dead, killed, and the request
+sent to the next worker, which met the same end. TensorFlow releases the GIL while it runs
+a graph, so the side thread gets to beat; a stopped process (SIGSTOP) beats from no thread.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,42 @@ class Pending:
     signature: str
     outputs: list[str]
     inputs: dict[str, Any]
+
+
+# How often the side thread looks whether a model call is running. A quarter of the
+# heartbeat interval: a worker that enters a long call just before its loop would have beaten
+# is silent for at most ~0.75 s (0.5 since the loop's last beat, 0.25 until the thread's
+# first), well inside the default 3 s liveness window (--worker-timeout).
+BUSY_CHECK_S = wire.HEARTBEAT_INTERVAL_S / 4
+
+
+class BusyBeats:
+    """Heartbeats from a side thread while the serving loop is inside a model call.
+
+    The loop stores the call's start in ``call_started`` and 0.0 at its end (an attribute
+    store, nothing a request would notice: no lock, no wake-up); the thread looks every
+    BUSY_CHECK_S and beats (``beat``) at least every half interval while a call has run
+    longer than that. Outside calls it beats nothing, so a loop stuck anywhere else is still
+    silent."""
+
+    def __init__(self, beat: Any) -> None:
+        self.call_started = 0.0  # time.monotonic() at the running call's start; 0.0: none
+        self._beat = beat
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy-beats", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = 0.0
+        while not self._stop.wait(BUSY_CHECK_S):
+            started, now = self.call_started, time.monotonic()
+            if started and now - started >= BUSY_CHECK_S and now - last >= 2 * BUSY_CHECK_S:
+                self._beat()
+                last = now
 
 
 class Worker:
@@ -72,7 +114,17 @@ class Worker:
         )
         return [header, self.runtime.signature_defs]
 
+    def _heartbeat(self) -> bytes:
+        return wire.pack(wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served)
+
     def serve(self) -> None:
+        self._busy_beats = BusyBeats(lambda: self._socket.send_from_thread(self._heartbeat()))
+        try:
+            self._serve()
+        finally:
+            self._busy_beats.stop()
+
+    def _serve(self) -> None:
         next_beat = time.monotonic() + wire.HEARTBEAT_INTERVAL_S
         while not self.stop_requested:
             timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
@@ -80,9 +132,7 @@ class Worker:
                 self._handle_queued()
             now = time.monotonic()
             if now >= next_beat:
-                self._socket.send(
-                    wire.pack(wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served)
-                )
+                self._socket.send(self._heartbeat())
                 next_beat = now + wire.HEARTBEAT_INTERVAL_S
         # BYE: the router stops routing here and retries whatever it still had queued for
         # this worker on another one, so stopping a worker loses no request.
@@ -141,6 +191,7 @@ class Worker:
     def _execute(self, request: Pending) -> list[Any]:
         """The reply to a checked request: its outputs, or its error."""
         start_us = time.time_ns() // 1000
+        self._busy_beats.call_started = time.monotonic()
         try:
             result = self.runtime.run(request.signature, request.inputs, request.outputs)
         except ServingError as exc:
@@ -148,6 +199,8 @@ class Worker:
         except Exception as exc:  # a bad request must never kill the worker
             log.exception("request %s failed", request.request_id)
             return [self._error(request.request_id, Code.INTERNAL, str(exc))]
+        finally:
+            self._busy_beats.call_started = 0.0
         self.served += 1
         return self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
 

@@ -39,6 +39,11 @@ use crate::{log_info, log_warn};
 /// progress) before it fails with UNAVAILABLE, if the client's deadline is longer.
 pub const NO_WORKER_WAIT: Duration = Duration::from_secs(5);
 const LIVENESS_SWEEP: Duration = Duration::from_millis(100);
+/// How many times one request (or chunk) is sent before its losses end it. A worker that
+/// leaves while holding it (killed, crashed, silent, drained) loses it, and it is sent again
+/// elsewhere; a request that ends every worker it reaches (a query of death: an op that
+/// aborts the process on its input) would otherwise take the whole pool down, over and over.
+pub const MAX_SENDS: u32 = 3;
 
 pub struct WorkRequest {
     /// The model version it runs on (`VersionTable::resolve`).
@@ -318,6 +323,7 @@ impl Dispatcher {
         let request = Arc::new(request);
         let arrived = std::time::Instant::now();
         let deadline_exceeded = || ServingError::new(Code::DeadlineExceeded, "Deadline Exceeded");
+        let mut lost = 0;
         loop {
             // A retry after the deadline passed would only make a worker do work nobody reads.
             if deadline.is_some_and(|d| d <= Instant::now()) {
@@ -351,6 +357,16 @@ impl Dispatcher {
                 Ok(Outcome::Reply(reply)) => return Ok(reply),
                 Ok(Outcome::Error(error)) => return Err(error),
                 Ok(Outcome::Lost(why)) => {
+                    lost += 1;
+                    if lost >= MAX_SENDS {
+                        log_warn!("request {id} given up after {lost} sends: {why}");
+                        let message = format!(
+                            "the request was sent to a worker {lost} times and each left before \
+                             answering (last: {why}); it is not sent again, as it may be what \
+                             ends them"
+                        );
+                        return Err(ServingError::new(Code::Internal, message));
+                    }
                     log_info!("retrying request {id} elsewhere: {why}");
                     self.state.retries.fetch_add(1, Ordering::Relaxed);
                 }

@@ -389,6 +389,40 @@ async fn a_request_whose_worker_leaves_is_retried_on_another() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_every_worker_leaves_on_is_given_up_after_max_sends() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start(&dir, Duration::from_secs(3));
+    let leavers: Vec<FakeWorker> = (0..4)
+        .map(|i| {
+            FakeWorker::start(
+                &dir,
+                &format!("cpu-{i}"),
+                100 + i,
+                Behaviour::LeaveMidRequest,
+            )
+        })
+        .collect();
+    ready(&dispatcher, 4).await;
+    let error = dispatcher
+        .call(request(), Some(Instant::now() + Duration::from_secs(5)))
+        .await
+        .expect_err("every worker leaves on it");
+    assert_eq!(error.code, Code::Internal);
+    assert!(
+        error.message.contains("sent to a worker 3 times"),
+        "{}",
+        error.message
+    );
+    let reached = leavers.iter().filter(|w| !w.rows_seen().is_empty()).count();
+    assert_eq!(reached as u32, MAX_SENDS, "one worker is left standing");
+    assert_eq!(
+        state.retries.load(Ordering::Relaxed),
+        u64::from(MAX_SENDS - 1)
+    );
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_worker_is_declared_dead_and_its_request_retried() {
     let (_dir, dir) = run_dir();
     let (dispatcher, state) = start(&dir, Duration::from_millis(400));

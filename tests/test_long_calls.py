@@ -1,0 +1,146 @@
+"""Model calls longer than the liveness window, and a request that ends every worker it
+reaches, in a real pool (the official client, a model these tests export).
+
+A worker inside a long call is working, not silent: it beats from a side thread while the
+call runs (worker/serve.py, BusyBeats), so it is neither declared dead nor killed, and the
+request is answered once. A request whose worker dies while running it is sent again
+elsewhere, but at most MAX_SENDS (3) times (router/src/dispatch.rs): an input that aborts
+the process (TensorFlow's Abort op here, a crashing kernel in the wild) must not take the
+pool down over and over."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from poolproc import Pool
+
+WORKERS = 3
+WORKER_TIMEOUT_S = 1.0
+# What a long call lasts: well past the liveness window, so that without beats its worker
+# would be declared dead at least once.
+LONG_CALL_S = 2.5
+
+
+class Spin(tf.Module):
+    """``n`` [batch] int32 → ``out`` [batch]: max(n) steps of x ← tanh(x · w) on a 64×256 x;
+    any negative n aborts the process (tf.raw_ops.Abort, as a kernel that crashes would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = tf.Variable(tf.random.stateless_normal([256, 256], seed=[1, 2]) * 0.05)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int32, name="n")])
+    def serve(self, n: tf.Tensor) -> dict[str, tf.Tensor]:
+        def crash() -> tf.Tensor:
+            with tf.control_dependencies([tf.raw_ops.Abort(error_msg="a query of death")]):
+                return tf.zeros([64, 256])
+
+        def spin() -> tf.Tensor:
+            steps = tf.reduce_max(tf.concat([n, [0]], axis=0))
+            _, x = tf.while_loop(
+                lambda i, x: i < steps,
+                lambda i, x: (i + 1, tf.tanh(tf.matmul(x, self.w))),
+                (tf.constant(0), tf.ones([64, 256])),
+            )
+            return x
+
+        x = tf.cond(tf.reduce_min(tf.concat([n, [0]], axis=0)) < 0, crash, spin)
+        return {"out": tf.zeros_like(n, tf.float32) + tf.reduce_sum(x)}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Spin]:
+    base = tmp_path_factory.mktemp("spin") / "spin"
+    module = Spin()
+    tf.saved_model.save(module, str(base / "1"), signatures={"serving_default": module.serve})
+    return base, module
+
+
+@pytest.fixture(scope="module")
+def long_steps(model: tuple[Path, Spin]) -> int:
+    """Steps for a call of about LONG_CALL_S on this machine (timed in this process)."""
+    module = model[1]
+    module.serve(tf.constant([10]))
+    started = time.perf_counter()
+    module.serve(tf.constant([2000]))
+    per_step = (time.perf_counter() - started) / 2000
+    return int(LONG_CALL_S / per_step)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, Spin]) -> Iterator[Pool]:
+    pool = Pool(
+        tmp_path_factory.mktemp("longpool"),
+        model[0],
+        WORKERS,
+        "--worker-timeout",
+        str(WORKER_TIMEOUT_S),
+    )
+    try:
+        pool.start().wait_ready(WORKERS)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def predict(pool: Pool, n: list[int], timeout: float) -> predict_pb2.PredictResponse:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    request.inputs["n"].CopyFrom(tf.make_tensor_proto(np.array(n, np.int32)))
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        return stub.Predict(request, timeout=timeout)
+
+
+def restarts(pool: Pool) -> dict[str, tuple[int, int]]:
+    """slot → (pid, restarts)."""
+    return {s["slot"]: (s["pid"], s["restarts"]) for s in pool.status()["slots"]}
+
+
+def test_a_call_longer_than_the_liveness_window_is_answered_once(
+    pool: Pool, long_steps: int
+) -> None:
+    before = restarts(pool)
+    started = time.monotonic()
+    reply = predict(pool, [long_steps, 1], timeout=60)
+    took = time.monotonic() - started
+    # Without this the test would prove nothing: the call must outlast the window.
+    assert took > 2 * WORKER_TIMEOUT_S, f"the call took {took:.2f} s"
+    assert list(tf.make_ndarray(reply.outputs["out"]).shape) == [2]
+    assert restarts(pool) == before, "no worker was declared dead, killed or restarted"
+    assert predict(pool, [1], timeout=10).outputs["out"].float_val
+
+
+def test_a_request_that_ends_every_worker_it_reaches_is_sent_three_times(pool: Pool) -> None:
+    before = restarts(pool)
+    with pytest.raises(grpc.RpcError) as refused:
+        predict(pool, [-1], timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INTERNAL, refused.value.details()
+    assert "sent to a worker 3 times" in refused.value.details()
+
+    # Each of the three workers ran it once and died; the pool comes back whole, and no
+    # fourth send ends a worker again.
+    def back(status: dict) -> bool:
+        slots = {s["slot"]: s for s in status["slots"]}
+        return all(
+            slots[slot]["state"] == "READY" and slots[slot]["pid"] != pid
+            for slot, (pid, _) in before.items()
+        )
+
+    pool.wait_for(back, 120, "every worker READY again")
+    time.sleep(2 * WORKER_TIMEOUT_S)
+    after = restarts(pool)
+    assert {slot: r - before[slot][1] for slot, (_, r) in after.items()} == {
+        slot: 1 for slot in before
+    }, (before, after)
+    assert predict(pool, [1], timeout=10).outputs["out"].float_val
