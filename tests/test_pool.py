@@ -188,6 +188,31 @@ def test_get_model_status_and_health(pool: Pool) -> None:
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])
+def test_compressed_requests_are_answered_as_plain_ones(
+    pool: Pool, stub, compression: grpc.Compression
+) -> None:
+    """A client compressing its messages (gzip, deflate: what gRPC C++ takes) is answered on
+    every service; a plain client gets the same answer."""
+    request = make_request(demo_inputs(256, DEMO_ROWS, seed=5))
+    plain = stub.Predict(request, timeout=30)
+    target = f"127.0.0.1:{pool.port}"
+    with grpc.insecure_channel(target, compression=compression) as channel:
+        compressed = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        reply = compressed.Predict(request, timeout=30)
+        assert set(reply.outputs) == set(plain.outputs)
+        for name in plain.outputs:
+            np.testing.assert_array_equal(
+                tf.make_ndarray(reply.outputs[name]), tf.make_ndarray(plain.outputs[name])
+            )
+        status = get_model_status_pb2.GetModelStatusRequest()
+        status.model_spec.name = "demo"
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        [version] = models.GetModelStatus(status, timeout=30).model_version_status
+        assert version.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE
+        assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:
     pids = {s["slot"]: s["pid"] for s in pool.status()["slots"]}
     good = demo_inputs(2, DEMO_ROWS)

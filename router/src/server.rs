@@ -20,6 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
+use tonic::codec::CompressionEncoding;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 use tower::ServiceExt;
@@ -92,17 +93,28 @@ impl Server {
         state: Arc<RouterState>,
     ) -> Server {
         let (health, health_service) = tonic_health::server::health_reporter();
+        // Requests compressed with gzip or deflate are taken, as gRPC C++ (TF Serving) takes
+        // them; the size limit holds for the decompressed message. Answers go out
+        // uncompressed, as TF Serving's do unless configured otherwise.
         let routes = tonic::service::Routes::new(
             PredictionServiceServer::new(api.clone())
+                .accept_compressed(CompressionEncoding::Gzip)
+                .accept_compressed(CompressionEncoding::Deflate)
                 .max_decoding_message_size(limits.max_message_bytes)
                 .max_encoding_message_size(limits.max_message_bytes),
         )
         .add_service(
             ModelServiceServer::new(api.clone())
+                .accept_compressed(CompressionEncoding::Gzip)
+                .accept_compressed(CompressionEncoding::Deflate)
                 .max_decoding_message_size(limits.max_message_bytes)
                 .max_encoding_message_size(limits.max_message_bytes),
         )
-        .add_service(health_service)
+        .add_service(
+            health_service
+                .accept_compressed(CompressionEncoding::Gzip)
+                .accept_compressed(CompressionEncoding::Deflate),
+        )
         .prepare();
         Server {
             listener,
