@@ -149,6 +149,20 @@ def _usable_cpus() -> tuple[int, ...]:
 # A model name that is also safe in supervisord program and group names, log file names and
 # shared-memory segment names (every model of a pool that serves several has its own).
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A model's name is part of file names (its weight segment, /dev/shm/mpspool-<pool>-<name>-v<N>
+# and its ".partial"; its publisher's log; its workers' supervisord programs and logs), which
+# Linux caps at 255 bytes: with room for the rest of each, a name is at most this long.
+MAX_MODEL_NAME_BYTES = 128
+
+
+def check_model_name_length(name: str) -> None:
+    size = len(name.encode())
+    if size > MAX_MODEL_NAME_BYTES:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise ConfigError(
+            f"model name {shown!r} is {size} bytes long, more than {MAX_MODEL_NAME_BYTES} "
+            "(it names the pool's files and processes)"
+        )
 
 
 @dataclass(frozen=True)
@@ -419,6 +433,7 @@ class PoolConfig:
     def validate(self) -> PoolConfig:
         if not self.model_name or "/" in self.model_name:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
+        check_model_name_length(self.model_name)
         self._validate_models()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
@@ -546,6 +561,7 @@ class PoolConfig:
             raise ConfigError(f"models: the first must be the pool's model {self.model_name!r}")
         seen: set[str] = set()
         for model in self.models:
+            check_model_name_length(model.name)
             if not MODEL_NAME.fullmatch(model.name):
                 raise ConfigError(
                     f"model name {model.name!r}: a pool of several models needs names of "
@@ -562,6 +578,7 @@ class PoolConfig:
     def validate_added(self, name: str) -> None:
         """A model added while the pool serves: a name safe in process and file names, a
         SavedModel at its first version, and room for its contexts on each GPU."""
+        check_model_name_length(name)
         if not MODEL_NAME.fullmatch(name):
             raise ConfigError(
                 f"model name {name!r}: a pool of several models needs names of letters, "

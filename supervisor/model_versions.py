@@ -281,7 +281,11 @@ class ModelVersions:
         if not self.config.share_weights:
             self.start_workers(group, f"version {group.version} loading")
             return
-        group.publisher = self._start_publisher(group.version)
+        try:
+            group.publisher = self._start_publisher(group.version)
+        except OSError as exc:  # its log cannot be opened: the version fails, said as such
+            self._fail_version(group, f"publishing the weights failed: {exc}", now)
+            return
         group.publish_started = time.monotonic()
 
     def start_workers(self, group: VersionGroup, why: str, sync: bool = True) -> None:

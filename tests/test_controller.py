@@ -1693,3 +1693,53 @@ def test_an_added_model_whose_segment_name_is_taken_is_refused(
     code, message = pool.router.reload_done[-1][1:]
     assert code == 3 and "'my_model' is too like 'my model''s" in message
     assert list(pool.controller.models) == ["my model"]
+
+
+def test_an_added_model_with_a_name_too_long_for_its_files_is_refused_at_once(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """Its segment and logs could not be made (ENAMETOOLONG): refused with INVALID_ARGUMENT
+    before anything starts, instead of a model that never loads and a reload never answered."""
+    pool = make_pool(share_weights=False, start_retries=0)
+    base = Path(pool.controller.config.model_base_path)
+    other = tmp_path / "other"
+    for path in (base / "1", other / "1"):
+        path.mkdir(parents=True)
+        (path / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    long_name = "a" * 300
+    pool.router.reload_requests[1] = models_request(("demo", base, []), (long_name, other, []))
+    pool.tick()
+    code, message = pool.router.reload_done[-1][1:]
+    assert code == 3, message
+    assert "is 300 bytes long, more than 128" in message
+    assert len(message) < 300, "the name is not echoed whole"
+    assert list(pool.controller.models) == ["demo"]
+
+
+def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
+    make_pool: Callable[..., Pool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from mpspool.supervisor.model_versions import ModelVersions
+
+    def cannot(self: ModelVersions, version: int) -> Any:
+        raise OSError(28, "No space left on device")
+
+    pool = make_pool(start_retries=0)
+    base = Path(pool.controller.config.model_base_path)
+    other = tmp_path / "other"
+    for path in (base / "1", other / "1"):
+        path.mkdir(parents=True)
+        (path / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    monkeypatch.setattr(ModelVersions, "_start_publisher", cannot)
+    pool.router.reload_requests[1] = models_request(("demo", base, []), ("other", other, []))
+    pool.tick()
+    pool.tick(after_s=0.2)
+    code, message = pool.router.reload_done[-1][1:]
+    assert code == 2, message  # UNKNOWN: a wanted version that cannot load
+    assert "No space left on device" in message
+    assert pool.controller.phase is PoolPhase.SERVING
