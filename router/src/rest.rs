@@ -43,6 +43,35 @@ pub struct Rest {
     pub prometheus_path: Option<String>,
 }
 
+/// A body at least this large is parsed (and its tensors built) on tokio's blocking threads:
+/// parsing megabytes of JSON takes milliseconds to seconds, during which the thread serving
+/// every other request (gRPC's too) would stand still. Smaller ones (a batch-256 request of
+/// the demo model is ~64 KiB, ~1 ms to parse) stay in place, where the hand-off to another
+/// thread and back would be a good part of the work.
+const BLOCKING_BODY_BYTES: usize = 256 * 1024;
+/// What parsing a body may allocate, as a multiple of the largest body accepted, and at
+/// least PARSE_BUDGET_MIN: serde_json's document of a small-valued JSON body is 30-90 times
+/// its size (json_tensor::check_parse_cost), which could take the front door's memory.
+const PARSE_BUDGET_PER_BODY_BYTE: usize = 4;
+const PARSE_BUDGET_MIN: usize = 256 << 20;
+
+/// `work` (a body of `size` bytes parsed into what it holds) where it holds up no other
+/// request: in place for a small body, on a blocking thread for a large one.
+async fn off_the_serving_thread<T: Send + 'static>(
+    size: usize,
+    work: impl FnOnce() -> Result<T, ServingError> + Send + 'static,
+) -> Result<T, ServingError> {
+    if size < BLOCKING_BODY_BYTES {
+        return work();
+    }
+    tokio::task::spawn_blocking(work).await.map_err(|error| {
+        ServingError::new(
+            Code::Internal,
+            format!("parsing the request body failed: {error}"),
+        )
+    })?
+}
+
 /// The version part of a path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Version {
@@ -254,7 +283,7 @@ impl Rest {
                     Ok(body) => body,
                     Err(response) => return response,
                 };
-                self.call(&model, &version, &method, &body).await
+                self.call(&model, &version, &method, body).await
             }
             Route::Status { model, version } => {
                 let mut guard = self.api.metrics.start(Method::GetModelStatus);
@@ -273,6 +302,13 @@ impl Rest {
             Ok(body) => json_response(StatusCode::OK, body),
             Err(error) => error_response(&error),
         }
+    }
+
+    /// What parsing one body may allocate (PARSE_BUDGET_PER_BODY_BYTE).
+    fn parse_budget(&self) -> usize {
+        self.max_body_bytes
+            .saturating_mul(PARSE_BUDGET_PER_BODY_BYTE)
+            .max(PARSE_BUDGET_MIN)
     }
 
     /// The whole body, or a 413 answer when it is (or declares itself) over the limit.
@@ -314,7 +350,7 @@ impl Rest {
         model: &str,
         version: &Version,
         method: &str,
-        body: &[u8],
+        body: Bytes,
     ) -> Result<String, ServingError> {
         let deadline = self.timeout.map(|t| Instant::now() + t);
         let kind = match method {
@@ -345,10 +381,15 @@ impl Rest {
         &self,
         model: &str,
         version: &Version,
-        body: &[u8],
+        body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let (signature_name, input) = json_tensor::parse_examples(body)?;
+        let budget = self.parse_budget();
+        let (signature_name, input) = off_the_serving_thread(body.len(), move || {
+            json_tensor::check_parse_cost(&body, budget)?;
+            json_tensor::parse_examples(&body)
+        })
+        .await?;
         let request = ClassificationRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -362,10 +403,15 @@ impl Rest {
         &self,
         model: &str,
         version: &Version,
-        body: &[u8],
+        body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let (signature_name, input) = json_tensor::parse_examples(body)?;
+        let budget = self.parse_budget();
+        let (signature_name, input) = off_the_serving_thread(body.len(), move || {
+            json_tensor::check_parse_cost(&body, budget)?;
+            json_tensor::parse_examples(&body)
+        })
+        .await?;
         let request = RegressionRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -380,10 +426,16 @@ impl Rest {
         &self,
         model: &str,
         version: &Version,
-        body: &[u8],
+        body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let parsed = json_tensor::parse_predict(body)?;
+        let size = body.len();
+        let budget = self.parse_budget();
+        let parsed = off_the_serving_thread(size, move || {
+            json_tensor::check_parse_cost(&body, budget)?;
+            json_tensor::parse_predict(&body)
+        })
+        .await?;
         let spec = model_spec(model, version, &parsed.signature_name);
         let target = self.api.resolve(Some(&spec))?;
         let signatures = self.api.signatures(target)?;
@@ -392,12 +444,17 @@ impl Rest {
         } else {
             parsed.signature_name.as_str()
         };
-        let signature = signatures.specs.get(key).ok_or_else(|| {
-            ServingError::invalid_argument(format!(
+        if !signatures.specs.contains_key(key) {
+            return Err(ServingError::invalid_argument(format!(
                 "Serving signature name: \"{key}\" not found in signature def"
-            ))
-        })?;
-        let (inputs, format) = parsed.tensors(&signature.inputs)?;
+            )));
+        }
+        let key = key.to_string();
+        let (inputs, format) = off_the_serving_thread(size, move || {
+            let signature = &signatures.specs[&key];
+            parsed.tensors(&signature.inputs)
+        })
+        .await?;
         let request = PredictRequest {
             model_spec: Some(spec),
             inputs: inputs.into_iter().collect(),
