@@ -240,6 +240,15 @@ def test_a_rest_body_too_costly_to_parse_is_refused_without_the_memory(pool: Poo
     assert stub.Predict(request, timeout=30).outputs
 
 
+def test_an_error_echoing_a_huge_name_still_reaches_the_client_with_its_code(stub) -> None:
+    """A 20 KB model name echoed whole in grpc-message would pass the client's 16 KiB limit on
+    trailers (it saw RESOURCE_EXHAUSTED); the message is cut, the code stays NOT_FOUND."""
+    request = make_request(demo_inputs(1, DEMO_ROWS))
+    request.model_spec.name = "m" * 20_000
+    details = expect_error(stub, request, grpc.StatusCode.NOT_FOUND, "Servable not found")
+    assert details.endswith("more bytes)") and len(details) <= 4096, details[-80:]
+
+
 def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:
     pids = {s["slot"]: s["pid"] for s in pool.status()["slots"]}
     good = demo_inputs(2, DEMO_ROWS)

@@ -96,9 +96,32 @@ impl ServingError {
     }
 }
 
+/// The longest status message sent as gRPC's `grpc-message` trailer. Messages echo what the
+/// client sent (a model name, a signature, the inputs it named); past 8 KiB of trailers gRPC
+/// C++ clients may drop the status, past 16 KiB they do, and the caller sees
+/// RESOURCE_EXHAUSTED "received metadata size exceeds limit" instead of its error. Percent-
+/// encoding can triple a byte; 4 KiB of mostly ASCII text stays under the 8 KiB.
+const MAX_STATUS_MESSAGE_BYTES: usize = 4096;
+
+/// `message`, cut at a character boundary to MAX_STATUS_MESSAGE_BYTES with what was cut said.
+fn status_message(mut message: String) -> String {
+    if message.len() <= MAX_STATUS_MESSAGE_BYTES {
+        return message;
+    }
+    let total = message.len();
+    let mut keep = MAX_STATUS_MESSAGE_BYTES - 64;
+    while !message.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    message.truncate(keep);
+    message.push_str(&format!("... ({} more bytes)", total - keep));
+    message
+}
+
 impl From<ServingError> for tonic::Status {
     fn from(error: ServingError) -> tonic::Status {
-        tonic::Status::new(tonic::Code::from_i32(error.code as i32), error.message)
+        let message = status_message(error.message);
+        tonic::Status::new(tonic::Code::from_i32(error.code as i32), message)
     }
 }
 
@@ -120,5 +143,22 @@ mod tests {
         let status: tonic::Status = ServingError::new(Code::NotFound, "gone").into();
         assert_eq!(status.code(), tonic::Code::NotFound);
         assert_eq!(status.message(), "gone");
+    }
+
+    #[test]
+    fn a_long_message_is_cut_at_a_character_and_says_how_much() {
+        let name = "é".repeat(10_000); // 2 bytes each: a cut may not split one
+        let status: tonic::Status =
+            ServingError::new(Code::NotFound, format!("Servable {name} not found")).into();
+        assert!(status.message().len() <= MAX_STATUS_MESSAGE_BYTES);
+        assert!(status.message().starts_with("Servable éé"));
+        let total = 20_000 + "Servable  not found".len();
+        let (kept, said) = status
+            .message()
+            .split_once("... (")
+            .expect("the cut is said");
+        assert_eq!(said, format!("{} more bytes)", total - kept.len()));
+        let short: tonic::Status = ServingError::new(Code::NotFound, "x".repeat(4096)).into();
+        assert_eq!(short.message().len(), 4096, "at the limit: whole");
     }
 }
