@@ -249,6 +249,15 @@ def test_an_error_echoing_a_huge_name_still_reaches_the_client_with_its_code(stu
     assert details.endswith("more bytes)") and len(details) <= 4096, details[-80:]
 
 
+def test_workers_serve_without_loading_matplotlib(pool: Pool) -> None:
+    """Keras would import it with TensorFlow (0.4 s and 28 MiB a worker); workers keep it out
+    (worker/serve.py). Its compiled modules would be mapped into the process."""
+    for pid in pool.worker_pids():
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "tensorflow" in maps, "a worker with TensorFlow loaded"
+        assert "/matplotlib/" not in maps, f"worker {pid} loaded matplotlib"
+
+
 def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:
     pids = {s["slot"]: s["pid"] for s in pool.status()["slots"]}
     good = demo_inputs(2, DEMO_ROWS)
