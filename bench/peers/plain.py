@@ -15,15 +15,23 @@ inter-op threads small).
 
 Follows the peer contract of ``bench.peers``; ``--instances`` exists for that contract and
 must be 1.
+
+matplotlib is kept out of its TensorFlow import, as the pool's workers keep it out
+(worker/serve.py, ``_keep_plotting_out``): bench/ installs it for its plots, and Keras, which
+TensorFlow loads, would import it (0.4 s of CPU, 28 MiB), so the server is measured as it
+runs where matplotlib is not installed, and like for like with the workers.
 """
 
 from __future__ import annotations
+
+import sys
+
+sys.modules.setdefault("matplotlib", None)  # type: ignore[arg-type]
 
 import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 from concurrent import futures
 from pathlib import Path
