@@ -1677,16 +1677,22 @@ def test_the_pool_phase_moves_only_forward(pool: Pool):
         pool.controller._set_phase(PoolPhase.SERVING, "cannot come back")
 
 
-def test_an_added_model_whose_segment_name_is_taken_is_refused(
-    make_pool: Callable[..., Pool], tmp_path: Path
-):
-    pool = make_pool(model_name="my model", share_weights=False, start_retries=0)
+def two_model_folders(pool: Pool, tmp_path: Path) -> tuple[Path, Path]:
+    """The pool's base path and another model's, each with a version 1; the pool started."""
     base = Path(pool.controller.config.model_base_path)
     other = tmp_path / "other"
     for path in (base / "1", other / "1"):
         path.mkdir(parents=True)
         (path / "saved_model.pb").write_bytes(b"")
     pool.start()
+    return base, other
+
+
+def test_an_added_model_whose_segment_name_is_taken_is_refused(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    pool = make_pool(model_name="my model", share_weights=False, start_retries=0)
+    base, other = two_model_folders(pool, tmp_path)
     pool.make_ready("cpu-0")
     pool.router.reload_requests[1] = models_request(("my model", base, []), ("my_model", other, []))
     pool.tick()
@@ -1701,12 +1707,7 @@ def test_an_added_model_with_a_name_too_long_for_its_files_is_refused_at_once(
     """Its segment and logs could not be made (ENAMETOOLONG): refused with INVALID_ARGUMENT
     before anything starts, instead of a model that never loads and a reload never answered."""
     pool = make_pool(share_weights=False, start_retries=0)
-    base = Path(pool.controller.config.model_base_path)
-    other = tmp_path / "other"
-    for path in (base / "1", other / "1"):
-        path.mkdir(parents=True)
-        (path / "saved_model.pb").write_bytes(b"")
-    pool.start()
+    base, other = two_model_folders(pool, tmp_path)
     pool.make_ready("cpu-0")
     long_name = "a" * 300
     pool.router.reload_requests[1] = models_request(("demo", base, []), (long_name, other, []))
@@ -1727,12 +1728,7 @@ def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
         raise OSError(28, "No space left on device")
 
     pool = make_pool(start_retries=0)
-    base = Path(pool.controller.config.model_base_path)
-    other = tmp_path / "other"
-    for path in (base / "1", other / "1"):
-        path.mkdir(parents=True)
-        (path / "saved_model.pb").write_bytes(b"")
-    pool.start()
+    base, other = two_model_folders(pool, tmp_path)
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
     monkeypatch.setattr(ModelVersions, "_start_publisher", cannot)
