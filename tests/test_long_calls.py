@@ -10,6 +10,7 @@ pool down over and over."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +25,11 @@ from poolproc import Pool
 
 WORKERS = 3
 WORKER_TIMEOUT_S = 1.0
-# What a long call lasts: well past the liveness window, so that without beats its worker
-# would be declared dead at least once.
-LONG_CALL_S = 2.5
+# What a long call is meant to last: well past the liveness window, so that without beats its
+# worker would be declared dead at least once. Timed in the test's process, which a loaded
+# machine can slow more than the worker (a CI run measured 1.97 s for a 2.5 s aim): aimed
+# high, checked against 1.5 windows.
+LONG_CALL_S = 4.0
 
 
 class Spin(tf.Module):
@@ -69,9 +72,11 @@ def long_steps(model: tuple[Path, Spin]) -> int:
     """Steps for a call of about LONG_CALL_S on this machine (timed in this process)."""
     module = model[1]
     module.serve(tf.constant([10]))
-    started = time.perf_counter()
-    module.serve(tf.constant([2000]))
-    per_step = (time.perf_counter() - started) / 2000
+    per_step = math.inf
+    for _ in range(3):  # the fastest of three: the machine's noise only slows a timing
+        started = time.perf_counter()
+        module.serve(tf.constant([2000]))
+        per_step = min(per_step, (time.perf_counter() - started) / 2000)
     return int(LONG_CALL_S / per_step)
 
 
@@ -115,7 +120,7 @@ def test_a_call_longer_than_the_liveness_window_is_answered_once(
     reply = predict(pool, [long_steps, 1], timeout=60)
     took = time.monotonic() - started
     # Without this the test would prove nothing: the call must outlast the window.
-    assert took > 2 * WORKER_TIMEOUT_S, f"the call took {took:.2f} s"
+    assert took > 1.5 * WORKER_TIMEOUT_S, f"the call took {took:.2f} s"
     assert list(tf.make_ndarray(reply.outputs["out"]).shape) == [2]
     assert restarts(pool) == before, "no worker was declared dead, killed or restarted"
     assert predict(pool, [1], timeout=10).outputs["out"].float_val
