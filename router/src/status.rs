@@ -96,23 +96,56 @@ impl ServingError {
     }
 }
 
-/// The longest status message sent as gRPC's `grpc-message` trailer. Messages echo what the
-/// client sent (a model name, a signature, the inputs it named); past 8 KiB of trailers gRPC
-/// C++ clients may drop the status, past 16 KiB they do, and the caller sees
-/// RESOURCE_EXHAUSTED "received metadata size exceeds limit" instead of its error. Percent-
-/// encoding can triple a byte; 4 KiB of mostly ASCII text stays under the 8 KiB.
+/// The most bytes a status message may take on the wire, as gRPC's `grpc-message` trailer.
+/// Messages echo what the client sent (a model name, a signature, the inputs it named); past
+/// 8 KiB of trailers gRPC C++ clients may drop the status, past 16 KiB they do, and the caller
+/// sees RESOURCE_EXHAUSTED "received metadata size exceeds limit" instead of its error. The
+/// limit is on the percent-encoded form: tonic writes a non-ASCII byte, a control byte, a space
+/// and `"#%<>`?{}` as three bytes each, so 4 KiB of text can take 12 on the wire.
 const MAX_STATUS_MESSAGE_BYTES: usize = 4096;
 
-/// `message`, cut at a character boundary to MAX_STATUS_MESSAGE_BYTES with what was cut said.
+/// Bytes `byte` takes in the `grpc-message` trailer: tonic's percent-encoding set
+/// (CONTROLS plus ` "#%<>`?{}`; every non-ASCII byte is encoded too).
+fn encoded_len(byte: u8) -> usize {
+    match byte {
+        0x00..=0x1f
+        | 0x7f..=0xff
+        | b' '
+        | b'"'
+        | b'#'
+        | b'%'
+        | b'<'
+        | b'>'
+        | b'`'
+        | b'?'
+        | b'{'
+        | b'}' => 3,
+        _ => 1,
+    }
+}
+
+/// `message`, whole if its encoded form fits MAX_STATUS_MESSAGE_BYTES; else cut at a character
+/// boundary so that the kept part and the note saying how much was cut fit together.
 fn status_message(mut message: String) -> String {
-    if message.len() <= MAX_STATUS_MESSAGE_BYTES {
+    let encoded: usize = message.bytes().map(encoded_len).sum();
+    if encoded <= MAX_STATUS_MESSAGE_BYTES {
         return message;
     }
-    let total = message.len();
-    let mut keep = MAX_STATUS_MESSAGE_BYTES - 64;
-    while !message.is_char_boundary(keep) {
-        keep -= 1;
+    // The note is ASCII with one space before "(", two inside: at most 64 bytes encoded.
+    let room = MAX_STATUS_MESSAGE_BYTES - 64;
+    let (mut keep, mut used) = (0, 0);
+    for (at, character) in message.char_indices() {
+        let cost: usize = message[at..at + character.len_utf8()]
+            .bytes()
+            .map(encoded_len)
+            .sum();
+        if used + cost > room {
+            break;
+        }
+        used += cost;
+        keep = at + character.len_utf8();
     }
+    let total = message.len();
     message.truncate(keep);
     message.push_str(&format!("... ({} more bytes)", total - keep));
     message
@@ -145,12 +178,17 @@ mod tests {
         assert_eq!(status.message(), "gone");
     }
 
+    /// The message as tonic writes it into the trailer.
+    fn on_the_wire(status: &tonic::Status) -> usize {
+        status.message().bytes().map(encoded_len).sum()
+    }
+
     #[test]
     fn a_long_message_is_cut_at_a_character_and_says_how_much() {
         let name = "é".repeat(10_000); // 2 bytes each: a cut may not split one
         let status: tonic::Status =
             ServingError::new(Code::NotFound, format!("Servable {name} not found")).into();
-        assert!(status.message().len() <= MAX_STATUS_MESSAGE_BYTES);
+        assert!(on_the_wire(&status) <= MAX_STATUS_MESSAGE_BYTES);
         assert!(status.message().starts_with("Servable éé"));
         let total = 20_000 + "Servable  not found".len();
         let (kept, said) = status
@@ -160,5 +198,22 @@ mod tests {
         assert_eq!(said, format!("{} more bytes)", total - kept.len()));
         let short: tonic::Status = ServingError::new(Code::NotFound, "x".repeat(4096)).into();
         assert_eq!(short.message().len(), 4096, "at the limit: whole");
+    }
+
+    #[test]
+    fn the_limit_is_on_the_encoded_message() {
+        // 3,000 bytes of text but 9,000 on the wire: every byte is percent-encoded.
+        let status: tonic::Status =
+            ServingError::new(Code::InvalidArgument, "{ ?".repeat(1_000)).into();
+        assert!(status.message().contains("more bytes)"), "cut");
+        let wire = on_the_wire(&status);
+        assert!(
+            (MAX_STATUS_MESSAGE_BYTES - 64..=MAX_STATUS_MESSAGE_BYTES).contains(&wire),
+            "{wire}"
+        );
+        // What tonic really writes: percent_encoding's own count agrees with ours.
+        let mut headers = http::HeaderMap::new();
+        status.add_header(&mut headers).expect("a valid trailer");
+        assert_eq!(headers["grpc-message"].len(), wire);
     }
 }
