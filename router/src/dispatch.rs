@@ -39,10 +39,11 @@ use crate::{log_info, log_warn};
 /// progress) before it fails with UNAVAILABLE, if the client's deadline is longer.
 pub const NO_WORKER_WAIT: Duration = Duration::from_secs(5);
 const LIVENESS_SWEEP: Duration = Duration::from_millis(100);
-/// How many times one request (or chunk) is sent before its losses end it. A worker that
-/// leaves while holding it (killed, crashed, silent, drained) loses it, and it is sent again
+/// How many times one request (or chunk) may be lost by a worker that did not leave in order
+/// before it fails. A worker that leaves while holding it loses it, and it is sent again
 /// elsewhere; a request that ends every worker it reaches (a query of death: an op that
 /// aborts the process on its input) would otherwise take the whole pool down, over and over.
+/// A worker that said BYE (drained, retired, stopped) left by choice and does not count.
 pub const MAX_SENDS: u32 = 3;
 
 pub struct WorkRequest {
@@ -84,8 +85,12 @@ pub struct WorkReply {
 enum Outcome {
     Reply(WorkReply),
     Error(ServingError),
-    /// Its worker left before answering: send it again elsewhere.
-    Lost(String),
+    /// Its worker left before answering: send it again elsewhere. `orderly`: the worker
+    /// said BYE (`Departure::orderly`), which does not count against the request.
+    Lost {
+        why: String,
+        orderly: bool,
+    },
     /// No worker is routable right now.
     NoWorker,
 }
@@ -356,8 +361,8 @@ impl Dispatcher {
             match outcome {
                 Ok(Outcome::Reply(reply)) => return Ok(reply),
                 Ok(Outcome::Error(error)) => return Err(error),
-                Ok(Outcome::Lost(why)) => {
-                    lost += 1;
+                Ok(Outcome::Lost { why, orderly }) => {
+                    lost += u32::from(!orderly);
                     if lost >= MAX_SENDS {
                         log_warn!("request {id} given up after {lost} sends: {why}");
                         let message = format!(
@@ -856,7 +861,10 @@ impl Actor {
         );
         for pending in departure.pending {
             self.requests.remove(&pending.id);
-            pending.tell_all(|| Outcome::Lost(why.clone()));
+            pending.tell_all(|| Outcome::Lost {
+                why: why.clone(),
+                orderly: departure.orderly,
+            });
         }
         self.publish_ready();
         if !self.queue.is_empty() {
@@ -1047,7 +1055,7 @@ impl Actor {
                 self.publish_ready();
             }
             WorkerMessage::Bye { .. } => {
-                if let Some(departure) = self.table.leave(&identity, "said bye") {
+                if let Some(departure) = self.table.bye(&identity) {
                     self.departed(departure);
                 }
             }

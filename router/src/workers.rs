@@ -35,6 +35,11 @@ pub struct Departure<P> {
     pub pid: i64,
     pub reason: String,
     pub pending: Vec<P>,
+    /// It said BYE: it stopped taking work and left in order, so a request it held says
+    /// nothing about that request. Otherwise (its connection broke, it went silent, its slot
+    /// came back in a new process, the controller saw it exit) the request it held may be
+    /// what ended it.
+    pub orderly: bool,
 }
 
 pub struct WorkerTable<P> {
@@ -74,8 +79,11 @@ impl<P> WorkerTable<P> {
         let mut replaced = None;
         if let Some(old) = self.by_slot.get(slot).cloned() {
             if old != identity {
-                replaced =
-                    self.drop_identity(&old, format!("slot {slot} re-registered by pid {pid}"));
+                replaced = self.drop_identity(
+                    &old,
+                    format!("slot {slot} re-registered by pid {pid}"),
+                    false,
+                );
             }
         }
         let handle = self
@@ -108,8 +116,14 @@ impl<P> WorkerTable<P> {
         Some(handle)
     }
 
+    /// A worker gone without saying BYE (its connection broke).
     pub fn leave(&mut self, identity: &[u8], reason: &str) -> Option<Departure<P>> {
-        self.drop_identity(identity, reason.to_string())
+        self.drop_identity(identity, reason.to_string(), false)
+    }
+
+    /// A worker that said BYE: it leaves in order.
+    pub fn bye(&mut self, identity: &[u8]) -> Option<Departure<P>> {
+        self.drop_identity(identity, "said bye".to_string(), true)
     }
 
     /// The controller saw the process of (slot, pid) exit.
@@ -118,7 +132,11 @@ impl<P> WorkerTable<P> {
         if self.by_identity.get(&identity).map(|h| h.pid) != Some(pid) {
             return None;
         }
-        self.drop_identity(&identity, format!("process {pid} of slot {slot} exited"))
+        self.drop_identity(
+            &identity,
+            format!("process {pid} of slot {slot} exited"),
+            false,
+        )
     }
 
     /// Declare dead every worker silent for longer than the liveness window.
@@ -142,6 +160,7 @@ impl<P> WorkerTable<P> {
             if let Some(departure) = self.drop_identity(
                 &identity,
                 format!("silent for {:.1} s", quiet.as_secs_f64()),
+                false,
             ) {
                 gone.push(departure);
             }
@@ -149,7 +168,12 @@ impl<P> WorkerTable<P> {
         gone
     }
 
-    fn drop_identity(&mut self, identity: &[u8], reason: String) -> Option<Departure<P>> {
+    fn drop_identity(
+        &mut self,
+        identity: &[u8],
+        reason: String,
+        orderly: bool,
+    ) -> Option<Departure<P>> {
         let handle = self.by_identity.remove(identity)?;
         if self.by_slot.get(&handle.slot).map(Vec::as_slice) == Some(identity) {
             self.by_slot.remove(&handle.slot);
@@ -159,6 +183,7 @@ impl<P> WorkerTable<P> {
             pid: handle.pid,
             reason,
             pending: handle.inflight.into_values().collect(),
+            orderly,
         })
     }
 
@@ -380,14 +405,21 @@ mod tests {
         send(&mut t, "cpu-0", 101, 1);
         send(&mut t, "cpu-0", 101, 2);
         send(&mut t, "cpu-1", 102, 3);
-        let left = t.leave(&ident("cpu-0", 101), "said bye").unwrap();
+        let left = t.bye(&ident("cpu-0", 101)).unwrap();
         assert_eq!((left.slot.as_str(), left.pid), ("cpu-0", 101));
         assert_eq!(left.reason, "said bye");
+        assert!(left.orderly);
         assert_eq!(sorted(left.pending), vec![1, 2]);
         // A worker leaving does not touch another worker's requests.
         assert_eq!(t.inflight_total(), 1);
         assert_eq!(slots(&mut t, 2), ["cpu-1", "cpu-1"]);
         assert!(t.leave(&ident("cpu-0", 101), "again").is_none());
+        // Gone without a BYE: not in order.
+        let broken = t
+            .leave(&ident("cpu-1", 102), "its connection closed")
+            .unwrap();
+        assert!(!broken.orderly);
+        assert_eq!(broken.pending, vec![3]);
     }
 
     #[test]
@@ -402,6 +434,7 @@ mod tests {
         let gone = t.gone("cpu-0", 101).unwrap();
         assert_eq!(gone.pid, 101);
         assert!(gone.reason.contains("exited"), "{}", gone.reason);
+        assert!(!gone.orderly);
         assert_eq!(gone.pending, vec![1]);
         assert_eq!(t.ready(), 0);
         assert!(t.pick(0, V1).is_none());

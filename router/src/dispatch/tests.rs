@@ -17,6 +17,8 @@ enum Behaviour {
     Refuse,
     /// Say BYE instead of answering, then stop.
     LeaveMidRequest,
+    /// Close the socket with no BYE on receiving a request, as a process that dies on it.
+    DieMidRequest,
     /// Never answer, never beat again.
     GoSilent,
     /// Echo after computing for this many ms (one request at a time, as a worker does).
@@ -117,6 +119,7 @@ impl FakeWorker {
                             .unwrap();
                         break;
                     }
+                    Behaviour::DieMidRequest => break,
                     Behaviour::GoSilent => continue,
                     Behaviour::RefuseAbove(most) if rows > most => {
                         thread::sleep(Duration::from_millis(20));
@@ -389,10 +392,39 @@ async fn a_request_whose_worker_leaves_is_retried_on_another() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_every_worker_leaves_on_is_given_up_after_max_sends() {
+async fn a_request_every_worker_dies_on_is_given_up_after_max_sends() {
     let (_dir, dir) = run_dir();
     let (dispatcher, state) = start(&dir, Duration::from_secs(3));
-    let leavers: Vec<FakeWorker> = (0..4)
+    let dying: Vec<FakeWorker> = (0..4)
+        .map(|i| FakeWorker::start(&dir, &format!("cpu-{i}"), 100 + i, Behaviour::DieMidRequest))
+        .collect();
+    ready(&dispatcher, 4).await;
+    let error = dispatcher
+        .call(request(), Some(Instant::now() + Duration::from_secs(5)))
+        .await
+        .expect_err("every worker dies on it");
+    assert_eq!(error.code, Code::Internal);
+    assert!(
+        error.message.contains("sent to a worker 3 times"),
+        "{}",
+        error.message
+    );
+    let reached = dying.iter().filter(|w| !w.rows_seen().is_empty()).count();
+    assert_eq!(reached as u32, MAX_SENDS, "one worker is left standing");
+    assert_eq!(
+        state.retries.load(Ordering::Relaxed),
+        u64::from(MAX_SENDS - 1)
+    );
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_that_leave_in_order_do_not_count_against_the_request() {
+    // Four workers say BYE on it (drained, retired): more than MAX_SENDS losses, none the
+    // request's doing, so it goes on to the worker that answers.
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start(&dir, Duration::from_secs(3));
+    let leaving: Vec<FakeWorker> = (0..4)
         .map(|i| {
             FakeWorker::start(
                 &dir,
@@ -403,22 +435,24 @@ async fn a_request_every_worker_leaves_on_is_given_up_after_max_sends() {
         })
         .collect();
     ready(&dispatcher, 4).await;
-    let error = dispatcher
-        .call(request(), Some(Instant::now() + Duration::from_secs(5)))
-        .await
-        .expect_err("every worker leaves on it");
-    assert_eq!(error.code, Code::Internal);
-    assert!(
-        error.message.contains("sent to a worker 3 times"),
-        "{}",
-        error.message
-    );
-    let reached = leavers.iter().filter(|w| !w.rows_seen().is_empty()).count();
-    assert_eq!(reached as u32, MAX_SENDS, "one worker is left standing");
-    assert_eq!(
-        state.retries.load(Ordering::Relaxed),
-        u64::from(MAX_SENDS - 1)
-    );
+    let reply = {
+        let call = dispatcher.call(request(), Some(Instant::now() + Duration::from_secs(5)));
+        // The answering worker joins once the four have each been sent the request (or
+        // after 5 s: it then finds the request given up, and the test fails).
+        let late = async {
+            let give_up = Instant::now() + Duration::from_secs(5);
+            while leaving.iter().any(|w| w.rows_seen().is_empty()) && Instant::now() < give_up {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            FakeWorker::start(&dir, "cpu-9", 109, Behaviour::Echo)
+        };
+        let (reply, answering) = tokio::join!(call, late);
+        let reply = reply.expect("answered after four orderly losses");
+        assert_eq!(answering.served(), 1);
+        reply
+    };
+    assert_eq!(reply.slot, "cpu-9");
+    assert_eq!(state.retries.load(Ordering::Relaxed), 4);
     dispatcher.shutdown();
 }
 
