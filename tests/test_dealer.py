@@ -290,3 +290,62 @@ def test_a_front_door_that_stops_reading_ends_the_connection_within_the_io_timeo
         for conn in accepted:
             conn.close()
         listener.close()
+
+
+def test_a_side_thread_beat_that_would_wait_is_skipped_and_leaves_the_stream_whole(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """The side thread's heartbeats (`send_from_thread`) never wait for a front door that
+    stops reading: waiting would hold the write lock, and the loop's replies behind it, for
+    the I/O timeout. A beat the socket has no room for is skipped at once, the connection is
+    left to the loop, and what was written is whole frames (none cut short)."""
+    monkeypatch.setattr(dealer_module, "IO_TIMEOUT_S", 30.0)  # a wait would show
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+
+    def handshake_then_stall() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.sendall(dealer_module.greeting() + dealer_module.ready_command(b"ROUTER", b""))
+
+    def read_all(conn: socket.socket) -> bytes:
+        chunks = []
+        while True:
+            try:
+                chunks.append(conn.recv(1 << 20))
+            except (BlockingIOError, TimeoutError):
+                return b"".join(chunks)
+
+    peer = threading.Thread(target=handshake_then_stall)
+    peer.start()
+    d = Dealer(path, b"w-1", HELLO)
+    try:
+        deadline = time.monotonic() + 5
+        while not d.connected and time.monotonic() < deadline:
+            d.poll(20)
+        assert d.connected
+        peer.join()
+        conn = accepted[0]
+        conn.settimeout(0.5)
+        read_all(conn)  # the dealer's handshake and hello: what comes next is beats only
+        # A heartbeat's size: one small write, which a Unix socket takes whole or not at
+        # all (a bigger one could go out in part, and its rest would have to wait).
+        beat = bytes(range(64))
+        start = time.monotonic()
+        beats = 0
+        while d.send_from_thread(beat):
+            beats += 1
+            assert beats < 100_000, "the socket never filled"
+        assert time.monotonic() - start < 5.0, "a beat waited for room"
+        assert beats > 0
+        assert d.connected, "a skipped beat is not a lost connection"
+        written = read_all(conn)
+        framed = dealer_module.frame_header(0, len(beat)) + beat
+        assert written == framed * beats
+    finally:
+        d.close()
+        for conn in accepted:
+            conn.close()
+        listener.close()

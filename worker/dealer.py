@@ -375,14 +375,17 @@ class Dealer:
         return self._send_raw(_message_buffers((frame,)))
 
     def send_from_thread(self, frame: Any) -> bool:
-        """``send`` for a thread other than the one that reads: a write that fails is left
-        for the reading thread to find (the connection's state is that thread's)."""
+        """``send`` for a thread other than the one that reads, for what may be skipped (a
+        heartbeat: another follows). A write that fails is left for the reading thread to find
+        (the connection's state is that thread's), and one that would wait is not made: the
+        socket is full because the front door is not reading, and waiting out the socket's
+        timeout here would hold the write lock, and the loop's replies behind it."""
         with self._write_lock:
             if self._sock is None:
                 return False
             try:
-                _send_all(self._sock, _message_buffers((frame,)))
-            except OSError:
+                _send_all(self._sock, _message_buffers((frame,)), socket.MSG_DONTWAIT)
+            except OSError:  # BlockingIOError among them: nothing was written
                 return False
         return True
 
@@ -435,15 +438,16 @@ def _message_buffers(frames: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
+def _send_all(sock: socket.socket, buffers: list[Any], first_flags: int = 0) -> None:
     """``sendmsg`` until every byte is written (a signal can cut a blocking write short),
-    at most MAX_IOV buffers per call."""
+    at most MAX_IOV buffers per call. ``first_flags`` go with the first call only: once part
+    of a message is written the rest must follow, or the stream's framing is broken."""
     if len(buffers) > MAX_IOV:
         for at in range(0, len(buffers), MAX_IOV):
-            _send_all(sock, buffers[at : at + MAX_IOV])
+            _send_all(sock, buffers[at : at + MAX_IOV], first_flags if at == 0 else 0)
         return
     total = sum(len(b) for b in buffers)
-    sent = sock.sendmsg(buffers)
+    sent = sock.sendmsg(buffers, (), first_flags)
     if sent == total:
         return
     views = [memoryview(b) for b in buffers]
