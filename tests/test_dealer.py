@@ -7,6 +7,7 @@ cover that pairing (every request of the suite crosses it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -250,13 +251,10 @@ def test_a_message_that_came_with_the_handshake_is_delivered_at_once(path: str) 
     assert b"hello" in done["heard"]
 
 
-def test_a_front_door_that_stops_reading_ends_the_connection_within_the_io_timeout(
-    monkeypatch: pytest.MonkeyPatch, path: str
-) -> None:
-    """A peer that completes the handshake and then reads nothing (hung, stopped): the
-    worker's write gives up after the I/O timeout, kept by the kernel (SO_SNDTIMEO), drops
-    the connection and says so, instead of blocking its serving loop for ever."""
-    monkeypatch.setattr(dealer_module, "IO_TIMEOUT_S", 0.3)
+@contextlib.contextmanager
+def stalled_front_door(path: str) -> Iterator[tuple[Dealer, socket.socket]]:
+    """A Dealer connected to a peer that completes the handshake and then reads nothing
+    (hung, stopped), and the peer's end of the connection."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
@@ -276,6 +274,22 @@ def test_a_front_door_that_stops_reading_ends_the_connection_within_the_io_timeo
             d.poll(20)
         assert d.connected
         peer.join()
+        yield d, accepted[0]
+    finally:
+        d.close()
+        for conn in accepted:
+            conn.close()
+        listener.close()
+
+
+def test_a_front_door_that_stops_reading_ends_the_connection_within_the_io_timeout(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A peer that completes the handshake and then reads nothing (hung, stopped): the
+    worker's write gives up after the I/O timeout, kept by the kernel (SO_SNDTIMEO), drops
+    the connection and says so, instead of blocking its serving loop for ever."""
+    monkeypatch.setattr(dealer_module, "IO_TIMEOUT_S", 0.3)
+    with stalled_front_door(path) as (d, _):
         frame = bytes(4 << 20)
         start = time.monotonic()
         sent = 0
@@ -285,11 +299,6 @@ def test_a_front_door_that_stops_reading_ends_the_connection_within_the_io_timeo
         assert time.monotonic() - start < 5.0
         assert not d.connected
         assert sent < 16  # the socket's buffers hold a few MiB at most
-    finally:
-        d.close()
-        for conn in accepted:
-            conn.close()
-        listener.close()
 
 
 def test_a_side_thread_beat_that_would_wait_is_skipped_and_leaves_the_stream_whole(
@@ -300,34 +309,19 @@ def test_a_side_thread_beat_that_would_wait_is_skipped_and_leaves_the_stream_who
     the I/O timeout. A beat the socket has no room for is skipped at once, the connection is
     left to the loop, and what was written is whole frames (none cut short)."""
     monkeypatch.setattr(dealer_module, "IO_TIMEOUT_S", 30.0)  # a wait would show
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    accepted: list[socket.socket] = []
-
-    def handshake_then_stall() -> None:
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        conn.sendall(dealer_module.greeting() + dealer_module.ready_command(b"ROUTER", b""))
 
     def read_all(conn: socket.socket) -> bytes:
         chunks = []
         while True:
             try:
-                chunks.append(conn.recv(1 << 20))
+                chunk = conn.recv(1 << 20)
             except (BlockingIOError, TimeoutError):
                 return b"".join(chunks)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
 
-    peer = threading.Thread(target=handshake_then_stall)
-    peer.start()
-    d = Dealer(path, b"w-1", HELLO)
-    try:
-        deadline = time.monotonic() + 5
-        while not d.connected and time.monotonic() < deadline:
-            d.poll(20)
-        assert d.connected
-        peer.join()
-        conn = accepted[0]
+    with stalled_front_door(path) as (d, conn):
         conn.settimeout(0.5)
         read_all(conn)  # the dealer's handshake and hello: what comes next is beats only
         # A heartbeat's size: one small write, which a Unix socket takes whole or not at
@@ -344,8 +338,3 @@ def test_a_side_thread_beat_that_would_wait_is_skipped_and_leaves_the_stream_who
         written = read_all(conn)
         framed = dealer_module.frame_header(0, len(beat)) + beat
         assert written == framed * beats
-    finally:
-        d.close()
-        for conn in accepted:
-            conn.close()
-        listener.close()
