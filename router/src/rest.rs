@@ -311,6 +311,21 @@ impl Rest {
             .max(PARSE_BUDGET_MIN)
     }
 
+    /// `parse` of `body`, once its document is known to fit the parse budget; off the
+    /// serving thread when the body is large.
+    async fn parse_body<T: Send + 'static>(
+        &self,
+        body: Bytes,
+        parse: fn(&[u8]) -> Result<T, ServingError>,
+    ) -> Result<T, ServingError> {
+        let budget = self.parse_budget();
+        off_the_serving_thread(body.len(), move || {
+            json_tensor::check_parse_cost(&body, budget)?;
+            parse(&body)
+        })
+        .await
+    }
+
     /// The whole body, or a 413 answer when it is (or declares itself) over the limit.
     async fn read_body(
         &self,
@@ -384,12 +399,7 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let budget = self.parse_budget();
-        let (signature_name, input) = off_the_serving_thread(body.len(), move || {
-            json_tensor::check_parse_cost(&body, budget)?;
-            json_tensor::parse_examples(&body)
-        })
-        .await?;
+        let (signature_name, input) = self.parse_body(body, json_tensor::parse_examples).await?;
         let request = ClassificationRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -406,12 +416,7 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let budget = self.parse_budget();
-        let (signature_name, input) = off_the_serving_thread(body.len(), move || {
-            json_tensor::check_parse_cost(&body, budget)?;
-            json_tensor::parse_examples(&body)
-        })
-        .await?;
+        let (signature_name, input) = self.parse_body(body, json_tensor::parse_examples).await?;
         let request = RegressionRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -430,12 +435,7 @@ impl Rest {
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         let size = body.len();
-        let budget = self.parse_budget();
-        let parsed = off_the_serving_thread(size, move || {
-            json_tensor::check_parse_cost(&body, budget)?;
-            json_tensor::parse_predict(&body)
-        })
-        .await?;
+        let parsed = self.parse_body(body, json_tensor::parse_predict).await?;
         let spec = model_spec(model, version, &parsed.signature_name);
         let target = self.api.resolve(Some(&spec))?;
         let signatures = self.api.signatures(target)?;

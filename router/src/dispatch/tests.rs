@@ -338,6 +338,13 @@ fn request() -> WorkRequest {
     }
 }
 
+/// `n` workers of the same behaviour, slots cpu-0.. and pids 100..
+fn workers(run_dir: &str, n: i64, behaviour: Behaviour) -> Vec<FakeWorker> {
+    (0..n)
+        .map(|i| FakeWorker::start(run_dir, &format!("cpu-{i}"), 100 + i, behaviour))
+        .collect()
+}
+
 async fn ready(dispatcher: &Dispatcher, n: usize) {
     let mut ready = dispatcher.ready_workers();
     tokio::time::timeout(Duration::from_secs(10), ready.wait_for(|r| *r >= n))
@@ -395,9 +402,7 @@ async fn a_request_whose_worker_leaves_is_retried_on_another() {
 async fn a_request_every_worker_dies_on_is_given_up_after_max_sends() {
     let (_dir, dir) = run_dir();
     let (dispatcher, state) = start(&dir, Duration::from_secs(3));
-    let dying: Vec<FakeWorker> = (0..4)
-        .map(|i| FakeWorker::start(&dir, &format!("cpu-{i}"), 100 + i, Behaviour::DieMidRequest))
-        .collect();
+    let dying = workers(&dir, 4, Behaviour::DieMidRequest);
     ready(&dispatcher, 4).await;
     let error = dispatcher
         .call(request(), Some(Instant::now() + Duration::from_secs(5)))
@@ -424,16 +429,7 @@ async fn workers_that_leave_in_order_do_not_count_against_the_request() {
     // request's doing, so it goes on to the worker that answers.
     let (_dir, dir) = run_dir();
     let (dispatcher, state) = start(&dir, Duration::from_secs(3));
-    let leaving: Vec<FakeWorker> = (0..4)
-        .map(|i| {
-            FakeWorker::start(
-                &dir,
-                &format!("cpu-{i}"),
-                100 + i,
-                Behaviour::LeaveMidRequest,
-            )
-        })
-        .collect();
+    let leaving = workers(&dir, 4, Behaviour::LeaveMidRequest);
     ready(&dispatcher, 4).await;
     let reply = {
         let call = dispatcher.call(request(), Some(Instant::now() + Duration::from_secs(5)));
