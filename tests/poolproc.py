@@ -23,6 +23,15 @@ def mpspool_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "mpspool", *args]
 
 
+def memory_mib(pid: int, field: str) -> float:
+    """A memory line of /proc/PID/status, in MiB: VmRSS (held now), VmHWM (the most held at
+    once)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
 class Pool:
     def __init__(
         self,

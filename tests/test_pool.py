@@ -27,7 +27,7 @@ from tensorflow_serving.apis import (
 from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
-from poolproc import Pool, mpspool_cmd
+from poolproc import Pool, memory_mib, mpspool_cmd
 
 
 @pytest.fixture(scope="module")
@@ -214,28 +214,20 @@ def test_compressed_requests_are_answered_as_plain_ones(
         assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
 
 
-def peak_rss_mib(pid: int) -> float:
-    """VmHWM: the most memory the process has held at once, in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmHWM for pid {pid}")
-
-
 def test_a_rest_body_too_costly_to_parse_is_refused_without_the_memory(pool: Pool, stub) -> None:
     """40 MB of tiny JSON objects would take the front door ~3.5 GB as a document (serde_json:
     ~90 times its size; it did before the check). Refused with RESOURCE_EXHAUSTED (HTTP 429,
     TF Serving's mapping) before it is built; the front door lives on, its peak memory barely
     moves, and requests are answered as before."""
     router = pool.status()["pool"]["router_pid"]
-    before = peak_rss_mib(router)
+    before = memory_mib(router, "VmHWM")
     body = b'{"instances":[' + b'{"a":1},' * 5_000_000 + b'{"a":1}]}'
     answer = requests.post(f"{pool.rest_url}/v1/models/demo:predict", data=body, timeout=60)
     assert answer.status_code == 429, answer.text[:500]
     message = answer.json()["error"]
     assert "5000002 objects" in message and "more than the 2048 MiB allowed" in message, message
     assert pool.status()["pool"]["router_pid"] == router
-    assert peak_rss_mib(router) - before < 256, (before, peak_rss_mib(router))
+    assert memory_mib(router, "VmHWM") - before < 256, (before, memory_mib(router, "VmHWM"))
     request = make_request(demo_inputs(4, DEMO_ROWS))
     assert stub.Predict(request, timeout=30).outputs
 

@@ -9,6 +9,7 @@ import base64
 import json
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,11 @@ from mpspool.config import ConfigError, prometheus_path_from
 from mpspool.demo_model import DENSE_FEATURES, demo_inputs
 
 from conftest import DEMO_ROWS
-from poolproc import Pool
+from poolproc import Pool, memory_mib
 
-MAX_MESSAGE = 200_000
+# Over 256 KiB, the size from which the front door parses a JSON body off its serving threads
+# (router/src/rest.rs); its parse budget is then its floor, 256 MiB.
+MAX_MESSAGE = 1_000_000
 
 
 @pytest.fixture(scope="module")
@@ -349,12 +352,36 @@ def test_a_worker_error_and_huge_bodies_lose_nothing(demo: Pool) -> None:
     # The same limit holds for gRPC (tonic says OUT_OF_RANGE where gRPC C++ says
     # RESOURCE_EXHAUSTED).
     with pytest.raises(grpc.RpcError) as info:
-        grpc_predict(demo, {"ids": inputs["ids"], "dense": np.zeros((1000, 64), np.float32)})
+        grpc_predict(demo, {"ids": inputs["ids"], "dense": np.zeros((4000, 64), np.float32)})
     assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
-    assert "the limit is: 200000 bytes" in info.value.details()
+    assert f"the limit is: {MAX_MESSAGE} bytes" in info.value.details()
     answer = rest(demo, "demo:predict", {"inputs": columns})
     assert answer.status_code == 200, answer.text
     assert demo.status()["slots"][0]["restarts"] == 0
+
+
+def test_json_bodies_parsed_at_once_share_one_memory_budget(demo: Pool) -> None:
+    """Each body's document (124,000 tiny objects: ~85 MiB, serde_json's ~90 times the
+    body) fits the parse budget of 256 MiB; ten at once would take ~850 MiB (the peak grew
+    696 MiB when each body was held to the budget alone). The front door parses them in turns
+    within the budget (280 MiB) and answers each one (its objects are not the model's inputs:
+    400), none refused for memory."""
+    router = demo.status()["pool"]["router_pid"]
+    before = memory_mib(router, "VmRSS")
+    body = b'{"instances":[' + b'{"a":1},' * 124_000 + b'{"a":1}]}'
+    assert 256 * 1024 < len(body) <= MAX_MESSAGE
+
+    def post(_: int) -> requests.Response:
+        return requests.post(f"{demo.rest_url}/v1/models/demo:predict", data=body, timeout=120)
+
+    with ThreadPoolExecutor(10) as clients:
+        answers = list(clients.map(post, range(10)))
+    for answer in answers:
+        assert answer.status_code == 400, answer.text[:300]
+        assert "does not have named input: a" in answer.json()["error"], answer.text
+    grown = memory_mib(router, "VmHWM") - before
+    assert grown < 400, f"the front door's peak grew {grown:.0f} MiB"
+    assert demo.status()["pool"]["router_pid"] == router
 
 
 # -- metrics -------------------------------------------------------------------------------

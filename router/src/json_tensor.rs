@@ -107,20 +107,57 @@ fn nested(error: &ServingError) -> String {
 const VALUE_COST: usize = 64;
 const OBJECT_COST: usize = 640;
 
-/// RESOURCE_EXHAUSTED when the document of `body` would take more than `budget` bytes to
-/// build: `{"a":1},` repeated costs ~90 times its size, `[0,0,...]` ~30 (measured: a 96 MiB
-/// body took the front door to 8.7 GB). One pass over the bytes, strings skipped, counting
-/// objects and values (a comma or an array's opening each start one).
-pub fn check_parse_cost(body: &[u8], budget: usize) -> Result<(), ServingError> {
-    // A byte starts at most one object: a body this short cannot pass the budget, and the
-    // common one (a batch of inputs, well under the budget) is not scanned.
-    let most = body
-        .len()
-        .saturating_mul(1 + OBJECT_COST)
-        .saturating_add(VALUE_COST);
-    if most <= budget {
-        return Ok(());
+/// The most building the document of a `len`-byte body could take, without reading it: a
+/// byte starts at most one object.
+pub fn most_parse_cost(len: usize) -> usize {
+    len.saturating_mul(1 + OBJECT_COST)
+        .saturating_add(VALUE_COST)
+}
+
+/// What building a body's document would take, by its pieces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParseCost {
+    pub body_bytes: usize,
+    pub values: usize,
+    pub objects: usize,
+}
+
+impl ParseCost {
+    /// The document's bytes, roughly: the body's own (strings) and each piece's.
+    pub fn bytes(&self) -> usize {
+        self.body_bytes
+            .saturating_add(self.values.saturating_mul(VALUE_COST))
+            .saturating_add(self.objects.saturating_mul(OBJECT_COST))
     }
+
+    /// RESOURCE_EXHAUSTED when this document alone would take more than `budget` bytes.
+    pub fn check(&self, budget: usize) -> Result<(), ServingError> {
+        let cost = self.bytes();
+        if cost <= budget {
+            return Ok(());
+        }
+        Err(ServingError::new(
+            crate::status::Code::ResourceExhausted,
+            format!(
+                "parsing this JSON body ({} bytes: {} values, {} objects) would take \
+                 about {} MiB of memory, more than the {} MiB allowed (4 times \
+                 --max-message-bytes, at least 256); send fewer values per request, or use \
+                 gRPC",
+                self.body_bytes,
+                self.values,
+                self.objects,
+                cost >> 20,
+                budget >> 20
+            ),
+        ))
+    }
+}
+
+/// What the document of `body` would take to build: `{"a":1},` repeated costs ~90 times its
+/// size, `[0,0,...]` ~30 (measured: a 96 MiB body took the front door to 8.7 GB). One pass
+/// over the bytes, strings skipped, counting objects and values (a comma or an array's
+/// opening each start one).
+pub fn parse_cost(body: &[u8]) -> ParseCost {
     let (mut objects, mut values) = (0usize, 1usize);
     let (mut in_string, mut escaped) = (false, false);
     for &byte in body {
@@ -141,24 +178,11 @@ pub fn check_parse_cost(body: &[u8], budget: usize) -> Result<(), ServingError> 
             _ => {}
         }
     }
-    let cost = body
-        .len()
-        .saturating_add(values.saturating_mul(VALUE_COST))
-        .saturating_add(objects.saturating_mul(OBJECT_COST));
-    if cost <= budget {
-        return Ok(());
+    ParseCost {
+        body_bytes: body.len(),
+        values,
+        objects,
     }
-    Err(ServingError::new(
-        crate::status::Code::ResourceExhausted,
-        format!(
-            "parsing this JSON body ({} bytes: {values} values, {objects} objects) would take \
-             about {} MiB of memory, more than the {} MiB allowed (4 times \
-             --max-message-bytes); send fewer values per request, or use gRPC",
-            body.len(),
-            cost >> 20,
-            budget >> 20
-        ),
-    ))
 }
 
 /// Parses the body as a JSON object (TF Serving's `ParseJson` + `FillSignature`).
@@ -1030,11 +1054,11 @@ mod tests {
     #[test]
     fn the_parse_cost_counts_objects_and_values_outside_strings() {
         let budget = |body: &str| {
-            let mut low = 0;
-            while check_parse_cost(body.as_bytes(), low).is_err() {
-                low += 1;
-            }
-            low
+            let cost = parse_cost(body.as_bytes());
+            assert!(cost.check(cost.bytes()).is_ok());
+            assert!(cost.check(cost.bytes() - 1).is_err());
+            assert!(cost.bytes() <= most_parse_cost(body.len()), "{body}");
+            cost.bytes()
         };
         // 3 values (two commas, one array) and no object: the bytes plus 4 values' cost.
         let plain = "[1,2,3]";
@@ -1052,10 +1076,11 @@ mod tests {
     #[test]
     fn a_body_too_costly_to_parse_is_refused_with_resource_exhausted() {
         let body = r#"{"a":1},"#.repeat(1000);
-        let error = check_parse_cost(body.as_bytes(), 1 << 19).unwrap_err();
+        let cost = parse_cost(body.as_bytes());
+        let error = cost.check(1 << 19).unwrap_err();
         assert_eq!(error.code, crate::status::Code::ResourceExhausted);
         assert!(error.message.contains("1000 objects"), "{}", error.message);
-        assert!(check_parse_cost(body.as_bytes(), 1 << 20).is_ok());
+        assert!(cost.check(1 << 20).is_ok());
     }
 
     fn specs(inputs: &[(&str, i32)]) -> HashMap<String, TensorSpec> {

@@ -15,6 +15,7 @@ mod inference;
 mod json_tensor;
 mod log;
 mod metrics;
+mod parse_budget;
 mod policies;
 mod proto;
 mod reload;
@@ -216,13 +217,12 @@ async fn serve(config: Config) -> ExitCode {
             state.rest_port.store(bound, Ordering::Relaxed);
             log_info!("REST API on http://{}:{bound}/v1/models", config.host);
             let timeout = std::time::Duration::from_millis(config.rest_api_timeout_ms);
-            let handler = rest::Rest {
-                api: api.clone(),
-                max_body_bytes: config.max_message_bytes,
-                timeout: (!timeout.is_zero()).then_some(timeout),
-                prometheus_path: (!config.prometheus_path.is_empty())
-                    .then(|| config.prometheus_path.clone()),
-            };
+            let handler = rest::Rest::new(
+                api.clone(),
+                config.max_message_bytes,
+                (!timeout.is_zero()).then_some(timeout),
+                (!config.prometheus_path.is_empty()).then(|| config.prometheus_path.clone()),
+            );
             Some((listener, Arc::new(handler)))
         }
     };

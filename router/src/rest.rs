@@ -23,6 +23,7 @@ use crate::codec::dtype_name;
 use crate::grpc::Api;
 use crate::json_tensor::{self, write_string};
 use crate::metrics::{Entrypoint, Method, TfApi};
+use crate::parse_budget::ParseBudget;
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
     GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
@@ -34,13 +35,15 @@ use crate::status::{Code, ServingError};
 
 /// What the REST handlers share.
 pub struct Rest {
-    pub api: Api,
+    api: Api,
     /// Largest body accepted (the gRPC message limit).
-    pub max_body_bytes: usize,
+    max_body_bytes: usize,
     /// TF Serving's `--rest_api_timeout_in_ms`: each Predict's deadline.
-    pub timeout: Option<Duration>,
+    timeout: Option<Duration>,
     /// Where TF Serving's metrics are served (its monitoring config's Prometheus path).
-    pub prometheus_path: Option<String>,
+    prometheus_path: Option<String>,
+    /// What the JSON documents of the bodies being parsed may take together.
+    parse_budget: ParseBudget,
 }
 
 /// A body at least this large is parsed (and its tensors built) on tokio's blocking threads:
@@ -49,9 +52,11 @@ pub struct Rest {
 /// the demo model is ~64 KiB, ~1 ms to parse) stay in place, where the hand-off to another
 /// thread and back would be a good part of the work.
 const BLOCKING_BODY_BYTES: usize = 256 * 1024;
-/// What parsing a body may allocate, as a multiple of the largest body accepted, and at
-/// least PARSE_BUDGET_MIN: serde_json's document of a small-valued JSON body is 30-90 times
-/// its size (json_tensor::check_parse_cost), which could take the front door's memory.
+/// What parsing bodies may allocate at once, all together, as a multiple of the largest body
+/// accepted, and at least PARSE_BUDGET_MIN: serde_json's document of a small-valued JSON body
+/// is 30-90 times its size (json_tensor::parse_cost), which could take the front door's
+/// memory. PARSE_BUDGET_MIN is over the most a body short enough to parse in place could cost
+/// (most_parse_cost(BLOCKING_BODY_BYTES), 160 MiB): such a body is never refused for it.
 const PARSE_BUDGET_PER_BODY_BYTE: usize = 4;
 const PARSE_BUDGET_MIN: usize = 256 << 20;
 
@@ -245,6 +250,25 @@ fn error_response(error: &ServingError) -> Response<Full<Bytes>> {
 }
 
 impl Rest {
+    /// The REST API over `api`, taking bodies of up to `max_body_bytes`.
+    pub fn new(
+        api: Api,
+        max_body_bytes: usize,
+        timeout: Option<Duration>,
+        prometheus_path: Option<String>,
+    ) -> Self {
+        let parse_budget = max_body_bytes
+            .saturating_mul(PARSE_BUDGET_PER_BODY_BYTE)
+            .max(PARSE_BUDGET_MIN);
+        Self {
+            api,
+            max_body_bytes,
+            timeout,
+            prometheus_path,
+            parse_budget: ParseBudget::new(parse_budget),
+        }
+    }
+
     /// One HTTP request: never fails (errors are JSON answers).
     pub async fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
         let method = request.method().clone();
@@ -304,24 +328,38 @@ impl Rest {
         }
     }
 
-    /// What parsing one body may allocate (PARSE_BUDGET_PER_BODY_BYTE).
-    fn parse_budget(&self) -> usize {
-        self.max_body_bytes
-            .saturating_mul(PARSE_BUDGET_PER_BODY_BYTE)
-            .max(PARSE_BUDGET_MIN)
-    }
-
-    /// `parse` of `body`, once its document is known to fit the parse budget; off the
-    /// serving thread when the body is large.
+    /// `parse` of `body`, once its document fits the parse budget, holding its share of the
+    /// budget while it runs. A small body reserves the most its document could cost, without
+    /// reading it, and is parsed in place; a large one, or one the budget cannot take at once,
+    /// is read for its cost (refused if that alone is over the budget), waits for it until
+    /// `deadline`, and is parsed on a blocking thread.
     async fn parse_body<T: Send + 'static>(
         &self,
         body: Bytes,
         parse: fn(&[u8]) -> Result<T, ServingError>,
+        deadline: Option<Instant>,
     ) -> Result<T, ServingError> {
-        let budget = self.parse_budget();
+        if body.len() < BLOCKING_BODY_BYTES {
+            if let Some(_held) = self
+                .parse_budget
+                .try_reserve(json_tensor::most_parse_cost(body.len()))
+            {
+                return parse(&body);
+            }
+        }
+        let (body, cost) = off_the_serving_thread(body.len(), move || {
+            let cost = json_tensor::parse_cost(&body);
+            Ok((body, cost))
+        })
+        .await?;
+        cost.check(self.parse_budget.bytes())?;
+        let held = self.parse_budget.reserve(cost.bytes(), deadline).await?;
+        // The reservation moves with the parse: a request given up while it runs (the
+        // client gone) leaves the parse running, and its share held, until it ends.
         off_the_serving_thread(body.len(), move || {
-            json_tensor::check_parse_cost(&body, budget)?;
-            parse(&body)
+            let answer = parse(&body);
+            drop(held);
+            answer
         })
         .await
     }
@@ -399,7 +437,9 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let (signature_name, input) = self.parse_body(body, json_tensor::parse_examples).await?;
+        let (signature_name, input) = self
+            .parse_body(body, json_tensor::parse_examples, deadline)
+            .await?;
         let request = ClassificationRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -416,7 +456,9 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let (signature_name, input) = self.parse_body(body, json_tensor::parse_examples).await?;
+        let (signature_name, input) = self
+            .parse_body(body, json_tensor::parse_examples, deadline)
+            .await?;
         let request = RegressionRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -435,7 +477,9 @@ impl Rest {
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         let size = body.len();
-        let parsed = self.parse_body(body, json_tensor::parse_predict).await?;
+        let parsed = self
+            .parse_body(body, json_tensor::parse_predict, deadline)
+            .await?;
         let spec = model_spec(model, version, &parsed.signature_name);
         let target = self.api.resolve(Some(&spec))?;
         let signatures = self.api.signatures(target)?;

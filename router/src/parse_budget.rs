@@ -1,0 +1,152 @@
+//! The memory REST's JSON documents may take at once, across every request being parsed.
+//!
+//! A JSON body's document costs up to ~90 times its bytes (`json_tensor::parse_cost`). One
+//! body over the budget is refused on its own; this makes the budget hold for all bodies
+//! together, so that a few concurrent bodies, each allowed, cannot take the front door's
+//! memory between them. A parse reserves its cost before it starts and gives it back when
+//! it ends; one that would pass the budget waits, first come first served, until the others
+//! give back enough or its request's deadline passes.
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
+use tokio::time::Instant;
+
+use crate::status::{Code, ServingError};
+
+/// Reservations count KiB: tokio's `acquire_many` takes a u32, and a budget in bytes can
+/// pass u32::MAX.
+const UNIT: usize = 1024;
+
+pub struct ParseBudget {
+    permits: Arc<Semaphore>,
+    bytes: usize,
+}
+
+impl ParseBudget {
+    pub fn new(bytes: usize) -> Self {
+        let units = units(bytes).min(Semaphore::MAX_PERMITS as u64) as usize;
+        Self {
+            permits: Arc::new(Semaphore::new(units)),
+            bytes,
+        }
+    }
+
+    /// The whole budget, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// `cost` bytes, held until the reservation is dropped; waits for them until `deadline`
+    /// (DEADLINE_EXCEEDED after it). A cost over the whole budget is the caller's to refuse
+    /// first (`ParseCost::check`); here it is INTERNAL, since it could never be granted.
+    pub async fn reserve(
+        &self,
+        cost: usize,
+        deadline: Option<Instant>,
+    ) -> Result<OwnedSemaphorePermit, ServingError> {
+        let units = self.units_of(cost)?;
+        let acquire = self.permits.clone().acquire_many_owned(units);
+        let acquired = match deadline {
+            None => acquire.await,
+            Some(deadline) => tokio::time::timeout_at(deadline, acquire)
+                .await
+                .map_err(|_| {
+                    ServingError::new(
+                        Code::DeadlineExceeded,
+                        "Deadline Exceeded while waiting for memory to parse the request body",
+                    )
+                })?,
+        };
+        // The semaphore is never closed.
+        acquired.map_err(|error| ServingError::new(Code::Internal, error.to_string()))
+    }
+
+    /// `cost` bytes now, or None when others hold too much of the budget to grant them
+    /// without waiting.
+    pub fn try_reserve(&self, cost: usize) -> Option<SemaphorePermit<'_>> {
+        let units = self.units_of(cost).ok()?;
+        self.permits.try_acquire_many(units).ok()
+    }
+
+    fn units_of(&self, cost: usize) -> Result<u32, ServingError> {
+        if cost > self.bytes {
+            return Err(ServingError::new(
+                Code::Internal,
+                format!(
+                    "a parse of {cost} bytes cannot fit the {} byte budget",
+                    self.bytes
+                ),
+            ));
+        }
+        // At most units(self.bytes), which the semaphore was made with: a u32 unless the
+        // budget is over 4 TiB (messages are limited to under 2 GiB, so budgets to 8 GiB).
+        u32::try_from(units(cost)).map_err(|_| {
+            ServingError::new(
+                Code::Internal,
+                format!("a parse of {cost} bytes is too large"),
+            )
+        })
+    }
+
+    #[cfg(test)]
+    fn available_bytes(&self) -> usize {
+        self.permits.available_permits() * UNIT
+    }
+}
+
+/// Whole KiB, rounded up; at least one, so that every parse holds some of the budget.
+fn units(bytes: usize) -> u64 {
+    (bytes.div_ceil(UNIT) as u64).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn reservations_wait_until_enough_is_given_back() {
+        let budget = Arc::new(ParseBudget::new(100 * UNIT));
+        let first = budget.reserve(60 * UNIT, None).await.unwrap();
+        assert_eq!(budget.available_bytes(), 40 * UNIT);
+        assert!(budget.try_reserve(41 * UNIT).is_none());
+        let second = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.reserve(50 * UNIT, None).await.map(|_| ()) }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!second.is_finished(), "granted while 60 of 100 were held");
+        drop(first);
+        tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("granted once given back")
+            .unwrap()
+            .unwrap();
+        assert_eq!(budget.available_bytes(), 100 * UNIT);
+    }
+
+    #[tokio::test]
+    async fn a_wait_ends_at_the_deadline_and_takes_nothing() {
+        let budget = ParseBudget::new(10 * UNIT);
+        let held = budget.try_reserve(8 * UNIT).unwrap();
+        let deadline = Instant::now() + Duration::from_millis(30);
+        let error = budget.reserve(5 * UNIT, Some(deadline)).await.unwrap_err();
+        assert_eq!(error.code, Code::DeadlineExceeded);
+        assert!(Instant::now() >= deadline);
+        drop(held);
+        assert_eq!(budget.available_bytes(), 10 * UNIT);
+    }
+
+    #[tokio::test]
+    async fn a_cost_past_the_whole_budget_is_never_waited_for() {
+        let budget = ParseBudget::new(10 * UNIT);
+        let error = budget.reserve(10 * UNIT + 1, None).await.unwrap_err();
+        assert_eq!(error.code, Code::Internal);
+        assert!(budget.try_reserve(10 * UNIT + 1).is_none());
+        // Costs round up to whole KiB, never below one: the budget still fits its own size.
+        drop(budget.try_reserve(10 * UNIT).unwrap());
+        assert!(budget.try_reserve(0).is_some());
+    }
+}
