@@ -8,6 +8,7 @@ teardown (with its ".partial"), whatever the test's outcome.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import secrets
@@ -15,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ import pytest
 
 from mpspool import dtypes, segment
 from mpspool.demo_model import demo_inputs
-from mpspool.worker import tensor_bundle
+from mpspool.worker import runtime, tensor_bundle
 from mpspool.worker.publish import OBJECT_GRAPH_KEY, PublishError, publish
 from mpspool.worker.runtime import ModelLoadError, ModelRuntime, load_saved_model
 from mpspool.worker.shared_weights import resolve, unescape_name
@@ -539,6 +541,61 @@ def test_remove_stale_removes_only_what_a_dead_owner_left(shm_subdir: Path) -> N
     assert sorted(p.name for p in shm_subdir.iterdir()) == sorted(
         [mine.name, mine_partial.name, unrelated.name]
     )
+
+
+def _waiting_for(path: Path) -> threading.Thread:
+    """A thread in a worker's wait for the weights published into ``path``."""
+    thread = threading.Thread(target=runtime._wait_for_publisher, args=(path,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_worker_waits_for_a_publish_as_long_as_its_pool_lives(
+    shm_subdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large model's publish may take many minutes: the wait has no deadline of its own
+    (it had 600 s, after which the workers started beside the publisher failed). Here each
+    reading of the clock is 1000 s after the last, and the wait goes on while the partial
+    segment's owner lives; it ends once the segment is renamed into place."""
+    monkeypatch.setattr(runtime, "PUBLISH_POLL_S", 0.005)
+    final = shm_subdir / "mpspool-test-slow"
+    partial = _tiny_segment(final, *_owner(), commit=False)
+    clock = itertools.count(0.0, 1000.0)
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    thread = _waiting_for(final)
+    thread.join(0.5)
+    assert thread.is_alive(), "the wait ended before the segment was published"
+    assert next(clock) > 50 * 1000.0, "the clock was read 50 times (the wait went on)"
+    partial.rename(final)
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_worker_stops_waiting_when_the_partial_segment_is_removed(shm_subdir: Path) -> None:
+    """The controller's cleanup of a failed publish removes the ".partial"; the worker then
+    finds no segment (AttachedSegment says so) instead of waiting."""
+    final = shm_subdir / "mpspool-test-failed"
+    partial = _tiny_segment(final, *_owner(), commit=False)
+    thread = _waiting_for(final)
+    thread.join(0.2)
+    assert thread.is_alive()
+    partial.unlink()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_worker_stops_waiting_for_a_publish_whose_pool_is_gone(
+    shm_subdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "PUBLISH_OWNER_CHECK_S", 0.05)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    final = shm_subdir / "mpspool-test-orphan"
+    partial = _tiny_segment(final, child.pid, time.time(), commit=False)
+    thread = _waiting_for(final)
+    thread.join(5)
+    assert not thread.is_alive(), "still waiting for a publisher whose pool is gone"
+    assert partial.exists() and not final.exists()
 
 
 # 10. a damaged checkpoint

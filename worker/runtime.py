@@ -166,8 +166,10 @@ def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
     return segment, bound, at_risk
 
 
-# How long a worker waits for a publisher still writing the segment (its ".partial" file).
-PUBLISH_WAIT_S = 600.0
+# How often a worker waiting for the weights looks for the finished segment, and how often it
+# checks that the pool publishing them (the manifest's owner) still lives.
+PUBLISH_POLL_S = 0.02
+PUBLISH_OWNER_CHECK_S = 1.0
 
 
 def _wait_for_publisher(path: Path) -> None:
@@ -175,17 +177,36 @@ def _wait_for_publisher(path: Path) -> None:
     importing TensorFlow and loading the graph, so it can be started while the publisher
     copies them (the two overlap); the publisher renames the finished segment into place, so
     its name appearing means it is complete. Neither name there: nothing to wait for, and
-    AttachedSegment says the segment is missing."""
+    AttachedSegment says the segment is missing.
+
+    However long a large model takes to publish, the wait has no deadline of its own: the
+    pool's controller owns a publish that fails (it removes the ".partial" file and stops the
+    workers beside it), and the wait ends if that controller, the owner the partial
+    segment's manifest names, is gone."""
     import time
 
+    from mpspool.segment import SegmentError, owner_alive, read_manifest
+
     partial = path.with_name(path.name + ".partial")
-    deadline = time.monotonic() + PUBLISH_WAIT_S
+    manifest = None  # the partial segment's, once its header is written
+    checked = time.monotonic()
     waited = False
-    while not path.exists() and partial.exists() and time.monotonic() < deadline:
+    while not path.exists() and partial.exists():
         if not waited:
             log.info("waiting for the weights to be published into %s", path)
             waited = True
-        time.sleep(0.02)
+        now = time.monotonic()
+        if now - checked >= PUBLISH_OWNER_CHECK_S:
+            checked = now
+            if manifest is None:
+                try:
+                    manifest = read_manifest(partial)
+                except SegmentError:
+                    pass  # gone or not written yet: the loop's test or the next check says
+            if manifest is not None and not owner_alive(manifest):
+                log.warning("the pool publishing %s is gone (pid %d)", path, manifest.owner_pid)
+                return
+        time.sleep(PUBLISH_POLL_S)
 
 
 class SavedModelRuntime:
