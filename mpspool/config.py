@@ -431,9 +431,10 @@ class PoolConfig:
         return self.placement().worker_threads(self.slots.index(slot))
 
     def validate(self) -> PoolConfig:
+        # Length first: its message shows a long name cut, this one whole.
+        check_model_name_length(self.model_name)
         if not self.model_name or "/" in self.model_name:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
-        check_model_name_length(self.model_name)
         self._validate_models()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")

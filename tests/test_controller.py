@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from mpspool import cpusets, process
-from mpspool.config import PoolConfig, ServedModel
+from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import controller as controller_module
 from mpspool.supervisor import supervisord as sd
@@ -386,7 +386,8 @@ def make_pool(
             "workers": 2,
             "start_retries": 2,
             "backoff_s": 1.0,
-            "pool_id": "t3st",
+            # pool_id: PoolConfig's own, random, so that two runs of these tests on one
+            # machine never share a segment name in /dev/shm.
         }
         settings.update(overrides)
         clock = FakeClock()
@@ -1717,6 +1718,18 @@ def test_an_added_model_with_a_name_too_long_for_its_files_is_refused_at_once(
     assert "is 300 bytes long, more than 128" in message
     assert len(message) < 300, "the name is not echoed whole"
     assert list(pool.controller.models) == ["demo"]
+
+
+def test_a_pools_model_name_too_long_is_refused_without_echoing_it_whole():
+    """Its length is checked before its characters: a 300-byte name with a '/' is refused
+    for its length, and the message shows the name cut."""
+    config = PoolConfig(
+        model_name="a/" + "b" * 298, model_base_path="/m", model_version=1, run_dir="/r",
+        log_dir="/l", workers=1,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="is 300 bytes long, more than 128") as info:
+        config.validate()
+    assert len(str(info.value)) < 300, "the name is not echoed whole"
 
 
 def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
