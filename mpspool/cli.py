@@ -248,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of silence before a worker is declared dead",
     )
     start.add_argument(
+        "--call-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a model call may run before it is taken for a hang: the request fails "
+        "with DEADLINE_EXCEEDED and its worker is replaced (0: no limit; default %(default)s)",
+    )
+    start.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
@@ -520,6 +527,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         ),
         max_connection_age_s=args.max_connection_age,
         worker_timeout_s=args.worker_timeout,
+        call_timeout_s=args.call_timeout,
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,
         start_retries=args.start_retries,

@@ -212,6 +212,12 @@ class PoolConfig:
     # A worker silent this long is declared dead by the router (its requests are retried
     # elsewhere) and replaced by the controller.
     worker_timeout_s: float = 3.0
+    # A model call running longer than this (0: no limit) is taken for a hang (a stuck
+    # kernel, a wedged GPU): its request fails with DEADLINE_EXCEEDED and its worker exits to
+    # be replaced. A call beats from a side thread while it runs (worker/serve.py), so without
+    # this a hung call would hold its worker for ever. TorchServe's default_response_timeout
+    # does the same (120 s there).
+    call_timeout_s: float = 300.0
     # On shutdown: health says NOT_SERVING this long before the server stops accepting
     # (time for load balancers to notice), then in-flight requests get drain_timeout_s.
     shutdown_delay_s: float = 1.0
@@ -538,6 +544,10 @@ class PoolConfig:
             raise ConfigError(
                 "--worker-timeout must exceed the 0.5 s heartbeat interval, "
                 f"got {self.worker_timeout_s}"
+            )
+        if not self.call_timeout_s >= 0:  # NaN too
+            raise ConfigError(
+                f"--call-timeout must be >= 0 (0: no limit), got {self.call_timeout_s}"
             )
         model_pb = Path(self.model_path) / "saved_model.pb"
         if not model_pb.is_file():

@@ -8,6 +8,7 @@ controller tell "cannot start, stop retrying" from a crash worth a restart.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -17,7 +18,8 @@ from typing import NoReturn
 EXIT_OK = 0
 EXIT_CONFIG_ERROR = 3  # bad configuration or environment: retrying cannot help
 EXIT_LOAD_FAILED = 4  # the model could not be loaded
-RESERVED_EXIT_CODES = (EXIT_CONFIG_ERROR, EXIT_LOAD_FAILED)
+EXIT_CALL_TIMEOUT = 5  # a model call ran past --call-timeout: the worker is replaced
+RESERVED_EXIT_CODES = (EXIT_CONFIG_ERROR, EXIT_LOAD_FAILED, EXIT_CALL_TIMEOUT)
 
 # A process that exits with a reserved code first writes one line starting with this to
 # stderr; the controller shows the rest of the line as the reason (`mpspool status`).
@@ -52,6 +54,17 @@ def fail(code: int, reason: str) -> NoReturn:
     sys.stderr.write(f"{FATAL_MARKER}{reason}\n")
     sys.stderr.flush()
     raise SystemExit(code)
+
+
+def exit_now(code: int, reason: str) -> NoReturn:
+    """End this process at once, from any thread, with `reason` in the marker format: for a
+    process whose main thread cannot be reached (it is stuck in a call). Nothing else runs
+    (no atexit handlers, no other thread's cleanup); what logging holds is flushed first."""
+    sys.stderr.write(f"{FATAL_MARKER}{reason}\n")
+    sys.stderr.flush()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
 
 
 def fatal_reason(text: str) -> str:

@@ -1,12 +1,13 @@
-"""Model calls longer than the liveness window, and a request that ends every worker it
-reaches, in a real pool (the official client, a model these tests export).
+"""Model calls longer than the liveness window, calls that hang, and a request that ends every
+worker it reaches, in a real pool (the official client, a model these tests export).
 
 A worker inside a long call is working, not silent: it beats from a side thread while the
 call runs (worker/serve.py, BusyBeats), so it is neither declared dead nor killed, and the
-request is answered once. A request whose worker dies while running it is sent again
-elsewhere, but at most MAX_SENDS (3) times (router/src/dispatch.rs): an input that aborts
-the process (TensorFlow's Abort op here, a crashing kernel in the wild) must not take the
-pool down over and over."""
+request is answered once. A call past --call-timeout is taken for a hang: its request fails
+with DEADLINE_EXCEEDED and its worker exits to be replaced. A request whose worker dies
+while running it is sent again elsewhere, but at most MAX_SENDS (3) times
+(router/src/dispatch.rs): an input that aborts the process (TensorFlow's Abort op here, a
+crashing kernel in the wild) must not take the pool down over and over."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ WORKER_TIMEOUT_S = 1.5
 # machine can slow more than the worker (a CI run measured 1.97 s for a 2.5 s aim): aimed
 # high, checked against 1.5 windows.
 LONG_CALL_S = 4.0
+# A call this long is taken for a hang: far past LONG_CALL_S, which a loaded machine may
+# stretch, and short enough for a test to wait out.
+CALL_TIMEOUT_S = 10.0
+# Steps of a call that would run for hours: a hang.
+HANG_STEPS = 2**31 - 1
 
 
 class Spin(tf.Module):
@@ -90,6 +96,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, Spin]) -> 
         WORKERS,
         "--worker-timeout",
         str(WORKER_TIMEOUT_S),
+        "--call-timeout",
+        str(CALL_TIMEOUT_S),
     )
     try:
         pool.start().wait_ready(WORKERS)
@@ -126,6 +134,52 @@ def test_a_call_longer_than_the_liveness_window_is_answered_once(
     assert list(tf.make_ndarray(reply.outputs["out"]).shape) == [2]
     assert restarts(pool) == before, "no worker was declared dead, killed or restarted"
     assert predict(pool, [1], timeout=10).outputs["out"].float_val
+
+
+def test_a_call_past_the_call_timeout_fails_and_only_its_worker_is_replaced(pool: Pool) -> None:
+    before = restarts(pool)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as hung:
+        predict(pool, [HANG_STEPS], timeout=120)
+    took = time.monotonic() - started
+    assert hung.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, hung.value.details()
+    assert "--call-timeout" in hung.value.details(), hung.value.details()
+    assert CALL_TIMEOUT_S <= took < CALL_TIMEOUT_S + 10, f"answered after {took:.1f} s"
+
+    def replaced(status: dict) -> bool:
+        slots = {s["slot"]: s for s in status["slots"]}
+        return all(s["state"] == "READY" for s in slots.values()) and any(
+            slots[slot]["pid"] != pid for slot, (pid, _) in before.items()
+        )
+
+    pool.wait_for(replaced, 120, "the hung worker replaced and every worker READY")
+    after = restarts(pool)
+    assert sorted(after[slot][1] - before[slot][1] for slot in before) == [0] * (WORKERS - 1) + [
+        1
+    ], (before, after)
+    assert predict(pool, [1], timeout=10).outputs["out"].float_val
+
+
+def test_busy_beats_end_a_call_past_its_limit_once_and_stop_beating() -> None:
+    """The side thread alone: beats while a call runs, then at the limit hands the call over
+    (its id, how long it ran) and beats no more; with no limit it beats on."""
+    from mpspool.worker.serve import BUSY_CHECK_S, BusyBeats
+
+    beats: list[float] = []
+    overruns: list[tuple[str, float]] = []
+    limited = BusyBeats(lambda: beats.append(time.monotonic()), 0.6, lambda *a: overruns.append(a))
+    unlimited_beats: list[float] = []
+    unlimited = BusyBeats(lambda: unlimited_beats.append(time.monotonic()), 0.0, pytest.fail)
+    try:
+        limited.running = unlimited.running = (time.monotonic(), "r1")
+        time.sleep(1.5)
+        assert [request for request, _ in overruns] == ["r1"]
+        assert overruns[0][1] > 0.6
+        assert beats and beats[-1] - limited.running[0] <= 0.6 + BUSY_CHECK_S, "beats stopped"
+        assert unlimited_beats[-1] - unlimited.running[0] > 1.0, "no limit: still beating"
+    finally:
+        limited.stop()
+        unlimited.stop()
 
 
 def test_a_request_that_ends_every_worker_it_reaches_is_sent_three_times(pool: Pool) -> None:

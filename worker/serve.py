@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +52,24 @@ BUSY_CHECK_S = wire.HEARTBEAT_INTERVAL_S / 4
 
 
 class BusyBeats:
-    """Heartbeats from a side thread while the serving loop is inside a model call.
+    """Heartbeats from a side thread while the serving loop is inside a model call, and the
+    end of a call that runs past its limit.
 
-    The loop stores the call's start in ``call_started`` and 0.0 at its end (an attribute
-    store, nothing a request would notice: no lock, no wake-up); the thread looks every
-    BUSY_CHECK_S and beats (``beat``) at least every half interval while a call has run
-    longer than that. Outside calls it beats nothing, so a loop stuck anywhere else is still
-    silent."""
+    The loop stores ``running`` (the call's start and its request's id) before a call and
+    None after it (one attribute store each, nothing a request would notice: no lock, no
+    wake-up); the thread looks every BUSY_CHECK_S and beats (``beat``) at least every half
+    interval while a call has run longer than that. Outside calls it beats nothing, so a loop
+    stuck anywhere else is still silent. A call running longer than ``limit_s`` (0: none) is
+    taken for a hang: the thread hands it to ``overrun`` (request id, seconds run) and stops
+    beating."""
 
-    def __init__(self, beat: Any) -> None:
-        self.call_started = 0.0  # time.monotonic() at the running call's start; 0.0: none
+    def __init__(
+        self, beat: Callable[[], Any], limit_s: float, overrun: Callable[[Any, float], None]
+    ) -> None:
+        self.running: tuple[float, Any] | None = None  # (time.monotonic() at start, id)
         self._beat = beat
+        self._limit_s = limit_s
+        self._overrun = overrun
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="busy-beats", daemon=True)
         self._thread.start()
@@ -73,8 +81,14 @@ class BusyBeats:
     def _run(self) -> None:
         last = 0.0
         while not self._stop.wait(BUSY_CHECK_S):
-            started, now = self.call_started, time.monotonic()
-            if started and now - started >= BUSY_CHECK_S and now - last >= 2 * BUSY_CHECK_S:
+            running, now = self.running, time.monotonic()
+            if running is None:
+                continue
+            started, request_id = running
+            if self._limit_s and now - started > self._limit_s:
+                self._overrun(request_id, now - started)
+                return
+            if now - started >= BUSY_CHECK_S and now - last >= 2 * BUSY_CHECK_S:
                 self._beat()
                 last = now
 
@@ -118,7 +132,11 @@ class Worker:
         return wire.pack(wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served)
 
     def serve(self) -> None:
-        self._busy_beats = BusyBeats(lambda: self._socket.send_from_thread(self._heartbeat()))
+        self._busy_beats = BusyBeats(
+            lambda: self._socket.send_from_thread(self._heartbeat()),
+            self.config.call_timeout_s,
+            self._call_overrun,
+        )
         try:
             self._serve()
         finally:
@@ -191,7 +209,7 @@ class Worker:
     def _execute(self, request: Pending) -> list[Any]:
         """The reply to a checked request: its outputs, or its error."""
         start_us = time.time_ns() // 1000
-        self._busy_beats.call_started = time.monotonic()
+        self._busy_beats.running = (time.monotonic(), request.request_id)
         try:
             result = self.runtime.run(request.signature, request.inputs, request.outputs)
         except ServingError as exc:
@@ -200,9 +218,24 @@ class Worker:
             log.exception("request %s failed", request.request_id)
             return [self._error(request.request_id, Code.INTERNAL, str(exc))]
         finally:
-            self._busy_beats.call_started = 0.0
+            self._busy_beats.running = None
         self.served += 1
         return self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
+
+    def _call_overrun(self, request_id: Any, ran_s: float) -> None:
+        """From the side thread: the call for ``request_id`` has run past --call-timeout and
+        is taken for a hang, which nothing in this process can end (TensorFlow offers no
+        way to stop a running call; the loop's thread is inside it). Its request fails with
+        DEADLINE_EXCEEDED, said now, and the process exits: the front door sends what else it
+        had queued here elsewhere, and the controller starts a new worker in its place."""
+        limit = self.config.call_timeout_s
+        reason = (
+            f"the model call ran for more than {limit:g} s (--call-timeout) and was taken for "
+            f"a hang; worker {self.slot} (pid {self.pid}) exits to be replaced"
+        )
+        log.error("request %s: %s (ran %.1f s)", request_id, reason, ran_s)
+        self._socket.send_from_thread(self._error(request_id, Code.DEADLINE_EXCEEDED, reason))
+        process.exit_now(process.EXIT_CALL_TIMEOUT, reason)
 
     @staticmethod
     def _reply(request_id: Any, result: dict[str, Any], start_us: int, end_us: int) -> list[Any]:
