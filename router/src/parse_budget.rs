@@ -90,7 +90,7 @@ impl ParseBudget {
     }
 
     #[cfg(test)]
-    fn available_bytes(&self) -> usize {
+    pub fn available_bytes(&self) -> usize {
         self.permits.available_permits() * UNIT
     }
 }

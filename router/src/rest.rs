@@ -77,6 +77,40 @@ async fn off_the_serving_thread<T: Send + 'static>(
     })?
 }
 
+/// `work` (parsing `body` and whatever reads its document) holding the document's share of
+/// `budget` while it runs. A small body reserves the most its document could cost, without
+/// reading it, if the budget has that free at once, and is worked on in place. Otherwise the
+/// body is read for its cost (refused if that alone is over the budget), waits for it until
+/// `deadline` (first come, first served: behind a large body that waits, smaller ones wait
+/// too), and is worked on in place if small, on a blocking thread if large.
+async fn parse_within<T: Send + 'static>(
+    budget: &ParseBudget,
+    body: Bytes,
+    deadline: Option<Instant>,
+    work: impl FnOnce(&[u8]) -> Result<T, ServingError> + Send + 'static,
+) -> Result<T, ServingError> {
+    if body.len() < BLOCKING_BODY_BYTES {
+        if let Some(_held) = budget.try_reserve(json_tensor::most_parse_cost(body.len())) {
+            return work(&body);
+        }
+    }
+    let (body, cost) = off_the_serving_thread(body.len(), move || {
+        let cost = json_tensor::parse_cost(&body);
+        Ok((body, cost))
+    })
+    .await?;
+    cost.check(budget.bytes())?;
+    let held = budget.reserve(cost.bytes(), deadline).await?;
+    // The reservation moves with the work: a request given up while it runs (the client
+    // gone) leaves the work running, and its share held, until it ends.
+    off_the_serving_thread(body.len(), move || {
+        let answer = work(&body);
+        drop(held);
+        answer
+    })
+    .await
+}
+
 /// The version part of a path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Version {
@@ -328,40 +362,14 @@ impl Rest {
         }
     }
 
-    /// `parse` of `body`, once its document fits the parse budget, holding its share of the
-    /// budget while it runs. A small body reserves the most its document could cost, without
-    /// reading it, and is parsed in place; a large one, or one the budget cannot take at once,
-    /// is read for its cost (refused if that alone is over the budget), waits for it until
-    /// `deadline`, and is parsed on a blocking thread.
+    /// `work` on `body` (parse_within) under this front door's parse budget.
     async fn parse_body<T: Send + 'static>(
         &self,
         body: Bytes,
-        parse: fn(&[u8]) -> Result<T, ServingError>,
         deadline: Option<Instant>,
+        work: impl FnOnce(&[u8]) -> Result<T, ServingError> + Send + 'static,
     ) -> Result<T, ServingError> {
-        if body.len() < BLOCKING_BODY_BYTES {
-            if let Some(_held) = self
-                .parse_budget
-                .try_reserve(json_tensor::most_parse_cost(body.len()))
-            {
-                return parse(&body);
-            }
-        }
-        let (body, cost) = off_the_serving_thread(body.len(), move || {
-            let cost = json_tensor::parse_cost(&body);
-            Ok((body, cost))
-        })
-        .await?;
-        cost.check(self.parse_budget.bytes())?;
-        let held = self.parse_budget.reserve(cost.bytes(), deadline).await?;
-        // The reservation moves with the parse: a request given up while it runs (the
-        // client gone) leaves the parse running, and its share held, until it ends.
-        off_the_serving_thread(body.len(), move || {
-            let answer = parse(&body);
-            drop(held);
-            answer
-        })
-        .await
+        parse_within(&self.parse_budget, body, deadline, work).await
     }
 
     /// The whole body, or a 413 answer when it is (or declares itself) over the limit.
@@ -438,7 +446,7 @@ impl Rest {
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         let (signature_name, input) = self
-            .parse_body(body, json_tensor::parse_examples, deadline)
+            .parse_body(body, deadline, json_tensor::parse_examples)
             .await?;
         let request = ClassificationRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
@@ -457,7 +465,7 @@ impl Rest {
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         let (signature_name, input) = self
-            .parse_body(body, json_tensor::parse_examples, deadline)
+            .parse_body(body, deadline, json_tensor::parse_examples)
             .await?;
         let request = RegressionRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
@@ -476,29 +484,29 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let size = body.len();
-        let parsed = self
-            .parse_body(body, json_tensor::parse_predict, deadline)
+        // Everything that reads the body's document runs under its share of the parse budget,
+        // building the tensors too: the document lives until they are built.
+        let api = self.api.clone();
+        let (model, version) = (model.to_string(), version.clone());
+        let (spec, inputs, format) = self
+            .parse_body(body, deadline, move |body| {
+                let parsed = json_tensor::parse_predict(body)?;
+                let spec = model_spec(&model, &version, &parsed.signature_name);
+                let signatures = api.signatures(api.resolve(Some(&spec))?)?;
+                let key = if parsed.signature_name.is_empty() {
+                    DEFAULT_SIGNATURE
+                } else {
+                    parsed.signature_name.as_str()
+                };
+                let Some(signature) = signatures.specs.get(key) else {
+                    return Err(ServingError::invalid_argument(format!(
+                        "Serving signature name: \"{key}\" not found in signature def"
+                    )));
+                };
+                let (inputs, format) = parsed.tensors(&signature.inputs)?;
+                Ok((spec, inputs, format))
+            })
             .await?;
-        let spec = model_spec(model, version, &parsed.signature_name);
-        let target = self.api.resolve(Some(&spec))?;
-        let signatures = self.api.signatures(target)?;
-        let key = if parsed.signature_name.is_empty() {
-            DEFAULT_SIGNATURE
-        } else {
-            parsed.signature_name.as_str()
-        };
-        if !signatures.specs.contains_key(key) {
-            return Err(ServingError::invalid_argument(format!(
-                "Serving signature name: \"{key}\" not found in signature def"
-            )));
-        }
-        let key = key.to_string();
-        let (inputs, format) = off_the_serving_thread(size, move || {
-            let signature = &signatures.specs[&key];
-            parsed.tensors(&signature.inputs)
-        })
-        .await?;
         let request = PredictRequest {
             model_spec: Some(spec),
             inputs: inputs.into_iter().collect(),
@@ -688,6 +696,28 @@ pub async fn serve_connection(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn work_on_a_body_runs_holding_its_share_of_the_parse_budget() {
+        let budget = Arc::new(ParseBudget::new(PARSE_BUDGET_MIN));
+        // In place, then on a blocking thread.
+        for size in [1000, BLOCKING_BODY_BYTES + 1] {
+            let body = Bytes::from(vec![b' '; size]);
+            let seen = budget.clone();
+            let during = parse_within(&budget, body, None, move |_| Ok(seen.available_bytes()))
+                .await
+                .unwrap();
+            assert!(
+                during + size <= budget.bytes(),
+                "{size}: held while working"
+            );
+            assert_eq!(
+                budget.available_bytes(),
+                budget.bytes(),
+                "{size}: given back"
+            );
+        }
+    }
 
     fn post(path: &str) -> Option<Route> {
         route(&HttpMethod::POST, path).unwrap()
