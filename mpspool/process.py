@@ -2,7 +2,8 @@
 marker, and dying with the parent.
 
 Reserved exit codes (after gunicorn's WORKER_BOOT_ERROR / APP_LOAD_ERROR) let the
-controller tell "cannot start, stop retrying" from a crash worth a restart.
+controller tell "cannot start, stop retrying" from a crash worth a restart, and say why a
+serving worker ended itself (a hung model call: restarted).
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def fail(code: int, reason: str) -> NoReturn:
     raise SystemExit(code)
 
 
-def exit_now(code: int, reason: str) -> NoReturn:
-    """End this process at once, from any thread, with `reason` in the marker format: for a
-    process whose main thread cannot be reached (it is stuck in a call). Nothing else runs
-    (no atexit handlers, no other thread's cleanup); what logging holds is flushed first."""
-    sys.stderr.write(f"{FATAL_MARKER}{reason}\n")
+def exit_now(code: int) -> NoReturn:
+    """End this process at once, from any thread: for a process whose main thread cannot be
+    reached (it is stuck in a call). Nothing else runs (no atexit handlers, no other
+    thread's cleanup); what logging holds is flushed first. No fatal-reason line: that marks
+    a start that failed, and a later incarnation's log would show it as its own."""
     sys.stderr.flush()
     for handler in logging.getLogger().handlers:
         handler.flush()

@@ -475,6 +475,7 @@ class Controller:
                 if slot.state is WorkerState.STARTING:
                     slot.load_failures = 0
                     slot.reason = ""
+                    slot.ready_pid = pid
                     slot.change_state(WorkerState.READY, "registered with the router")
             elif slot.state is WorkerState.READY and router_answered:
                 slot.change_state(WorkerState.STARTING, "no longer registered with the router")
@@ -496,7 +497,9 @@ class Controller:
         ended = self.supervisord.exit_description(slot.program) or f"exit status {exitstatus}"
         who = f"pid {slot.pid}" if slot.pid else "its process"
         killed_by_us = slot.pid and slot.kill_sent_to == slot.pid
-        was_ready = slot.state is WorkerState.READY
+        # READY, or READY once: the router drops a worker the moment its connection closes
+        # (or it says BYE), which the controller may see before supervisord reports the exit.
+        was_ready = slot.state is WorkerState.READY or (slot.pid and slot.ready_pid == slot.pid)
         self.forget(slot, ended)
         slot.pid = 0
         if exitstatus == process.EXIT_LOAD_FAILED or not (was_ready or killed_by_us):
@@ -516,8 +519,11 @@ class Controller:
                 slot.retry_at = now + self.config.backoff_s * 2 ** (slot.load_failures - 1)
                 slot.change_state(WorkerState.BACKOFF, slot.reason)
             return
-        # A healthy worker crashed, was killed from outside, or was killed by us after the
-        # router declared it dead: replace it now. Not a start failure.
+        # A healthy worker crashed, was killed from outside, was killed by us after the router
+        # declared it dead, or ended a model call that hung: replace it now. Not a start
+        # failure.
+        if exitstatus == process.EXIT_CALL_TIMEOUT:
+            ended = f"{ended}: a model call ran past --call-timeout"
         self._start(slot, f"{who} {ended}; restarting")
 
     def _start(self, slot: Slot, why: str) -> None:

@@ -30,6 +30,9 @@ class Slot:
     answered: int = 0  # by the current incarnation, per the router
     inflight: int = 0
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
+    # The pid that registered with the router (it loaded its model): a process that ends
+    # after that is a serving worker's end, even if the router forgot it first.
+    ready_pid: int = 0
     start_pending: bool = False  # a start was asked for and its process not yet seen
     weights: dict[str, Any] | None = None  # where the current process's variables live
     priority_restored: int = 0  # the pid moved to its serving policy after loading

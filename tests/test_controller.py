@@ -770,6 +770,27 @@ def test_a_killed_ready_worker_is_restarted_by_the_controller_not_counted_as_a_f
     assert slot.restarts == 6
 
 
+def test_a_serving_worker_the_router_forgot_before_its_exit_is_restarted_not_backed_off(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+):
+    """A worker whose model call hung says BYE and exits (worker/serve.py): the router drops
+    it at once, so the controller may see it unregistered (READY -> STARTING) before
+    supervisord reports the exit. It loaded and served: replaced now, not a start failure."""
+    pool.start()
+    pool.make_ready("cpu-0")
+    pid = pool.slot("cpu-0").pid
+    del pool.router.workers[key_of("cpu-0")]  # BYE
+    pool.tick()
+    slot = pool.slot("cpu-0")
+    assert slot.state is S.STARTING and slot.pid == pid, "unregistered, still running"
+    pool.sd.exit("cpu-0@1", 5)
+    with caplog.at_level(logging.INFO, logger="mpspool.controller"):
+        pool.tick()
+    assert slot.state is S.STARTING and slot.load_failures == 0
+    assert pool.sd.rpc_calls("startProcess") == [("startProcess", program_of("cpu-0"))]
+    assert "a model call ran past --call-timeout; restarting" in caplog.text
+
+
 def test_a_worker_that_dies_while_starting_backs_off_with_how_it_ended(pool: Pool):
     pool.start()
     pool.make_ready("cpu-1")

@@ -338,3 +338,16 @@ def test_a_side_thread_beat_that_would_wait_is_skipped_and_leaves_the_stream_who
         written = read_all(conn)
         framed = dealer_module.frame_header(0, len(beat)) + beat
         assert written == framed * beats
+
+
+def test_last_words_from_a_side_thread_go_only_while_still_due(path: str) -> None:
+    """A worker ending a hung call (worker/serve.py) sends its last messages from the side
+    thread only if the call is still running once the write lock is its own; a reply of the
+    loop's that got there first makes them moot, and nothing is written."""
+    with stalled_front_door(path) as (d, conn):
+        conn.settimeout(0.5)
+        conn.recv(1 << 16)  # the dealer's handshake and hello
+        assert d.send_last_from_thread([b"error", b"bye"], lambda: False) is None
+        assert d.send_last_from_thread([b"error", b"bye"], lambda: True) is True
+        frame = dealer_module.frame_header
+        assert conn.recv(1 << 16) == frame(0, 5) + b"error" + frame(0, 3) + b"bye"

@@ -162,18 +162,23 @@ def test_a_call_past_the_call_timeout_fails_and_only_its_worker_is_replaced(pool
 
 def test_busy_beats_end_a_call_past_its_limit_once_and_stop_beating() -> None:
     """The side thread alone: beats while a call runs, then at the limit hands the call over
-    (its id, how long it ran) and beats no more; with no limit it beats on."""
+    (as it read it, and how long it ran) and beats no more; with no limit it beats on."""
     from mpspool.worker.serve import BUSY_CHECK_S, BusyBeats
 
     beats: list[float] = []
-    overruns: list[tuple[str, float]] = []
-    limited = BusyBeats(lambda: beats.append(time.monotonic()), 0.6, lambda *a: overruns.append(a))
+    overruns: list[tuple[tuple[float, str], float]] = []
+
+    def overrun(running: tuple[float, str], ran_s: float) -> bool:
+        overruns.append((running, ran_s))
+        return True
+
+    limited = BusyBeats(lambda: beats.append(time.monotonic()), 0.6, overrun)
     unlimited_beats: list[float] = []
     unlimited = BusyBeats(lambda: unlimited_beats.append(time.monotonic()), 0.0, pytest.fail)
     try:
         limited.running = unlimited.running = (time.monotonic(), "r1")
         time.sleep(1.5)
-        assert [request for request, _ in overruns] == ["r1"]
+        assert [running[1] for running, _ in overruns] == ["r1"]
         assert overruns[0][1] > 0.6
         assert beats and beats[-1] - limited.running[0] <= 0.6 + BUSY_CHECK_S, "beats stopped"
         assert unlimited_beats[-1] - unlimited.running[0] > 1.0, "no limit: still beating"

@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger("mpspool.worker")
@@ -386,6 +386,26 @@ class Dealer:
             try:
                 _send_all(self._sock, _message_buffers((frame,)), socket.MSG_DONTWAIT)
             except OSError:  # BlockingIOError among them: nothing was written
+                return False
+        return True
+
+    def send_last_from_thread(
+        self, frames: list[Any], still_due: Callable[[], bool]
+    ) -> bool | None:
+        """For a thread other than the one that reads, about to end the process: ``frames``,
+        one message each, if ``still_due()`` holds under the write lock (None when it does
+        not: the reading thread got there first, and its reply makes them moot). Each may
+        wait for room up to the socket's timeout, since nothing follows them. Whether they
+        all went (a failed write is left as it is: the process is ending)."""
+        with self._write_lock:
+            if not still_due():
+                return None
+            if self._sock is None:
+                return False
+            try:
+                for frame in frames:
+                    _send_all(self._sock, _message_buffers((frame,)))
+            except OSError:
                 return False
         return True
 

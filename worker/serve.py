@@ -60,11 +60,14 @@ class BusyBeats:
     wake-up); the thread looks every BUSY_CHECK_S and beats (``beat``) at least every half
     interval while a call has run longer than that. Outside calls it beats nothing, so a loop
     stuck anywhere else is still silent. A call running longer than ``limit_s`` (0: none) is
-    taken for a hang: the thread hands it to ``overrun`` (request id, seconds run) and stops
-    beating."""
+    taken for a hang: the thread hands it to ``overrun`` (``running`` as it read it, seconds
+    run), which says whether it took it (then the thread beats no more) or found it ended."""
 
     def __init__(
-        self, beat: Callable[[], Any], limit_s: float, overrun: Callable[[Any, float], None]
+        self,
+        beat: Callable[[], Any],
+        limit_s: float,
+        overrun: Callable[[tuple[float, Any], float], bool],
     ) -> None:
         self.running: tuple[float, Any] | None = None  # (time.monotonic() at start, id)
         self._beat = beat
@@ -84,10 +87,11 @@ class BusyBeats:
             running, now = self.running, time.monotonic()
             if running is None:
                 continue
-            started, request_id = running
+            started = running[0]
             if self._limit_s and now - started > self._limit_s:
-                self._overrun(request_id, now - started)
-                return
+                if self._overrun(running, now - started):
+                    return  # the process is ending
+                continue  # the call ended meanwhile
             if now - started >= BUSY_CHECK_S and now - last >= 2 * BUSY_CHECK_S:
                 self._beat()
                 last = now
@@ -222,20 +226,33 @@ class Worker:
         self.served += 1
         return self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
 
-    def _call_overrun(self, request_id: Any, ran_s: float) -> None:
-        """From the side thread: the call for ``request_id`` has run past --call-timeout and
-        is taken for a hang, which nothing in this process can end (TensorFlow offers no
-        way to stop a running call; the loop's thread is inside it). Its request fails with
-        DEADLINE_EXCEEDED, said now, and the process exits: the front door sends what else it
-        had queued here elsewhere, and the controller starts a new worker in its place."""
+    def _call_overrun(self, running: tuple[float, Any], ran_s: float) -> bool:
+        """From the side thread: the call ``running`` has run past --call-timeout and is
+        taken for a hang, which nothing in this process can end (TensorFlow offers no way to
+        stop a running call; the loop's thread is inside it). Its request fails with
+        DEADLINE_EXCEEDED, then BYE (what else the front door had queued here is not this
+        worker's fault: it goes elsewhere without counting against those requests), and the
+        process exits; the controller starts a new worker in its place. False, and nothing
+        done, if the call ended before the socket was ours."""
+        request_id = running[1]
         limit = self.config.call_timeout_s
         reason = (
             f"the model call ran for more than {limit:g} s (--call-timeout) and was taken for "
             f"a hang; worker {self.slot} (pid {self.pid}) exits to be replaced"
         )
+        sent = self._socket.send_last_from_thread(
+            [
+                self._error(request_id, Code.DEADLINE_EXCEEDED, reason),
+                wire.pack(wire.Kind.BYE, slot=self.slot, pid=self.pid),
+            ],
+            lambda: self._busy_beats.running is running,
+        )
+        if sent is None:
+            return False
         log.error("request %s: %s (ran %.1f s)", request_id, reason, ran_s)
-        self._socket.send_from_thread(self._error(request_id, Code.DEADLINE_EXCEEDED, reason))
-        process.exit_now(process.EXIT_CALL_TIMEOUT, reason)
+        if not sent:
+            log.error("the front door did not take the error for request %s", request_id)
+        process.exit_now(process.EXIT_CALL_TIMEOUT)
 
     @staticmethod
     def _reply(request_id: Any, result: dict[str, Any], start_us: int, end_us: int) -> list[Any]:
