@@ -170,6 +170,8 @@ def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
 # checks that the pool publishing them (the manifest's owner) still lives.
 PUBLISH_POLL_S = 0.02
 PUBLISH_OWNER_CHECK_S = 1.0
+# How often a long wait says it still waits (a publisher may be stuck on slow storage).
+PUBLISH_WAIT_LOG_S = 60.0
 
 
 def _wait_for_publisher(path: Path) -> None:
@@ -189,13 +191,16 @@ def _wait_for_publisher(path: Path) -> None:
 
     partial = path.with_name(path.name + ".partial")
     manifest = None  # the partial segment's, once its header is written
-    checked = time.monotonic()
+    began = checked = said = time.monotonic()
     waited = False
     while not path.exists() and partial.exists():
         if not waited:
             log.info("waiting for the weights to be published into %s", path)
             waited = True
         now = time.monotonic()
+        if now - said >= PUBLISH_WAIT_LOG_S:
+            said = now
+            log.info("still waiting for the weights of %s after %.0f s", path, now - began)
         if now - checked >= PUBLISH_OWNER_CHECK_S:
             checked = now
             if manifest is None:
