@@ -18,6 +18,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     tonic_prost_build::configure()
         .build_client(false)
+        // prost's codec with each request's decoded size checked first (src/decode_budget.rs).
+        .codec_path("crate::decode_budget::BudgetedCodec")
         .bytes(".")
         .compile_protos(&[services], &[root])?;
     Ok(())

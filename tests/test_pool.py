@@ -232,6 +232,43 @@ def test_a_rest_body_too_costly_to_parse_is_refused_without_the_memory(pool: Poo
     assert stub.Predict(request, timeout=30).outputs
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    """One protobuf field of wire type 2: its key, its length, its bytes."""
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def test_a_grpc_request_too_costly_to_decode_is_refused_without_the_memory(
+    pool: Pool, stub
+) -> None:
+    """40 million empty strings are 80 MiB on the wire and 40 million 32-byte values once
+    decoded (prost: 1.3-2.6 GB with the vector's growth). Refused with RESOURCE_EXHAUSTED
+    before it is decoded; the front door's peak grows by little more than the message it
+    received, and requests are answered as before."""
+    router = pool.status()["pool"]["router_pid"]
+    Path(f"/proc/{router}/clear_refs").write_text("5")
+    before = memory_mib(router, "VmHWM")
+    strings = b"\x08\x07" + b"\x42\x00" * 40_000_000  # dtype DT_STRING, then string_val ""
+    entry = _length_delimited(1, b"ids") + _length_delimited(2, strings)
+    body = _length_delimited(1, _length_delimited(1, b"demo")) + _length_delimited(2, entry)
+    with pool.channel() as channel, pytest.raises(grpc.RpcError) as refused:
+        channel.unary_unary("/tensorflow.serving.PredictionService/Predict")(body, timeout=120)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    assert "more than the 2048 MiB allowed" in refused.value.details()
+    grown = memory_mib(router, "VmHWM") - before
+    assert grown < 300, f"the front door's peak grew {grown:.0f} MiB"
+    assert pool.status()["pool"]["router_pid"] == router
+    request = make_request(demo_inputs(4, DEMO_ROWS))
+    assert stub.Predict(request, timeout=30).outputs
+
+
 def test_an_error_echoing_a_huge_name_still_reaches_the_client_with_its_code(stub) -> None:
     """A 20 KB model name echoed whole in grpc-message would pass the client's 16 KiB limit on
     trailers (it saw RESOURCE_EXHAUSTED); the message is cut, the code stays NOT_FOUND."""

@@ -9,6 +9,7 @@ mod batch;
 mod codec;
 mod config;
 mod control;
+mod decode_budget;
 mod dispatch;
 mod grpc;
 mod inference;

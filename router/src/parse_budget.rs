@@ -14,6 +14,22 @@ use tokio::time::Instant;
 
 use crate::status::{Code, ServingError};
 
+/// The memory a front door allows for building requests: 4 times the largest message
+/// accepted (`max_message_bytes`), and at least BUDGET_MIN. REST's JSON documents share it at
+/// once (ParseBudget); a gRPC request's decoded message is held to it alone
+/// (decode_budget).
+pub fn budget_bytes(max_message_bytes: usize) -> usize {
+    max_message_bytes
+        .saturating_mul(BUDGET_PER_MESSAGE_BYTE)
+        .max(BUDGET_MIN)
+}
+
+const BUDGET_PER_MESSAGE_BYTE: usize = 4;
+/// Over the most a JSON body short enough to parse in place could cost
+/// (json_tensor::most_parse_cost of rest::BLOCKING_BODY_BYTES, 160 MiB): such a body is never
+/// refused for it.
+pub const BUDGET_MIN: usize = 256 << 20;
+
 /// Reservations count KiB: tokio's `acquire_many` takes a u32, and a budget in bytes can
 /// pass u32::MAX.
 const UNIT: usize = 1024;

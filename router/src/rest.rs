@@ -23,7 +23,7 @@ use crate::codec::dtype_name;
 use crate::grpc::Api;
 use crate::json_tensor::{self, write_string};
 use crate::metrics::{Entrypoint, Method, TfApi};
-use crate::parse_budget::ParseBudget;
+use crate::parse_budget::{self, ParseBudget};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
     GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
@@ -52,13 +52,6 @@ pub struct Rest {
 /// the demo model is ~64 KiB, ~1 ms to parse) stay in place, where the hand-off to another
 /// thread and back would be a good part of the work.
 const BLOCKING_BODY_BYTES: usize = 256 * 1024;
-/// What parsing bodies may allocate at once, all together, as a multiple of the largest body
-/// accepted, and at least PARSE_BUDGET_MIN: serde_json's document of a small-valued JSON body
-/// is 30-90 times its size (json_tensor::parse_cost), which could take the front door's
-/// memory. PARSE_BUDGET_MIN is over the most a body short enough to parse in place could cost
-/// (most_parse_cost(BLOCKING_BODY_BYTES), 160 MiB): such a body is never refused for it.
-const PARSE_BUDGET_PER_BODY_BYTE: usize = 4;
-const PARSE_BUDGET_MIN: usize = 256 << 20;
 
 /// `work` (a body of `size` bytes parsed into what it holds) where it holds up no other
 /// request: in place for a small body, on a blocking thread for a large one.
@@ -291,9 +284,10 @@ impl Rest {
         timeout: Option<Duration>,
         prometheus_path: Option<String>,
     ) -> Self {
-        let parse_budget = max_body_bytes
-            .saturating_mul(PARSE_BUDGET_PER_BODY_BYTE)
-            .max(PARSE_BUDGET_MIN);
+        // serde_json's document of a small-valued JSON body is 30-90 times its size
+        // (json_tensor::parse_cost), which could take the front door's memory: the bodies
+        // being parsed share the front door's budget for building requests.
+        let parse_budget = parse_budget::budget_bytes(max_body_bytes);
         Self {
             api,
             max_body_bytes,
@@ -699,7 +693,7 @@ mod tests {
 
     #[tokio::test]
     async fn work_on_a_body_runs_holding_its_share_of_the_parse_budget() {
-        let budget = Arc::new(ParseBudget::new(PARSE_BUDGET_MIN));
+        let budget = Arc::new(ParseBudget::new(parse_budget::BUDGET_MIN));
         // In place, then on a blocking thread.
         for size in [1000, BLOCKING_BODY_BYTES + 1] {
             let body = Bytes::from(vec![b' '; size]);

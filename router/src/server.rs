@@ -95,7 +95,11 @@ impl Server {
         let (health, health_service) = tonic_health::server::health_reporter();
         // Requests compressed with gzip or deflate are taken, as gRPC C++ (TF Serving) takes
         // them; the size limit holds for the decompressed message. Answers go out
-        // uncompressed, as TF Serving's do unless configured otherwise.
+        // uncompressed, as TF Serving's do unless configured otherwise. What a request may take
+        // once decoded is held to the budget for building requests (its codec checks).
+        crate::decode_budget::set_budget(crate::parse_budget::budget_bytes(
+            limits.max_message_bytes,
+        ));
         let routes = tonic::service::Routes::new(
             PredictionServiceServer::new(api.clone())
                 .accept_compressed(CompressionEncoding::Gzip)
