@@ -113,54 +113,111 @@ impl DecodeCost for ReloadConfigRequest {
     const FIELDS: &'static [Field] = &[(2, STRINGS)];
 }
 
+/// prost's limit on nested messages and groups.
+const RECURSION_LIMIT: u32 = 100;
+
 /// What decoding a message of these `fields` from `wire` would allocate, roughly: the
-/// message's own bytes (strings are copied) and every element's.
-pub fn cost(wire: &[u8], fields: &[Field]) -> usize {
-    wire.len().saturating_add(elements_cost(wire, fields))
+/// message's own bytes (strings are copied) and every element's. Err (why) for bytes prost
+/// refuses too; the walk reads everything prost reads (unknown groups included), so nothing
+/// prost would build goes uncounted.
+pub fn cost(wire: &[u8], fields: &[Field]) -> Result<usize, &'static str> {
+    Ok(wire.len().saturating_add(elements_cost(wire, fields, 0)?))
 }
 
-/// The elements' share of `cost`. Malformed bytes end the walk: prost refuses them, with
-/// its own message.
-fn elements_cost(mut wire: &[u8], fields: &[Field]) -> usize {
+/// The elements' share of `cost`.
+fn elements_cost(mut wire: &[u8], fields: &[Field], depth: u32) -> Result<usize, &'static str> {
     let mut cost = 0usize;
-    while let Some((key, rest)) = varint(wire) {
+    while !wire.is_empty() {
+        let (number, value, rest) = next_field(wire, depth)?;
+        wire = rest;
         let kind = fields
             .iter()
-            .find(|(number, _)| u64::from(*number) == key >> 3)
+            .find(|(known, _)| u64::from(*known) == number)
             .map(|(_, kind)| *kind);
-        let (payload, rest) = match key & 7 {
-            0 => match varint(rest) {
-                Some((_, rest)) => (None, rest),
-                None => break,
-            },
-            1 if rest.len() >= 8 => (None, &rest[8..]),
-            5 if rest.len() >= 4 => (None, &rest[4..]),
-            2 => match varint(rest).and_then(|(len, rest)| {
-                let len = usize::try_from(len).ok().filter(|&len| len <= rest.len())?;
-                Some(rest.split_at(len))
-            }) {
-                Some((payload, rest)) => (Some(payload), rest),
-                None => break,
-            },
-            _ => break, // groups, truncated fixed-size values, wire types that do not exist
-        };
-        wire = rest;
-        let added = match (kind, payload) {
+        let added = match (kind, value) {
             (None, _) => 0,
-            (Some(Kind::Message(inner, size)), Some(payload)) => GROWTH
+            (Some(Kind::Message(inner, size)), Value::Delimited(payload)) => GROWTH
                 .saturating_mul(size)
-                .saturating_add(elements_cost(payload, inner)),
-            (Some(Kind::Element(size)), Some(_)) => GROWTH.saturating_mul(size),
-            (Some(Kind::Scalars { size, wire }), Some(packed)) => GROWTH
-                .saturating_mul(packed.len() / wire.max(1))
-                .saturating_mul(size),
-            (Some(Kind::Scalars { size, .. }), None) => GROWTH.saturating_mul(size),
-            // A message or bytes field sent as a scalar: prost refuses it.
-            (Some(_), None) => 0,
+                .saturating_add(elements_cost(payload, inner, depth + 1)?),
+            (Some(Kind::Element(size)), Value::Delimited(_)) => GROWTH.saturating_mul(size),
+            (Some(Kind::Scalars { size, wire }), Value::Delimited(packed)) => {
+                // A packed varint's last byte is the one under 0x80: one element each.
+                let count = if wire == 1 {
+                    packed.iter().filter(|&&byte| byte < 0x80).count()
+                } else {
+                    packed.len() / wire
+                };
+                GROWTH.saturating_mul(count).saturating_mul(size)
+            }
+            (Some(Kind::Scalars { size, .. }), Value::Scalar) => GROWTH.saturating_mul(size),
+            // A field of the wrong wire type: prost refuses it.
+            (Some(_), _) => 0,
         };
         cost = cost.saturating_add(added);
     }
-    cost
+    Ok(cost)
+}
+
+/// A field's value as it lies on the wire.
+enum Value<'a> {
+    Scalar,
+    Delimited(&'a [u8]),
+    /// A group (a deprecated encoding no field here has): skipped, as prost skips it.
+    Group,
+}
+
+/// The field at the start of `wire`: its number, its value, and what follows it; Err for
+/// what prost refuses too.
+fn next_field(wire: &[u8], depth: u32) -> Result<(u64, Value<'_>, &[u8]), &'static str> {
+    let (key, rest) = varint(wire).ok_or("invalid varint")?;
+    let number = key >> 3;
+    if number == 0 {
+        return Err("invalid tag value: 0");
+    }
+    let underflow = "buffer underflow";
+    match key & 7 {
+        0 => varint(rest)
+            .map(|(_, rest)| (number, Value::Scalar, rest))
+            .ok_or("invalid varint"),
+        1 => rest
+            .get(8..)
+            .map(|rest| (number, Value::Scalar, rest))
+            .ok_or(underflow),
+        5 => rest
+            .get(4..)
+            .map(|rest| (number, Value::Scalar, rest))
+            .ok_or(underflow),
+        2 => {
+            let (len, rest) = varint(rest).ok_or("invalid varint")?;
+            let len = usize::try_from(len)
+                .ok()
+                .filter(|&len| len <= rest.len())
+                .ok_or(underflow)?;
+            let (payload, rest) = rest.split_at(len);
+            Ok((number, Value::Delimited(payload), rest))
+        }
+        3 => Ok((number, Value::Group, skip_group(rest, number, depth + 1)?)),
+        4 => Err("unexpected end group tag"),
+        _ => Err("invalid wire type"),
+    }
+}
+
+/// What follows the group `number` that `wire` is inside (prost's `skip_field`).
+fn skip_group(mut wire: &[u8], number: u64, depth: u32) -> Result<&[u8], &'static str> {
+    if depth >= RECURSION_LIMIT {
+        return Err("recursion limit reached");
+    }
+    loop {
+        let (key, rest) = varint(wire).ok_or("invalid varint")?;
+        if key & 7 == 4 {
+            return if key >> 3 == number {
+                Ok(rest)
+            } else {
+                Err("unexpected end group tag")
+            };
+        }
+        wire = next_field(wire, depth)?.2;
+    }
 }
 
 /// A base-128 varint at the start of `bytes`, and what follows it.
@@ -191,9 +248,11 @@ fn budget() -> usize {
 }
 
 /// RESOURCE_EXHAUSTED when decoding `wire` as a message of `fields` would take more than
-/// `budget` bytes.
+/// `budget` bytes; for bytes prost would refuse, its code and words (INTERNAL, "failed to
+/// decode Protobuf message").
 pub fn check(wire: &[u8], fields: &[Field], budget: usize) -> Result<(), Status> {
-    let cost = cost(wire, fields);
+    let cost = cost(wire, fields)
+        .map_err(|why| Status::internal(format!("failed to decode Protobuf message: {why}")))?;
     if cost <= budget {
         return Ok(());
     }
@@ -242,9 +301,14 @@ impl<U: Message + Default + DecodeCost> Decoder for BudgetedDecoder<U> {
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        // tonic gathers a whole message in one buffer: its first chunk is all of it.
+        // tonic gathers a whole message (decompressed, if it came compressed) in one buffer:
+        // its first chunk is all of it. Were it not, the walk could not see it all.
         let wire = buf.chunk();
-        let wire = &wire[..wire.len().min(buf.remaining())];
+        if wire.len() < buf.remaining() {
+            return Err(Status::internal(
+                "the request is not in one buffer: what decoding it would take cannot be checked",
+            ));
+        }
         check(wire, U::FIELDS, budget())?;
         self.0.decode(buf)
     }
@@ -267,12 +331,27 @@ mod tests {
         .encode_to_vec()
     }
 
+    fn walked(wire: &[u8]) -> usize {
+        cost(wire, PREDICT).unwrap()
+    }
+
+    /// The cost's bounds for `count` elements of `size` bytes: at least their values, at
+    /// most twice (a vector's growth) plus the message's bytes and its map slot.
+    fn assert_about(what: &str, wire: &[u8], count: usize, size: usize) {
+        let cost = walked(wire);
+        assert!(cost >= count * size, "{what}: {cost} < {}", count * size);
+        let most = wire.len() + GROWTH * (count * size + INPUT_SLOT);
+        assert!(cost <= most, "{what}: {cost} > {most}");
+    }
+
     #[test]
     fn empty_repeated_entries_cost_their_values_not_their_bytes() {
         let strings = predict(TensorProto {
             string_val: vec![Bytes::new(); 10_000],
             ..Default::default()
         });
+        assert!(strings.len() < 25_000);
+        assert_about("strings", &strings, 10_000, size_of::<Bytes>());
         let dims = predict(TensorProto {
             tensor_shape: Some(TensorShapeProto {
                 dim: vec![Dim::default(); 10_000],
@@ -280,46 +359,39 @@ mod tests {
             }),
             ..Default::default()
         });
-        for (what, wire, element) in [
-            ("strings", strings, size_of::<Bytes>()),
-            ("dims", dims, size_of::<Dim>()),
-        ] {
-            let cost = cost(&wire, PREDICT);
-            assert!(wire.len() < 25_000, "{what}: {}", wire.len());
-            assert!(cost >= 10_000 * element, "{what}: {cost}");
-            assert!(
-                cost <= wire.len() + 2 * 10_000 * element + 2_000,
-                "{what}: {cost}"
-            );
-        }
+        assert_about("dims", &dims, 10_000, size_of::<Dim>());
+    }
+
+    /// A PredictRequest with one unnamed input whose TensorProto is `tensor`'s bytes.
+    fn predict_raw(tensor: &[u8]) -> Vec<u8> {
+        let mut entry = vec![2 << 3 | 2];
+        prost::encoding::encode_varint(tensor.len() as u64, &mut entry);
+        entry.extend_from_slice(tensor);
+        let mut wire = vec![2 << 3 | 2];
+        prost::encoding::encode_varint(entry.len() as u64, &mut wire);
+        wire.extend_from_slice(&entry);
+        wire
     }
 
     #[test]
-    fn packed_and_unpacked_scalars_cost_their_decoded_size() {
-        let ids: Vec<i64> = vec![1; 10_000];
-        let packed = predict(TensorProto {
-            int64_val: ids,
-            ..Default::default()
-        });
-        assert!(cost(&packed, PREDICT) >= 8 * 10_000);
-        // The same values one field each (older encoders): 2 bytes on the wire, 8 decoded.
-        let mut tensor = Vec::new();
-        for _ in 0..10_000 {
-            tensor.extend_from_slice(&[10 << 3, 1]);
+    fn scalars_cost_their_decoded_size_packed_or_not_short_or_long() {
+        // 1-byte and 10-byte varints (a negative id is 10): one element each.
+        for id in [1i64, -1] {
+            let packed = predict(TensorProto {
+                int64_val: vec![id; 10_000],
+                ..Default::default()
+            });
+            assert_about(&format!("packed {id}"), &packed, 10_000, 8);
         }
-        let mut entry = vec![2 << 3 | 2];
-        prost::encoding::encode_varint(tensor.len() as u64, &mut entry);
-        entry.extend_from_slice(&tensor);
-        let mut unpacked = vec![2 << 3 | 2];
-        prost::encoding::encode_varint(entry.len() as u64, &mut unpacked);
-        unpacked.extend_from_slice(&entry);
+        // The same values one field each (older encoders): 2 bytes on the wire, 8 decoded.
+        let unpacked = predict_raw(&[10 << 3, 1].repeat(10_000));
         let decoded = PredictRequest::decode(unpacked.as_slice()).unwrap();
         assert_eq!(
             decoded.inputs[""].int64_val.len(),
             10_000,
             "prost takes them unpacked"
         );
-        assert!(cost(&unpacked, PREDICT) >= 8 * 10_000);
+        assert_about("unpacked", &unpacked, 10_000, 8);
     }
 
     #[test]
@@ -329,11 +401,61 @@ mod tests {
             float_val: vec![1.0; 1000],
             ..Default::default()
         });
-        assert!(
-            cost(&wire, PREDICT) < 2 * wire.len() + 2_000,
-            "{}",
-            cost(&wire, PREDICT)
-        );
+        assert!(walked(&wire) <= wire.len() + GROWTH * (4_000 + INPUT_SLOT));
+    }
+
+    #[test]
+    fn a_group_prost_skips_hides_nothing_after_it() {
+        // Field 15 opens and closes a group (prost skips unknown groups and reads on), then
+        // 10,000 empty strings, at the top, in the map entry and in the tensor.
+        let strings = [8 << 3 | 2, 0].repeat(10_000);
+        let group = [15 << 3 | 3, 15 << 3 | 4];
+        let in_tensor = predict_raw(&[&group[..], &strings].concat());
+        let in_entry = {
+            let mut tensor = vec![2 << 3 | 2];
+            prost::encoding::encode_varint(strings.len() as u64, &mut tensor);
+            let entry = [&group[..], &tensor, &strings].concat();
+            let mut wire = vec![2 << 3 | 2];
+            prost::encoding::encode_varint(entry.len() as u64, &mut wire);
+            [wire, entry].concat()
+        };
+        let at_top = [&group[..], &predict_raw(&strings)].concat();
+        for (what, wire) in [("tensor", in_tensor), ("entry", in_entry), ("top", at_top)] {
+            let decoded = PredictRequest::decode(wire.as_slice()).unwrap();
+            assert_eq!(
+                decoded.inputs[""].string_val.len(),
+                10_000,
+                "{what}: prost read on"
+            );
+            assert_about(what, &wire, 10_000, size_of::<Bytes>());
+        }
+    }
+
+    #[test]
+    fn bytes_prost_refuses_are_refused_as_prost_would() {
+        let open = [15 << 3 | 3];
+        let nested = [[15 << 3 | 3].repeat(200), [15 << 3 | 4].repeat(200)].concat();
+        let cases: [&[u8]; 8] = [
+            &[0xff; 11],            // a varint longer than 10 bytes
+            &[2 << 3 | 2, 0xff, 1], // a length past the end
+            &[1 << 3 | 1, 0],       // a truncated fixed64
+            &[1 << 3 | 6],          // a wire type that does not exist
+            &[15 << 3 | 4],         // an end group with no start
+            &open,                  // a group never closed
+            &nested,                // groups past the recursion limit
+            &[0, 0],                // field 0
+        ];
+        for wire in cases {
+            assert!(
+                PredictRequest::decode(wire).is_err(),
+                "prost takes {wire:?}"
+            );
+            let error = check(wire, PREDICT, 1 << 30).unwrap_err();
+            assert_eq!(error.code(), tonic::Code::Internal, "{wire:?}");
+            assert!(error
+                .message()
+                .starts_with("failed to decode Protobuf message"));
+        }
     }
 
     #[test]
@@ -344,23 +466,8 @@ mod tests {
         });
         let error = check(&wire, PREDICT, 1 << 20).unwrap_err();
         assert_eq!(error.code(), tonic::Code::ResourceExhausted);
-        assert!(
-            error.message().contains("more than the 1 MiB allowed"),
-            "{}",
-            error.message()
-        );
+        let message = error.message();
+        assert!(message.contains("more than the 1 MiB allowed"), "{message}");
         assert!(check(&wire, PREDICT, 64 << 20).is_ok());
-    }
-
-    #[test]
-    fn malformed_bytes_end_the_walk_for_prost_to_refuse() {
-        for wire in [
-            &[0xff_u8; 11][..],
-            &[2 << 3 | 2, 0xff, 0x01],
-            &[3 << 3 | 3],
-            &[1 << 3 | 1, 0],
-        ] {
-            assert_eq!(cost(wire, PREDICT), wire.len());
-        }
     }
 }
