@@ -231,6 +231,33 @@ def compute_mode_warnings(selected: Sequence[GpuInfo]) -> list[str]:
     return warnings
 
 
+def without_mps_warnings(selected: Sequence[GpuInfo], contexts_per_gpu: int) -> list[str]:
+    """For `--no-mps`: GpuError where the GPUs cannot run the workers at all, else a warning
+    when more than one worker shares each GPU.
+
+    Without MPS every worker holds a CUDA context of its own. A GPU in an exclusive compute
+    mode admits one context (one process) at a time, so the second worker of such a GPU could
+    never start: that is an error now rather than a restart loop later. In DEFAULT mode the
+    contexts time-slice the GPU: on an H200 (bench/RESULTS.md, MPS section) two to eight
+    processes without MPS served about a third of the calls one process served alone, where
+    with MPS they served 1.9-7.2 times as many.
+    """
+    if contexts_per_gpu <= 1:
+        return []
+    for gpu in selected:
+        if gpu.compute_mode in (EXCLUSIVE_PROCESS, EXCLUSIVE_THREAD, PROHIBITED):
+            raise GpuError(
+                f"GPU {gpu.describe()} is in compute mode {gpu.compute_mode}: without MPS it "
+                f"admits no {contexts_per_gpu} worker processes at once; drop --no-mps, or "
+                "pass --contexts-per-gpu 1"
+            )
+    return [
+        f"--no-mps with {contexts_per_gpu} contexts per GPU: each worker's CUDA context gets "
+        "the GPU in turn (time-slicing) instead of running beside the others; expect less "
+        "throughput than one worker per GPU (bench/RESULTS.md, MPS section)"
+    ]
+
+
 # --- Backends ---------------------------------------------------------------------------------
 
 

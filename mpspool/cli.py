@@ -653,9 +653,13 @@ def _resolve_gpus(args: argparse.Namespace) -> dict[str, Any]:
             selected = gpus.select(backend.devices(), wanted)
         finally:
             backend.close()
+        if args.mps:
+            warnings = gpus.compute_mode_warnings(selected)
+        else:  # EXCLUSIVE_PROCESS, which MPS wants, is what --no-mps cannot use
+            warnings = gpus.without_mps_warnings(selected, args.contexts_per_gpu)
     except gpus.GpuError as exc:
         raise ConfigError(str(exc)) from None
-    for warning in gpus.compute_mode_warnings(selected):
+    for warning in warnings:
         print(f"mpspool: warning: {warning}", file=sys.stderr)
     binary = ""
     if args.mps:

@@ -25,6 +25,7 @@ from mpspool.mps.gpus import (
     compute_mode_warnings,
     parse_gpus,
     select,
+    without_mps_warnings,
 )
 
 A = GpuInfo(0, "GPU-aaaa1111-0000", "NVIDIA A10", 24 * 2**30, "EXCLUSIVE_PROCESS")
@@ -142,6 +143,26 @@ def test_compute_mode_warnings() -> None:
     assert "PROHIBITED" in prohibits and "the MPS server included" in prohibits
     assert all("\n" not in w for w in warnings)
     assert compute_mode_warnings([A, C]) == []
+
+
+def test_without_mps_an_exclusive_gpu_refuses_more_than_one_context() -> None:
+    # A is EXCLUSIVE_PROCESS: one CUDA context at a time, so a second plain worker can't start.
+    with pytest.raises(GpuError, match=r"^GPU 0 \(NVIDIA A10, GPU-aaaa1111-0000\) is in compute"
+                       r" mode EXCLUSIVE_PROCESS: without MPS it admits no 2 worker processes"
+                       r" at once; drop --no-mps, or pass --contexts-per-gpu 1$"):  # fmt: skip
+        without_mps_warnings([B, A], 2)
+    prohibited = GpuInfo(3, "GPU-dddd", "NVIDIA T4", 16 * 2**30, "PROHIBITED")
+    with pytest.raises(GpuError, match="PROHIBITED"):
+        without_mps_warnings([prohibited], 4)
+    assert without_mps_warnings([A, C], 1) == []  # one context each: exclusive mode is fine
+
+
+def test_without_mps_shared_gpus_are_warned_of_time_slicing() -> None:
+    (warning,) = without_mps_warnings([B], 4)
+    assert warning.startswith("--no-mps with 4 contexts per GPU: each worker's CUDA context")
+    assert "time-slicing" in warning and "\n" not in warning
+    # The compute-mode advice is MPS's: without MPS, DEFAULT is what several contexts need.
+    assert "EXCLUSIVE_PROCESS" not in warning
 
 
 # --- FakeGpuBackend ---------------------------------------------------------------------------

@@ -255,6 +255,22 @@ def test_a_gpu_that_is_not_visible_is_named(
     assert "no such GPU 1" in result.stderr and "CUDA_VISIBLE_DEVICES" in result.stderr
 
 
+def test_no_mps_on_an_exclusive_gpu_with_several_contexts_is_refused_at_start(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exclusive = [{"uuid": "GPU-eeee0000-0000", "compute_mode": "EXCLUSIVE_PROCESS"}]
+    monkeypatch.setenv("MPSPOOL_FAKE_GPUS", json.dumps(exclusive))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    result = subprocess.run(
+        mpspool_cmd("start", "--gpus", "0", "--no-mps", "--contexts-per-gpu", "2",
+                    "--model-base-path", str(demo_model_dir), "--run-dir", str(tmp_path / "r")),
+        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "compute mode EXCLUSIVE_PROCESS: without MPS it admits no 2" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_split_active_thread_percentage_divides_the_gpu() -> None:
     from mpspool.cli import _thread_percentage
     from mpspool.config import ConfigError
