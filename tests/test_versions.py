@@ -319,6 +319,14 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
         ).stdout  # fmt: skip
         assert "labels: canary=2, stable=2" in shown
         assert "versions (specific:2)" in shown
+        # --json: what the tests' Pool.status() reads in-process, as the CLI prints it.
+        printed = json.loads(subprocess.run(
+            mpspool_cmd("status", "--json", "--run-dir", str(pool.run_dir)),
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout)  # fmt: skip
+        asked = pool.status()
+        assert printed["pool"]["pool_id"] == asked["pool"]["pool_id"]
+        assert printed["pool"]["version_labels"] == {"stable": 2, "canary": 2}
 
         # HandleReloadConfigRequest (the official client): version 1 back, stable on it; the
         # call returns once that is in effect. The file, unchanged, does not undo it.
