@@ -18,7 +18,8 @@ per context, all start their windows at the same instant.
 Two steps, because the GPU machine has no TensorFlow and this repository's report helpers
 import it indirectly:
   on the GPU machine:  python3 -m bench.gpu_mps --json OUT.json      (torch, nvidia-ml-py)
-  here:                .venv/bin/python -m bench.gpu_mps --render OUT.json   (RESULTS.md)
+  here:                .venv/bin/python -m bench.gpu_mps --render OUT.json   (RESULTS.md;
+                       earlier runs first, each with its own --render, for a line each)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +361,8 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
         except MpsError as exc:
             report["mps_error"] = str(exc)
             binary = None
+        if args.plain_first:
+            plain_sets(args, plain_env, sampler, report, save)
         if binary:
             report["mps_control"] = binary
             daemon = MpsDaemon(0, gpu.uuid, binary, run_dir / "pipe", run_dir / "log")
@@ -406,18 +410,30 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 if (run_dir / "log" / name).exists():
                     report[name] = (run_dir / "log" / name).read_text(errors="replace")[-4000:]
             report["server_pids_after_quit"] = mps_server_pids()
-        for k in args.contexts:
-            try:
-                record, clients = run_set(args, plain_env, k, sampler)
-            except Exception as exc:
-                report["failed"].append(f"plain k={k}: {type(exc).__name__}: {exc}")
-                continue
-            record["mode"] = "plain"
-            record["exit_codes"] = clients.exit()
-            clients = None
-            report["sets"].append(record)
-            save()
-            print(f"plain k={k}: {_brief(record)}", file=sys.stderr, flush=True)
+            if args.split:
+                k = max(args.contexts)
+                split = MpsDaemon(
+                    0, gpu.uuid, binary, run_dir / "split-pipe", run_dir / "split-log"
+                )
+                daemon_process = start_daemon(split, run_dir / "split.out")
+                split.wait_ready()
+                # --active-thread-percentage split: each context gets 100 / contexts of the SMs
+                report["split_defaults"] = split.apply_defaults(round(100.0 / k, 2), limit_mib)
+                try:
+                    record, clients = run_set(args, {**plain_env, **split.environment()}, k,
+                                              sampler, split)  # fmt: skip
+                    record["mode"] = "mps-split"
+                    record["exit_codes"] = clients.exit(timeout_s=15)
+                    clients = None
+                    report["sets"].append(record)
+                    print(f"mps split k={k}: {_brief(record)}", file=sys.stderr, flush=True)
+                except Exception as exc:
+                    report["failed"].append(f"mps split k={k}: {type(exc).__name__}: {exc}")
+                split.quit()
+                daemon_process.wait(15)
+                save()
+        if not args.plain_first:
+            plain_sets(args, plain_env, sampler, report, save)
         report["xid_events_after"] = backend.xid_events()
     finally:
         if clients is not None:
@@ -429,6 +445,27 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(run_dir, ignore_errors=True)
         save()
     return report
+
+
+def plain_sets(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    sampler: UtilisationSampler,
+    report: dict[str, Any],
+    save: Any,
+) -> None:
+    """The same sets without MPS: each process's own CUDA context, time-sliced."""
+    for k in args.contexts:
+        try:
+            record, clients = run_set(args, env, k, sampler)
+        except Exception as exc:
+            report["failed"].append(f"plain k={k}: {type(exc).__name__}: {exc}")
+            continue
+        record["mode"] = "plain"
+        record["exit_codes"] = clients.exit()
+        report["sets"].append(record)
+        save()
+        print(f"plain k={k}: {_brief(record)}", file=sys.stderr, flush=True)
 
 
 def fault_step(
@@ -490,11 +527,12 @@ def _brief(record: dict[str, Any]) -> str:
 # --- the report (here, with the repository's report helpers) ---------------------------------
 
 
-def render(report: dict[str, Any]) -> str:
+def render(report: dict[str, Any], others: Sequence[dict[str, Any]] = ()) -> str:
+    """The section: ``report`` in full, then one line of each run in ``others`` and it."""
     from bench.harness import fmt, table
 
     sets = {(s["mode"], s["k"]): s for s in report["sets"]}
-    ks = sorted({s["k"] for s in report["sets"]})
+    ks = sorted({s["k"] for s in report["sets"] if s["mode"] in ("mps", "plain")})
     batches = [w["batch"] for w in report["sets"][0]["windows"]]
     lines = [
         BEGIN,
@@ -503,14 +541,15 @@ def render(report: dict[str, Any]) -> str:
         f"{report['date']}, on a lent GPU machine: {report.get('nvidia_smi', '?')} "
         f"(name, driver, compute mode, memory), {report['cpus']} CPU cores, kernel "
         f"{report['kernel']}. Command there: `{report['command']}`; this section rendered here "
-        "with `.venv/bin/python -m bench.gpu_mps --render FILE`. Unlike every other section, "
+        "with `.venv/bin/python -m bench.gpu_mps --render FILE` (a `--render` per run, this "
+        "one last). Unlike every other section, "
         "this one did not run on the 2-core machine, and its clients are PyTorch stand-ins for "
         "workers (TensorFlow cannot be carried to that machine): the demo model's shape "
         f"({report['rows']:,} × {EMBEDDING_DIM} table) on the GPU, inputs copied in and the "
         "answer copied out on every call, one call at a time per process, "
         f"{report['window_s']:g} s windows starting together. The daemon, its defaults, its "
         "queries, the stop sequence and NVML are the pool's own code (`mps/control.py`, "
-        "`mps/gpus.py`). One run; MPS sets first, then the same sets without MPS.",
+        f"`mps/gpus.py`). One run; {_order(report)}.",
         "",
     ]
     for position, batch in enumerate(batches):
@@ -547,6 +586,32 @@ def render(report: dict[str, Any]) -> str:
             row.append(fmt(mps / plain, 2) + "×" if mps and plain else "–")
             rows.append(row)
         lines += [*table(header, rows), ""]
+    split = [s for s in report["sets"] if s["mode"] == "mps-split"]
+    if split:
+        k = split[0]["k"]
+        lines += [
+            f"### K = {k} with `--active-thread-percentage split` "
+            f"({report['split_defaults']['active_thread_percentage']}% of the SMs each)",
+            "",
+        ]
+        rows = []
+        for record in (sets.get(("mps", k)), split[0]):
+            if record is None:
+                continue
+            label = "split" if record["mode"] == "mps-split" else "100% (the default)"
+            for window in record["windows"]:
+                rows.append([label, window["batch"], fmt(window["calls_per_s"]),
+                             fmt(window["p50_us"]), fmt(window["p99_us"]),
+                             fmt(window.get("utilization_gpu_mean"))])  # fmt: skip
+        header = ["active threads", "batch", "calls/s", "p50 µs", "p99 µs", "GPU %"]
+        lines += [*table(header, rows, right_from=1), ""]
+    runs = [*others, report]
+    if len(runs) > 1:
+        lines += ["### Every run of this section", ""]
+        header = ["run", "order"]
+        for b in batches:
+            header += [f"b{b} MPS K={ks[-1]} × K=1", f"b{b} no MPS × K=1", f"b{b} MPS / no MPS"]
+        lines += [*table(header, [_run_row(r, ks[-1], batches) for r in runs], right_from=2), ""]
     lines += [
         "calls/s: all K processes together; × K=1: over one process in the same mode; p50: "
         "the median of the processes' medians, p99: the worst process's; CPU: all threads of "
@@ -561,6 +626,27 @@ def render(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _order(report: dict[str, Any]) -> str:
+    if report.get("command", "").find("--plain-first") != -1:
+        return "the sets without MPS first, then the same sets with MPS"
+    return "MPS sets first, then the same sets without MPS"
+
+
+def _run_row(report: dict[str, Any], k: int, batches: list[int]) -> list[str]:
+    from bench.harness import fmt
+
+    sets = {(s["mode"], s["k"]): s for s in report["sets"]}
+    row = [report["date"], _order(report).split(",")[0]]
+    for position, _ in enumerate(batches):
+        rate = {key: record["windows"][position]["calls_per_s"] for key, record in sets.items()}
+        m, m1 = rate.get(("mps", k)), rate.get(("mps", 1))
+        p, p1 = rate.get(("plain", k)), rate.get(("plain", 1))
+        row += [fmt(m / m1, 2) + "×" if m and m1 else "–",
+                fmt(p / p1, 2) + "×" if p and p1 else "–",
+                fmt(m / p, 2) + "×" if m and p else "–"]  # fmt: skip
+    return row
 
 
 def checks(report: dict[str, Any]) -> list[str]:
@@ -643,13 +729,24 @@ def _first(message: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the raw report here (GPU machine)")
-    parser.add_argument("--render", type=Path, help="write RESULTS.md's section from this report")
+    parser.add_argument(
+        "--render", type=Path, action="append",
+        help="write RESULTS.md's section from this report (the last given; the others as one "
+        "line each)",
+    )  # fmt: skip
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "RESULTS.md")
     parser.add_argument("--contexts", default="1,2,4,8", help="K values (%(default)s)")
     parser.add_argument("--batches", default="1,256", help="batch sizes (%(default)s)")
     parser.add_argument("--window", type=float, default=4.0, help="seconds per window")
     parser.add_argument("--rows", type=int, default=ROWS, help="embedding rows (%(default)s)")
     parser.add_argument("--mps-control", help="the control binary (else PATH)")
+    parser.add_argument(
+        "--plain-first", action="store_true", help="the sets without MPS before those with it"
+    )
+    parser.add_argument(
+        "--split", action="store_true",
+        help="also the largest K with --active-thread-percentage split (100/K %% each)",
+    )  # fmt: skip
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--probe-mib", type=int, help=argparse.SUPPRESS)
@@ -661,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         from bench.harness import write_section
 
-        write_section(args.results, render(json.loads(args.render.read_text())), BEGIN, END)
+        reports = [json.loads(path.read_text()) for path in args.render]
+        write_section(args.results, render(reports[-1], reports[:-1]), BEGIN, END)
         return 0
     args.contexts = [int(k) for k in args.contexts.split(",")]
     report = run_on_gpu(args)

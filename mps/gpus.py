@@ -238,9 +238,9 @@ def without_mps_warnings(selected: Sequence[GpuInfo], contexts_per_gpu: int) -> 
     Without MPS every worker holds a CUDA context of its own. A GPU in an exclusive compute
     mode admits one context (one process) at a time, so the second worker of such a GPU could
     never start: that is an error now rather than a restart loop later. In DEFAULT mode the
-    contexts time-slice the GPU: on an H200 (bench/RESULTS.md, MPS section) two to eight
-    processes without MPS served about a third of the calls one process served alone, where
-    with MPS they served 1.9-7.2 times as many.
+    contexts time-slice the GPU: on an H200 (bench/RESULTS.md, MPS section, two runs) two to
+    eight processes without MPS served 0.34-0.47 times the calls one process served alone,
+    where with MPS they served 1.9-8.6 times as many.
     """
     if contexts_per_gpu <= 1:
         return []

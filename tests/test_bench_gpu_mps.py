@@ -60,3 +60,11 @@ def test_a_run_without_a_control_binary_renders_what_it_has() -> None:
     text = gpu_mps.render(plain_only)
     assert "MPS: not run (nvidia-cuda-mps-control not found on PATH)" in text
     assert "| 1 | – | – |" in text  # no MPS column values, no ratio
+
+
+def test_earlier_runs_get_a_line_each_of_the_same_ratios() -> None:
+    text = gpu_mps.render(report(), [report()])
+    runs = text[text.index("### Every run of this section") :].splitlines()
+    # K=2 (the largest here): MPS 1.90x its K=1, no MPS 0.25x, MPS over no MPS 7.60x.
+    assert runs[4] == runs[5]
+    assert runs[4].startswith("| 2026-11-25 23:30 UTC | MPS sets first | 1.90× | 0.25× | 7.60× |")
