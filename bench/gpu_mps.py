@@ -343,7 +343,7 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
     save = _saver(args.json, report)
     backend = gpus.backend()  # NVML here; MPSPOOL_FAKE_GPUS for a dry run without a GPU
     run_dir = Path(tempfile.mkdtemp(prefix="mpspool-gpu-"))  # 0700, as the pool's run dir
-    daemon_process = None
+    daemons: list[subprocess.Popen[bytes]] = []  # every one started: the finally ends them
     clients: Clients | None = None
     try:
         gpu = backend.devices()[0]
@@ -368,17 +368,21 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
             daemon = MpsDaemon(0, gpu.uuid, binary, run_dir / "pipe", run_dir / "log")
             log_path = run_dir / "daemon.out"
             daemon_process = start_daemon(daemon, log_path)
+            daemons.append(daemon_process)
             daemon.wait_ready()
             contexts = max(args.contexts)
             limit_mib = gpu.memory_total // contexts // 2**20  # config.pinned_limit_mib
             report["mps_defaults"] = daemon.apply_defaults(100.0, limit_mib)
             report["pinned_limit_mib"] = limit_mib
             mps_env = {**plain_env, **daemon.environment()}
-            probe = subprocess.run(
-                [sys.executable, "-m", "bench.gpu_mps", "--probe-mib", str(limit_mib)],
-                env=mps_env, capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
-            report["probe_mps"] = _last_json(probe.stdout) or probe.stderr[-2000:]
+            try:
+                probe = subprocess.run(
+                    [sys.executable, "-m", "bench.gpu_mps", "--probe-mib", str(limit_mib)],
+                    env=mps_env, capture_output=True, text=True, timeout=120,
+                )  # fmt: skip
+                report["probe_mps"] = _last_json(probe.stdout) or probe.stderr[-2000:]
+            except subprocess.TimeoutExpired:
+                report["failed"].append("pinned-limit probe: no answer in 120 s")
             save()
             for k in args.contexts:
                 try:
@@ -412,25 +416,25 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
             report["server_pids_after_quit"] = mps_server_pids()
             if args.split:
                 k = max(args.contexts)
-                split = MpsDaemon(
-                    0, gpu.uuid, binary, run_dir / "split-pipe", run_dir / "split-log"
-                )
-                daemon_process = start_daemon(split, run_dir / "split.out")
-                split.wait_ready()
-                # --active-thread-percentage split: each context gets 100 / contexts of the SMs
-                report["split_defaults"] = split.apply_defaults(round(100.0 / k, 2), limit_mib)
+                split_dirs = (run_dir / "split-pipe", run_dir / "split-log")
+                split = MpsDaemon(0, gpu.uuid, binary, *split_dirs)
+                daemons.append(start_daemon(split, run_dir / "split.out"))
                 try:
-                    record, clients = run_set(args, {**plain_env, **split.environment()}, k,
-                                              sampler, split)  # fmt: skip
+                    split.wait_ready()
+                    # --active-thread-percentage split: 100 / contexts of the SMs each.
+                    percentage = round(100.0 / k, 2)
+                    report["split_defaults"] = split.apply_defaults(percentage, limit_mib)
+                    split_env = {**plain_env, **split.environment()}
+                    record, clients = run_set(args, split_env, k, sampler, split)
                     record["mode"] = "mps-split"
                     record["exit_codes"] = clients.exit(timeout_s=15)
                     clients = None
                     report["sets"].append(record)
                     print(f"mps split k={k}: {_brief(record)}", file=sys.stderr, flush=True)
+                    split.quit()
+                    daemons[-1].wait(15)
                 except Exception as exc:
                     report["failed"].append(f"mps split k={k}: {type(exc).__name__}: {exc}")
-                split.quit()
-                daemon_process.wait(15)
                 save()
         if not args.plain_first:
             plain_sets(args, plain_env, sampler, report, save)
@@ -438,9 +442,10 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if clients is not None:
             clients.kill()
-        if daemon_process is not None and daemon_process.poll() is None:
-            os.killpg(daemon_process.pid, signal.SIGKILL)
-            daemon_process.wait()
+        for daemon_process in daemons:
+            if daemon_process.poll() is None:
+                os.killpg(daemon_process.pid, signal.SIGKILL)
+                daemon_process.wait()
         backend.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         save()
@@ -479,7 +484,7 @@ def fault_step(
         clients.read_each()
         start = clients.start()  # one window of batch 1; the server dies a third of the way
         time.sleep(max(0.0, start + args.window / 3 - time.time()))
-        servers = mps_server_pids()
+        servers = daemon.servers()  # this daemon's own: not another user's on the machine
         for pid in servers:
             os.kill(pid, signal.SIGKILL)
         results = [m["results"][0] for m in clients.read_each(timeout_s=args.window + 30)]
@@ -531,6 +536,8 @@ def render(report: dict[str, Any], others: Sequence[dict[str, Any]] = ()) -> str
     """The section: ``report`` in full, then one line of each run in ``others`` and it."""
     from bench.harness import fmt, table
 
+    if not any(s["mode"] in ("mps", "plain") for s in report["sets"]):
+        raise SystemExit(f"the report holds no set that ran: {report.get('failed')}")
     sets = {(s["mode"], s["k"]): s for s in report["sets"]}
     ks = sorted({s["k"] for s in report["sets"] if s["mode"] in ("mps", "plain")})
     batches = [w["batch"] for w in report["sets"][0]["windows"]]
@@ -690,8 +697,9 @@ def checks(report: dict[str, Any]) -> list[str]:
             continue
         first = record["windows"][0]
         out.append(
-            f"K={record['k']}: mid-window the daemon listed server(s) {first.get('mps_servers')} "
-            f"with {first.get('mps_clients')} client(s) (what `mpspool status` shows); the "
+            f"K={record['k']}: with the clients connected (after the first window) the daemon "
+            f"listed server(s) {first.get('mps_servers')} with {first.get('mps_clients')} "
+            "client(s) (what `mpspool status` shows); the "
             f"clients exited {record['exit_codes']}"
             + (
                 f" after `terminate_client` for each of {len(record['terminated'])} "

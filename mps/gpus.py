@@ -232,30 +232,45 @@ def compute_mode_warnings(selected: Sequence[GpuInfo]) -> list[str]:
 
 
 def without_mps_warnings(selected: Sequence[GpuInfo], contexts_per_gpu: int) -> list[str]:
-    """For `--no-mps`: GpuError where the GPUs cannot run the workers at all, else a warning
-    when more than one worker shares each GPU.
+    """For `--no-mps`, given the pool's CUDA contexts per GPU (every model's workers): GpuError
+    where the GPUs cannot run them at all, else warnings of what will not work well.
 
-    Without MPS every worker holds a CUDA context of its own. A GPU in an exclusive compute
-    mode admits one context (one process) at a time, so the second worker of such a GPU could
-    never start: that is an error now rather than a restart loop later. In DEFAULT mode the
-    contexts time-slice the GPU: on an H200 (bench/RESULTS.md, MPS section, two runs) two to
-    eight processes without MPS served 0.34-0.47 times the calls one process served alone,
-    where with MPS they served 1.9-8.6 times as many.
+    Without MPS every worker holds a CUDA context of its own, and so does a new version's
+    worker while the old one still serves. A PROHIBITED GPU admits none. A GPU in an exclusive
+    mode admits one context (one process) at a time: several workers on it could never all
+    start, which is an error now rather than a restart loop later, and a lone worker's next
+    version could not start beside it. In DEFAULT mode the contexts time-slice the GPU: on an
+    H200 (bench/RESULTS.md, MPS section, two runs) two to eight processes without MPS served
+    0.34-0.47 times the calls one process served alone, where with MPS they served 1.9-8.6
+    times as many.
     """
-    if contexts_per_gpu <= 1:
-        return []
+    warnings = []
     for gpu in selected:
-        if gpu.compute_mode in (EXCLUSIVE_PROCESS, EXCLUSIVE_THREAD, PROHIBITED):
+        if gpu.compute_mode == PROHIBITED:
+            raise GpuError(
+                f"GPU {gpu.describe()} is in compute mode PROHIBITED: no process can use it; "
+                f"an administrator can change that: nvidia-smi -i {gpu.uuid} -c DEFAULT"
+            )
+        if gpu.compute_mode not in (EXCLUSIVE_PROCESS, EXCLUSIVE_THREAD):
+            continue
+        if contexts_per_gpu > 1:
             raise GpuError(
                 f"GPU {gpu.describe()} is in compute mode {gpu.compute_mode}: without MPS it "
-                f"admits no {contexts_per_gpu} worker processes at once; drop --no-mps, or "
-                "pass --contexts-per-gpu 1"
+                f"admits one process at a time, and this pool would run {contexts_per_gpu} "
+                "on it (every model's workers count); drop --no-mps, or run one worker per GPU"
             )
-    return [
-        f"--no-mps with {contexts_per_gpu} contexts per GPU: each worker's CUDA context gets "
-        "the GPU in turn (time-slicing) instead of running beside the others; expect less "
-        "throughput than one worker per GPU (bench/RESULTS.md, MPS section)"
-    ]
+        warnings.append(
+            f"GPU {gpu.describe()} is in compute mode {gpu.compute_mode}: without MPS it "
+            "admits one process at a time, so a new model version's worker cannot start while "
+            "the serving one holds it (versions change only across a restart)"
+        )
+    if contexts_per_gpu > 1:
+        warnings.append(
+            f"--no-mps with {contexts_per_gpu} CUDA contexts per GPU: each worker's context "
+            "gets the GPU in turn (time-slicing) instead of running beside the others; expect "
+            "less throughput than one worker per GPU (bench/RESULTS.md, MPS section)"
+        )
+    return warnings
 
 
 # --- Backends ---------------------------------------------------------------------------------

@@ -464,7 +464,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     )
     # GPUs first: a pool that cannot have its GPUs should say so at once, before any
     # model is built or loaded.
-    gpu_fields = _resolve_gpus(args) if args.gpus else {}
+    gpu_fields, selected_gpus = _resolve_gpus(args) if args.gpus else ({}, [])
     # Likewise a pool without its front door (BinaryNotFound is a ConfigError).
     from mpspool.router import binary_path as router_binary
 
@@ -563,6 +563,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         pinned_mem_limit_mib=args.pinned_mem_limit,
         **gpu_fields,
     ).validate()
+    if selected_gpus and not config.mps:
+        _check_without_mps(config, selected_gpus)
     if config.loading_priority != "normal" and not process.can_restore_priority():
         # A worker that loaded idle would serve idle for good.
         print(
@@ -640,9 +642,10 @@ def _thread_percentage(text: str, contexts: int) -> float:
         ) from None
 
 
-def _resolve_gpus(args: argparse.Namespace) -> dict[str, Any]:
-    """The selected GPUs' indices, UUIDs and memory, and the MPS binary; ConfigError (one
-    line) when they cannot be had."""
+def _resolve_gpus(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
+    """The selected GPUs' indices, UUIDs and memory, and the MPS binary (PoolConfig's
+    fields), and the selected GPUs themselves (mps.gpus.GpuInfo); ConfigError (one line) when
+    they cannot be had."""
     from mpspool.mps import gpus
     from mpspool.mps.control import MpsError, find_control_binary
 
@@ -653,26 +656,39 @@ def _resolve_gpus(args: argparse.Namespace) -> dict[str, Any]:
             selected = gpus.select(backend.devices(), wanted)
         finally:
             backend.close()
-        if args.mps:
-            warnings = gpus.compute_mode_warnings(selected)
-        else:  # EXCLUSIVE_PROCESS, which MPS wants, is what --no-mps cannot use
-            warnings = gpus.without_mps_warnings(selected, args.contexts_per_gpu)
     except gpus.GpuError as exc:
         raise ConfigError(str(exc)) from None
-    for warning in warnings:
-        print(f"mpspool: warning: {warning}", file=sys.stderr)
+    # Without MPS, what the compute modes allow depends on the pool's contexts, which the
+    # models decide: cmd_start checks that (_check_without_mps) once they are known.
+    if args.mps:
+        for warning in gpus.compute_mode_warnings(selected):
+            print(f"mpspool: warning: {warning}", file=sys.stderr)
     binary = ""
     if args.mps:
         try:
             binary = find_control_binary(args.mps_control)
         except MpsError as exc:
             raise ConfigError(str(exc)) from None
-    return {
+    fields = {
         "gpus": tuple(g.index for g in selected),
         "gpu_uuids": tuple(g.uuid for g in selected),
         "gpu_memory": tuple(g.memory_total for g in selected),
         "mps_control": binary,
     }
+    return fields, selected
+
+
+def _check_without_mps(config: PoolConfig, selected: list[Any]) -> None:
+    """A `--no-mps` GPU pool: refused where the GPUs' compute modes cannot hold its contexts
+    (every model's workers per GPU), warned where they will not serve it well (mps/gpus.py)."""
+    from mpspool.mps import gpus
+
+    try:
+        warnings = gpus.without_mps_warnings(selected, config.contexts_on_gpu())
+    except gpus.GpuError as exc:
+        raise ConfigError(str(exc)) from None
+    for warning in warnings:
+        print(f"mpspool: warning: {warning}", file=sys.stderr)
 
 
 def _demo_model(rows: int) -> Path:

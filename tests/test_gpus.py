@@ -148,18 +148,26 @@ def test_compute_mode_warnings() -> None:
 def test_without_mps_an_exclusive_gpu_refuses_more_than_one_context() -> None:
     # A is EXCLUSIVE_PROCESS: one CUDA context at a time, so a second plain worker can't start.
     with pytest.raises(GpuError, match=r"^GPU 0 \(NVIDIA A10, GPU-aaaa1111-0000\) is in compute"
-                       r" mode EXCLUSIVE_PROCESS: without MPS it admits no 2 worker processes"
-                       r" at once; drop --no-mps, or pass --contexts-per-gpu 1$"):  # fmt: skip
+                       r" mode EXCLUSIVE_PROCESS: without MPS it admits one process at a time,"
+                       r" and this pool would run 2 on it \(every model's workers count\);"
+                       r" drop --no-mps, or run one worker per GPU$"):  # fmt: skip
         without_mps_warnings([B, A], 2)
+    # One context fits, but a new version's worker could not start beside it.
+    (lone,) = without_mps_warnings([A, B], 1)  # B is DEFAULT: nothing to say of it
+    assert "EXCLUSIVE_PROCESS" in lone and "a new model version's worker cannot start" in lone
+    assert without_mps_warnings([B], 1) == []  # DEFAULT, one context: nothing to say
+
+
+def test_without_mps_a_prohibited_gpu_is_refused_whatever_the_count() -> None:
     prohibited = GpuInfo(3, "GPU-dddd", "NVIDIA T4", 16 * 2**30, "PROHIBITED")
-    with pytest.raises(GpuError, match="PROHIBITED"):
-        without_mps_warnings([prohibited], 4)
-    assert without_mps_warnings([A, C], 1) == []  # one context each: exclusive mode is fine
+    for contexts in (1, 4):
+        with pytest.raises(GpuError, match=r"PROHIBITED: no process can use it; .* -c DEFAULT$"):
+            without_mps_warnings([prohibited], contexts)
 
 
 def test_without_mps_shared_gpus_are_warned_of_time_slicing() -> None:
     (warning,) = without_mps_warnings([B], 4)
-    assert warning.startswith("--no-mps with 4 contexts per GPU: each worker's CUDA context")
+    assert warning.startswith("--no-mps with 4 CUDA contexts per GPU: each worker's context")
     assert "time-slicing" in warning and "\n" not in warning
     # The compute-mode advice is MPS's: without MPS, DEFAULT is what several contexts need.
     assert "EXCLUSIVE_PROCESS" not in warning

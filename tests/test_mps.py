@@ -255,19 +255,36 @@ def test_a_gpu_that_is_not_visible_is_named(
     assert "no such GPU 1" in result.stderr and "CUDA_VISIBLE_DEVICES" in result.stderr
 
 
+@pytest.mark.parametrize("models", [1, 2])
 def test_no_mps_on_an_exclusive_gpu_with_several_contexts_is_refused_at_start(
-    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    models: int, tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two contexts on the GPU: two workers of one model, or one worker each of two models
+    (contexts count every model's workers)."""
     exclusive = [{"uuid": "GPU-eeee0000-0000", "compute_mode": "EXCLUSIVE_PROCESS"}]
     monkeypatch.setenv("MPSPOOL_FAKE_GPUS", json.dumps(exclusive))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if models == 1:
+        serve = ["--contexts-per-gpu", "2", "--model-base-path", str(demo_model_dir)]
+    else:
+        config = tmp_path / "models.config"
+        config.write_text(
+            "model_config_list {\n"
+            + "".join(
+                f'  config {{ name: "{name}" base_path: "{demo_model_dir}" '
+                'model_platform: "tensorflow" }\n'
+                for name in ("a", "b")
+            )
+            + "}\n"
+        )
+        serve = ["--contexts-per-gpu", "1", "--model_config_file", str(config)]
     result = subprocess.run(
-        mpspool_cmd("start", "--gpus", "0", "--no-mps", "--contexts-per-gpu", "2",
-                    "--model-base-path", str(demo_model_dir), "--run-dir", str(tmp_path / "r")),
+        mpspool_cmd("start", "--gpus", "0", "--no-mps", *serve, "--run-dir", str(tmp_path / "r")),
         cwd=tmp_path, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
-    assert result.returncode == 2
-    assert "compute mode EXCLUSIVE_PROCESS: without MPS it admits no 2" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert "compute mode EXCLUSIVE_PROCESS: without MPS it admits one process at a time, and " \
+        "this pool would run 2 on it" in result.stderr  # fmt: skip
     assert not (tmp_path / "r").exists()
 
 
