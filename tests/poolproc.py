@@ -123,6 +123,9 @@ class Pool:
         deadline = time.monotonic() + timeout
         status: dict[str, Any] = {}
         while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"pool exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 status = self.status()
             except ConfigError:
