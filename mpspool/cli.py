@@ -658,13 +658,12 @@ def _resolve_gpus(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
             backend.close()
     except gpus.GpuError as exc:
         raise ConfigError(str(exc)) from None
+    binary = ""
     # Without MPS, what the compute modes allow depends on the pool's contexts, which the
     # models decide: cmd_start checks that (_check_without_mps) once they are known.
     if args.mps:
         for warning in gpus.compute_mode_warnings(selected):
             print(f"mpspool: warning: {warning}", file=sys.stderr)
-    binary = ""
-    if args.mps:
         try:
             binary = find_control_binary(args.mps_control)
         except MpsError as exc:
