@@ -344,7 +344,6 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
     backend = gpus.backend()  # NVML here; MPSPOOL_FAKE_GPUS for a dry run without a GPU
     run_dir = Path(tempfile.mkdtemp(prefix="mpspool-gpu-"))  # 0700, as the pool's run dir
     daemons: list[subprocess.Popen[bytes]] = []  # every one started: the finally ends them
-    clients: Clients | None = None
     try:
         gpu = backend.devices()[0]
         report["gpu"] = {
@@ -362,7 +361,7 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
             report["mps_error"] = str(exc)
             binary = None
         if args.plain_first:
-            plain_sets(args, plain_env, sampler, report, save)
+            run_sets(args, "plain", plain_env, sampler, report, save)
         if binary:
             report["mps_control"] = binary
             daemon = MpsDaemon(0, gpu.uuid, binary, run_dir / "pipe", run_dir / "log")
@@ -384,21 +383,7 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 report["failed"].append("pinned-limit probe: no answer in 120 s")
             save()
-            for k in args.contexts:
-                try:
-                    record, clients = run_set(args, mps_env, k, sampler, daemon)
-                except Exception as exc:
-                    report["failed"].append(f"mps k={k}: {type(exc).__name__}: {exc}")
-                    continue
-                record["mode"] = "mps"
-                if k == args.contexts[-1]:
-                    # The pool's stop: terminate_client for every client, then the workers.
-                    record["terminated"] = daemon.terminate_clients()
-                record["exit_codes"] = clients.exit(timeout_s=15)
-                clients = None
-                report["sets"].append(record)
-                save()
-                print(f"mps k={k}: {_brief(record)}", file=sys.stderr, flush=True)
+            run_sets(args, "mps", mps_env, sampler, report, save, daemon=daemon)
             try:
                 report["fault"] = fault_step(args, mps_env, daemon, log_path, fault_lines)
             except Exception as exc:
@@ -425,23 +410,16 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
                     percentage = round(100.0 / k, 2)
                     report["split_defaults"] = split.apply_defaults(percentage, limit_mib)
                     split_env = {**plain_env, **split.environment()}
-                    record, clients = run_set(args, split_env, k, sampler, split)
-                    record["mode"] = "mps-split"
-                    record["exit_codes"] = clients.exit(timeout_s=15)
-                    clients = None
-                    report["sets"].append(record)
-                    print(f"mps split k={k}: {_brief(record)}", file=sys.stderr, flush=True)
+                    run_sets(args, "mps-split", split_env, sampler, report, save, split, [k])
                     split.quit()
                     daemons[-1].wait(15)
                 except Exception as exc:
                     report["failed"].append(f"mps split k={k}: {type(exc).__name__}: {exc}")
                 save()
         if not args.plain_first:
-            plain_sets(args, plain_env, sampler, report, save)
+            run_sets(args, "plain", plain_env, sampler, report, save)
         report["xid_events_after"] = backend.xid_events()
     finally:
-        if clients is not None:
-            clients.kill()
         for daemon_process in daemons:
             if daemon_process.poll() is None:
                 os.killpg(daemon_process.pid, signal.SIGKILL)
@@ -452,25 +430,34 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def plain_sets(
+def run_sets(
     args: argparse.Namespace,
+    mode: str,
     env: dict[str, str],
     sampler: UtilisationSampler,
     report: dict[str, Any],
     save: Any,
+    daemon: Any = None,
+    ks: Sequence[int] | None = None,
 ) -> None:
-    """The same sets without MPS: each process's own CUDA context, time-sliced."""
-    for k in args.contexts:
+    """One set per K (``args.contexts`` unless ``ks``) in ``env``: "plain" is each process's
+    own CUDA context, time-sliced; with ``daemon``, its MPS clients, the last set ended as
+    the pool stops: terminate_client for every client, then the workers. A set that fails is
+    recorded and the next one runs."""
+    ks = list(args.contexts if ks is None else ks)
+    for k in ks:
         try:
-            record, clients = run_set(args, env, k, sampler)
+            record, clients = run_set(args, env, k, sampler, daemon)
         except Exception as exc:
-            report["failed"].append(f"plain k={k}: {type(exc).__name__}: {exc}")
+            report["failed"].append(f"{mode} k={k}: {type(exc).__name__}: {exc}")
             continue
-        record["mode"] = "plain"
-        record["exit_codes"] = clients.exit()
+        record["mode"] = mode
+        if daemon is not None and k == ks[-1]:
+            record["terminated"] = daemon.terminate_clients()
+        record["exit_codes"] = clients.exit(timeout_s=15)
         report["sets"].append(record)
         save()
-        print(f"plain k={k}: {_brief(record)}", file=sys.stderr, flush=True)
+        print(f"{mode} k={k}: {_brief(record)}", file=sys.stderr, flush=True)
 
 
 def fault_step(
