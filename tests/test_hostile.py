@@ -6,13 +6,19 @@ workers live on, and the good client's requests all succeed."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import signal
 import time
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import requests
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
@@ -201,3 +207,85 @@ def test_good_requests_still_get_their_answer(pool: Pool) -> None:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         answer = stub.Predict(_good(), timeout=30)
     np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
+
+
+def _request_memory(pool: Pool) -> float:
+    """The front door's mpspool_request_memory_bytes, in MiB."""
+    page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
+    [line] = [x for x in page.splitlines() if x.startswith("mpspool_request_memory_bytes ")]
+    return float(line.split()[1]) / (1 << 20)
+
+
+def _wait_for_memory(pool: Pool, low: float, high: float, timeout: float = 30.0) -> float:
+    """Waits until the request memory (MiB) reads within [low, high) three times running."""
+    deadline, inside = time.monotonic() + timeout, 0
+    while inside < 3:
+        held = _request_memory(pool)
+        inside = inside + 1 if low <= held < high else 0
+        assert time.monotonic() < deadline, f"request memory {held:.1f} MiB, not in [{low}, {high})"
+        time.sleep(0.1)
+    return held
+
+
+def test_requests_held_at_once_share_the_front_doors_memory_budget(tmp_path: Path) -> None:
+    """What the requests being served hold counts against one budget (4x --max-message-bytes,
+    at least 256 MiB) until each is answered: with the worker stopped, a REST request keeps the
+    ~2 MiB its tensors take (not its ~30 MiB parse), five 46 MiB gRPC requests are held, and a
+    sixth, which would pass 256 MiB, is refused with RESOURCE_EXHAUSTED without harm. Each
+    request alone was always allowed; before, all six were taken. Once the worker runs on,
+    every held request is answered, the memory is given back and the sixth goes through."""
+    rows = 6_000_000
+    # 64 MiB messages: the budget is its floor, 256 MiB (the default's is 2 GiB).
+    args = ("--worker-timeout", "120", "--max-message-bytes", str(64 << 20))
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 1, *args)
+    try:
+        pool.start().wait_ready(1)
+        assert _request_memory(pool) == 0
+        [worker] = pool.worker_pids()
+        os.kill(worker, signal.SIGSTOP)
+        dense = np.ones((rows, 2), np.float32)
+        big = _good()
+        big.inputs["words"].CopyFrom(tf.make_tensor_proto(np.array([b"ab"], object)))
+        big.inputs["dense"].CopyFrom(tf.make_tensor_proto(dense))
+        body = big.SerializeToString()
+        assert 45 << 20 < len(body) < 47 << 20
+        rest_body = {"inputs": {"words": ["ab"], "dense": [[1.0, 1.0]] * 200_000}}
+        options = [
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", 64 << 20),
+        ]
+        with (
+            ThreadPoolExecutor(8) as clients,
+            grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel,
+        ):
+            url = f"{pool.rest_url}/v1/models/demo:predict"
+            rest_answer = clients.submit(requests.post, url, json=rest_body, timeout=120)
+            # 200,000 x 2 floats built (1.6-3.2 MiB of vectors) and held; the parse's share
+            # (tens of MiB of document) given back.
+            _wait_for_memory(pool, 1.5, 8)
+            call = channel.unary_unary(PREDICT)
+            calls = [clients.submit(call, body, timeout=120) for _ in range(6)]
+            first = next(concurrent.futures.as_completed(calls, timeout=120))
+            refused = first.exception()
+            assert isinstance(refused, grpc.RpcError), refused
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+            assert "MiB of requests being served" in refused.details(), refused.details()
+            assert "256 MiB allowed" in refused.details(), refused.details()
+            held = _wait_for_memory(pool, 5 * 45.5, 256)
+            assert sum(c.done() for c in calls) == 1, f"{held:.0f} MiB held"
+            os.kill(worker, signal.SIGCONT)
+            answers = [c.result(timeout=120) for c in calls if c is not first]
+            assert rest_answer.result(timeout=120).status_code == 200
+        assert len(answers) == 5
+        for raw in answers:
+            reply = predict_pb2.PredictResponse.FromString(raw)
+            out = tf.make_ndarray(reply.outputs["out"])
+            assert out.shape == (rows,) and out[0] == out[-1] == 6.0
+        _wait_for_memory(pool, 0, 0.001)
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            assert channel.unary_unary(PREDICT)(body, timeout=120)
+        assert pool.worker_pids() == [worker], "no worker was replaced"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()

@@ -27,7 +27,7 @@ from conftest import DEMO_ROWS
 from poolproc import Pool, memory_mib
 
 # Over 256 KiB, the size from which the front door parses a JSON body off its serving threads
-# (router/src/rest.rs); its parse budget is then its floor, 256 MiB.
+# (router/src/rest.rs); its request budget is then its floor, 256 MiB.
 MAX_MESSAGE = 1_000_000
 
 

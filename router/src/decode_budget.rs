@@ -7,15 +7,18 @@
 //! bytes), a 1-byte varint in `int64_val` 8 bytes; a vector may have room for twice what it
 //! holds. A request at the message limit could take the front door tens of GB. So one pass
 //! over the bytes, with the request types' shapes (which fields are messages, which repeat
-//! and what each element costs), sums what the elements would take, and a request over the
-//! budget (`parse_budget::budget_bytes`, the rule REST's JSON bodies follow) is refused with
-//! RESOURCE_EXHAUSTED before anything is built. Fields a shape does not name are skipped by
-//! prost too and cost nothing; bytes fields (`tensor_content`, examples) are slices of the
-//! received message, not copies.
+//! and what each element costs), sums what the elements would take. A request whose cost is
+//! over the front door's request budget (`request_budget`), or over what the requests being
+//! served leave of it, is refused with RESOURCE_EXHAUSTED before anything is built; one that
+//! fits holds its cost of the budget until it is answered. Fields a shape does not name are
+//! skipped by prost too and cost nothing; bytes fields (`tensor_content`, examples) are
+//! slices of the received message, not copies.
 
+use std::cell::RefCell;
+use std::future::Future;
 use std::marker::PhantomData;
 use std::mem::size_of;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use bytes::{Buf, Bytes};
 use prost::Message;
@@ -23,12 +26,14 @@ use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic::Status;
 use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
 
+use crate::request_budget::{self, Held, RequestBudget};
+
 use crate::proto::mpspool::tfs::{
     tensor_shape_proto::Dim, GetModelMetadataRequest, GetModelStatusRequest, PredictRequest,
     TensorProto,
 };
 use crate::proto::tensorflow::serving::{
-    ClassificationRequest, InferenceTask, MultiInferenceRequest, RegressionRequest,
+    input, ClassificationRequest, InferenceTask, Input, MultiInferenceRequest, RegressionRequest,
     ReloadConfigRequest,
 };
 
@@ -232,38 +237,122 @@ fn varint(bytes: &[u8]) -> Option<(u64, &[u8])> {
     None
 }
 
-/// The budget in bytes, set once at start from the message limit (0 until then: the
-/// budget's floor applies).
-static BUDGET_BYTES: AtomicUsize = AtomicUsize::new(0);
-
-pub fn set_budget(bytes: usize) {
-    BUDGET_BYTES.store(bytes, Ordering::Relaxed);
+/// What a built tensor holds in memory: its vectors' capacity (what they took, not what they
+/// hold) and its strings; what REST keeps of its budget share until the answer.
+pub fn tensor_memory(tensor: &TensorProto) -> usize {
+    fn room<T>(values: &Vec<T>) -> usize {
+        values.capacity().saturating_mul(size_of::<T>())
+    }
+    let strings = tensor
+        .string_val
+        .iter()
+        .fold(room(&tensor.string_val), |sum, s| {
+            sum.saturating_add(s.len())
+        });
+    [
+        size_of::<TensorProto>(),
+        tensor.tensor_content.len(),
+        strings,
+        room(&tensor.half_val),
+        room(&tensor.float_val),
+        room(&tensor.double_val),
+        room(&tensor.int_val),
+        room(&tensor.scomplex_val),
+        room(&tensor.int64_val),
+        room(&tensor.bool_val),
+        room(&tensor.dcomplex_val),
+        room(&tensor.uint32_val),
+        room(&tensor.uint64_val),
+    ]
+    .into_iter()
+    .fold(0, usize::saturating_add)
 }
 
-fn budget() -> usize {
-    match BUDGET_BYTES.load(Ordering::Relaxed) {
-        0 => crate::parse_budget::BUDGET_MIN,
-        bytes => bytes,
+/// What a built Classify/Regress input holds: its serialized examples (and context).
+pub fn input_memory(input: &Input) -> usize {
+    let examples = |examples: &[Bytes]| {
+        examples.iter().fold(
+            examples.len().saturating_mul(size_of::<Bytes>()),
+            |sum, example| sum.saturating_add(example.len()),
+        )
+    };
+    match &input.kind {
+        Some(input::Kind::ExampleList(list)) => examples(&list.examples),
+        Some(input::Kind::ExampleListWithContext(list)) => {
+            examples(&list.examples).saturating_add(list.context.len())
+        }
+        None => 0,
     }
 }
 
-/// RESOURCE_EXHAUSTED when decoding `wire` as a message of `fields` would take more than
-/// `budget` bytes; for bytes prost would refuse, its code and words (INTERNAL, "failed to
-/// decode Protobuf message").
-pub fn check(wire: &[u8], fields: &[Field], budget: usize) -> Result<(), Status> {
+/// The front door's request budget, installed once at start (`install`); the codecs tonic
+/// makes per call (by `Default`) have no other way to reach it. Until then (unit tests of
+/// other modules), a budget of the floor's size.
+static BUDGET: OnceLock<Arc<RequestBudget>> = OnceLock::new();
+
+/// Makes `budget` the one every gRPC request's decoding reserves from. Once: a second call
+/// (there is none) would leave the first in place.
+pub fn install(budget: Arc<RequestBudget>) {
+    if BUDGET.set(budget).is_err() {
+        crate::log_warn!("the gRPC decode budget was installed twice; the first one stays");
+    }
+}
+
+fn budget() -> &'static RequestBudget {
+    BUDGET.get_or_init(|| Arc::new(RequestBudget::new(request_budget::BUDGET_MIN)))
+}
+
+tokio::task_local! {
+    /// What the request being served holds of the budget: its decoded message's share, put
+    /// here by its decoder and given back when the request's future ends (answered, failed or
+    /// dropped with its client). tonic decodes a unary request inside the same future that
+    /// calls its handler and then makes its answer, so the share lives as long as the decoded
+    /// request can.
+    static HELD: RefCell<Vec<Held>>;
+}
+
+/// `request` (a gRPC call's future), holding the budget's shares its decoding reserves until
+/// it ends. Every connection's service wraps its calls in this.
+pub fn holding_request_memory<F: Future>(request: F) -> impl Future<Output = F::Output> {
+    HELD.scope(RefCell::new(Vec::new()), request)
+}
+
+/// Keeps `held` until the request being served ends; outside `holding_request_memory` (no
+/// such caller) it is given back at once.
+fn hold_while_serving(held: Held) {
+    let _ = HELD.try_with(|shares| shares.borrow_mut().push(held));
+}
+
+/// RESOURCE_EXHAUSTED when decoding `wire` as a message of `fields` would take more than the
+/// whole budget, or more than it has free now (others hold it); for bytes prost would refuse,
+/// its code and words (INTERNAL, "failed to decode Protobuf message"). Otherwise the share,
+/// to hold while the decoded message lives.
+pub fn admit(wire: &[u8], fields: &[Field], budget: &RequestBudget) -> Result<Held, Status> {
     let cost = cost(wire, fields)
         .map_err(|why| Status::internal(format!("failed to decode Protobuf message: {why}")))?;
-    if cost <= budget {
-        return Ok(());
+    if cost > budget.bytes() {
+        return Err(Status::resource_exhausted(format!(
+            "decoding this request ({} bytes) would take about {} MiB of memory, more than the \
+             {} MiB allowed (4 times --max-message-bytes, at least 256): it has too many values \
+             or entries for its size; send fewer per request",
+            wire.len(),
+            cost >> 20,
+            budget.bytes() >> 20
+        )));
     }
-    Err(Status::resource_exhausted(format!(
-        "decoding this request ({} bytes) would take about {} MiB of memory, more than the \
-         {} MiB allowed (4 times --max-message-bytes, at least 256): it has too many values \
-         or entries for its size; send fewer per request",
-        wire.len(),
-        cost >> 20,
-        budget >> 20
-    )))
+    // Waiting is not an option here (decoding is synchronous), so a request that finds too
+    // little free is refused, as a full queue refuses one, and may be sent again.
+    budget.try_reserve(cost).ok_or_else(|| {
+        Status::resource_exhausted(format!(
+            "the front door holds {} MiB of requests being served, and decoding this one ({} \
+             bytes, about {} MiB) would pass the {} MiB allowed for all of them at once (4 \
+             times --max-message-bytes, at least 256); try again later",
+            budget.held_bytes() >> 20,
+            wire.len(),
+            cost.div_ceil(1 << 20),
+            budget.bytes() >> 20
+        ))
+    })
 }
 
 /// prost's codec, with each request checked against the decode budget first.
@@ -309,8 +398,10 @@ impl<U: Message + Default + DecodeCost> Decoder for BudgetedDecoder<U> {
                 "the request is not in one buffer: what decoding it would take cannot be checked",
             ));
         }
-        check(wire, U::FIELDS, budget())?;
-        self.0.decode(buf)
+        let held = admit(wire, U::FIELDS, budget())?;
+        let decoded = self.0.decode(buf)?;
+        hold_while_serving(held);
+        Ok(decoded)
     }
 
     fn buffer_settings(&self) -> BufferSettings {
@@ -450,7 +541,7 @@ mod tests {
                 PredictRequest::decode(wire).is_err(),
                 "prost takes {wire:?}"
             );
-            let error = check(wire, PREDICT, 1 << 30).unwrap_err();
+            let error = admit(wire, PREDICT, &RequestBudget::new(1 << 30)).unwrap_err();
             assert_eq!(error.code(), tonic::Code::Internal, "{wire:?}");
             assert!(error
                 .message()
@@ -464,10 +555,85 @@ mod tests {
             string_val: vec![Bytes::new(); 100_000],
             ..Default::default()
         });
-        let error = check(&wire, PREDICT, 1 << 20).unwrap_err();
+        let error = admit(&wire, PREDICT, &RequestBudget::new(1 << 20)).unwrap_err();
         assert_eq!(error.code(), tonic::Code::ResourceExhausted);
         let message = error.message();
         assert!(message.contains("more than the 1 MiB allowed"), "{message}");
-        assert!(check(&wire, PREDICT, 64 << 20).is_ok());
+        assert!(admit(&wire, PREDICT, &RequestBudget::new(64 << 20)).is_ok());
+    }
+
+    fn float_request(count: usize) -> Vec<u8> {
+        predict(TensorProto {
+            tensor_content: vec![0; count * 4].into(),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn requests_being_served_share_the_budget() {
+        let budget = RequestBudget::new(10 << 20);
+        let four_mib = float_request(1 << 20);
+        let first = admit(&four_mib, PREDICT, &budget).unwrap();
+        let second = admit(&four_mib, PREDICT, &budget).unwrap();
+        assert!(budget.held_bytes() >= 8 << 20);
+        let error = admit(&four_mib, PREDICT, &budget).unwrap_err();
+        assert_eq!(error.code(), tonic::Code::ResourceExhausted);
+        let message = error.message();
+        assert!(message.contains("holds 8 MiB of requests"), "{message}");
+        assert!(message.contains("pass the 10 MiB allowed"), "{message}");
+        drop(first);
+        let third = admit(&four_mib, PREDICT, &budget).unwrap();
+        drop((second, third));
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_share_lives_until_its_request_ends() {
+        let budget = Arc::new(RequestBudget::new(10 << 20));
+        let wire = float_request(1 << 20);
+        let (admitted, mut end) = tokio::sync::oneshot::channel::<()>();
+        let request = tokio::spawn(holding_request_memory({
+            let budget = budget.clone();
+            async move {
+                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap());
+                let _ = admitted.send(());
+                // The handler's await (a worker's answer).
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }));
+        let _ = (&mut end).await;
+        assert!(budget.held_bytes() >= 4 << 20, "held while served");
+        request.await.unwrap();
+        assert_eq!(budget.held_bytes(), 0, "given back when it ended");
+
+        // A request dropped before it ends (its client gone) gives its share back too.
+        let wire = float_request(1 << 20);
+        let request = holding_request_memory({
+            let budget = budget.clone();
+            async move {
+                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap());
+                std::future::pending::<()>().await;
+            }
+        });
+        let mut request = Box::pin(request);
+        let polled = futures_poll_once(request.as_mut()).await;
+        assert!(polled.is_none() && budget.held_bytes() >= 4 << 20);
+        drop(request);
+        assert_eq!(budget.held_bytes(), 0);
+
+        // Outside a request's scope nothing is kept.
+        hold_while_serving(admit(&float_request(1 << 20), PREDICT, &budget).unwrap());
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    /// Polls `future` once: its output if it was ready.
+    async fn futures_poll_once<F: Future + Unpin>(mut future: F) -> Option<F::Output> {
+        std::future::poll_fn(|context| {
+            std::task::Poll::Ready(match std::pin::Pin::new(&mut future).poll(context) {
+                std::task::Poll::Ready(output) => Some(output),
+                std::task::Poll::Pending => None,
+            })
+        })
+        .await
     }
 }

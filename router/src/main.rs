@@ -16,10 +16,10 @@ mod inference;
 mod json_tensor;
 mod log;
 mod metrics;
-mod parse_budget;
 mod policies;
 mod proto;
 mod reload;
+mod request_budget;
 mod rest;
 mod server;
 mod signature;
@@ -175,11 +175,16 @@ async fn serve(config: Config) -> ExitCode {
         .map(|a| a.port())
         .unwrap_or(config.port);
     server::record_port(&state, port);
+    // One budget for every request's memory, gRPC and REST alike (request_budget).
+    let request_memory = Arc::new(request_budget::RequestBudget::new(
+        request_budget::budget_bytes(config.max_message_bytes),
+    ));
     let metrics = Arc::new(metrics::Metrics::new(
         dispatcher.models(),
         dispatcher.ready_workers(),
         dispatcher.copied_weights(),
         state.clone(),
+        request_memory.clone(),
     ));
     if let Ok(metrics_port) = u16::try_from(config.metrics_port) {
         let bound = metrics::serve(metrics.clone(), &config.host, metrics_port).await;
@@ -199,6 +204,7 @@ async fn serve(config: Config) -> ExitCode {
     let limits = server::Limits {
         tls,
         max_message_bytes: config.max_message_bytes,
+        request_memory: request_memory.clone(),
         max_connection_age: (!age.is_zero()).then_some(age),
     };
     let rest = match u16::try_from(config.rest_api_port) {
@@ -221,6 +227,7 @@ async fn serve(config: Config) -> ExitCode {
             let handler = rest::Rest::new(
                 api.clone(),
                 config.max_message_bytes,
+                request_memory,
                 (!timeout.is_zero()).then_some(timeout),
                 (!config.prometheus_path.is_empty()).then(|| config.prometheus_path.clone()),
             );

@@ -15,6 +15,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::request_budget::RequestBudget;
 use crate::state::RouterState;
 use crate::status::Code;
 use crate::tfs_metrics::TfServingMetrics;
@@ -132,6 +133,8 @@ pub struct Metrics {
     ready: watch::Receiver<usize>,
     copied: watch::Receiver<BTreeMap<String, u64>>,
     state: Arc<RouterState>,
+    /// What requests hold of the front door's memory budget, and the budget.
+    request_memory: Arc<RequestBudget>,
 }
 
 /// Counts a request as in flight until dropped; `finish` records its code and latency.
@@ -175,6 +178,7 @@ impl Metrics {
         ready: watch::Receiver<usize>,
         copied: watch::Receiver<BTreeMap<String, u64>>,
         state: Arc<RouterState>,
+        request_memory: Arc<RequestBudget>,
     ) -> Metrics {
         Metrics {
             tf_serving: TfServingMetrics::following(models.clone()),
@@ -186,6 +190,7 @@ impl Metrics {
             ready,
             copied,
             state,
+            request_memory,
         }
     }
 
@@ -276,6 +281,18 @@ impl Metrics {
         out.push_str(&format!(
             "mpspool_inflight_requests{{model=\"{model}\"}} {}\n",
             self.inflight.load(Ordering::Relaxed)
+        ));
+        out.push_str("# HELP mpspool_request_memory_bytes Memory the front door's requests hold now by its estimate (JSON documents being parsed, requests decoded or built until answered), in whole KiB.\n");
+        out.push_str("# TYPE mpspool_request_memory_bytes gauge\n");
+        out.push_str(&format!(
+            "mpspool_request_memory_bytes {}\n",
+            self.request_memory.held_bytes()
+        ));
+        out.push_str("# HELP mpspool_request_memory_limit_bytes The most they may hold at once (4 times --max-message-bytes, at least 256 MiB); a gRPC request that would pass it is refused with RESOURCE_EXHAUSTED, a REST body waits.\n");
+        out.push_str("# TYPE mpspool_request_memory_limit_bytes gauge\n");
+        out.push_str(&format!(
+            "mpspool_request_memory_limit_bytes {}\n",
+            self.request_memory.bytes()
         ));
         out.push_str("# HELP mpspool_workers_ready Workers registered and receiving requests.\n");
         out.push_str("# TYPE mpspool_workers_ready gauge\n");
@@ -416,6 +433,10 @@ mod tests {
     use super::*;
     use crate::config::ModelEntry;
 
+    fn test_budget() -> Arc<RequestBudget> {
+        Arc::new(RequestBudget::new(256 << 20))
+    }
+
     fn models_of(name: &str) -> watch::Receiver<Arc<Models>> {
         let models = Models::configured(&[ModelEntry::new(name, 1)]).expect("one model");
         watch::channel(Arc::new(models)).1
@@ -426,7 +447,13 @@ mod tests {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(0usize);
         let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new(models_of("m"), ready, copied, Arc::new(state));
+        let metrics = Metrics::new(
+            models_of("m"),
+            ready,
+            copied,
+            Arc::new(state),
+            test_budget(),
+        );
         for ms in [0, 3, 3, 40, 9000] {
             metrics.record(Method::Predict, Code::Ok, Duration::from_millis(ms));
         }
@@ -472,7 +499,13 @@ mod tests {
         let (state, _drain) = RouterState::new();
         let (_tx, ready) = watch::channel(0usize);
         let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new(models_of("m\"x"), ready, copied, Arc::new(state));
+        let metrics = Metrics::new(
+            models_of("m\"x"),
+            ready,
+            copied,
+            Arc::new(state),
+            test_budget(),
+        );
         let request = metrics.start(Method::GetModelStatus);
         assert!(metrics
             .render()
@@ -498,7 +531,15 @@ mod tests {
         let (_tx, ready) = watch::channel(2usize);
         let copied = BTreeMap::from([("cpu-0".to_string(), 0u64), ("cpu-1".to_string(), 8)]);
         let (_copied_tx, copied) = watch::channel(copied);
-        let metrics = Metrics::new(models_of("demo"), ready, copied, Arc::new(state));
+        let budget = test_budget();
+        let metrics = Metrics::new(
+            models_of("demo"),
+            ready,
+            copied,
+            Arc::new(state),
+            budget.clone(),
+        );
+        let _held = budget.try_reserve(3 << 10).expect("room");
         {
             let mut request = metrics.start(Method::Predict);
             request.set_code(Code::Ok);
@@ -526,5 +567,10 @@ mod tests {
         assert!(text.contains("mpspool_worker_retries_total 0\n"));
         assert!(text.contains("mpspool_worker_copied_weight_bytes{slot=\"cpu-1\"} 8\n"));
         assert!(text.contains("mpspool_worker_copied_weight_bytes{slot=\"cpu-0\"} 0\n"));
+        assert!(
+            text.contains("mpspool_request_memory_bytes 3072\n"),
+            "{text}"
+        );
+        assert!(text.contains("mpspool_request_memory_limit_bytes 268435456\n"));
     }
 }

@@ -20,16 +20,17 @@ use prost::Message;
 use tokio::time::Instant;
 
 use crate::codec::dtype_name;
+use crate::decode_budget::{input_memory, tensor_memory};
 use crate::grpc::Api;
 use crate::json_tensor::{self, write_string};
 use crate::metrics::{Entrypoint, Method, TfApi};
-use crate::parse_budget::{self, ParseBudget};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
     GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
     TensorShapeProto,
 };
-use crate::proto::tensorflow::serving::{ClassificationRequest, RegressionRequest};
+use crate::proto::tensorflow::serving::{ClassificationRequest, Input, RegressionRequest};
+use crate::request_budget::{self, Held, RequestBudget};
 use crate::signature::DEFAULT_SIGNATURE;
 use crate::status::{Code, ServingError};
 
@@ -42,8 +43,9 @@ pub struct Rest {
     timeout: Option<Duration>,
     /// Where TF Serving's metrics are served (its monitoring config's Prometheus path).
     prometheus_path: Option<String>,
-    /// What the JSON documents of the bodies being parsed may take together.
-    parse_budget: ParseBudget,
+    /// What the requests may take together (JSON documents being parsed, requests built and
+    /// waiting for their answers), shared with gRPC's.
+    budget: Arc<RequestBudget>,
 }
 
 /// A body at least this large is parsed (and its tensors built) on tokio's blocking threads:
@@ -71,20 +73,23 @@ async fn off_the_serving_thread<T: Send + 'static>(
 }
 
 /// `work` (parsing `body` and whatever reads its document) holding the document's share of
-/// `budget` while it runs. A small body reserves the most its document could cost, without
-/// reading it, if the budget has that free at once, and is worked on in place. Otherwise the
-/// body is read for its cost (refused if that alone is over the budget), waits for it until
-/// `deadline` (first come, first served: behind a large body that waits, smaller ones wait
-/// too), and is worked on in place if small, on a blocking thread if large.
+/// `budget` while it runs; its result, and the part of the share it keeps: the bytes `work`
+/// says what it built holds, to hold until the request is answered. A small body reserves the
+/// most its document could cost, without reading it, if the budget has that free at once, and
+/// is worked on in place. Otherwise the body is read for its cost (refused if that alone is
+/// over the budget), waits for it until `deadline` (first come, first served: behind a large
+/// body that waits, smaller ones wait too), and is worked on in place if small, on a blocking
+/// thread if large.
 async fn parse_within<T: Send + 'static>(
-    budget: &ParseBudget,
+    budget: &RequestBudget,
     body: Bytes,
     deadline: Option<Instant>,
-    work: impl FnOnce(&[u8]) -> Result<T, ServingError> + Send + 'static,
-) -> Result<T, ServingError> {
+    work: impl FnOnce(&[u8]) -> Result<(T, usize), ServingError> + Send + 'static,
+) -> Result<(T, Held), ServingError> {
+    let kept = |held, (built, bytes)| (built, request_budget::keep(held, bytes));
     if body.len() < BLOCKING_BODY_BYTES {
-        if let Some(_held) = budget.try_reserve(json_tensor::most_parse_cost(body.len())) {
-            return work(&body);
+        if let Some(held) = budget.try_reserve(json_tensor::most_parse_cost(body.len())) {
+            return work(&body).map(|built| kept(held, built));
         }
     }
     let (body, cost) = off_the_serving_thread(body.len(), move || {
@@ -97,11 +102,16 @@ async fn parse_within<T: Send + 'static>(
     // The reservation moves with the work: a request given up while it runs (the client
     // gone) leaves the work running, and its share held, until it ends.
     off_the_serving_thread(body.len(), move || {
-        let answer = work(&body);
-        drop(held);
-        answer
+        work(&body).map(|built| kept(held, built))
     })
     .await
+}
+
+/// A Classify or Regress body's examples, and what they hold (parse_within's `work`).
+fn parse_examples(body: &[u8]) -> Result<((String, Input), usize), ServingError> {
+    let (signature_name, input) = json_tensor::parse_examples(body)?;
+    let bytes = input_memory(&input);
+    Ok(((signature_name, input), bytes))
 }
 
 /// The version part of a path.
@@ -277,23 +287,22 @@ fn error_response(error: &ServingError) -> Response<Full<Bytes>> {
 }
 
 impl Rest {
-    /// The REST API over `api`, taking bodies of up to `max_body_bytes`.
+    /// The REST API over `api`, taking bodies of up to `max_body_bytes`, its requests' memory
+    /// held to `budget` (serde_json's document of a small-valued JSON body is 30-90 times its
+    /// size: json_tensor::parse_cost).
     pub fn new(
         api: Api,
         max_body_bytes: usize,
+        budget: Arc<RequestBudget>,
         timeout: Option<Duration>,
         prometheus_path: Option<String>,
     ) -> Self {
-        // serde_json's document of a small-valued JSON body is 30-90 times its size
-        // (json_tensor::parse_cost), which could take the front door's memory: the bodies
-        // being parsed share the front door's budget for building requests.
-        let parse_budget = parse_budget::budget_bytes(max_body_bytes);
         Self {
             api,
             max_body_bytes,
             timeout,
             prometheus_path,
-            parse_budget: ParseBudget::new(parse_budget),
+            budget,
         }
     }
 
@@ -356,14 +365,14 @@ impl Rest {
         }
     }
 
-    /// `work` on `body` (parse_within) under this front door's parse budget.
+    /// `work` on `body` (parse_within) under this front door's request budget.
     async fn parse_body<T: Send + 'static>(
         &self,
         body: Bytes,
         deadline: Option<Instant>,
-        work: impl FnOnce(&[u8]) -> Result<T, ServingError> + Send + 'static,
-    ) -> Result<T, ServingError> {
-        parse_within(&self.parse_budget, body, deadline, work).await
+        work: impl FnOnce(&[u8]) -> Result<(T, usize), ServingError> + Send + 'static,
+    ) -> Result<(T, Held), ServingError> {
+        parse_within(&self.budget, body, deadline, work).await
     }
 
     /// The whole body, or a 413 answer when it is (or declares itself) over the limit.
@@ -439,9 +448,8 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let (signature_name, input) = self
-            .parse_body(body, deadline, json_tensor::parse_examples)
-            .await?;
+        let ((signature_name, input), _held) =
+            self.parse_body(body, deadline, parse_examples).await?;
         let request = ClassificationRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -458,9 +466,8 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let (signature_name, input) = self
-            .parse_body(body, deadline, json_tensor::parse_examples)
-            .await?;
+        let ((signature_name, input), _held) =
+            self.parse_body(body, deadline, parse_examples).await?;
         let request = RegressionRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
@@ -478,11 +485,11 @@ impl Rest {
         body: Bytes,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        // Everything that reads the body's document runs under its share of the parse budget,
+        // Everything that reads the body's document runs under its share of the request budget,
         // building the tensors too: the document lives until they are built.
         let api = self.api.clone();
         let (model, version) = (model.to_string(), version.clone());
-        let (spec, inputs, format) = self
+        let ((spec, inputs, format), _held) = self
             .parse_body(body, deadline, move |body| {
                 let parsed = json_tensor::parse_predict(body)?;
                 let spec = model_spec(&model, &version, &parsed.signature_name);
@@ -498,7 +505,8 @@ impl Rest {
                     )));
                 };
                 let (inputs, format) = parsed.tensors(&signature.inputs)?;
-                Ok((spec, inputs, format))
+                let bytes = inputs.values().map(tensor_memory).sum();
+                Ok(((spec, inputs, format), bytes))
             })
             .await?;
         let request = PredictRequest {
@@ -692,25 +700,34 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn work_on_a_body_runs_holding_its_share_of_the_parse_budget() {
-        let budget = Arc::new(ParseBudget::new(parse_budget::BUDGET_MIN));
+    async fn work_on_a_body_holds_its_share_of_the_budget_and_keeps_what_it_built() {
+        let budget = Arc::new(RequestBudget::new(request_budget::BUDGET_MIN));
         // In place, then on a blocking thread.
         for size in [1000, BLOCKING_BODY_BYTES + 1] {
             let body = Bytes::from(vec![b' '; size]);
             let seen = budget.clone();
-            let during = parse_within(&budget, body, None, move |_| Ok(seen.available_bytes()))
-                .await
-                .unwrap();
-            assert!(
-                during + size <= budget.bytes(),
-                "{size}: held while working"
-            );
+            let built = 3 << 10;
+            let (during, kept) =
+                parse_within(&budget, body, None, move |_| Ok((seen.held_bytes(), built)))
+                    .await
+                    .unwrap();
+            assert!(during >= size, "{size}: held while working");
             assert_eq!(
-                budget.available_bytes(),
-                budget.bytes(),
-                "{size}: given back"
+                budget.held_bytes(),
+                built,
+                "{size}: the built form's share kept"
             );
+            drop(kept);
+            assert_eq!(budget.held_bytes(), 0, "{size}: given back with the answer");
         }
+        // A body whose work fails keeps nothing.
+        let body = Bytes::from(vec![b' '; 1000]);
+        let failed = parse_within(&budget, body, None, |_| {
+            Err::<((), usize), _>(ServingError::invalid_argument("no"))
+        })
+        .await;
+        assert!(failed.is_err());
+        assert_eq!(budget.held_bytes(), 0);
     }
 
     fn post(path: &str) -> Option<Route> {

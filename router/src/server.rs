@@ -48,6 +48,8 @@ const MAX_FRAME: u32 = 1 << 20;
 
 pub struct Limits {
     pub max_message_bytes: usize,
+    /// What requests may take at once (request_budget): REST's too, the same one.
+    pub request_memory: Arc<crate::request_budget::RequestBudget>,
     /// TLS on the gRPC port (TF Serving's --ssl_config_file); None: plaintext.
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// None: connections live as long as their clients keep them.
@@ -96,10 +98,8 @@ impl Server {
         // Requests compressed with gzip or deflate are taken, as gRPC C++ (TF Serving) takes
         // them; the size limit holds for the decompressed message. Answers go out
         // uncompressed, as TF Serving's do unless configured otherwise. What a request may take
-        // once decoded is held to the budget for building requests (its codec checks).
-        crate::decode_budget::set_budget(crate::parse_budget::budget_bytes(
-            limits.max_message_bytes,
-        ));
+        // once decoded is held to the request budget, with every other request's (its codec checks).
+        crate::decode_budget::install(limits.request_memory.clone());
         let routes = tonic::service::Routes::new(
             PredictionServiceServer::new(api.clone())
                 .accept_compressed(CompressionEncoding::Gzip)
@@ -187,9 +187,7 @@ impl Server {
                         }
                     };
                     let _ = stream.set_nodelay(true);
-                    let service = TowerToHyperService::new(
-                        routes.clone().map_request(tag_peer(stream.peer_addr().ok())),
-                    );
+                    let service = connection_service(&routes, stream.peer_addr().ok());
                     tokio::spawn(serve_accepted(
                         stream,
                         tls.clone(),
@@ -226,9 +224,7 @@ impl Server {
                 accepted = listener.accept() => {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
-                        let service = TowerToHyperService::new(
-                            routes.clone().map_request(tag_peer(stream.peer_addr().ok())),
-                        );
+                        let service = connection_service(&routes, stream.peer_addr().ok());
                         tokio::spawn(serve_accepted(stream, tls.clone(), service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
                     }
                 }
@@ -317,6 +313,31 @@ impl Peer {
             .get::<Peer>()
             .is_some_and(|peer| peer.0.ip().is_loopback())
     }
+}
+
+/// One connection's gRPC service: each call tagged with the peer (tag_peer) and holding its
+/// request's share of the request budget until it ends (decode_budget).
+fn connection_service(
+    routes: &tonic::service::Routes,
+    peer: Option<std::net::SocketAddr>,
+) -> TowerToHyperService<
+    impl tower::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+            Future = impl std::future::Future<
+                Output = Result<http::Response<tonic::body::Body>, std::convert::Infallible>,
+            > + Send
+                         + 'static,
+        > + Clone
+        + Send,
+> {
+    TowerToHyperService::new(
+        routes
+            .clone()
+            .map_request(tag_peer(peer))
+            .map_future(crate::decode_budget::holding_request_memory),
+    )
 }
 
 fn tag_peer(

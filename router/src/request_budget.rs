@@ -1,23 +1,25 @@
-//! The memory REST's JSON documents may take at once, across every request being parsed.
+//! The memory the front door's requests may take at once: REST's JSON documents while they
+//! are parsed, and every request's built or decoded form until it is answered.
 //!
-//! A JSON body's document costs up to ~90 times its bytes (`json_tensor::parse_cost`). One
-//! body over the budget is refused on its own; this makes the budget hold for all bodies
-//! together, so that a few concurrent bodies, each allowed, cannot take the front door's
-//! memory between them. A parse reserves its cost before it starts and gives it back when
-//! it ends; one that would pass the budget waits, first come first served, until the others
-//! give back enough or its request's deadline passes.
+//! A JSON body's document costs up to ~90 times its bytes (`json_tensor::parse_cost`), and a
+//! gRPC message's decoded form many times its wire bytes (`decode_budget`). One request over
+//! the budget is refused on its own; this makes the budget hold for all of them together, so
+//! that many concurrent requests, each allowed, cannot take the front door's memory between
+//! them. A request reserves its cost before it is built and holds what its built form takes
+//! until its answer is sent. REST waits for its reservation, first come first served, until
+//! its request's deadline; a gRPC message, whose decoding cannot wait, is refused when the
+//! budget has not enough free at once (and while a REST body waits, since the semaphore is
+//! fair: what is given back goes to the first in line).
 
 use std::sync::Arc;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::status::{Code, ServingError};
 
-/// The memory a front door allows for building requests: 4 times the largest message
-/// accepted (`max_message_bytes`), and at least BUDGET_MIN. REST's JSON documents share it at
-/// once (ParseBudget); a gRPC request's decoded message is held to it alone
-/// (decode_budget).
+/// The memory a front door allows for its requests at once: 4 times the largest message
+/// accepted (`max_message_bytes`), and at least BUDGET_MIN.
 pub fn budget_bytes(max_message_bytes: usize) -> usize {
     max_message_bytes
         .saturating_mul(BUDGET_PER_MESSAGE_BYTE)
@@ -34,17 +36,23 @@ pub const BUDGET_MIN: usize = 256 << 20;
 /// pass u32::MAX.
 const UNIT: usize = 1024;
 
-pub struct ParseBudget {
+/// A share of the budget, given back when dropped.
+pub type Held = OwnedSemaphorePermit;
+
+pub struct RequestBudget {
     permits: Arc<Semaphore>,
     bytes: usize,
+    /// Whole KiB the semaphore was made with (the budget, unless that passes its maximum).
+    units: usize,
 }
 
-impl ParseBudget {
+impl RequestBudget {
     pub fn new(bytes: usize) -> Self {
         let units = units(bytes).min(Semaphore::MAX_PERMITS as u64) as usize;
         Self {
             permits: Arc::new(Semaphore::new(units)),
             bytes,
+            units,
         }
     }
 
@@ -60,7 +68,7 @@ impl ParseBudget {
         &self,
         cost: usize,
         deadline: Option<Instant>,
-    ) -> Result<OwnedSemaphorePermit, ServingError> {
+    ) -> Result<Held, ServingError> {
         let units = self.units_of(cost)?;
         let acquire = self.permits.clone().acquire_many_owned(units);
         let acquired = match deadline {
@@ -78,11 +86,18 @@ impl ParseBudget {
         acquired.map_err(|error| ServingError::new(Code::Internal, error.to_string()))
     }
 
-    /// `cost` bytes now, or None when others hold too much of the budget to grant them
-    /// without waiting.
-    pub fn try_reserve(&self, cost: usize) -> Option<SemaphorePermit<'_>> {
+    /// `cost` bytes now, or None when others hold too much of the budget (or wait for it) to
+    /// grant them without waiting.
+    pub fn try_reserve(&self, cost: usize) -> Option<Held> {
         let units = self.units_of(cost).ok()?;
-        self.permits.try_acquire_many(units).ok()
+        self.permits.clone().try_acquire_many_owned(units).ok()
+    }
+
+    /// What requests hold now, in bytes (whole KiB).
+    pub fn held_bytes(&self) -> usize {
+        self.units
+            .saturating_sub(self.permits.available_permits())
+            .saturating_mul(UNIT)
     }
 
     fn units_of(&self, cost: usize) -> Result<u32, ServingError> {
@@ -111,6 +126,16 @@ impl ParseBudget {
     }
 }
 
+/// Keeps `bytes` of `held` (whole KiB, at most what it holds) and gives the rest back: what a
+/// request's built form takes, once what building it took is no longer needed.
+pub fn keep(mut held: Held, bytes: usize) -> Held {
+    let keep = usize::try_from(units(bytes)).unwrap_or(usize::MAX);
+    if let Some(rest) = held.split(held.num_permits().saturating_sub(keep)) {
+        drop(rest);
+    }
+    held
+}
+
 /// Whole KiB, rounded up; at least one, so that every parse holds some of the budget.
 fn units(bytes: usize) -> u64 {
     (bytes.div_ceil(UNIT) as u64).max(1)
@@ -124,7 +149,7 @@ mod tests {
 
     #[tokio::test]
     async fn reservations_wait_until_enough_is_given_back() {
-        let budget = Arc::new(ParseBudget::new(100 * UNIT));
+        let budget = Arc::new(RequestBudget::new(100 * UNIT));
         let first = budget.reserve(60 * UNIT, None).await.unwrap();
         assert_eq!(budget.available_bytes(), 40 * UNIT);
         assert!(budget.try_reserve(41 * UNIT).is_none());
@@ -145,7 +170,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_wait_ends_at_the_deadline_and_takes_nothing() {
-        let budget = ParseBudget::new(10 * UNIT);
+        let budget = RequestBudget::new(10 * UNIT);
         let held = budget.try_reserve(8 * UNIT).unwrap();
         let deadline = Instant::now() + Duration::from_millis(30);
         let error = budget.reserve(5 * UNIT, Some(deadline)).await.unwrap_err();
@@ -157,12 +182,27 @@ mod tests {
 
     #[tokio::test]
     async fn a_cost_past_the_whole_budget_is_never_waited_for() {
-        let budget = ParseBudget::new(10 * UNIT);
+        let budget = RequestBudget::new(10 * UNIT);
         let error = budget.reserve(10 * UNIT + 1, None).await.unwrap_err();
         assert_eq!(error.code, Code::Internal);
         assert!(budget.try_reserve(10 * UNIT + 1).is_none());
         // Costs round up to whole KiB, never below one: the budget still fits its own size.
         drop(budget.try_reserve(10 * UNIT).unwrap());
         assert!(budget.try_reserve(0).is_some());
+    }
+
+    #[test]
+    fn a_request_keeps_what_its_built_form_takes_and_gives_back_the_rest() {
+        let budget = RequestBudget::new(100 * UNIT);
+        let held = budget.try_reserve(60 * UNIT).unwrap();
+        assert_eq!(budget.held_bytes(), 60 * UNIT);
+        let kept = keep(held, 10 * UNIT + 1);
+        assert_eq!(budget.held_bytes(), 11 * UNIT, "whole KiB, rounded up");
+        // Never more than it held: a built form larger than its reservation keeps that.
+        let kept = keep(kept, 500 * UNIT);
+        assert_eq!(budget.held_bytes(), 11 * UNIT);
+        drop(kept);
+        assert_eq!(budget.held_bytes(), 0);
+        assert_eq!(budget.available_bytes(), 100 * UNIT);
     }
 }
