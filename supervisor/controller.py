@@ -607,6 +607,10 @@ class Controller:
                 config = dataclasses.replace(config, models=tuple(models))
                 for entry in added:
                     config.validate_added(entry.name)
+                # Without MPS, more contexts per GPU than its compute mode admits (checked at
+                # start for the models then).
+                for warning in self.gpu.check_without_mps(config):
+                    log.warning("%s: %s", source, warning)
             except (ConfigError, OSError) as exc:
                 return f"{source}: {exc}"
         self.config = config

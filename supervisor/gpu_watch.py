@@ -18,7 +18,7 @@ import xmlrpc.client
 from pathlib import Path
 from typing import Any
 
-from mpspool.config import PoolConfig
+from mpspool.config import ConfigError, PoolConfig
 from mpspool.mps.control import MpsDaemon, MpsError, fault_lines
 from mpspool.supervisor import supervisord as sd
 
@@ -47,6 +47,26 @@ class GpuWatch:
         self.defaults: dict[int, dict[str, str]] = {}
 
     # -- configuration ------------------------------------------------------------
+    def check_without_mps(self, config: PoolConfig) -> list[str]:
+        """For a `--no-mps` GPU pool about to run `config` (a model added while it serves):
+        ConfigError where the GPUs' compute modes, read now, cannot hold its contexts (every
+        model's workers per GPU), else the warnings; the rule `mpspool start` checks
+        (mps/gpus.py `without_mps_warnings`). Nothing to check with MPS or on CPUs; where NVML
+        cannot be read now, a warning that it was not checked."""
+        if config.mps or not config.gpus or self.backend is None:
+            return []
+        from mpspool.mps import gpus
+
+        try:
+            visible = {g.uuid: g for g in self.backend.devices()}
+        except gpus.GpuError as exc:
+            return [f"the GPUs' compute modes cannot be read now ({exc}); not checked"]
+        selected = [visible[uuid] for uuid in config.gpu_uuids if uuid in visible]
+        try:
+            return gpus.without_mps_warnings(selected, config.contexts_on_gpu())
+        except gpus.GpuError as exc:
+            raise ConfigError(str(exc)) from None
+
     def programs(self, base_env: dict[str, str]) -> list[sd.Program]:
         programs = []
         for daemon in self.daemons.values():

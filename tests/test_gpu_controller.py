@@ -4,6 +4,7 @@ and a fault on one GPU restarting exactly that GPU's workers, in slot order."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,30 @@ def test_more_contexts_than_mps_serves_are_refused_counting_every_model(tmp_path
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"every model's together, must be at most 48 .*got 50"):
         config.validate()
+
+
+def test_contexts_added_without_mps_are_checked_against_the_compute_modes_read_now(
+    tmp_path: Path,
+) -> None:
+    """GpuWatch.check_without_mps, which a model added while the pool serves goes through:
+    the start rule (mps/gpus.py) on the compute modes NVML reports now; with MPS nothing to
+    check; NVML unreadable now is said, not a refusal."""
+    fake = FakeGpuBackend([GpuInfo(0, U0, "Fake", 16 << 30, EXCLUSIVE_PROCESS)])
+    config = PoolConfig(
+        model_name="demo", model_base_path="/m", model_version=1, run_dir=str(tmp_path),
+        log_dir=str(tmp_path / "logs"), workers=1, gpus=(0,), gpu_uuids=(U0,),
+        gpu_memory=(16 << 30,), contexts_per_gpu=1, mps=False,
+    )  # fmt: skip
+    watch = GpuWatch(config, tmp_path, fake)
+    [warning] = watch.check_without_mps(config)
+    assert "a new model version's worker cannot start" in warning
+    two = dataclasses.replace(config, contexts_per_gpu=2)
+    with pytest.raises(ConfigError, match="admits one process at a time, and this pool would"):
+        watch.check_without_mps(two)
+    assert watch.check_without_mps(dataclasses.replace(two, mps=True)) == []
+    fake.close()  # NVML gone: every call raises GpuError
+    [warning] = watch.check_without_mps(two)
+    assert "compute modes cannot be read now" in warning
 
 
 class _TailRPC:

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
@@ -286,6 +287,51 @@ def test_no_mps_on_an_exclusive_gpu_with_several_contexts_is_refused_at_start(
     assert "compute mode EXCLUSIVE_PROCESS: without MPS it admits one process at a time, and " \
         "this pool would run 2 on it" in result.stderr  # fmt: skip
     assert not (tmp_path / "r").exists()
+
+
+def test_no_mps_refuses_a_model_added_past_an_exclusive_gpus_one_context(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One model's one worker fits an EXCLUSIVE_PROCESS GPU without MPS (warned at start). A
+    second model added while the pool serves would be a second context on it, which such a
+    GPU cannot admit: the reload is refused with the start check's words, nothing is started,
+    and the first model serves on. (Before, the new model's worker was started to fail.)"""
+    from tensorflow_serving.apis import model_management_pb2, model_service_pb2_grpc
+
+    exclusive = [{"uuid": "GPU-eeee0000-0000", "compute_mode": "EXCLUSIVE_PROCESS"}]
+    monkeypatch.setenv("MPSPOOL_FAKE_GPUS", json.dumps(exclusive))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = ("--gpus", "0", "--no-mps", "--contexts-per-gpu", "1")
+    pool = Pool(tmp_path, demo_model_dir, 1, *args)
+    pool.start()
+    try:
+        status = pool.wait_ready(1)
+        assert "admits one process at a time, so a new model version's worker" in pool.output()
+        request = model_management_pb2.ReloadConfigRequest()
+        models = request.config.model_config_list
+        base = status["models"][0]["base_path"]
+        models.config.add(name="demo", base_path=base, model_platform="tensorflow")
+        models.config.add(name="second", base_path=base, model_platform="tensorflow")
+        with pool.channel() as channel, pytest.raises(grpc.RpcError) as refused:
+            model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
+                request, timeout=60
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert "compute mode EXCLUSIVE_PROCESS: without MPS it admits one process at a time, " \
+            "and this pool would run 2 on it" in refused.value.details()  # fmt: skip
+        status = pool.status()
+        assert [m["name"] for m in status["models"]] == ["demo"]
+        assert [s["slot"] for s in status["slots"]] == ["gpu0-0"]
+        streamer = Streamer(pool.port, DEMO_ROWS).start()
+        try:
+            streamer.wait_for_successes(5)
+        finally:
+            streamer.stop()
+        assert streamer.failed() == []
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
 
 
 def test_split_active_thread_percentage_divides_the_gpu() -> None:
