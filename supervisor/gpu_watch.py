@@ -63,9 +63,15 @@ class GpuWatch:
             return [f"the GPUs' compute modes cannot be read now ({exc}); not checked"]
         selected = [visible[uuid] for uuid in config.gpu_uuids if uuid in visible]
         try:
-            return gpus.without_mps_warnings(selected, config.contexts_on_gpu())
+            warnings = gpus.without_mps_warnings(selected, config.contexts_on_gpu())
         except gpus.GpuError as exc:
             raise ConfigError(str(exc)) from None
+        # The controller sees the GPUs `mpspool start` selected (it inherits their
+        # CUDA_VISIBLE_DEVICES); one gone since (fallen off the bus) cannot be checked.
+        missing = [uuid for uuid in config.gpu_uuids if uuid not in visible]
+        return warnings + [
+            f"GPU {uuid} is not visible now; its compute mode is not checked" for uuid in missing
+        ]
 
     def programs(self, base_env: dict[str, str]) -> list[sd.Program]:
         programs = []

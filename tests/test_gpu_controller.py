@@ -152,6 +152,8 @@ def test_contexts_added_without_mps_are_checked_against_the_compute_modes_read_n
     with pytest.raises(ConfigError, match="admits one process at a time, and this pool would"):
         watch.check_without_mps(two)
     assert watch.check_without_mps(dataclasses.replace(two, mps=True)) == []
+    gone = dataclasses.replace(config, gpus=(0, 1), gpu_uuids=(U0, U1), gpu_memory=(1, 1))
+    assert f"GPU {U1} is not visible now" in watch.check_without_mps(gone)[-1]
     fake.close()  # NVML gone: every call raises GpuError
     [warning] = watch.check_without_mps(two)
     assert "compute modes cannot be read now" in warning

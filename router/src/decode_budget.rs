@@ -308,26 +308,39 @@ tokio::task_local! {
     /// dropped with its client). tonic decodes a unary request inside the same future that
     /// calls its handler and then makes its answer, so the share lives as long as the decoded
     /// request can.
-    static HELD: RefCell<Vec<Held>>;
+    static HELD: RefCell<Option<Held>>;
 }
 
 /// `request` (a gRPC call's future), holding the budget's shares its decoding reserves until
 /// it ends. Every connection's service wraps its calls in this.
 pub fn holding_request_memory<F: Future>(request: F) -> impl Future<Output = F::Output> {
-    HELD.scope(RefCell::new(Vec::new()), request)
+    HELD.scope(RefCell::new(None), request)
 }
 
 /// Keeps `held` until the request being served ends; outside `holding_request_memory` (no
-/// such caller) it is given back at once.
+/// such caller) it is given back at once. The first message's only: a unary call that sends
+/// more has them decoded and dropped by tonic (while it reads the call's end), so their
+/// shares go back at once.
 fn hold_while_serving(held: Held) {
-    let _ = HELD.try_with(|shares| shares.borrow_mut().push(held));
+    let _ = HELD.try_with(|share| share.borrow_mut().get_or_insert(held).num_permits());
 }
+
+/// A gRPC request whose decoded form is smaller than this is not counted against the budget:
+/// decoding cannot wait for room as a REST body does, and a small call (a health, status or
+/// metadata call, a batch-1 Predict) should not be refused because large requests or a
+/// waiting REST body hold the budget. Each is small, and their number is bounded by
+/// connections and streams.
+pub const UNCOUNTED_BYTES: usize = 64 << 10;
 
 /// RESOURCE_EXHAUSTED when decoding `wire` as a message of `fields` would take more than the
 /// whole budget, or more than it has free now (others hold it); for bytes prost would refuse,
 /// its code and words (INTERNAL, "failed to decode Protobuf message"). Otherwise the share,
-/// to hold while the decoded message lives.
-pub fn admit(wire: &[u8], fields: &[Field], budget: &RequestBudget) -> Result<Held, Status> {
+/// to hold while the decoded message lives (None for a request under UNCOUNTED_BYTES).
+pub fn admit(
+    wire: &[u8],
+    fields: &[Field],
+    budget: &RequestBudget,
+) -> Result<Option<Held>, Status> {
     let cost = cost(wire, fields)
         .map_err(|why| Status::internal(format!("failed to decode Protobuf message: {why}")))?;
     if cost > budget.bytes() {
@@ -340,13 +353,17 @@ pub fn admit(wire: &[u8], fields: &[Field], budget: &RequestBudget) -> Result<He
             budget.bytes() >> 20
         )));
     }
+    if cost < UNCOUNTED_BYTES {
+        return Ok(None);
+    }
     // Waiting is not an option here (decoding is synchronous), so a request that finds too
     // little free is refused, as a full queue refuses one, and may be sent again.
-    budget.try_reserve(cost).ok_or_else(|| {
+    budget.try_reserve(cost).map(Some).ok_or_else(|| {
         Status::resource_exhausted(format!(
-            "the front door holds {} MiB of requests being served, and decoding this one ({} \
-             bytes, about {} MiB) would pass the {} MiB allowed for all of them at once (4 \
-             times --max-message-bytes, at least 256); try again later",
+            "requests being served (or a REST body waiting) hold {} MiB of the front door's \
+             memory, and decoding this one ({} bytes, about {} MiB) would pass the {} MiB \
+             allowed for all of them at once (4 times --max-message-bytes, at least 256); try \
+             again later",
             budget.held_bytes() >> 20,
             wire.len(),
             cost.div_ceil(1 << 20),
@@ -400,7 +417,9 @@ impl<U: Message + Default + DecodeCost> Decoder for BudgetedDecoder<U> {
         }
         let held = admit(wire, U::FIELDS, budget())?;
         let decoded = self.0.decode(buf)?;
-        hold_while_serving(held);
+        if let Some(held) = held {
+            hold_while_serving(held);
+        }
         Ok(decoded)
     }
 
@@ -579,8 +598,14 @@ mod tests {
         let error = admit(&four_mib, PREDICT, &budget).unwrap_err();
         assert_eq!(error.code(), tonic::Code::ResourceExhausted);
         let message = error.message();
-        assert!(message.contains("holds 8 MiB of requests"), "{message}");
+        assert!(
+            message.contains("hold 8 MiB of the front door's memory"),
+            "{message}"
+        );
         assert!(message.contains("pass the 10 MiB allowed"), "{message}");
+        // A small request is not counted: it goes through while the budget is full.
+        let small = float_request(UNCOUNTED_BYTES / 8);
+        assert!(admit(&small, PREDICT, &budget).unwrap().is_none());
         drop(first);
         let third = admit(&four_mib, PREDICT, &budget).unwrap();
         drop((second, third));
@@ -595,7 +620,7 @@ mod tests {
         let request = tokio::spawn(holding_request_memory({
             let budget = budget.clone();
             async move {
-                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap());
+                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap().unwrap());
                 let _ = admitted.send(());
                 // The handler's await (a worker's answer).
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -611,7 +636,7 @@ mod tests {
         let request = holding_request_memory({
             let budget = budget.clone();
             async move {
-                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap());
+                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap().unwrap());
                 std::future::pending::<()>().await;
             }
         });
@@ -622,7 +647,24 @@ mod tests {
         assert_eq!(budget.held_bytes(), 0);
 
         // Outside a request's scope nothing is kept.
-        hold_while_serving(admit(&float_request(1 << 20), PREDICT, &budget).unwrap());
+        hold_while_serving(
+            admit(&float_request(1 << 20), PREDICT, &budget)
+                .unwrap()
+                .unwrap(),
+        );
+        assert_eq!(budget.held_bytes(), 0);
+
+        // A call that sends a second message holds the first's share only.
+        let held = |budget: &RequestBudget| admit(&float_request(1 << 20), PREDICT, budget);
+        holding_request_memory({
+            let budget = budget.clone();
+            async move {
+                hold_while_serving(held(&budget).unwrap().unwrap());
+                hold_while_serving(held(&budget).unwrap().unwrap());
+                assert!(budget.held_bytes() < 5 << 20, "{}", budget.held_bytes());
+            }
+        })
+        .await;
         assert_eq!(budget.held_bytes(), 0);
     }
 

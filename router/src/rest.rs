@@ -55,6 +55,10 @@ pub struct Rest {
 /// thread and back would be a good part of the work.
 const BLOCKING_BODY_BYTES: usize = 256 * 1024;
 
+/// A body at most this large reserves the most its document could cost without being read
+/// for it (641 times its size: 2.5 MiB).
+const UNREAD_BODY_BYTES: usize = 4 * 1024;
+
 /// `work` (a body of `size` bytes parsed into what it holds) where it holds up no other
 /// request: in place for a small body, on a blocking thread for a large one.
 async fn off_the_serving_thread<T: Send + 'static>(
@@ -74,9 +78,9 @@ async fn off_the_serving_thread<T: Send + 'static>(
 
 /// `work` (parsing `body` and whatever reads its document) holding the document's share of
 /// `budget` while it runs; its result, and the part of the share it keeps: the bytes `work`
-/// says what it built holds, to hold until the request is answered. A small body reserves the
-/// most its document could cost, without reading it, if the budget has that free at once, and
-/// is worked on in place. Otherwise the body is read for its cost (refused if that alone is
+/// says what it built holds, to hold until the request is answered. A body smaller than
+/// BLOCKING_BODY_BYTES reserves its document's cost (the most it could be, unread, for a tiny
+/// one) if the budget has that free at once, and is worked on in place. Otherwise the body is read for its cost (refused if that alone is
 /// over the budget), waits for it until `deadline` (first come, first served: behind a large
 /// body that waits, smaller ones wait too), and is worked on in place if small, on a blocking
 /// thread if large.
@@ -88,7 +92,15 @@ async fn parse_within<T: Send + 'static>(
 ) -> Result<(T, Held), ServingError> {
     let kept = |held, (built, bytes)| (built, request_budget::keep(held, bytes));
     if body.len() < BLOCKING_BODY_BYTES {
-        if let Some(held) = budget.try_reserve(json_tensor::most_parse_cost(body.len())) {
+        // gRPC shares the budget and cannot wait for it: a body reserves the most its document
+        // could cost only where that is small; others are read for their cost first (one pass,
+        // a small part of the parse), not 641 times their size (160 MiB at 256 KiB).
+        let cost = if body.len() <= UNREAD_BODY_BYTES {
+            json_tensor::most_parse_cost(body.len())
+        } else {
+            json_tensor::parse_cost(&body).bytes()
+        };
+        if let Some(held) = budget.try_reserve(cost) {
             return work(&body).map(|built| kept(held, built));
         }
     }
@@ -720,6 +732,17 @@ mod tests {
             drop(kept);
             assert_eq!(budget.held_bytes(), 0, "{size}: given back with the answer");
         }
+        // In place but past UNREAD_BODY_BYTES: its cost as read, not the most it could be
+        // (641 times its size), which gRPC requests could not have had meanwhile.
+        let body = Bytes::from(vec![b' '; 100 << 10]);
+        let seen = budget.clone();
+        let (during, _) = parse_within(&budget, body, None, move |_| Ok((seen.held_bytes(), 0)))
+            .await
+            .unwrap();
+        assert!(
+            during < 1 << 20,
+            "{during} bytes held for 100 KiB of spaces"
+        );
         // A body whose work fails keeps nothing.
         let body = Bytes::from(vec![b' '; 1000]);
         let failed = parse_within(&budget, body, None, |_| {
