@@ -322,7 +322,9 @@ pub fn holding_request_memory<F: Future>(request: F) -> impl Future<Output = F::
 /// more has them decoded and dropped by tonic (while it reads the call's end), so their
 /// shares go back at once.
 fn hold_while_serving(held: Held) {
-    let _ = HELD.try_with(|share| share.borrow_mut().get_or_insert(held).num_permits());
+    let _ = HELD.try_with(|share| {
+        share.borrow_mut().get_or_insert(held);
+    });
 }
 
 /// A gRPC request whose decoded form is smaller than this is not counted against the budget:
