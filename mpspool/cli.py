@@ -255,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with DEADLINE_EXCEEDED and its worker is replaced (0: no limit; default %(default)s)",
     )
     start.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request may send nothing while the front door waits for more of it "
+        "(its body, or a REST request's header; an idle REST connection too): it is ended and "
+        "what it held is freed (0: wait for ever; default %(default)s)",
+    )
+    start.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
@@ -528,6 +536,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         max_connection_age_s=args.max_connection_age,
         worker_timeout_s=args.worker_timeout,
         call_timeout_s=args.call_timeout,
+        request_read_timeout_s=args.request_read_timeout,
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,
         start_retries=args.start_retries,

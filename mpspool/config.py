@@ -218,6 +218,10 @@ class PoolConfig:
     # this a hung call would hold its worker for ever. TorchServe's default_response_timeout
     # does the same (120 s there).
     call_timeout_s: float = 300.0
+    # A request that sends nothing this long while the front door waits for more of it (its
+    # body; a REST header, or an idle REST connection) is ended, and what it held of the
+    # front door's memory budget is freed (0: wait for ever). nginx's client_body_timeout.
+    request_read_timeout_s: float = 60.0
     # On shutdown: health says NOT_SERVING this long before the server stops accepting
     # (time for load balancers to notice), then in-flight requests get drain_timeout_s.
     shutdown_delay_s: float = 1.0
@@ -548,6 +552,11 @@ class PoolConfig:
         if not self.call_timeout_s >= 0:  # NaN too
             raise ConfigError(
                 f"--call-timeout must be >= 0 (0: no limit), got {self.call_timeout_s}"
+            )
+        if not self.request_read_timeout_s >= 0:  # NaN too
+            raise ConfigError(
+                "--request-read-timeout must be >= 0 (0: wait for ever), "
+                f"got {self.request_read_timeout_s}"
             )
         model_pb = Path(self.model_path) / "saved_model.pb"
         if not model_pb.is_file():

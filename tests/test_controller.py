@@ -1763,6 +1763,16 @@ def test_a_negative_call_timeout_is_refused(value: float):
         config.validate()
 
 
+@pytest.mark.parametrize("value", [-1.0, float("nan")])
+def test_a_negative_request_read_timeout_is_refused(value: float):
+    config = PoolConfig(
+        model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
+        workers=1, request_read_timeout_s=value,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--request-read-timeout must be >= 0"):
+        config.validate()
+
+
 def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
     make_pool: Callable[..., Pool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

@@ -11,6 +11,9 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -297,4 +300,140 @@ def test_requests_held_at_once_share_the_front_doors_memory_budget(tmp_path: Pat
             # A failed assertion would leave it stopped through the pool's teardown.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
+        pool.kill()
+
+
+def _rest_request(declared: int) -> bytes:
+    """A REST Predict request's head, declaring a body of `declared` bytes."""
+    return (
+        "POST /v1/models/demo:predict HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    ).encode()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (or 60 s pass)."""
+    sock.settimeout(60)
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+            if b"\r\n\r\n" in received and received.endswith(b"}"):
+                break
+    return received
+
+
+def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_arrive(
+    tmp_path: Path,
+) -> None:
+    """A request's bytes count against the front door's memory budget while they arrive, and a
+    request that stops sending is ended after --request-read-timeout, freeing what it held.
+    Before, a body being gathered was outside the budget (as many as clients opened, up to
+    --max-message-bytes each), and a client that sent part of a request, or a whole gRPC
+    message without ending its stream, held its memory until it disconnected. Checked with
+    the clients still connected and silent: four REST bodies stalled at 60 MiB of their 64
+    hold 240 MiB; a gRPC message is refused (RESOURCE_EXHAUSTED) as it passes the 256 MiB
+    budget, and a fifth REST body waits for room instead; the four are answered 408 after the
+    timeout, the fifth goes on and stalls in turn (408), and the memory is freed; a REST
+    header that stalls has its connection closed; a gRPC call whose 46 MiB message came whole
+    but whose stream was never ended gets DEADLINE_EXCEEDED and frees its decoded share; a
+    gRPC message stalled halfway (curl, HTTP/2) holds its bytes, then gets DEADLINE_EXCEEDED;
+    the worker serves on."""
+    stall_s = 3
+    args = ("--max-message-bytes", str(64 << 20), "--request-read-timeout", str(stall_s))
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 1, *args)
+    sockets: list[socket.socket] = []
+    done = threading.Event()
+    try:
+        pool.start().wait_ready(1)
+        [worker] = pool.worker_pids()
+
+        def connect() -> socket.socket:
+            port = int(pool.rest_url.rsplit(":", 1)[1])
+            sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+            sockets.append(sock)
+            return sock
+
+        # Four REST bodies, 60 MiB of 64 sent, then nothing: 240 MiB held while they wait.
+        part = b" " * (60 << 20)
+        stalled = [connect() for _ in range(4)]
+        for sock in stalled:
+            sock.sendall(_rest_request(64 << 20) + part)
+        _wait_for_memory(pool, 239.9, 241)
+        # A gRPC message arriving meanwhile is refused as it passes the budget.
+        dense = np.ones((6_000_000, 2), np.float32)
+        big = _good()
+        big.inputs["dense"].CopyFrom(tf.make_tensor_proto(dense))
+        body = big.SerializeToString()
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary(PREDICT)(body, timeout=60)
+        said = refused.value.details()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, said
+        assert "reading this one further" in said and "256 MiB allowed" in said, said
+        # A fifth REST body waits for room (TCP holds its client back), holding nothing.
+        fifth = connect()
+
+        def send_fifth() -> None:
+            with contextlib.suppress(OSError):
+                fifth.sendall(_rest_request(64 << 20) + part[: 20 << 20])
+
+        threading.Thread(target=send_fifth, daemon=True).start()
+        time.sleep(1)
+        held = _wait_for_memory(pool, 239.9, 256.001)
+        # A header that stops halfway: its connection is closed after the timeout.
+        header = connect()
+        header.sendall(b"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\n")
+        # The four stalled bodies: 408 after the timeout, their memory freed.
+        # and the fifth, which had room once they were ended, read its 20 MiB and stalled.
+        for sock in [*stalled, fifth]:
+            answer = _answer(sock)
+            assert answer.startswith(b"HTTP/1.1 408"), (held, answer[:300])
+            assert b"--request-read-timeout" in answer, answer[-400:]
+        _wait_for_memory(pool, 0, 0.001)
+        assert _answer(header) in (b"", b"HTTP/1.1 408 Request Timeout\r\n"), "still open"
+
+        # gRPC: a whole 46 MiB message, its stream never ended (the client keeps it open).
+
+        def one_message_then_silence() -> Iterator[bytes]:
+            yield body
+            done.wait(120)
+
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            call = channel.stream_unary(PREDICT)
+            with pytest.raises(grpc.RpcError) as ended:
+                call(one_message_then_silence(), timeout=60)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value.details()
+            assert "--request-read-timeout" in ended.value.details(), ended.value.details()
+            _wait_for_memory(pool, 0, 0.001)
+            # The connection serves on.
+            assert channel.unary_unary(PREDICT)(_good().SerializeToString(), timeout=30)
+
+        # gRPC over curl (HTTP/2): a message stalled at 20 MiB of 40 holds its bytes, then ends.
+        headers = tmp_path / "grpc-headers"
+        curl = subprocess.Popen(
+            ["curl", "-s", "--http2-prior-knowledge", "-o", "/dev/null", "-D", str(headers),
+             "-H", "content-type: application/grpc", "-H", "te: trailers",
+             "-X", "POST", "-T", "-", f"http://127.0.0.1:{pool.port}{PREDICT}"],
+            stdin=subprocess.PIPE,
+        )  # fmt: skip
+        assert curl.stdin is not None
+        curl.stdin.write(b"\0" + (40 << 20).to_bytes(4, "big") + b"\1" * (20 << 20))
+        curl.stdin.flush()
+        _wait_for_memory(pool, 19.9, 21)
+        # Freed with curl still connected (it waits on its input), then its answer read.
+        _wait_for_memory(pool, 0, 0.001)
+        curl.stdin.close()
+        assert curl.wait(timeout=60) == 0
+        said = headers.read_text()
+        assert "grpc-status: 4" in said and "request-read-timeout" in said, said
+
+        assert pool.worker_pids() == [worker], "no worker was replaced"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        done.set()
+        for sock in sockets:
+            sock.close()
         pool.kill()

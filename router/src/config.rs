@@ -71,6 +71,10 @@ pub struct Config {
     pub max_connection_age_s: f64,
     #[serde(default = "default_worker_timeout")]
     pub worker_timeout_s: f64,
+    /// `--request-read-timeout`: how long a request may send nothing while the front door
+    /// waits for more of it, its body (request_body) or a REST request's header (0: for ever).
+    #[serde(default = "default_request_read_timeout")]
+    pub request_read_timeout_s: f64,
     #[serde(default = "default_shutdown_delay")]
     pub shutdown_delay_s: f64,
     #[serde(default = "default_drain_timeout")]
@@ -124,6 +128,9 @@ fn default_rest_api_timeout_ms() -> u64 {
 }
 fn default_worker_timeout() -> f64 {
     3.0
+}
+fn default_request_read_timeout() -> f64 {
+    60.0
 }
 fn default_shutdown_delay() -> f64 {
     1.0
@@ -233,6 +240,7 @@ impl Config {
         for (name, value) in [
             ("max_connection_age_s", config.max_connection_age_s),
             ("worker_timeout_s", config.worker_timeout_s),
+            ("request_read_timeout_s", config.request_read_timeout_s),
             ("shutdown_delay_s", config.shutdown_delay_s),
             ("drain_timeout_s", config.drain_timeout_s),
         ] {

@@ -19,6 +19,7 @@ mod metrics;
 mod policies;
 mod proto;
 mod reload;
+mod request_body;
 mod request_budget;
 mod rest;
 mod server;
@@ -145,8 +146,9 @@ async fn serve(config: Config) -> ExitCode {
         seconds("shutdown_delay_s", config.shutdown_delay_s),
         seconds("drain_timeout_s", config.drain_timeout_s),
         seconds("max_connection_age_s", config.max_connection_age_s),
+        seconds("request_read_timeout_s", config.request_read_timeout_s),
     );
-    let (Ok(worker_timeout), Ok(delay), Ok(grace), Ok(age)) = durations else {
+    let (Ok(worker_timeout), Ok(delay), Ok(grace), Ok(age), Ok(read_timeout)) = durations else {
         return fail("pool.json holds a negative duration"); // Config::parse refuses these
     };
     let scheduling = config.scheduling();
@@ -206,6 +208,7 @@ async fn serve(config: Config) -> ExitCode {
         max_message_bytes: config.max_message_bytes,
         request_memory: request_memory.clone(),
         max_connection_age: (!age.is_zero()).then_some(age),
+        request_read_timeout: (!read_timeout.is_zero()).then_some(read_timeout),
     };
     let rest = match u16::try_from(config.rest_api_port) {
         Err(_) => None, // -1: off
@@ -227,7 +230,10 @@ async fn serve(config: Config) -> ExitCode {
             let handler = rest::Rest::new(
                 api.clone(),
                 config.max_message_bytes,
-                request_memory,
+                request_body::Reading {
+                    budget: request_memory,
+                    stall: limits.request_read_timeout,
+                },
                 (!timeout.is_zero()).then_some(timeout),
                 (!config.prometheus_path.is_empty()).then(|| config.prometheus_path.clone()),
             );

@@ -34,7 +34,7 @@ pub const BUDGET_MIN: usize = 256 << 20;
 
 /// Reservations count KiB: tokio's `acquire_many` takes a u32, and a budget in bytes can
 /// pass u32::MAX.
-const UNIT: usize = 1024;
+pub const UNIT: usize = 1024;
 
 /// A share of the budget, given back when dropped.
 pub type Held = OwnedSemaphorePermit;
@@ -78,7 +78,7 @@ impl RequestBudget {
                 .map_err(|_| {
                     ServingError::new(
                         Code::DeadlineExceeded,
-                        "Deadline Exceeded while waiting for memory to parse the request body",
+                        "Deadline Exceeded while waiting for memory to read or parse the request body",
                     )
                 })?,
         };

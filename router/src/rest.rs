@@ -30,6 +30,7 @@ use crate::proto::mpspool::tfs::{
     TensorShapeProto,
 };
 use crate::proto::tensorflow::serving::{ClassificationRequest, Input, RegressionRequest};
+use crate::request_body::{Framing, ReadError, Reading};
 use crate::request_budget::{self, Held, RequestBudget};
 use crate::signature::DEFAULT_SIGNATURE;
 use crate::status::{Code, ServingError};
@@ -43,9 +44,23 @@ pub struct Rest {
     timeout: Option<Duration>,
     /// Where TF Serving's metrics are served (its monitoring config's Prometheus path).
     prometheus_path: Option<String>,
-    /// What the requests may take together (JSON documents being parsed, requests built and
-    /// waiting for their answers), shared with gRPC's.
-    budget: Arc<RequestBudget>,
+    /// What the requests may take together (bodies being read, JSON documents being parsed,
+    /// requests built and waiting for their answers), shared with gRPC's; and how long a
+    /// request may stall (request_body).
+    reading: Reading,
+}
+
+/// A body read whole, with the share of the budget its bytes hold (request_body; None for a
+/// small one), given back with the bytes.
+pub struct ReadBody {
+    bytes: Bytes,
+    held: Option<Held>,
+}
+
+impl From<Bytes> for ReadBody {
+    fn from(bytes: Bytes) -> Self {
+        Self { bytes, held: None }
+    }
 }
 
 /// A body at least this large is parsed (and its tensors built) on tokio's blocking threads:
@@ -88,11 +103,17 @@ async fn off_the_serving_thread<T: Send + 'static>(
 /// thread if large.
 async fn parse_within<T: Send + 'static>(
     budget: &RequestBudget,
-    body: Bytes,
+    body: ReadBody,
     deadline: Option<Instant>,
     work: impl FnOnce(&[u8]) -> Result<(T, usize), ServingError> + Send + 'static,
 ) -> Result<(T, Held), ServingError> {
     let kept = |held, (built, bytes)| (built, request_budget::keep(held, bytes));
+    // The body's own share is kept while it is parsed in place, and given back before a
+    // wait: bodies waiting for room while they hold some of it could wait for each other.
+    let ReadBody {
+        bytes: body,
+        held: read,
+    } = body;
     if body.len() < BLOCKING_BODY_BYTES {
         // gRPC shares the budget and cannot wait for it: a body reserves the most its document
         // could cost (641 times its size) only where that is a small part of the budget, held
@@ -109,6 +130,7 @@ async fn parse_within<T: Send + 'static>(
             return work(&body).map(|built| kept(held, built));
         }
     }
+    drop(read);
     let (body, cost) = off_the_serving_thread(body.len(), move || {
         let cost = json_tensor::parse_cost(&body);
         Ok((body, cost))
@@ -267,6 +289,12 @@ fn model_spec(model: &str, version: &Version, signature_name: &str) -> ModelSpec
     }
 }
 
+fn read_failed(error: &dyn std::fmt::Display) -> Response<Full<Bytes>> {
+    error_response(&ServingError::invalid_argument(format!(
+        "cannot read the request body: {error}"
+    )))
+}
+
 /// TF Serving's `ToHTTPStatusCode`.
 fn http_status(code: Code) -> StatusCode {
     let number = match code {
@@ -310,7 +338,7 @@ impl Rest {
     pub fn new(
         api: Api,
         max_body_bytes: usize,
-        budget: Arc<RequestBudget>,
+        reading: Reading,
         timeout: Option<Duration>,
         prometheus_path: Option<String>,
     ) -> Self {
@@ -319,7 +347,7 @@ impl Rest {
             max_body_bytes,
             timeout,
             prometheus_path,
-            budget,
+            reading,
         }
     }
 
@@ -357,11 +385,13 @@ impl Rest {
                 version,
                 method,
             } => {
-                let body = match self.read_body(request).await {
+                // TF Serving's REST timeout runs from the request's arrival.
+                let deadline = self.timeout.map(|t| Instant::now() + t);
+                let body = match self.read_body(request, deadline).await {
                     Ok(body) => body,
                     Err(response) => return response,
                 };
-                self.call(&model, &version, &method, body).await
+                self.call(&model, &version, &method, body, deadline).await
             }
             Route::Status { model, version } => {
                 let mut guard = self.api.metrics.start(Method::GetModelStatus);
@@ -385,18 +415,21 @@ impl Rest {
     /// `work` on `body` (parse_within) under this front door's request budget.
     async fn parse_body<T: Send + 'static>(
         &self,
-        body: Bytes,
+        body: ReadBody,
         deadline: Option<Instant>,
         work: impl FnOnce(&[u8]) -> Result<(T, usize), ServingError> + Send + 'static,
     ) -> Result<(T, Held), ServingError> {
-        parse_within(&self.budget, body, deadline, work).await
+        parse_within(&self.reading.budget, body, deadline, work).await
     }
 
-    /// The whole body, or a 413 answer when it is (or declares itself) over the limit.
+    /// The whole body and its share of the budget; or a 413 answer when it is (or declares
+    /// itself) over the limit, 504 when the budget had no room for it by the deadline, 408
+    /// when it stopped arriving.
     async fn read_body(
         &self,
         request: Request<hyper::body::Incoming>,
-    ) -> Result<Bytes, Response<Full<Bytes>>> {
+        deadline: Option<Instant>,
+    ) -> Result<ReadBody, Response<Full<Bytes>>> {
         let limit = self.max_body_bytes;
         let too_large = |size: Option<u64>| {
             let body = size.map_or("Request body".to_string(), |n| {
@@ -417,13 +450,30 @@ impl Rest {
         if let Some(size) = declared.filter(|&n| n > limit as u64) {
             return Err(too_large(Some(size)));
         }
-        match Limited::new(request.into_body(), limit).collect().await {
-            Ok(collected) => Ok(collected.to_bytes()),
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large(None)),
-            Err(error) => Err(error_response(&ServingError::invalid_argument(format!(
-                "cannot read the request body: {error}"
-            )))),
-        }
+        let mut body = self
+            .reading
+            .body(request.into_body(), Framing::Whole(deadline));
+        let error = match Limited::new(&mut body, limit).collect().await {
+            Ok(collected) => {
+                return Ok(ReadBody {
+                    bytes: collected.to_bytes(),
+                    held: body.take_held(),
+                })
+            }
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+                return Err(too_large(None))
+            }
+            Err(error) => error,
+        };
+        Err(match error.downcast::<ReadError>().map(|error| *error) {
+            Ok(ReadError::Refused(error)) => error_response(&error),
+            Ok(ReadError::Stalled(error)) => json_response(
+                StatusCode::REQUEST_TIMEOUT,
+                json_tensor::error_body(&error.message),
+            ),
+            Ok(ReadError::Body(error)) => read_failed(&error),
+            Err(error) => read_failed(&error),
+        })
     }
 
     async fn call(
@@ -431,9 +481,9 @@ impl Rest {
         model: &str,
         version: &Version,
         method: &str,
-        body: Bytes,
+        body: ReadBody,
+        deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let deadline = self.timeout.map(|t| Instant::now() + t);
         let kind = match method {
             "classify" => Method::Classify,
             "regress" => Method::Regress,
@@ -462,7 +512,7 @@ impl Rest {
         &self,
         model: &str,
         version: &Version,
-        body: Bytes,
+        body: ReadBody,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         let ((signature_name, input), _held) =
@@ -480,7 +530,7 @@ impl Rest {
         &self,
         model: &str,
         version: &Version,
-        body: Bytes,
+        body: ReadBody,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         let ((signature_name, input), _held) =
@@ -499,7 +549,7 @@ impl Rest {
         &self,
         model: &str,
         version: &Version,
-        body: Bytes,
+        body: ReadBody,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
         // Everything that reads the body's document runs under its share of the request budget,
@@ -686,12 +736,19 @@ pub async fn serve_connection(
     _done: tokio::sync::mpsc::Sender<()>,
 ) {
     use crate::server::Ending;
+    let stall = rest.reading.stall;
     let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
         let rest = rest.clone();
         async move { Ok::<_, std::convert::Infallible>(rest.handle(request).await) }
     });
-    let connection = hyper::server::conn::http1::Builder::new()
-        .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    // A request whose header stalls is ended as one whose body does (request_body); so is a
+    // connection idle that long between requests (hyper starts the clock then too), as
+    // nginx's keepalive_timeout (75 s) ends them.
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(stall);
+    let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
     tokio::pin!(connection);
     let mut going_away = false;
     loop {
@@ -724,10 +781,11 @@ mod tests {
             let body = Bytes::from(vec![b' '; size]);
             let seen = budget.clone();
             let built = 3 << 10;
-            let (during, kept) =
-                parse_within(&budget, body, None, move |_| Ok((seen.held_bytes(), built)))
-                    .await
-                    .unwrap();
+            let (during, kept) = parse_within(&budget, body.into(), None, move |_| {
+                Ok((seen.held_bytes(), built))
+            })
+            .await
+            .unwrap();
             assert!(during >= size, "{size}: held while working");
             assert_eq!(
                 budget.held_bytes(),
@@ -741,20 +799,57 @@ mod tests {
         // as read, which leaves gRPC requests the rest meanwhile.
         let body = Bytes::from(vec![b' '; 100 << 10]);
         let seen = budget.clone();
-        let (during, _) = parse_within(&budget, body, None, move |_| Ok((seen.held_bytes(), 0)))
-            .await
-            .unwrap();
+        let (during, _) = parse_within(&budget, body.into(), None, move |_| {
+            Ok((seen.held_bytes(), 0))
+        })
+        .await
+        .unwrap();
         assert!(
             during < 1 << 20,
             "{during} bytes held for 100 KiB of spaces"
         );
         // A body whose work fails keeps nothing.
         let body = Bytes::from(vec![b' '; 1000]);
-        let failed = parse_within(&budget, body, None, |_| {
+        let failed = parse_within(&budget, body.into(), None, |_| {
             Err::<((), usize), _>(ServingError::invalid_argument("no"))
         })
         .await;
         assert!(failed.is_err());
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_keeps_its_bytes_share_while_parsed_in_place_and_gives_it_back_to_wait() {
+        let budget = Arc::new(RequestBudget::new(request_budget::BUDGET_MIN));
+        let body = |held| ReadBody {
+            bytes: Bytes::from(vec![b' '; 1000]),
+            held,
+        };
+        // In place: its bytes' share (100 KiB here) beside its document's.
+        let read = budget.try_reserve(100 << 10);
+        let seen = budget.clone();
+        let (during, kept) = parse_within(&budget, body(read), None, move |_| {
+            Ok((seen.held_bytes(), 0))
+        })
+        .await
+        .unwrap();
+        assert!(during > 100 << 10, "{during}");
+        drop(kept);
+        assert_eq!(budget.held_bytes(), 0);
+        // Its own share is what keeps the budget from having room: it gives it back and gets
+        // the room (it would wait for ever for the room it holds itself).
+        let free = 64 << 10;
+        let others = budget.try_reserve(request_budget::BUDGET_MIN - free);
+        let read = budget.try_reserve(free);
+        let parsed = tokio::time::timeout(
+            Duration::from_secs(10),
+            parse_within(&budget, body(read), None, |_| Ok(((), 0))),
+        )
+        .await;
+        let Ok(Ok(((), kept))) = parsed else {
+            panic!("waited for its own share");
+        };
+        drop((kept, others));
         assert_eq!(budget.held_bytes(), 0);
     }
 

@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
@@ -38,6 +39,7 @@ const HEALTH_SERVICES: [&str; 5] = [
     "PredictionService",
     "ModelService",
 ];
+use crate::request_body::{Framing, ReadError, Reading, ReadingBody};
 use crate::rest::{self, Rest};
 use crate::state::{DrainRequest, Phase, RouterState};
 use crate::{log_info, log_warn};
@@ -54,6 +56,9 @@ pub struct Limits {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// None: connections live as long as their clients keep them.
     pub max_connection_age: Option<Duration>,
+    /// How long a request may send nothing while the front door waits for more of it (None:
+    /// for ever); REST's header too.
+    pub request_read_timeout: Option<Duration>,
 }
 
 /// What the lifecycle tells every connection.
@@ -84,6 +89,8 @@ pub struct Server {
     state: Arc<RouterState>,
     health: HealthReporter,
     routes: tonic::service::Routes,
+    /// How each call's body is read (request_body).
+    reading: Reading,
 }
 
 impl Server {
@@ -100,6 +107,10 @@ impl Server {
         // uncompressed, as TF Serving's do unless configured otherwise. What a request may take
         // once decoded is held to the request budget, with every other request's (its codec checks).
         crate::decode_budget::install(limits.request_memory.clone());
+        let reading = Reading {
+            budget: limits.request_memory.clone(),
+            stall: limits.request_read_timeout,
+        };
         let routes = tonic::service::Routes::new(
             PredictionServiceServer::new(api.clone())
                 .accept_compressed(CompressionEncoding::Gzip)
@@ -129,6 +140,7 @@ impl Server {
             state,
             health,
             routes,
+            reading,
         }
     }
 
@@ -148,6 +160,7 @@ impl Server {
             state,
             health,
             routes,
+            reading,
         } = self;
         let mut terminate =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -187,7 +200,7 @@ impl Server {
                         }
                     };
                     let _ = stream.set_nodelay(true);
-                    let service = connection_service(&routes, stream.peer_addr().ok());
+                    let service = connection_service(&routes, &reading, stream.peer_addr().ok());
                     tokio::spawn(serve_accepted(
                         stream,
                         tls.clone(),
@@ -224,7 +237,7 @@ impl Server {
                 accepted = listener.accept() => {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
-                        let service = connection_service(&routes, stream.peer_addr().ok());
+                        let service = connection_service(&routes, &reading, stream.peer_addr().ok());
                         tokio::spawn(serve_accepted(stream, tls.clone(), service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
                     }
                 }
@@ -315,10 +328,12 @@ impl Peer {
     }
 }
 
-/// One connection's gRPC service: each call tagged with the peer (tag_peer) and holding its
-/// request's share of the request budget until it ends (decode_budget).
+/// One connection's gRPC service: each call tagged with the peer, its body read as
+/// `reading` says (request_body), and holding its request's share of the request budget
+/// until it ends (decode_budget).
 fn connection_service(
     routes: &tonic::service::Routes,
+    reading: &Reading,
     peer: Option<std::net::SocketAddr>,
 ) -> TowerToHyperService<
     impl tower::Service<
@@ -335,15 +350,23 @@ fn connection_service(
     TowerToHyperService::new(
         routes
             .clone()
-            .map_request(tag_peer(peer))
+            .map_request(prepare_call(reading.clone(), peer))
             .map_future(crate::decode_budget::holding_request_memory),
     )
 }
 
-fn tag_peer(
+type CallBody = http_body_util::combinators::MapErr<
+    ReadingBody<hyper::body::Incoming>,
+    fn(ReadError) -> Box<dyn std::error::Error + Send + Sync>,
+>;
+
+fn prepare_call(
+    reading: Reading,
     peer: Option<std::net::SocketAddr>,
-) -> impl Fn(http::Request<hyper::body::Incoming>) -> http::Request<hyper::body::Incoming> + Clone {
-    move |mut request| {
+) -> impl Fn(http::Request<hyper::body::Incoming>) -> http::Request<CallBody> + Clone {
+    move |request| {
+        let into_grpc: fn(ReadError) -> _ = ReadError::into_grpc;
+        let mut request = request.map(|body| reading.body(body, Framing::Grpc).map_err(into_grpc));
         if let Some(peer) = peer {
             request.extensions_mut().insert(Peer(peer));
         }
