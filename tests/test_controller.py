@@ -1754,22 +1754,16 @@ def test_a_pools_model_name_too_long_is_refused_without_echoing_it_whole():
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan")])
-def test_a_negative_call_timeout_is_refused(value: float):
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [("call_timeout_s", "--call-timeout"), ("request_read_timeout_s", "--request-read-timeout")],
+)
+def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):
     config = PoolConfig(
         model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
-        workers=1, call_timeout_s=value,
+        workers=1, **{field: value},
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="--call-timeout must be >= 0"):
-        config.validate()
-
-
-@pytest.mark.parametrize("value", [-1.0, float("nan")])
-def test_a_negative_request_read_timeout_is_refused(value: float):
-    config = PoolConfig(
-        model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
-        workers=1, request_read_timeout_s=value,
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match="--request-read-timeout must be >= 0"):
+    with pytest.raises(ConfigError, match=f"{flag} must be >= 0"):
         config.validate()
 
 

@@ -326,14 +326,15 @@ def _answer(sock: socket.socket) -> bytes:
 def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_arrive(
     tmp_path: Path,
 ) -> None:
-    """A request's bytes count against the front door's memory budget while they arrive, and a
-    request that stops sending is ended after --request-read-timeout, freeing what it held.
-    Before, a body being gathered was outside the budget (as many as clients opened, up to
-    --max-message-bytes each), and a client that sent part of a request, or a whole gRPC
-    message without ending its stream, held its memory until it disconnected. Checked with
-    the clients still connected and silent: four REST bodies stalled at 60 MiB of their 64
-    hold 240 MiB; a gRPC message is refused (RESOURCE_EXHAUSTED) as it passes the 256 MiB
-    budget, and a fifth REST body waits for room instead; the four are answered 408 after the
+    """A request's bytes count against the front door's memory budget while they arrive (a
+    REST body's length from before it is read), and a request that stops sending is ended
+    after --request-read-timeout, freeing what it held. Before, a body being gathered was
+    outside the budget (as many as clients opened, up to --max-message-bytes each), and a
+    client that sent part of a request, or a whole gRPC message without ending its stream,
+    held its memory until it disconnected. Checked with the clients still connected: four
+    REST bodies of 60 MiB being sent hold 240 MiB; a gRPC message and a chunked REST body are
+    refused (RESOURCE_EXHAUSTED, 429) as they pass the 256 MiB budget, and a fifth REST body
+    with a length waits for room instead; once silent, the four are answered 408 after the
     timeout, the fifth goes on and stalls in turn (408), and the memory is freed; a REST
     header that stalls has its connection closed; a gRPC call whose 46 MiB message came whole
     but whose stream was never ended gets DEADLINE_EXCEEDED and frees its decoded share; a
@@ -354,39 +355,62 @@ def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_
             sockets.append(sock)
             return sock
 
-        # Four REST bodies, 60 MiB of 64 sent, then nothing: 240 MiB held while they wait.
-        part = b" " * (60 << 20)
-        stalled = [connect() for _ in range(4)]
-        for sock in stalled:
-            sock.sendall(_rest_request(64 << 20) + part)
-        _wait_for_memory(pool, 239.9, 241)
-        # A gRPC message arriving meanwhile is refused as it passes the budget.
+        # Built first: what follows runs within the stall limit.
         dense = np.ones((6_000_000, 2), np.float32)
         big = _good()
         big.inputs["dense"].CopyFrom(tf.make_tensor_proto(dense))
         body = big.SerializeToString()
         options = [("grpc.max_send_message_length", 64 << 20)]
+
+        def send_in_background(sock: socket.socket, data: bytes) -> None:
+            def send() -> None:
+                with contextlib.suppress(OSError):
+                    sock.sendall(data)
+
+            threading.Thread(target=send, daemon=True).start()
+
+        # Four REST bodies declaring 60 MiB: each length reserved before any of it is read
+        # (240 MiB). 50 MiB sent, then a byte every half second until the checks below are
+        # done, so that none stalls before.
+        stalled = [connect() for _ in range(4)]
+        for sock in stalled:
+            sock.sendall(_rest_request(60 << 20) + b" " * (50 << 20))
+        trickling = threading.Event()
+        trickling.set()
+
+        def trickle() -> None:
+            while trickling.is_set():
+                for sock in stalled:
+                    with contextlib.suppress(OSError):
+                        sock.send(b" ")
+                time.sleep(0.5)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        _wait_for_memory(pool, 239.9, 241)
+        # A gRPC message arriving meanwhile is refused as it passes the budget.
         with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
             with pytest.raises(grpc.RpcError) as refused:
                 channel.unary_unary(PREDICT)(body, timeout=60)
         said = refused.value.details()
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, said
         assert "reading this one further" in said and "256 MiB allowed" in said, said
-        # A fifth REST body waits for room (TCP holds its client back), holding nothing.
+        # So is a REST body without a length (chunked), whose bytes count as they arrive.
+        chunked = connect()
+        head = _rest_request(0).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+        send_in_background(chunked, head + f"{20 << 20:x}\r\n".encode() + b" " * (20 << 20))
+        answer = _answer(chunked)
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
+        assert b"try again later" in answer and b"256 MiB allowed" in answer, answer[-400:]
+        # A fifth REST body with a length waits for room to read it (TCP holds its client).
         fifth = connect()
-
-        def send_fifth() -> None:
-            with contextlib.suppress(OSError):
-                fifth.sendall(_rest_request(64 << 20) + part[: 20 << 20])
-
-        threading.Thread(target=send_fifth, daemon=True).start()
-        time.sleep(1)
+        send_in_background(fifth, _rest_request(60 << 20) + b" " * (20 << 20))
         held = _wait_for_memory(pool, 239.9, 256.001)
         # A header that stops halfway: its connection is closed after the timeout.
         header = connect()
         header.sendall(b"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\n")
-        # The four stalled bodies: 408 after the timeout, their memory freed.
-        # and the fifth, which had room once they were ended, read its 20 MiB and stalled.
+        # The four, silent from now: 408 after the timeout, their memory freed; and the fifth,
+        # which had room once they were ended, read its 20 MiB and stalled in turn.
+        trickling.clear()
         for sock in [*stalled, fifth]:
             answer = _answer(sock)
             assert answer.startswith(b"HTTP/1.1 408"), (held, answer[:300])

@@ -311,10 +311,37 @@ tokio::task_local! {
     static HELD: RefCell<Option<Held>>;
 }
 
+tokio::task_local! {
+    /// The share a whole message's bytes held while they arrived (request_body), handed to
+    /// its decoding: the decoded cost counts those bytes too, so the decoder tops the share
+    /// up rather than reserving it all again. Handed over in the same poll as the decoding,
+    /// so no other request can take it in between.
+    static GATHERED: RefCell<Option<Held>>;
+}
+
 /// `request` (a gRPC call's future), holding the budget's shares its decoding reserves until
 /// it ends. Every connection's service wraps its calls in this.
 pub fn holding_request_memory<F: Future>(request: F) -> impl Future<Output = F::Output> {
-    HELD.scope(RefCell::new(None), request)
+    HELD.scope(
+        RefCell::new(None),
+        GATHERED.scope(RefCell::new(None), request),
+    )
+}
+
+/// Hands the share of a message that has just arrived whole to its decoding (`GATHERED`);
+/// outside a request's scope it is given back.
+pub fn hand_over_gathered(held: Held) {
+    let _ = GATHERED.try_with(|gathered| match &mut *gathered.borrow_mut() {
+        Some(earlier) => earlier.merge(held),
+        slot @ None => *slot = Some(held),
+    });
+}
+
+fn take_gathered() -> Option<Held> {
+    GATHERED
+        .try_with(|gathered| gathered.borrow_mut().take())
+        .ok()
+        .flatten()
 }
 
 /// Keeps `held` until the request being served ends; outside `holding_request_memory` (no
@@ -335,13 +362,15 @@ fn hold_while_serving(held: Held) {
 pub const UNCOUNTED_BYTES: usize = 64 << 10;
 
 /// RESOURCE_EXHAUSTED when decoding `wire` as a message of `fields` would take more than the
-/// whole budget, or more than it has free now (others hold it); for bytes prost would refuse,
-/// its code and words (INTERNAL, "failed to decode Protobuf message"). Otherwise the share,
-/// to hold while the decoded message lives (None for a request under UNCOUNTED_BYTES).
+/// whole budget, or more than it has free now (others hold it) beside `carried` (what its
+/// bytes held while they arrived); for bytes prost would refuse, its code and words
+/// (INTERNAL, "failed to decode Protobuf message"). Otherwise the share, to hold while the
+/// decoded message lives (None for a request under UNCOUNTED_BYTES).
 pub fn admit(
     wire: &[u8],
     fields: &[Field],
     budget: &RequestBudget,
+    carried: Option<Held>,
 ) -> Result<Option<Held>, Status> {
     let cost = cost(wire, fields)
         .map_err(|why| Status::internal(format!("failed to decode Protobuf message: {why}")))?;
@@ -358,9 +387,27 @@ pub fn admit(
     if cost < UNCOUNTED_BYTES {
         return Ok(None);
     }
+    let carried_bytes = carried
+        .as_ref()
+        .map_or(0, |held| held.num_permits() * request_budget::UNIT);
+    let carried = match carried {
+        Some(carried) if carried_bytes >= cost => {
+            return Ok(Some(request_budget::keep(carried, cost)))
+        }
+        carried => carried,
+    };
     // Waiting is not an option here (decoding is synchronous), so a request that finds too
     // little free is refused, as a full queue refuses one, and may be sent again.
-    budget.try_reserve(cost).map(Some).ok_or_else(|| {
+    let more = budget
+        .try_reserve(cost - carried_bytes)
+        .map(|more| match carried {
+            Some(mut carried) => {
+                carried.merge(more);
+                carried
+            }
+            None => more,
+        });
+    more.map(Some).ok_or_else(|| {
         Status::resource_exhausted(format!(
             "requests being served (or a REST body waiting) hold {} MiB of the front door's \
              memory, and decoding this one ({} bytes, about {} MiB) would pass the {} MiB \
@@ -417,7 +464,7 @@ impl<U: Message + Default + DecodeCost> Decoder for BudgetedDecoder<U> {
                 "the request is not in one buffer: what decoding it would take cannot be checked",
             ));
         }
-        let held = admit(wire, U::FIELDS, budget())?;
+        let held = admit(wire, U::FIELDS, budget(), take_gathered())?;
         let decoded = self.0.decode(buf)?;
         if let Some(held) = held {
             hold_while_serving(held);
@@ -562,7 +609,7 @@ mod tests {
                 PredictRequest::decode(wire).is_err(),
                 "prost takes {wire:?}"
             );
-            let error = admit(wire, PREDICT, &RequestBudget::new(1 << 30)).unwrap_err();
+            let error = admit(wire, PREDICT, &RequestBudget::new(1 << 30), None).unwrap_err();
             assert_eq!(error.code(), tonic::Code::Internal, "{wire:?}");
             assert!(error
                 .message()
@@ -576,11 +623,11 @@ mod tests {
             string_val: vec![Bytes::new(); 100_000],
             ..Default::default()
         });
-        let error = admit(&wire, PREDICT, &RequestBudget::new(1 << 20)).unwrap_err();
+        let error = admit(&wire, PREDICT, &RequestBudget::new(1 << 20), None).unwrap_err();
         assert_eq!(error.code(), tonic::Code::ResourceExhausted);
         let message = error.message();
         assert!(message.contains("more than the 1 MiB allowed"), "{message}");
-        assert!(admit(&wire, PREDICT, &RequestBudget::new(64 << 20)).is_ok());
+        assert!(admit(&wire, PREDICT, &RequestBudget::new(64 << 20), None).is_ok());
     }
 
     fn float_request(count: usize) -> Vec<u8> {
@@ -594,10 +641,10 @@ mod tests {
     fn requests_being_served_share_the_budget() {
         let budget = RequestBudget::new(10 << 20);
         let four_mib = float_request(1 << 20);
-        let first = admit(&four_mib, PREDICT, &budget).unwrap();
-        let second = admit(&four_mib, PREDICT, &budget).unwrap();
+        let first = admit(&four_mib, PREDICT, &budget, None).unwrap();
+        let second = admit(&four_mib, PREDICT, &budget, None).unwrap();
         assert!(budget.held_bytes() >= 8 << 20);
-        let error = admit(&four_mib, PREDICT, &budget).unwrap_err();
+        let error = admit(&four_mib, PREDICT, &budget, None).unwrap_err();
         assert_eq!(error.code(), tonic::Code::ResourceExhausted);
         let message = error.message();
         assert!(
@@ -607,10 +654,33 @@ mod tests {
         assert!(message.contains("pass the 10 MiB allowed"), "{message}");
         // A small request is not counted: it goes through while the budget is full.
         let small = float_request(UNCOUNTED_BYTES / 8);
-        assert!(admit(&small, PREDICT, &budget).unwrap().is_none());
+        assert!(admit(&small, PREDICT, &budget, None).unwrap().is_none());
         drop(first);
-        let third = admit(&four_mib, PREDICT, &budget).unwrap();
+        let third = admit(&four_mib, PREDICT, &budget, None).unwrap();
         drop((second, third));
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    #[test]
+    fn a_messages_gathered_share_is_topped_up_not_reserved_again() {
+        let budget = RequestBudget::new(10 << 20);
+        let wire = float_request(1 << 20);
+        // What its 4 MiB held while they arrived, and others' 5 MiB: 1 MiB free.
+        let carried = budget.try_reserve(wire.len());
+        let others = budget.try_reserve(5 << 20).unwrap();
+        let held = admit(&wire, PREDICT, &budget, carried).unwrap().unwrap();
+        assert!(budget.held_bytes() >= (5 << 20) + wire.len());
+        drop(held);
+        // Without it handed over, the same message finds 1 MiB free beside its bytes.
+        let carried = budget.try_reserve(wire.len()).unwrap();
+        let error = admit(&wire, PREDICT, &budget, None).unwrap_err();
+        assert_eq!(error.code(), tonic::Code::ResourceExhausted);
+        // A share larger than the cost keeps the cost's.
+        let big = budget.try_reserve(5 << 20);
+        drop(carried);
+        let held = admit(&wire, PREDICT, &budget, big).unwrap().unwrap();
+        assert!(budget.held_bytes() < (10 << 20) - (512 << 10));
+        drop((held, others));
         assert_eq!(budget.held_bytes(), 0);
     }
 
@@ -622,7 +692,7 @@ mod tests {
         let request = tokio::spawn(holding_request_memory({
             let budget = budget.clone();
             async move {
-                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap().unwrap());
+                hold_while_serving(admit(&wire, PREDICT, &budget, None).unwrap().unwrap());
                 let _ = admitted.send(());
                 // The handler's await (a worker's answer).
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -638,7 +708,7 @@ mod tests {
         let request = holding_request_memory({
             let budget = budget.clone();
             async move {
-                hold_while_serving(admit(&wire, PREDICT, &budget).unwrap().unwrap());
+                hold_while_serving(admit(&wire, PREDICT, &budget, None).unwrap().unwrap());
                 std::future::pending::<()>().await;
             }
         });
@@ -650,14 +720,14 @@ mod tests {
 
         // Outside a request's scope nothing is kept.
         hold_while_serving(
-            admit(&float_request(1 << 20), PREDICT, &budget)
+            admit(&float_request(1 << 20), PREDICT, &budget, None)
                 .unwrap()
                 .unwrap(),
         );
         assert_eq!(budget.held_bytes(), 0);
 
         // A call that sends a second message holds the first's share only.
-        let held = |budget: &RequestBudget| admit(&float_request(1 << 20), PREDICT, budget);
+        let held = |budget: &RequestBudget| admit(&float_request(1 << 20), PREDICT, budget, None);
         holding_request_memory({
             let budget = budget.clone();
             async move {

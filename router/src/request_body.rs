@@ -8,13 +8,13 @@
 //! that sent part of a request, or a whole gRPC message without ending its stream, held what
 //! it had sent (and the decoded share) for as long as it kept its connection open. Here:
 //! - the bytes of the gRPC message being gathered reserve their share as they arrive, without
-//!   waiting (RESOURCE_EXHAUSTED when the budget has not enough free, as decoding does); the
-//!   share goes back once the message is whole, when tonic decodes it and its decoded cost,
-//!   its bytes included, is held instead;
-//! - a REST body's bytes so far do the same, but wait for room (first come, first served,
-//!   until the request's deadline) as its parse does, the client held back by TCP meanwhile;
-//!   a body waits holding nothing (what it held is given back first), so bodies waiting for
-//!   room cannot wait for each other; the share goes to the reader when the body is whole;
+//!   waiting (RESOURCE_EXHAUSTED when the budget has not enough free, as decoding does); once
+//!   the message is whole the share is handed to its decoding, whose cost counts its bytes
+//!   too (`decode_budget::hand_over_gathered`);
+//! - a REST body with a length has it reserved before any of it is read (`rest` waits for
+//!   that room, first come, first served, holding nothing, as its parse does); one without
+//!   counts its bytes as they arrive, as gRPC's, refused when there is no room; the share
+//!   goes to the reader when the body is whole;
 //! - a body that sends nothing for `stall` while the front door waits for more of it is
 //!   ended (nginx's client_body_timeout, 60 s there too). The clock runs only while the
 //!   front door waits on the client, never while a request is served.
@@ -44,8 +44,8 @@ pub enum Framing {
     /// gRPC's length-prefixed messages: each message's bytes, until it is whole.
     Grpc,
     /// One request, the whole body: every byte, until the reader takes the share
-    /// (`take_held`); waiting for room until the deadline (None: for ever).
-    Whole(Option<Instant>),
+    /// (`take_held`).
+    Whole,
 }
 
 /// Why reading a body failed.
@@ -53,8 +53,7 @@ pub enum Framing {
 pub enum ReadError {
     /// The connection's own error (reset, closed, malformed framing).
     Body(BoxError),
-    /// The budget had no room for more of it: at once (gRPC: RESOURCE_EXHAUSTED), or by the
-    /// request's deadline (REST: DEADLINE_EXCEEDED).
+    /// The budget had no room for more of it (RESOURCE_EXHAUSTED).
     Refused(ServingError),
     /// The client sent nothing for the stall limit.
     Stalled(ServingError),
@@ -93,8 +92,12 @@ pub struct Reading {
 }
 
 impl Reading {
-    pub fn body<B>(&self, inner: B, framing: Framing) -> ReadingBody<B> {
-        ReadingBody::new(inner, self.budget.clone(), framing, self.stall)
+    /// `inner` read as `framing` says, holding `reserved` for its bytes to begin with (a REST
+    /// body's length, reserved before it is read).
+    pub fn body<B>(&self, inner: B, framing: Framing, reserved: Option<Held>) -> ReadingBody<B> {
+        let mut body = ReadingBody::new(inner, self.budget.clone(), framing, self.stall);
+        body.held = reserved;
+        body
     }
 }
 
@@ -114,13 +117,9 @@ pub struct ReadingBody<B> {
     /// Bytes of the body read in all (the stall's message says how far it came).
     read: usize,
     timer: Option<Pin<Box<Sleep>>>,
-    /// A frame came since the timer was last set: set it again before waiting on it.
+    /// Data came since the timer was last set: set it again before waiting on it.
     moved: bool,
-    /// Whole: the wait for room to hold the body so far, and the frame that needs it.
-    waiting: Option<(Reservation, Frame<Bytes>)>,
 }
-
-type Reservation = Pin<Box<dyn Future<Output = Result<Held, ServingError>> + Send>>;
 
 /// Whether the share held covers the bytes counted.
 enum Room {
@@ -147,7 +146,6 @@ impl<B> ReadingBody<B> {
             read: 0,
             timer: None,
             moved: false,
-            waiting: None,
         }
     }
 
@@ -161,19 +159,19 @@ impl<B> ReadingBody<B> {
     fn count(&mut self, data: &[u8]) -> Room {
         self.read = self.read.saturating_add(data.len());
         match self.framing {
-            Framing::Whole(_) => self.gathered = self.gathered.saturating_add(data.len()),
+            Framing::Whole => self.gathered = self.gathered.saturating_add(data.len()),
             Framing::Grpc => {
                 let (completed, gathering) = self.messages.advance(data);
                 if completed {
-                    // Whole messages are tonic's to decode now, their cost held by the
-                    // decoder (decode_budget::admit counts their bytes too).
-                    self.held = None;
+                    // A whole message is tonic's to decode now, in this same poll.
+                    if let Some(held) = self.held.take() {
+                        crate::decode_budget::hand_over_gathered(held);
+                    }
                 }
                 self.gathered = gathering;
             }
         }
         if self.gathered < UNCOUNTED_BYTES {
-            self.held = None;
             return Room::Enough;
         }
         let held_bytes = self
@@ -187,27 +185,15 @@ impl<B> ReadingBody<B> {
         }
     }
 
-    /// `frame`, once the budget holds `total` bytes of the body for it: at once if it has
-    /// them free; otherwise a gRPC message is refused and a REST body waits.
-    fn make_room(
-        &mut self,
-        total: usize,
-        frame: Frame<Bytes>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, ReadError>>> {
+    /// `frame`, with the budget holding `total` bytes of the body for it; refused when it has
+    /// not the room free at once.
+    fn make_room(&mut self, total: usize, frame: Frame<Bytes>) -> Result<Frame<Bytes>, ReadError> {
         let held_bytes = self
             .held
             .as_ref()
             .map_or(0, |held| held.num_permits() * crate::request_budget::UNIT);
-        if let Some(more) = self.budget.try_reserve(total.saturating_sub(held_bytes)) {
-            match &mut self.held {
-                Some(held) => held.merge(more),
-                None => self.held = Some(more),
-            }
-            return Poll::Ready(Some(Ok(frame)));
-        }
-        let Framing::Whole(deadline) = self.framing else {
-            return Poll::Ready(Some(Err(ReadError::Refused(ServingError::new(
+        let Some(more) = self.budget.try_reserve(total.saturating_sub(held_bytes)) else {
+            return Err(ReadError::Refused(ServingError::new(
                 Code::ResourceExhausted,
                 format!(
                     "requests being read or served (or a REST body waiting) hold {} MiB of the \
@@ -218,35 +204,13 @@ impl<B> ReadingBody<B> {
                     self.gathered.div_ceil(1 << 20),
                     self.budget.bytes() >> 20
                 ),
-            )))));
+            )));
         };
-        // Waits holding nothing: a body that held its share while waiting for more could
-        // wait for room that other waiting bodies hold, and they for its.
-        self.held = None;
-        let budget = self.budget.clone();
-        let reservation = Box::pin(async move { budget.reserve(total, deadline).await });
-        self.waiting = Some((reservation, frame));
-        self.poll_waiting(cx)
-    }
-
-    /// The frame that waits for room, once the budget has it.
-    fn poll_waiting(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, ReadError>>> {
-        let Some((reservation, _)) = &mut self.waiting else {
-            return Poll::Pending;
-        };
-        let granted = std::task::ready!(reservation.as_mut().poll(cx));
-        let frame = self.waiting.take().map(|(_, frame)| frame);
-        Poll::Ready(match (granted, frame) {
-            (Ok(held), Some(frame)) => {
-                self.held = Some(held);
-                Some(Ok(frame))
-            }
-            (Err(error), _) => Some(Err(ReadError::Refused(error))),
-            (Ok(_), None) => None, // not reached: the frame waits beside its reservation
-        })
+        match &mut self.held {
+            Some(held) => held.merge(more),
+            None => self.held = Some(more),
+        }
+        Ok(frame)
     }
 
     /// Whether the client has sent nothing for the stall limit (and the error to end with);
@@ -290,17 +254,14 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ReadError>>> {
         let this = self.get_mut();
-        if this.waiting.is_some() {
-            // Waiting for the budget, not for the client: no stall clock.
-            return this.poll_waiting(cx);
-        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                this.moved = true;
                 let data = frame.data_ref().map_or(&[][..], |data| &data[..]);
+                // An empty DATA frame is no progress: it does not put the stall clock back.
+                this.moved |= !data.is_empty() || !frame.is_data();
                 match this.count(data) {
                     Room::Enough => Poll::Ready(Some(Ok(frame))),
-                    Room::Short(total) => this.make_room(total, frame, cx),
+                    Room::Short(total) => Poll::Ready(Some(this.make_room(total, frame))),
                 }
             }
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(ReadError::Body(error.into())))),
@@ -432,8 +393,11 @@ mod tests {
         stall: Option<Duration>,
     ) -> (Chunks, ReadingBody<Chunked>) {
         let (send, receive) = mpsc::channel(16);
-        let body = ReadingBody::new(Chunked(receive), budget.clone(), framing, stall);
-        (send, body)
+        let reading = Reading {
+            budget: budget.clone(),
+            stall,
+        };
+        (send, reading.body(Chunked(receive), framing, None))
     }
 
     async fn send(chunks: &Chunks, bytes: &[u8]) {
@@ -478,6 +442,48 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_whole_messages_share_is_handed_to_its_decoding() {
+        let budget = Arc::new(RequestBudget::new(1 << 20));
+        let seen = budget.clone();
+        crate::decode_budget::holding_request_memory(async move {
+            let (chunks, mut body) = body(&seen, Framing::Grpc, None);
+            let big = message(300 << 10);
+            send(&chunks, &big[..200 << 10]).await;
+            assert!(next(&mut body).await.unwrap().is_ok());
+            send(&chunks, &big[200 << 10..]).await;
+            assert!(next(&mut body).await.unwrap().is_ok());
+            // Not given back for another request to take before the decoder tops it up.
+            assert_eq!(seen.held_bytes(), 200 << 10);
+        })
+        .await;
+        assert_eq!(budget.held_bytes(), 0, "given back with the call");
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_reads_within_its_reserved_length_and_counts_past_it() {
+        let budget = Arc::new(RequestBudget::new(1 << 20));
+        let reading = Reading {
+            budget: budget.clone(),
+            stall: None,
+        };
+        let reserved = budget.try_reserve(200 << 10);
+        let others = budget.try_reserve(824 << 10).unwrap();
+        let (chunks, receive) = mpsc::channel(16);
+        let mut body = reading.body(Chunked(receive), Framing::Whole, reserved);
+        send(&chunks, &[1; 200 << 10]).await;
+        assert!(
+            next(&mut body).await.unwrap().is_ok(),
+            "within what it reserved"
+        );
+        send(&chunks, &[1; 1024]).await;
+        let Some(Err(ReadError::Refused(_))) = next(&mut body).await else {
+            panic!("read past its room");
+        };
+        drop((body, others));
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    #[tokio::test]
     async fn a_grpc_message_the_budget_has_no_room_for_is_refused() {
         let budget = Arc::new(RequestBudget::new(1 << 20));
         let other = budget.try_reserve(900 << 10).unwrap();
@@ -500,66 +506,10 @@ mod tests {
         assert_eq!(budget.held_bytes(), 0);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_whole_body_waits_for_room_holding_nothing_until_its_deadline() {
-        let budget = Arc::new(RequestBudget::new(1 << 20));
-        let other = budget.try_reserve(900 << 10).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (chunks, mut body) = body(&budget, Framing::Whole(Some(deadline)), None);
-        send(&chunks, &[1; 100 << 10]).await;
-        assert!(next(&mut body).await.unwrap().is_ok());
-        assert_eq!(budget.held_bytes(), 1000 << 10);
-        // 200 KiB do not fit beside the other's 900: it waits.
-        send(&chunks, &[1; 100 << 10]).await;
-        let waited = tokio::time::timeout(Duration::from_secs(10), next(&mut body)).await;
-        assert!(waited.is_err(), "did not wait");
-        drop(other);
-        assert!(next(&mut body).await.unwrap().is_ok());
-        assert_eq!(budget.held_bytes(), 200 << 10);
-        // Past its deadline: DEADLINE_EXCEEDED.
-        let other = budget.try_reserve(800 << 10).unwrap();
-        send(&chunks, &[1; 100 << 10]).await;
-        let Some(Err(ReadError::Refused(error))) = next(&mut body).await else {
-            panic!("not ended");
-        };
-        assert_eq!(error.code, Code::DeadlineExceeded);
-        assert_eq!(Instant::now(), deadline);
-        drop((body, other));
-        assert_eq!(budget.held_bytes(), 0);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn whole_bodies_waiting_for_room_do_not_wait_for_each_other() {
-        let budget = Arc::new(RequestBudget::new(1 << 20));
-        let (a_chunks, mut a) = body(&budget, Framing::Whole(None), None);
-        let (b_chunks, mut b) = body(&budget, Framing::Whole(None), None);
-        send(&a_chunks, &[1; 600 << 10]).await;
-        assert!(next(&mut a).await.unwrap().is_ok());
-        send(&b_chunks, &[1; 300 << 10]).await;
-        assert!(next(&mut b).await.unwrap().is_ok());
-        // A needs 800 KiB in all and B 400: each has room only with what the other holds.
-        // Holding their shares while waiting, each would wait for the other for ever.
-        send(&a_chunks, &[1; 200 << 10]).await;
-        send(&b_chunks, &[1; 100 << 10]).await;
-        let a_first = tokio::time::timeout(Duration::from_secs(10), next(&mut a)).await;
-        assert!(a_first.is_err(), "A had room");
-        let b_first = tokio::time::timeout(Duration::from_secs(10), next(&mut b)).await;
-        assert!(b_first.is_err(), "B had room beside A");
-        // First come, first served: A, then B once A is done.
-        let a_then = tokio::time::timeout(Duration::from_secs(10), next(&mut a)).await;
-        assert!(matches!(a_then, Ok(Some(Ok(_)))), "A waits for B");
-        assert_eq!(a.take_held().map(|held| held.num_permits()), Some(800));
-        drop(a);
-        let b_then = tokio::time::timeout(Duration::from_secs(10), next(&mut b)).await;
-        assert!(matches!(b_then, Ok(Some(Ok(_)))), "B waits");
-        drop(b);
-        assert_eq!(budget.held_bytes(), 0);
-    }
-
     #[tokio::test]
     async fn a_whole_body_keeps_its_share_for_its_reader() {
         let budget = Arc::new(RequestBudget::new(1 << 20));
-        let (chunks, mut body) = body(&budget, Framing::Whole(None), None);
+        let (chunks, mut body) = body(&budget, Framing::Whole, None);
         send(&chunks, &[1; 70 << 10]).await;
         assert!(next(&mut body).await.unwrap().is_ok());
         drop(chunks);

@@ -108,8 +108,7 @@ async fn parse_within<T: Send + 'static>(
     work: impl FnOnce(&[u8]) -> Result<(T, usize), ServingError> + Send + 'static,
 ) -> Result<(T, Held), ServingError> {
     let kept = |held, (built, bytes)| (built, request_budget::keep(held, bytes));
-    // The body's own share is kept while it is parsed in place, and given back before a
-    // wait: bodies waiting for room while they hold some of it could wait for each other.
+    // The body's own share is kept while it is parsed, and given back before a wait.
     let ReadBody {
         bytes: body,
         held: read,
@@ -130,17 +129,27 @@ async fn parse_within<T: Send + 'static>(
             return work(&body).map(|built| kept(held, built));
         }
     }
-    drop(read);
     let (body, cost) = off_the_serving_thread(body.len(), move || {
         let cost = json_tensor::parse_cost(&body);
         Ok((body, cost))
     })
     .await?;
     cost.check(budget.bytes())?;
-    let held = budget.reserve(cost.bytes(), deadline).await?;
-    // The reservation moves with the work: a request given up while it runs (the client
-    // gone) leaves the work running, and its share held, until it ends.
+    let (held, read) = match budget.try_reserve(cost.bytes()) {
+        Some(held) => (held, read),
+        // Waits holding nothing (bodies holding shares while they wait for room could wait
+        // for each other for ever): its bytes go uncounted until it has room. Bodies read
+        // later wait behind it for theirs (first come, first served), so the bodies waiting
+        // here were all let in by the budget.
+        None => {
+            drop(read);
+            (budget.reserve(cost.bytes(), deadline).await?, None)
+        }
+    };
+    // The reservations move with the work: a request given up while it runs (the client
+    // gone) leaves the work running, and its shares held, until it ends.
     off_the_serving_thread(body.len(), move || {
+        let _read = read;
         work(&body).map(|built| kept(held, built))
     })
     .await
@@ -385,13 +394,14 @@ impl Rest {
                 version,
                 method,
             } => {
-                // TF Serving's REST timeout runs from the request's arrival.
-                let deadline = self.timeout.map(|t| Instant::now() + t);
-                let body = match self.read_body(request, deadline).await {
+                // Waiting for room to read the body counts against the REST timeout; TF
+                // Serving's deadline for the call starts once the body is read, as there.
+                let room_by = self.timeout.map(|t| Instant::now() + t);
+                let body = match self.read_body(request, room_by).await {
                     Ok(body) => body,
                     Err(response) => return response,
                 };
-                self.call(&model, &version, &method, body, deadline).await
+                self.call(&model, &version, &method, body).await
             }
             Route::Status { model, version } => {
                 let mut guard = self.api.metrics.start(Method::GetModelStatus);
@@ -423,12 +433,13 @@ impl Rest {
     }
 
     /// The whole body and its share of the budget; or a 413 answer when it is (or declares
-    /// itself) over the limit, 504 when the budget had no room for it by the deadline, 408
-    /// when it stopped arriving.
+    /// itself) over the limit, 504 when the budget had no room for its length by `room_by`,
+    /// 429 when one without a length passes what the budget has free, 408 when it stopped
+    /// arriving.
     async fn read_body(
         &self,
         request: Request<hyper::body::Incoming>,
-        deadline: Option<Instant>,
+        room_by: Option<Instant>,
     ) -> Result<ReadBody, Response<Full<Bytes>>> {
         let limit = self.max_body_bytes;
         let too_large = |size: Option<u64>| {
@@ -450,9 +461,22 @@ impl Rest {
         if let Some(size) = declared.filter(|&n| n > limit as u64) {
             return Err(too_large(Some(size)));
         }
+        // Its length is reserved before any of it is read, waiting for room holding nothing:
+        // a body that held its bytes so far while waiting for room to read the rest could wait
+        // for room other such bodies hold, and they for its.
+        let length = hyper::body::Body::size_hint(request.body()).exact();
+        let reserved = match length.and_then(|n| usize::try_from(n).ok()) {
+            Some(length) if length >= crate::decode_budget::UNCOUNTED_BYTES => {
+                match self.reading.budget.reserve(length, room_by).await {
+                    Ok(reserved) => Some(reserved),
+                    Err(error) => return Err(error_response(&error)),
+                }
+            }
+            _ => None,
+        };
         let mut body = self
             .reading
-            .body(request.into_body(), Framing::Whole(deadline));
+            .body(request.into_body(), Framing::Whole, reserved);
         let error = match Limited::new(&mut body, limit).collect().await {
             Ok(collected) => {
                 return Ok(ReadBody {
@@ -482,8 +506,8 @@ impl Rest {
         version: &Version,
         method: &str,
         body: ReadBody,
-        deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
+        let deadline = self.timeout.map(|t| Instant::now() + t);
         let kind = match method {
             "classify" => Method::Classify,
             "regress" => Method::Regress,
