@@ -464,8 +464,7 @@ impl Rest {
         // Its length is reserved before any of it is read, waiting for room holding nothing:
         // a body that held its bytes so far while waiting for room to read the rest could wait
         // for room other such bodies hold, and they for its.
-        let length = hyper::body::Body::size_hint(request.body()).exact();
-        let reserved = match length.and_then(|n| usize::try_from(n).ok()) {
+        let reserved = match declared.and_then(|n| usize::try_from(n).ok()) {
             Some(length) if length >= crate::decode_budget::UNCOUNTED_BYTES => {
                 match self.reading.budget.reserve(length, room_by).await {
                     Ok(reserved) => Some(reserved),
