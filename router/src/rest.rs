@@ -394,8 +394,8 @@ impl Rest {
                 version,
                 method,
             } => {
-                // Waiting for room to read the body counts against the REST timeout; TF
-                // Serving's deadline for the call starts once the body is read, as there.
+                // Waiting for room to read the body counts against the REST timeout; the
+                // call's own deadline starts once the body is read, as before bodies waited.
                 let room_by = self.timeout.map(|t| Instant::now() + t);
                 let body = match self.read_body(request, room_by).await {
                     Ok(body) => body,
