@@ -290,15 +290,18 @@ pub fn input_memory(input: &Input) -> usize {
 /// other modules), a budget of the floor's size.
 static BUDGET: OnceLock<Arc<RequestBudget>> = OnceLock::new();
 
-/// Makes `budget` the one every gRPC request's decoding reserves from. Once: a second call
-/// (there is none) would leave the first in place.
-pub fn install(budget: Arc<RequestBudget>) {
+/// Makes `budget` the one every gRPC request's decoding reserves from, and returns the one
+/// installed: a second call (there is none) would leave the first in place. What a gRPC body
+/// reserves while it arrives must come from the returned one, since its share is merged
+/// with the decoder's (tokio panics on merging shares of two semaphores).
+pub fn install(budget: Arc<RequestBudget>) -> Arc<RequestBudget> {
     if BUDGET.set(budget).is_err() {
         crate::log_warn!("the gRPC decode budget was installed twice; the first one stays");
     }
+    installed().clone()
 }
 
-fn budget() -> &'static RequestBudget {
+fn installed() -> &'static Arc<RequestBudget> {
     BUDGET.get_or_init(|| Arc::new(RequestBudget::new(request_budget::BUDGET_MIN)))
 }
 
@@ -464,7 +467,7 @@ impl<U: Message + Default + DecodeCost> Decoder for BudgetedDecoder<U> {
                 "the request is not in one buffer: what decoding it would take cannot be checked",
             ));
         }
-        let held = admit(wire, U::FIELDS, budget(), take_gathered())?;
+        let held = admit(wire, U::FIELDS, installed(), take_gathered())?;
         let decoded = self.0.decode(buf)?;
         if let Some(held) = held {
             hold_while_serving(held);

@@ -10,7 +10,8 @@
 //! - the bytes of the gRPC message being gathered reserve their share as they arrive, without
 //!   waiting (RESOURCE_EXHAUSTED when the budget has not enough free, as decoding does); once
 //!   the message is whole the share is handed to its decoding, whose cost counts its bytes
-//!   too (`decode_budget::hand_over_gathered`);
+//!   too (`decode_budget::hand_over_gathered`; a compressed message's decompressed bytes,
+//!   so that while it is decoded its compressed ones are not counted, as before);
 //! - a REST body with a length has it reserved before any of it is read (`rest` waits for
 //!   that room, first come, first served, holding nothing, as its parse does); one without
 //!   counts its bytes as they arrive, as gRPC's, refused when there is no room; the share

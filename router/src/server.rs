@@ -106,9 +106,8 @@ impl Server {
         // them; the size limit holds for the decompressed message. Answers go out
         // uncompressed, as TF Serving's do unless configured otherwise. What a request may take
         // once decoded is held to the request budget, with every other request's (its codec checks).
-        crate::decode_budget::install(limits.request_memory.clone());
         let reading = Reading {
-            budget: limits.request_memory.clone(),
+            budget: crate::decode_budget::install(limits.request_memory.clone()),
             stall: limits.request_read_timeout,
         };
         let routes = tonic::service::Routes::new(
