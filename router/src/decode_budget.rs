@@ -390,9 +390,7 @@ pub fn admit(
     if cost < UNCOUNTED_BYTES {
         return Ok(None);
     }
-    let carried_bytes = carried
-        .as_ref()
-        .map_or(0, |held| held.num_permits() * request_budget::UNIT);
+    let carried_bytes = request_budget::share_bytes(carried.as_ref());
     let carried = match carried {
         Some(carried) if carried_bytes >= cost => {
             return Ok(Some(request_budget::keep(carried, cost)))

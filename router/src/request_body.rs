@@ -96,19 +96,25 @@ impl Reading {
     /// `inner` read as `framing` says, holding `reserved` for its bytes to begin with (a REST
     /// body's length, reserved before it is read).
     pub fn body<B>(&self, inner: B, framing: Framing, reserved: Option<Held>) -> ReadingBody<B> {
-        let mut body = ReadingBody::new(inner, self.budget.clone(), framing, self.stall);
-        body.held = reserved;
-        body
+        ReadingBody {
+            inner,
+            reading: self.clone(),
+            framing,
+            held: reserved,
+            gathered: 0,
+            messages: Messages::default(),
+            read: 0,
+            timer: None,
+            moved: false,
+        }
     }
 }
 
-/// `inner` read with its bytes held to `budget` and its stalls limited to `stall` (None: it
-/// may wait for ever).
+/// `inner` read with its bytes held to the budget and its stalls limited (`Reading`).
 pub struct ReadingBody<B> {
     inner: B,
-    budget: std::sync::Arc<RequestBudget>,
+    reading: Reading,
     framing: Framing,
-    stall: Option<Duration>,
     /// The share of the bytes counted now (None while they are under UNCOUNTED_BYTES).
     held: Option<Held>,
     /// Bytes of the body so far (Whole), or of the message being gathered (Grpc).
@@ -125,34 +131,13 @@ pub struct ReadingBody<B> {
 /// Whether the share held covers the bytes counted.
 enum Room {
     Enough,
-    /// Short of this many bytes in all.
+    /// Short of this many bytes.
     Short(usize),
 }
 
 impl<B> ReadingBody<B> {
-    pub fn new(
-        inner: B,
-        budget: std::sync::Arc<RequestBudget>,
-        framing: Framing,
-        stall: Option<Duration>,
-    ) -> Self {
-        Self {
-            inner,
-            budget,
-            framing,
-            stall,
-            held: None,
-            gathered: 0,
-            messages: Messages::default(),
-            read: 0,
-            timer: None,
-            moved: false,
-        }
-    }
-
     /// The share of what was read (Whole), for the reader to hold while it works on the body.
     pub fn take_held(&mut self) -> Option<Held> {
-        self.gathered = 0;
         self.held.take()
     }
 
@@ -172,28 +157,19 @@ impl<B> ReadingBody<B> {
                 self.gathered = gathering;
             }
         }
-        if self.gathered < UNCOUNTED_BYTES {
-            return Room::Enough;
-        }
-        let held_bytes = self
-            .held
-            .as_ref()
-            .map_or(0, |held| held.num_permits() * crate::request_budget::UNIT);
-        if self.gathered <= held_bytes {
+        let held_bytes = crate::request_budget::share_bytes(self.held.as_ref());
+        if self.gathered < UNCOUNTED_BYTES || self.gathered <= held_bytes {
             Room::Enough
         } else {
-            Room::Short(self.gathered)
+            Room::Short(self.gathered - held_bytes)
         }
     }
 
-    /// `frame`, with the budget holding `total` bytes of the body for it; refused when it has
-    /// not the room free at once.
-    fn make_room(&mut self, total: usize, frame: Frame<Bytes>) -> Result<Frame<Bytes>, ReadError> {
-        let held_bytes = self
-            .held
-            .as_ref()
-            .map_or(0, |held| held.num_permits() * crate::request_budget::UNIT);
-        let Some(more) = self.budget.try_reserve(total.saturating_sub(held_bytes)) else {
+    /// `frame`, with the budget holding `short` more bytes of the body for it; refused when it
+    /// has not the room free at once.
+    fn make_room(&mut self, short: usize, frame: Frame<Bytes>) -> Result<Frame<Bytes>, ReadError> {
+        let budget = &self.reading.budget;
+        let Some(more) = budget.try_reserve(short) else {
             return Err(ReadError::Refused(ServingError::new(
                 Code::ResourceExhausted,
                 format!(
@@ -201,9 +177,9 @@ impl<B> ReadingBody<B> {
                      front door's memory, and reading this one further ({} MiB so far) would \
                      pass the {} MiB allowed for all of them at once (4 times \
                      --max-message-bytes, at least 256); try again later",
-                    self.budget.held_bytes() >> 20,
+                    budget.held_bytes() >> 20,
                     self.gathered.div_ceil(1 << 20),
-                    self.budget.bytes() >> 20
+                    budget.bytes() >> 20
                 ),
             )));
         };
@@ -217,7 +193,7 @@ impl<B> ReadingBody<B> {
     /// Whether the client has sent nothing for the stall limit (and the error to end with);
     /// called when the body has nothing ready, so the timer wakes this task when it fires.
     fn poll_stalled(&mut self, cx: &mut Context<'_>) -> Option<ReadError> {
-        let stall = self.stall?;
+        let stall = self.reading.stall?;
         let timer = match &mut self.timer {
             Some(timer) => {
                 if self.moved {
@@ -262,7 +238,7 @@ where
                 this.moved |= !data.is_empty() || !frame.is_data();
                 match this.count(data) {
                     Room::Enough => Poll::Ready(Some(Ok(frame))),
-                    Room::Short(total) => Poll::Ready(Some(this.make_room(total, frame))),
+                    Room::Short(short) => Poll::Ready(Some(this.make_room(short, frame))),
                 }
             }
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(ReadError::Body(error.into())))),

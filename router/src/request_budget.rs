@@ -34,7 +34,7 @@ pub const BUDGET_MIN: usize = 256 << 20;
 
 /// Reservations count KiB: tokio's `acquire_many` takes a u32, and a budget in bytes can
 /// pass u32::MAX.
-pub const UNIT: usize = 1024;
+const UNIT: usize = 1024;
 
 /// A share of the budget, given back when dropped.
 pub type Held = OwnedSemaphorePermit;
@@ -134,6 +134,11 @@ pub fn keep(mut held: Held, bytes: usize) -> Held {
         drop(rest);
     }
     held
+}
+
+/// The bytes `held` holds (whole KiB); 0 for none.
+pub fn share_bytes(held: Option<&Held>) -> usize {
+    held.map_or(0, |held| held.num_permits().saturating_mul(UNIT))
 }
 
 /// Whole KiB, rounded up; at least one, so that every parse holds some of the budget.
