@@ -797,12 +797,41 @@ def command_line(module: str) -> str:
     return shlex.join([python, "-m", module, *sys.argv[1:]])
 
 
+def cpu_model() -> str:
+    """The CPU's name, with its family, model and widest vector unit where /proc/cpuinfo says.
+
+    A cloud VM's name is often just "AMD EPYC", and the same name has come with hosts whose
+    model call differed 8x at batch 256 (a Zen 1 host with AVX2 against a newer one), so a
+    result names what it ran on closely enough to tell such hosts apart.
+    """
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    return describe_cpu(cpuinfo)
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """cpu_model's words for the text of a /proc/cpuinfo (its first processor's fields)."""
+
+    def field(name: str) -> str | None:
+        match = re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.M)
+        return match.group(1).strip() if match else None
+
+    name = field("model name") or platform.processor() or "unknown"
+    details = []
+    family, model = field("cpu family"), field("model")
+    if family is not None and model is not None:
+        details.append(f"family {family} model {model}")
+    flags = set((field("flags") or "").split())
+    widest = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), None)
+    if widest is not None:
+        details.append(widest.upper().replace("_", "."))
+    return f"{name} ({', '.join(details)})" if details else name
+
+
 def machine() -> dict[str, Any]:
-    model = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        if match:
-            model = match.group(1).strip()
+    model = cpu_model()
     return {
         "cpu_model": model,
         "logical_cpus": os.cpu_count(),

@@ -77,6 +77,20 @@ traffic: 1.97MB (2065180) total, 29.88KB (30595) headers (space savings 95.74%),
 """
 
 
+def test_results_name_the_cpu_closely_enough_to_tell_hosts_apart() -> None:
+    # Two hosts that both call themselves "AMD EPYC" ran the model call 8x apart.
+    zen1 = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+        "model name\t: AMD EPYC\nflags\t\t: fpu sse4_2 avx fma avx2\n\n"
+        "processor\t: 1\ncpu family\t: 23\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+    )
+    assert harness.describe_cpu(zen1) == "AMD EPYC (family 23 model 1, AVX2)"
+    spr = "cpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel Xeon\nflags\t: avx2 avx512f\n"
+    assert harness.describe_cpu(spr) == "Intel Xeon (family 6 model 143, AVX512F)"
+    # An ARM /proc/cpuinfo has none of these fields: the name falls back, nothing is made up.
+    assert "family" not in harness.describe_cpu("processor\t: 0\nFeatures\t: fp asimd\n")
+
+
 def test_h2load_output_is_parsed() -> None:
     log = "".join(f"1795354497{i:06d}\t200\t{100 * (i + 1)}\n" for i in range(100)) + "1\t500\t9\n"
     done, rps, data, p50, p99 = harness.parse_h2load(H2LOAD_OUT, log)
