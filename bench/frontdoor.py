@@ -244,11 +244,12 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     ahead = [best(two, b) / best(p, b) for p in peers for b in (1, big)]
     echo = [w["rps"] for w in windows if w["system"].startswith("echo")]
     fd = ("front door",)
+    front_door_batch_1 = max(cpu(one, 1, fd), cpu(two, 1, fd))
     targets = [
         ("one front door over echo workers ≥ 10,000 req/s", max(echo, default=np.nan),
          "req/s", lambda v: v >= 10_000),
         ("front-door CPU per batch-1 Predict ≤ 60 µs (worse of 1 and 2 workers, all C)",
-         max(cpu(one, 1, fd), cpu(two, 1, fd)), "µs", lambda v: v <= 60),
+         front_door_batch_1, "µs", lambda v: v <= 60),
         ("all-in server CPU per batch-1 request (front door + workers) ≤ 2× the in-process "
          "call's (1w / P=1 and 2w / P=2, the worse)",
          max(cpu(one, 1, ("front door", "workers")) / limit(1, 1, "cpu_us_per_call"),
@@ -269,6 +270,11 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
          best(two, 1) / limit(2, 1, "rows_per_s", "session"), "×", lambda v: None),
         (f"for reading, not a target: batch {big}, 2 workers / P=2 calling a session",
          best(two, big) / limit(2, big, "rows_per_s", "session"), "×", lambda v: None),
+        # The 60 µs above is absolute, and hosts behind the same name have differed 3-4x in
+        # it; the issue set it at a third of the P=2 call's CPU then (0.18 ms).
+        ("for reading, not a target: the front door's CPU per batch-1 Predict (as above) / "
+         "the in-process call's (P=2)",
+         front_door_batch_1 / limit(2, 1, "cpu_us_per_call"), "×", lambda v: None),
     ]  # fmt: skip
     return {
         "targets": [

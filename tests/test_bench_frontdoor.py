@@ -134,7 +134,7 @@ REPORT = {
         {**_window("plain TF gRPC (1 process)", 256, 4, 800, 0, 0, 1.0), "cpu_us": {"server": 9}},
     ],
     "inprocess": [
-        _inprocess(1, 1, 4000, 0.3, 250),
+        _inprocess(1, 1, 4000, 0.3, 350),  # P=1 costs more per call than P=2 here
         _inprocess(2, 1, 5000, 0.3, 250),
         _inprocess(2, 256, 200000, 2.0, 2000),
         # Processes calling a session: beside the limit, never in a target.
@@ -162,6 +162,10 @@ def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
     reading = "for reading, not a target: batch {}, 2 workers / P=2 calling a session"
     assert got[reading.format(1)] == (0.15, None)  # 3000 / 20000
     assert got[reading.format(256)] == (0.72, None)  # 179200 / 250000
+    assert got["for reading, not a target: the front door's CPU per batch-1 Predict"] == (
+        0.2,
+        None,
+    )  # 50 / 250, P=2's call
     text = frontdoor.render(report, frontdoor.draw(report, tmp_path / "fd.png"))
     assert (tmp_path / "fd.png").read_bytes()[:4] == b"\x89PNG"
     assert text.startswith(frontdoor.BEGIN_MARK) and text.endswith(frontdoor.END_MARK + "\n")
