@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a request may send nothing while the front door waits for more of it "
         "(its body, or a REST request's header; an idle REST connection too): it is ended and "
-        "what it held is freed (0: wait for ever; default %(default)s)",
+        "what it held is freed; and seconds a gRPC answer may wait without its client taking "
+        "any of it: its connection is closed (0: wait for ever; default %(default)s)",
     )
     start.add_argument(
         "--drain-timeout",

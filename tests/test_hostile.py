@@ -468,3 +468,107 @@ def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_
         for sock in sockets:
             sock.close()
         pool.kill()
+
+
+def build_big_answer_model(base: Path) -> Path:
+    """A model whose answer is large from a tiny request: `x` ([None] float32) → `out`, x[0]
+    float32 values (an 8 MB answer for x = [2e6])."""
+
+    class BigAnswer(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def serve(self, x):
+            return {"out": tf.zeros([tf.cast(x[0], tf.int32)], tf.float32) + x[0]}
+
+    module = BigAnswer()
+    tf.saved_model.save(module, str(base / "1"), signatures={"serving_default": module.serve})
+    return base
+
+
+def _asking_for(values: int) -> bytes:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([values], np.float32)))
+    return request.SerializeToString()
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def _h2_unread_predicts(port: int, message: bytes, count: int) -> socket.socket:
+    """A raw HTTP/2 connection that grants no window for answers (SETTINGS_INITIAL_WINDOW_SIZE
+    0) and sends `count` Predicts of `message` on it; the caller never reads it."""
+
+    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, no indexing, no Huffman
+        return b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    head = b"".join(
+        literal(name, value)
+        for name, value in [
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", PREDICT.encode()),
+            (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]
+    )  # fmt: skip
+    body = b"\0" + len(message).to_bytes(4, "big") + message
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, (4).to_bytes(2, "big") + bytes(4))
+    )
+    sock.sendall(_h2_frame(4, 1, 0, b""))  # the server's settings, acknowledged
+    for i in range(count):
+        sock.sendall(_h2_frame(1, 4, 2 * i + 1, head) + _h2_frame(0, 1, 2 * i + 1, body))
+    return sock
+
+
+def test_answers_a_client_does_not_take_count_and_its_connection_is_closed(
+    tmp_path: Path,
+) -> None:
+    """A client that takes none of its answers (it grants no HTTP/2 window) cannot fill the
+    front door with them: the answers count against the memory budget until they are handed
+    over, answers past it are refused with RESOURCE_EXHAUSTED, and after --request-read-timeout
+    without progress the connection is closed and the memory given back. Before, a connection
+    held every answer it asked for (1.6 GB for 200 answers of 8 MB, hyper's stream limit) and
+    nothing counted them."""
+    # Long enough for the worker to make the 36 answers (~2 s here) and the checks below,
+    # with room to spare on a slow machine: the clock starts at the first answer.
+    stall_s = 12
+    args = ("--max-message-bytes", str(64 << 20), "--request-read-timeout", str(stall_s))
+    pool = Pool(tmp_path, build_big_answer_model(tmp_path / "big"), 1, *args)
+    sockets: list[socket.socket] = []
+    try:
+        pool.start().wait_ready(1)
+        [worker] = pool.worker_pids()
+        big, answer_mib = _asking_for(2_000_000), 2_000_000 * 4 / 2**20
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            predict = channel.unary_unary(PREDICT)
+            assert len(predict(big, timeout=60)) > 8_000_000
+            _wait_for_memory(pool, 0, 0.001)  # a taken answer holds nothing
+            # 36 answers of 7.6 MiB asked for and never taken: 33 fit the 256 MiB budget (each
+            # counted whole: hyper has polled its first piece, but it is still in the front door).
+            sockets.append(_h2_unread_predicts(pool.port, big, 36))
+            held = _wait_for_memory(pool, 33 * answer_mib, 256)
+            # Meanwhile a big answer has no room: refused; a small one is not counted.
+            with pytest.raises(grpc.RpcError) as refused:
+                predict(big, timeout=60)
+            said = refused.value.details()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, said
+            assert "answers not yet taken" in said and "256 MiB allowed" in said, said
+            assert len(predict(_asking_for(10), timeout=30)) < 1000
+            # Nothing moved for the stall limit: the connection is closed, the memory freed.
+            sockets[0].settimeout(30)
+            with contextlib.suppress(ConnectionResetError):
+                while sockets[0].recv(65536):
+                    pass
+            _wait_for_memory(pool, 0, 0.001)
+            assert len(predict(big, timeout=60)) > 8_000_000, held
+        assert pool.worker_pids() == [worker], "no worker was replaced"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        for sock in sockets:
+            sock.close()
+        pool.kill()

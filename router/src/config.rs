@@ -72,7 +72,9 @@ pub struct Config {
     #[serde(default = "default_worker_timeout")]
     pub worker_timeout_s: f64,
     /// `--request-read-timeout`: how long a request may send nothing while the front door
-    /// waits for more of it, its body (request_body) or a REST request's header (0: for ever).
+    /// waits for more of it, its body (request_body) or a REST request's header, and how long
+    /// a gRPC answer may wait without moving (its client taking none of it) before its
+    /// connection is closed (answer_body) (0: for ever).
     #[serde(default = "default_request_read_timeout")]
     pub request_read_timeout_s: f64,
     #[serde(default = "default_shutdown_delay")]

@@ -301,6 +301,11 @@ pub fn install(budget: Arc<RequestBudget>) -> Arc<RequestBudget> {
     installed().clone()
 }
 
+/// The budget gRPC requests (and their answers) are held to.
+pub fn budget() -> &'static RequestBudget {
+    installed()
+}
+
 fn installed() -> &'static Arc<RequestBudget> {
     BUDGET.get_or_init(|| Arc::new(RequestBudget::new(request_budget::BUDGET_MIN)))
 }
@@ -338,6 +343,14 @@ pub fn hand_over_gathered(held: Held) {
         Some(earlier) => earlier.merge(held),
         slot @ None => *slot = Some(held),
     });
+}
+
+/// The share the request being served holds for its decoded form, taken from it (its answer
+/// takes it over: `answer_body::hold_answer`); None outside a request or when it holds none.
+pub fn take_request_share() -> Option<Held> {
+    HELD.try_with(|share| share.borrow_mut().take())
+        .ok()
+        .flatten()
 }
 
 fn take_gathered() -> Option<Held> {

@@ -465,7 +465,19 @@ impl PredictionService for Api {
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
             .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
-            .await;
+            .await
+            .and_then(|response| {
+                // Held until its client takes it (answer_body); refused when there is no room.
+                // Until it is encoded its decoded tensors are what it takes, if more.
+                let decoded: usize = response
+                    .outputs
+                    .values()
+                    .map(crate::decode_budget::tensor_memory)
+                    .sum();
+                let encoded = prost::Message::encoded_len(&response);
+                crate::answer_body::hold_answer(encoded.max(decoded))?;
+                Ok(response)
+            });
         finish(result, &mut guard)
     }
 

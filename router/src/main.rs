@@ -5,6 +5,7 @@
 //! pool's supervisord; configured by the pool's `pool.json`; watched by the controller over
 //! the control channel.
 
+mod answer_body;
 mod batch;
 mod codec;
 mod config;

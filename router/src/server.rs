@@ -26,6 +26,7 @@ use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 use tower::ServiceExt;
 
+use crate::answer_body::{answering, AnswerWatch};
 use crate::grpc::Api;
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionServiceServer;
@@ -199,11 +200,13 @@ impl Server {
                         }
                     };
                     let _ = stream.set_nodelay(true);
-                    let service = connection_service(&routes, &reading, stream.peer_addr().ok());
+                    let watch = AnswerWatch::new(reading.stall);
+                    let service = connection_service(&routes, &reading, stream.peer_addr().ok(), &watch);
                     tokio::spawn(serve_accepted(
                         stream,
                         tls.clone(),
                         service,
+                        watch,
                         max_connection_age,
                         shutdown_rx.clone(),
                         done_tx.clone(),
@@ -236,8 +239,9 @@ impl Server {
                 accepted = listener.accept() => {
                     if let Ok((stream, _)) = accepted {
                         let _ = stream.set_nodelay(true);
-                        let service = connection_service(&routes, &reading, stream.peer_addr().ok());
-                        tokio::spawn(serve_accepted(stream, tls.clone(), service, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
+                        let watch = AnswerWatch::new(reading.stall);
+                    let service = connection_service(&routes, &reading, stream.peer_addr().ok(), &watch);
+                        tokio::spawn(serve_accepted(stream, tls.clone(), service, watch, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
                     }
                 }
                 accepted = accept_rest(&rest) => {
@@ -328,12 +332,14 @@ impl Peer {
 }
 
 /// One connection's gRPC service: each call tagged with the peer, its body read as
-/// `reading` says (request_body), and holding its request's share of the request budget
-/// until it ends (decode_budget).
+/// `reading` says (request_body), holding its request's share of the request budget until it
+/// ends (decode_budget), and its answer's until the answer is handed over, the answers
+/// watched by `watch` (answer_body).
 fn connection_service(
     routes: &tonic::service::Routes,
     reading: &Reading,
     peer: Option<std::net::SocketAddr>,
+    watch: &AnswerWatch,
 ) -> TowerToHyperService<
     impl tower::Service<
             http::Request<hyper::body::Incoming>,
@@ -346,11 +352,17 @@ fn connection_service(
         > + Clone
         + Send,
 > {
+    let answers = watch.answers.clone();
     TowerToHyperService::new(
         routes
             .clone()
             .map_request(prepare_call(reading.clone(), peer))
-            .map_future(crate::decode_budget::holding_request_memory),
+            .map_future(move |call| {
+                answering(
+                    crate::decode_budget::holding_request_memory(call),
+                    answers.clone(),
+                )
+            }),
     )
 }
 
@@ -383,6 +395,7 @@ async fn serve_accepted<S>(
     stream: tokio::net::TcpStream,
     tls: Option<tokio_rustls::TlsAcceptor>,
     service: S,
+    answers: AnswerWatch,
     max_age: Option<Duration>,
     ending: watch::Receiver<Ending>,
     done: mpsc::Sender<()>,
@@ -396,13 +409,15 @@ async fn serve_accepted<S>(
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let Some(tls) = tls else {
-        return serve_connection(stream, service, max_age, ending, done).await;
+        return serve_connection(stream, service, Some(answers), max_age, ending, done).await;
     };
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "?".to_string(), |a| a.to_string());
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
-        Ok(Ok(stream)) => serve_connection(stream, service, max_age, ending, done).await,
+        Ok(Ok(stream)) => {
+            serve_connection(stream, service, Some(answers), max_age, ending, done).await
+        }
         Ok(Err(error)) => log_warn!("TLS handshake with {peer} failed: {error}"),
         Err(_) => log_warn!("TLS handshake with {peer} timed out"),
     }
@@ -411,6 +426,7 @@ async fn serve_accepted<S>(
 async fn serve_connection<I, S>(
     stream: I,
     service: S,
+    answers: Option<AnswerWatch>,
     max_age: Option<Duration>,
     mut ending: watch::Receiver<Ending>,
     _done: mpsc::Sender<()>,
@@ -431,16 +447,41 @@ async fn serve_connection<I, S>(
     builder
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_frame_size(MAX_FRAME);
+        .max_frame_size(MAX_FRAME)
+        // What h2 queues of a stream's answer beyond what its client takes (answer_body hands
+        // it over in pieces of PIECE): two pieces, not h2's 400 KiB.
+        .max_send_buf_size(2 * crate::answer_body::PIECE);
+    if let Some(limit) = answers.as_ref().and_then(|watch| watch.limit) {
+        // A client that stops reading its socket answers no ping: closed after the limit, with
+        // whatever h2 had queued for it.
+        builder.keep_alive_interval(limit).keep_alive_timeout(limit);
+    }
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     let mut age = Age::new(max_age);
     let timer = tokio::time::sleep_until(age.next_deadline(tokio::time::Instant::now()));
     tokio::pin!(timer);
     let mut going_away = false;
+    // A connection whose answers stopped moving is closed: hyper does not poll their bodies
+    // while the client grants no window, so nothing else would end them.
+    let period = answers.as_ref().and_then(AnswerWatch::period);
+    let mut looks = tokio::time::interval(period.unwrap_or(Duration::from_secs(3600)));
+    looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = &mut connection => return,
+            now = looks.tick(), if period.is_some() => {
+                if let Some(AnswerWatch { answers, limit: Some(limit) }) = &answers {
+                    if answers.stalled(now, *limit) {
+                        log_warn!(
+                            "closed a gRPC connection: an answer on it had not moved for {} s, \
+                             its client taking none of it (--request-read-timeout)",
+                            limit.as_secs_f64()
+                        );
+                        return;
+                    }
+                }
+            },
             _ = &mut timer, if max_age.is_some() => match age.expired() {
                 AgeStep::GoAway => {
                     if !going_away {
@@ -642,7 +683,7 @@ mod tests {
             let service = hyper::service::service_fn(|_request| {
                 std::future::pending::<Result<http::Response<tonic::body::Body>, Infallible>>()
             });
-            serve_connection(stream, service, max_age, ending_rx, done_tx).await;
+            serve_connection(stream, service, None, max_age, ending_rx, done_tx).await;
         });
         let started = Instant::now();
         let stream = TcpStream::connect(address).await.unwrap();
@@ -651,6 +692,54 @@ mod tests {
             ending_tx,
             server,
         )
+    }
+
+    /// A connection served with `watch`, whose calls never answer: how long until it closed.
+    async fn watched(watch: AnswerWatch) -> (tokio::task::JoinHandle<Duration>, TcpStream) {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (ending_tx, ending_rx) = watch::channel(Ending::No);
+            let (done_tx, _done_rx) = mpsc::channel(1);
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = hyper::service::service_fn(|_request| {
+                std::future::pending::<Result<http::Response<tonic::body::Body>, Infallible>>()
+            });
+            let started = Instant::now();
+            serve_connection(stream, service, Some(watch), None, ending_rx, done_tx).await;
+            drop(ending_tx);
+            started.elapsed()
+        });
+        (server, TcpStream::connect(address).await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_answer_stops_moving_is_closed_after_the_limit() {
+        let limit = Duration::from_millis(400);
+        let watch = AnswerWatch::new(Some(limit));
+        let (server, _client) = watched(watch.clone()).await;
+        // An answer its client takes none of (hyper would not poll it without window).
+        let budget = crate::request_budget::RequestBudget::new(1 << 20);
+        let stuck = crate::answer_body::AnswerBody::new(
+            http_body_util::Empty::<bytes::Bytes>::new(),
+            budget.try_reserve(1).unwrap(),
+            watch.answers.clone(),
+        );
+        let closed = tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the connection was not closed")
+            .unwrap();
+        assert!(closed >= limit, "closed after {closed:?}");
+        assert!(closed < limit * 3, "closed after {closed:?}");
+        drop(stuck);
+    }
+
+    #[tokio::test]
+    async fn a_connection_without_waiting_answers_is_left_open() {
+        let watch = AnswerWatch::new(Some(Duration::from_millis(100)));
+        let (server, _client) = watched(watch).await;
+        let waited = tokio::time::timeout(Duration::from_millis(800), server).await;
+        assert!(waited.is_err(), "closed with no answer waiting");
     }
 
     #[test]
