@@ -81,33 +81,20 @@ fn take_over(
             ),
         ));
     }
-    let have = request_budget::share_bytes(carried.as_ref());
-    match carried {
-        Some(carried) if have >= bytes => Ok(request_budget::keep(carried, bytes)),
-        carried => {
-            let more = budget.try_reserve(bytes - have).ok_or_else(|| {
-                ServingError::new(
-                    Code::ResourceExhausted,
-                    format!(
-                        "answers not yet taken by their clients and requests being served hold \
-                         {} MiB of the front door's memory, and this answer ({} MiB) would pass \
-                         the {} MiB allowed for all of them at once (4 times \
-                         --max-message-bytes, at least 256); try again later",
-                        budget.held_bytes() >> 20,
-                        bytes.div_ceil(1 << 20),
-                        budget.bytes() >> 20
-                    ),
-                )
-            })?;
-            Ok(match carried {
-                Some(mut carried) => {
-                    carried.merge(more);
-                    carried
-                }
-                None => more,
-            })
-        }
-    }
+    request_budget::resize(carried, bytes, budget).ok_or_else(|| {
+        ServingError::new(
+            Code::ResourceExhausted,
+            format!(
+                "answers not yet taken by their clients and requests being served hold {} MiB \
+                 of the front door's memory, and this answer ({} MiB) would pass the {} MiB \
+                 allowed for all of them at once (4 times --max-message-bytes, at least 256); \
+                 try again later",
+                budget.held_bytes() >> 20,
+                bytes.div_ceil(1 << 20),
+                budget.bytes() >> 20
+            ),
+        )
+    })
 }
 
 /// `call` (a gRPC call's future, inside `decode_budget::holding_request_memory`), its answer's

@@ -403,36 +403,22 @@ pub fn admit(
     if cost < UNCOUNTED_BYTES {
         return Ok(None);
     }
-    let carried_bytes = request_budget::share_bytes(carried.as_ref());
-    let carried = match carried {
-        Some(carried) if carried_bytes >= cost => {
-            return Ok(Some(request_budget::keep(carried, cost)))
-        }
-        carried => carried,
-    };
     // Waiting is not an option here (decoding is synchronous), so a request that finds too
     // little free is refused, as a full queue refuses one, and may be sent again.
-    let more = budget
-        .try_reserve(cost - carried_bytes)
-        .map(|more| match carried {
-            Some(mut carried) => {
-                carried.merge(more);
-                carried
-            }
-            None => more,
-        });
-    more.map(Some).ok_or_else(|| {
-        Status::resource_exhausted(format!(
-            "requests being served (or a REST body waiting) hold {} MiB of the front door's \
+    request_budget::resize(carried, cost, budget)
+        .map(Some)
+        .ok_or_else(|| {
+            Status::resource_exhausted(format!(
+                "requests being served (or a REST body waiting) hold {} MiB of the front door's \
              memory, and decoding this one ({} bytes, about {} MiB) would pass the {} MiB \
              allowed for all of them at once (4 times --max-message-bytes, at least 256); try \
              again later",
-            budget.held_bytes() >> 20,
-            wire.len(),
-            cost.div_ceil(1 << 20),
-            budget.bytes() >> 20
-        ))
-    })
+                budget.held_bytes() >> 20,
+                wire.len(),
+                cost.div_ceil(1 << 20),
+                budget.bytes() >> 20
+            ))
+        })
 }
 
 /// prost's codec, with each request checked against the decode budget first.

@@ -136,6 +136,26 @@ pub fn keep(mut held: Held, bytes: usize) -> Held {
     held
 }
 
+/// `carried` (what a request held so far, if anything) made a share of `bytes`: trimmed, or
+/// topped up from `budget` without waiting; None when the budget has not the room (`carried`
+/// is given back then).
+pub fn resize(carried: Option<Held>, bytes: usize, budget: &RequestBudget) -> Option<Held> {
+    let have = share_bytes(carried.as_ref());
+    match carried {
+        Some(carried) if have >= bytes => Some(keep(carried, bytes)),
+        carried => {
+            let more = budget.try_reserve(bytes - have)?;
+            Some(match carried {
+                Some(mut carried) => {
+                    carried.merge(more);
+                    carried
+                }
+                None => more,
+            })
+        }
+    }
+}
+
 /// The bytes `held` holds (whole KiB); 0 for none.
 pub fn share_bytes(held: Option<&Held>) -> usize {
     held.map_or(0, |held| held.num_permits().saturating_mul(UNIT))
