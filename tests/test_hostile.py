@@ -275,9 +275,10 @@ def test_requests_held_at_once_share_the_front_doors_memory_budget(tmp_path: Pat
             refused = first.exception()
             assert isinstance(refused, grpc.RpcError), refused
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
-            # Five held (5 x 45.8 MiB) and the REST request's share.
+            # The others held what left this one no room: more than 256 - 46 MiB. Not yet all
+            # five whole: their bytes count as they arrive, and one may still be arriving.
             said = re.search(r"hold (\d+) MiB of the front door's memory", refused.details())
-            assert said and 5 * 45.7 <= int(said[1]) < 256, refused.details()
+            assert said and 256 - 47 <= int(said[1]) < 256, refused.details()
             assert "256 MiB allowed" in refused.details(), refused.details()
             held = _wait_for_memory(pool, 5 * 45.5, 256)
             assert sum(c.done() for c in calls) == 1, f"{held:.0f} MiB held"
