@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
         "clients balancing across pods find new ones (default 0: never)",
     )
     start.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="client connections the front door keeps open at once, gRPC and REST together; "
+        "more are closed as they come (an HTTP/2 GOAWAY or a 503 saying why), and the limit "
+        "is held under what the front door's open-file limit leaves for the pool's own "
+        "sockets (0: only that; default %(default)s)",
+    )
+    start.add_argument(
         "--port", type=int, default=8500, help="gRPC port (default %(default)s; 0 picks a free one)"
     )
     start.add_argument(
@@ -535,6 +544,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             prometheus_path_from(args.monitoring_config_file) if args.monitoring_config_file else ""
         ),
         max_connection_age_s=args.max_connection_age,
+        max_connections=args.max_connections,
         worker_timeout_s=args.worker_timeout,
         call_timeout_s=args.call_timeout,
         request_read_timeout_s=args.request_read_timeout,

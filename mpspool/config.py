@@ -209,6 +209,11 @@ class PoolConfig:
     # Close client connections after this long (0: never), so clients balancing over
     # several pods re-resolve and find new ones; in-flight calls get the same again to end.
     max_connection_age_s: float = 0.0
+    # Client connections the front door keeps open at once, gRPC and REST together (0: as
+    # many as its open-file limit allows after a reserve for the pool's own sockets; it holds
+    # any value under that too). Each holds a descriptor and buffers no budget counts: 300
+    # idle ones against a limit of 256 kept a restarted worker from connecting.
+    max_connections: int = 1024
     # A worker silent this long is declared dead by the router (its requests are retried
     # elsewhere) and replaced by the controller.
     worker_timeout_s: float = 3.0
@@ -523,6 +528,11 @@ class PoolConfig:
         if not 1024 <= self.max_message_bytes < 2**31:
             raise ConfigError(
                 f"--max-message-bytes must be in 1024..2147483647, got {self.max_message_bytes}"
+            )
+        if self.max_connections < 0:
+            raise ConfigError(
+                f"--max-connections must be >= 0 (0: as the open-file limit allows), "
+                f"got {self.max_connections}"
             )
         if self.rest_api_timeout_ms < 0:
             raise ConfigError(

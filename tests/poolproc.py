@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -43,8 +44,12 @@ class Pool:
         workers: int = 2,
         *extra: str,
         run_dir: Path | None = None,
+        open_files: int | None = None,
     ) -> None:
         self.tmp = tmp
+        # The pool's limit on open files (soft and hard, so no process of it can raise it), as
+        # a container's would be; None: this process's.
+        self.open_files = open_files
         # Short paths: ipc:// endpoints are unix socket paths (≤ 107 bytes).
         self.run_dir = run_dir or Path(f"/tmp/mpt-{os.getpid()}-{tmp.name[-12:]}")
         self.log_dir = tmp / "logs"
@@ -83,12 +88,19 @@ class Pool:
         # repository's supervisor/ folder must not shadow supervisord's package. Its own
         # process group, as a shell starts a job: a terminal's Ctrl-C (ctrl_c) is a signal
         # to that group.
+        limit = self.open_files
+
+        def limit_open_files() -> None:
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen(
             mpspool_cmd(*self.args),
             cwd=self.tmp,
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
+            preexec_fn=limit_open_files if limit is not None else None,
         )
         return self
 

@@ -1767,6 +1767,15 @@ def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):
         config.validate()
 
 
+def test_a_negative_connection_limit_is_refused():
+    config = PoolConfig(
+        model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
+        workers=1, max_connections=-1,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--max-connections must be >= 0"):
+        config.validate()
+
+
 def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
     make_pool: Callable[..., Pool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

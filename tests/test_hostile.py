@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -573,3 +575,160 @@ def test_answers_a_client_does_not_take_count_and_its_connection_is_closed(
         for sock in sockets:
             sock.close()
         pool.kill()
+
+
+def _metric(pool: Pool, name: str) -> float:
+    """One unlabelled metric of the front door's Prometheus page."""
+    page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
+    [line] = [x for x in page.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def _wait_for_metric(pool: Pool, name: str, want: float, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := _metric(pool, name)) != want:
+        assert time.monotonic() < deadline, f"{name} {seen}, not {want}"
+        time.sleep(0.1)
+
+
+def _until_closed(sock: socket.socket, timeout: float = 20.0) -> bytes:
+    """Everything the server sends on `sock` until it closes the connection."""
+    sock.settimeout(timeout)
+    said = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            said += chunk
+    return said
+
+
+def _own_connection(pool: Pool) -> grpc.Channel:
+    """A channel with a connection of its own (gRPC shares one between channels with the same
+    target and options otherwise)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    return grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options)
+
+
+def _predict_through(channel: grpc.Channel) -> None:
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    answer = stub.Predict(_good(), timeout=30)
+    np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
+
+
+def test_connections_past_the_limit_are_refused_saying_why_and_silent_ones_closed(
+    tmp_path: Path,
+) -> None:
+    """--max-connections holds the client connections open at once, gRPC and REST together:
+    past it a gRPC connection gets the server's SETTINGS and a GOAWAY (ENHANCE_YOUR_CALM)
+    whose debug text says why, a REST one a 503 in TF Serving's error shape, and both are
+    closed, while the connections already open are served as before; a place is given back
+    when a connection closes. A connection whose client sends no HTTP/2 preface is closed
+    after --request-read-timeout: before, hyper waited for ever, and such connections could
+    hold every place."""
+    args = ("--max-connections", "4", "--request-read-timeout", "3")
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 1, *args)
+    channels: list[grpc.Channel] = []
+    try:
+        pool.start().wait_ready(1)
+        for _ in range(4):
+            channels.append(_own_connection(pool))
+            _predict_through(channels[-1])
+        _wait_for_metric(pool, "mpspool_client_connections", 4)
+        assert _metric(pool, "mpspool_client_connections_limit") == 4
+        # A fifth gRPC connection is told why and closed at once.
+        started = time.monotonic()
+        said = _until_closed(socket.create_connection(("127.0.0.1", pool.port)))
+        assert time.monotonic() - started < 5, "closed at once, not after a timeout"
+        assert said[3] == 0x4 and said[9 + 3] == 0x7, f"SETTINGS then GOAWAY: {said[:24]!r}"
+        assert said[9 + 13 : 9 + 17] == (0xB).to_bytes(4, "big"), "ENHANCE_YOUR_CALM"
+        assert b"4 client connections open" in said and b"--max-connections" in said, said
+        # So is a REST one, with a 503 in TF Serving's error shape.
+        rest = subprocess.run(
+            ["curl", "-s", "-w", "\n%{http_code}", f"{pool.rest_url}/v1/models/demo"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        body, code = rest.stdout.rsplit("\n", 1)
+        assert code == "503", rest.stdout
+        assert "--max-connections" in json.loads(body)["error"], body
+        assert _metric(pool, "mpspool_client_connections_refused_total") >= 2
+        # The connections already open are served as before.
+        for channel in channels:
+            _predict_through(channel)
+        # A connection that closes gives its place back.
+        channels.pop().close()
+        _wait_for_metric(pool, "mpspool_client_connections", 3)
+        with _own_connection(pool) as channel:
+            _predict_through(channel)
+        _wait_for_metric(pool, "mpspool_client_connections", 3)
+        # A client that sends nothing holds its place for the read timeout only.
+        silent = socket.create_connection(("127.0.0.1", pool.port))
+        started = time.monotonic()
+        _wait_for_metric(pool, "mpspool_client_connections", 4)
+        assert _until_closed(silent) == b"", "closed without a word: it never spoke HTTP/2"
+        waited = time.monotonic() - started
+        assert 2.5 < waited < 10, f"closed after {waited:.1f} s, the limit being 3 s"
+        _wait_for_metric(pool, "mpspool_client_connections", 3)
+        silent.close()
+        assert "sent no HTTP/2 preface within 3 s" in (pool.log_dir / "router.log").read_text()
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        for channel in channels:
+            channel.close()
+        pool.kill()
+
+
+def test_a_flood_of_connections_leaves_the_pool_the_descriptors_to_replace_a_worker(
+    tmp_path: Path,
+) -> None:
+    """The connection limit is held under what the front door's open-file limit leaves for the
+    pool's own sockets. Measured before: 300 idle connections against a limit of 256 took
+    every descriptor, and a worker started in place of one killed could not connect (STARTING
+    for as long as the flood lasted; the log took an "accept failed" line every 50 ms). Here
+    the pool runs under a limit of 1,024 open files (supervisord's minimum): the front door
+    keeps fewer than 1,024 - 256 connections, refuses the rest of a flood of 1,100, and a killed
+    worker's replacement connects and serves."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    flood = 1100
+    if hard < flood + 100:
+        pytest.skip(f"this process may open {hard} files, the flood needs {flood + 100}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, flood + 100), hard))
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 2, open_files=1024)
+    sockets: list[socket.socket] = []
+    try:
+        pool.start().wait_ready(2)
+        with _own_connection(pool) as channel:
+            _predict_through(channel)
+            most = _metric(pool, "mpspool_client_connections_limit")
+            assert 1024 - 256 - 64 < most <= 1024 - 256, most
+            for _ in range(flood):
+                sockets.append(socket.create_connection(("127.0.0.1", pool.port)))
+            _wait_for_metric(pool, "mpspool_client_connections", most)
+            assert _metric(pool, "mpspool_client_connections_refused_total") >= flood + 1 - most
+            killed = pool.worker_pids()[0]
+            os.kill(killed, signal.SIGKILL)
+            pool.wait_for(
+                lambda status: (
+                    sum(s["state"] == "READY" for s in status["slots"]) == 2
+                    and killed not in [s["pid"] for s in status["slots"]]
+                ),
+                timeout=60,
+                what="the killed worker replaced and READY",
+            )
+            # READY is the controller's word; the front door must have taken its connection.
+            _wait_for_metric(pool, "mpspool_workers_ready", 2)
+            for _ in range(4):  # both workers, whichever the front door picks
+                _predict_through(channel)
+        # Not a descriptor ran out: without the limit below them, accepting workers and
+        # clients failed every 50-100 ms, and a replacement got in only when a scrape of the
+        # metrics happened to free one.
+        log = (pool.log_dir / "router.log").read_text()
+        assert "Too many open files" not in log, log[-2000:]
+        for sock in sockets:
+            sock.close()
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        for sock in sockets:
+            sock.close()
+        pool.kill()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

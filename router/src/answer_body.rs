@@ -4,8 +4,8 @@
 //! hyper hands an answer's body to h2 only while its stream has flow-control window (it polls
 //! one frame ahead and keeps it), so a client that grants no window leaves every answer it
 //! asked for in the front door: measured with an 8 MB answer and a client whose stream
-//! windows were 0, one connection held 1.6 GB (hyper's 200 streams), and nothing bounds the
-//! connections. Here:
+//! windows were 0, one connection held 1.6 GB (hyper's 200 streams), and a client may open
+//! many connections (up to `--max-connections`, connection_limit.rs). Here:
 //! - an answer (`hold_answer`, called as a Predict returns) takes over its request's share of
 //!   the budget, trimmed or topped up to the answer's size (its encoded bytes, or its decoded
 //!   tensors' if more), and is refused with RESOURCE_EXHAUSTED when the budget has not the room

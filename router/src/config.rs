@@ -69,6 +69,10 @@ pub struct Config {
     pub signature_method_name_check: bool,
     #[serde(default)]
     pub max_connection_age_s: f64,
+    /// `--max-connections`: client connections open at once, gRPC and REST together (0: as
+    /// many as the descriptors allow); connection_limit.rs.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
     #[serde(default = "default_worker_timeout")]
     pub worker_timeout_s: f64,
     /// `--request-read-timeout`: how long a request may send nothing while the front door
@@ -128,6 +132,10 @@ fn default_rest_api_port() -> i32 {
 fn default_rest_api_timeout_ms() -> u64 {
     30_000
 }
+fn default_max_connections() -> usize {
+    1024
+}
+
 fn default_worker_timeout() -> f64 {
     3.0
 }

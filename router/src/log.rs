@@ -2,7 +2,44 @@
 //! the Python processes of the pool use: `2026-11-22 10:43:00,123 router INFO message`.
 //! Four macros and no logging crate: the front door logs events, never per request.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Events that may come in floods (connections refused or closed unstarted), logged the
+/// first time and then at most once per `Throttle::EVERY`, each line with the count since the
+/// last.
+pub struct Throttle {
+    /// When the last line was written (None: never), and the events not yet in a line.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    pub const EVERY: Duration = Duration::from_secs(10);
+
+    pub const fn new() -> Throttle {
+        Throttle {
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Counts one event at `now`; Some(events since the last line, this one included) when a
+    /// line should be written now.
+    pub fn note(&self, now: Instant) -> Option<u64> {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (last, pending) = &mut *state;
+        *pending += 1;
+        match *last {
+            Some(at) if now.saturating_duration_since(at) < Self::EVERY => None,
+            _ => {
+                *last = Some(now);
+                Some(std::mem::take(pending))
+            }
+        }
+    }
+}
 
 /// UTC `YYYY-MM-DD HH:MM:SS,mmm` (days-from-civil arithmetic, no time-zone database needed).
 pub fn timestamp() -> String {
@@ -44,6 +81,21 @@ macro_rules! log_error { ($($arg:tt)*) => { $crate::log_at!("ERROR", $($arg)*) }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_lets_the_first_event_through_then_one_line_per_period_with_the_count() {
+        let throttle = Throttle::new();
+        let start = Instant::now();
+        assert_eq!(throttle.note(start), Some(1));
+        for second in 1..=5 {
+            assert_eq!(throttle.note(start + Duration::from_secs(second)), None);
+        }
+        assert_eq!(throttle.note(start + Throttle::EVERY), Some(6));
+        assert_eq!(throttle.note(start + Throttle::EVERY), None);
+        assert_eq!(throttle.note(start + 3 * Throttle::EVERY), Some(2));
+    }
+
     #[test]
     fn timestamps_have_the_python_shape() {
         let t = super::timestamp();

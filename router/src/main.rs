@@ -9,6 +9,7 @@ mod answer_body;
 mod batch;
 mod codec;
 mod config;
+mod connection_limit;
 mod control;
 mod decode_budget;
 mod dispatch;
@@ -18,6 +19,7 @@ mod json_tensor;
 mod log;
 mod metrics;
 mod policies;
+mod preface;
 mod proto;
 mod reload;
 mod request_body;
@@ -139,6 +141,29 @@ fn main() -> ExitCode {
     runtime.block_on(serve(config))
 }
 
+/// `--max-connections`, held under what this process's descriptors allow (its soft limit
+/// raised to the hard one first), logged when that is less than asked.
+fn connections_allowed(config: &Config) -> usize {
+    let descriptors = match connection_limit::raise_descriptor_limit() {
+        Ok(descriptors) => descriptors,
+        Err(error) => {
+            log_warn!("cannot read the limit on open files: {error}");
+            return config.max_connections.max(1);
+        }
+    };
+    let open = connection_limit::open_descriptors().unwrap_or(64);
+    let allowed = connection_limit::connections_allowed(config.max_connections, descriptors, open);
+    if config.max_connections == 0 || allowed < config.max_connections {
+        log_info!(
+            "client connections: at most {allowed} at once (--max-connections {}; {descriptors} \
+             open files allowed, {open} open, {} kept for workers and the rest)",
+            config.max_connections,
+            connection_limit::RESERVED_DESCRIPTORS
+        );
+    }
+    allowed
+}
+
 async fn serve(config: Config) -> ExitCode {
     let (state, drains) = RouterState::new();
     let state = Arc::new(state);
@@ -178,6 +203,7 @@ async fn serve(config: Config) -> ExitCode {
         .map(|a| a.port())
         .unwrap_or(config.port);
     server::record_port(&state, port);
+    let connections = connection_limit::ConnectionLimit::new(connections_allowed(&config));
     // One budget for every request's memory, gRPC and REST alike (request_budget).
     let request_memory = Arc::new(request_budget::RequestBudget::new(
         request_budget::budget_bytes(config.max_message_bytes),
@@ -188,6 +214,7 @@ async fn serve(config: Config) -> ExitCode {
         dispatcher.copied_weights(),
         state.clone(),
         request_memory.clone(),
+        connections.clone(),
     ));
     if let Ok(metrics_port) = u16::try_from(config.metrics_port) {
         let bound = metrics::serve(metrics.clone(), &config.host, metrics_port).await;
@@ -210,6 +237,7 @@ async fn serve(config: Config) -> ExitCode {
         request_memory: request_memory.clone(),
         max_connection_age: (!age.is_zero()).then_some(age),
         request_read_timeout: (!read_timeout.is_zero()).then_some(read_timeout),
+        connections,
     };
     let rest = match u16::try_from(config.rest_api_port) {
         Err(_) => None, // -1: off

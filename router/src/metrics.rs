@@ -15,6 +15,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::connection_limit::ConnectionLimit;
 use crate::request_budget::RequestBudget;
 use crate::state::RouterState;
 use crate::status::Code;
@@ -135,6 +136,8 @@ pub struct Metrics {
     state: Arc<RouterState>,
     /// What requests hold of the front door's memory budget, and the budget.
     request_memory: Arc<RequestBudget>,
+    /// Client connections open, their limit, and those refused for it.
+    connections: Arc<ConnectionLimit>,
 }
 
 /// Counts a request as in flight until dropped; `finish` records its code and latency.
@@ -179,6 +182,7 @@ impl Metrics {
         copied: watch::Receiver<BTreeMap<String, u64>>,
         state: Arc<RouterState>,
         request_memory: Arc<RequestBudget>,
+        connections: Arc<ConnectionLimit>,
     ) -> Metrics {
         Metrics {
             tf_serving: TfServingMetrics::following(models.clone()),
@@ -191,6 +195,7 @@ impl Metrics {
             copied,
             state,
             request_memory,
+            connections,
         }
     }
 
@@ -293,6 +298,24 @@ impl Metrics {
         out.push_str(&format!(
             "mpspool_request_memory_limit_bytes {}\n",
             self.request_memory.bytes()
+        ));
+        out.push_str("# HELP mpspool_client_connections Client connections open now, gRPC and REST together.\n");
+        out.push_str("# TYPE mpspool_client_connections gauge\n");
+        out.push_str(&format!(
+            "mpspool_client_connections {}\n",
+            self.connections.open()
+        ));
+        out.push_str("# HELP mpspool_client_connections_limit The most kept open at once (--max-connections, held under what the front door's open-file limit allows); more are closed as they come.\n");
+        out.push_str("# TYPE mpspool_client_connections_limit gauge\n");
+        out.push_str(&format!(
+            "mpspool_client_connections_limit {}\n",
+            self.connections.most()
+        ));
+        out.push_str("# HELP mpspool_client_connections_refused_total Connections closed as they came because the limit was reached.\n");
+        out.push_str("# TYPE mpspool_client_connections_refused_total counter\n");
+        out.push_str(&format!(
+            "mpspool_client_connections_refused_total {}\n",
+            self.connections.refused()
         ));
         out.push_str("# HELP mpspool_workers_ready Workers registered and receiving requests.\n");
         out.push_str("# TYPE mpspool_workers_ready gauge\n");
@@ -453,6 +476,7 @@ mod tests {
             copied,
             Arc::new(state),
             test_budget(),
+            ConnectionLimit::new(16),
         );
         for ms in [0, 3, 3, 40, 9000] {
             metrics.record(Method::Predict, Code::Ok, Duration::from_millis(ms));
@@ -505,6 +529,7 @@ mod tests {
             copied,
             Arc::new(state),
             test_budget(),
+            ConnectionLimit::new(16),
         );
         let request = metrics.start(Method::GetModelStatus);
         assert!(metrics
@@ -532,14 +557,18 @@ mod tests {
         let copied = BTreeMap::from([("cpu-0".to_string(), 0u64), ("cpu-1".to_string(), 8)]);
         let (_copied_tx, copied) = watch::channel(copied);
         let budget = test_budget();
+        let connections = ConnectionLimit::new(2);
         let metrics = Metrics::new(
             models_of("demo"),
             ready,
             copied,
             Arc::new(state),
             budget.clone(),
+            connections.clone(),
         );
         let _held = budget.try_reserve(3 << 10).expect("room");
+        let _open = [connections.admit(), connections.admit()];
+        assert!(connections.admit().is_none());
         {
             let mut request = metrics.start(Method::Predict);
             request.set_code(Code::Ok);
@@ -572,5 +601,8 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("mpspool_request_memory_limit_bytes 268435456\n"));
+        assert!(text.contains("mpspool_client_connections 2\n"), "{text}");
+        assert!(text.contains("mpspool_client_connections_limit 2\n"));
+        assert!(text.contains("mpspool_client_connections_refused_total 1\n"));
     }
 }

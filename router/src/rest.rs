@@ -756,7 +756,11 @@ pub async fn serve_connection(
     stream: tokio::net::TcpStream,
     rest: Arc<Rest>,
     mut ending: tokio::sync::watch::Receiver<crate::server::Ending>,
-    _done: tokio::sync::mpsc::Sender<()>,
+    // The drain's count and the connection's place under --max-connections, until it ends.
+    _held: (
+        tokio::sync::mpsc::Sender<()>,
+        crate::connection_limit::Admitted,
+    ),
 ) {
     use crate::server::Ending;
     let stall = rest.reading.stall;

@@ -5,7 +5,9 @@
 //! finished" is the receiver returning None (tokio's mini-redis pattern). A connection older
 //! than `max_connection_age` is ended gracefully (GOAWAY; its calls get the same again to
 //! finish, then it is closed), so clients balancing over several pods find new ones: grpc's
-//! max_connection_age with max_connection_age_grace equal to it.
+//! max_connection_age with max_connection_age_grace equal to it. A connection past
+//! `--max-connections` is refused as it comes (connection_limit), and one whose client sends
+//! no HTTP/2 preface within the read timeout is closed (preface).
 //!
 //! Phases, one writer (`set_phase`): SERVING → DRAINING (health NOT_SERVING, still answering
 //! for `delay` so load balancers notice; then no new connections, in-flight calls get
@@ -27,7 +29,10 @@ use tonic_health::ServingStatus;
 use tower::ServiceExt;
 
 use crate::answer_body::{answering, AnswerWatch};
+use crate::connection_limit::{self, Admitted, ConnectionLimit};
 use crate::grpc::Api;
+use crate::log::Throttle;
+use crate::preface::{self, Rewound};
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionServiceServer;
 
@@ -58,8 +63,10 @@ pub struct Limits {
     /// None: connections live as long as their clients keep them.
     pub max_connection_age: Option<Duration>,
     /// How long a request may send nothing while the front door waits for more of it (None:
-    /// for ever); REST's header too.
+    /// for ever); REST's header too, and a gRPC connection's preface (preface.rs).
     pub request_read_timeout: Option<Duration>,
+    /// Client connections open at once (`--max-connections`).
+    pub connections: Arc<ConnectionLimit>,
 }
 
 /// What the lifecycle tells every connection.
@@ -92,6 +99,8 @@ pub struct Server {
     routes: tonic::service::Routes,
     /// How each call's body is read (request_body).
     reading: Reading,
+    /// Client connections open at once, gRPC and REST together (connection_limit).
+    connections: Arc<ConnectionLimit>,
 }
 
 impl Server {
@@ -141,6 +150,7 @@ impl Server {
             health,
             routes,
             reading,
+            connections: limits.connections,
         }
     }
 
@@ -161,6 +171,7 @@ impl Server {
             health,
             routes,
             reading,
+            connections,
         } = self;
         let mut terminate =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -185,36 +196,23 @@ impl Server {
         ));
         let (shutdown_tx, shutdown_rx) = watch::channel(Ending::No);
         let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+        let accepting = Accepting {
+            tls,
+            routes,
+            reading,
+            max_connection_age,
+            connections,
+            ending: shutdown_rx,
+            done: done_tx,
+        };
         let mut drains_open = true;
 
         let (drain, cause) = loop {
             tokio::select! {
-                accepted = listener.accept() => {
-                    let (stream, _) = match accepted {
-                        Ok(accepted) => accepted,
-                        Err(error) => {
-                            // EMFILE and friends: back off a little rather than spin.
-                            log_warn!("accept failed: {error}");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let watch = AnswerWatch::new(reading.stall);
-                    let service = connection_service(&routes, &reading, stream.peer_addr().ok(), &watch);
-                    tokio::spawn(serve_accepted(
-                        stream,
-                        tls.clone(),
-                        service,
-                        watch,
-                        max_connection_age,
-                        shutdown_rx.clone(),
-                        done_tx.clone(),
-                    ));
-                }
+                accepted = listener.accept() => accepting.grpc(accepted).await,
                 accepted = accept_rest(&rest) => {
                     if let Some((stream, handler)) = accepted {
-                        tokio::spawn(rest::serve_connection(stream, handler, shutdown_rx.clone(), done_tx.clone()));
+                        accepting.rest(stream, handler);
                     }
                 }
                 request = drains.recv(), if drains_open => match request {
@@ -236,17 +234,10 @@ impl Server {
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => break,
-                accepted = listener.accept() => {
-                    if let Ok((stream, _)) = accepted {
-                        let _ = stream.set_nodelay(true);
-                        let watch = AnswerWatch::new(reading.stall);
-                    let service = connection_service(&routes, &reading, stream.peer_addr().ok(), &watch);
-                        tokio::spawn(serve_accepted(stream, tls.clone(), service, watch, max_connection_age, shutdown_rx.clone(), done_tx.clone()));
-                    }
-                }
+                accepted = listener.accept() => accepting.grpc(accepted).await,
                 accepted = accept_rest(&rest) => {
                     if let Some((stream, handler)) = accepted {
-                        tokio::spawn(rest::serve_connection(stream, handler, shutdown_rx.clone(), done_tx.clone()));
+                        accepting.rest(stream, handler);
                     }
                 }
             }
@@ -254,7 +245,7 @@ impl Server {
         drop(listener); // no new connections
         drop(rest);
         let _ = shutdown_tx.send(Ending::Gracefully);
-        drop(done_tx);
+        drop(accepting); // its `done` sender: the connections' are the only ones left
         if tokio::time::timeout(drain.grace, done_rx.recv())
             .await
             .is_err()
@@ -280,6 +271,89 @@ impl Server {
     }
 }
 
+/// What serving a connection just accepted needs, for the accept loops (the only holder):
+/// dropped when the listeners are, its `done` sender with it.
+struct Accepting {
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    routes: tonic::service::Routes,
+    reading: Reading,
+    max_connection_age: Option<Duration>,
+    connections: Arc<ConnectionLimit>,
+    ending: watch::Receiver<Ending>,
+    done: mpsc::Sender<()>,
+}
+
+/// Failed accepts (EMFILE and friends) come in floods too.
+static ACCEPT_FAILURES: Throttle = Throttle::new();
+
+impl Accepting {
+    /// Serves a gRPC connection the listener gave, or refuses it at the limit; after a failed
+    /// accept, backs off a little rather than spin.
+    async fn grpc(&self, accepted: std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)>) {
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
+                    log_warn!("accept failed ({count} since the last line): {error}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return;
+            }
+        };
+        let Some(admitted) = self.connections.admit() else {
+            // Plain words would be noise to a TLS client: it is only closed.
+            let words = match self.tls {
+                None => connection_limit::grpc_refusal(self.connections.most()),
+                Some(_) => Vec::new(),
+            };
+            self.refuse(stream, &words);
+            return;
+        };
+        let _ = stream.set_nodelay(true);
+        let watch = AnswerWatch::new(self.reading.stall);
+        let service =
+            connection_service(&self.routes, &self.reading, stream.peer_addr().ok(), &watch);
+        tokio::spawn(serve_accepted(
+            stream,
+            self.tls.clone(),
+            service,
+            watch,
+            self.max_connection_age,
+            self.reading.stall,
+            self.ending.clone(),
+            (self.done.clone(), admitted),
+        ));
+    }
+
+    /// Serves a REST connection, or refuses it at the limit.
+    fn rest(&self, stream: tokio::net::TcpStream, handler: Arc<Rest>) {
+        let Some(admitted) = self.connections.admit() else {
+            self.refuse(
+                stream,
+                &connection_limit::rest_refusal(self.connections.most()),
+            );
+            return;
+        };
+        tokio::spawn(rest::serve_connection(
+            stream,
+            handler,
+            self.ending.clone(),
+            (self.done.clone(), admitted),
+        ));
+    }
+
+    fn refuse(&self, stream: tokio::net::TcpStream, words: &[u8]) {
+        if let Some(count) = self.connections.refusals_to_log(std::time::Instant::now()) {
+            log_warn!(
+                "refused {count} client connection(s) since the last line: {} are open, the \
+                 most kept at once (--max-connections)",
+                self.connections.most()
+            );
+        }
+        connection_limit::refuse(stream, words);
+    }
+}
+
 /// The next REST connection (None after a failed accept, which is logged and slowed down);
 /// never ready when the REST API is off.
 async fn accept_rest(
@@ -294,7 +368,9 @@ async fn accept_rest(
             Some((stream, handler.clone()))
         }
         Err(error) => {
-            log_warn!("REST accept failed: {error}");
+            if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
+                log_warn!("REST accept failed ({count} since the last line): {error}");
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
             None
         }
@@ -390,15 +466,19 @@ fn prepare_call(
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves an accepted connection, after its TLS handshake when the port has TLS (a failed
-/// handshake ends only that connection, logged as a warning).
+/// handshake ends only that connection, logged as a warning) and once its client has sent
+/// HTTP/2's preface within `start_limit` (`preface`). `held` (the drain's count and the
+/// connection's place under the limit) is kept until the connection ends.
+#[allow(clippy::too_many_arguments)]
 async fn serve_accepted<S>(
     stream: tokio::net::TcpStream,
     tls: Option<tokio_rustls::TlsAcceptor>,
     service: S,
     answers: AnswerWatch,
     max_age: Option<Duration>,
-    ending: watch::Receiver<Ending>,
-    done: mpsc::Sender<()>,
+    start_limit: Option<Duration>,
+    mut ending: watch::Receiver<Ending>,
+    held: (mpsc::Sender<()>, Admitted),
 ) where
     S: hyper::service::Service<
             http::Request<hyper::body::Incoming>,
@@ -408,18 +488,57 @@ async fn serve_accepted<S>(
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let (done, _admitted) = held;
     let Some(tls) = tls else {
-        return serve_connection(stream, service, Some(answers), max_age, ending, done).await;
+        if let Some(stream) = started(stream, start_limit, &mut ending).await {
+            serve_connection(stream, service, Some(answers), max_age, ending, done).await;
+        }
+        return;
     };
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "?".to_string(), |a| a.to_string());
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
         Ok(Ok(stream)) => {
-            serve_connection(stream, service, Some(answers), max_age, ending, done).await
+            if let Some(stream) = started(stream, start_limit, &mut ending).await {
+                serve_connection(stream, service, Some(answers), max_age, ending, done).await;
+            }
         }
         Ok(Err(error)) => log_warn!("TLS handshake with {peer} failed: {error}"),
         Err(_) => log_warn!("TLS handshake with {peer} timed out"),
+    }
+}
+
+/// Connections closed because their clients sent no preface in time come in floods too.
+static UNSTARTED: Throttle = Throttle::new();
+
+/// `stream` once its client has sent HTTP/2's preface; None (the connection to be closed)
+/// when `limit` passed first, the client closed, or the front door is ending.
+async fn started<I>(
+    stream: I,
+    limit: Option<Duration>,
+    ending: &mut watch::Receiver<Ending>,
+) -> Option<Rewound<I>>
+where
+    I: tokio::io::AsyncRead + Unpin,
+{
+    tokio::select! {
+        started = preface::read_start(stream, limit) => match started {
+            Ok(stream) => Some(stream),
+            Err(error) => {
+                if error.kind() == std::io::ErrorKind::TimedOut {
+                    if let Some(count) = UNSTARTED.note(std::time::Instant::now()) {
+                        log_warn!(
+                            "closed {count} gRPC connection(s) since the last line whose client \
+                             sent no HTTP/2 preface within {} s (--request-read-timeout)",
+                            limit.unwrap_or_default().as_secs_f64()
+                        );
+                    }
+                }
+                None
+            }
+        },
+        _ = ending.changed() => None,
     }
 }
 
