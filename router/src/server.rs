@@ -504,10 +504,24 @@ async fn serve_accepted<S>(
                 serve_connection(stream, service, Some(answers), max_age, ending, done).await;
             }
         }
-        Ok(Err(error)) => log_warn!("TLS handshake with {peer} failed: {error}"),
-        Err(_) => log_warn!("TLS handshake with {peer} timed out"),
+        Ok(Err(error)) => {
+            if let Some(count) = TLS_FAILURES.note(std::time::Instant::now()) {
+                log_warn!(
+                    "TLS handshake with {peer} failed ({count} since the last line): {error}"
+                );
+            }
+        }
+        Err(_) => {
+            if let Some(count) = TLS_FAILURES.note(std::time::Instant::now()) {
+                log_warn!("TLS handshake with {peer} timed out ({count} since the last line)");
+            }
+        }
     }
 }
+
+/// Failed TLS handshakes (a client without the right certificate, or a flood) are logged as
+/// refusals are.
+static TLS_FAILURES: Throttle = Throttle::new();
 
 /// Connections closed because their clients sent no preface in time come in floods too.
 static UNSTARTED: Throttle = Throttle::new();
