@@ -216,11 +216,33 @@ def test_good_requests_still_get_their_answer(pool: Pool) -> None:
     np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
 
 
+def _metric(pool: Pool, name: str) -> float:
+    """One unlabelled metric of the front door's Prometheus page."""
+    page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
+    [line] = [x for x in page.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def _wait_for_metric(pool: Pool, name: str, want: float, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := _metric(pool, name)) != want:
+        assert time.monotonic() < deadline, f"{name} {seen}, not {want}"
+        time.sleep(0.1)
+
+
+def _until_closed(sock: socket.socket, timeout: float = 20.0) -> bytes:
+    """Everything the server sends on `sock` until it closes the connection."""
+    sock.settimeout(timeout)
+    said = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            said += chunk
+    return said
+
+
 def _request_memory(pool: Pool) -> float:
     """The front door's mpspool_request_memory_bytes, in MiB."""
-    page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
-    [line] = [x for x in page.splitlines() if x.startswith("mpspool_request_memory_bytes ")]
-    return float(line.split()[1]) / (1 << 20)
+    return _metric(pool, "mpspool_request_memory_bytes") / (1 << 20)
 
 
 def _wait_for_memory(pool: Pool, low: float, high: float, timeout: float = 30.0) -> float:
@@ -562,10 +584,7 @@ def test_answers_a_client_does_not_take_count_and_its_connection_is_closed(
             assert "answers not yet taken" in said and "256 MiB allowed" in said, said
             assert len(predict(_asking_for(10), timeout=30)) < 1000
             # Nothing moved for the stall limit: the connection is closed, the memory freed.
-            sockets[0].settimeout(30)
-            with contextlib.suppress(ConnectionResetError):
-                while sockets[0].recv(65536):
-                    pass
+            _until_closed(sockets[0], timeout=30)
             _wait_for_memory(pool, 0, 0.001)
             assert len(predict(big, timeout=60)) > 8_000_000, held
         assert pool.worker_pids() == [worker], "no worker was replaced"
@@ -575,30 +594,6 @@ def test_answers_a_client_does_not_take_count_and_its_connection_is_closed(
         for sock in sockets:
             sock.close()
         pool.kill()
-
-
-def _metric(pool: Pool, name: str) -> float:
-    """One unlabelled metric of the front door's Prometheus page."""
-    page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
-    [line] = [x for x in page.splitlines() if x.startswith(name + " ")]
-    return float(line.split()[1])
-
-
-def _wait_for_metric(pool: Pool, name: str, want: float, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (seen := _metric(pool, name)) != want:
-        assert time.monotonic() < deadline, f"{name} {seen}, not {want}"
-        time.sleep(0.1)
-
-
-def _until_closed(sock: socket.socket, timeout: float = 20.0) -> bytes:
-    """Everything the server sends on `sock` until it closes the connection."""
-    sock.settimeout(timeout)
-    said = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := sock.recv(65536):
-            said += chunk
-    return said
 
 
 def _own_connection(pool: Pool) -> grpc.Channel:
