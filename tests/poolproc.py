@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -88,19 +87,14 @@ class Pool:
         # repository's supervisor/ folder must not shadow supervisord's package. Its own
         # process group, as a shell starts a job: a terminal's Ctrl-C (ctrl_c) is a signal
         # to that group.
-        limit = self.open_files
-
-        def limit_open_files() -> None:
-            if limit is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
+        # prlimit (util-linux) rather than a preexec_fn: this process has gRPC's threads.
+        limit = [] if self.open_files is None else ["prlimit", f"--nofile={self.open_files}", "--"]
         self.proc = subprocess.Popen(
-            mpspool_cmd(*self.args),
+            [*limit, *mpspool_cmd(*self.args)],
             cwd=self.tmp,
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
-            preexec_fn=limit_open_files if limit is not None else None,
         )
         return self
 

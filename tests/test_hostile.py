@@ -631,7 +631,8 @@ def test_connections_past_the_limit_are_refused_saying_why_and_silent_ones_close
         assert _metric(pool, "mpspool_client_connections_limit") == 4
         # A fifth gRPC connection is told why and closed at once.
         started = time.monotonic()
-        said = _until_closed(socket.create_connection(("127.0.0.1", pool.port)))
+        with socket.create_connection(("127.0.0.1", pool.port)) as refused:
+            said = _until_closed(refused)
         assert time.monotonic() - started < 5, "closed at once, not after a timeout"
         assert said[3] == 0x4 and said[9 + 3] == 0x7, f"SETTINGS then GOAWAY: {said[:24]!r}"
         assert said[9 + 13 : 9 + 17] == (0xB).to_bytes(4, "big"), "ENHANCE_YOUR_CALM"
@@ -687,7 +688,9 @@ def test_a_flood_of_connections_leaves_the_pool_the_descriptors_to_replace_a_wor
     if hard < flood + 100:
         pytest.skip(f"this process may open {hard} files, the flood needs {flood + 100}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, flood + 100), hard))
-    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 2, open_files=1024)
+    # The flood's connections send nothing: a long read timeout keeps them for the whole test.
+    args = ("--request-read-timeout", "600")
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 2, *args, open_files=1024)
     sockets: list[socket.socket] = []
     try:
         pool.start().wait_ready(2)

@@ -179,14 +179,31 @@ fn refusal_text(most: usize) -> String {
     )
 }
 
+/// The most of what a refused client already sent that is read before its connection is
+/// closed (the accept loop does it inline: a client streaming bytes must not hold it).
+const REFUSED_READ_BYTES: usize = 64 << 10;
+
 /// Closes a connection refused for the limit, after telling its client why when the words
-/// fit its socket's buffer at once (a fresh socket's always do); what the client sent is
-/// read first when it is there, so the close is a FIN, not a reset that could overtake them.
+/// fit its socket's buffer at once (a fresh socket's always do). Before the close, what the
+/// client has already sent is read (up to `REFUSED_READ_BYTES`), so that the close is a FIN
+/// rather than a reset that could overtake the words; what it sends later still meets a
+/// reset. Done on the plain socket, taken from tokio's reactor: tokio's own try_write and
+/// try_read answer WouldBlock without a system call until the reactor has seen the socket
+/// ready, which before tokio 1.54 it had not for a socket fresh from accept.
 pub fn refuse(stream: tokio::net::TcpStream, words: &[u8]) {
-    let _ = stream.try_write(words);
-    let mut scratch = [0u8; 1024];
-    while matches!(stream.try_read(&mut scratch), Ok(n) if n > 0) {}
-    drop(stream);
+    use std::io::{Read, Write};
+    let Ok(mut stream) = stream.into_std() else {
+        return; // dropped: closed without a word
+    };
+    let _ = stream.write(words);
+    let mut scratch = [0u8; 16 << 10];
+    let mut read = 0;
+    while read < REFUSED_READ_BYTES {
+        match stream.read(&mut scratch) {
+            Ok(n) if n > 0 => read += n,
+            _ => break, // the end, nothing more for now (non-blocking), or an error
+        }
+    }
 }
 
 #[cfg(test)]

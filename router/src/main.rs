@@ -148,7 +148,11 @@ fn connections_allowed(config: &Config) -> usize {
         Ok(descriptors) => descriptors,
         Err(error) => {
             log_warn!("cannot read the limit on open files: {error}");
-            return config.max_connections.max(1);
+            // 0 asked for the descriptors' limit alone, and it is not known.
+            return match config.max_connections {
+                0 => usize::MAX,
+                wanted => wanted,
+            };
         }
     };
     let open = connection_limit::open_descriptors().unwrap_or(64);

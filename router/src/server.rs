@@ -283,8 +283,9 @@ struct Accepting {
     done: mpsc::Sender<()>,
 }
 
-/// Failed accepts (EMFILE and friends) come in floods too.
+/// Failed accepts (EMFILE and friends) come in floods too; one count per listener.
 static ACCEPT_FAILURES: Throttle = Throttle::new();
+static REST_ACCEPT_FAILURES: Throttle = Throttle::new();
 
 impl Accepting {
     /// Serves a gRPC connection the listener gave, or refuses it at the limit; after a failed
@@ -368,7 +369,7 @@ async fn accept_rest(
             Some((stream, handler.clone()))
         }
         Err(error) => {
-            if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
+            if let Some(count) = REST_ACCEPT_FAILURES.note(std::time::Instant::now()) {
                 log_warn!("REST accept failed ({count} since the last line): {error}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -527,7 +528,8 @@ static TLS_FAILURES: Throttle = Throttle::new();
 static UNSTARTED: Throttle = Throttle::new();
 
 /// `stream` once its client has sent HTTP/2's preface; None (the connection to be closed)
-/// when `limit` passed first, the client closed, or the front door is ending.
+/// when `limit` passed first, the client closed, or the drain's grace is over. A drain that
+/// starts meanwhile is left to `serve_connection`, which answers the preface with GOAWAY.
 async fn started<I>(
     stream: I,
     limit: Option<Duration>,
@@ -536,8 +538,11 @@ async fn started<I>(
 where
     I: tokio::io::AsyncRead + Unpin,
 {
-    tokio::select! {
-        started = preface::read_start(stream, limit) => match started {
+    let start = preface::read_start(stream, limit);
+    tokio::pin!(start);
+    loop {
+        tokio::select! {
+        started = &mut start => return match started {
             Ok(stream) => Some(stream),
             Err(error) => {
                 if error.kind() == std::io::ErrorKind::TimedOut {
@@ -552,7 +557,12 @@ where
                 None
             }
         },
-        _ = ending.changed() => None,
+        changed = ending.changed() => {
+            if changed.is_err() || *ending.borrow() == Ending::Now {
+                return None;
+            }
+        }
+        }
     }
 }
 
@@ -595,6 +605,15 @@ async fn serve_connection<I, S>(
     let timer = tokio::time::sleep_until(age.next_deadline(tokio::time::Instant::now()));
     tokio::pin!(timer);
     let mut going_away = false;
+    // A drain that began while the connection was being accepted (its change already seen).
+    match *ending.borrow_and_update() {
+        Ending::No => {}
+        Ending::Gracefully => {
+            going_away = true;
+            connection.as_mut().graceful_shutdown();
+        }
+        Ending::Now => return,
+    }
     // A connection whose answers stopped moving is closed: hyper does not poll their bodies
     // while the client grants no window, so nothing else would end them.
     let period = answers.as_ref().and_then(AnswerWatch::period);
@@ -873,6 +892,51 @@ mod tests {
         let (server, _client) = watched(watch).await;
         let waited = tokio::time::timeout(Duration::from_millis(800), server).await;
         assert!(waited.is_err(), "closed with no answer waiting");
+    }
+
+    #[tokio::test]
+    async fn a_drain_that_begins_during_the_preface_wait_leaves_the_connection_to_say_goaway() {
+        let (ending_tx, mut ending) = watch::channel(Ending::No);
+        let (mut client, server) = tokio::io::duplex(1024);
+        let waiting = tokio::spawn(async move {
+            let started = started(server, Some(Duration::from_secs(5)), &mut ending).await;
+            (started.is_some(), *ending.borrow_and_update())
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        ending_tx.send(Ending::Gracefully).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "still waiting for the preface");
+        client.write_all(PREFACE).await.unwrap();
+        let (started, ending) = waiting.await.unwrap();
+        assert!(started, "the preface came: served, to be told GOAWAY");
+        assert_eq!(ending, Ending::Gracefully);
+    }
+
+    #[tokio::test]
+    async fn the_drains_end_ends_the_preface_wait() {
+        let (ending_tx, mut ending) = watch::channel(Ending::Gracefully);
+        let (_client, server) = tokio::io::duplex(1024);
+        let waiting =
+            tokio::spawn(async move { started(server, None, &mut ending).await.is_some() });
+        let waiting_for_ever = tokio::spawn({
+            let mut ending = ending_tx.subscribe();
+            let (client, server) = tokio::io::duplex(1024);
+            async move {
+                let started = started(server, Some(Duration::from_secs(600)), &mut ending).await;
+                drop(client); // open, silent, until then
+                started.is_some()
+            }
+        });
+        // Without a limit nothing is awaited: served at once.
+        assert!(waiting.await.unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting_for_ever.is_finished());
+        ending_tx.send(Ending::Now).unwrap();
+        let started = tokio::time::timeout(Duration::from_secs(2), waiting_for_ever)
+            .await
+            .expect("ended at once")
+            .unwrap();
+        assert!(!started);
     }
 
     #[test]
