@@ -372,6 +372,8 @@ impl PeerOut {
 
 async fn accept_loop(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
     let mut connections: u64 = 0;
+    // A failure lasts as long as its cause (descriptors run out): one line per 10 s.
+    let failures = crate::log::Throttle::new();
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
@@ -380,7 +382,12 @@ async fn accept_loop(listener: UnixListener, events: mpsc::UnboundedSender<Event
             }
             Err(error) => {
                 // EMFILE and the like: wait instead of spinning; the listener stays.
-                crate::log_warn!("accepting a worker connection failed: {error}");
+                if let Some(count) = failures.note(std::time::Instant::now()) {
+                    crate::log_warn!(
+                        "accepting a worker connection failed ({count} since the last line): \
+                         {error}"
+                    );
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
