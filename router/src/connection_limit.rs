@@ -14,9 +14,6 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
-
-use crate::log::Throttle;
 
 /// Descriptors kept for the front door's own use beyond those open when the limit is set:
 /// every worker's connection (a GPU pod's 48 contexts, twice while a version replaces
@@ -29,8 +26,6 @@ pub struct ConnectionLimit {
     most: usize,
     open: AtomicUsize,
     refused: AtomicU64,
-    /// Refusals are logged as a flood of connections must not become a flood of lines.
-    warned: Throttle,
 }
 
 /// An admitted connection's place under the limit, given back when dropped (when its serving
@@ -52,7 +47,6 @@ impl ConnectionLimit {
             most: most.max(1),
             open: AtomicUsize::new(0),
             refused: AtomicU64::new(0),
-            warned: Throttle::new(),
         })
     }
 
@@ -86,12 +80,6 @@ impl ConnectionLimit {
     /// Connections refused since start.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
-    }
-
-    /// Whether the refusal just made should be logged now (`Throttle`): Some(refusals since
-    /// the last line) when it should.
-    pub fn refusals_to_log(&self, now: Instant) -> Option<u64> {
-        self.warned.note(now)
     }
 }
 

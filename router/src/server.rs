@@ -283,6 +283,9 @@ struct Accepting {
     done: mpsc::Sender<()>,
 }
 
+/// Connections refused for the limit come in floods: one line per `Throttle::EVERY`.
+static REFUSALS: Throttle = Throttle::new();
+
 /// Failed accepts (EMFILE and friends) come in floods too; one count per listener.
 static ACCEPT_FAILURES: Throttle = Throttle::new();
 static REST_ACCEPT_FAILURES: Throttle = Throttle::new();
@@ -344,7 +347,7 @@ impl Accepting {
     }
 
     fn refuse(&self, stream: tokio::net::TcpStream, words: &[u8]) {
-        if let Some(count) = self.connections.refusals_to_log(std::time::Instant::now()) {
+        if let Some(count) = REFUSALS.note(std::time::Instant::now()) {
             log_warn!(
                 "refused {count} client connection(s) since the last line: {} are open, the \
                  most kept at once (--max-connections)",
@@ -542,26 +545,27 @@ where
     tokio::pin!(start);
     loop {
         tokio::select! {
-        started = &mut start => return match started {
-            Ok(stream) => Some(stream),
-            Err(error) => {
-                if error.kind() == std::io::ErrorKind::TimedOut {
-                    if let Some(count) = UNSTARTED.note(std::time::Instant::now()) {
-                        log_warn!(
-                            "closed {count} gRPC connection(s) since the last line whose client \
-                             sent no HTTP/2 preface within {} s (--request-read-timeout)",
-                            limit.unwrap_or_default().as_secs_f64()
-                        );
+            started = &mut start => return match started {
+                Ok(stream) => Some(stream),
+                Err(error) => {
+                    if error.kind() == std::io::ErrorKind::TimedOut {
+                        if let Some(count) = UNSTARTED.note(std::time::Instant::now()) {
+                            log_warn!(
+                                "closed {count} gRPC connection(s) since the last line whose \
+                                 client sent no HTTP/2 preface within {} s \
+                                 (--request-read-timeout)",
+                                limit.unwrap_or_default().as_secs_f64()
+                            );
+                        }
                     }
+                    None
                 }
-                None
+            },
+            changed = ending.changed() => {
+                if changed.is_err() || *ending.borrow() == Ending::Now {
+                    return None;
+                }
             }
-        },
-        changed = ending.changed() => {
-            if changed.is_err() || *ending.borrow() == Ending::Now {
-                return None;
-            }
-        }
         }
     }
 }
