@@ -5,6 +5,8 @@ SignatureDefMap, heartbeats from the serving loop, one REPLY per REQUEST) for a 
 serving signature maps a float tensor `x` [-1, -1] to itself, and answers each request with
 its own tensor frames. `python -m bench.echo_worker RUN_DIR SLOT`; ``echo_pool`` starts the
 front door binary (`mpspool-router --run-dir DIR`, as the controller does) over N of them.
+``serve`` and ``worker_pool`` are the same loop and pool for other stand-ins
+(bench/gpu_pool.py's GPU workers).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import zmq
@@ -26,6 +29,7 @@ import zmq
 from bench.harness import REPO, Server
 from mpspool import dtypes, process, wire
 from mpspool.config import PoolConfig
+from mpspool.errors import Code
 from mpspool.protos import serving_pb2
 from mpspool.router import THREADS_ENV, binary_path, runtime_threads
 from mpspool.worker.dealer import Dealer
@@ -46,13 +50,22 @@ def signature_defs() -> bytes:
     return sigs.SerializeToString()
 
 
-def main(run_dir: str, slot: str) -> int:
+def serve(
+    run_dir: str,
+    slot: str,
+    model: str,
+    signatures: bytes,
+    answer: Callable[[dict[str, Any], list[memoryview]], tuple[list[Any], list[Any]]],
+) -> int:
+    """A worker's serving loop over the pool's socket: READY, heartbeats, and for each REQUEST
+    ``answer(header, tensor frames)`` -> (REPLY's tensor metas, its frames); a call that
+    raises is answered with ERROR (INTERNAL), as a worker answers a failed model call."""
     process.die_with_parent()
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     pid = os.getpid()
-    ready = [wire.pack(wire.Kind.READY, slot=slot, pid=pid, model=MODEL, version=1, weights=None),
-             signature_defs()]  # fmt: skip
+    ready = [wire.pack(wire.Kind.READY, slot=slot, pid=pid, model=model, version=1, weights=None),
+             signatures]  # fmt: skip
     sock = Dealer(
         wire.socket_path(run_dir, wire.WORKERS_ENDPOINT),
         wire.worker_identity(slot, pid),
@@ -66,8 +79,15 @@ def main(run_dir: str, slot: str) -> int:
             header = wire.unpack(frames[0])
             kind = wire.kind_of(header)
             if kind is wire.Kind.REQUEST:
-                head = wire.pack(wire.Kind.REPLY, id=header["id"], tensors=header["tensors"])
-                sock.send_multipart([head, *frames[1:]])
+                try:
+                    metas, out = answer(header, frames[1:])
+                except Exception as exc:
+                    message = f"{type(exc).__name__}: {exc}"
+                    sock.send(wire.pack(wire.Kind.ERROR, id=header["id"], code=Code.INTERNAL,
+                                        message=message))  # fmt: skip
+                else:
+                    head = wire.pack(wire.Kind.REPLY, id=header["id"], tensors=metas)
+                    sock.send_multipart([head, *out])
             elif kind is wire.Kind.REREGISTER:
                 sock.send_multipart(ready)
         if time.monotonic() >= next_beat:
@@ -78,13 +98,34 @@ def main(run_dir: str, slot: str) -> int:
     return 0
 
 
+def main(run_dir: str, slot: str) -> int:
+    return serve(run_dir, slot, MODEL, signature_defs(),
+                 lambda header, frames: (header["tensors"], frames))  # fmt: skip
+
+
 @contextlib.contextmanager
 def echo_pool(workers: int) -> Iterator[Server]:
     """The front door binary over ``workers`` echo workers, in a private run directory."""
+    with worker_pool(workers, MODEL, [sys.executable, "-m", "bench.echo_worker"]) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def worker_pool(
+    workers: int,
+    model: str,
+    command: Sequence[str],
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 30.0,
+    **settings: Any,
+) -> Iterator[Server]:
+    """The front door binary, as the controller starts it, over ``workers`` processes of
+    ``command RUN_DIR SLOT`` (run from the repository, with ``env``) serving ``model``;
+    ``settings``: the pool's other PoolConfig fields (batching, say)."""
     run_dir = Path(tempfile.mkdtemp(prefix="mpfd-"))  # 0700, and short: ipc:// paths in it
     config = PoolConfig(
-        model_name=MODEL, model_base_path=str(run_dir), model_version=1, run_dir=str(run_dir),
-        log_dir=str(run_dir), workers=workers, port=0, metrics_port=0,
+        model_name=model, model_base_path=str(run_dir), model_version=1, run_dir=str(run_dir),
+        log_dir=str(run_dir), workers=workers, port=0, metrics_port=0, **settings,
     )  # fmt: skip
     config.save(run_dir)
     procs: list[subprocess.Popen[bytes]] = []
@@ -99,19 +140,19 @@ def echo_pool(workers: int) -> Iterator[Server]:
             ))  # fmt: skip
         for slot in range(workers):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.echo_worker", str(run_dir), f"echo-{slot}"],
-                cwd=REPO, preexec_fn=process.die_with_parent_sigterm,
+                [*command, str(run_dir), f"{model}-{slot}"], cwd=REPO, env=env,
+                preexec_fn=process.die_with_parent_sigterm,
             ))  # fmt: skip
-        port, metrics_port = _wait_registered(run_dir, workers)
+        port, metrics_port = _wait_registered(run_dir, procs, ready_timeout_s)
         yield Server(
-            name=f"echo {workers}w",
+            name=f"{model} {workers}w",
             port=port,
             roles={
                 "front door": [psutil.Process(procs[0].pid)],
                 "workers": [psutil.Process(p.pid) for p in procs[1:]],
             },
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-            model=MODEL,
+            model=model,
         )
     finally:
         for proc in procs:
@@ -125,14 +166,21 @@ def echo_pool(workers: int) -> Iterator[Server]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _wait_registered(run_dir: Path, workers: int, timeout_s: float = 30.0) -> tuple[int, int]:
-    """Ask the front door's control channel until every echo worker is registered; its ports."""
+def _wait_registered(
+    run_dir: Path, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float
+) -> tuple[int, int]:
+    """Ask the front door's control channel until every worker is registered; its ports.
+    A process that ends meanwhile fails the wait at once."""
+    workers = len(procs) - 1
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(wire.endpoint(str(run_dir), wire.CONTROL_ENDPOINT))
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            ended = [(p.args, p.returncode) for p in procs if p.poll() is not None]
+            if ended:
+                raise RuntimeError(f"the pool in {run_dir} lost a process: {ended}")
             sock.send_multipart([b"", wire.pack(op="snapshot", n=1)])
             if sock.poll(500):
                 snap = wire.unpack(sock.recv_multipart()[-1])
@@ -141,7 +189,7 @@ def _wait_registered(run_dir: Path, workers: int, timeout_s: float = 30.0) -> tu
             time.sleep(0.1)
     finally:
         sock.close()
-    raise TimeoutError(f"the echo pool in {run_dir} did not come up in {timeout_s} s")
+    raise TimeoutError(f"the pool in {run_dir} did not come up in {timeout_s} s")
 
 
 if __name__ == "__main__":

@@ -25,20 +25,23 @@ import it indirectly:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import json
 import os
 import platform
 import select
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +58,25 @@ BEGIN = "<!-- gpu-mps:begin (written by bench/gpu_mps.py; edits here are lost) -
 END = "<!-- gpu-mps:end -->"
 
 
-# --- a client: one process, one context ---------------------------------------------------------
+# --- the model: what a worker's call does, in PyTorch ----------------------------------------
 
 
-def client_main(args: argparse.Namespace) -> int:
-    """Build the model on the GPU, warm up, say ready, wait for the start time, then run one
-    window per batch size; print the results and wait for "exit" on stdin (so that the
-    parent can ask the MPS daemon about this client while it is still connected)."""
+def demo_model_call(rows: int, seed: int, device_name: str = "cuda") -> Any:
+    """The demo model's shape on the GPU (``device_name``: "cpu" for a dry run), its weights
+    drawn from ``seed``: a function of (ids [b, 16] int64, dense [b, 13] float32), CPU
+    tensors, to the scores [b, 1] on the CPU, waiting for the GPU as a worker waits for its
+    answer."""
     import torch
     import torch.nn.functional as F
 
-    def say(message: dict[str, Any]) -> None:
-        print(json.dumps(message), flush=True)
-
-    batches = [int(b) for b in args.batches.split(",")]
-    device = torch.device("cuda")
-    generator = torch.Generator().manual_seed(args.seed)
+    device = torch.device(device_name)
+    generator = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        table = torch.empty(args.rows, EMBEDDING_DIM, device=device).normal_(0, 0.05)
+        # Drawn from the seed by a generator on the device, so that every process with one
+        # seed has the same weights (the pool's workers answer alike).
+        on_device = torch.Generator(device=device).manual_seed(seed)
+        table = torch.empty(rows, EMBEDDING_DIM, device=device)
+        table.normal_(0, 0.05, generator=on_device)
         sizes = (EMBEDDING_DIM + DENSE_FEATURES, *HIDDEN_UNITS, 1)
         layers = [
             (
@@ -91,6 +95,25 @@ def client_main(args: argparse.Namespace) -> int:
                 x = torch.relu(x) if i < len(layers) - 1 else torch.sigmoid(x)
             return x.cpu()  # waits for the GPU, as a worker waits for its answer
 
+    return call
+
+
+# --- a client: one process, one context ---------------------------------------------------------
+
+
+def client_main(args: argparse.Namespace) -> int:
+    """Build the model on the GPU, warm up, say ready, wait for the start time, then run one
+    window per batch size; print the results and wait for "exit" on stdin (so that the
+    parent can ask the MPS daemon about this client while it is still connected)."""
+    import torch
+
+    def say(message: dict[str, Any]) -> None:
+        print(json.dumps(message), flush=True)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    generator = torch.Generator().manual_seed(args.seed)
+    call = demo_model_call(args.rows, args.seed, args.device)
+
     inputs = {
         b: [
             (
@@ -104,7 +127,8 @@ def client_main(args: argparse.Namespace) -> int:
     for b in batches:
         for i in range(30):
             call(*inputs[b][i % INPUT_SETS])
-    free, total = torch.cuda.mem_get_info()
+    on_gpu = args.device == "cuda"
+    free, total = torch.cuda.mem_get_info() if on_gpu else (None, None)
     say({"ready": os.getpid(), "mem_get_info": [free, total]})
     start = float(json.loads(sys.stdin.readline())["start"])
     results = []
@@ -119,6 +143,8 @@ def client_main(args: argparse.Namespace) -> int:
                 t = time.perf_counter()
                 call(*inputs[b][len(latencies) % INPUT_SETS])
                 latencies.append(time.perf_counter() - t)
+                if args.gap_us:  # idle between calls, as a worker waits for its next request
+                    time.sleep(args.gap_us / 1e6)
         except Exception as exc:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         results.append(
@@ -171,6 +197,7 @@ class Clients:
     def __init__(self, args: argparse.Namespace, env: dict[str, str], k: int, batches: str):
         command = [sys.executable, "-m", "bench.gpu_mps", "--client", "--batches", batches]
         command += ["--rows", str(args.rows), "--window", str(args.window)]
+        command += ["--device", args.device, "--gap-us", str(args.gap_us)]
         self.processes = [
             subprocess.Popen(
                 [*command, "--seed", str(i)],
@@ -237,9 +264,25 @@ class UtilisationSampler:
         self.backend, self.uuid = backend, uuid
 
     def during(self, begin: float, end: float, every_s: float = 0.2) -> dict[str, float]:
-        samples = []
         time.sleep(max(0.0, begin - time.time()))
-        while time.time() < end:
+        return self.until(lambda: time.time() >= end, every_s)
+
+    @contextlib.contextmanager
+    def sampling(self, every_s: float = 0.2) -> Iterator[dict[str, float]]:
+        """Samples from a thread while the block runs; the dict yielded is filled at its end."""
+        done = threading.Event()
+        usage: dict[str, float] = {}
+        thread = threading.Thread(target=lambda: usage.update(self.until(done.is_set, every_s)))
+        thread.start()
+        try:
+            yield usage
+        finally:
+            done.set()
+            thread.join()
+
+    def until(self, stop: Callable[[], bool], every_s: float) -> dict[str, float]:
+        samples = []
+        while not stop():
             samples.append(self.backend.usage(self.uuid))
             time.sleep(every_s)
         if not samples:
@@ -324,22 +367,8 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
     from mpspool.mps import gpus
     from mpspool.mps.control import MpsDaemon, MpsError, fault_lines, find_control_binary
 
-    report: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python3", "-m", "bench.gpu_mps", *sys.argv[1:]]),
-        "cpus": os.cpu_count(),
-        "kernel": platform.release(),
-        "window_s": args.window,
-        "rows": args.rows,
-        "sets": [],
-        "failed": [],
-    }
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        query = "name,driver_version,compute_mode,memory.total"
-        report["nvidia_smi"] = subprocess.run(
-            [smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
+    report = {**run_header("bench.gpu_mps"), "window_s": args.window, "rows": args.rows,
+              "sets": [], "failed": []}  # fmt: skip
     save = _saver(args.json, report)
     backend = gpus.backend()  # NVML here; MPSPOOL_FAKE_GPUS for a dry run without a GPU
     run_dir = Path(tempfile.mkdtemp(prefix="mpspool-gpu-"))  # 0700, as the pool's run dir
@@ -420,14 +449,39 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
             run_sets(args, "plain", plain_env, sampler, report, save)
         report["xid_events_after"] = backend.xid_events()
     finally:
-        for daemon_process in daemons:
-            if daemon_process.poll() is None:
-                os.killpg(daemon_process.pid, signal.SIGKILL)
-                daemon_process.wait()
-        backend.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-        save()
+        end_run(daemons, backend, run_dir, save)
     return report
+
+
+def run_header(module: str) -> dict[str, Any]:
+    """When, how and where a GPU run ran."""
+    header: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["python3", "-m", module, *sys.argv[1:]]),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+    }
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = "name,driver_version,compute_mode,memory.total"
+        header["nvidia_smi"] = subprocess.run(
+            [smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    return header
+
+
+def end_run(
+    daemons: Sequence[subprocess.Popen[bytes]], backend: Any, run_dir: Path, save: Any
+) -> None:
+    """On every way out of a run: the daemons it started killed (their servers with them),
+    NVML closed, the run directory removed, the report saved."""
+    for daemon_process in daemons:
+        if daemon_process.poll() is None:
+            os.killpg(daemon_process.pid, signal.SIGKILL)
+            daemon_process.wait()
+    backend.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    save()
 
 
 def run_sets(
@@ -735,6 +789,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=4.0, help="seconds per window")
     parser.add_argument("--rows", type=int, default=ROWS, help="embedding rows (%(default)s)")
     parser.add_argument("--mps-control", help="the control binary (else PATH)")
+    parser.add_argument("--device", default="cuda", help="where the model runs (cpu: dry run)")
+    parser.add_argument(
+        "--gap-us", type=float, default=0.0,
+        help="each client sleeps this long after every call (p50/p99 still time the call)",
+    )  # fmt: skip
     parser.add_argument(
         "--plain-first", action="store_true", help="the sets without MPS before those with it"
     )

@@ -522,13 +522,16 @@ class Checker:
     """The Python client's correctness checks around every window: an answer with ``batch``
     rows, equal to the first answer any system gave for the same request key."""
 
-    def __init__(self) -> None:
+    def __init__(self, values: Callable[[Request, bytes], np.ndarray] | None = None) -> None:
+        """``values``: how an answer is read (answer_values, the official messages, unless a
+        machine without TensorFlow needs another reader)."""
         self.reference: dict[str, np.ndarray] = {}
+        self.values = values or answer_values
 
     def check(self, server: Server, request: Request) -> int:
         """Check one answer; its size in gRPC's framing (what h2load counts as DATA bytes)."""
         raw = call(server.target, request)
-        values = answer_values(request, raw)
+        values = self.values(request, raw)
         if values.shape[:1] != (request.batch,):
             raise RuntimeError(
                 f"{server.name}: answer of shape {values.shape} to a batch of {request.batch}"
@@ -608,6 +611,8 @@ def h2load(
     rps: float = 0.0,
     nice: int = 0,
     poisson_seed: int | None = None,
+    connections: int = MAX_CONNECTIONS,
+    threads: int = 1,
 ) -> Drive:
     """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams;
     with ``rps``, open loop: that many requests per second in all, whatever the answers do
@@ -617,7 +622,9 @@ def h2load(
     2026-11-24: bursts of 12-16 requests at 1,400 req/s, 87% of 1 ms bins empty), which
     queues a burst's last request behind the rest of it whatever the server does. ``nice``
     runs the client at that lower priority: on a machine whose cores the client shares with
-    the server, the nearest this can come to a client on another machine."""
+    the server, the nearest this can come to a client on another machine. gRPC's streams go
+    over at most ``connections`` connections, driven by ``threads`` h2load threads (more
+    than one only where the client has cores of its own)."""
     body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
@@ -629,7 +636,7 @@ def h2load(
         connections, streams = concurrency, 1
     else:
         protocol = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
-        connections = min(concurrency, MAX_CONNECTIONS)
+        connections = min(concurrency, connections)
         streams = max(1, concurrency // connections)
     if seed is not None:
         if request.protocol == "rest":
@@ -637,7 +644,7 @@ def h2load(
         # Every client replays the whole script: one connection carries all the arrivals.
         script = workdir / "arrivals.tsv"
         poisson_script(script, url, rps, duration_s, seed)
-        connections, streams = 1, concurrency
+        connections, streams, threads = 1, concurrency, 1
         pacing = [f"--timing-script-file={script}"]
     else:
         pacing = [f"--duration={int(duration_s * 1000)}ms"]
@@ -647,7 +654,7 @@ def h2load(
         shutil.which("h2load") or "h2load",
         f"--clients={connections}",
         f"--max-concurrent-streams={streams}",
-        "--threads=1", *pacing,
+        f"--threads={min(threads, connections)}", *pacing,
         f"--data={body_path}", f"--log-file={log_path}",
         *protocol,
         *([] if seed is not None else [url]),
@@ -705,16 +712,19 @@ def measure(
     warmup_s: float,
     workdir: Path,
     checker: Checker,
+    connections: int = MAX_CONNECTIONS,
+    client_threads: int = 1,
 ) -> dict[str, Any]:
     """A checked answer, a warm-up, the measured window, a checked answer: one table row.
 
     Raises if any request of the window failed, whatever h2load says."""
     answer_bytes = checker.check(server, request)
+    client = {"connections": connections, "threads": client_threads}
     if warmup_s > 0:
-        h2load(server.port, request, concurrency, warmup_s, workdir)
+        h2load(server.port, request, concurrency, warmup_s, workdir, **client)
     counts = request_counts(server.metrics_url) if server.metrics_url else {}
     cpu = {role: cpu_seconds(procs) for role, procs in server.roles.items()}
-    drive = h2load(server.port, request, concurrency, duration_s, workdir)
+    drive = h2load(server.port, request, concurrency, duration_s, workdir, **client)
     cpu = {role: cpu_seconds(procs) - cpu[role] for role, procs in server.roles.items()}
     problems = []
     if drive.done == 0:
