@@ -123,13 +123,14 @@ def worker_pool(
     ``command RUN_DIR SLOT`` (run from the repository, with ``env``) serving ``model``;
     ``settings``: the pool's other PoolConfig fields (batching, say)."""
     run_dir = Path(tempfile.mkdtemp(prefix="mpfd-"))  # 0700, and short: ipc:// paths in it
-    config = PoolConfig(
-        model_name=model, model_base_path=str(run_dir), model_version=1, run_dir=str(run_dir),
-        log_dir=str(run_dir), workers=workers, port=0, metrics_port=0, **settings,
-    )  # fmt: skip
-    config.save(run_dir)
     procs: list[subprocess.Popen[bytes]] = []
     try:
+        config = PoolConfig(
+            model_name=model, model_base_path=str(run_dir), model_version=1,
+            run_dir=str(run_dir), log_dir=str(run_dir), workers=workers, port=0,
+            metrics_port=0, **settings,
+        )  # fmt: skip
+        config.save(run_dir)
         # The front door's threads as a pool's controller gives them (cpusets.py decides).
         threads = runtime_threads(config.placement().front_door_threads)
         with open(run_dir / "router.log", "wb") as log:

@@ -194,10 +194,18 @@ def _quantile(samples: list[float], q: float) -> float | None:
 class Clients:
     """K client processes started together; each line they print is one JSON message."""
 
-    def __init__(self, args: argparse.Namespace, env: dict[str, str], k: int, batches: str):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        env: dict[str, str],
+        k: int,
+        batches: str,
+        gap_us: float | None = None,
+    ):
         command = [sys.executable, "-m", "bench.gpu_mps", "--client", "--batches", batches]
         command += ["--rows", str(args.rows), "--window", str(args.window)]
-        command += ["--device", args.device, "--gap-us", str(args.gap_us)]
+        gap = args.gap_us if gap_us is None else gap_us
+        command += ["--device", args.device, "--gap-us", str(gap)]
         self.processes = [
             subprocess.Popen(
                 [*command, "--seed", str(i)],
@@ -268,11 +276,18 @@ class UtilisationSampler:
         return self.until(lambda: time.time() >= end, every_s)
 
     @contextlib.contextmanager
-    def sampling(self, every_s: float = 0.2) -> Iterator[dict[str, float]]:
+    def sampling(self, every_s: float = 0.2) -> Iterator[dict[str, Any]]:
         """Samples from a thread while the block runs; the dict yielded is filled at its end."""
         done = threading.Event()
-        usage: dict[str, float] = {}
-        thread = threading.Thread(target=lambda: usage.update(self.until(done.is_set, every_s)))
+        usage: dict[str, Any] = {}
+
+        def sample() -> None:
+            try:
+                usage.update(self.until(done.is_set, every_s))
+            except Exception as exc:  # NVML failed: the window says so instead of a figure
+                usage["utilization_error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=sample)
         thread.start()
         try:
             yield usage
@@ -520,7 +535,7 @@ def fault_step(
     """Kill the MPS server under two busy clients: what the clients see, and whether the
     daemon's output carries a line the controller takes for a server fault."""
     seen_before = len(log_path.read_text(errors="replace"))
-    clients = Clients(args, env, 2, "1")
+    clients = Clients(args, env, 2, "1", gap_us=0.0)  # busy clients, whatever --gap-us says
     try:
         clients.read_each()
         start = clients.start()  # one window of batch 1; the server dies a third of the way

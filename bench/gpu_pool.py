@@ -101,7 +101,14 @@ class CallClock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.totals = {"calls": 0, "rows": 0, "call_s": 0.0, "call_cpu_s": 0.0}
-        threading.Thread(target=self._write_often, daemon=True).start()
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_often, daemon=True)
+        self._writer.start()
+
+    def close(self) -> None:
+        """The last totals written, and the writer ended (a worker's ends with it)."""
+        self._stop.set()
+        self._writer.join()
 
     def timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
         def timed_call(*args: Any) -> Any:
@@ -123,7 +130,10 @@ class CallClock:
         while True:
             partial.write_text(json.dumps(self.totals))  # one snapshot: a new dict per call
             os.replace(partial, self.path)
-            time.sleep(STATS_EVERY_S)
+            if self._stop.wait(STATS_EVERY_S):
+                partial.write_text(json.dumps(self.totals))
+                os.replace(partial, self.path)
+                return
 
 
 def worker_main(run_dir: str, slot: str, rows: int, device: str) -> int:
@@ -180,7 +190,7 @@ def predict_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> harn
             values, values.dtype.newbyteorder("<")
         ).tobytes()
     batch = len(next(iter(inputs.values())))
-    body = harness._frame(request.SerializeToString())
+    body = harness.grpc_frame(request.SerializeToString())
     return harness.Request(key, "tfserving", harness.PREDICT_PATH, body, batch)
 
 
@@ -247,21 +257,20 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
             sets += [("plain", k, plain_env) for k in args.no_mps]
             for mode, k, set_env in sets:
                 if mode == "plain" and daemon_process.poll() is None:
-                    daemon.quit()  # the sets without MPS run with no daemon at all
-                    report["daemon_exit"] = daemon_process.wait(15)
+                    quit_daemon(daemon, daemon_process, report)  # no daemon at all for these
                 mps = daemon if mode == "mps" else None
                 gpu_mps.run_sets(args, mode, set_env, sampler, report, save, mps, [k])
                 for batching in (False, True) if args.batching else (False,):
+                    record = {"mode": mode, "k": k, "batching": batching, "windows": []}
+                    report["pool"].append(record)
                     try:
-                        record = pool_set(args, k, set_env, sampler, mps, requests, checker,
-                                          Path(workdir), batching)  # fmt: skip
-                        report["pool"].append({"mode": mode, **record})
+                        pool_set(args, record, set_env, sampler, mps, requests, checker,
+                                 Path(workdir), save)  # fmt: skip
                     except Exception as exc:
                         report["failed"].append(f"pool {mode} k={k}: {type(exc).__name__}: {exc}")
                     save()
             if daemon_process.poll() is None:
-                daemon.quit()
-                report["daemon_exit"] = daemon_process.wait(15)
+                quit_daemon(daemon, daemon_process, report)
             if args.echo_workers:
                 report["echo"] = echo_ceiling(args, Path(workdir))
     except Exception as exc:
@@ -271,24 +280,34 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def quit_daemon(daemon: Any, process: subprocess.Popen[bytes], report: dict[str, Any]) -> None:
+    """`quit`, as the pool stops; how the daemon ended goes into the report."""
+    daemon.quit()
+    try:
+        report["daemon_exit"] = process.wait(15)
+    except subprocess.TimeoutExpired:
+        report["daemon_exit"] = "no exit 15 s after quit"  # end_run kills it
+
+
 def pool_set(
     args: argparse.Namespace,
-    k: int,
+    record: dict[str, Any],
     env: dict[str, str],
     sampler: gpu_mps.UtilisationSampler,
     daemon: Any,
     requests: dict[int, harness.Request],
     checker: harness.Checker,
     workdir: Path,
-    batching: bool = False,
-) -> dict[str, Any]:
-    """The front door over K stand-in workers, each batch size at K and 4K streams; with
-    ``daemon``, the workers are its MPS clients; with ``batching``, the front door merges
-    the requests waiting while each worker computes (--enable-batching)."""
+    save: Callable[[], None],
+) -> None:
+    """The front door over ``record["k"]`` stand-in workers, each batch size at K and 4K
+    streams, each window appended to ``record`` as it ends (a failure later keeps it); with
+    ``daemon``, the workers are its MPS clients; with ``record["batching"]``, the front door
+    merges the requests waiting while each worker computes (--enable-batching)."""
+    k = record["k"]
     command = [sys.executable, "-m", "bench.gpu_pool", "--worker", "--rows", str(args.rows),
                "--device", args.device]  # fmt: skip
-    record: dict[str, Any] = {"k": k, "batching": batching, "windows": []}
-    settings = BATCHING if batching else {}
+    settings = BATCHING if record["batching"] else {}
     stats_dir = Path(tempfile.mkdtemp(prefix="worker-stats-", dir=workdir))
     env = {**env, STATS_DIR_ENV: str(stats_dir)}
     with echo_worker.worker_pool(k, MODEL, command, env, WORKER_READY_S, **settings) as server:
@@ -304,19 +323,29 @@ def pool_set(
                                              args.warmup, workdir, checker)  # fmt: skip
                 time.sleep(2 * STATS_EVERY_S)
                 after = worker_counters(stats_dir, workers)
-                # Over the whole measure() (checks and warm-up too: the same load), per call.
-                calls = max(after["calls"] - before["calls"], 1)
-                window["worker_us_per_call"] = {
-                    key: (after[key] - before[key]) / calls * 1e6
-                    for key in after
-                    if key not in ("calls", "rows")
-                }
-                window["rows_per_call"] = (after["rows"] - before["rows"]) / calls
-                window.update(usage)
+                window.update(usage, **per_model_call(before, after, window["requests"] * batch))
                 record["windows"].append(window)
+                save()
                 print(f"pool k={k} b{batch} C{streams * k}: {window['rps']:,.0f} req/s",
                       file=sys.stderr, flush=True)  # fmt: skip
-    return record
+
+
+def per_model_call(
+    before: dict[str, float], after: dict[str, float], rows_answered: int
+) -> dict[str, Any]:
+    """The workers' counters over one measure() (its checks and warm-up too: the same load)
+    per model call. Counters that did not move as far as the window's answered rows (a
+    worker's stats file missing or stale) give None, not a figure."""
+    calls, rows = after["calls"] - before["calls"], after["rows"] - before["rows"]
+    if calls <= 0 or rows < rows_answered:
+        stale = f"{calls:g} calls, {rows:g} rows for {rows_answered} rows answered"
+        return {"worker_us_per_call": None, "rows_per_call": None, "worker_counters": stale}
+    per_call = {
+        key: (after[key] - before[key]) / calls * 1e6
+        for key in after
+        if key not in ("calls", "rows")
+    }
+    return {"worker_us_per_call": per_call, "rows_per_call": rows / calls}
 
 
 def echo_ceiling(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -372,14 +401,17 @@ def render(reports: Sequence[dict[str, Any]], gaps: Sequence[dict[str, Any]] = (
         "the same K and batch; p50/p99: h2load's per request (direct: each call, the median "
         "of the processes' medians, the worst process's p99); CPU per call: psutil user + "
         "system time of the process role over the window (workers: all K; direct: the K "
-        "processes); GPU %: NVML's utilisation, mean of samples every 0.2 s. *batching*: "
+        "processes); GPU %: NVML's utilisation, mean of samples every 0.2 s, for the pool over "
+        "the whole window with its checks and warm-up, for the direct processes inside their "
+        "window (so the pool's reads a little low). *batching*: "
         "the pool with `--enable-batching` (max_batch_size 64, no timeout: a batch is what "
         "waits while a worker computes). *Where a worker's CPU goes*: the serving thread's "
         "time inside the model call (PyTorch's call, the inputs copied from the socket's "
         "buffer to tensors and the answer back to numpy) and outside it (the loop: socket "
         "reads and writes, the wire protocol's headers and tensors), timed in the worker "
         "(`CallClock`) and from its threads' CPU times over each window with its checks and "
-        "warm-up; per model call, which with batching serves *rows per call* requests.",
+        "warm-up; per model call, which with batching serves *rows per call* rows (at batch 1, "
+        "that many requests).",
         "",
         END,
         "",
@@ -459,7 +491,7 @@ def _gap_lines(gaps: Sequence[dict[str, Any]]) -> list[str]:
     rows = []
     for report in gaps:
         gap = re.search(r"--gap-us (\S+)", report["command"])
-        for record in (s for s in report["sets"] if s["k"] == 1):
+        for record in (s for s in report["sets"] if s["k"] == 1 and s["mode"] == "plain"):
             for w in record["windows"]:
                 rows.append([report["date"], fmt(float(gap.group(1)) if gap else 0.0),
                              w["batch"], fmt(w["calls_per_s"]), fmt(w["p50_us"]),
@@ -469,10 +501,10 @@ def _gap_lines(gaps: Sequence[dict[str, Any]]) -> list[str]:
     return [
         "### One direct process idling between calls, as a worker waits for its next request",
         "",
-        "`python3 -m bench.gpu_mps --contexts 1 --window 3 --gap-us G --mps-control "
-        "/nonexistent` (one process, its own CUDA context, no MPS), four runs back to back on "
-        f"one machine ({gaps[0].get('nvidia_smi', '?')}), in the order listed; p50 and p99 "
-        "time the call alone, not the idle time.",
+        f"`{gaps[0]['command']}`, then the same with each other --gap-us listed: one process, "
+        f"its own CUDA context, no MPS; {len(gaps)} runs back to back on one machine "
+        f"({gaps[0].get('nvidia_smi', '?')}), in the order listed. p50 and p99 time the call "
+        "alone, not the idle time.",
         "",
         *table(header, rows, right_from=1),
         "",
@@ -480,7 +512,7 @@ def _gap_lines(gaps: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def worker_split_rows(
-    report: dict[str, Any], direct: dict[tuple[int, int], dict[str, Any]]
+    report: dict[str, Any], direct: dict[tuple[str, int, int], dict[str, Any]]
 ) -> list[list[Any]]:
     from bench.harness import fmt
 
@@ -522,6 +554,12 @@ def checks(report: dict[str, Any]) -> list[str]:
             f"K={record['k']}{batching}, {seen}: {answered:,} requests answered OK over its "
             "windows, none failed."
         )
+    for record in report["pool"]:
+        for w in record["windows"]:
+            for note in ("worker_counters", "utilization_error"):
+                if w.get(note):
+                    where = f"K={record['k']}, batch {w['batch']}, {w['concurrency']} in flight"
+                    out.append(f"{where}: no {note.replace('_', ' ')} figure ({w[note]}).")
     for record in report["sets"]:
         errors = sorted({e for w in record["windows"] for e in w["errors"]})
         if errors:
@@ -568,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(*args.rest, rows=args.rows, device=args.device)
+    if args.rest:
+        parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     if args.render:
         reports = [json.loads(path.read_text()) for path in args.render]
         gaps = [json.loads(path.read_text()) for path in args.gaps]

@@ -419,7 +419,8 @@ class Request:
     output: str = "score"
 
 
-def _frame(message: bytes) -> bytes:
+def grpc_frame(message: bytes) -> bytes:
+    """A message in gRPC's framing: not compressed, 4-byte big-endian length."""
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
@@ -434,7 +435,7 @@ def predict_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Requ
     for alias, values in inputs.items():
         request.inputs[alias].CopyFrom(tf.make_tensor_proto(values))
     batch = len(next(iter(inputs.values())))
-    return Request(key, "tfserving", PREDICT_PATH, _frame(request.SerializeToString()), batch)
+    return Request(key, "tfserving", PREDICT_PATH, grpc_frame(request.SerializeToString()), batch)
 
 
 REST_PREDICT_PATH = "/v1/models/{model}:predict"
@@ -461,7 +462,7 @@ def kserve_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Reque
         little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
         request.raw_input_contents.append(little.tobytes())
     batch = len(next(iter(inputs.values())))
-    return Request(key, "kserve", KSERVE_INFER_PATH, _frame(request.SerializeToString()), batch)
+    return Request(key, "kserve", KSERVE_INFER_PATH, grpc_frame(request.SerializeToString()), batch)
 
 
 def call(target: str, request: Request, timeout_s: float = 60.0) -> bytes:

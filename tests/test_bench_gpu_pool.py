@@ -84,16 +84,30 @@ def test_the_call_clock_counts_calls_rows_and_time_and_writes_them_often(tmp_pat
     timed = clock.timed(lambda ids, dense: time.sleep(0.01) or ids)
     for batch in (1, 3):
         timed(np.zeros((batch, 16)), np.zeros((batch, 13)))
+    time.sleep(3 * gpu_pool.STATS_EVERY_S)
+    assert json.loads(path.read_text())["calls"] == 2  # written without a close
     with pytest.raises(ZeroDivisionError):  # a call that raises is counted too
         clock.timed(lambda ids: 1 / 0)(np.zeros((2, 16)))
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        totals = json.loads(path.read_text()) if path.exists() else {}
-        if totals.get("calls") == 3:
-            break
-        time.sleep(0.05)
+    clock.close()
+    totals = json.loads(path.read_text())
     assert totals["calls"] == 3 and totals["rows"] == 6
     assert totals["call_s"] >= 0.02 and 0 <= totals["call_cpu_s"] < totals["call_s"]
+
+
+def test_per_model_call_figures_only_from_counters_that_kept_up() -> None:
+    before = {"calls": 10.0, "rows": 10.0, "call_s": 1.0, "call_cpu_s": 0.5, "main_cpu_s": 2.0,
+              "other_cpu_s": 0.0}  # fmt: skip
+    after = {"calls": 110.0, "rows": 280.0, "call_s": 1.03, "call_cpu_s": 0.52,
+             "main_cpu_s": 2.04, "other_cpu_s": 0.001}  # fmt: skip
+    got = gpu_pool.per_model_call(before, after, rows_answered=250)
+    assert got["rows_per_call"] == 2.7
+    assert got["worker_us_per_call"] == pytest.approx(
+        {"call_s": 300.0, "call_cpu_s": 200.0, "main_cpu_s": 400.0, "other_cpu_s": 10.0}
+    )
+    # A worker's stats file that stopped moving: fewer rows than were answered, no figure.
+    stale = gpu_pool.per_model_call(before, after, rows_answered=300)
+    assert stale["worker_us_per_call"] is None and "270 rows for 300" in stale["worker_counters"]
+    assert gpu_pool.per_model_call(before, before, 0)["worker_us_per_call"] is None
 
 
 # A worker on the pool's serving loop whose model call fails on a negative input.
@@ -160,13 +174,16 @@ def report() -> dict[str, Any]:
         "cpu": "Xeon", "kernel": "k", "window_s": 4.0, "warmup_s": 1.0, "rows": 2_000_000,
         "nvidia_smi": "NVIDIA H100", "gpu": "0 (NVIDIA H100, GPU-x)",
         "mps_defaults": {"active_thread_percentage": "100.0"}, "daemon_exit": 0, "failed": [],
-        "sets": [_direct("mps", 8, 40_000.0), _direct("plain", 1, 5_000.0)],
+        "sets": [_direct("mps", 8, 40_000.0), _direct("plain", 1, 5_000.0),
+                 _direct("mps", 1, 8_000.0)],
         "pool": [
             {"mode": "mps", "k": 8, "batching": False, "mps_clients": 8,
              "windows": [_pool_window(1, 8, 10_000.0), _pool_window(1, 32, 16_000.0)]},
             {"mode": "mps", "k": 8, "batching": True, "mps_clients": 8,
              "windows": [_pool_window(1, 32, 40_000.0, rows_per_call=2.7)]},
             {"mode": "plain", "k": 1, "batching": False,
+             "windows": [_pool_window(1, 1, 2_000.0)]},
+            {"mode": "mps", "k": 1, "batching": False, "mps_clients": 1,
              "windows": [_pool_window(1, 1, 2_000.0)]},
         ],
         "echo": [{"concurrency": 64, "rps": 110_000.0, "p50_ms": 0.5, "p99_ms": 1.0,
@@ -186,7 +203,9 @@ def test_each_pool_window_is_a_ratio_of_the_direct_processes_in_its_own_run() ->
     assert _row(text, "| 1 | 8 | direct |")[3:5] == ["40,000", "1"]
     assert _row(text, "| 1 | 8 | pool, 32 in flight |")[3:5] == ["16,000", "0.40×"]
     assert _row(text, "| 1 | 8 | pool, batching, 32 in flight |")[3:5] == ["40,000", "1.00×"]
+    # Each mode over its own direct processes: 2,000 is 0.40x of 5,000 and 0.25x of 8,000.
     assert _row(text, "| 1 | 1 | pool, no MPS, 1 in flight |")[4] == "0.40×"
+    assert _row(text, "| 1 | 1 | pool, 1 in flight |")[4] == "0.25×"
     assert text.count("| 1 | 8 | direct |") == 1  # batching's windows share the direct row
     # Where the CPU goes: outside the call is the serving thread's CPU less the call's.
     assert _row(text, "| 1 | 8 | batching | 32 |")[4:] == ["2.7", "180", "250", "240", "80", "2"]
@@ -195,17 +214,40 @@ def test_each_pool_window_is_a_ratio_of_the_direct_processes_in_its_own_run() ->
     assert "| 64 | 110,000 | 500 | 1,000 | 60.0 | 28.0 | 14.0 |" in text
 
 
-def test_runs_render_in_order_and_idle_gaps_get_their_own_table() -> None:
+def test_each_run_is_measured_against_its_own_direct_processes() -> None:
     second = report() | {"date": "2026-11-26 14:07 UTC"}
+    second["sets"] = [_direct("mps", 8, 20_000.0)]  # the same pool over a slower direct rate
+    text = gpu_pool.render([report(), second])
+    first_run, second_run = text.split("### Run 2: 2026-11-26 14:07 UTC")
+    assert "### Run 1: 2026-11-26 13:58 UTC" in first_run
+    assert _row(first_run, "| 1 | 8 | pool, 32 in flight |")[4] == "0.40×"
+    assert _row(second_run, "| 1 | 8 | pool, 32 in flight |")[4] == "0.80×"
+    assert _row(second_run, "| 1 | 1 | pool, 1 in flight |")[4] == "–"  # no direct K=1 there
+
+
+def test_idle_gaps_get_their_own_table_from_the_processes_without_mps() -> None:
     gap = {"date": "2026-11-26 14:04 UTC", "nvidia_smi": "NVIDIA H100",
            "command": "python3 -m bench.gpu_mps --contexts 1 --gap-us 400",
-           "sets": [_direct("plain", 1, 1_183.0)]}  # fmt: skip
-    text = gpu_pool.render([report(), second], [gap])
-    assert text.index("### Run 1: 2026-11-26 13:58 UTC") < text.index("### Run 2: 2026-11-26 14:07")
+           "sets": [_direct("plain", 1, 1_183.0), _direct("mps", 1, 9_999.0)]}  # fmt: skip
+    text = gpu_pool.render([report()], [gap])
     assert "| 2026-11-26 14:04 UTC | 400 | 1 | 1,183 | 160 | 300 | 180 |" in text
+    assert "9,999" not in text
+    assert "`python3 -m bench.gpu_mps --contexts 1 --gap-us 400`, then" in text
+    assert "1 runs back to back" in text
 
 
 def test_a_report_without_a_pool_set_is_refused() -> None:
     empty = report() | {"pool": [], "failed": ["pool mps k=8: TimeoutError: no"]}
     with pytest.raises(SystemExit, match="run 1 holds no pool set that ran"):
         gpu_pool.render([empty])
+
+
+def test_a_window_without_worker_figures_says_why() -> None:
+    stale = report()
+    window = stale["pool"][0]["windows"][0]
+    window.update(worker_us_per_call=None, rows_per_call=None,
+                  worker_counters="0 calls, 0 rows for 40000 rows answered")  # fmt: skip
+    text = gpu_pool.render([stale])
+    assert "| 1 | 8 |  | 8 |" not in text  # no split row for it
+    assert ("K=8, batch 1, 8 in flight: no worker counters figure (0 calls, 0 rows for 40000 "
+            "rows answered).") in text  # fmt: skip
