@@ -384,7 +384,7 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
     report = {**run_header("bench.gpu_mps"), "window_s": args.window, "rows": args.rows,
               "sets": [], "failed": []}  # fmt: skip
-    save = _saver(args.json, report)
+    save = saver(args.json, report)
     backend = gpus.backend()  # NVML here; MPSPOOL_FAKE_GPUS for a dry run without a GPU
     run_dir = Path(tempfile.mkdtemp(prefix="mpspool-gpu-"))  # 0700, as the pool's run dir
     daemons: list[subprocess.Popen[bytes]] = []  # every one started: the finally ends them
@@ -560,7 +560,9 @@ def fault_step(
     }
 
 
-def _saver(path: Path | None, report: dict[str, Any]) -> Any:
+def saver(path: Path | None, report: dict[str, Any]) -> Callable[[], None]:
+    """A function that writes ``report`` to ``path`` as JSON (nothing without a path)."""
+
     def save() -> None:  # after every step: a run cut off still leaves what it measured
         if path is not None:
             path.write_text(json.dumps(report, indent=1, default=str))

@@ -230,7 +230,7 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
         "echo": [],
         "failed": [],
     }
-    save = gpu_mps._saver(args.json, report)
+    save = gpu_mps.saver(args.json, report)
     backend = gpus.backend()
     run_dir = Path(tempfile.mkdtemp(prefix="mpspool-gpu-"))
     daemons: list[subprocess.Popen[bytes]] = []
@@ -355,11 +355,12 @@ def echo_ceiling(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]
     request = predict_request("echo", echo_worker.MODEL, {"x": rows})
     request.output = "x"
     windows = []
+    checker = harness.Checker(float_output)  # every answer equal to the first
     with echo_worker.echo_pool(args.echo_workers) as server:
         for concurrency in ECHO_CONCURRENCY:
             window = harness.measure(
                 server, request, concurrency, args.window, args.warmup, workdir,
-                harness.Checker(float_output), connections=args.echo_connections,
+                checker, connections=args.echo_connections,
                 client_threads=args.echo_client_threads,
             )  # fmt: skip
             window.update(workers=args.echo_workers, connections=args.echo_connections,
