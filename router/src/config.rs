@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::batch::Batching;
+use crate::lifespan::Lifespan;
 use crate::policies::Scheduling;
 
 pub const POOL_FILE: &str = "pool.json";
@@ -69,6 +70,22 @@ pub struct Config {
     pub signature_method_name_check: bool,
     #[serde(default)]
     pub max_connection_age_s: f64,
+    /// How long calls under way get after the age's GOAWAY (gRPC's
+    /// max_connection_age_grace); absent: the age again.
+    #[serde(default)]
+    pub max_connection_age_grace_s: Option<f64>,
+    /// `--max-connection-idle`: a gRPC connection without a call this long is ended (0: never).
+    #[serde(default)]
+    pub max_connection_idle_s: f64,
+    /// HTTP/2 pings at least this often on gRPC connections (gRPC's keepalive_time; 0: not
+    /// set), each to be answered within `keepalive_timeout_s` (0: not set).
+    #[serde(default)]
+    pub keepalive_time_s: f64,
+    #[serde(default)]
+    pub keepalive_timeout_s: f64,
+    /// Calls at once on one gRPC connection (0: hyper's 200).
+    #[serde(default)]
+    pub max_concurrent_streams: u32,
     /// `--max-connections`: client connections open at once, gRPC and REST together (0: as
     /// many as the descriptors allow); connection_limit.rs.
     #[serde(default = "default_max_connections")]
@@ -198,6 +215,25 @@ impl Config {
         self.models.clone()
     }
 
+    /// How gRPC connections live and are kept (lifespan); 0 s: not set.
+    pub fn lifespan(&self) -> Result<Lifespan, ConfigError> {
+        let set = |name: &str, value: f64| -> Result<Option<Duration>, ConfigError> {
+            seconds(name, value).map(|duration| (!duration.is_zero()).then_some(duration))
+        };
+        Ok(Lifespan {
+            max_age: set("max_connection_age_s", self.max_connection_age_s)?,
+            age_grace: self
+                .max_connection_age_grace_s
+                .map(|grace| seconds("max_connection_age_grace_s", grace))
+                .transpose()?,
+            max_idle: set("max_connection_idle_s", self.max_connection_idle_s)?,
+            keepalive_time: set("keepalive_time_s", self.keepalive_time_s)?,
+            keepalive_timeout: set("keepalive_timeout_s", self.keepalive_timeout_s)?,
+            max_concurrent_streams: (self.max_concurrent_streams > 0)
+                .then_some(self.max_concurrent_streams),
+        })
+    }
+
     /// The scheduling settings. The queue order and batching only apply to requests that
     /// wait in the front door, so without a `worker_inflight` limit both get a limit of 1:
     /// every request that is not computing waits here, where it can be ordered or merged
@@ -247,8 +283,8 @@ impl Config {
             path: POOL_FILE.to_string(),
             source,
         })?;
+        config.lifespan()?;
         for (name, value) in [
-            ("max_connection_age_s", config.max_connection_age_s),
             ("worker_timeout_s", config.worker_timeout_s),
             ("request_read_timeout_s", config.request_read_timeout_s),
             ("shutdown_delay_s", config.shutdown_delay_s),
@@ -324,6 +360,41 @@ mod tests {
             r#"{"model_name": "m", "model_version": 1, "run_dir": "/r", "dispatch": "random"}"#;
         assert!(Config::parse(bad).is_err());
         assert!(Config::parse("{").is_err());
+    }
+
+    #[test]
+    fn connection_lifespans_read_zero_as_unset_and_refuse_negatives() {
+        let base = r#""model_name": "m", "model_version": 1, "run_dir": "/r""#;
+        let plain = Config::parse(&format!("{{{base}}}")).unwrap();
+        assert_eq!(plain.lifespan().unwrap(), Lifespan::default());
+        let set = Config::parse(&format!(
+            r#"{{{base}, "max_connection_age_s": 300, "max_connection_age_grace_s": 0,
+                "max_connection_idle_s": 1.5, "keepalive_time_s": 10,
+                "keepalive_timeout_s": 0, "max_concurrent_streams": 8}}"#
+        ))
+        .unwrap();
+        let second = Duration::from_secs(1);
+        assert_eq!(
+            set.lifespan().unwrap(),
+            Lifespan {
+                max_age: Some(300 * second),
+                age_grace: Some(Duration::ZERO),
+                max_idle: Some(Duration::from_millis(1500)),
+                keepalive_time: Some(10 * second),
+                keepalive_timeout: None,
+                max_concurrent_streams: Some(8),
+            }
+        );
+        for bad in [
+            "max_connection_age_s",
+            "max_connection_age_grace_s",
+            "max_connection_idle_s",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+        ] {
+            let error = Config::parse(&format!(r#"{{{base}, "{bad}": -1}}"#)).unwrap_err();
+            assert!(error.to_string().contains(bad), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -26,12 +26,23 @@ pub struct ConnectionLimit {
     most: usize,
     open: AtomicUsize,
     refused: AtomicU64,
+    /// gRPC connections ended for idleness (lifespan).
+    idle_closed: AtomicU64,
 }
 
 /// An admitted connection's place under the limit, given back when dropped (when its serving
 /// task ends, however it ends).
 pub struct Admitted {
     limit: Arc<ConnectionLimit>,
+}
+
+impl Admitted {
+    /// Notes how the connection holding this place ended.
+    pub fn ended(&self, end: crate::lifespan::Ended) {
+        if end == crate::lifespan::Ended::Idle {
+            self.limit.idle_closed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for Admitted {
@@ -47,6 +58,7 @@ impl ConnectionLimit {
             most: most.max(1),
             open: AtomicUsize::new(0),
             refused: AtomicU64::new(0),
+            idle_closed: AtomicU64::new(0),
         })
     }
 
@@ -80,6 +92,11 @@ impl ConnectionLimit {
     /// Connections refused since start.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+
+    /// gRPC connections ended for idleness since start (`--max-connection-idle`).
+    pub fn idle_closed(&self) -> u64 {
+        self.idle_closed.load(Ordering::Relaxed)
     }
 }
 

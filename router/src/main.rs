@@ -16,6 +16,7 @@ mod dispatch;
 mod grpc;
 mod inference;
 mod json_tensor;
+mod lifespan;
 mod log;
 mod metrics;
 mod policies;
@@ -175,10 +176,11 @@ async fn serve(config: Config) -> ExitCode {
         seconds("worker_timeout_s", config.worker_timeout_s),
         seconds("shutdown_delay_s", config.shutdown_delay_s),
         seconds("drain_timeout_s", config.drain_timeout_s),
-        seconds("max_connection_age_s", config.max_connection_age_s),
+        config.lifespan(),
         seconds("request_read_timeout_s", config.request_read_timeout_s),
     );
-    let (Ok(worker_timeout), Ok(delay), Ok(grace), Ok(age), Ok(read_timeout)) = durations else {
+    let (Ok(worker_timeout), Ok(delay), Ok(grace), Ok(lifespan), Ok(read_timeout)) = durations
+    else {
         return fail("pool.json holds a negative duration"); // Config::parse refuses these
     };
     let scheduling = config.scheduling();
@@ -239,7 +241,7 @@ async fn serve(config: Config) -> ExitCode {
         tls,
         max_message_bytes: config.max_message_bytes,
         request_memory: request_memory.clone(),
-        max_connection_age: (!age.is_zero()).then_some(age),
+        lifespan,
         request_read_timeout: (!read_timeout.is_zero()).then_some(read_timeout),
         connections,
     };

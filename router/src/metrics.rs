@@ -317,6 +317,12 @@ impl Metrics {
             "mpspool_client_connections_refused_total {}\n",
             self.connections.refused()
         ));
+        out.push_str("# HELP mpspool_client_connections_idle_closed_total gRPC connections ended (GOAWAY) after --max-connection-idle without a call.\n");
+        out.push_str("# TYPE mpspool_client_connections_idle_closed_total counter\n");
+        out.push_str(&format!(
+            "mpspool_client_connections_idle_closed_total {}\n",
+            self.connections.idle_closed()
+        ));
         out.push_str("# HELP mpspool_workers_ready Workers registered and receiving requests.\n");
         out.push_str("# TYPE mpspool_workers_ready gauge\n");
         out.push_str(&format!("mpspool_workers_ready {}\n", *self.ready.borrow()));
@@ -569,6 +575,10 @@ mod tests {
         let _held = budget.try_reserve(3 << 10).expect("room");
         let _open = [connections.admit(), connections.admit()];
         assert!(connections.admit().is_none());
+        if let Some(admitted) = &_open[0] {
+            admitted.ended(crate::lifespan::Ended::Idle);
+            admitted.ended(crate::lifespan::Ended::Closed);
+        }
         {
             let mut request = metrics.start(Method::Predict);
             request.set_code(Code::Ok);
@@ -604,5 +614,6 @@ mod tests {
         assert!(text.contains("mpspool_client_connections 2\n"), "{text}");
         assert!(text.contains("mpspool_client_connections_limit 2\n"));
         assert!(text.contains("mpspool_client_connections_refused_total 1\n"));
+        assert!(text.contains("mpspool_client_connections_idle_closed_total 1\n"));
     }
 }

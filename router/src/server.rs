@@ -2,12 +2,11 @@
 //!
 //! One accept loop spawns a task per connection (HTTP/2, hyper), each holding a clone of a
 //! `watch` shutdown signal and an `mpsc` sender it drops when done, so "every connection has
-//! finished" is the receiver returning None (tokio's mini-redis pattern). A connection older
-//! than `max_connection_age` is ended gracefully (GOAWAY; its calls get the same again to
-//! finish, then it is closed), so clients balancing over several pods find new ones: grpc's
-//! max_connection_age with max_connection_age_grace equal to it. A connection past
-//! `--max-connections` is refused as it comes (connection_limit), and one whose client sends
-//! no HTTP/2 preface within the read timeout is closed (preface).
+//! finished" is the receiver returning None (tokio's mini-redis pattern). A connection past
+//! its age or idle too long is ended gracefully (lifespan: gRPC's max_connection_age and
+//! max_connection_idle). A connection past `--max-connections` is refused as it comes
+//! (connection_limit), and one whose client sends no HTTP/2 preface within the read timeout
+//! is closed (preface).
 //!
 //! Phases, one writer (`set_phase`): SERVING → DRAINING (health NOT_SERVING, still answering
 //! for `delay` so load balancers notice; then no new connections, in-flight calls get
@@ -31,6 +30,7 @@ use tower::ServiceExt;
 use crate::answer_body::{answering, AnswerWatch};
 use crate::connection_limit::{self, Admitted, ConnectionLimit};
 use crate::grpc::Api;
+use crate::lifespan::{Age, AgeStep, Answering, Calls, Ended, Idle, Lifespan};
 use crate::log::Throttle;
 use crate::preface::{self, Rewound};
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
@@ -60,8 +60,8 @@ pub struct Limits {
     pub request_memory: Arc<crate::request_budget::RequestBudget>,
     /// TLS on the gRPC port (TF Serving's --ssl_config_file); None: plaintext.
     pub tls: Option<tokio_rustls::TlsAcceptor>,
-    /// None: connections live as long as their clients keep them.
-    pub max_connection_age: Option<Duration>,
+    /// How long gRPC connections live and how their HTTP/2 is kept (lifespan).
+    pub lifespan: Lifespan,
     /// How long a request may send nothing while the front door waits for more of it (None:
     /// for ever); REST's header too, and a gRPC connection's preface (preface.rs).
     pub request_read_timeout: Option<Duration>,
@@ -93,7 +93,7 @@ pub struct Server {
     /// TF Serving's REST API, when it is on: drained with the gRPC listener.
     rest: Option<(TcpListener, Arc<Rest>)>,
     api: Api,
-    max_connection_age: Option<Duration>,
+    lifespan: Lifespan,
     state: Arc<RouterState>,
     health: HealthReporter,
     routes: tonic::service::Routes,
@@ -145,7 +145,7 @@ impl Server {
             tls: limits.tls,
             rest,
             api,
-            max_connection_age: limits.max_connection_age,
+            lifespan: limits.lifespan,
             state,
             health,
             routes,
@@ -166,7 +166,7 @@ impl Server {
             tls,
             rest,
             api,
-            max_connection_age,
+            lifespan,
             state,
             health,
             routes,
@@ -200,7 +200,7 @@ impl Server {
             tls,
             routes,
             reading,
-            max_connection_age,
+            lifespan,
             connections,
             ending: shutdown_rx,
             done: done_tx,
@@ -277,7 +277,7 @@ struct Accepting {
     tls: Option<tokio_rustls::TlsAcceptor>,
     routes: tonic::service::Routes,
     reading: Reading,
-    max_connection_age: Option<Duration>,
+    lifespan: Lifespan,
     connections: Arc<ConnectionLimit>,
     ending: watch::Receiver<Ending>,
     done: mpsc::Sender<()>,
@@ -322,7 +322,7 @@ impl Accepting {
             self.tls.clone(),
             service,
             watch,
-            self.max_connection_age,
+            self.lifespan,
             self.reading.stall,
             self.ending.clone(),
             (self.done.clone(), admitted),
@@ -479,7 +479,7 @@ async fn serve_accepted<S>(
     tls: Option<tokio_rustls::TlsAcceptor>,
     service: S,
     answers: AnswerWatch,
-    max_age: Option<Duration>,
+    lifespan: Lifespan,
     start_limit: Option<Duration>,
     mut ending: watch::Receiver<Ending>,
     held: (mpsc::Sender<()>, Admitted),
@@ -492,10 +492,11 @@ async fn serve_accepted<S>(
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (done, _admitted) = held;
+    let (done, admitted) = held;
     let Some(tls) = tls else {
         if let Some(stream) = started(stream, start_limit, &mut ending).await {
-            serve_connection(stream, service, Some(answers), max_age, ending, done).await;
+            let end = serve_connection(stream, service, Some(answers), lifespan, ending, done);
+            admitted.ended(end.await);
         }
         return;
     };
@@ -505,7 +506,8 @@ async fn serve_accepted<S>(
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
         Ok(Ok(stream)) => {
             if let Some(stream) = started(stream, start_limit, &mut ending).await {
-                serve_connection(stream, service, Some(answers), max_age, ending, done).await;
+                let end = serve_connection(stream, service, Some(answers), lifespan, ending, done);
+                admitted.ended(end.await);
             }
         }
         Ok(Err(error)) => {
@@ -570,14 +572,16 @@ where
     }
 }
 
+/// Serves one gRPC connection until it ends, and says how it ended.
 async fn serve_connection<I, S>(
     stream: I,
     service: S,
     answers: Option<AnswerWatch>,
-    max_age: Option<Duration>,
+    lifespan: Lifespan,
     mut ending: watch::Receiver<Ending>,
     _done: mpsc::Sender<()>,
-) where
+) -> Ended
+where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     S: hyper::service::Service<
             http::Request<hyper::body::Incoming>,
@@ -598,34 +602,68 @@ async fn serve_connection<I, S>(
         // What h2 queues of a stream's answer beyond what its client takes (answer_body hands
         // it over in pieces of PIECE): two pieces, not h2's 400 KiB.
         .max_send_buf_size(2 * crate::answer_body::PIECE);
-    if let Some(limit) = answers.as_ref().and_then(|watch| watch.limit) {
-        // A client that stops reading its socket answers no ping: closed after the limit, with
-        // whatever h2 had queued for it.
-        builder.keep_alive_interval(limit).keep_alive_timeout(limit);
+    if let Some(streams) = lifespan.max_concurrent_streams {
+        builder.max_concurrent_streams(streams);
     }
+    // A client that stops reading its socket answers no ping: closed after the read timeout,
+    // with whatever h2 had queued for it; sooner where keepalive asks for it.
+    let reader_check = answers.as_ref().and_then(|watch| watch.limit);
+    if let Some((interval, timeout)) = lifespan.pings(reader_check) {
+        builder
+            .keep_alive_interval(interval)
+            .keep_alive_timeout(timeout);
+    }
+    // Calls are counted only where idleness is watched (two atomic adds and the answer's
+    // body boxed once more, a call), each until its answer's body is dropped.
+    let calls = lifespan.max_idle.map(|_| Arc::new(Calls::default()));
+    let service = {
+        let calls = calls.clone();
+        hyper::service::service_fn(move |request| {
+            let under_way = calls.as_ref().map(Calls::begin);
+            let call = hyper::service::Service::call(&service, request);
+            async move {
+                let answer = call.await;
+                match under_way {
+                    None => answer,
+                    Some(under_way) => answer.map(|response| {
+                        response.map(|body| tonic::body::Body::new(Answering::new(body, under_way)))
+                    }),
+                }
+            }
+        })
+    };
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
-    let mut age = Age::new(max_age);
+    let mut age = Age::new(&lifespan);
     let timer = tokio::time::sleep_until(age.next_deadline(tokio::time::Instant::now()));
     tokio::pin!(timer);
-    let mut going_away = false;
+    // Why the connection was told GOAWAY, once it was.
+    let mut going_away: Option<Ended> = None;
     // A drain that began while the connection was being accepted (its change already seen).
     match *ending.borrow_and_update() {
         Ending::No => {}
         Ending::Gracefully => {
-            going_away = true;
+            going_away = Some(Ended::Closed);
             connection.as_mut().graceful_shutdown();
         }
-        Ending::Now => return,
+        Ending::Now => return Ended::Cut,
     }
     // A connection whose answers stopped moving is closed: hyper does not poll their bodies
     // while the client grants no window, so nothing else would end them.
     let period = answers.as_ref().and_then(AnswerWatch::period);
     let mut looks = tokio::time::interval(period.unwrap_or(Duration::from_secs(3600)));
     looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut idle = lifespan
+        .max_idle
+        .map(|limit| Idle::new(limit, tokio::time::Instant::now()));
+    let mut idle_looks = tokio::time::interval(
+        idle.as_ref()
+            .map_or(Duration::from_secs(3600), Idle::period),
+    );
+    idle_looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = &mut connection => return,
+            _ = &mut connection => return going_away.unwrap_or(Ended::Closed),
             now = looks.tick(), if period.is_some() => {
                 if let Some(AnswerWatch { answers, limit: Some(limit) }) = &answers {
                     if answers.stalled(now, *limit) {
@@ -634,68 +672,41 @@ async fn serve_connection<I, S>(
                              its client taking none of it (--request-read-timeout)",
                             limit.as_secs_f64()
                         );
-                        return;
+                        return Ended::Cut;
                     }
                 }
             },
-            _ = &mut timer, if max_age.is_some() => match age.expired() {
+            now = idle_looks.tick(), if idle.is_some() && going_away.is_none() => {
+                if let (Some(idle), Some(calls)) = (idle.as_mut(), &calls) {
+                    if idle.look(now, calls.quiet()) {
+                        going_away = Some(Ended::Idle);
+                        connection.as_mut().graceful_shutdown();
+                    }
+                }
+            },
+            _ = &mut timer, if lifespan.max_age.is_some() => match age.expired() {
                 AgeStep::GoAway => {
-                    if !going_away {
-                        going_away = true;
+                    if going_away.is_none() {
+                        going_away = Some(Ended::Closed);
                         connection.as_mut().graceful_shutdown();
                     }
                     let now = tokio::time::Instant::now();
                     timer.as_mut().reset(age.next_deadline(now));
                 }
-                AgeStep::Close => return,
+                AgeStep::Close => return Ended::Cut,
             },
             changed = ending.changed() => {
                 let now = if changed.is_err() { Ending::Now } else { *ending.borrow_and_update() };
                 match now {
                     Ending::No => {}
-                    Ending::Gracefully => if !going_away {
-                        going_away = true;
+                    Ending::Gracefully => if going_away.is_none() {
+                        going_away = Some(Ended::Closed);
                         connection.as_mut().graceful_shutdown();
                     },
                     // Dropping the connection resets its streams; hyper drops their handlers.
-                    Ending::Now => return,
+                    Ending::Now => return Ended::Cut,
                 }
             }
-        }
-    }
-}
-
-/// What a connection does when its age timer fires: first GOAWAY, then (the same age later,
-/// its grace) close whatever is still running.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum AgeStep {
-    GoAway,
-    Close,
-}
-
-/// A connection's max-connection-age clock (None: it may live forever).
-struct Age {
-    max_age: Option<Duration>,
-    fired: u8,
-}
-
-impl Age {
-    fn new(max_age: Option<Duration>) -> Age {
-        Age { max_age, fired: 0 }
-    }
-
-    /// When the timer should next fire, from `now`; far away when there is no age limit.
-    fn next_deadline(&self, now: tokio::time::Instant) -> tokio::time::Instant {
-        const FOREVER: Duration = Duration::from_secs(100 * 365 * 86_400);
-        now + self.max_age.unwrap_or(FOREVER)
-    }
-
-    fn expired(&mut self) -> AgeStep {
-        self.fired = self.fired.saturating_add(1);
-        if self.fired == 1 {
-            AgeStep::GoAway
-        } else {
-            AgeStep::Close
         }
     }
 }
@@ -776,11 +787,27 @@ mod tests {
     struct Seen {
         goaway: Option<Duration>,
         closed: Duration,
+        /// The server's first SETTINGS, as (identifier, value).
+        settings: Vec<(u16, u32)>,
+        /// PINGs the server sent.
+        pings: usize,
+        /// Whether the connection was still open when the client stopped watching it.
+        open: bool,
     }
 
     /// Speaks just enough HTTP/2 (preface, SETTINGS and PING acks; with `call`, one POST
     /// whose answer never comes) to watch how the server ends the connection.
-    async fn client(mut stream: TcpStream, call: bool, started: Instant) -> Seen {
+    async fn client(stream: TcpStream, call: bool, started: Instant) -> Seen {
+        watch_for(stream, call, started, None).await
+    }
+
+    /// `client`, watching only until `until` (then `open` when the connection was).
+    async fn watch_for(
+        mut stream: TcpStream,
+        call: bool,
+        started: Instant,
+        until: Option<Instant>,
+    ) -> Seen {
         let mut hello = PREFACE.to_vec();
         hello.extend(frame(SETTINGS, 0, 0, &[]));
         if call {
@@ -789,10 +816,20 @@ mod tests {
         }
         stream.write_all(&hello).await.unwrap();
         let mut goaway = None;
+        let mut settings = None;
+        let mut pings = 0;
+        let mut open = false;
+        let far = started + Duration::from_secs(3600);
         loop {
             let mut head = [0u8; 9];
-            if stream.read_exact(&mut head).await.is_err() {
-                break;
+            match tokio::time::timeout_at(until.unwrap_or(far), stream.read_exact(&mut head)).await
+            {
+                Err(_) => {
+                    open = true;
+                    break;
+                }
+                Ok(Err(_)) => break,
+                Ok(Ok(_)) => {}
             }
             let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
             let mut payload = vec![0u8; len];
@@ -805,8 +842,22 @@ mod tests {
                     goaway.get_or_insert(started.elapsed());
                     None
                 }
-                SETTINGS if flags & ACK == 0 => Some(frame(SETTINGS, ACK, 0, &[])),
-                PING if flags & ACK == 0 => Some(frame(PING, ACK, 0, &payload)),
+                SETTINGS if flags & ACK == 0 => {
+                    settings.get_or_insert_with(|| {
+                        payload
+                            .chunks_exact(6)
+                            .map(|s| {
+                                let id = u16::from_be_bytes([s[0], s[1]]);
+                                (id, u32::from_be_bytes([s[2], s[3], s[4], s[5]]))
+                            })
+                            .collect()
+                    });
+                    Some(frame(SETTINGS, ACK, 0, &[]))
+                }
+                PING if flags & ACK == 0 => {
+                    pings += 1;
+                    Some(frame(PING, ACK, 0, &payload))
+                }
                 _ => None,
             };
             if let Some(reply) = reply {
@@ -818,17 +869,34 @@ mod tests {
         Seen {
             goaway,
             closed: started.elapsed(),
+            settings: settings.unwrap_or_default(),
+            pings,
+            open,
+        }
+    }
+
+    fn aged(age: Duration) -> Lifespan {
+        Lifespan {
+            max_age: Some(age),
+            ..Lifespan::default()
+        }
+    }
+
+    fn idling(idle: Duration) -> Lifespan {
+        Lifespan {
+            max_idle: Some(idle),
+            ..Lifespan::default()
         }
     }
 
     /// A connection served as the server serves one, whose calls never answer.
     async fn connect(
-        max_age: Option<Duration>,
+        lifespan: Lifespan,
         call: bool,
     ) -> (
         tokio::task::JoinHandle<Seen>,
         watch::Sender<Ending>,
-        tokio::task::JoinHandle<()>,
+        tokio::task::JoinHandle<Ended>,
     ) {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let address = listener.local_addr().unwrap();
@@ -839,7 +907,7 @@ mod tests {
             let service = hyper::service::service_fn(|_request| {
                 std::future::pending::<Result<http::Response<tonic::body::Body>, Infallible>>()
             });
-            serve_connection(stream, service, None, max_age, ending_rx, done_tx).await;
+            serve_connection(stream, service, None, lifespan, ending_rx, done_tx).await
         });
         let started = Instant::now();
         let stream = TcpStream::connect(address).await.unwrap();
@@ -862,7 +930,8 @@ mod tests {
                 std::future::pending::<Result<http::Response<tonic::body::Body>, Infallible>>()
             });
             let started = Instant::now();
-            serve_connection(stream, service, Some(watch), None, ending_rx, done_tx).await;
+            let lifespan = Lifespan::default();
+            serve_connection(stream, service, Some(watch), lifespan, ending_rx, done_tx).await;
             drop(ending_tx);
             started.elapsed()
         });
@@ -943,22 +1012,10 @@ mod tests {
         assert!(!started);
     }
 
-    #[test]
-    fn the_age_timer_first_says_goaway_then_closes() {
-        let mut age = Age::new(Some(Duration::from_secs(5)));
-        let now = tokio::time::Instant::now();
-        assert_eq!(age.next_deadline(now), now + Duration::from_secs(5));
-        assert_eq!(age.expired(), AgeStep::GoAway);
-        assert_eq!(age.expired(), AgeStep::Close);
-        assert_eq!(age.expired(), AgeStep::Close);
-        let ageless = Age::new(None);
-        assert!(ageless.next_deadline(now) > now + Duration::from_secs(86_400 * 365));
-    }
-
     #[tokio::test]
     async fn an_idle_connection_gets_goaway_at_its_age_and_closes() {
         let age = Duration::from_millis(300);
-        let (seen, _ending, _server) = connect(Some(age), false).await;
+        let (seen, _ending, _server) = connect(aged(age), false).await;
         let seen = seen.await.unwrap();
         let goaway = seen.goaway.expect("a GOAWAY");
         assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
@@ -968,7 +1025,7 @@ mod tests {
     #[tokio::test]
     async fn a_call_outliving_its_connection_gets_the_age_again_as_grace() {
         let age = Duration::from_millis(300);
-        let (seen, _ending, _server) = connect(Some(age), true).await;
+        let (seen, _ending, _server) = connect(aged(age), true).await;
         let seen = seen.await.unwrap();
         let goaway = seen.goaway.expect("a GOAWAY");
         assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
@@ -976,8 +1033,160 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_age_grace_of_its_own_closes_calls_under_way_after_it() {
+        let age = Duration::from_millis(300);
+        let lifespan = Lifespan {
+            age_grace: Some(Duration::from_millis(100)),
+            ..aged(age)
+        };
+        let (seen, _ending, server) = connect(lifespan, true).await;
+        let seen = seen.await.unwrap();
+        let goaway = seen.goaway.expect("a GOAWAY");
+        assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
+        assert!(seen.closed < age + Duration::from_millis(250), "{seen:?}");
+        assert_eq!(server.await.unwrap(), Ended::Cut);
+    }
+
+    #[tokio::test]
+    async fn a_connection_without_calls_gets_goaway_once_idle_and_closes() {
+        let idle = Duration::from_millis(200);
+        let (seen, _ending, server) = connect(idling(idle), false).await;
+        let seen = seen.await.unwrap();
+        let goaway = seen.goaway.expect("a GOAWAY");
+        assert!(goaway >= idle && goaway < 2 * idle, "{seen:?}");
+        assert!(seen.closed < 3 * idle, "nothing to wait for: {seen:?}");
+        assert_eq!(server.await.unwrap(), Ended::Idle);
+    }
+
+    #[tokio::test]
+    async fn a_call_under_way_keeps_its_connection_from_idling() {
+        let idle = Duration::from_millis(100);
+        let (seen, ending, server) = connect(idling(idle), true).await;
+        tokio::time::sleep(6 * idle).await;
+        assert!(!seen.is_finished(), "closed with a call under way");
+        ending.send(Ending::Now).unwrap();
+        let seen = seen.await.unwrap();
+        assert_eq!(server.await.unwrap(), Ended::Cut);
+        assert!(seen.goaway.is_none(), "{seen:?}");
+    }
+
+    /// Serves one connection under `lifespan` whose one call is answered after ANSWER_AFTER
+    /// with a body `answer` makes: what its client saw in 2 s (the connection then ended).
+    async fn served_with<S, B>(
+        answer: S,
+        lifespan: Lifespan,
+    ) -> (Seen, watch::Sender<Ending>, tokio::task::JoinHandle<Ended>)
+    where
+        S: Fn() -> B + Send + Sync + 'static,
+        B: hyper::body::Body<Data = bytes::Bytes, Error = tonic::Status> + Send + 'static,
+    {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (ending_tx, ending_rx) = watch::channel(Ending::No);
+        let (done_tx, _done_rx) = mpsc::channel(1);
+        let answer = Arc::new(answer);
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = hyper::service::service_fn(move |_request| {
+                let answer = answer.clone();
+                async move {
+                    tokio::time::sleep(ANSWER_AFTER).await;
+                    let body = tonic::body::Body::new(answer());
+                    Ok::<_, Infallible>(http::Response::new(body))
+                }
+            });
+            serve_connection(stream, service, None, lifespan, ending_rx, done_tx).await
+        });
+        let started = Instant::now();
+        let stream = TcpStream::connect(address).await.unwrap();
+        let seen = watch_for(
+            stream,
+            true,
+            started,
+            Some(started + Duration::from_secs(2)),
+        )
+        .await;
+        if seen.open {
+            ending_tx.send(Ending::Now).unwrap();
+        }
+        (seen, ending_tx, server)
+    }
+
+    /// How long `served_with`'s service takes to answer.
+    const ANSWER_AFTER: Duration = Duration::from_millis(250);
+
+    #[tokio::test]
+    async fn an_answered_call_starts_the_idle_clock_again() {
+        let idle = Duration::from_millis(300);
+        let (seen, _ending, server) = served_with(
+            || http_body_util::Empty::new().map_err(|never| match never {}),
+            idling(idle),
+        )
+        .await;
+        let goaway = seen.goaway.expect("a GOAWAY");
+        // Quiet from its answer at 250 ms: not before 550 (from the start it would be 300).
+        assert!(goaway >= ANSWER_AFTER + idle, "{seen:?}");
+        assert!(goaway < ANSWER_AFTER + 2 * idle, "{seen:?}");
+        assert_eq!(server.await.unwrap(), Ended::Idle);
+    }
+
+    /// An answer that streams for ever (a health Watch).
+    struct Endless;
+
+    impl hyper::body::Body for Endless {
+        type Data = bytes::Bytes;
+        type Error = tonic::Status;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+            std::task::Poll::Pending
+        }
+    }
+
+    #[tokio::test]
+    async fn an_answer_still_streaming_keeps_its_connection_from_idling() {
+        let idle = Duration::from_millis(100);
+        let (seen, _ending, server) = served_with(|| Endless, idling(idle)).await;
+        assert!(
+            seen.open && seen.goaway.is_none(),
+            "idle while streaming: {seen:?}"
+        );
+        assert_eq!(server.await.unwrap(), Ended::Cut, "ended by the test");
+    }
+
+    #[tokio::test]
+    async fn streams_and_pings_follow_the_lifespan() {
+        let lifespan = Lifespan {
+            max_concurrent_streams: Some(8),
+            keepalive_time: Some(Duration::from_millis(100)),
+            ..Lifespan::default()
+        };
+        let (seen, ending, _server) = connect(lifespan, false).await;
+        tokio::time::sleep(Duration::from_millis(550)).await;
+        ending.send(Ending::Now).unwrap();
+        let seen = seen.await.unwrap();
+        const MAX_CONCURRENT_STREAMS: u16 = 3;
+        assert!(
+            seen.settings.contains(&(MAX_CONCURRENT_STREAMS, 8)),
+            "{seen:?}"
+        );
+        assert!(seen.pings >= 3, "{seen:?}");
+        let (plain, ending, _server) = connect(Lifespan::default(), false).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        ending.send(Ending::Now).unwrap();
+        let plain = plain.await.unwrap();
+        assert_eq!(plain.pings, 0, "{plain:?}");
+        assert!(
+            plain.settings.contains(&(MAX_CONCURRENT_STREAMS, 200)),
+            "hyper's default: {plain:?}"
+        );
+    }
+
+    #[tokio::test]
     async fn without_an_age_connections_stay_until_the_drain() {
-        let (seen, ending, _server) = connect(None, false).await;
+        let (seen, ending, _server) = connect(Lifespan::default(), false).await;
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(!seen.is_finished());
         ending.send(Ending::Gracefully).unwrap();
@@ -990,7 +1199,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_drain_past_its_grace_closes_connections_with_calls_under_way() {
-        let (seen, ending, server) = connect(None, true).await;
+        let (seen, ending, server) = connect(Lifespan::default(), true).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         ending.send(Ending::Gracefully).unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
