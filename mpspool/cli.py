@@ -102,9 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--max-connection-age",
         type=float,
-        default=0.0,
         help="seconds after which the router closes a client connection (gracefully), so "
         "clients balancing across pods find new ones (default 0: never)",
+    )
+    start.add_argument(
+        "--max-connection-idle",
+        type=float,
+        help="seconds a gRPC connection may go without a call before the router ends it "
+        "(GOAWAY; the client reconnects on its next call), giving its place under "
+        "--max-connections back (default 0: never)",
+    )
+    start.add_argument(
+        "--grpc-channel-arguments",
+        "--grpc_channel_arguments",
+        default="",
+        help="TF Serving's comma-separated gRPC server arguments (KEY=VALUE): "
+        "grpc.max_connection_age_ms, grpc.max_connection_age_grace_ms, "
+        "grpc.max_connection_idle_ms, grpc.keepalive_time_ms, grpc.keepalive_timeout_ms and "
+        "grpc.max_concurrent_streams are honoured; others are named in a warning",
     )
     start.add_argument(
         "--max-connections",
@@ -543,7 +558,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         prometheus_path=(
             prometheus_path_from(args.monitoring_config_file) if args.monitoring_config_file else ""
         ),
-        max_connection_age_s=args.max_connection_age,
+        **_connection_fields(args),
         max_connections=args.max_connections,
         worker_timeout_s=args.worker_timeout,
         call_timeout_s=args.call_timeout,
@@ -638,6 +653,29 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields.update(batching_parameters_from(args.batching_parameters_file))
     if args.max_batch_size is not None:
         fields["max_batch_size"] = args.max_batch_size
+    return fields
+
+
+def _connection_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """--grpc_channel_arguments' settings, with --max-connection-age and
+    --max-connection-idle; the same setting given both ways is refused."""
+    from mpspool import channel_args
+
+    fields, warnings = channel_args.pool_fields(args.grpc_channel_arguments)
+    for flag, field, value in (
+        ("--max-connection-age", "max_connection_age_s", args.max_connection_age),
+        ("--max-connection-idle", "max_connection_idle_s", args.max_connection_idle),
+    ):
+        if value is None:
+            continue
+        if field in fields:
+            raise ConfigError(
+                f"{flag} and {channel_args.key_for(field)} in {channel_args.FLAG} set the "
+                "same thing: give one"
+            )
+        fields[field] = value
+    for warning in warnings:
+        print(f"mpspool: {warning}", file=sys.stderr)
     return fields
 
 

@@ -207,8 +207,23 @@ class PoolConfig:
     # Serving's --enable_signature_method_name_check (off by default there too).
     signature_method_name_check: bool = False
     # Close client connections after this long (0: never), so clients balancing over
-    # several pods re-resolve and find new ones; in-flight calls get the same again to end.
+    # several pods re-resolve and find new ones; in-flight calls get the same again to end
+    # (max_connection_age_grace_s when set).
     max_connection_age_s: float = 0.0
+    # What calls under way get after the age's GOAWAY (gRPC's max_connection_age_grace, from
+    # --grpc_channel_arguments); None: the age again.
+    max_connection_age_grace_s: float | None = None
+    # A gRPC connection without a call under way this long is ended with GOAWAY (0: never), so
+    # channels clients leave open give their places under --max-connections back. gRPC's
+    # max_connection_idle.
+    max_connection_idle_s: float = 0.0
+    # HTTP/2 pings on gRPC connections at least this often, each to be answered within the
+    # timeout (gRPC's keepalive_time and keepalive_timeout; 0: not set). The front door pings
+    # at the read timeout anyway, to close connections whose clients stopped reading.
+    keepalive_time_s: float = 0.0
+    keepalive_timeout_s: float = 0.0
+    # Calls at once on one gRPC connection (gRPC's max_concurrent_streams; 0: hyper's 200).
+    max_concurrent_streams: int = 0
     # Client connections the front door keeps open at once, gRPC and REST together (0: as
     # many as its open-file limit allows after a reserve for the pool's own sockets; it holds
     # any value under that too). Each holds a descriptor and buffers no budget counts: 300
@@ -528,6 +543,20 @@ class PoolConfig:
         if not 1024 <= self.max_message_bytes < 2**31:
             raise ConfigError(
                 f"--max-message-bytes must be in 1024..2147483647, got {self.max_message_bytes}"
+            )
+        for flag, seconds in (
+            ("--max-connection-age", self.max_connection_age_s),
+            ("--max-connection-idle", self.max_connection_idle_s),
+            ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_s or 0.0),
+            ("grpc.keepalive_time_ms", self.keepalive_time_s),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_s),
+        ):
+            if not seconds >= 0:  # NaN too
+                raise ConfigError(f"{flag} must be >= 0 (0: never), got {seconds}")
+        if not 0 <= self.max_concurrent_streams < 2**32:
+            raise ConfigError(
+                "grpc.max_concurrent_streams must be in 0..4294967295 (0: hyper's 200), "
+                f"got {self.max_concurrent_streams}"
             )
         if self.max_connections < 0:
             raise ConfigError(

@@ -1756,7 +1756,15 @@ def test_a_pools_model_name_too_long_is_refused_without_echoing_it_whole():
 @pytest.mark.parametrize("value", [-1.0, float("nan")])
 @pytest.mark.parametrize(
     ("field", "flag"),
-    [("call_timeout_s", "--call-timeout"), ("request_read_timeout_s", "--request-read-timeout")],
+    [
+        ("call_timeout_s", "--call-timeout"),
+        ("request_read_timeout_s", "--request-read-timeout"),
+        ("max_connection_age_s", "--max-connection-age"),
+        ("max_connection_idle_s", "--max-connection-idle"),
+        ("max_connection_age_grace_s", "grpc.max_connection_age_grace_ms"),
+        ("keepalive_time_s", "grpc.keepalive_time_ms"),
+        ("keepalive_timeout_s", "grpc.keepalive_timeout_ms"),
+    ],
 )
 def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):
     config = PoolConfig(

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,68 @@ def test_max_connection_age_closes_client_connections(tmp_path: Path, demo_model
             assert grpc.ChannelConnectivity.IDLE in states[ready_at:], states
             assert pool.health(channel) == SERVING  # and the client simply reconnects
             channel.unsubscribe(states.append)
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
+
+
+def test_grpc_channel_arguments_end_idle_connections_and_keep_streaming_ones(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """TF Serving's --grpc_channel_arguments: grpc.max_connection_idle_ms ends a connection
+    without a call for that long (GOAWAY: the official client's channel goes IDLE and its next
+    call reconnects); a health Watch under way is a call, so its connection stays; an argument
+    the front door has no setting for is named in a warning and the pool starts."""
+    from grpc_health.v1 import health_pb2_grpc
+    from tensorflow_serving.apis import prediction_service_pb2_grpc
+
+    pool = Pool(
+        tmp_path, demo_model_dir, 1, "--grpc_channel_arguments",
+        "grpc.max_connection_idle_ms=1000,grpc.http2.min_ping_interval_without_data_ms=5000",
+    ).start()  # fmt: skip
+    try:
+        pool.wait_ready(1)
+        assert (
+            "--grpc_channel_arguments: grpc.http2.min_ping_interval_without_data_ms has no "
+            "effect here"
+        ) in pool.output()
+        # Each channel on a connection of its own (gRPC shares them between channels).
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        target = f"127.0.0.1:{pool.port}"
+        with (
+            grpc.insecure_channel(target, options=own) as idle,
+            grpc.insecure_channel(target, options=own) as watching,
+        ):
+            idle_states: list[grpc.ChannelConnectivity] = []
+            watch_states: list[grpc.ChannelConnectivity] = []
+            idle.subscribe(idle_states.append, try_to_connect=True)
+            watching.subscribe(watch_states.append, try_to_connect=True)
+            watch = health_pb2_grpc.HealthStub(watching).Watch(
+                health_pb2.HealthCheckRequest(service=""), timeout=30
+            )
+            assert next(watch).status == SERVING
+            assert pool.health(idle) == SERVING
+            answered = time.monotonic()
+            while grpc.ChannelConnectivity.IDLE not in idle_states[1:]:
+                assert time.monotonic() < answered + 10, idle_states
+                time.sleep(0.02)
+            went_idle = time.monotonic() - answered
+            assert 0.8 < went_idle < 5, f"IDLE {went_idle:.2f} s after the last call"
+            time.sleep(1.5)
+            ready_at = watch_states.index(grpc.ChannelConnectivity.READY)
+            assert grpc.ChannelConnectivity.IDLE not in watch_states[ready_at:], watch_states
+            watch.cancel()
+            # The idle channel reconnects on its next call.
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(idle)
+            assert stub.Predict(_demo_request(), timeout=30).outputs
+            idle.unsubscribe(idle_states.append)
+            watching.unsubscribe(watch_states.append)
+        page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read()
+        [closed] = [
+            line for line in page.decode().splitlines()
+            if line.startswith("mpspool_client_connections_idle_closed_total ")
+        ]  # fmt: skip
+        assert float(closed.split()[1]) >= 1, closed
         assert pool.stop() == 0
     finally:
         pool.kill()
