@@ -81,8 +81,10 @@ def pool_fields(text: str) -> tuple[dict[str, float | int], list[str]]:
 
 
 def _whole(text: str) -> int | None:
-    """An integer as TensorFlow's safe_strto32 reads one (no underscores, no spaces inside)."""
-    return int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None
+    """An integer as TensorFlow's safe_strto32 reads one: digits after an optional '-' (no '+',
+    no underscores; TF Serving would hand gRPC anything else as a string, which gRPC ignores
+    for these arguments)."""
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else None
 
 
 def _without_effect(key: str) -> str:

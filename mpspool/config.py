@@ -217,9 +217,9 @@ class PoolConfig:
     # channels clients leave open give their places under --max-connections back. gRPC's
     # max_connection_idle.
     max_connection_idle_s: float = 0.0
-    # HTTP/2 pings on gRPC connections at least this often, each to be answered within the
-    # timeout (gRPC's keepalive_time and keepalive_timeout; 0: not set). The front door pings
-    # at the read timeout anyway, to close connections whose clients stopped reading.
+    # An HTTP/2 PING on a gRPC connection silent this long, to be answered within the timeout
+    # (gRPC's keepalive_time and keepalive_timeout; 0: not set). The front door pings silent
+    # connections at the read timeout anyway, to close those whose clients stopped reading.
     keepalive_time_s: float = 0.0
     keepalive_timeout_s: float = 0.0
     # Calls at once on one gRPC connection (gRPC's max_concurrent_streams; 0: hyper's 200).
@@ -552,7 +552,7 @@ class PoolConfig:
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_s),
         ):
             if not seconds >= 0:  # NaN too
-                raise ConfigError(f"{flag} must be >= 0 (0: never), got {seconds}")
+                raise ConfigError(f"{flag} must be >= 0, got {seconds}")
         if not 0 <= self.max_concurrent_streams < 2**32:
             raise ConfigError(
                 "grpc.max_concurrent_streams must be in 0..4294967295 (0: hyper's 200), "

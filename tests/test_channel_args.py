@@ -18,7 +18,7 @@ def test_each_argument_the_front_door_takes_sets_its_field_in_its_units():
     fields, warnings = channel_args.pool_fields(
         "grpc.max_connection_age_ms=300000, grpc.max_connection_age_grace_ms=5000,"
         "grpc.max_connection_idle_ms=1500,grpc.keepalive_time_ms=10000,"
-        "grpc.keepalive_timeout_ms=+2000,grpc.max_concurrent_streams=64"
+        "grpc.keepalive_timeout_ms=2000,grpc.max_concurrent_streams=64"
     )
     assert fields == {
         "max_connection_age_s": 300.0,
@@ -60,6 +60,7 @@ def test_an_argument_without_a_setting_here_is_named_in_a_warning():
         ("grpc.max_connection_idle_ms=soon", "takes a whole number of milliseconds"),
         ("grpc.max_connection_idle_ms=1.5", "in 1..2147483647, got '1.5'"),
         ("grpc.max_connection_idle_ms=1_000", "got '1_000'"),
+        ("grpc.max_connection_idle_ms=+1000", "got '+1000'"),
         ("grpc.max_connection_age_ms=0", "got '0'"),
         ("grpc.keepalive_time_ms=-5", "got '-5'"),
         ("grpc.max_concurrent_streams=2147483648", "whole number of streams in 1..2147483647"),

@@ -77,8 +77,8 @@ pub struct Config {
     /// `--max-connection-idle`: a gRPC connection without a call this long is ended (0: never).
     #[serde(default)]
     pub max_connection_idle_s: f64,
-    /// HTTP/2 pings at least this often on gRPC connections (gRPC's keepalive_time; 0: not
-    /// set), each to be answered within `keepalive_timeout_s` (0: not set).
+    /// An HTTP/2 PING on a gRPC connection silent this long (gRPC's keepalive_time; 0: not
+    /// set), to be answered within `keepalive_timeout_s` (0: not set); lifespan.rs.
     #[serde(default)]
     pub keepalive_time_s: f64,
     #[serde(default)]

@@ -5,12 +5,15 @@
 //!   GOAWAY, so clients balancing over several pods re-resolve; its calls under way get the
 //!   grace to end (the age again unless set), then it is closed.
 //! - **Idleness** (`grpc.max_connection_idle_ms`): a connection with no call under way for
-//!   that long is told GOAWAY, and closes at once as nothing runs on it. Its place under
-//!   `--max-connections` comes back; a gRPC client whose channel was idle reconnects on its
-//!   next call. A call is under way from its headers until the last of its answer is handed
-//!   to the connection (a health Watch for as long as it streams), as gRPC counts streams.
-//! - **Keepalive** (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`): HTTP/2 pings at
-//!   least that often, a connection whose client does not answer one in time closed.
+//!   that long is told GOAWAY, and closes once its client has acknowledged it (h2 waits for
+//!   the answer to its shutdown PING), or when the limit has passed again with no call under
+//!   way, whichever comes first. Its place under `--max-connections` comes back; a gRPC client
+//!   whose channel was idle reconnects on its next call. A call is under way from its headers
+//!   until hyper drops its answer's body, once the last of it is handed over (a health Watch
+//!   for as long as it streams), as gRPC counts streams.
+//! - **Keepalive** (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`): an HTTP/2 PING on
+//!   a connection its client has sent nothing on for that long, the connection closed when
+//!   the client does not answer in time.
 //! - **Streams** (`grpc.max_concurrent_streams`): calls at once on one connection.
 
 use std::pin::Pin;
@@ -32,7 +35,7 @@ pub struct Lifespan {
     pub age_grace: Option<Duration>,
     /// None: an idle connection stays.
     pub max_idle: Option<Duration>,
-    /// HTTP/2 pings at least this often (None: only those the read timeout asks for).
+    /// A PING on a connection silent this long (None: only those the read timeout asks for).
     pub keepalive_time: Option<Duration>,
     /// How long a ping may go unanswered (None: gRPC's 20 s when `keepalive_time` is set).
     pub keepalive_timeout: Option<Duration>,
@@ -44,20 +47,25 @@ pub struct Lifespan {
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl Lifespan {
-    /// The HTTP/2 pings a connection gets, as (interval, timeout): the shorter of this
+    /// The HTTP/2 pings a connection gets, as (interval, timeout), whichever of this
     /// lifespan's keepalive and `reader_check` (a ping at the read timeout closes a connection
-    /// whose client stopped reading its socket, answer_body); None: no pings.
+    /// whose client stopped reading its socket, answer_body) pings sooner; None: no pings.
+    /// gRPC's 20 s default timeout applies only where the keepalive's pings are the ones sent;
+    /// a timeout given on its own shortens the reader check's.
     pub fn pings(&self, reader_check: Option<Duration>) -> Option<(Duration, Duration)> {
-        let timeout = match self.keepalive_time {
-            Some(_) => Some(self.keepalive_timeout.unwrap_or(KEEPALIVE_TIMEOUT)),
-            None => self.keepalive_timeout,
-        };
-        match (self.keepalive_time, reader_check) {
+        let keepalive = self
+            .keepalive_time
+            .map(|time| (time, self.keepalive_timeout.unwrap_or(KEEPALIVE_TIMEOUT)));
+        match (keepalive, reader_check) {
             (None, None) => None,
-            (Some(time), None) => Some((time, timeout.unwrap_or(KEEPALIVE_TIMEOUT))),
-            (time, Some(limit)) => Some((
-                time.map_or(limit, |time| time.min(limit)),
-                timeout.map_or(limit, |timeout| timeout.min(limit)),
+            (Some(keepalive), None) => Some(keepalive),
+            (Some((time, timeout)), Some(limit)) if time < limit => {
+                Some((time, timeout.min(limit)))
+            }
+            (_, Some(limit)) => Some((
+                limit,
+                self.keepalive_timeout
+                    .map_or(limit, |timeout| timeout.min(limit)),
             )),
         }
     }
@@ -72,6 +80,17 @@ pub enum Ended {
     Idle,
     /// The front door cut it: calls past the age's or the drain's grace, answers stalled.
     Cut,
+}
+
+/// What a connection does when it is looked at for idleness.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdleStep {
+    Stay,
+    /// Idle for the limit: tell its client GOAWAY.
+    GoAway,
+    /// Told GOAWAY the limit ago and still open with no call under way (its client did not
+    /// acknowledge it): close.
+    Close,
 }
 
 /// What a connection does when its age timer fires: first GOAWAY, then (its grace later)
@@ -191,6 +210,8 @@ pub struct Idle {
     limit: Duration,
     /// The calls begun when the connection was first seen quiet, and when that was.
     quiet_since: Option<(u64, Instant)>,
+    /// When it was told GOAWAY for idleness.
+    told: Option<Instant>,
 }
 
 impl Idle {
@@ -199,19 +220,28 @@ impl Idle {
         Idle {
             limit,
             quiet_since: Some((0, now)),
+            told: None,
         }
     }
 
     /// How often to look: an idle connection is ended between `limit` and 1.25 × `limit`
     /// after its last call.
     pub fn period(&self) -> Duration {
-        (self.limit / 4).max(Duration::from_millis(1))
+        (self.limit / 4).max(Duration::from_millis(10))
     }
 
-    /// Whether the connection has been idle for the limit at `now`, given what its calls
-    /// say (`Calls::quiet`).
-    pub fn look(&mut self, now: Instant, quiet: Option<u64>) -> bool {
-        match (quiet, self.quiet_since) {
+    /// What to do at `now` (the time of the look, not of its tick: a late look must not date
+    /// the quiet before a call's end), given what the connection's calls say (`Calls::quiet`).
+    pub fn look(&mut self, now: Instant, quiet: Option<u64>) -> IdleStep {
+        if let Some(told) = self.told {
+            let waited = now.saturating_duration_since(told) >= self.limit;
+            return if waited && quiet.is_some() {
+                IdleStep::Close
+            } else {
+                IdleStep::Stay
+            };
+        }
+        let idle = match (quiet, self.quiet_since) {
             (None, _) => {
                 self.quiet_since = None;
                 false
@@ -223,6 +253,12 @@ impl Idle {
                 self.quiet_since = Some((began, now));
                 false
             }
+        };
+        if idle {
+            self.told = Some(now);
+            IdleStep::GoAway
+        } else {
+            IdleStep::Stay
         }
     }
 }
@@ -232,6 +268,7 @@ mod tests {
     use super::*;
 
     const S: Duration = Duration::from_secs(1);
+    const MS: Duration = Duration::from_millis(1);
 
     #[test]
     fn the_age_timer_first_says_goaway_then_closes_after_the_grace() {
@@ -278,31 +315,50 @@ mod tests {
 
     #[test]
     fn a_connection_is_idle_once_quiet_for_the_limit_since_its_last_call() {
+        use IdleStep::{GoAway, Stay};
         let start = Instant::now();
         let mut idle = Idle::new(4 * S, start);
         assert_eq!(idle.period(), S);
-        assert!(!idle.look(start + 3 * S, Some(0)));
-        assert!(
+        assert_eq!(idle.look(start + 3 * S, Some(0)), Stay);
+        assert_eq!(
             idle.look(start + 4 * S, Some(0)),
+            GoAway,
             "never called: idle from the start"
         );
 
         let mut idle = Idle::new(4 * S, start);
-        assert!(!idle.look(start + S, None), "a call under way");
-        assert!(!idle.look(start + 2 * S, Some(1)), "quiet from here");
-        assert!(!idle.look(start + 5 * S, Some(1)));
-        assert!(idle.look(start + 6 * S, Some(1)));
+        assert_eq!(idle.look(start + S, None), Stay, "a call under way");
+        assert_eq!(idle.look(start + 2 * S, Some(1)), Stay, "quiet from here");
+        assert_eq!(idle.look(start + 5 * S, Some(1)), Stay);
+        assert_eq!(idle.look(start + 6 * S, Some(1)), GoAway);
 
         // A call that came and went between two looks starts the clock again.
         let mut idle = Idle::new(4 * S, start);
-        assert!(!idle.look(start + 3 * S, Some(0)));
-        assert!(!idle.look(start + 4 * S, Some(1)));
-        assert!(!idle.look(start + 7 * S, Some(1)));
-        assert!(idle.look(start + 8 * S, Some(1)));
+        assert_eq!(idle.look(start + 3 * S, Some(0)), Stay);
+        assert_eq!(idle.look(start + 4 * S, Some(1)), Stay);
+        assert_eq!(idle.look(start + 7 * S, Some(1)), Stay);
+        assert_eq!(idle.look(start + 8 * S, Some(1)), GoAway);
+        assert_eq!(Idle::new(Duration::from_millis(1), start).period(), 10 * MS);
     }
 
     #[test]
-    fn pings_are_the_shorter_of_keepalive_and_the_readers_check() {
+    fn a_connection_told_goaway_is_closed_after_the_limit_again_unless_a_call_came() {
+        use IdleStep::{Close, GoAway, Stay};
+        let start = Instant::now();
+        let mut idle = Idle::new(4 * S, start);
+        assert_eq!(idle.look(start + 4 * S, Some(0)), GoAway);
+        assert_eq!(idle.look(start + 7 * S, Some(0)), Stay);
+        assert_eq!(idle.look(start + 8 * S, Some(0)), Close);
+
+        // A call that came in just before the GOAWAY runs to its end first.
+        let mut idle = Idle::new(4 * S, start);
+        assert_eq!(idle.look(start + 4 * S, Some(0)), GoAway);
+        assert_eq!(idle.look(start + 9 * S, None), Stay);
+        assert_eq!(idle.look(start + 10 * S, Some(1)), Close);
+    }
+
+    #[test]
+    fn pings_are_the_sooner_of_keepalive_and_the_readers_check() {
         let none = Lifespan::default();
         assert_eq!(none.pings(None), None);
         assert_eq!(none.pings(Some(60 * S)), Some((60 * S, 60 * S)));
@@ -316,12 +372,17 @@ mod tests {
             "gRPC's 20 s timeout"
         );
         assert_eq!(keepalive.pings(Some(15 * S)), Some((10 * S, 15 * S)));
-        let long = Lifespan {
+        // A keepalive slower than the reader check leaves the reader check as it was.
+        let slow = Lifespan {
             keepalive_time: Some(7200 * S),
-            keepalive_timeout: Some(S),
             ..Lifespan::default()
         };
-        assert_eq!(long.pings(Some(60 * S)), Some((60 * S, S)));
+        assert_eq!(slow.pings(Some(60 * S)), Some((60 * S, 60 * S)));
+        let slow_short_timeout = Lifespan {
+            keepalive_timeout: Some(S),
+            ..slow
+        };
+        assert_eq!(slow_short_timeout.pings(Some(60 * S)), Some((60 * S, S)));
         let timeout_alone = Lifespan {
             keepalive_timeout: Some(5 * S),
             ..Lifespan::default()

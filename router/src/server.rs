@@ -30,7 +30,7 @@ use tower::ServiceExt;
 use crate::answer_body::{answering, AnswerWatch};
 use crate::connection_limit::{self, Admitted, ConnectionLimit};
 use crate::grpc::Api;
-use crate::lifespan::{Age, AgeStep, Answering, Calls, Ended, Idle, Lifespan};
+use crate::lifespan::{Age, AgeStep, Answering, Calls, Ended, Idle, IdleStep, Lifespan};
 use crate::log::Throttle;
 use crate::preface::{self, Rewound};
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
@@ -676,11 +676,17 @@ where
                     }
                 }
             },
-            now = idle_looks.tick(), if idle.is_some() && going_away.is_none() => {
+            _ = idle_looks.tick(), if idle.is_some()
+                && matches!(going_away, None | Some(Ended::Idle)) => {
                 if let (Some(idle), Some(calls)) = (idle.as_mut(), &calls) {
-                    if idle.look(now, calls.quiet()) {
-                        going_away = Some(Ended::Idle);
-                        connection.as_mut().graceful_shutdown();
+                    match idle.look(tokio::time::Instant::now(), calls.quiet()) {
+                        IdleStep::Stay => {}
+                        IdleStep::GoAway => {
+                            going_away = Some(Ended::Idle);
+                            connection.as_mut().graceful_shutdown();
+                        }
+                        // Its client never acknowledged the GOAWAY (h2 waits for that).
+                        IdleStep::Close => return Ended::Idle,
                     }
                 }
             },
@@ -795,18 +801,15 @@ mod tests {
         open: bool,
     }
 
-    /// Speaks just enough HTTP/2 (preface, SETTINGS and PING acks; with `call`, one POST
-    /// whose answer never comes) to watch how the server ends the connection.
-    async fn client(stream: TcpStream, call: bool, started: Instant) -> Seen {
-        watch_for(stream, call, started, None).await
-    }
-
-    /// `client`, watching only until `until` (then `open` when the connection was).
+    /// Speaks just enough HTTP/2 (preface, SETTINGS, PING acks when `ping_acks`; with
+    /// `call`, one POST) to watch how the server ends the connection, until `until` (then
+    /// `open` when the connection still was).
     async fn watch_for(
         mut stream: TcpStream,
         call: bool,
         started: Instant,
         until: Option<Instant>,
+        ping_acks: bool,
     ) -> Seen {
         let mut hello = PREFACE.to_vec();
         hello.extend(frame(SETTINGS, 0, 0, &[]));
@@ -856,7 +859,7 @@ mod tests {
                 }
                 PING if flags & ACK == 0 => {
                     pings += 1;
-                    Some(frame(PING, ACK, 0, &payload))
+                    ping_acks.then(|| frame(PING, ACK, 0, &payload))
                 }
                 _ => None,
             };
@@ -889,15 +892,20 @@ mod tests {
         }
     }
 
-    /// A connection served as the server serves one, whose calls never answer.
-    async fn connect(
-        lifespan: Lifespan,
-        call: bool,
-    ) -> (
+    /// What the client saw, the drain's sender, and how the server ended the connection.
+    type Connected = (
         tokio::task::JoinHandle<Seen>,
         watch::Sender<Ending>,
         tokio::task::JoinHandle<Ended>,
-    ) {
+    );
+
+    /// A connection served as the server serves one, whose calls never answer.
+    async fn connect(lifespan: Lifespan, call: bool) -> Connected {
+        connect_acking(lifespan, call, true).await
+    }
+
+    /// `connect`, its client acknowledging PINGs only with `ping_acks`.
+    async fn connect_acking(lifespan: Lifespan, call: bool, ping_acks: bool) -> Connected {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let address = listener.local_addr().unwrap();
         let (ending_tx, ending_rx) = watch::channel(Ending::No);
@@ -912,7 +920,7 @@ mod tests {
         let started = Instant::now();
         let stream = TcpStream::connect(address).await.unwrap();
         (
-            tokio::spawn(client(stream, call, started)),
+            tokio::spawn(watch_for(stream, call, started, None, ping_acks)),
             ending_tx,
             server,
         )
@@ -1043,6 +1051,8 @@ mod tests {
         let seen = seen.await.unwrap();
         let goaway = seen.goaway.expect("a GOAWAY");
         assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
+        let grace = Duration::from_millis(100);
+        assert!(seen.closed >= age + grace, "{seen:?}");
         assert!(seen.closed < age + Duration::from_millis(250), "{seen:?}");
         assert_eq!(server.await.unwrap(), Ended::Cut);
     }
@@ -1055,6 +1065,21 @@ mod tests {
         let goaway = seen.goaway.expect("a GOAWAY");
         assert!(goaway >= idle && goaway < 2 * idle, "{seen:?}");
         assert!(seen.closed < 3 * idle, "nothing to wait for: {seen:?}");
+        assert_eq!(server.await.unwrap(), Ended::Idle);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_whose_client_does_not_acknowledge_goaway_is_closed_later() {
+        let idle = Duration::from_millis(200);
+        let (seen, _ending, server) = connect_acking(idling(idle), false, false).await;
+        let seen = tokio::time::timeout(Duration::from_secs(5), seen)
+            .await
+            .expect("never closed")
+            .unwrap();
+        let goaway = seen.goaway.expect("a GOAWAY");
+        assert!(goaway >= idle && goaway < 2 * idle, "{seen:?}");
+        assert!(seen.closed >= goaway + idle, "{seen:?}");
+        assert!(seen.closed < goaway + 3 * idle, "{seen:?}");
         assert_eq!(server.await.unwrap(), Ended::Idle);
     }
 
@@ -1099,13 +1124,8 @@ mod tests {
         });
         let started = Instant::now();
         let stream = TcpStream::connect(address).await.unwrap();
-        let seen = watch_for(
-            stream,
-            true,
-            started,
-            Some(started + Duration::from_secs(2)),
-        )
-        .await;
+        let until = Some(started + Duration::from_secs(2));
+        let seen = watch_for(stream, true, started, until, true).await;
         if seen.open {
             ending_tx.send(Ending::Now).unwrap();
         }
