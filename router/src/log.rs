@@ -7,7 +7,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Events that may come in floods (connections refused or closed unstarted), logged the
 /// first time and then at most once per `Throttle::EVERY`, each line with the count since the
-/// last.
+/// last; the count left after a flood's last line is written by the throttle's owner when it
+/// looks (`trailing`), so the end of a flood shows without waiting for its next event.
 pub struct Throttle {
     /// When the last line was written (None: never), and the events not yet in a line.
     state: Mutex<(Option<Instant>, u64)>,
@@ -22,13 +23,17 @@ impl Throttle {
         }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, u64)> {
+        // Two plain numbers stay whole whatever a panicking holder did.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Counts one event at `now`; Some(events since the last line, this one included) when a
     /// line should be written now.
     pub fn note(&self, now: Instant) -> Option<u64> {
-        let mut state = self
-            .state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self.lock();
         let (last, pending) = &mut *state;
         *pending += 1;
         match *last {
@@ -37,6 +42,20 @@ impl Throttle {
                 *last = Some(now);
                 Some(std::mem::take(pending))
             }
+        }
+    }
+
+    /// The events counted since the last line, once `EVERY` has passed since it (None when
+    /// there are none, or too soon): for a line of their own, counted as the throttle's line.
+    pub fn trailing(&self, now: Instant) -> Option<u64> {
+        let mut state = self.lock();
+        let (last, pending) = &mut *state;
+        match *last {
+            Some(at) if *pending > 0 && now.saturating_duration_since(at) >= Self::EVERY => {
+                *last = Some(now);
+                Some(std::mem::take(pending))
+            }
+            _ => None,
         }
     }
 }
@@ -94,6 +113,37 @@ mod tests {
         assert_eq!(throttle.note(start + Throttle::EVERY), Some(6));
         assert_eq!(throttle.note(start + Throttle::EVERY), None);
         assert_eq!(throttle.note(start + 3 * Throttle::EVERY), Some(2));
+    }
+
+    #[test]
+    fn what_a_flood_left_after_its_last_line_is_given_once_a_period_has_passed() {
+        let throttle = Throttle::new();
+        let start = Instant::now();
+        assert_eq!(throttle.trailing(start), None, "nothing counted");
+        assert_eq!(throttle.note(start), Some(1));
+        assert_eq!(
+            throttle.trailing(start + Throttle::EVERY),
+            None,
+            "all in a line"
+        );
+        for second in 1..=3 {
+            assert_eq!(throttle.note(start + Duration::from_secs(second)), None);
+        }
+        assert_eq!(
+            throttle.trailing(start + Duration::from_secs(9)),
+            None,
+            "too soon"
+        );
+        let flushed = start + Throttle::EVERY;
+        assert_eq!(throttle.trailing(flushed), Some(3));
+        assert_eq!(
+            throttle.trailing(flushed + Throttle::EVERY),
+            None,
+            "given once"
+        );
+        // The trailing line counts as a line: the next event waits its period.
+        assert_eq!(throttle.note(flushed + Duration::from_secs(1)), None);
+        assert_eq!(throttle.note(flushed + Throttle::EVERY), Some(2));
     }
 
     #[test]

@@ -206,10 +206,13 @@ impl Server {
             done: done_tx,
         };
         let mut drains_open = true;
+        let mut throttle_looks = tokio::time::interval(Throttle::EVERY);
+        throttle_looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
         let (drain, cause) = loop {
             tokio::select! {
                 accepted = listener.accept() => accepting.grpc(accepted).await,
+                _ = throttle_looks.tick() => log_trailing(std::time::Instant::now()),
                 accepted = accept_rest(&rest) => {
                     if let Some((stream, handler)) = accepted {
                         accepting.rest(stream, handler);
@@ -289,6 +292,31 @@ static REFUSALS: Throttle = Throttle::new();
 /// Failed accepts (EMFILE and friends) come in floods too; one count per listener.
 static ACCEPT_FAILURES: Throttle = Throttle::new();
 static REST_ACCEPT_FAILURES: Throttle = Throttle::new();
+
+/// Writes what each of the listeners' throttles counted after its last line (the serving
+/// loop looks every `Throttle::EVERY`).
+fn log_trailing(now: std::time::Instant) {
+    for (throttle, what) in [
+        (
+            &REFUSALS,
+            "client connection(s) refused (--max-connections)",
+        ),
+        (&ACCEPT_FAILURES, "failed accept(s) of gRPC connections"),
+        (
+            &REST_ACCEPT_FAILURES,
+            "failed accept(s) of REST connections",
+        ),
+        (&TLS_FAILURES, "failed or timed-out TLS handshake(s)"),
+        (
+            &UNSTARTED,
+            "gRPC connection(s) closed without an HTTP/2 preface (--request-read-timeout)",
+        ),
+    ] {
+        if let Some(count) = throttle.trailing(now) {
+            log_warn!("{count} more {what} since the last line");
+        }
+    }
+}
 
 impl Accepting {
     /// Serves a gRPC connection the listener gave, or refuses it at the limit; after a failed

@@ -372,10 +372,25 @@ impl PeerOut {
 
 async fn accept_loop(listener: UnixListener, events: mpsc::UnboundedSender<Event>) {
     let mut connections: u64 = 0;
-    // A failure lasts as long as its cause (descriptors run out): one line per 10 s.
+    // A failure lasts as long as its cause (descriptors run out): one line per 10 s, and the
+    // count left when it ends.
     let failures = crate::log::Throttle::new();
+    let mut looks = tokio::time::interval(crate::log::Throttle::EVERY);
+    looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = looks.tick() => {
+                if let Some(count) = failures.trailing(std::time::Instant::now()) {
+                    crate::log_warn!(
+                        "accepting a worker connection failed {count} more time(s) since the \
+                         last line"
+                    );
+                }
+                continue;
+            }
+        };
+        match accepted {
             Ok((stream, _)) => {
                 connections += 1;
                 tokio::spawn(serve_peer(stream, connections, events.clone()));
