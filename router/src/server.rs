@@ -643,9 +643,12 @@ where
     }
     // Calls are counted only where idleness is watched (two atomic adds and the answer's
     // body boxed once more, a call), each until its answer's body is dropped.
-    let calls = lifespan.max_idle.map(|_| Arc::new(Calls::default()));
+    let mut idle = lifespan.max_idle.map(|limit| {
+        let calls = Arc::new(Calls::default());
+        (Idle::new(limit, tokio::time::Instant::now()), calls)
+    });
     let service = {
-        let calls = calls.clone();
+        let calls = idle.as_ref().map(|(_, calls)| calls.clone());
         hyper::service::service_fn(move |request| {
             let under_way = calls.as_ref().map(Calls::begin);
             let call = hyper::service::Service::call(&service, request);
@@ -681,12 +684,9 @@ where
     let period = answers.as_ref().and_then(AnswerWatch::period);
     let mut looks = tokio::time::interval(period.unwrap_or(Duration::from_secs(3600)));
     looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut idle = lifespan
-        .max_idle
-        .map(|limit| Idle::new(limit, tokio::time::Instant::now()));
     let mut idle_looks = tokio::time::interval(
         idle.as_ref()
-            .map_or(Duration::from_secs(3600), Idle::period),
+            .map_or(Duration::from_secs(3600), |(idle, _)| idle.period()),
     );
     idle_looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -706,7 +706,7 @@ where
             },
             _ = idle_looks.tick(), if idle.is_some()
                 && matches!(going_away, None | Some(Ended::Idle)) => {
-                if let (Some(idle), Some(calls)) = (idle.as_mut(), &calls) {
+                if let Some((idle, calls)) = idle.as_mut() {
                     match idle.look(tokio::time::Instant::now(), calls.quiet()) {
                         IdleStep::Stay => {}
                         IdleStep::GoAway => {
@@ -906,6 +906,13 @@ mod tests {
         }
     }
 
+    /// When `seen` was told GOAWAY, which must be between `limit` and twice it.
+    fn goaway_between(seen: &Seen, limit: Duration) -> Duration {
+        let goaway = seen.goaway.expect("a GOAWAY");
+        assert!(goaway >= limit && goaway < 2 * limit, "{seen:?}");
+        goaway
+    }
+
     fn aged(age: Duration) -> Lifespan {
         Lifespan {
             max_age: Some(age),
@@ -1053,8 +1060,7 @@ mod tests {
         let age = Duration::from_millis(300);
         let (seen, _ending, _server) = connect(aged(age), false).await;
         let seen = seen.await.unwrap();
-        let goaway = seen.goaway.expect("a GOAWAY");
-        assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
+        goaway_between(&seen, age);
         assert!(seen.closed < 2 * age, "nothing to wait for: {seen:?}");
     }
 
@@ -1063,23 +1069,20 @@ mod tests {
         let age = Duration::from_millis(300);
         let (seen, _ending, _server) = connect(aged(age), true).await;
         let seen = seen.await.unwrap();
-        let goaway = seen.goaway.expect("a GOAWAY");
-        assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
+        goaway_between(&seen, age);
         assert!(seen.closed >= 2 * age && seen.closed < 3 * age, "{seen:?}");
     }
 
     #[tokio::test]
     async fn an_age_grace_of_its_own_closes_calls_under_way_after_it() {
-        let age = Duration::from_millis(300);
+        let (age, grace) = (Duration::from_millis(300), Duration::from_millis(100));
         let lifespan = Lifespan {
-            age_grace: Some(Duration::from_millis(100)),
+            age_grace: Some(grace),
             ..aged(age)
         };
         let (seen, _ending, server) = connect(lifespan, true).await;
         let seen = seen.await.unwrap();
-        let goaway = seen.goaway.expect("a GOAWAY");
-        assert!(goaway >= age && goaway < 2 * age, "{seen:?}");
-        let grace = Duration::from_millis(100);
+        goaway_between(&seen, age);
         assert!(seen.closed >= age + grace, "{seen:?}");
         assert!(seen.closed < age + Duration::from_millis(250), "{seen:?}");
         assert_eq!(server.await.unwrap(), Ended::Cut);
@@ -1090,8 +1093,7 @@ mod tests {
         let idle = Duration::from_millis(200);
         let (seen, _ending, server) = connect(idling(idle), false).await;
         let seen = seen.await.unwrap();
-        let goaway = seen.goaway.expect("a GOAWAY");
-        assert!(goaway >= idle && goaway < 2 * idle, "{seen:?}");
+        goaway_between(&seen, idle);
         assert!(seen.closed < 3 * idle, "nothing to wait for: {seen:?}");
         assert_eq!(server.await.unwrap(), Ended::Idle);
     }
@@ -1104,8 +1106,7 @@ mod tests {
             .await
             .expect("never closed")
             .unwrap();
-        let goaway = seen.goaway.expect("a GOAWAY");
-        assert!(goaway >= idle && goaway < 2 * idle, "{seen:?}");
+        let goaway = goaway_between(&seen, idle);
         assert!(seen.closed >= goaway + idle, "{seen:?}");
         assert!(seen.closed < goaway + 3 * idle, "{seen:?}");
         assert_eq!(server.await.unwrap(), Ended::Idle);
