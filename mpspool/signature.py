@@ -36,11 +36,17 @@ class SignatureSpec:
     outputs: Mapping[str, TensorSpec]
 
 
+# The entry tf.saved_model.save writes for the model's initializer: a signature_def, but
+# no function to call (TF Serving runs it at load).
+INIT_OP_KEY = "__saved_model_init_op"
+
+
 def specs_from_signature_defs(signature_defs: Mapping[str, Any]) -> dict[str, SignatureSpec]:
-    """Specs for every signature that takes inputs (the init op's entry has none)."""
+    """Specs for every signature a request can call: all but the init op's entry. One that
+    takes no inputs (a vocabulary, a constant) is called with none, as TF Serving does."""
     specs = {}
     for key, sig in signature_defs.items():
-        if not sig.inputs:
+        if key == INIT_OP_KEY:
             continue
         specs[key] = SignatureSpec(
             key=key,

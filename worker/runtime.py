@@ -345,31 +345,29 @@ class SavedModelRuntime:
         """Run each signature on a batch of one zero example (unknown dimensions become 1).
 
         The first call of a function pays for graph optimisation and kernel set-up; paying
-        here keeps it off a client's request. A failure means the model cannot serve at all,
-        so it is a ModelLoadError.
+        here keeps it off a client's request. A signature that refuses zeros is not a load
+        failure: TF Serving never runs a signature at load (only recorded warm-up requests),
+        and many refuse zeros by design (a tf.Example parser with required features given
+        empty strings, an assertion that ids are positive, one element reshaped to [-1, 3]).
+        Its first real request pays the set-up instead, and checks the fast call against
+        the public one (_run_unchecked); a model that can run nothing fails its requests
+        with TensorFlow's error, as under TF Serving.
         """
         for key, spec in self.specs.items():
             inputs = {alias: _zeros(info.dtype, info.shape) for alias, info in spec.inputs.items()}
             try:
                 got = self.run(key, inputs, list(spec.outputs))
             except ServingError as exc:
-                if exc.code is Code.INVALID_ARGUMENT and _all_strings(spec):
-                    # Empty strings are not a valid input of every model: a signature that
-                    # parses serialized tf.Examples with required features refuses them.
-                    # Its first real request pays the set-up instead, and checks the fast
-                    # call against the public one (_run_unchecked).
-                    log.warning(
-                        "warm-up of signature %r skipped: its string inputs need real data (%s)",
-                        key,
-                        exc.message.splitlines()[0][:200],
-                    )
-                    if self._call_path(key) != "keywords":
-                        self._unchecked.add(key)
-                    continue
-                raise ModelLoadError(
-                    f"warm-up of model {self.model_name!r} version {self.version}, "
-                    f"signature {key!r} failed: {exc.code.name}: {exc.message}"
-                ) from exc
+                log.warning(
+                    "warm-up of signature %r skipped: it refused a zero example (%s: %s); its "
+                    "first request pays the set-up",
+                    key,
+                    exc.code.name,
+                    exc.message.splitlines()[0][:200] if exc.message else "",
+                )
+                if self._call_path(key) != "keywords":
+                    self._unchecked.add(key)
+                continue
             path = self._call_path(key)
             if path != "keywords" and not self._fast_call_agrees(key, inputs, got):
                 log.warning(
@@ -446,11 +444,6 @@ def _same_answers(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray])
         )
         for alias in want
     )
-
-
-def _all_strings(spec: SignatureSpec) -> bool:
-    """Whether every input of the signature is DT_STRING (tf.Example parsers and the like)."""
-    return all(info.dtype == dtypes.DT_STRING for info in spec.inputs.values())
 
 
 def _read_signature_defs(path: Path, where: str) -> bytes:

@@ -19,7 +19,6 @@ use percent_encoding::percent_decode_str;
 use prost::Message;
 use tokio::time::Instant;
 
-use crate::codec::dtype_name;
 use crate::decode_budget::{input_memory, tensor_memory};
 use crate::grpc::Api;
 use crate::json_tensor::{self, write_string};
@@ -729,13 +728,36 @@ fn write_tensor_infos(out: &mut String, infos: &std::collections::HashMap<String
     out.push_str(if infos.is_empty() { "}" } else { "\n   }" });
 }
 
-/// The DataType enum's name (`DT_FLOAT`); a number for types mpspool has no name for.
+/// TensorFlow's DataType enum (types.proto), by number: how protobuf's JSON, and so TF
+/// Serving's metadata endpoint, names a dtype (`DT_INVALID` for the init op's NoOp output).
+#[rustfmt::skip]
+const DATA_TYPE_NAMES: [&str; 34] = [
+    "DT_INVALID", "DT_FLOAT", "DT_DOUBLE", "DT_INT32", "DT_UINT8", "DT_INT16", "DT_INT8",
+    "DT_STRING", "DT_COMPLEX64", "DT_INT64", "DT_BOOL", "DT_QINT8", "DT_QUINT8", "DT_QINT32",
+    "DT_BFLOAT16", "DT_QINT16", "DT_QUINT16", "DT_UINT16", "DT_COMPLEX128", "DT_HALF",
+    "DT_RESOURCE", "DT_VARIANT", "DT_UINT32", "DT_UINT64", "DT_FLOAT8_E5M2", "DT_FLOAT8_E4M3FN",
+    "DT_FLOAT8_E4M3FNUZ", "DT_FLOAT8_E4M3B11FNUZ", "DT_FLOAT8_E5M2FNUZ", "DT_INT4", "DT_UINT4",
+    "DT_INT2", "DT_UINT2", "DT_FLOAT4_E2M1FN",
+];
+
+/// The DataType enum's name (`DT_FLOAT`; a reference type, 100 more, `DT_FLOAT_REF`); a
+/// number for one this table does not know, as protobuf's JSON prints an unknown enum value.
 fn write_dtype(out: &mut String, dtype: i32) {
-    let name = dtype_name(dtype);
-    if name.starts_with("DataType(") {
-        let _ = write!(out, "{dtype}");
+    let (base, suffix) = if dtype > 100 {
+        (dtype - 100, "_REF")
     } else {
-        let _ = write!(out, "\"DT_{}\"", name.to_ascii_uppercase());
+        (dtype, "")
+    };
+    match usize::try_from(base)
+        .ok()
+        .and_then(|i| DATA_TYPE_NAMES.get(i))
+    {
+        Some(name) => {
+            let _ = write!(out, "\"{name}{suffix}\"");
+        }
+        _ => {
+            let _ = write!(out, "{dtype}");
+        }
     }
 }
 
@@ -978,6 +1000,24 @@ mod tests {
             StatusCode::NOT_IMPLEMENTED
         );
         assert_eq!(http_status(Code::Cancelled).as_u16(), 499);
+    }
+
+    #[test]
+    fn dtypes_are_written_by_their_enum_names_as_protobuf_json_writes_them() {
+        let written = |dtype| {
+            let mut out = String::new();
+            write_dtype(&mut out, dtype);
+            out
+        };
+        assert_eq!(written(0), "\"DT_INVALID\"", "the init op's NoOp output");
+        assert_eq!(written(9), "\"DT_INT64\"");
+        assert_eq!(written(20), "\"DT_RESOURCE\"");
+        assert_eq!(written(33), "\"DT_FLOAT4_E2M1FN\"");
+        assert_eq!(written(101), "\"DT_FLOAT_REF\"");
+        // Numbers the enum does not have are printed as numbers.
+        for unknown in [34, 99, 100, 134, -1] {
+            assert_eq!(written(unknown), unknown.to_string());
+        }
     }
 
     #[test]

@@ -47,12 +47,17 @@ pub struct ModelSignatures {
     pub specs: HashMap<String, SignatureSpec>,
 }
 
-/// Specs for every signature that takes inputs (the init op's entry has none).
+/// The entry tf.saved_model.save writes for the model's initializer: a signature_def, but no
+/// function to call (`mpspool/signature.py` INIT_OP_KEY).
+pub const INIT_OP_KEY: &str = "__saved_model_init_op";
+
+/// Specs for every signature a request can call: all but the init op's entry. One that takes
+/// no inputs (a vocabulary, a constant) is called with none, as TF Serving does.
 pub fn parse(signature_defs: Bytes) -> Result<ModelSignatures, prost::DecodeError> {
     let map = SignatureDefMap::decode(signature_defs.clone())?;
     let mut specs = HashMap::new();
     for (key, sig) in map.signature_def {
-        if sig.inputs.is_empty() {
+        if key == INIT_OP_KEY {
             continue;
         }
         let mut output_names: Vec<String> = sig.outputs.keys().cloned().collect();

@@ -1,0 +1,176 @@
+"""Signatures TF Serving serves that a pool must serve too, built here as a `tf.Module`:
+
+- ones that refuse the zero example the worker's own warm-up runs (an assertion that ids are
+  positive; one element reshaped to [-1, 3]). TF Serving never runs a signature at load, so
+  they load there; here they failed the warm-up, and the pool gave up (its first model could
+  not start);
+- one that takes no inputs (a vocabulary): TF Serving's Predict runs it with none; here it was
+  "not found" while GetModelMetadata listed it.
+
+Served by a real 1-worker pool and called with the official client, curl and requests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import requests
+import tensorflow as tf
+from tensorflow_serving.apis import (
+    get_model_metadata_pb2,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+)
+
+from poolproc import Pool
+
+TABLE = np.arange(40, dtype=np.float32).reshape(10, 4)
+VOCABULARY = [b"low", b"mid", b"high"]
+
+
+class _Model(tf.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = tf.Variable(TABLE)
+        self.vocabulary = tf.constant(VOCABULARY)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+    def positive(self, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+        check = tf.debugging.assert_positive(ids, message="ids must be positive")
+        with tf.control_dependencies([check]):
+            return {"rows": tf.gather(self.table, ids)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def triples(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"sums": tf.reduce_sum(tf.reshape(x, [-1, 3]), axis=1)}
+
+    @tf.function(input_signature=[])
+    def words(self) -> dict[str, tf.Tensor]:
+        return {"words": self.vocabulary, "size": tf.size(self.vocabulary)}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("kinds") / "kinds"
+    module = _Model()
+    signatures = {
+        "serving_default": module.positive.get_concrete_function(),
+        "triples": module.triples.get_concrete_function(),
+        "words": module.words.get_concrete_function(),
+    }
+    tf.saved_model.save(module, str(base / "1"), signatures=signatures)
+    return base
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Pool]:
+    pool = Pool(tmp_path_factory.mktemp("kinds-pool"), model, 1)
+    try:
+        pool.start().wait_ready(1)
+        yield pool
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
+
+
+@pytest.fixture(scope="module")
+def stub(pool: Pool) -> Iterator[prediction_service_pb2_grpc.PredictionServiceStub]:
+    with pool.channel() as channel:
+        yield prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+
+def _predict(stub: Any, signature: str, inputs: dict[str, np.ndarray], *only: str) -> dict:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    request.model_spec.signature_name = signature
+    for name, values in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(values))
+    request.output_filter.extend(only)
+    answer = stub.Predict(request, timeout=30)
+    return {name: tf.make_ndarray(tensor) for name, tensor in answer.outputs.items()}
+
+
+def _refused(stub: Any, signature: str, inputs: dict[str, np.ndarray]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        _predict(stub, signature, inputs)
+    return info.value
+
+
+def test_signatures_that_refuse_zeros_load_and_serve(stub, pool: Pool) -> None:
+    got = _predict(stub, "serving_default", {"ids": np.array([1, 3])})
+    np.testing.assert_array_equal(got["rows"], TABLE[[1, 3]])
+    got = _predict(stub, "triples", {"x": np.arange(6, dtype=np.float32)})
+    np.testing.assert_array_equal(got["sums"], [3.0, 12.0])
+    # What they refuse is the model's answer, with TensorFlow's words, and the worker serves on.
+    error = _refused(stub, "serving_default", {"ids": np.array([2, 0])})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ids must be positive" in error.details()
+    error = _refused(stub, "triples", {"x": np.ones(4, np.float32)})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "requires a multiple of 3" in error.details()
+    np.testing.assert_array_equal(
+        _predict(stub, "serving_default", {"ids": np.array([9])})["rows"], TABLE[[9]]
+    )
+    assert pool.slot("cpu-0")["restarts"] == 0
+    log = (pool.log_dir / "worker-cpu-0-v1.log").read_text()
+    for signature in ("serving_default", "triples"):
+        assert f"warm-up of signature {signature!r} skipped: it refused a zero example" in log
+
+
+def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> None:
+    got = _predict(stub, "words", {})
+    assert got["words"].tolist() == VOCABULARY and got["size"] == 3
+    assert set(_predict(stub, "words", {}, "size")) == {"size"}
+    # Inputs it does not take are refused as TF Serving refuses them (predict_util.cc).
+    error = _refused(stub, "words", {"x": np.ones(1, np.float32)})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        "input size does not match signature: 1!=0 len({x}) != len({}). "
+        "Sent extra: {x}. Missing but required: {}."
+    )
+    # The init op's entry is listed in the metadata, as TF Serving lists it, but not served.
+    error = _refused(stub, "__saved_model_init_op", {})
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+    request.model_spec.name = "demo"
+    answer = stub.GetModelMetadata(request, timeout=30)
+    listed = get_model_metadata_pb2.SignatureDefMap()
+    answer.metadata["signature_def"].Unpack(listed)
+    assert set(listed.signature_def) == {
+        "serving_default",
+        "triples",
+        "words",
+        "__saved_model_init_op",
+    }
+    assert not listed.signature_def["words"].inputs
+
+
+def test_rest_refuses_a_signature_without_inputs_and_names_dtypes_as_tf_serving(
+    pool: Pool,
+) -> None:
+    # TF Serving's REST API has no way to send zero inputs: json_tensor.cc refuses the
+    # signature ("Failed to get input map for signature").
+    body = json.dumps({"signature_name": "words", "instances": [1]})
+    url = f"{pool.rest_url}/v1/models/demo:predict"
+    out = subprocess.run(
+        ["curl", "-sS", "-w", "\n%{http_code}", "-d", body, url],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout.decode()
+    text, code = out.rsplit("\n", 1)
+    assert code == "400"
+    assert json.loads(text) == {"error": "Failed to get input map for signature: words"}
+    # The metadata names every dtype as protobuf's JSON does, the init op's DT_INVALID too.
+    metadata = requests.get(f"{pool.rest_url}/v1/models/demo/metadata", timeout=30).json()
+    defs = metadata["metadata"]["signature_def"]["signature_def"]
+    init = defs["__saved_model_init_op"]["outputs"]["__saved_model_init_op"]
+    assert init["dtype"] == "DT_INVALID"
+    assert defs["words"]["inputs"] == {}
+    assert defs["words"]["outputs"]["words"]["dtype"] == "DT_STRING"
