@@ -236,6 +236,17 @@ def test_rest_classify_and_regress(pool: Pool, direct) -> None:
     ).stdout
     want = direct_call(direct, "regress", [example(x, b"fr") for x in XS])["outputs"][:, 0]
     np.testing.assert_allclose(json.loads(out)["results"], want, rtol=1e-6)
+    # A feature given as [] (TF Serving makes it a Feature of no kind: here the default
+    # applies) and one with an empty name (which the model ignores) reach the model as map
+    # entries with their keys and values, as C++ protobuf writes them: without, TensorFlow's
+    # parser refused the Example ("Could not parse example input").
+    odd = [{"x": XS[0], "country": []}, {"x": XS[1], "": [1.5]}]
+    answer = requests.post(
+        f"{url}:regress", json={"signature_name": "regress", "examples": odd}, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    want = direct_call(direct, "regress", [example(XS[0]), example(XS[1])])["outputs"][:, 0]
+    np.testing.assert_allclose(answer.json()["results"], want, rtol=1e-6)
     answer = requests.post(f"{url}:regress", json={"examples": [{"x": None}]}, timeout=30)
     assert answer.status_code == 400
     assert answer.json() == {"error": "Feature: x has element with unexpected JSON type: Null"}

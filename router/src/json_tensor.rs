@@ -31,8 +31,8 @@ use prost::Message;
 use crate::codec::{self, dtype_name};
 use crate::proto::mpspool::tfs::{tensor_shape_proto::Dim, TensorProto, TensorShapeProto};
 use crate::proto::tensorflow::serving::{
-    feature, input, BytesList, ClassificationResult, Example, ExampleList, ExampleListWithContext,
-    Feature, Features, FloatList, Input, Int64List, RegressionResult,
+    feature, input, BytesList, ClassificationResult, ExampleList, ExampleListWithContext, Feature,
+    FloatList, Input, Int64List, RegressionResult,
 };
 use crate::signature::TensorSpec;
 use crate::status::{Code, ServingError};
@@ -635,7 +635,7 @@ fn example_from_json(value: &Value) -> Result<Bytes, ServingError> {
             type_name(value)
         )));
     };
-    let mut features = HashMap::with_capacity(fields.len());
+    let mut features = Vec::with_capacity(fields.len());
     for (name, content) in fields {
         let mut feature = Feature { kind: None };
         match content {
@@ -646,12 +646,39 @@ fn example_from_json(value: &Value) -> Result<Bytes, ServingError> {
             }
             single => add_to_feature(single, name, &mut feature)?,
         }
-        features.insert(name.clone(), feature);
+        features.push((name.as_str(), feature));
     }
-    let example = Example {
-        features: Some(Features { feature: features }),
-    };
-    Ok(Bytes::from(example.encode_to_vec()))
+    Ok(Bytes::from(example_bytes(&features)))
+}
+
+/// An Example holding `features`, serialized as C++ protobuf (TF Serving) serializes it: every
+/// map entry with its key and its value, even an empty name or a feature of no kind (`[]`).
+/// prost leaves default keys and values out of map entries, and TensorFlow's Example parser
+/// refuses an entry without them ("Could not parse example input").
+fn example_bytes(features: &[(&str, Feature)]) -> Vec<u8> {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
+    let delimited_len = |len: usize| 1 + encoded_len_varint(len as u64) + len;
+    let mut map = Vec::new();
+    for (name, feature) in features {
+        let value = feature.encode_to_vec();
+        // Example.features (1) > Features.feature (1, a map entry) > key (1), value (2).
+        encode_key(1, WireType::LengthDelimited, &mut map);
+        encode_varint(
+            (delimited_len(name.len()) + delimited_len(value.len())) as u64,
+            &mut map,
+        );
+        encode_key(1, WireType::LengthDelimited, &mut map);
+        encode_varint(name.len() as u64, &mut map);
+        map.extend_from_slice(name.as_bytes());
+        encode_key(2, WireType::LengthDelimited, &mut map);
+        encode_varint(value.len() as u64, &mut map);
+        map.extend_from_slice(&value);
+    }
+    let mut example = Vec::with_capacity(delimited_len(map.len()));
+    encode_key(1, WireType::LengthDelimited, &mut example);
+    encode_varint(map.len() as u64, &mut example);
+    example.extend_from_slice(&map);
+    example
 }
 
 /// TF Serving's `AddValueToFeature`: a feature holds one kind of value, fixed by its first.
@@ -1282,6 +1309,20 @@ mod tests {
         );
     }
 
+    /// tensorflow/core/example/example.proto's Example, to read back what `example_bytes`
+    /// wrote.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Example {
+        #[prost(message, optional, tag = "1")]
+        features: Option<Features>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Features {
+        #[prost(map = "string, message", tag = "1")]
+        feature: HashMap<String, Feature>,
+    }
+
     #[test]
     fn examples_are_built_as_tf_serving_builds_them() {
         let body = br#"{"context": {"country": "fr"}, "examples": [
@@ -1316,6 +1357,18 @@ mod tests {
         );
         let second = Example::decode(list.examples[1].clone()).unwrap();
         assert_eq!(second.features.unwrap().feature["age"].kind, None);
+        // Every map entry carries its key and value, even an empty name and a feature of no
+        // kind: the bytes C++ protobuf writes (checked against Python's protobuf, which
+        // writes the same), which TensorFlow's Example parser needs.
+        let (_, input) = parse_examples(br#"{"examples": [{"": [], "v": []}, {}]}"#).unwrap();
+        let Some(input::Kind::ExampleList(list)) = input.kind else {
+            panic!("no list");
+        };
+        assert_eq!(
+            &list.examples[0][..],
+            b"\n\x0d\n\x04\n\x00\x12\x00\n\x05\n\x01v\x12\x00"
+        );
+        assert_eq!(&list.examples[1][..], b"\n\x00");
         let error = |body: &str| parse_examples(body.as_bytes()).unwrap_err().message;
         assert_eq!(
             error(r#"{"examples": [{"w": [2, 3.5]}]}"#),
