@@ -142,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
         "picks a free port, -1 turns it off)",
     )
     start.add_argument(
+        "--rest-api-enable-cors-support",
+        "--rest_api_enable_cors_support",
+        dest="rest_api_enable_cors_support",
+        type=_flag_value,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="every REST answer carries CORS headers allowing any origin "
+        "(Access-Control-Allow-Origin: *, methods POST and GET, header Content-Type), as TF "
+        "Serving's flag; preflights (OPTIONS with an http(s) Origin) are answered either way "
+        "(default false)",
+    )
+    start.add_argument(
         "--rest-api-timeout-in-ms",
         "--rest_api_timeout_in_ms",
         type=int,
@@ -551,6 +565,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         rest_api_port=args.rest_api_port,
         rest_api_timeout_ms=args.rest_api_timeout_in_ms,
+        rest_api_enable_cors_support=args.rest_api_enable_cors_support,
         max_message_bytes=args.max_message_bytes,
         serialize_as_tensor_content=args.serialize_as_tensor_content,
         signature_method_name_check=args.signature_method_name_check,

@@ -195,6 +195,9 @@ class PoolConfig:
     rest_api_port: int = 8501
     # A REST Predict's deadline (TF Serving's --rest_api_timeout_in_ms); 0: none.
     rest_api_timeout_ms: int = 30_000
+    # TF Serving's --rest_api_enable_cors_support: every REST answer carries CORS headers
+    # allowing any origin, so a browser page on another origin can call the REST API.
+    rest_api_enable_cors_support: bool = False
     # Predict outputs in tensor_content instead of the typed fields (float_val, ...), as TF
     # Serving's --enable_serialization_as_tensor_content; off by default, as there.
     serialize_as_tensor_content: bool = False

@@ -92,7 +92,14 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     tmp = tmp_path_factory.mktemp("rest-text")
     model = build_text_model(tmp / "text")
     # gRPC answers of this pool carry tensor_content (TF Serving's flag); REST is unaffected.
-    pool = Pool(tmp, model, 1, "--enable-serialization-as-tensor-content")
+    # Its REST answers carry CORS headers (TF Serving's flag, in TF Serving's spelling).
+    pool = Pool(
+        tmp,
+        model,
+        1,
+        "--enable-serialization-as-tensor-content",
+        "--rest_api_enable_cors_support=true",
+    )
     try:
         pool.start().wait_ready(1)
         yield pool
@@ -199,6 +206,64 @@ def test_rest_with_curl(demo: Pool) -> None:
     )
     code, answer = curl(demo, "demo:predict", "{not json")
     assert code == 400 and answer["error"].startswith("JSON Parse error: "), answer
+
+
+CORS = {
+    "access-control-allow-origin": "*",
+    "access-control-allow-methods": "POST, GET",
+    "access-control-allow-headers": "Content-Type",
+}
+
+
+def _cors(headers: Any) -> dict[str, str]:
+    return {name: headers[name] for name in CORS if name in headers}
+
+
+def test_cors_headers_with_tf_servings_flag_and_preflights_either_way(
+    demo: Pool, text: Pool
+) -> None:
+    """As TF Serving's http_server.cc: a preflight under /v1/ is answered whether or not CORS
+    is on (an empty 200 for an http(s) Origin, an empty 400 without one); with
+    --rest_api_enable_cors_support every answer there carries the CORS headers, errors too."""
+    for pool, headers in ((demo, {}), (text, CORS)):
+        url = f"{pool.rest_url}/v1/models/demo"
+        out = subprocess.run(
+            ["curl", "-sS", "-i", "-X", "OPTIONS", "-H", "Origin: https://app.example.com",
+             "-H", "Access-Control-Request-Method: POST", f"{url}:predict"],
+            capture_output=True, check=True, timeout=30, text=True,
+        ).stdout  # fmt: skip
+        head, _, body = out.partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 200"), out
+        assert body == ""
+        got = {
+            name.lower(): value.strip()
+            for name, _, value in (line.partition(":") for line in head.splitlines()[1:])
+        }
+        assert _cors(got) == headers
+        no_origin = requests.options(f"{url}:predict", timeout=30)
+        assert (no_origin.status_code, no_origin.content) == (400, b"")
+        assert _cors(no_origin.headers) == headers
+        status = requests.get(url, timeout=30)
+        assert status.status_code == 200 and _cors(status.headers) == headers
+        error = requests.post(f"{url}:predict", data="{not json", timeout=30)
+        assert error.status_code == 400 and _cors(error.headers) == headers
+    # Outside the REST API (TF Serving's metrics page, unknown paths) nothing changes.
+    assert _cors(requests.get(f"{text.rest_url}/nothing", timeout=30).headers) == {}
+
+
+def test_the_cors_flag_reads_as_tf_servings_booleans() -> None:
+    from mpspool import cli
+
+    def parsed(*flags: str) -> bool:
+        args = cli.build_parser().parse_args(["start", *flags, "--model-base-path", "/m"])
+        return args.rest_api_enable_cors_support
+
+    assert parsed() is False
+    assert parsed("--rest_api_enable_cors_support") is True
+    assert parsed("--rest_api_enable_cors_support=true") is True
+    assert parsed("--rest-api-enable-cors-support=false") is False
+    with pytest.raises(SystemExit):
+        parsed("--rest_api_enable_cors_support=maybe")
 
 
 def test_rest_strings_binary_and_several_outputs(text: Pool) -> None:

@@ -53,6 +53,9 @@ pub struct Config {
     /// TF Serving's `--rest_api_timeout_in_ms`: a REST Predict's deadline (0: none).
     #[serde(default = "default_rest_api_timeout_ms")]
     pub rest_api_timeout_ms: u64,
+    /// TF Serving's `--rest_api_enable_cors_support`: CORS headers on every REST answer.
+    #[serde(default)]
+    pub rest_api_enable_cors_support: bool,
     /// Predict outputs in `tensor_content` rather than the typed fields (TF Serving's
     /// `--enable_serialization_as_tensor_content`).
     #[serde(default)]

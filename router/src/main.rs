@@ -271,6 +271,7 @@ async fn serve(config: Config) -> ExitCode {
                 },
                 (!timeout.is_zero()).then_some(timeout),
                 (!config.prometheus_path.is_empty()).then(|| config.prometheus_path.clone()),
+                config.rest_api_enable_cors_support,
             );
             Some((listener, Arc::new(handler)))
         }

@@ -47,6 +47,8 @@ pub struct Rest {
     /// requests built and waiting for their answers), shared with gRPC's; and how long a
     /// request may stall (request_body).
     reading: Reading,
+    /// TF Serving's `--rest_api_enable_cors_support`.
+    cors: bool,
 }
 
 /// A body read whole, with the share of the budget its bytes hold (request_body; None for a
@@ -332,6 +334,39 @@ fn json_response(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     response
 }
 
+/// TF Serving's answer to a CORS preflight on its REST paths, given whether or not CORS is on
+/// (http_server.cc): an empty 200 when `Origin` names an http(s) origin, else an empty 400
+/// (FAILED_PRECONDITION, "Origin header is missing in CORS preflight", said only in its log).
+fn preflight(headers: &hyper::HeaderMap) -> Response<Full<Bytes>> {
+    let origin = headers
+        .get(hyper::header::ORIGIN)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default();
+    let mut response = Response::new(Full::new(Bytes::new()));
+    // RE2::PartialMatch(origin, "https?://"): anywhere in the header.
+    if !(origin.contains("http://") || origin.contains("https://")) {
+        *response.status_mut() = StatusCode::BAD_REQUEST;
+    }
+    response
+}
+
+/// TF Serving's `AddCORSHeaders` (http_rest_api_util.cc).
+fn add_cors_headers(headers: &mut hyper::HeaderMap) {
+    use hyper::header::{
+        HeaderValue, ACCESS_CONTROL_ALLOW_HEADERS, ACCESS_CONTROL_ALLOW_METHODS,
+        ACCESS_CONTROL_ALLOW_ORIGIN,
+    };
+    headers.insert(ACCESS_CONTROL_ALLOW_ORIGIN, HeaderValue::from_static("*"));
+    headers.insert(
+        ACCESS_CONTROL_ALLOW_METHODS,
+        HeaderValue::from_static("POST, GET"),
+    );
+    headers.insert(
+        ACCESS_CONTROL_ALLOW_HEADERS,
+        HeaderValue::from_static("Content-Type"),
+    );
+}
+
 fn error_response(error: &ServingError) -> Response<Full<Bytes>> {
     json_response(
         http_status(error.code),
@@ -349,6 +384,7 @@ impl Rest {
         reading: Reading,
         timeout: Option<Duration>,
         prometheus_path: Option<String>,
+        cors: bool,
     ) -> Self {
         Self {
             api,
@@ -356,6 +392,7 @@ impl Rest {
             timeout,
             prometheus_path,
             reading,
+            cors,
         }
     }
 
@@ -372,6 +409,26 @@ impl Rest {
             );
             return response;
         }
+        // What TF Serving's REST dispatcher takes (kHTTPRestApiHandlerPathRegex, "(?i)/v1/.*")
+        // gets its CORS headers when they are on, errors included (http_server.cc).
+        let api_path = path.to_ascii_lowercase().starts_with("/v1/");
+        let mut response = if method == HttpMethod::OPTIONS && api_path {
+            preflight(request.headers())
+        } else {
+            self.answer(request, method, path).await
+        };
+        if self.cors && api_path {
+            add_cors_headers(response.headers_mut());
+        }
+        response
+    }
+
+    async fn answer(
+        &self,
+        request: Request<hyper::body::Incoming>,
+        method: HttpMethod,
+        path: String,
+    ) -> Response<Full<Bytes>> {
         let route = match route(&method, &path) {
             Ok(Some(route)) => route,
             Ok(None) if path.to_ascii_lowercase().starts_with("/v1/") => {
@@ -1000,6 +1057,28 @@ mod tests {
             StatusCode::NOT_IMPLEMENTED
         );
         assert_eq!(http_status(Code::Cancelled).as_u16(), 499);
+    }
+
+    #[test]
+    fn a_preflight_is_answered_when_its_origin_names_an_http_origin() {
+        let status = |origin: Option<&str>| {
+            let mut headers = hyper::HeaderMap::new();
+            if let Some(origin) = origin {
+                headers.insert(hyper::header::ORIGIN, origin.parse().unwrap());
+            }
+            let response = preflight(&headers);
+            assert!(response.headers().is_empty());
+            response.status().as_u16()
+        };
+        assert_eq!(status(Some("https://app.example.com")), 200);
+        assert_eq!(status(Some("http://localhost:3000")), 200);
+        assert_eq!(status(Some("null")), 400);
+        assert_eq!(status(None), 400);
+        let mut headers = hyper::HeaderMap::new();
+        add_cors_headers(&mut headers);
+        assert_eq!(headers["access-control-allow-origin"], "*");
+        assert_eq!(headers["access-control-allow-methods"], "POST, GET");
+        assert_eq!(headers["access-control-allow-headers"], "Content-Type");
     }
 
     #[test]
