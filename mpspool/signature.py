@@ -110,6 +110,9 @@ def check_output_filter(spec: SignatureSpec, output_filter: Iterable[str]) -> li
     names = list(output_filter)
     if not names:
         return list(spec.outputs)
+    # One pass in the filter's order, as TF Serving's (predict_util.cc): the first alias that
+    # is unknown or seen before is the one named.
+    seen: set[str] = set()
     for name in names:
         if name not in spec.outputs:
             raise ServingError(
@@ -117,8 +120,9 @@ def check_output_filter(spec: SignatureSpec, output_filter: Iterable[str]) -> li
                 f"output tensor alias not found in signature: {name} "
                 f"Outputs expected to be in the set {_set(spec.outputs)}.",
             )
-    if len(set(names)) != len(names):
-        raise ServingError(Code.INVALID_ARGUMENT, f"duplicate output tensor alias in {names}")
+        if name in seen:
+            raise ServingError(Code.INVALID_ARGUMENT, f"duplicate output tensor alias: {name}")
+        seen.add(name)
     return names
 
 

@@ -169,6 +169,12 @@ def _hostile() -> list[tuple[str, bytes, grpc.StatusCode, str]]:
         "a 10 MiB string as [4, 16]", wrong_rank.SerializeToString(),
         grpc.StatusCode.INVALID_ARGUMENT, "is not compatible with the signature",
     ))  # fmt: skip
+    specless = _good()
+    specless.ClearField("model_spec")
+    cases.append((
+        "no model spec", specless.SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT, "Missing ModelSpec",
+    ))  # fmt: skip
     nameless = _good()
     nameless.model_spec.name = ""
     cases.append((

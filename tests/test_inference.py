@@ -166,6 +166,14 @@ def expect(stub_call, request, code: grpc.StatusCode, message: str) -> None:
 
 def test_errors_are_tf_servings(stub, pool: Pool) -> None:
     request = classification_pb2.ClassificationRequest()
+    # No model_spec at all: TF Serving's first check (has_model_spec), before the input's.
+    expect(stub.Classify, request, grpc.StatusCode.INVALID_ARGUMENT, "Missing ModelSpec")
+    expect(
+        stub.Regress,
+        regression_pb2.RegressionRequest(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "Missing ModelSpec",
+    )
     request.model_spec.name = "demo"
     expect(stub.Classify, request, grpc.StatusCode.INVALID_ARGUMENT, "Input is empty.")
     request.input.example_list.examples.add()  # no "x": the model's own parse error

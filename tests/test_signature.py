@@ -301,8 +301,11 @@ def test_duplicate_output_alias(default):
     with pytest.raises(ServingError) as info:
         check_output_filter(default, ["scores", "scores"])
     assert info.value.code == Code.INVALID_ARGUMENT
-    assert "duplicate output tensor alias" in info.value.message
-    assert "scores" in info.value.message
+    assert info.value.message == "duplicate output tensor alias: scores"  # TF Serving's text
+    # The first problem in the filter's order is the one named, as TF Serving's one pass.
+    with pytest.raises(ServingError) as info:
+        check_output_filter(default, ["labels", "labels", "nope"])
+    assert info.value.message == "duplicate output tensor alias: labels"
 
 
 # ---------------------------------------------------------------------------------------

@@ -138,6 +138,12 @@ def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> Non
     error = _refused(stub, "__saved_model_init_op", {})
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+    with pytest.raises(grpc.RpcError) as info:  # TF Serving's first check
+        stub.GetModelMetadata(request, timeout=30)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "Missing ModelSpec",
+    )
     request.model_spec.name = "demo"
     answer = stub.GetModelMetadata(request, timeout=30)
     listed = get_model_metadata_pb2.SignatureDefMap()

@@ -58,6 +58,12 @@ impl Api {
         self.dispatcher.versions().resolve(spec)
     }
 
+    /// `resolve` for a request whose own `model_spec` names the model (Predict, Classify,
+    /// Regress, GetModelMetadata): TF Serving refuses one without it before anything else.
+    fn resolve_own(&self, spec: Option<&ModelSpec>) -> Result<Target, ServingError> {
+        self.resolve(Some(crate::versions::spec_given(spec)?))
+    }
+
     /// The name of a served model.
     fn model_name(&self, model: ModelId) -> String {
         let versions = self.dispatcher.versions();
@@ -127,7 +133,7 @@ impl Api {
         deadline: Option<Instant>,
         tensor_content: bool,
     ) -> Result<PredictResponse, ServingError> {
-        let target = self.resolve(request.model_spec.as_ref())?;
+        let target = self.resolve_own(request.model_spec.as_ref())?;
         let signatures = self.signatures(target)?;
         let name = request
             .model_spec
@@ -186,7 +192,7 @@ impl Api {
         task: Task,
         deadline: Option<Instant>,
     ) -> Result<(WorkReply, usize, ModelSpec), ServingError> {
-        let target = self.resolve(spec)?;
+        let target = self.resolve_own(spec)?;
         let examples = inference::serialized_examples(input)?;
         let signatures = self.signatures(target)?;
         let name = spec.map_or("", |s| s.signature_name.as_str());
@@ -368,7 +374,7 @@ impl Api {
         &self,
         request: &GetModelMetadataRequest,
     ) -> Result<GetModelMetadataResponse, ServingError> {
-        let target = self.resolve(request.model_spec.as_ref())?;
+        let target = self.resolve_own(request.model_spec.as_ref())?;
         if request.metadata_field.is_empty() {
             return Err(ServingError::invalid_argument(
                 "GetModelMetadataRequest must specify at least one metadata_field",

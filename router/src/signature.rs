@@ -169,6 +169,9 @@ pub fn check_output_filter(
     if filter.is_empty() {
         return Ok(spec.output_names.clone());
     }
+    // One pass in the filter's order, as TF Serving's (predict_util.cc): the first alias that
+    // is unknown or seen before is the one named.
+    let mut seen: BTreeSet<&String> = BTreeSet::new();
     for name in filter {
         if !spec.outputs.contains_key(name) {
             let all: BTreeSet<&str> = spec.outputs.keys().map(String::as_str).collect();
@@ -177,14 +180,11 @@ pub fn check_output_filter(
                 set(&all)
             )));
         }
-    }
-    let unique: BTreeSet<&String> = filter.iter().collect();
-    if unique.len() != filter.len() {
-        let quoted: Vec<String> = filter.iter().map(|n| format!("'{n}'")).collect();
-        return Err(ServingError::invalid_argument(format!(
-            "duplicate output tensor alias in [{}]",
-            quoted.join(", ")
-        )));
+        if !seen.insert(name) {
+            return Err(ServingError::invalid_argument(format!(
+                "duplicate output tensor alias: {name}"
+            )));
+        }
     }
     Ok(filter.to_vec())
 }
@@ -296,10 +296,11 @@ mod tests {
             "output tensor alias not found in signature: nope Outputs expected to be in the set {logit,score}."
         );
         let err = check_output_filter(&spec(), &["score".into(), "score".into()]).unwrap_err();
-        assert_eq!(
-            err.message,
-            "duplicate output tensor alias in ['score', 'score']"
-        );
+        assert_eq!(err.message, "duplicate output tensor alias: score");
+        // The first problem in the filter's order is the one named.
+        let err = check_output_filter(&spec(), &["logit".into(), "logit".into(), "nope".into()])
+            .unwrap_err();
+        assert_eq!(err.message, "duplicate output tensor alias: logit");
     }
 
     #[test]

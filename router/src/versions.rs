@@ -205,9 +205,7 @@ impl VersionTable {
         spec: Option<&ModelSpec>,
         up: impl Fn(i64) -> bool,
     ) -> Result<Vec<ModelVersionStatus>, ServingError> {
-        let Some(spec) = spec else {
-            return Err(ServingError::invalid_argument("Missing ModelSpec"));
-        };
+        let spec = spec_given(spec)?;
         // As TF Serving's GetModelStatusImpl: a label is not looked at (all versions).
         let wanted = match &spec.version_choice {
             Some(VersionChoice::Version(v)) => Some(*v),
@@ -476,6 +474,13 @@ impl Models {
             _ => false,
         }
     }
+}
+
+/// A request's `model_spec`, or TF Serving's refusal of a request without one (its Predict,
+/// Classify, Regress, GetModelMetadata and GetModelStatus check `has_model_spec()` first; a
+/// MultiInference task's spec is read as given, an empty one naming no model).
+pub fn spec_given(spec: Option<&ModelSpec>) -> Result<&ModelSpec, ServingError> {
+    spec.ok_or_else(|| ServingError::invalid_argument("Missing ModelSpec"))
 }
 
 #[cfg(test)]
