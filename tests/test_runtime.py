@@ -339,3 +339,24 @@ def test_an_op_failure_through_the_direct_call_keeps_the_kernels_words(
         info.value.code,
         info.value.message,
     )
+
+
+@pytest.mark.parametrize(
+    ("code", "loads"),
+    [(Code.INVALID_ARGUMENT, True), (Code.RESOURCE_EXHAUSTED, False), (Code.INTERNAL, False)],
+)
+def test_warm_up_forgives_refused_data_but_not_a_model_that_cannot_run(
+    two_output_dir: Path, monkeypatch: pytest.MonkeyPatch, code: Code, loads: bool
+) -> None:
+    runtime = load_saved_model(str(two_output_dir), "two", 1)
+
+    def failing(signature: str, inputs: Any, outputs: Any) -> Any:
+        raise ServingError(code, "no")
+
+    monkeypatch.setattr(runtime, "run", failing)
+    if loads:
+        runtime.warm_up()  # left to its first request
+        assert runtime._unchecked == {SIG}
+    else:
+        with pytest.raises(ModelLoadError, match=f"signature '{SIG}' failed: {code.name}"):
+            runtime.warm_up()

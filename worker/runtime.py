@@ -350,14 +350,23 @@ class SavedModelRuntime:
         and many refuse zeros by design (a tf.Example parser with required features given
         empty strings, an assertion that ids are positive, one element reshaped to [-1, 3]).
         Its first real request pays the set-up instead, and checks the fast call against
-        the public one (_run_unchecked); a model that can run nothing fails its requests
-        with TensorFlow's error, as under TF Serving.
+        the public one (_run_unchecked). Only refusals of the data are forgiven: any other
+        code (out of memory, an internal or device error) still fails the load, so a version
+        that can run nothing never takes traffic. A signature without inputs is not run: it
+        may exist for its side effects (a reset, a counter), and TF Serving would not run it.
         """
         for key, spec in self.specs.items():
+            if not spec.inputs:
+                continue
             inputs = {alias: _zeros(info.dtype, info.shape) for alias, info in spec.inputs.items()}
             try:
                 got = self.run(key, inputs, list(spec.outputs))
             except ServingError as exc:
+                if exc.code not in _REFUSALS_OF_DATA:
+                    raise ModelLoadError(
+                        f"warm-up of model {self.model_name!r} version {self.version}, "
+                        f"signature {key!r} failed: {exc.code.name}: {exc.message}"
+                    ) from exc
                 log.warning(
                     "warm-up of signature %r skipped: it refused a zero example (%s: %s); its "
                     "first request pays the set-up",
@@ -539,6 +548,11 @@ def _flat_order(function: Any, spec: SignatureSpec) -> list[str] | None:
     if not callable(flat_call) or sorted(parameters) != sorted(spec.inputs):
         return None
     return parameters
+
+
+# What a model says of inputs it will not take (an assertion, a reshape, a parse): TensorFlow's
+# codes for bad data, not for a broken model or device.
+_REFUSALS_OF_DATA = frozenset({Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.FAILED_PRECONDITION})
 
 
 def _zeros(dt: int, shape: tuple[int, ...] | None) -> np.ndarray:
