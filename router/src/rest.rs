@@ -411,11 +411,13 @@ impl Rest {
         }
         // What TF Serving's REST dispatcher takes (kHTTPRestApiHandlerPathRegex, "(?i)/v1/.*")
         // gets its CORS headers when they are on, errors included (http_server.cc).
-        let api_path = path.to_ascii_lowercase().starts_with("/v1/");
+        let api_path = path
+            .get(..4)
+            .is_some_and(|head| head.eq_ignore_ascii_case("/v1/"));
         let mut response = if method == HttpMethod::OPTIONS && api_path {
             preflight(request.headers())
         } else {
-            self.answer(request, method, path).await
+            self.answer(request, method, path, api_path).await
         };
         if self.cors && api_path {
             add_cors_headers(response.headers_mut());
@@ -428,10 +430,12 @@ impl Rest {
         request: Request<hyper::body::Incoming>,
         method: HttpMethod,
         path: String,
+        // Under /v1/ (TF Serving's REST dispatcher), worked out once by `handle`.
+        api_path: bool,
     ) -> Response<Full<Bytes>> {
         let route = match route(&method, &path) {
             Ok(Some(route)) => route,
-            Ok(None) if path.to_ascii_lowercase().starts_with("/v1/") => {
+            Ok(None) if api_path => {
                 return error_response(&ServingError::invalid_argument(format!(
                     "Malformed request: {method} {path}"
                 )))
