@@ -20,7 +20,11 @@ recognisable); READY is its first message on every connection. A message is
     ERROR      {id, code, message}                 code: a gRPC status code number
     BYE        {slot, pid}                         draining: send nothing more
   router → worker
-    REQUEST    {id, sig, tensors, outputs}         + one frame per input tensor
+    REQUEST    {id, sig, tensors, outputs[, deadline]}
+                                                   + one frame per input tensor
+                                                   deadline: when the client stops waiting,
+                                                   µs of CLOCK_MONOTONIC (the system's clock:
+                                                   time.monotonic() here); none if it set none
     REREGISTER {}                                  "I do not know you": send READY again
 
 ``tensors`` is a list of ``[name, dtype, shape]`` with dtype a TensorFlow DataType number;

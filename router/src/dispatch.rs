@@ -102,6 +102,9 @@ enum Command {
         answer: oneshot::Sender<Outcome>,
         /// When the client's request arrived (a retry keeps it).
         arrived: std::time::Instant,
+        /// When the client stops waiting, if it said: the worker does not start a call
+        /// after it, and stops one it can (`wire::encode_request`).
+        deadline: Option<Instant>,
     },
     /// The caller stopped waiting (deadline): forget the entry.
     Cancel {
@@ -341,6 +344,7 @@ impl Dispatcher {
                 request: request.clone(),
                 answer,
                 arrived,
+                deadline,
             };
             if self.commands.send(command).is_err() {
                 return Err(ServingError::new(
@@ -432,6 +436,7 @@ struct Queued {
     request: Arc<WorkRequest>,
     answer: oneshot::Sender<Outcome>,
     arrived: std::time::Instant,
+    deadline: Option<Instant>,
     /// The model version it goes to (its request's, or the latest if that one retired).
     servable: Servable,
     /// Expected compute µs (the queue order's input).
@@ -472,6 +477,17 @@ enum Gathered {
         padded: u64,
     },
     Wait(std::time::Instant),
+}
+
+/// The deadline of a call: its request's, or for a merged call the last of its members' (it
+/// runs while any of them still waits); none if any member has none.
+fn call_deadline(members: &[(u64, Queued)]) -> Option<Instant> {
+    let mut last: Option<Instant> = None;
+    for (_, member) in members {
+        let deadline = member.deadline?;
+        last = Some(last.map_or(deadline, |l| l.max(deadline)));
+    }
+    last
 }
 
 /// Requests looked at past the head for a batch, so a pump's work stays bounded.
@@ -588,7 +604,8 @@ impl Actor {
                 request,
                 answer,
                 arrived,
-            } => self.enqueue(id, request, answer, arrived),
+                deadline,
+            } => self.enqueue(id, request, answer, arrived, deadline),
             Command::Cancel { id } => {
                 if self.queue_remove(id).is_some() {
                     self.publish_queue();
@@ -609,6 +626,7 @@ impl Actor {
         request: Arc<WorkRequest>,
         answer: oneshot::Sender<Outcome>,
         arrived: std::time::Instant,
+        deadline: Option<Instant>,
     ) {
         let Some(servable) = self.routable.borrow().route(request.target) else {
             let _ = answer.send(Outcome::NoWorker);
@@ -635,6 +653,7 @@ impl Actor {
             request,
             answer,
             arrived,
+            deadline,
             servable,
             cost,
             merge_key,
@@ -810,7 +829,9 @@ impl Actor {
         } else {
             (members[0].0, members[0].1.request.clone())
         };
-        let header = wire::encode_request(id, &sent.signature, &sent.tensors, &sent.outputs);
+        let deadline = call_deadline(&members).map(wire::deadline_micros);
+        let header =
+            wire::encode_request(id, &sent.signature, &sent.tensors, &sent.outputs, deadline);
         // Header and tensor frames are copied once, into the bytes written to the worker.
         let mut frames: Vec<&[u8]> = Vec::with_capacity(1 + sent.frames.len());
         frames.push(&header);
@@ -1009,7 +1030,9 @@ impl Actor {
                 }
                 self.requests.remove(&id);
                 if let Some(pending) = self.table.resolve(&identity, id) {
-                    if pending.merged {
+                    // A merged call past its deadline (the last of its members'): nobody
+                    // waits for any of them, so none is run again alone.
+                    if pending.merged && code != Code::DeadlineExceeded as i32 {
                         self.rerun_alone(pending.members);
                     } else {
                         let error = ServingError::new(Code::from_i32(code), message);

@@ -100,14 +100,19 @@ struct RequestHeader<'a> {
     sig: &'a str,
     tensors: &'a [TensorMeta],
     outputs: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadline: Option<u64>,
 }
 
-/// The REQUEST header: `{v, k: "req", id, sig, tensors, outputs}`; its tensors follow as frames.
+/// The REQUEST header: `{v, k: "req", id, sig, tensors, outputs[, deadline]}`; its tensors
+/// follow as frames. `deadline`: when the client stops waiting, in µs of CLOCK_MONOTONIC
+/// (`deadline_micros`); left out when the client set none.
 pub fn encode_request(
     id: u64,
     signature: &str,
     tensors: &[TensorMeta],
     outputs: &[String],
+    deadline: Option<u64>,
 ) -> Vec<u8> {
     let header = RequestHeader {
         v: PROTOCOL_VERSION,
@@ -116,9 +121,33 @@ pub fn encode_request(
         sig: signature,
         tensors,
         outputs,
+        deadline,
     };
     // Serializing plain strings, integers and arrays into a Vec cannot fail.
     rmp_serde::to_vec_named(&header).unwrap_or_default()
+}
+
+/// Now in µs of CLOCK_MONOTONIC: the clock of a REQUEST's deadline. It is the system's, not
+/// the process's, so the worker reads the same one (Python's `time.monotonic()` on Linux),
+/// and unlike the wall clock it does not jump.
+pub fn monotonic_micros() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given and nothing else.
+    // CLOCK_MONOTONIC always exists on Linux, so it cannot fail (and 0 would only make a
+    // deadline look passed).
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    (now.tv_sec as u64) * 1_000_000 + (now.tv_nsec as u64) / 1_000
+}
+
+/// A deadline on the front door's clock (tokio's, which tests may pause) as a REQUEST's
+/// `deadline`: what is left of it, counted from CLOCK_MONOTONIC's now. One already passed
+/// is now, which the worker also takes for passed.
+pub fn deadline_micros(deadline: tokio::time::Instant) -> u64 {
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    monotonic_micros().saturating_add(u64::try_from(left.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// The REREGISTER message: "I do not know you, send READY again".
@@ -248,6 +277,7 @@ pub fn unhex(text: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// tests/vectors/wire.json, written from mpspool/wire.py (tests/vectors/make_vectors.py).
     #[test]
@@ -255,17 +285,23 @@ mod tests {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/vectors/wire.json");
         let vectors: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let request = &vectors["request"];
-        let fields = &request["fields"];
-        let tensors: Vec<TensorMeta> = serde_json::from_value(fields["tensors"].clone()).unwrap();
-        let outputs: Vec<String> = serde_json::from_value(fields["outputs"].clone()).unwrap();
-        let encoded = encode_request(
-            fields["id"].as_u64().unwrap(),
-            fields["sig"].as_str().unwrap(),
-            &tensors,
-            &outputs,
-        );
-        assert_eq!(encoded, unhex(request["bytes"].as_str().unwrap()));
+        // One without a deadline, one with.
+        let requests = vectors["requests"].as_array().unwrap();
+        assert_eq!(requests.len(), 2);
+        for request in requests {
+            let fields = &request["fields"];
+            let tensors: Vec<TensorMeta> =
+                serde_json::from_value(fields["tensors"].clone()).unwrap();
+            let outputs: Vec<String> = serde_json::from_value(fields["outputs"].clone()).unwrap();
+            let encoded = encode_request(
+                fields["id"].as_u64().unwrap(),
+                fields["sig"].as_str().unwrap(),
+                &tensors,
+                &outputs,
+                fields.get("deadline").and_then(|d| d.as_u64()),
+            );
+            assert_eq!(encoded, unhex(request["bytes"].as_str().unwrap()));
+        }
         assert_eq!(
             encode_reregister(),
             unhex(vectors["reregister"].as_str().unwrap())
@@ -302,6 +338,17 @@ mod tests {
             decoded.iter().map(|v| v.to_vec()).collect::<Vec<_>>(),
             values
         );
+    }
+
+    #[tokio::test]
+    async fn deadlines_are_counted_on_the_monotonic_clock() {
+        let before = monotonic_micros();
+        let ahead = deadline_micros(tokio::time::Instant::now() + Duration::from_secs(2));
+        let after = monotonic_micros();
+        assert!(ahead >= before + 2_000_000 && ahead <= after + 2_000_000);
+        // Passed: now, which the worker takes for passed too.
+        let passed = deadline_micros(tokio::time::Instant::now() - Duration::from_millis(5));
+        assert!(passed >= after && passed <= monotonic_micros());
     }
 
     #[test]

@@ -198,13 +198,21 @@ def expectation(case: dict[str, Any], tf: Any) -> dict[str, Any]:
 def wire_vectors() -> dict[str, Any]:
     metas = [["ids", dtypes.DT_INT64, [2, 16]], ["names", dtypes.DT_STRING, [2]]]
     return {
-        # Rust builds REQUEST headers: byte-equal to what Python packs (same key order).
-        "request": {
-            "fields": {"id": 42, "sig": "serving_default", "tensors": metas, "outputs": ["score"]},
-            "bytes": wire.pack(
-                wire.Kind.REQUEST, id=42, sig="serving_default", tensors=metas, outputs=["score"]
-            ).hex(),
-        },
+        # Rust builds REQUEST headers: byte-equal to what Python packs (same key order), with
+        # and without a deadline (µs of CLOCK_MONOTONIC; past 2^32, so a uint64 in msgpack).
+        "requests": [
+            {"fields": fields, "bytes": wire.pack(wire.Kind.REQUEST, **fields).hex()}
+            for fields in (
+                {"id": 42, "sig": "serving_default", "tensors": metas, "outputs": ["score"]},
+                {
+                    "id": 43,
+                    "sig": "serving_default",
+                    "tensors": metas,
+                    "outputs": [],
+                    "deadline": 86_400_000_123_456,
+                },
+            )
+        ],
         "reregister": wire.pack(wire.Kind.REREGISTER).hex(),
         # Python workers build these; Rust must decode them.
         "worker": [

@@ -1376,3 +1376,89 @@ async fn two_models_run_on_their_own_workers_and_neither_waits_behind_the_other(
     assert_eq!(snapshot(&dir)["queued_by_model"], serde_json::json!({}));
     dispatcher.shutdown();
 }
+
+/// The `deadline` of a REQUEST header the scripted worker received, if it has one; checked
+/// to lie `ahead` past CLOCK_MONOTONIC's `before` (with the time the test itself took).
+fn deadline_ahead(header: &serde_json::Value, before: u64, ahead: Duration) -> Option<()> {
+    let deadline = header.get("deadline")?.as_u64().expect("a number");
+    let ahead = ahead.as_micros() as u64;
+    assert!(
+        deadline >= before + ahead && deadline <= wire::monotonic_micros() + ahead,
+        "{deadline} is not {ahead} µs past {before}"
+    );
+    Some(())
+}
+
+#[test]
+fn a_requests_deadline_reaches_its_worker_on_the_monotonic_clock() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
+    let worker = Scripted::connect(&dir, "cpu-0", 100);
+    worker.ready();
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    // Without one: no key at all (what older workers read).
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    let (header, frames) = worker.next_request();
+    assert!(header.get("deadline").is_none(), "{header}");
+    worker.answer(&header, frames);
+    runtime.block_on(call).unwrap().unwrap();
+    // With one, 2 s ahead.
+    let before = wire::monotonic_micros();
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            dispatcher.call(request(), Some(deadline)).await
+        }
+    });
+    let (header, frames) = worker.next_request();
+    deadline_ahead(&header, before, Duration::from_secs(2)).expect("a deadline");
+    worker.answer(&header, frames);
+    runtime.block_on(call).unwrap().unwrap();
+    dispatcher.shutdown();
+}
+
+#[test]
+fn a_merged_call_runs_until_its_last_members_deadline_and_is_not_rerun_past_it() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) =
+        runtime.block_on(async { start_scheduled(&dir, &batching(8, 0, vec![], 10)) });
+    let worker = Scripted::connect(&dir, "cpu-0", 100);
+    worker.ready();
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let call = |rows: usize, ahead: Option<Duration>| {
+        let dispatcher = dispatcher.clone();
+        runtime.spawn(async move {
+            let deadline = ahead.map(|a| Instant::now() + a);
+            dispatcher.call(rows_request(rows), deadline).await
+        })
+    };
+    // The worker holds a first call while two with deadlines (1 s and 3 s) wait and merge.
+    let first = call(1, None);
+    let (held, held_frames) = worker.next_request();
+    let before = wire::monotonic_micros();
+    let soon = call(1, Some(Duration::from_secs(1)));
+    let later = call(2, Some(Duration::from_secs(3)));
+    wait_until("both queued", || state.queued.load(Ordering::Relaxed) == 2);
+    worker.answer(&held, held_frames);
+    runtime.block_on(first).unwrap().unwrap();
+    let (merged, _) = worker.next_request();
+    assert_eq!(merged["tensors"][0][2][0], 3, "{merged}");
+    deadline_ahead(&merged, before, Duration::from_secs(3)).expect("the later deadline");
+    // Answered DEADLINE_EXCEEDED: nobody waits for either member, so neither runs alone.
+    let error = pack(serde_json::json!({
+        "v": 1, "k": "error", "id": merged["id"], "code": 4, "message": "past its deadline"
+    }));
+    worker.socket.send(error, 0).unwrap();
+    for member in [soon, later] {
+        let error = runtime.block_on(member).unwrap().unwrap_err();
+        assert_eq!(error.code, Code::DeadlineExceeded);
+    }
+    assert_eq!(worker.socket.poll(zmq::POLLIN, 300).unwrap(), 0, "rerun");
+    dispatcher.shutdown();
+}
