@@ -163,12 +163,12 @@ def test_a_call_past_the_call_timeout_fails_and_only_its_worker_is_replaced(pool
 def test_busy_beats_end_a_call_past_its_limit_once_and_stop_beating() -> None:
     """The side thread alone: beats while a call runs, then at the limit hands the call over
     (as it read it, and how long it ran) and beats no more; with no limit it beats on."""
-    from mpspool.worker.serve import BUSY_CHECK_S, BusyBeats
+    from mpspool.worker.serve import BUSY_CHECK_S, BusyBeats, Running
 
     beats: list[float] = []
-    overruns: list[tuple[tuple[float, str], float]] = []
+    overruns: list[tuple[Running, float]] = []
 
-    def overrun(running: tuple[float, str], ran_s: float) -> bool:
+    def overrun(running: Running, ran_s: float) -> bool:
         overruns.append((running, ran_s))
         return True
 
@@ -176,7 +176,7 @@ def test_busy_beats_end_a_call_past_its_limit_once_and_stop_beating() -> None:
     unlimited_beats: list[float] = []
     unlimited = BusyBeats(lambda: unlimited_beats.append(time.monotonic()), 0.0, pytest.fail)
     try:
-        limited.running = unlimited.running = (time.monotonic(), "r1")
+        limited.running = unlimited.running = Running(time.monotonic(), "r1")
         time.sleep(1.5)
         assert [running[1] for running, _ in overruns] == ["r1"]
         assert overruns[0][1] > 0.6

@@ -34,7 +34,7 @@ class DirectCall:
 
     def __init__(
         self,
-        tf_modules: tuple[Any, Any, Any],
+        tf_modules: tuple[Any, Any, Any, Any],
         name: str,
         attrs: tuple[Any, ...],
         inputs: Sequence[tuple[str, int]],
@@ -42,7 +42,7 @@ class DirectCall:
         outputs: Sequence[str],
         host_only: bool = False,
     ) -> None:
-        self._execute, self._eager_tensor, self._context = tf_modules
+        self._execute, self._execute_cancelable, self._eager_tensor, self._context = tf_modules
         # Where input tensors are made. TensorFlow's own conversion names the context's
         # device ("" by default), and for a name without "CPU:0" it runs an _EagerConst op
         # to place each constant there. With no GPU the answer is the host anyway, so the
@@ -55,10 +55,12 @@ class DirectCall:
         self._captured = captured
         self.outputs = list(outputs)  # alias of each flat output, in order
 
-    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    def __call__(self, inputs: Mapping[str, Any], cancel: Any = None) -> dict[str, Any]:
         """alias → eager tensor of every output; TensorFlow's OpError subclasses on failure.
 
-        ``inputs`` hold every input alias (checked against the signature by the front door)."""
+        ``inputs`` hold every input alias (checked against the signature by the front door).
+        ``cancel``: a CancellationManager whose start_cancel stops the call where TensorFlow
+        can stop it (at a loop's next turn: CancelledError), or None."""
         context = self._context
         device = context.device_name
         tensor = self._eager_tensor
@@ -66,9 +68,20 @@ class DirectCall:
         args = [tensor(inputs[alias], at, dt) for alias, dt in self._inputs]
         args.extend(self._captured)
         try:
-            flat = self._execute(
-                context._handle, device, self.name, args, self._attrs, len(self.outputs)
-            )
+            if cancel is None:
+                flat = self._execute(
+                    context._handle, device, self.name, args, self._attrs, len(self.outputs)
+                )
+            else:
+                flat = self._execute_cancelable(
+                    context._handle,
+                    device,
+                    self.name,
+                    args,
+                    self._attrs,
+                    cancel._impl,
+                    len(self.outputs),
+                )
         except Exception as exc:
             raise _as_op_error(exc) from None
         return dict(zip(self.outputs, flat, strict=True))
@@ -122,7 +135,7 @@ def direct_call(
     attrs = tuple(itertools.chain(*context.function_call_options.as_attrs().items()))
     inputs = [(alias, spec.inputs[alias].dtype) for alias in order]
     return DirectCall(
-        (pywrap_tfe.TFE_Py_Execute, ops.EagerTensor, context),
+        (pywrap_tfe.TFE_Py_Execute, pywrap_tfe.TFE_Py_ExecuteCancelable, ops.EagerTensor, context),
         name,
         attrs,
         inputs,

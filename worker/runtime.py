@@ -48,9 +48,20 @@ class ModelRuntime(Protocol):
     specs: dict[str, SignatureSpec]
 
     def run(
-        self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+        self,
+        signature: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[str],
+        cancel: Any = None,
     ) -> dict[str, np.ndarray]:
-        """Run one signature on validated inputs; ServingError on failure."""
+        """Run one signature on validated inputs; ServingError on failure. ``cancel``: what
+        ``canceller`` gave for this call, or None."""
+        ...
+
+    def canceller(self, signature: str) -> Any:
+        """A new handle whose ``start_cancel()`` (from another thread) stops a call of
+        ``signature`` given it, where TensorFlow can stop it; None when its call cannot be
+        stopped at all."""
         ...
 
     def warm_up(self) -> None:
@@ -254,6 +265,9 @@ class SavedModelRuntime:
         # data): their first request checks it (_run_unchecked).
         self._unchecked: set[str] = set()
         self._op_error: type[Exception] = tf.errors.OpError
+        from tensorflow.python.eager import cancellation
+
+        self._cancellation = cancellation
         self.shared: Any = None  # (AttachedSegment, bound variables) when weights are shared
         # variable name → why a served function may copy it (shared_weights.audit)
         self.at_risk: dict[str, str] = {}
@@ -296,20 +310,42 @@ class SavedModelRuntime:
         return verify(tf, bound, segment, self.at_risk).to_wire()
 
     def run(
-        self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+        self,
+        signature: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[str],
+        cancel: Any = None,
     ) -> dict[str, np.ndarray]:
         """Run ``signature`` on ``inputs``, keep ``outputs``. The inputs were checked against
         ``specs`` before: by the front door for a request, by warm-up's replay for a record.
 
         TensorFlow's own error codes are gRPC's, so an op failure (an id outside the
         embedding table: INVALID_ARGUMENT) reaches the client with its code and message.
+        ``cancel`` (from ``canceller``, or None): its start_cancel() from another thread
+        stops the call where TensorFlow can, which fails it with CANCELLED.
         """
         if signature in self._unchecked:
-            return self._run_unchecked(signature, inputs, outputs)
-        return self._run(signature, inputs, outputs)
+            return self._run_unchecked(signature, inputs, outputs, cancel)
+        return self._run(signature, inputs, outputs, cancel)
+
+    def canceller(self, signature: str) -> Any:
+        """A CancellationManager for one call of ``signature``, or None for a session call.
+
+        TensorFlow stops a cancelled call at its next turn of a loop (or wait on a queue or a
+        rendezvous), not inside an op: a graph of plain ops runs to its end whatever happens,
+        as under TF Serving's session timeout. A session callable takes no options per call,
+        so a session call cannot be cancelled; build_session_calls leaves graphs with loops to
+        the eager calls for that reason. One manager per call: once cancelled, it stays so."""
+        if self._sessions[signature] is not None:
+            return None
+        return self._cancellation.CancellationManager()
 
     def _run(
-        self, signature: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+        self,
+        signature: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[str],
+        cancel: Any = None,
     ) -> dict[str, np.ndarray]:
         try:
             session = self._sessions[signature]
@@ -318,17 +354,24 @@ class SavedModelRuntime:
                 return {alias: answer[alias] for alias in outputs}
             direct = self._direct[signature]
             if direct is not None:
-                answer = direct(inputs)
+                answer = direct(inputs, cancel)
                 return {alias: answer[alias].numpy() for alias in outputs}
             function = self._functions[signature]
             order = self._flat_orders[signature]
-            if order:
-                constant = self._tf.constant
-                result = function._call_flat(
-                    [constant(inputs[alias]) for alias in order], function.captured_inputs
-                )
-            else:
-                result = function(**inputs)
+            # TensorFlow's own calls read the manager from this context (Context.call_function).
+            scope = (
+                contextlib.nullcontext()
+                if cancel is None
+                else self._cancellation.CancellationManagerContext(cancel)
+            )
+            with scope:
+                if order:
+                    constant = self._tf.constant
+                    result = function._call_flat(
+                        [constant(inputs[alias]) for alias in order], function.captured_inputs
+                    )
+                else:
+                    result = function(**inputs)
             return {alias: result[alias].numpy() for alias in outputs}
         except self._op_error as exc:
             raise ServingError(exc.error_code, _op_error_message(exc.message)) from exc
@@ -388,12 +431,12 @@ class SavedModelRuntime:
                 self._drop_fast_calls(key)
 
     def _run_unchecked(
-        self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+        self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str], cancel: Any
     ) -> dict[str, np.ndarray]:
         """A signature whose fast call warm-up could not check: the public call answers, and
         the first request it answers checks the fast call on the same inputs."""
         with self._keywords_only(key):
-            want = self._run(key, inputs, list(self.specs[key].outputs))
+            want = self._run(key, inputs, list(self.specs[key].outputs), cancel)
         self._unchecked.discard(key)
         path = self._call_path(key)
         try:

@@ -8,6 +8,13 @@ longer than the front door's liveness window (--worker-timeout) is work, not sil
 without those beats the worker computing it was declared dead, killed, and the request
 sent to the next worker, which met the same end. TensorFlow releases the GIL while it runs
 a graph, so the side thread gets to beat; a stopped process (SIGSTOP) beats from no thread.
+
+A request carries its client's deadline, if the client set one (TF Serving runs the model
+with it: ``enforce_session_run_timeout``). A request whose deadline passed before its turn
+came (it waited behind a long call) is not run; a call that outlives it is stopped by the
+side thread where TensorFlow can stop it (worker/runtime.py, canceller). Either way its
+answer is DEADLINE_EXCEEDED, which nobody reads: the front door answered the client at the
+deadline. What it saves is the worker's time for the requests behind.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mpspool import cpusets, process, rundir, wire
 from mpspool.config import PoolConfig
@@ -42,6 +49,13 @@ class Pending:
     signature: str
     outputs: list[str]
     inputs: dict[str, Any]
+    # When its client stops waiting, on time.monotonic()'s clock; None: never.
+    deadline: float | None = None
+
+
+# The messages of a request past its deadline (code DEADLINE_EXCEEDED).
+NOT_RUN = "the client's deadline passed before its model call could start; it was not run"
+STOPPED = "the client's deadline passed during its model call, which was stopped"
 
 
 # How often the side thread looks whether a model call is running. A quarter of the
@@ -51,25 +65,36 @@ class Pending:
 BUSY_CHECK_S = wire.HEARTBEAT_INTERVAL_S / 4
 
 
-class BusyBeats:
-    """Heartbeats from a side thread while the serving loop is inside a model call, and the
-    end of a call that runs past its limit.
+class Running(NamedTuple):
+    """The model call in progress, as the serving loop tells the side thread."""
 
-    The loop stores ``running`` (the call's start and its request's id) before a call and
-    None after it (one attribute store each, nothing a request would notice: no lock, no
-    wake-up); the thread looks every BUSY_CHECK_S and beats (``beat``) at least every half
-    interval while a call has run longer than that. Outside calls it beats nothing, so a loop
-    stuck anywhere else is still silent. A call running longer than ``limit_s`` (0: none) is
-    taken for a hang: the thread hands it to ``overrun`` (``running`` as it read it, seconds
-    run), which says whether it took it (then the thread beats no more) or found it ended."""
+    started: float  # time.monotonic()
+    request_id: Any
+    deadline: float | None = None  # its client's, on the same clock
+    cancel: Any = None  # the call's canceller (ModelRuntime.canceller), if it has one
+
+
+class BusyBeats:
+    """Heartbeats from a side thread while the serving loop is inside a model call, the stop
+    of a call its client no longer waits for, and the end of a call that runs past its limit.
+
+    The loop stores ``running`` (a Running) before a call and None after it (one attribute
+    store each, nothing a request would notice: no lock, no wake-up); the thread looks every
+    BUSY_CHECK_S and beats (``beat``) at least every half interval while a call has run
+    longer than that. Outside calls it beats nothing, so a loop stuck anywhere else is still
+    silent. A call with a canceller is cancelled once its deadline has passed: within
+    BUSY_CHECK_S of it, as the thread sees a new call only when it looks. A call running
+    longer than ``limit_s`` (0: none) is taken for a hang: the thread hands it to ``overrun``
+    (``running`` as it read it, seconds run), which says whether it took it (then the thread
+    beats no more) or found it ended."""
 
     def __init__(
         self,
         beat: Callable[[], Any],
         limit_s: float,
-        overrun: Callable[[tuple[float, Any], float], bool],
+        overrun: Callable[[Running, float], bool],
     ) -> None:
-        self.running: tuple[float, Any] | None = None  # (time.monotonic() at start, id)
+        self.running: Running | None = None
         self._beat = beat
         self._limit_s = limit_s
         self._overrun = overrun
@@ -83,11 +108,21 @@ class BusyBeats:
 
     def _run(self) -> None:
         last = 0.0
-        while not self._stop.wait(BUSY_CHECK_S):
+        wait = BUSY_CHECK_S
+        cancelled: Running | None = None
+        while not self._stop.wait(wait):
             running, now = self.running, time.monotonic()
+            wait = BUSY_CHECK_S
             if running is None:
                 continue
-            started = running[0]
+            started, _, deadline, cancel = running
+            if cancel is not None and deadline is not None and running is not cancelled:
+                if now >= deadline:
+                    # Its own manager: a call that ended meanwhile is cancelled for nobody.
+                    cancel.start_cancel()
+                    cancelled = running
+                else:
+                    wait = min(BUSY_CHECK_S, deadline - now)
             if self._limit_s and now - started > self._limit_s:
                 if self._overrun(running, now - started):
                     return  # the process is ending
@@ -208,15 +243,34 @@ class Worker:
         # that fit their described shape (decode_tensors), and TensorFlow's own checks of
         # what it is fed, whose errors reach the client with their codes.
         outputs = check_output_filter(spec, header.get("outputs") or [])
-        return Pending(request_id, spec.key, outputs, inputs)
+        deadline = header.get("deadline")
+        if deadline is not None and (type(deadline) is not int or deadline < 0):
+            raise ServingError(Code.INVALID_ARGUMENT, f"malformed request: deadline {deadline!r}")
+        # µs of CLOCK_MONOTONIC, the clock time.monotonic() reads on Linux.
+        at = None if deadline is None else deadline / 1e6
+        return Pending(request_id, spec.key, outputs, inputs, at)
 
     def _execute(self, request: Pending) -> list[Any]:
         """The reply to a checked request: its outputs, or its error."""
         start_us = time.time_ns() // 1000
-        self._busy_beats.running = (time.monotonic(), request.request_id)
+        now = time.monotonic()
+        cancel = None
+        if request.deadline is not None:
+            if now >= request.deadline:
+                return [self._error(request.request_id, Code.DEADLINE_EXCEEDED, NOT_RUN)]
+            cancel = self.runtime.canceller(request.signature)
+        self._busy_beats.running = Running(now, request.request_id, request.deadline, cancel)
         try:
-            result = self.runtime.run(request.signature, request.inputs, request.outputs)
+            result = self.runtime.run(request.signature, request.inputs, request.outputs, cancel)
         except ServingError as exc:
+            # Not the manager's is_cancelled: TensorFlow cancels it itself when an op fails,
+            # to end the rest of the call, and that error is the client's to read.
+            if (
+                exc.code == Code.CANCELLED
+                and request.deadline is not None
+                and time.monotonic() >= request.deadline
+            ):
+                return [self._error(request.request_id, Code.DEADLINE_EXCEEDED, STOPPED)]
             return [self._error(request.request_id, exc.code, exc.message)]
         except Exception as exc:  # a bad request must never kill the worker
             log.exception("request %s failed", request.request_id)
@@ -226,7 +280,7 @@ class Worker:
         self.served += 1
         return self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
 
-    def _call_overrun(self, running: tuple[float, Any], ran_s: float) -> bool:
+    def _call_overrun(self, running: Running, ran_s: float) -> bool:
         """From the side thread: the call ``running`` has run past --call-timeout and is
         taken for a hang, which nothing in this process can end (TensorFlow offers no way to
         stop a running call; the loop's thread is inside it). Its request fails with
@@ -234,7 +288,7 @@ class Worker:
         worker's fault: it goes elsewhere without counting against those requests), and the
         process exits; the controller starts a new worker in its place. False, and nothing
         done, if the call ended before the socket was ours."""
-        request_id = running[1]
+        request_id = running.request_id
         limit = self.config.call_timeout_s
         reason = (
             f"the model call ran for more than {limit:g} s (--call-timeout) and was taken for "

@@ -138,9 +138,19 @@ def session_call(
     # queue) lives in the eager context, filled by its initializer there; in the session
     # the same name would be a new, empty resource.
     ours = {h.op.name for h in handles}
-    named = _named_resources(graph.as_graph_def(), ours)
+    graph_def = graph.as_graph_def()
+    named = _named_resources(graph_def, ours)
     if named:
         log.debug("no session call for %s: it creates resources by name: %s", spec.key, named)
+        return None
+    # A loop is what TensorFlow can stop when a client's deadline passes (at its next turn),
+    # and only a call given a cancellation manager: an eager call. A session callable fixes
+    # its run options when made, so its calls could not be stopped (worker/runtime.py,
+    # canceller). A graph with a loop runs long enough for that to matter, and for the
+    # session's 50-odd µs a call to matter less.
+    loops = _loop_ops(graph_def)
+    if loops:
+        log.debug("no session call for %s: it has a loop (%s)", spec.key, ", ".join(loops))
         return None
     outputs = sorted(result)
 
@@ -178,3 +188,15 @@ def _named_resources(graph_def: Any, ours: set[str]) -> list[str]:
     nodes = [n for n in graph_def.node if n.name not in ours]
     nodes += [n for function in graph_def.library.function for n in function.node_def]
     return sorted({n.op for n in nodes if "shared_name" in n.attr})
+
+
+# Ops that make a loop: TF2's While (StatelessWhile when nothing in it is stateful) and the
+# TF1 control flow it is lowered to, which a TF1 graph may hold as it is.
+LOOP_OPS = frozenset({"While", "StatelessWhile", "_While", "Enter", "LoopCond"})
+
+
+def _loop_ops(graph_def: Any) -> list[str]:
+    """The loop ops in the graph and its function library."""
+    nodes = list(graph_def.node)
+    nodes += [n for function in graph_def.library.function for n in function.node_def]
+    return sorted({n.op for n in nodes if n.op in LOOP_OPS})
