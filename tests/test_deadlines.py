@@ -10,7 +10,9 @@ that gave up still holds the worker, and every request behind it waits."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +34,8 @@ GRIND_S = 3.0
 GRIND_LAYERS = 16
 # Far past a test's own waits: a call that reaches it is a failure, and the pool recovers.
 CALL_TIMEOUT_S = 60.0
+# A REST Predict's deadline (TF Serving's --rest_api_timeout_in_ms; 5 s by default).
+REST_TIMEOUT_S = 1.0
 
 
 class Slow(tf.Module):
@@ -96,6 +100,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory, model: tuple[Path, Slow]) -> 
         1,
         "--call-timeout",
         str(CALL_TIMEOUT_S),
+        "--rest_api_timeout_in_ms",
+        str(int(REST_TIMEOUT_S * 1000)),
     )
     try:
         pool.start().wait_ready(1)
@@ -149,6 +155,23 @@ def test_a_loop_past_its_deadline_is_stopped_and_the_worker_serves_the_next_requ
     assert took < 5, f"the next request waited {took:.1f} s behind the abandoned loop"
     status = pool.status()["slots"][0]
     assert (status["pid"], status["restarts"]) == (pid, 0), status
+
+
+def test_a_rest_predict_past_the_rest_timeout_stops_its_loop_too(pool: Pool) -> None:
+    def post(steps: int) -> int:
+        body = json.dumps({"instances": [steps]})
+        url = f"{pool.rest_url}/v1/models/demo:predict"
+        done = subprocess.run(
+            ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-d", body, url],
+            capture_output=True,
+            text=True,
+            timeout=CALL_TIMEOUT_S,
+        )
+        return int(done.stdout)
+
+    assert post(ENDLESS_STEPS) == 504  # DEADLINE_EXCEEDED
+    # Behind a loop that ran on, it would be 504 too (its own deadline is as short).
+    assert post(1) == 200
 
 
 def test_a_failing_call_with_a_deadline_keeps_its_own_error(pool: Pool) -> None:
