@@ -160,6 +160,16 @@ def test_get_model_metadata(pool: Pool) -> None:
             stub.GetModelMetadata(request, timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "bogus" in info.value.details()
+        # TF Serving's order: each field in turn, the model looked up at "signature_def". A
+        # model not served is named only when that field comes before a wrong one.
+        request.model_spec.name = "absent"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelMetadata(request, timeout=30)
+        assert info.value.details() == "Metadata field bogus is not supported"
+        request.metadata_field[:] = ["signature_def", "bogus"]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelMetadata(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
 
 
 def test_get_model_status_and_health(pool: Pool) -> None:

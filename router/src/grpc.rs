@@ -374,22 +374,31 @@ impl Api {
         &self,
         request: &GetModelMetadataRequest,
     ) -> Result<GetModelMetadataResponse, ServingError> {
-        let target = self.resolve_own(request.model_spec.as_ref())?;
+        // TF Serving's order (get_model_metadata_impl.cc): the spec, then that some field is
+        // asked for, then each field in turn, the model looked up for "signature_def". So a
+        // wrong field before any "signature_def" is named even for a model not served.
+        let spec = crate::versions::spec_given(request.model_spec.as_ref())?;
         if request.metadata_field.is_empty() {
             return Err(ServingError::invalid_argument(
                 "GetModelMetadataRequest must specify at least one metadata_field",
             ));
         }
-        if let Some(other) = request
-            .metadata_field
-            .iter()
-            .find(|f| *f != "signature_def")
-        {
-            return Err(ServingError::invalid_argument(format!(
-                "Metadata field {other} is not supported"
-            )));
+        let mut found = None;
+        for field in &request.metadata_field {
+            if field != "signature_def" {
+                return Err(ServingError::invalid_argument(format!(
+                    "Metadata field {field} is not supported"
+                )));
+            }
+            if found.is_none() {
+                let target = self.resolve(Some(spec))?;
+                found = Some((target, self.signatures(target)?));
+            }
         }
-        let signatures = self.signatures(target)?;
+        // Some field was asked for, and every one is "signature_def".
+        let Some((target, signatures)) = found else {
+            return Err(ServingError::new(Code::Internal, "no metadata field"));
+        };
         let mut response = GetModelMetadataResponse {
             model_spec: Some(self.served_spec(target.model, target.version, "")),
             ..GetModelMetadataResponse::default()
