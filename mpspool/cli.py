@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=False,
         metavar="true|false",
-        help="every REST answer carries CORS headers allowing any origin "
+        help="every REST answer under /v1/ carries CORS headers allowing any origin "
         "(Access-Control-Allow-Origin: *, methods POST and GET, header Content-Type), as TF "
         "Serving's flag; preflights (OPTIONS with an http(s) Origin) are answered either way "
         "(default false)",
@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable_model_warmup",
         dest="model_warmup",
         type=_flag_value,
+        nargs="?",
+        const=True,  # the bare flag, as absl's boolean flags take it
         default=True,
         metavar="true|false",
         help="replay the version's assets.extra/tf_serving_warmup_requests (TFRecord of "

@@ -237,6 +237,7 @@ def test_warm_up_flags_are_tf_servings() -> None:
     assert (parsed().model_warmup, parsed().warmup_iterations) == (True, 1)
     assert parsed("--enable_model_warmup=false").model_warmup is False
     assert parsed("--enable-model-warmup", "true").model_warmup is True
+    assert parsed("--enable_model_warmup").model_warmup is True  # absl's bare boolean flag
     assert parsed("--num_request_iterations_for_warmup", "4").warmup_iterations == 4
     with pytest.raises(SystemExit):
         parsed("--enable_model_warmup=maybe")

@@ -261,8 +261,8 @@ class SavedModelRuntime:
             for key, function in self._functions.items()
         }
         self._sessions: dict[str, SessionCall | None] = dict.fromkeys(self._functions)
-        # Signatures whose fast call warm-up could not check (string inputs that need real
-        # data): their first request checks it (_run_unchecked).
+        # Signatures whose fast call warm-up could not check (they refused its zero example):
+        # their first request checks it (_run_unchecked).
         self._unchecked: set[str] = set()
         self._op_error: type[Exception] = tf.errors.OpError
         from tensorflow.python.eager import cancellation

@@ -475,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     _freeze_loaded_objects()
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, version, worker.pid)
-    # session / direct / flat / keywords: worker/runtime.py; a string signature that warm-up
-    # could not run is checked on its first request and may fall back then.
+    # session / direct / flat / keywords: worker/runtime.py; a signature that refused
+    # warm-up's zero example is checked on its first request and may fall back then.
     log.info("call paths: %s", ", ".join(f"{k}: {v}" for k, v in runtime.call_paths.items()))
     worker.serve()
     log.info("stopped after %d requests", worker.served)
