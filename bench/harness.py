@@ -614,6 +614,7 @@ def h2load(
     poisson_seed: int | None = None,
     connections: int = MAX_CONNECTIONS,
     threads: int = 1,
+    headers: Sequence[str] = (),
 ) -> Drive:
     """One h2load run posting ``request`` for ``duration_s`` with ``concurrency`` streams;
     with ``rps``, open loop: that many requests per second in all, whatever the answers do
@@ -625,7 +626,8 @@ def h2load(
     runs the client at that lower priority: on a machine whose cores the client shares with
     the server, the nearest this can come to a client on another machine. gRPC's streams go
     over at most ``connections`` connections, driven by ``threads`` h2load threads (more
-    than one only where the client has cores of its own)."""
+    than one only where the client has cores of its own). ``headers``: more request headers
+    ("grpc-timeout: 30m": each request's deadline)."""
     body_path, log_path = workdir / "body.bin", workdir / "h2load.log"
     body_path.write_bytes(request.body)
     log_path.unlink(missing_ok=True)
@@ -658,6 +660,7 @@ def h2load(
         f"--threads={min(threads, connections)}", *pacing,
         f"--data={body_path}", f"--log-file={log_path}",
         *protocol,
+        *(arg for header in headers for arg in ("-H", header)),
         *([] if seed is not None else [url]),
     ]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
