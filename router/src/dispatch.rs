@@ -804,8 +804,13 @@ impl Actor {
     /// The members of a merged call that failed (or whose answer cannot be cut) go back to
     /// the queue to run one by one, keeping their place: the error of the one at fault then
     /// reaches only its own caller.
+    /// A member whose caller stopped waiting (its deadline passed: `Cancel` cannot find a
+    /// member of a call in flight) is dropped, not run for nobody.
     fn rerun_alone(&mut self, members: Vec<(u64, Queued)>) {
         for (id, mut member) in members {
+            if member.answer.is_closed() {
+                continue;
+            }
             member.merge_key = None;
             self.queue_push(id, member);
         }
@@ -1030,9 +1035,7 @@ impl Actor {
                 }
                 self.requests.remove(&id);
                 if let Some(pending) = self.table.resolve(&identity, id) {
-                    // A merged call past its deadline (the last of its members'): nobody
-                    // waits for any of them, so none is run again alone.
-                    if pending.merged && code != Code::DeadlineExceeded as i32 {
+                    if pending.merged {
                         self.rerun_alone(pending.members);
                     } else {
                         let error = ServingError::new(Code::from_i32(code), message);

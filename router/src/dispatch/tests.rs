@@ -1382,8 +1382,9 @@ async fn two_models_run_on_their_own_workers_and_neither_waits_behind_the_other(
 fn deadline_ahead(header: &serde_json::Value, before: u64, ahead: Duration) -> Option<()> {
     let deadline = header.get("deadline")?.as_u64().expect("a number");
     let ahead = ahead.as_micros() as u64;
+    // Read in whole µs: what is left may read 1 µs short.
     assert!(
-        deadline >= before + ahead && deadline <= wire::monotonic_micros() + ahead,
+        deadline + 1 >= before + ahead && deadline <= wire::monotonic_micros() + ahead,
         "{deadline} is not {ahead} µs past {before}"
     );
     Some(())
@@ -1438,11 +1439,11 @@ fn a_merged_call_runs_until_its_last_members_deadline_and_is_not_rerun_past_it()
             dispatcher.call(rows_request(rows), deadline).await
         })
     };
-    // The worker holds a first call while two with deadlines (1 s and 3 s) wait and merge.
+    // The worker holds a first call while two with deadlines (2 s and 3 s) wait and merge.
     let first = call(1, None);
     let (held, held_frames) = worker.next_request();
     let before = wire::monotonic_micros();
-    let soon = call(1, Some(Duration::from_secs(1)));
+    let soon = call(1, Some(Duration::from_secs(2)));
     let later = call(2, Some(Duration::from_secs(3)));
     wait_until("both queued", || state.queued.load(Ordering::Relaxed) == 2);
     worker.answer(&held, held_frames);
@@ -1450,15 +1451,21 @@ fn a_merged_call_runs_until_its_last_members_deadline_and_is_not_rerun_past_it()
     let (merged, _) = worker.next_request();
     assert_eq!(merged["tensors"][0][2][0], 3, "{merged}");
     deadline_ahead(&merged, before, Duration::from_secs(3)).expect("the later deadline");
-    // Answered DEADLINE_EXCEEDED: nobody waits for either member, so neither runs alone.
-    let error = pack(serde_json::json!({
-        "v": 1, "k": "error", "id": merged["id"], "code": 4, "message": "past its deadline"
-    }));
-    worker.socket.send(error, 0).unwrap();
+    // Both callers give up at their deadlines while the worker computes (and beats)...
+    while !(soon.is_finished() && later.is_finished()) {
+        worker.heartbeat();
+        thread::sleep(Duration::from_millis(100));
+    }
     for member in [soon, later] {
         let error = runtime.block_on(member).unwrap().unwrap_err();
         assert_eq!(error.code, Code::DeadlineExceeded);
     }
+    // ... and when its answer is an error, as a worker's after the deadline is, neither is
+    // run again alone: nobody waits for them.
+    let error = pack(serde_json::json!({
+        "v": 1, "k": "error", "id": merged["id"], "code": 4, "message": "past its deadline"
+    }));
+    worker.socket.send(error, 0).unwrap();
     assert_eq!(worker.socket.poll(zmq::POLLIN, 300).unwrap(), 0, "rerun");
     dispatcher.shutdown();
 }
