@@ -35,7 +35,7 @@ GRIND_LAYERS = 16
 # Far past a test's own waits: a call that reaches it is a failure, and the pool recovers.
 CALL_TIMEOUT_S = 60.0
 # A REST Predict's deadline (TF Serving's --rest_api_timeout_in_ms; 5 s by default).
-REST_TIMEOUT_S = 1.0
+REST_TIMEOUT_S = 2.0
 
 
 class Slow(tf.Module):
@@ -132,11 +132,12 @@ def worker_log(pool: Pool) -> str:
     )
 
 
-def test_the_loop_takes_the_call_a_deadline_can_stop(pool: Pool) -> None:
+def test_a_loop_with_a_deadline_takes_the_call_a_deadline_can_stop(pool: Pool) -> None:
     """A session call cannot be stopped (worker/session_call.py), so a signature with a loop
-    is called eagerly; the one without keeps the session."""
+    makes its calls with a deadline eagerly, the others in its session; the one without a
+    loop keeps the session for all."""
     log = worker_log(pool)
-    assert "serving_default: direct" in log, log[-2000:]
+    assert "serving_default: session, direct with a deadline" in log, log[-2000:]
     assert "grind: session" in log, log[-2000:]
 
 
@@ -188,13 +189,15 @@ def test_a_request_whose_deadline_passes_while_it_waits_is_not_run(
 ) -> None:
     with ThreadPoolExecutor(1) as background:
         first = background.submit(predict, pool, "grind", [grind_rows], CALL_TIMEOUT_S)
-        time.sleep(0.3)  # the first is on the worker, and this one behind it
+        # The first is on the worker (a third of its grind), and this one goes behind it.
+        time.sleep(GRIND_S / 3)
         with pytest.raises(grpc.RpcError) as late:
             predict(pool, "grind", [grind_rows], timeout=0.5)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value.details()
         first_took = first.result()
-    # Without this the test would prove nothing: the abandoned call, run, would be long.
-    assert first_took > 1.0, f"the first grind took {first_took:.2f} s"
+    # Without this the test would prove nothing: the abandoned call, run, would be long, and
+    # it was sent while the first ran.
+    assert first_took > 2 * GRIND_S / 3, f"the first grind took {first_took:.2f} s"
     took = predict(pool, "grind", [1], timeout=CALL_TIMEOUT_S)
     assert took < first_took / 2, (
         f"the next request waited {took:.2f} s: the abandoned one ran ({first_took:.2f} s)"
@@ -218,7 +221,8 @@ def test_busy_beats_cancel_a_call_once_its_deadline_passes_and_no_other() -> Non
             time.sleep(0.002)
         cancelled_after = time.monotonic() - start
         assert due.is_cancelled
-        assert 0.4 <= cancelled_after < 0.4 + BUSY_CHECK_S + 0.2, cancelled_after
+        # Within BUSY_CHECK_S, with room for a loaded machine waking the thread late.
+        assert 0.4 <= cancelled_after < 0.4 + BUSY_CHECK_S + 0.5, cancelled_after
         start = time.monotonic()
         beats.running = Running(start, "later", start + 60, later)
         time.sleep(3 * BUSY_CHECK_S)

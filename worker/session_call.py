@@ -43,13 +43,23 @@ class SessionCall:
     """One signature as a session callable: numpy arrays in, numpy arrays out."""
 
     def __init__(
-        self, session: Any, callable_options: Any, order: Sequence[str], outputs: Sequence[str]
+        self,
+        session: Any,
+        callable_options: Any,
+        order: Sequence[str],
+        outputs: Sequence[str],
+        has_loop: bool = False,
     ) -> None:
         # The session must outlive its callable; both live as long as this object.
         self._session = session
         self._callable = session._make_callable_from_options(callable_options)
         self._order = list(order)  # input aliases, in the callable's feed order
         self.outputs = list(outputs)  # alias of each fetch, in order
+        # Whether a cancellation could stop its graph halfway (worker/runtime.py, canceller):
+        # TensorFlow stops a call at a loop's next turn, never inside an op. A session call
+        # cannot be stopped at all (its run options are fixed when it is made, and on the
+        # caller's thread even their timeout stops nothing).
+        self.has_loop = has_loop
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """alias → array of every output; TensorFlow's OpError subclasses on failure.
@@ -143,15 +153,6 @@ def session_call(
     if named:
         log.debug("no session call for %s: it creates resources by name: %s", spec.key, named)
         return None
-    # A loop is what TensorFlow can stop when a client's deadline passes (at its next turn),
-    # and only a call given a cancellation manager: an eager call. A session callable fixes
-    # its run options when made, so its calls could not be stopped (worker/runtime.py,
-    # canceller). A graph with a loop runs long enough for that to matter, and for the
-    # session's 50-odd µs a call to matter less.
-    loops = _loop_ops(graph_def)
-    if loops:
-        log.debug("no session call for %s: it has a loop (%s)", spec.key, ", ".join(loops))
-        return None
     outputs = sorted(result)
 
     from tensorflow.core.protobuf.config_pb2 import CallableOptions
@@ -176,7 +177,7 @@ def session_call(
         )
         assign(*[shared_views[id(v)] for v in bound])
         del assign
-        return SessionCall(session, options, order, outputs)
+        return SessionCall(session, options, order, outputs, has_loop=bool(_loop_ops(graph_def)))
     except Exception as exc:  # TensorFlow's refusal of this graph: the direct call serves
         session.close()
         log.info("no session call for %s: %s: %s", spec.key, type(exc).__name__, exc)
