@@ -23,8 +23,9 @@ only on the host: on a GPU the eager context's placement and memory settings sta
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -177,17 +178,24 @@ def session_call(
         )
         assign(*[shared_views[id(v)] for v in bound])
         del assign
-        return SessionCall(session, options, order, outputs, has_loop=bool(_loop_ops(graph_def)))
+        return SessionCall(session, options, order, outputs, has_loop=_has_loop(graph_def))
     except Exception as exc:  # TensorFlow's refusal of this graph: the direct call serves
         session.close()
         log.info("no session call for %s: %s: %s", spec.key, type(exc).__name__, exc)
         return None
 
 
+def _library_nodes(graph_def: Any) -> Iterator[Any]:
+    """Every node of the graph's function library."""
+    for function in graph_def.library.function:
+        yield from function.node_def
+
+
 def _named_resources(graph_def: Any, ours: set[str]) -> list[str]:
     """The ops in the graph and its function library that take a ``shared_name``."""
-    nodes = [n for n in graph_def.node if n.name not in ours]
-    nodes += [n for function in graph_def.library.function for n in function.node_def]
+    nodes = itertools.chain(
+        (n for n in graph_def.node if n.name not in ours), _library_nodes(graph_def)
+    )
     return sorted({n.op for n in nodes if "shared_name" in n.attr})
 
 
@@ -196,8 +204,6 @@ def _named_resources(graph_def: Any, ours: set[str]) -> list[str]:
 LOOP_OPS = frozenset({"While", "StatelessWhile", "_While", "Enter", "LoopCond"})
 
 
-def _loop_ops(graph_def: Any) -> list[str]:
-    """The loop ops in the graph and its function library."""
-    nodes = list(graph_def.node)
-    nodes += [n for function in graph_def.library.function for n in function.node_def]
-    return sorted({n.op for n in nodes if n.op in LOOP_OPS})
+def _has_loop(graph_def: Any) -> bool:
+    nodes = itertools.chain(graph_def.node, _library_nodes(graph_def))
+    return any(n.op in LOOP_OPS for n in nodes)

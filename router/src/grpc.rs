@@ -375,30 +375,31 @@ impl Api {
         request: &GetModelMetadataRequest,
     ) -> Result<GetModelMetadataResponse, ServingError> {
         // TF Serving's order (get_model_metadata_impl.cc): the spec, then that some field is
-        // asked for, then each field in turn, the model looked up for "signature_def". So a
-        // wrong field before any "signature_def" is named even for a model not served.
+        // asked for, then each field in turn, the model looked up at "signature_def", the
+        // only one it knows. So a wrong first field is named even for a model not served,
+        // and a wrong later one only once the model is found.
         let spec = crate::versions::spec_given(request.model_spec.as_ref())?;
-        if request.metadata_field.is_empty() {
-            return Err(ServingError::invalid_argument(
-                "GetModelMetadataRequest must specify at least one metadata_field",
-            ));
-        }
-        let mut found = None;
-        for field in &request.metadata_field {
-            if field != "signature_def" {
-                return Err(ServingError::invalid_argument(format!(
-                    "Metadata field {field} is not supported"
-                )));
-            }
-            if found.is_none() {
-                let target = self.resolve(Some(spec))?;
-                found = Some((target, self.signatures(target)?));
-            }
-        }
-        // Some field was asked for, and every one is "signature_def".
-        let Some((target, signatures)) = found else {
-            return Err(ServingError::new(Code::Internal, "no metadata field"));
+        let unsupported = |field: &str| {
+            ServingError::invalid_argument(format!("Metadata field {field} is not supported"))
         };
+        match request.metadata_field.first() {
+            None => {
+                return Err(ServingError::invalid_argument(
+                    "GetModelMetadataRequest must specify at least one metadata_field",
+                ))
+            }
+            Some(first) if first != "signature_def" => return Err(unsupported(first)),
+            Some(_) => {}
+        }
+        let target = self.resolve(Some(spec))?;
+        let signatures = self.signatures(target)?;
+        if let Some(other) = request
+            .metadata_field
+            .iter()
+            .find(|f| *f != "signature_def")
+        {
+            return Err(unsupported(other));
+        }
         let mut response = GetModelMetadataResponse {
             model_spec: Some(self.served_spec(target.model, target.version, "")),
             ..GetModelMetadataResponse::default()

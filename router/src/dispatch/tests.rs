@@ -574,6 +574,16 @@ impl Scripted {
         }
     }
 
+    /// Connected, READY sent, and known to the front door.
+    fn registered(run_dir: &str, slot: &str, pid: i64) -> Scripted {
+        let worker = Scripted::connect(run_dir, slot, pid);
+        worker.ready();
+        wait_until(&format!("{slot} registered"), || {
+            registered(run_dir, slot, pid)
+        });
+        worker
+    }
+
     fn ready(&self) {
         let header = pack(serde_json::json!({
             "v": 1, "k": "ready", "slot": self.slot, "pid": self.pid, "model": "m", "version": 1
@@ -750,9 +760,7 @@ fn a_worker_reported_gone_has_its_request_retried_and_its_late_reply_dropped() {
     let runtime = runtime();
     let (_dir, dir) = run_dir();
     let (dispatcher, state) = runtime.block_on(async { start(&dir, Duration::from_secs(30)) });
-    let a = Scripted::connect(&dir, "cpu-0", 100);
-    a.ready();
-    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let a = Scripted::registered(&dir, "cpu-0", 100);
     let call = runtime.spawn({
         let dispatcher = dispatcher.clone();
         async move { dispatcher.call(request(), None).await }
@@ -786,9 +794,7 @@ fn a_worker_whose_connection_closes_leaves_at_once_and_its_request_is_retried() 
     let (_dir, dir) = run_dir();
     // A long liveness window and no controller: only the closed connection can tell.
     let (dispatcher, state) = runtime.block_on(async { start(&dir, Duration::from_secs(30)) });
-    let a = Scripted::connect(&dir, "cpu-0", 100);
-    a.ready();
-    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let a = Scripted::registered(&dir, "cpu-0", 100);
     let call = runtime.spawn({
         let dispatcher = dispatcher.clone();
         async move { dispatcher.call(request(), None).await }
@@ -907,9 +913,7 @@ fn an_answer_that_cannot_be_read_fails_its_request_instead_of_stranding_it() {
     let runtime = runtime();
     let (_dir, dir) = run_dir();
     let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
-    let worker = Scripted::connect(&dir, "cpu-0", 100);
-    worker.ready();
-    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let worker = Scripted::registered(&dir, "cpu-0", 100);
     let call = runtime.spawn({
         let dispatcher = dispatcher.clone();
         async move { dispatcher.call(request(), None).await }
@@ -1395,9 +1399,7 @@ fn a_requests_deadline_reaches_its_worker_on_the_monotonic_clock() {
     let runtime = runtime();
     let (_dir, dir) = run_dir();
     let dispatcher = start_in(&runtime, &dir, Duration::from_secs(30));
-    let worker = Scripted::connect(&dir, "cpu-0", 100);
-    worker.ready();
-    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let worker = Scripted::registered(&dir, "cpu-0", 100);
     // Without one: no key at all (what older workers read).
     let call = runtime.spawn({
         let dispatcher = dispatcher.clone();
@@ -1429,9 +1431,7 @@ fn a_merged_call_runs_until_its_last_members_deadline_and_is_not_rerun_past_it()
     let (_dir, dir) = run_dir();
     let (dispatcher, state) =
         runtime.block_on(async { start_scheduled(&dir, &batching(8, 0, vec![], 10)) });
-    let worker = Scripted::connect(&dir, "cpu-0", 100);
-    worker.ready();
-    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    let worker = Scripted::registered(&dir, "cpu-0", 100);
     let call = |rows: usize, ahead: Option<Duration>| {
         let dispatcher = dispatcher.clone();
         runtime.spawn(async move {
