@@ -132,9 +132,11 @@ class MpsDaemon:
         return out
 
     def ready(self) -> bool:
+        # Asks for a value a daemon always has. The client exits 0 with no output when a daemon
+        # hangs up after its greeting (3 runs in 40 against a socket that does), and an empty
+        # server list looks the same; an empty default does not.
         try:
-            self.query("get_server_list")
-            return True
+            return self.query("get_default_active_thread_percentage") != ""
         except DaemonDown:
             return False
 
