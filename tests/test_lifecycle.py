@@ -81,7 +81,7 @@ def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str
                 pool.ctrl_c()
                 code = pool.proc.wait(60)
             else:
-                code = pool.stop()
+                code = pool.stop(cli=True)
         finally:
             stop_watch.set()
             watcher.join()
