@@ -161,18 +161,26 @@ def test_rest_refuses_a_signature_without_inputs_and_names_dtypes_as_tf_serving(
     pool: Pool,
 ) -> None:
     # TF Serving's REST API has no way to send zero inputs: json_tensor.cc refuses the
-    # signature ("Failed to get input map for signature").
-    body = json.dumps({"signature_name": "words", "instances": [1]})
-    url = f"{pool.rest_url}/v1/models/demo:predict"
-    out = subprocess.run(
-        ["curl", "-sS", "-w", "\n%{http_code}", "-d", body, url],
-        capture_output=True,
-        check=True,
-        timeout=30,
-    ).stdout.decode()
-    text, code = out.rsplit("\n", 1)
-    assert code == "400"
-    assert json.loads(text) == {"error": "Failed to get input map for signature: words"}
+    # signature ("Failed to get input map for signature"). It looks the name up in the whole
+    # SignatureDefMap, where the init op's entry is one without inputs.
+    def predict(signature: str) -> tuple[str, object]:
+        body = json.dumps({"signature_name": signature, "instances": [1]})
+        url = f"{pool.rest_url}/v1/models/demo:predict"
+        out = subprocess.run(
+            ["curl", "-sS", "-w", "\n%{http_code}", "-d", body, url],
+            capture_output=True,
+            check=True,
+            timeout=30,
+        ).stdout.decode()
+        text, code = out.rsplit("\n", 1)
+        return code, json.loads(text)
+
+    for name in ("words", "__saved_model_init_op"):
+        assert predict(name) == ("400", {"error": f"Failed to get input map for signature: {name}"})
+    assert predict("nope") == (
+        "400",
+        {"error": 'Serving signature name: "nope" not found in signature def'},
+    )
     # The metadata names every dtype as protobuf's JSON does, the init op's DT_INVALID too.
     metadata = requests.get(f"{pool.rest_url}/v1/models/demo/metadata", timeout=30).json()
     defs = metadata["metadata"]["signature_def"]["signature_def"]

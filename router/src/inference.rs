@@ -348,6 +348,7 @@ mod tests {
                 .into_iter()
                 .map(|s| (s.key.clone(), s))
                 .collect::<HashMap<_, _>>(),
+            init_op_listed: false,
         }
     }
 

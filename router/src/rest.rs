@@ -649,12 +649,8 @@ impl Rest {
                 } else {
                     parsed.signature_name.as_str()
                 };
-                let Some(signature) = signatures.specs.get(key) else {
-                    return Err(ServingError::invalid_argument(format!(
-                        "Serving signature name: \"{key}\" not found in signature def"
-                    )));
-                };
-                let (inputs, format) = parsed.tensors(&signature.inputs)?;
+                let signature_inputs = signatures.rest_inputs(key)?;
+                let (inputs, format) = parsed.tensors(&signature_inputs)?;
                 let bytes = inputs.values().map(tensor_memory).sum();
                 Ok(((spec, inputs, format), bytes))
             })

@@ -2,6 +2,7 @@
 //! side of `mpspool/signature.py` (the worker checks again with that module, so nothing
 //! malformed reaches TensorFlow). Messages follow TF Serving's, byte for byte.
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 
 use bytes::Bytes;
@@ -45,6 +46,9 @@ pub struct ModelSignatures {
     /// The serialized SignatureDefMap, served back in GetModelMetadata.
     pub signature_defs: Bytes,
     pub specs: HashMap<String, SignatureSpec>,
+    /// The map lists the init op's entry (tf.saved_model.save writes one): not in `specs`,
+    /// but TF Serving's REST API finds it (`rest_inputs`).
+    pub init_op_listed: bool,
 }
 
 /// The entry tf.saved_model.save writes for the model's initializer: a signature_def, but no
@@ -56,8 +60,10 @@ pub const INIT_OP_KEY: &str = "__saved_model_init_op";
 pub fn parse(signature_defs: Bytes) -> Result<ModelSignatures, prost::DecodeError> {
     let map = SignatureDefMap::decode(signature_defs.clone())?;
     let mut specs = HashMap::new();
+    let mut init_op_listed = false;
     for (key, sig) in map.signature_def {
         if key == INIT_OP_KEY {
+            init_op_listed = true;
             continue;
         }
         let mut output_names: Vec<String> = sig.outputs.keys().cloned().collect();
@@ -84,6 +90,7 @@ pub fn parse(signature_defs: Bytes) -> Result<ModelSignatures, prost::DecodeErro
     Ok(ModelSignatures {
         signature_defs,
         specs,
+        init_op_listed,
     })
 }
 
@@ -112,6 +119,26 @@ impl ModelSignatures {
                 format!("Serving signature key \"{key}\" not found."),
             )
         })
+    }
+
+    /// The inputs a REST Predict's JSON is read against, found as TF Serving's REST handler
+    /// finds them (`GetInfoMap`): in the whole SignatureDefMap, so the init op's entry is found
+    /// and has no inputs, which the JSON reader then refuses ("Failed to get input map"), as
+    /// for any signature without inputs. A key the map lacks is INVALID_ARGUMENT here, not
+    /// gRPC's FAILED_PRECONDITION.
+    pub fn rest_inputs(
+        &self,
+        key: &str,
+    ) -> Result<Cow<'_, HashMap<String, TensorSpec>>, ServingError> {
+        if let Some(spec) = self.specs.get(key) {
+            return Ok(Cow::Borrowed(&spec.inputs));
+        }
+        if key == INIT_OP_KEY && self.init_op_listed {
+            return Ok(Cow::Owned(HashMap::new()));
+        }
+        Err(ServingError::invalid_argument(format!(
+            "Serving signature name: \"{key}\" not found in signature def"
+        )))
     }
 }
 
@@ -310,10 +337,63 @@ mod tests {
         let model = ModelSignatures {
             signature_defs: Bytes::new(),
             specs,
+            init_op_listed: true,
         };
         assert!(model.select("").is_ok());
         let err = model.select("other").unwrap_err();
         assert_eq!(err.code, Code::FailedPrecondition);
         assert_eq!(err.message, "Serving signature key \"other\" not found.");
+    }
+
+    #[test]
+    fn rest_finds_the_init_op_entry_a_grpc_predict_does_not() {
+        use crate::proto::mpspool::tfs::SignatureDef;
+
+        let with_inputs = SignatureDef {
+            inputs: [("ids".to_string(), TensorInfo::default())].into(),
+            ..Default::default()
+        };
+        let init_op = SignatureDef {
+            outputs: [(INIT_OP_KEY.to_string(), TensorInfo::default())].into(),
+            ..Default::default()
+        };
+        let read = |defs: Vec<(&str, SignatureDef)>| {
+            let map = SignatureDefMap {
+                signature_def: defs.into_iter().map(|(k, d)| (k.to_string(), d)).collect(),
+            };
+            parse(map.encode_to_vec().into()).unwrap()
+        };
+        let model = read(vec![
+            ("serving_default", with_inputs.clone()),
+            (INIT_OP_KEY, init_op),
+        ]);
+        assert!(model.init_op_listed);
+        // gRPC cannot call it; REST finds it, with no inputs (the JSON reader refuses those).
+        assert_eq!(
+            model.select(INIT_OP_KEY).unwrap_err().code,
+            Code::FailedPrecondition
+        );
+        assert!(model.rest_inputs(INIT_OP_KEY).unwrap().is_empty());
+        assert_eq!(
+            model
+                .rest_inputs("serving_default")
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>(),
+            ["ids"]
+        );
+        let err = model.rest_inputs("other").unwrap_err();
+        assert_eq!(err.code, Code::InvalidArgument);
+        assert_eq!(
+            err.message,
+            "Serving signature name: \"other\" not found in signature def"
+        );
+        // A model saved without one (TF1's builder) does not list it: not found.
+        let model = read(vec![("serving_default", with_inputs)]);
+        assert!(!model.init_op_listed);
+        assert_eq!(
+            model.rest_inputs(INIT_OP_KEY).unwrap_err().message,
+            "Serving signature name: \"__saved_model_init_op\" not found in signature def"
+        );
     }
 }
