@@ -31,7 +31,6 @@ use crate::proto::mpspool::tfs::{
 use crate::proto::tensorflow::serving::{ClassificationRequest, Input, RegressionRequest};
 use crate::request_body::{Framing, ReadError, Reading};
 use crate::request_budget::{self, Held, RequestBudget};
-use crate::signature::DEFAULT_SIGNATURE;
 use crate::status::{Code, ServingError};
 
 /// What the REST handlers share.
@@ -644,12 +643,7 @@ impl Rest {
                 let parsed = json_tensor::parse_predict(body)?;
                 let spec = model_spec(&model, &version, &parsed.signature_name);
                 let signatures = api.signatures(api.resolve(Some(&spec))?)?;
-                let key = if parsed.signature_name.is_empty() {
-                    DEFAULT_SIGNATURE
-                } else {
-                    parsed.signature_name.as_str()
-                };
-                let signature_inputs = signatures.rest_inputs(key)?;
+                let signature_inputs = signatures.rest_inputs(&parsed.signature_name)?;
                 let (inputs, format) = parsed.tensors(&signature_inputs)?;
                 let bytes = inputs.values().map(tensor_memory).sum();
                 Ok(((spec, inputs, format), bytes))

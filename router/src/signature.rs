@@ -108,11 +108,7 @@ fn tensor_spec(info: &TensorInfo) -> TensorSpec {
 
 impl ModelSignatures {
     pub fn select(&self, name: &str) -> Result<&SignatureSpec, ServingError> {
-        let key = if name.is_empty() {
-            DEFAULT_SIGNATURE
-        } else {
-            name
-        };
+        let key = signature_key(name);
         self.specs.get(key).ok_or_else(|| {
             ServingError::new(
                 Code::FailedPrecondition,
@@ -128,8 +124,9 @@ impl ModelSignatures {
     /// gRPC's FAILED_PRECONDITION.
     pub fn rest_inputs(
         &self,
-        key: &str,
+        name: &str,
     ) -> Result<Cow<'_, HashMap<String, TensorSpec>>, ServingError> {
+        let key = signature_key(name);
         if let Some(spec) = self.specs.get(key) {
             return Ok(Cow::Borrowed(&spec.inputs));
         }
@@ -139,6 +136,15 @@ impl ModelSignatures {
         Err(ServingError::invalid_argument(format!(
             "Serving signature name: \"{key}\" not found in signature def"
         )))
+    }
+}
+
+/// The signature a request's name means: the default one when it names none.
+fn signature_key(name: &str) -> &str {
+    if name.is_empty() {
+        DEFAULT_SIGNATURE
+    } else {
+        name
     }
 }
 
