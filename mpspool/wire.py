@@ -13,7 +13,9 @@ recognisable); READY is its first message on every connection. A message is
   worker → router
     READY      {slot, pid, model, version, weights} + [serialized SignatureDefMap]
                                                    weights: where its variables live, or nil
-    HEARTBEAT  {slot, pid, served}                 sent from the serving loop
+    HEARTBEAT  {slot, pid, served[, weights]}      sent from the serving loop
+                                                   weights: READY's, sent again when
+                                                   serving copied a variable at risk
     REPLY      {id, tensors, t}                    + one frame per output tensor
                                                    t: [start, end] of the model run, µs
                                                    since the epoch (for task-density plots)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -534,6 +535,27 @@ def _branch_writing_model(path: Path) -> dict[str, np.ndarray]:
     return {"ids": np.array([1, 2], np.int64)}
 
 
+def _request_writing_model(path: Path) -> None:
+    """Writes its table only when the ids sum past 40, which warm-up's zeros never do: it
+    loads with nothing copied and copies on such a request."""
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(14), name="table")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            def poison():
+                self.table.scatter_add(tf.IndexedSlices(tf.ones([1, DIM]), [0]))
+                return tf.constant(1)
+
+            tf.cond(tf.reduce_sum(ids) > 40, poison, lambda: tf.constant(0))
+            return {"out": tf.gather(self.table, ids)}
+
+    _save_module(M(), path)
+
+
 def test_what_may_copy_a_variable_is_said_at_start_with_its_name_and_op(
     tmp_path: Path, segment_path: Path
 ) -> None:
@@ -555,6 +577,13 @@ def test_what_may_copy_a_variable_is_said_at_start_with_its_name_and_op(
     assert report["copied"] == {"calls:0": 8}, report
     got = runtime.run(SIG, inputs, ["out"])
     np.testing.assert_allclose(got["out"], _direct(version, inputs)["out"], rtol=0, atol=1e-6)
+    # What a serving worker looks at again: only the variables at risk it still shares.
+    assert runtime.weights_rechecked(report) == report
+    runtime.run(SIG, {"ids": np.full(25, ROWS - 1, np.int64)}, ["out"])  # sums past 1000
+    again = runtime.weights_rechecked(report)
+    assert again["copied"] == {"calls:0": 8, "table:0": ROWS * DIM * 4}, again
+    assert again["shared_bytes"] == report["shared_bytes"] - ROWS * DIM * 4, again
+    assert again == runtime.weights_report()
 
 
 def test_a_worker_with_copied_weights_refuses_to_serve(tmp_path: Path) -> None:
@@ -576,6 +605,82 @@ def test_a_worker_with_copied_weights_refuses_to_serve(tmp_path: Path) -> None:
         assert "shared variable calls:0 may be copied into this worker: AssignAddVariableOp" in logs
     finally:
         pool.kill()
+    assert pool.leftovers() == []
+
+
+def test_a_copy_made_while_serving_is_shown_and_survives_a_front_door_restart(
+    tmp_path: Path,
+) -> None:
+    """A variable at risk that warm-up left shared and a request copied: the worker serves on
+    (refusing then would take the model down for one request) and says so, in its log and
+    through the front door, so status shows COPIED and the gauge its bytes; a front door
+    restarted later learns it from the worker's READY."""
+    import psutil
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    base = tmp_path / "writer"
+    _request_writing_model(base / "1")
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1).start()
+    table_bytes = ROWS * DIM * 4
+    try:
+        status = pool.wait_ready(1)
+        (slot,) = status["slots"]
+        assert slot["weights"]["copied"] == {}, slot
+        assert list(slot["weights"]["at_risk"]) == ["table:0"], slot
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(pool.channel())
+
+        def predict(ids: list[int]) -> np.ndarray:
+            request = predict_pb2.PredictRequest()
+            request.model_spec.name = "demo"
+            request.inputs["ids"].CopyFrom(tf.make_tensor_proto(np.array(ids, np.int64)))
+            return tf.make_ndarray(stub.Predict(request, timeout=30).outputs["out"])
+
+        np.testing.assert_array_equal(predict([1, 2]), _table(14)[[1, 2]])
+        np.testing.assert_array_equal(predict([49]), _table(14)[[49]])  # writes row 0
+        status = pool.wait_for(
+            lambda s: (s["slots"][0]["weights"] or {}).get("copied") == {"table:0": table_bytes},
+            timeout=10,
+            what="the copy shown in status",
+        )
+        assert status["slots"][0]["pid"] == slot["pid"], "the worker was replaced"
+        metrics_url = status["pool"]["metrics"]
+        metrics = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        gauge = f'mpspool_worker_copied_weight_bytes{{slot="cpu-0@1"}} {table_bytes}'
+        assert gauge in metrics, metrics
+        logs = "".join(
+            p.read_text(errors="replace") for p in pool.log_dir.rglob("*") if p.is_file()
+        )
+        assert "copied shared variables into this worker while serving: table:0" in logs, logs
+        assert "ResourceScatterAdd writes it" in logs, logs
+        # Still served, from its own copy now.
+        want = _table(14)[[0, 1]] + np.array([[1.0] * DIM, [0.0] * DIM], np.float32)
+        np.testing.assert_array_equal(predict([0, 1]), want)
+
+        (router,) = (
+            c
+            for c in psutil.Process(pool.proc.pid).children(recursive=True)
+            if c.name() == "mpspool-router"
+        )
+        router.kill()
+        router.wait(10)
+        # The new front door's own gauge (0 for a worker that reported no copy).
+        deadline = time.monotonic() + 30
+        while True:
+            status = pool.status()
+            try:
+                url = status["pool"]["metrics"]
+                metrics = urllib.request.urlopen(url, timeout=10).read().decode()
+            except (OSError, KeyError, TypeError):
+                metrics = ""
+            if gauge in metrics:
+                break
+            assert time.monotonic() < deadline, f"no gauge from a new front door: {metrics}"
+            time.sleep(0.2)
+        assert status["slots"][0]["weights"]["copied"] == {"table:0": table_bytes}, status
+    finally:
+        assert pool.stop() == 0
     assert pool.leftovers() == []
 
 

@@ -316,6 +316,26 @@ class SavedModelRuntime:
         segment, bound = self.shared
         return verify(tf, bound, segment, self.at_risk).to_wire()
 
+    def weights_rechecked(self, before: dict[str, Any]) -> dict[str, Any]:
+        """``before`` (this runtime's weights report) with its variables at risk that it
+        shows shared looked at again: only those can have been copied since (a variable
+        audit() did not find at risk has only known reads on its paths), and looking at
+        every variable would cost a model of hundreds a few eager calls each."""
+        import tensorflow as tf
+
+        from mpspool.worker.shared_weights import verify
+
+        segment, bound = self.shared
+        suspects = set(before["at_risk"]) - set(before["copied"])
+        again = verify(
+            tf, {k: vb for k, vb in bound.items() if vb[0].name in suspects}, segment
+        ).copied
+        return {
+            **before,
+            "shared_bytes": before["shared_bytes"] - sum(again.values()),
+            "copied": {**before["copied"], **again},
+        }
+
     def run(
         self,
         signature: str,

@@ -1043,13 +1043,20 @@ impl Actor {
                     }
                 }
             }
-            WorkerMessage::Heartbeat { .. } => {
-                if self.table.seen(&identity, now).is_none() {
-                    // A worker we do not know (this front door restarted, or it was declared
-                    // dead and woke up): ask it to introduce itself again.
+            WorkerMessage::Heartbeat { weights, .. } => match self.table.seen(&identity, now) {
+                // A worker we do not know (this front door restarted, or it was declared
+                // dead and woke up): ask it to introduce itself again.
+                None => {
                     let _ = self.workers.send(&identity, &[wire::encode_reregister()]);
                 }
-            }
+                // Serving copied a variable out of the segment: status and the gauge follow.
+                Some(handle) => {
+                    if let Some(weights) = weights {
+                        handle.weights = weights;
+                        self.publish_ready();
+                    }
+                }
+            },
             WorkerMessage::Ready {
                 slot,
                 pid,

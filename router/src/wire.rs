@@ -47,12 +47,15 @@ pub enum WorkerMessage {
         #[serde(default)]
         weights: Option<rmpv::Value>,
     },
+    /// weights: READY's, sent again when serving copied a variable out of the segment.
     #[serde(rename = "hb")]
     Heartbeat {
         slot: String,
         pid: i64,
         #[serde(default)]
         served: i64,
+        #[serde(default)]
+        weights: Option<rmpv::Value>,
     },
     /// `+ one frame per output tensor`; t: `[start, end]` of the model run, µs since the epoch.
     #[serde(rename = "reply")]
@@ -310,7 +313,26 @@ mod tests {
             let message = decode_worker_header(&unhex(case["bytes"].as_str().unwrap())).unwrap();
             let kind = match message {
                 WorkerMessage::Ready { .. } => "ready",
-                WorkerMessage::Heartbeat { .. } => "hb",
+                WorkerMessage::Heartbeat {
+                    served,
+                    ref weights,
+                    ..
+                } => {
+                    // The second heartbeat carries weights, the first none.
+                    let copied = weights
+                        .as_ref()
+                        .and_then(|w| w.as_map())
+                        .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some("copied")))
+                        .map(|(_, v)| v.clone());
+                    let want = (served == 13).then(|| {
+                        rmpv::Value::Map(vec![(
+                            rmpv::Value::from("table:0"),
+                            rmpv::Value::from(256),
+                        )])
+                    });
+                    assert_eq!(copied, want, "served {served}");
+                    "hb"
+                }
                 WorkerMessage::Reply { id, ref t, .. } => {
                     assert_eq!(id, 1 << 40);
                     assert_eq!(*t, Some((1_700_000_000_000_000, 1_700_000_000_000_250)));

@@ -238,6 +238,16 @@ def wire_vectors() -> dict[str, Any]:
                 "bytes": wire.pack(wire.Kind.HEARTBEAT, slot="cpu-0", pid=7, served=12).hex(),
             },
             {
+                "kind": "hb",
+                "bytes": wire.pack(
+                    wire.Kind.HEARTBEAT,
+                    slot="cpu-0",
+                    pid=7,
+                    served=13,
+                    weights={"segment": "/dev/shm/x", "copied": {"table:0": 256}},
+                ).hex(),
+            },
+            {
                 "kind": "reply",
                 "bytes": wire.pack(
                     wire.Kind.REPLY,

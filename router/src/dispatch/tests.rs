@@ -756,6 +756,50 @@ async fn an_error_reply_is_an_answer_and_is_not_retried() {
 }
 
 #[test]
+fn a_heartbeat_with_weights_replaces_readys_and_the_copied_gauge_follows() {
+    // A worker whose serving copied a variable out of the segment says so in a heartbeat;
+    // heartbeats without weights leave what it said before.
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = runtime.block_on(async { start(&dir, Duration::from_secs(30)) });
+    let copied = dispatcher.copied_weights();
+    let worker = Scripted::registered(&dir, "cpu-0", 100);
+    worker.heartbeat();
+    let weights = serde_json::json!({
+        "segment": "/dev/shm/x", "shared_bytes": 512, "copied": {"table:0": 256},
+        "at_risk": {"table:0": "ResourceScatterAdd writes it"}
+    });
+    worker
+        .socket
+        .send(
+            pack(serde_json::json!({
+                "v": 1, "k": "hb", "slot": "cpu-0", "pid": 100, "served": 3, "weights": weights
+            })),
+            0,
+        )
+        .unwrap();
+    wait_until("the copy shown", || {
+        snapshot(&dir)["workers"]["cpu-0"]["weights"] == weights
+    });
+    assert_eq!(
+        copied.borrow().clone(),
+        std::collections::BTreeMap::from([("cpu-0".to_string(), 256)])
+    );
+    worker.heartbeat();
+    // An answer sent after it: once it is back, the heartbeat before it was read.
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    let (held, frames) = worker.next_request();
+    worker.answer(&held, frames);
+    runtime.block_on(call).unwrap().unwrap();
+    assert_eq!(snapshot(&dir)["workers"]["cpu-0"]["weights"], weights);
+    assert_eq!(copied.borrow().get("cpu-0"), Some(&256));
+    dispatcher.shutdown();
+}
+
+#[test]
 fn a_worker_reported_gone_has_its_request_retried_and_its_late_reply_dropped() {
     let runtime = runtime();
     let (_dir, dir) = run_dir();
