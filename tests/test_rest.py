@@ -208,6 +208,31 @@ def test_rest_with_curl(demo: Pool) -> None:
     assert code == 400 and answer["error"].startswith("JSON Parse error: "), answer
 
 
+def test_nan_and_infinity_as_python_writes_them_and_what_rapidjson_ignores(demo: Pool) -> None:
+    """Python's json.dumps writes a float NaN as NaN and infinities as Infinity (allow_nan is
+    its default); TF Serving's parser reads them as numbers, skips a byte-order mark and
+    ignores text after the document. The answer's NaN comes back as TF Serving writes it."""
+    inputs = demo_inputs(3, DEMO_ROWS, seed=6)
+    inputs["dense"][0, 0], inputs["dense"][1, 1], inputs["dense"][1, 2] = np.nan, np.inf, -np.inf
+    expected = tf.make_ndarray(grpc_predict(demo, inputs).outputs["score"])
+    assert np.isnan(expected[0]).all() and np.isfinite(expected[2]).all(), expected
+    body = json.dumps({"inputs": {name: array.tolist() for name, array in inputs.items()}})
+    assert "NaN" in body and "-Infinity" in body
+    for raw in (body.encode(), b"\xef\xbb\xbf" + body.encode() + b"\n{trailing"):
+        answer = rest(demo, "demo:predict", raw=raw)
+        assert answer.status_code == 200, answer.text
+        assert "NaN" in answer.text
+        np.testing.assert_array_equal(np.array(answer.json()["outputs"], np.float32), expected)
+    # An int64 input takes no NaN: TF Serving's type error, naming the token.
+    ids = inputs["ids"].tolist()
+    ids[0][0] = float("nan")
+    answer = rest(demo, "demo:predict", {"inputs": {"ids": ids, "dense": inputs["dense"].tolist()}})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == (
+        "JSON Value: NaN Type: Number is not of expected type: int64"
+    ), answer.json()
+
+
 CORS = {
     "access-control-allow-origin": "*",
     "access-control-allow-methods": "POST, GET",

@@ -15,9 +15,13 @@
 //!   as `{"b64": ...}`; floats as TF Serving writes them (six significant digits unless that
 //!   does not round-trip, NaN and ±Infinity spelled out).
 //!
-//! Differences: JSON's NaN/Infinity tokens in a request are refused as a parse error (TF
-//! Serving's parser accepts them); object keys are read in name order, so an error about a
-//! row names its inputs in name order.
+//! As TF Serving's parser (rapidjson with `kParseNanAndInfFlag | kParseStopWhenDoneFlag`
+//! behind a UTF-8 stream that skips a byte-order mark): `NaN` and `Infinity` are numbers
+//! (json_nonfinite.rs), text after the document is ignored, and a leading BOM is skipped.
+//!
+//! Differences: object keys are read in name order, so an error about a row names its inputs
+//! in name order; a key given twice keeps its last value (TF Serving's lookups find the
+//! first); a parse error's offset in a body with non-finite tokens counts their markers.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -29,6 +33,7 @@ use serde_json::Value;
 use prost::Message;
 
 use crate::codec::{self, dtype_name};
+use crate::json_nonfinite;
 use crate::proto::mpspool::tfs::{tensor_shape_proto::Dim, TensorProto, TensorShapeProto};
 use crate::proto::tensorflow::serving::{
     feature, input, BytesList, ClassificationResult, ExampleList, ExampleListWithContext, Feature,
@@ -56,7 +61,7 @@ pub struct PredictBody {
 /// TF Serving's `JsonValueToDebugString`: compact JSON, cut at 256 bytes.
 fn debug_string(value: &Value) -> String {
     const LIMIT: usize = 256;
-    let mut text = value.to_string();
+    let mut text = json_nonfinite::restore(value.to_string());
     if text.len() > LIMIT {
         let mut cut = LIMIT;
         while !text.is_char_boundary(cut) {
@@ -74,6 +79,7 @@ fn type_name(value: &Value) -> &'static str {
         Value::Bool(true) => "True",
         Value::Object(_) => "Object",
         Value::Array(_) => "Array",
+        Value::String(_) if json_nonfinite::number(value).is_some() => "Number",
         Value::String(_) => "String",
         Value::Number(_) => "Number",
     }
@@ -160,6 +166,8 @@ impl ParseCost {
 pub fn parse_cost(body: &[u8]) -> ParseCost {
     let (mut objects, mut values) = (0usize, 1usize);
     let (mut in_string, mut escaped) = (false, false);
+    // Outside strings only a non-finite token has an N or an I; its marker is a string.
+    let mut markers = 0usize;
     for &byte in body {
         if in_string {
             if escaped {
@@ -175,11 +183,14 @@ pub fn parse_cost(body: &[u8]) -> ParseCost {
             b'"' => in_string = true,
             b'{' => objects += 1,
             b',' | b'[' => values += 1,
+            b'N' | b'I' => markers += 1,
             _ => {}
         }
     }
     ParseCost {
-        body_bytes: body.len(),
+        body_bytes: body
+            .len()
+            .saturating_add(markers.saturating_mul(json_nonfinite::most_added_bytes())),
         values,
         objects,
     }
@@ -190,7 +201,7 @@ pub fn parse_predict(body: &[u8]) -> Result<PredictBody, ServingError> {
     let document = parse_object(body)?;
     let signature_name = match document.get("signature_name") {
         None => String::new(),
-        Some(Value::String(name)) => name.clone(),
+        Some(name @ Value::String(text)) if json_nonfinite::number(name).is_none() => text.clone(),
         Some(_) => {
             return Err(format_error(
                 &Value::Object(document),
@@ -205,15 +216,20 @@ pub fn parse_predict(body: &[u8]) -> Result<PredictBody, ServingError> {
 }
 
 fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingError> {
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     if body.is_empty() {
         return Err(invalid("JSON Parse error: The document is empty"));
     }
-    let value: Value = serde_json::from_slice(body).map_err(|error| {
-        invalid(format!(
-            "JSON Parse error: {error} at offset: {}",
-            offset_of(body, error.line(), error.column())
-        ))
-    })?;
+    let body = json_nonfinite::rewrite(body);
+    // The first document only, as rapidjson's kParseStopWhenDoneFlag: no `end()` check.
+    let mut parser = serde_json::Deserializer::from_slice(&body);
+    let value =
+        serde::Deserialize::deserialize(&mut parser).map_err(|error: serde_json::Error| {
+            invalid(format!(
+                "JSON Parse error: {error} at offset: {}",
+                offset_of(&body, error.line(), error.column())
+            ))
+        })?;
     match value {
         Value::Object(map) => Ok(map),
         other => Err(format_error(&other, "Is not object")),
@@ -276,7 +292,8 @@ impl PredictBody {
 }
 
 fn is_base64_object(value: &Value) -> bool {
-    matches!(value, Value::Object(map) if map.len() == 1 && matches!(map.get("b64"), Some(Value::String(_))))
+    matches!(value, Value::Object(map) if map.len() == 1
+        && matches!(map.get("b64"), Some(b64 @ Value::String(_)) if json_nonfinite::number(b64).is_none()))
 }
 
 fn is_element_object(value: &Value) -> bool {
@@ -358,7 +375,7 @@ impl Filling {
                 return Err(type_error(value, dtype));
             }
             let encoded = match map.get("b64") {
-                Some(Value::String(text)) if map.len() == 1 => text,
+                Some(Value::String(text)) if is_base64_object(value) => text,
                 _ => {
                     return Err(format_error(
                         value,
@@ -373,15 +390,19 @@ impl Filling {
             return Ok(());
         }
         let wrong = || type_error(value, dtype);
+        let nonfinite = json_nonfinite::number(value);
+        let float = || nonfinite.or_else(|| value.as_f64()).ok_or_else(wrong);
         match dtype {
-            codec::DT_FLOAT => p.float_val.push(value.as_f64().ok_or_else(wrong)? as f32),
-            codec::DT_DOUBLE => p.double_val.push(value.as_f64().ok_or_else(wrong)?),
+            codec::DT_FLOAT => p.float_val.push(float()? as f32),
+            codec::DT_DOUBLE => p.double_val.push(float()?),
             codec::DT_INT32 | codec::DT_INT16 | codec::DT_INT8 | codec::DT_UINT8 => {
                 let v = value.as_i64().and_then(|v| i32::try_from(v).ok());
                 p.int_val.push(v.ok_or_else(wrong)?);
             }
             codec::DT_STRING => match value {
-                Value::String(text) => p.string_val.push(Bytes::from(text.clone().into_bytes())),
+                Value::String(text) if nonfinite.is_none() => {
+                    p.string_val.push(Bytes::from(text.clone().into_bytes()))
+                }
                 _ => return Err(wrong()),
             },
             codec::DT_INT64 => p.int64_val.push(value.as_i64().ok_or_else(wrong)?),
@@ -700,6 +721,10 @@ fn add_to_feature(value: &Value, name: &str, feature: &mut Feature) -> Result<()
             "Unexpected element type in feature: {name} expecting type: {kind}"
         ))
     };
+    if let Some(number) = json_nonfinite::number(value) {
+        // A decimal number: a float feature, as rapidjson's IsDouble() says of NaN.
+        return push_float(feature, number as f32).ok_or_else(|| incompatible(feature));
+    }
     match value {
         Value::Null | Value::Array(_) => Err(unexpected()),
         Value::Bool(b) => push_int(feature, i64::from(*b)).ok_or_else(|| incompatible(feature)),
@@ -1134,6 +1159,85 @@ mod tests {
 
     fn message(result: Result<impl std::fmt::Debug, ServingError>) -> String {
         result.unwrap_err().message
+    }
+
+    #[test]
+    fn nan_and_infinity_are_numbers_as_tf_servings_parser_reads_them() {
+        let body = r#"{"instances": [NaN, -Infinity, Inf, -NaN, 1.5]}"#;
+        let (tensors, _) = parse(body, &[("x", codec::DT_FLOAT)]).unwrap();
+        let x = &tensors["x"].float_val;
+        assert!(x[0].is_nan() && x[3].is_nan(), "{x:?}");
+        assert_eq!(x[1..3], [f32::NEG_INFINITY, f32::INFINITY]);
+        assert_eq!(x[4], 1.5);
+        let (tensors, _) =
+            parse(r#"{"inputs": [[Infinity]]}"#, &[("x", codec::DT_DOUBLE)]).unwrap();
+        assert_eq!(tensors["x"].double_val, vec![f64::INFINITY]);
+        // Where a number does not fit, TF Serving's type error, the token written back.
+        assert_eq!(
+            message(parse(r#"{"inputs": [1, NaN]}"#, &[("x", codec::DT_INT64)])),
+            "JSON Value: NaN Type: Number is not of expected type: int64"
+        );
+        assert_eq!(
+            message(parse(
+                r#"{"inputs": -Infinity}"#,
+                &[("x", codec::DT_STRING)]
+            )),
+            "JSON Value: -Infinity Type: Number is not of expected type: string"
+        );
+        assert!(message(parse(
+            r#"{"inputs": [{"b64": NaN}]}"#,
+            &[("x", codec::DT_STRING)]
+        ))
+        .ends_with("not formatted correctly for base64 data"));
+        assert!(
+            message(parse_predict(br#"{"signature_name": NaN}"#).map(|_| ()))
+                .contains("'signature_name' key must be a string value.")
+        );
+        assert!(
+            message(parse(r#"{"instances": NaN}"#, &[("x", codec::DT_FLOAT)]))
+                .starts_with("JSON Value: {\"instances\":NaN} Expecting 'instances'")
+        );
+        // The token's text inside a string is text.
+        let (tensors, _) = parse(r#"{"inputs": ["NaN"]}"#, &[("x", codec::DT_STRING)]).unwrap();
+        assert_eq!(tensors["x"].string_val, vec![Bytes::from_static(b"NaN")]);
+        // In an Example, a decimal number: a float feature.
+        let (_, input) = parse_examples(br#"{"examples": [{"f": [NaN, 2.5]}]}"#).unwrap();
+        let Some(input::Kind::ExampleList(list)) = input.kind else {
+            panic!("{input:?}")
+        };
+        assert_eq!(
+            list.examples[0],
+            Bytes::from(example_bytes(&[(
+                "f",
+                Feature {
+                    kind: Some(feature::Kind::FloatList(FloatList {
+                        value: vec![f32::NAN, 2.5]
+                    }))
+                }
+            )]))
+        );
+        // Counted as strings by the parse budget: never less than what parsing takes.
+        let cost = parse_cost(b"[NaN]");
+        assert!(
+            cost.body_bytes >= json_nonfinite::rewrite(b"[NaN]").len(),
+            "{cost:?}"
+        );
+    }
+
+    #[test]
+    fn a_byte_order_mark_and_text_after_the_document_are_ignored_as_by_rapidjson() {
+        let body = b"\xEF\xBB\xBF{\"instances\": [1]}\n{\"not\": read";
+        let (tensors, _) = parse_predict(body)
+            .unwrap()
+            .tensors(&specs(&[("x", codec::DT_INT64)]))
+            .unwrap();
+        assert_eq!(tensors["x"].int64_val, vec![1]);
+        assert_eq!(
+            message(parse_predict(b"\xEF\xBB\xBF").map(|_| ())),
+            "JSON Parse error: The document is empty"
+        );
+        assert!(message(parse_predict(b"{\"instances\": [1]").map(|_| ()))
+            .starts_with("JSON Parse error: "));
     }
 
     #[test]

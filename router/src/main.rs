@@ -15,6 +15,7 @@ mod decode_budget;
 mod dispatch;
 mod grpc;
 mod inference;
+mod json_nonfinite;
 mod json_tensor;
 mod lifespan;
 mod log;

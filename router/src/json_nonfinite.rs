@@ -1,0 +1,255 @@
+//! JSON's non-finite numbers in REST requests. TF Serving's parser takes `NaN`, `Inf` and
+//! `Infinity`, each after an optional minus (rapidjson's `kParseNanAndInfFlag`; a minus before
+//! `NaN` is dropped), and Python's `json.dumps` writes a float NaN as `NaN`; serde_json
+//! refuses them, and its `Value` cannot hold one.
+//!
+//! So before a body is parsed, each such token outside strings becomes a string naming it
+//! with a key drawn at random when this process first needs one (`"\u0000nan:<key>"`): a
+//! client cannot spell one without the key, so such a string is the token and nothing else.
+//! The document's readers ask `number` where a number may stand, and `restore` writes the
+//! tokens back into the text of an error.
+
+use std::borrow::Cow;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+/// The three markers, as parsed strings and as they are written in JSON (quoted).
+struct Markers {
+    nan: String,
+    inf: String,
+    neg_inf: String,
+    quoted: [(String, &'static str); 3],
+}
+
+fn markers() -> &'static Markers {
+    static MARKERS: OnceLock<Markers> = OnceLock::new();
+    MARKERS.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        // Each RandomState holds keys the standard library seeded from the OS.
+        let draw = |salt: u64| {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u64(salt);
+            hasher.finish()
+        };
+        let key = format!("{:016x}{:016x}", draw(1), draw(2));
+        let [nan, inf, neg_inf] = ["nan", "inf", "-inf"].map(|name| format!("{name}:{key}"));
+        Markers {
+            quoted: [
+                (format!("\"\\u0000{nan}\""), "NaN"),
+                (format!("\"\\u0000{inf}\""), "Infinity"),
+                (format!("\"\\u0000{neg_inf}\""), "-Infinity"),
+            ],
+            nan: format!("\u{0}{nan}"),
+            inf: format!("\u{0}{inf}"),
+            neg_inf: format!("\u{0}{neg_inf}"),
+        }
+    })
+}
+
+/// The most bytes a token's marker takes in a body (more than it adds): what
+/// `json_tensor::parse_cost` charges for each `N` or `I` outside strings.
+pub fn most_added_bytes() -> usize {
+    markers()
+        .quoted
+        .iter()
+        .map(|(q, _)| q.len())
+        .max()
+        .unwrap_or(0)
+}
+
+/// `body` with every non-finite token outside strings written as its marker; borrowed as it
+/// is when it has none. Anything else (`Infi`, `NaNx`) is left for the parser to refuse.
+pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
+    // Outside strings JSON has no N or I: a body of numbers has none at all, and is not walked.
+    if memchr::memchr2(b'N', b'I', body).is_none() {
+        return Cow::Borrowed(body);
+    }
+    let mut out: Option<Vec<u8>> = None;
+    let mut copied = 0; // body[..copied] is in `out`
+    let mut at = 0;
+    // Jumps from one byte that matters to the next: outside strings a quote or a token's
+    // letter, inside them a quote or a backslash (which escapes the byte after it).
+    while let Some(found) = memchr::memchr3(b'"', b'N', b'I', &body[at..]) {
+        let here = at + found;
+        if body[here] == b'"' {
+            at = here + 1;
+            loop {
+                let Some(next) = memchr::memchr2(b'"', b'\\', &body[at..]) else {
+                    at = body.len(); // an unterminated string: the parser says so
+                    break;
+                };
+                at += next + 1;
+                if body[at - 1] == b'"' {
+                    break;
+                }
+                at = (at + 1).min(body.len()); // the escaped byte
+            }
+            continue;
+        }
+        let start = if here > 0 && body[here - 1] == b'-' {
+            here - 1
+        } else {
+            here
+        };
+        at = here + 1;
+        if let Some((len, which)) = token(&body[start..]) {
+            let out = out.get_or_insert_with(|| Vec::with_capacity(body.len() + 64));
+            out.extend_from_slice(&body[copied..start]);
+            out.extend_from_slice(markers().quoted[which].0.as_bytes());
+            at = start + len;
+            copied = at;
+        }
+    }
+    match out {
+        None => Cow::Borrowed(body),
+        Some(mut out) => {
+            out.extend_from_slice(&body[copied..]);
+            Cow::Owned(out)
+        }
+    }
+}
+
+/// The token at the start of `text`: its length and which marker (0 NaN, 1 +∞, 2 −∞).
+fn token(text: &[u8]) -> Option<(usize, usize)> {
+    let minus = usize::from(text.first() == Some(&b'-'));
+    let rest = &text[minus..];
+    let (len, which) = if rest.starts_with(b"NaN") {
+        (3, 0)
+    } else if rest.starts_with(b"Infinity") {
+        (8, 1 + minus)
+    } else if rest.starts_with(b"Inf") && rest.get(3) != Some(&b'i') {
+        (3, 1 + minus)
+    } else {
+        return None;
+    };
+    Some((minus + len, which))
+}
+
+/// The number a marker stands for; None for any other value.
+pub fn number(value: &Value) -> Option<f64> {
+    let Value::String(text) = value else {
+        return None;
+    };
+    if !text.starts_with('\u{0}') {
+        return None;
+    }
+    let m = markers();
+    if *text == m.nan {
+        Some(f64::NAN)
+    } else if *text == m.inf {
+        Some(f64::INFINITY)
+    } else if *text == m.neg_inf {
+        Some(f64::NEG_INFINITY)
+    } else {
+        None
+    }
+}
+
+/// JSON text serde_json wrote, with each marker written as TF Serving writes the number.
+pub fn restore(text: String) -> String {
+    if !text.contains("\"\\u0000") {
+        return text;
+    }
+    markers()
+        .quoted
+        .iter()
+        .fold(text, |text, (quoted, token)| text.replace(quoted, token))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str) -> Value {
+        serde_json::from_slice(&rewrite(body.as_bytes())).unwrap()
+    }
+
+    #[test]
+    fn every_spelling_rapidjson_takes_becomes_its_number() {
+        let value = parse(r#"[NaN, -NaN, Inf, -Inf, Infinity, -Infinity, 1, -2.5]"#);
+        let numbers: Vec<Option<f64>> = value.as_array().unwrap().iter().map(number).collect();
+        assert!(numbers[0].unwrap().is_nan() && numbers[1].unwrap().is_nan());
+        assert_eq!(
+            numbers[2..6],
+            [
+                Some(f64::INFINITY),
+                Some(f64::NEG_INFINITY),
+                Some(f64::INFINITY),
+                Some(f64::NEG_INFINITY)
+            ]
+        );
+        assert_eq!(numbers[6..], [None, None]);
+        assert_eq!(value[7], serde_json::json!(-2.5));
+    }
+
+    #[test]
+    fn strings_keys_and_escapes_are_left_as_they_are() {
+        let body = r#"{"NaN": "Infinity \" NaN", "x\\": ["-Inf", "\\"]}"#;
+        assert!(matches!(rewrite(body.as_bytes()), Cow::Borrowed(_)));
+        let value = parse(body);
+        assert_eq!(value["NaN"], "Infinity \" NaN");
+        assert_eq!(value["x\\"][0], "-Inf");
+        assert!(number(&value["NaN"]).is_none());
+    }
+
+    #[test]
+    fn documents_without_tokens_come_back_as_they_are() {
+        // Strings full of the bytes the scan stops at, written by serde_json: nothing changes.
+        let mut seed = 7u64;
+        let alphabet = ['N', 'I', 'a', '"', '\\', '-', '\u{0}', 'f', ' ', 'é'];
+        for _ in 0..500 {
+            let text: String = (0..12)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    alphabet[(seed >> 33) as usize % alphabet.len()]
+                })
+                .collect();
+            let body = serde_json::json!({ text.clone(): [text, -1.5, {"NaN": null}] }).to_string();
+            assert_eq!(&*rewrite(body.as_bytes()), body.as_bytes(), "{body}");
+        }
+    }
+
+    #[test]
+    fn near_misses_are_left_for_the_parser_to_refuse() {
+        for body in [
+            "[Infin]",
+            "[NaNx]",
+            "[nan]",
+            "[-NaX]",
+            "[Infinityy]",
+            "[\"NaN\\",
+            "[\"\\",
+            "[NaN, \"I",
+            "[NaN, \"\\",
+        ] {
+            assert!(
+                serde_json::from_slice::<Value>(&rewrite(body.as_bytes())).is_err(),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_client_cannot_spell_a_marker_without_the_key() {
+        let forged = parse(r#"["\u0000nan:0000000000000000", "\u0000inf:"]"#);
+        assert!(forged
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| number(v).is_none()));
+    }
+
+    #[test]
+    fn restore_writes_the_tokens_back() {
+        let value = parse(r#"{"a": [NaN, -Infinity, Inf], "b": "NaN"}"#);
+        assert_eq!(
+            restore(value.to_string()),
+            r#"{"a":[NaN,-Infinity,Infinity],"b":"NaN"}"#
+        );
+        let body = b"[-Infinity]";
+        assert!(rewrite(body).len() - body.len() <= most_added_bytes());
+    }
+}
