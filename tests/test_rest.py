@@ -394,6 +394,12 @@ def test_rest_status_and_metadata_equal_grpcs(demo: Pool) -> None:
         ),
         (
             "demo:predict",
+            {"instances": [{"ids": [1], "dense": [16777217]}]},
+            400,
+            "Cannot convert JSON value: 16777217 to float without loss of precision.",
+        ),
+        (
+            "demo:predict",
             {"inputs": {"ids": [[1, 2]], "dense": [[1.0] * DENSE_FEATURES]}},
             400,
             'input "ids": shape [1,2] is not compatible with the signature\'s shape [-1,',

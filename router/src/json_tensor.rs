@@ -391,10 +391,19 @@ impl Filling {
         }
         let wrong = || type_error(value, dtype);
         let nonfinite = json_nonfinite::number(value);
-        let float = || nonfinite.or_else(|| value.as_f64()).ok_or_else(wrong);
         match dtype {
-            codec::DT_FLOAT => p.float_val.push(float()? as f32),
-            codec::DT_DOUBLE => p.double_val.push(float()?),
+            codec::DT_FLOAT => {
+                let float = decimal(value, nonfinite, f32::MANTISSA_DIGITS, f32::MAX.into())
+                    .ok_or_else(wrong)?;
+                p.float_val
+                    .push(float.map_err(|()| lossy(value, "float"))? as f32);
+            }
+            codec::DT_DOUBLE => {
+                let float =
+                    decimal(value, nonfinite, f64::MANTISSA_DIGITS, f64::MAX).ok_or_else(wrong)?;
+                p.double_val
+                    .push(float.map_err(|()| lossy(value, "double"))?);
+            }
             codec::DT_INT32 | codec::DT_INT16 | codec::DT_INT8 | codec::DT_UINT8 => {
                 let v = value.as_i64().and_then(|v| i32::try_from(v).ok());
                 p.int_val.push(v.ok_or_else(wrong)?);
@@ -425,6 +434,40 @@ impl Filling {
         }
         Ok(())
     }
+}
+
+/// A JSON number as a float type of `digits` bits of mantissa and largest value `max`: None if
+/// it is not a number, Err when TF Serving's `IsLosslessDecimal` refuses it (a whole number
+/// past 2^digits - 1, a decimal out of range; non-finite ones pass).
+fn decimal(
+    value: &Value,
+    nonfinite: Option<f64>,
+    digits: u32,
+    max: f64,
+) -> Option<Result<f64, ()>> {
+    if nonfinite.is_some() {
+        return nonfinite.map(Ok);
+    }
+    let Value::Number(number) = value else {
+        return None;
+    };
+    let most_whole = (1u64 << digits) - 1;
+    let float = number.as_f64()?;
+    let lossless = if let Some(whole) = number.as_u64() {
+        whole <= most_whole
+    } else if let Some(whole) = number.as_i64() {
+        whole.unsigned_abs() <= most_whole
+    } else {
+        float.abs() <= max
+    };
+    Some(if lossless { Ok(float) } else { Err(()) })
+}
+
+fn lossy(value: &Value, target: &str) -> ServingError {
+    invalid(format!(
+        "Cannot convert JSON value: {} to {target} without loss of precision.",
+        debug_string(value)
+    ))
 }
 
 fn shape_proto(shape: &[i64]) -> TensorShapeProto {
@@ -1221,6 +1264,43 @@ mod tests {
         assert!(
             cost.body_bytes >= json_nonfinite::rewrite(b"[NaN]").len(),
             "{cost:?}"
+        );
+    }
+
+    #[test]
+    fn floats_refuse_what_they_cannot_hold_as_tf_serving_does() {
+        let float = |body: &str, dtype| parse(body, &[("x", dtype)]);
+        let (tensors, _) = float(
+            r#"{"inputs": [16777215, -16777215, 1e-50, 3.4e38]}"#,
+            codec::DT_FLOAT,
+        )
+        .unwrap();
+        assert_eq!(
+            tensors["x"].float_val,
+            vec![16777215.0, -16777215.0, 0.0, 3.4e38]
+        );
+        for (number, shown) in [
+            ("16777216", "16777216"),
+            ("-16777217", "-16777217"),
+            ("3.5e38", "3.5e+38"),
+        ] {
+            assert_eq!(
+                message(float(
+                    &format!(r#"{{"inputs": [{number}]}}"#),
+                    codec::DT_FLOAT
+                )),
+                format!("Cannot convert JSON value: {shown} to float without loss of precision.")
+            );
+        }
+        let (tensors, _) = float(r#"{"inputs": [16777216, 3.5e38]}"#, codec::DT_DOUBLE).unwrap();
+        assert_eq!(tensors["x"].double_val, vec![16777216.0, 3.5e38]);
+        assert_eq!(
+            message(float(r#"{"inputs": [9007199254740992]}"#, codec::DT_DOUBLE)),
+            "Cannot convert JSON value: 9007199254740992 to double without loss of precision."
+        );
+        assert_eq!(
+            message(float(r#"{"inputs": ["1"]}"#, codec::DT_FLOAT)),
+            "JSON Value: \"1\" Type: String is not of expected type: float"
         );
     }
 
