@@ -17,17 +17,19 @@
 //!
 //! As TF Serving's parser (rapidjson with `kParseNanAndInfFlag | kParseStopWhenDoneFlag`
 //! behind a UTF-8 stream that skips a byte-order mark): `NaN` and `Infinity` are numbers
-//! (json_nonfinite.rs), text after the document is ignored, and a leading BOM is skipped.
+//! (json_nonfinite.rs), text after the document is ignored, a leading BOM is skipped, and a
+//! key given twice keeps its first value (rapidjson's lookups find the first).
 //!
 //! Differences: object keys are read in name order, so an error about a row names its inputs
-//! in name order; a key given twice keeps its last value (TF Serving's lookups find the
-//! first); a parse error's offset in a body with non-finite tokens counts their markers.
+//! in name order; a parse error's offset in a body with non-finite tokens counts their
+//! markers.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use base64::Engine as _;
 use bytes::Bytes;
+use serde::de::DeserializeSeed as _;
 use serde_json::Value;
 
 use prost::Message;
@@ -223,8 +225,9 @@ fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingEr
     let body = json_nonfinite::rewrite(body);
     // The first document only, as rapidjson's kParseStopWhenDoneFlag: no `end()` check.
     let mut parser = serde_json::Deserializer::from_slice(&body);
-    let value =
-        serde::Deserialize::deserialize(&mut parser).map_err(|error: serde_json::Error| {
+    let value = FirstWins
+        .deserialize(&mut parser)
+        .map_err(|error: serde_json::Error| {
             invalid(format!(
                 "JSON Parse error: {error} at offset: {}",
                 offset_of(&body, error.line(), error.column())
@@ -233,6 +236,81 @@ fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingEr
     match value {
         Value::Object(map) => Ok(map),
         other => Err(format_error(&other, "Is not object")),
+    }
+}
+
+/// A document as serde_json's `Value`, except that an object's key given twice keeps its
+/// first value: rapidjson keeps both and its lookups (`FindMember`) find the first, where
+/// serde_json's own map keeps the last.
+struct FirstWins;
+
+impl<'de> serde::de::DeserializeSeed<'de> for FirstWins {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, parser: D) -> Result<Value, D::Error> {
+        parser.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for FirstWins {
+    type Value = Value;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Value, E> {
+        Ok(Value::Bool(value))
+    }
+
+    fn visit_i64<E>(self, value: i64) -> Result<Value, E> {
+        Ok(Value::Number(value.into()))
+    }
+
+    fn visit_u64<E>(self, value: u64) -> Result<Value, E> {
+        Ok(Value::Number(value.into()))
+    }
+
+    fn visit_f64<E>(self, value: f64) -> Result<Value, E> {
+        // What serde_json's own Value does (its parser yields no non-finite float).
+        Ok(serde_json::Number::from_f64(value).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, value: &str) -> Result<Value, E> {
+        Ok(Value::String(value.to_owned()))
+    }
+
+    fn visit_string<E>(self, value: String) -> Result<Value, E> {
+        Ok(Value::String(value))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, parser: D) -> Result<Value, D::Error> {
+        self.deserialize(parser)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut items: A) -> Result<Value, A::Error> {
+        let mut values = Vec::new();
+        while let Some(value) = items.next_element_seed(FirstWins)? {
+            values.push(value);
+        }
+        Ok(Value::Array(values))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut entries: A) -> Result<Value, A::Error> {
+        let mut map = serde_json::Map::new();
+        while let Some(key) = entries.next_key::<String>()? {
+            let value = entries.next_value_seed(FirstWins)?;
+            map.entry(key).or_insert(value);
+        }
+        Ok(Value::Object(map))
     }
 }
 
@@ -1302,6 +1380,25 @@ mod tests {
             message(float(r#"{"inputs": ["1"]}"#, codec::DT_FLOAT)),
             "JSON Value: \"1\" Type: String is not of expected type: float"
         );
+    }
+
+    #[test]
+    fn a_key_given_twice_keeps_its_first_value_as_rapidjsons_lookups_find() {
+        let body = r#"{"signature_name": "a", "inputs": {"x": [1], "x": [2, 3]},
+            "signature_name": 3, "inputs": "later"}"#;
+        let parsed = parse_predict(body.as_bytes()).unwrap();
+        assert_eq!(parsed.signature_name, "a");
+        let (tensors, _) = parsed.tensors(&specs(&[("x", codec::DT_INT64)])).unwrap();
+        assert_eq!(tensors["x"].int64_val, vec![1]);
+        // Otherwise the document is serde_json's own.
+        let text =
+            r#"{"a": [null, true, -1, 18446744073709551615, 0.5, "s\u00e9", {}], "b": {"c": []}}"#;
+        let ours = parse_object(text.as_bytes()).unwrap();
+        let theirs: serde_json::Map<String, Value> = serde_json::from_str(text).unwrap();
+        assert_eq!(ours, theirs);
+        // serde_json's depth limit still holds: a deep body is an error, not a full stack.
+        let deep = format!("{{\"a\": {}", "[".repeat(100_000));
+        assert!(message(parse_object(deep.as_bytes())).contains("recursion limit exceeded"));
     }
 
     #[test]
