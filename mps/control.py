@@ -170,7 +170,12 @@ class MpsDaemon:
         }
 
     def servers(self) -> list[int]:
-        return [int(x) for x in self.query("get_server_list").split()]
+        answer = self.query("get_server_list")
+        # An empty list is also what the client prints when the daemon hangs up (ready()):
+        # "no servers" only from a daemon that still answers.
+        if not answer and not self.ready():
+            raise DaemonDown(f"{self.program}: the control daemon hung up")
+        return [int(x) for x in answer.split()]
 
     def clients(self, server: int) -> list[int]:
         return [int(x) for x in self.query(f"get_client_list {server}").split()]

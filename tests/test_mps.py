@@ -133,6 +133,55 @@ def test_a_daemon_that_hangs_up_is_not_ready_and_is_waited_for(daemon: MpsDaemon
         proc.kill()
 
 
+def _hang_up_unanswered(path: Path, connections: int) -> threading.Thread:
+    """A socket where a daemon's would be that greets each of ``connections`` clients and
+    hangs up 0.1 s later without an answer: a daemon going away mid-query. The real client
+    then prints nothing and exits 0 (15 runs in 15; hanging up at once is "Cannot authenticate
+    or connect", after reading the command mostly "Cannot send command")."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(connections)
+
+    def serve() -> None:
+        with listener:
+            for _ in range(connections):
+                conn, _ = listener.accept()
+                with conn:
+                    creds = struct.pack("iII", os.getpid(), os.getuid(), os.getgid())
+                    conn.sendmsg(
+                        [b"OUTBHELL\0"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)]
+                    )
+                    time.sleep(0.1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_daemon_that_hangs_up_mid_query_has_no_server_list(daemon: MpsDaemon) -> None:
+    """The real client prints nothing and exits 0 when the daemon hangs up without an answer,
+    as for an empty server list: servers() asks whether the daemon still answers before it
+    says there are none."""
+    path = daemon.pipe_dir / "control_privileged"
+    served = _hang_up_unanswered(path, 2)
+    assert daemon.query("get_server_list") == ""  # what the client makes of it
+    served.join(10)
+    path.unlink()
+    served = _hang_up_unanswered(path, 2)
+    with pytest.raises(DaemonDown, match="hung up"):
+        daemon.servers()
+    served.join(10)
+    path.unlink()
+    proc = spawn(daemon)
+    try:
+        daemon.wait_ready(10)
+        assert daemon.servers() == []  # a daemon that answers, with no GPU work: truly none
+        daemon.quit()
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+
+
 def test_fault_lines_pick_out_server_failures() -> None:
     text = (
         "[2026-11-21 10:00:00.000 Control 12] Accepting connection...\n"
