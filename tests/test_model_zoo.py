@@ -684,6 +684,49 @@ def test_a_copy_made_while_serving_is_shown_and_survives_a_front_door_restart(
     assert pool.leftovers() == []
 
 
+def test_the_copy_watch_looks_after_requests_only_at_what_is_at_risk_and_never_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CopyWatch (worker/serve.py) on a stand-in runtime: it looks only when requests ran
+    since its last look and a variable at risk is still shared, reports a new copy once, and
+    a look that fails is logged and not tried again, never raised into the serving loop."""
+    from mpspool.worker.serve import CopyWatch
+
+    shared = {"segment": "s", "shared_bytes": 96, "copied": {}, "at_risk": {"t:0": "why"}}
+    copied = {**shared, "shared_bytes": 32, "copied": {"t:0": 64}}
+
+    class Runtime:
+        def __init__(self, answers: list[Any]) -> None:
+            self.answers, self.looks = answers, 0
+
+        def weights_rechecked(self, before: dict[str, Any]) -> dict[str, Any]:
+            self.looks += 1
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    watch, runtime = CopyWatch(allowed=False), Runtime([shared, copied])
+    assert watch.look(runtime, shared) is None and runtime.looks == 0  # no request yet
+    watch.calls += 1
+    assert watch.look(runtime, shared) is None and runtime.looks == 1  # nothing copied
+    assert watch.look(runtime, shared) is None and runtime.looks == 1  # no request since
+    watch.calls += 1
+    assert watch.look(runtime, shared) == copied
+    assert "while serving: t:0 (0.0 MiB) (why)" in caplog.text
+    watch.calls += 1
+    assert watch.look(runtime, copied) is None and runtime.looks == 2  # nothing left at risk
+    assert watch.look(runtime, {**shared, "at_risk": {}}) is None and runtime.looks == 2
+    assert watch.look(runtime, None) is None  # weights not shared
+
+    watch, runtime = CopyWatch(allowed=True), Runtime([RuntimeError("boom")])
+    watch.calls += 1
+    assert watch.look(runtime, shared) is None
+    assert "looking at the shared weights again failed" in caplog.text
+    watch.calls += 1
+    assert watch.look(runtime, shared) is None and runtime.looks == 1
+
+
 def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
     base = tmp_path / "writer"
     inputs = _writing_model(base / "1")

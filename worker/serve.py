@@ -135,10 +135,49 @@ class BusyBeats:
                 last = now
 
 
-def _uncopied_risks(weights: dict[str, Any]) -> bool:
-    """Whether a variable that a served function may copy (audit()) still reads from the
-    segment."""
-    return not set(weights["at_risk"]) <= set(weights["copied"])
+class CopyWatch:
+    """Whether the requests run since the last look copied a shared variable out of the
+    segment. A variable audit() found at risk is copied by the request that takes its path,
+    which warm-up may not have (a write in a branch that zeros never take, a signature that
+    refused warm-up's zeros); only those are looked at, and only while one is still shared.
+
+    Such a copy is reported, not refused: the memory is spent by then, and failing the worker
+    would take the model down for one request (its replacement would copy again on the same
+    request). Warm-up's copies still refuse the load (unless --allow-copied-weights); these
+    show in `mpspool status` (COPIED) and the mpspool_worker_copied_weight_bytes gauge, and
+    the log names them."""
+
+    def __init__(self, allowed: bool) -> None:
+        self.calls = 0  # requests run (answered or failed), counted by the serving loop
+        self._calls_looked_at = 0
+        self._allowed = allowed  # --allow-copied-weights: a warning, else an error
+        self._broken = False  # looking failed once: it must never end the serving loop
+
+    def look(self, runtime: Any, weights: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The new weights report when a copy was made since the last look, else None. From
+        the serving loop only, between requests: looking runs TensorFlow ops of its own."""
+        if self.calls == self._calls_looked_at or self._broken or weights is None:
+            return None
+        if set(weights["at_risk"]) <= set(weights["copied"]):
+            return None  # nothing at risk, or all of it copied already
+        self._calls_looked_at = self.calls
+        try:
+            report: dict[str, Any] = runtime.weights_rechecked(weights)
+        except Exception:
+            log.exception("looking at the shared weights again failed; not looked at again")
+            self._broken = True
+            return None
+        new = {k: v for k, v in report["copied"].items() if k not in weights["copied"]}
+        if not new:
+            return None
+        (log.warning if self._allowed else log.error)(
+            "TensorFlow copied shared variables into this worker while serving: %s (%s); each "
+            "worker that runs it holds its own copy. Serve this model with --no-share-weights, "
+            "or change the op",
+            ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in new.items()),
+            "; ".join(report["at_risk"].get(k, "not reported at risk") for k in new),
+        )
+        return report
 
 
 class Worker:
@@ -152,13 +191,7 @@ class Worker:
         self.pid = os.getpid()
         self.served = 0
         self.stop_requested = False
-        # Requests run so far (answered or failed), and how many had run when the weights
-        # were last looked at: a variable that audit() found at risk is copied by the request
-        # that takes its path, which warm-up may not have (a write in a branch that zeros never
-        # take, a signature that refused warm-up's zeros). Looked at again between requests,
-        # at most once a heartbeat, while any variable at risk is still shared.
-        self._calls = 0
-        self._calls_looked_at = 0
+        self._copies = CopyWatch(config.allow_copied_weights)
         # The front door's ROUTER; READY is the first message on every connection, so a
         # restarted front door knows this worker at once.
         self._socket = Dealer(
@@ -190,36 +223,6 @@ class Worker:
             wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served, weights=weights
         )
 
-    def _copied_while_serving(self) -> dict[str, Any] | None:
-        """The weights report, when requests run since the last look copied a variable out of
-        the segment; None when nothing changed (or nothing is at risk). From the serving loop
-        only, between requests: verify() runs TensorFlow ops of its own.
-
-        Such a copy is reported, not refused: the memory is spent by then, and failing the
-        worker would take the model down for one request (its replacement would copy again on
-        the same request). Warm-up's copies still refuse the load (unless
-        --allow-copied-weights); these show in `mpspool status` (COPIED) and the
-        mpspool_worker_copied_weight_bytes gauge, and the log names them."""
-        before = self.weights
-        if self._calls == self._calls_looked_at or before is None or not _uncopied_risks(before):
-            return None
-        self._calls_looked_at = self._calls
-        report = self.runtime.weights_rechecked(before)
-        if report["copied"] == before["copied"]:
-            return None
-        new = {k: v for k, v in report["copied"].items() if k not in before["copied"]}
-        (log.warning if self.config.allow_copied_weights else log.error)(
-            "TensorFlow copied shared variables into this worker while serving: %s (%s); each "
-            "worker that runs it holds its own copy. Serve this model with --no-share-weights, "
-            "or change the op",
-            ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in new.items()),
-            "; ".join(report["at_risk"].get(k, "not reported at risk") for k in new),
-        )
-        self.weights = report
-        # A front door that connects again (restarted) learns it from READY.
-        self._socket.hello = self._ready_message()
-        return report
-
     def serve(self) -> None:
         self._busy_beats = BusyBeats(
             lambda: self._socket.send_from_thread(self._heartbeat()),
@@ -239,7 +242,12 @@ class Worker:
                 self._handle_queued()
             now = time.monotonic()
             if now >= next_beat:
-                self._socket.send(self._heartbeat(self._copied_while_serving()))
+                copied = self._copies.look(self.runtime, self.weights)
+                if copied is not None:
+                    self.weights = copied
+                    # A front door that connects again (restarted) learns it from READY.
+                    self._socket.hello = self._ready_message()
+                self._socket.send(self._heartbeat(copied))
                 next_beat = now + wire.HEARTBEAT_INTERVAL_S
         # BYE: the router stops routing here and retries whatever it still had queued for
         # this worker on another one, so stopping a worker loses no request.
@@ -312,7 +320,7 @@ class Worker:
         # tuple.__new__: a NamedTuple's own constructor costs 0.6 µs a request, this 0.3.
         fields = (now, request.request_id, request.deadline, cancel)
         self._busy_beats.running = _new_running(Running, fields)
-        self._calls += 1
+        self._copies.calls += 1
         try:
             result = self.runtime.run(request.signature, request.inputs, request.outputs, cancel)
         except ServingError as exc:
