@@ -217,10 +217,10 @@ class Worker:
         return [header, self.runtime.signature_defs]
 
     def _heartbeat(self, weights: dict[str, Any] | None = None) -> bytes:
-        if weights is None:
-            return wire.pack(wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served)
+        # weights only when they changed: most heartbeats carry none.
+        extra = {} if weights is None else {"weights": weights}
         return wire.pack(
-            wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served, weights=weights
+            wire.Kind.HEARTBEAT, slot=self.slot, pid=self.pid, served=self.served, **extra
         )
 
     def serve(self) -> None:

@@ -14,12 +14,15 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
+/// What the three markers stand for, and how TF Serving writes each; `token` and the
+/// `Markers` arrays use the same order.
+const NUMBERS: [f64; 3] = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
+const WRITTEN: [&str; 3] = ["NaN", "Infinity", "-Infinity"];
+
 /// The three markers, as parsed strings and as they are written in JSON (quoted).
 struct Markers {
-    nan: String,
-    inf: String,
-    neg_inf: String,
-    quoted: [(String, &'static str); 3],
+    parsed: [String; 3],
+    quoted: [String; 3],
 }
 
 fn markers() -> &'static Markers {
@@ -33,16 +36,10 @@ fn markers() -> &'static Markers {
             hasher.finish()
         };
         let key = format!("{:016x}{:016x}", draw(1), draw(2));
-        let [nan, inf, neg_inf] = ["nan", "inf", "-inf"].map(|name| format!("{name}:{key}"));
+        let names = ["nan", "inf", "-inf"].map(|name| format!("{name}:{key}"));
         Markers {
-            quoted: [
-                (format!("\"\\u0000{nan}\""), "NaN"),
-                (format!("\"\\u0000{inf}\""), "Infinity"),
-                (format!("\"\\u0000{neg_inf}\""), "-Infinity"),
-            ],
-            nan: format!("\u{0}{nan}"),
-            inf: format!("\u{0}{inf}"),
-            neg_inf: format!("\u{0}{neg_inf}"),
+            parsed: names.clone().map(|name| format!("\u{0}{name}")),
+            quoted: names.map(|name| format!("\"\\u0000{name}\"")),
         }
     })
 }
@@ -50,12 +47,7 @@ fn markers() -> &'static Markers {
 /// The most bytes a token's marker takes in a body (more than it adds): what
 /// `json_tensor::parse_cost` charges for each `N` or `I` outside strings.
 pub fn most_added_bytes() -> usize {
-    markers()
-        .quoted
-        .iter()
-        .map(|(q, _)| q.len())
-        .max()
-        .unwrap_or(0)
+    markers().quoted.iter().map(String::len).max().unwrap_or(0)
 }
 
 /// `body` with every non-finite token outside strings written as its marker; borrowed as it
@@ -96,7 +88,7 @@ pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
         if let Some((len, which)) = token(&body[start..]) {
             let out = out.get_or_insert_with(|| Vec::with_capacity(body.len() + 64));
             out.extend_from_slice(&body[copied..start]);
-            out.extend_from_slice(markers().quoted[which].0.as_bytes());
+            out.extend_from_slice(markers().quoted[which].as_bytes());
             at = start + len;
             copied = at;
         }
@@ -134,16 +126,8 @@ pub fn number(value: &Value) -> Option<f64> {
     if !text.starts_with('\u{0}') {
         return None;
     }
-    let m = markers();
-    if *text == m.nan {
-        Some(f64::NAN)
-    } else if *text == m.inf {
-        Some(f64::INFINITY)
-    } else if *text == m.neg_inf {
-        Some(f64::NEG_INFINITY)
-    } else {
-        None
-    }
+    let which = markers().parsed.iter().position(|marker| marker == text)?;
+    Some(NUMBERS[which])
 }
 
 /// JSON text serde_json wrote, with each marker written as TF Serving writes the number.
@@ -154,7 +138,10 @@ pub fn restore(text: String) -> String {
     markers()
         .quoted
         .iter()
-        .fold(text, |text, (quoted, token)| text.replace(quoted, token))
+        .zip(WRITTEN)
+        .fold(text, |text, (quoted, written)| {
+            text.replace(quoted, written)
+        })
 }
 
 #[cfg(test)]

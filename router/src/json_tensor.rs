@@ -468,26 +468,21 @@ impl Filling {
             return Ok(());
         }
         let wrong = || type_error(value, dtype);
-        let nonfinite = json_nonfinite::number(value);
         match dtype {
             codec::DT_FLOAT => {
-                let float = decimal(value, nonfinite, f32::MANTISSA_DIGITS, f32::MAX.into())
-                    .ok_or_else(wrong)?;
-                p.float_val
-                    .push(float.map_err(|()| lossy(value, "float"))? as f32);
+                let float = decimal(value, dtype, f32::MANTISSA_DIGITS, f32::MAX.into())?;
+                p.float_val.push(float as f32);
             }
             codec::DT_DOUBLE => {
-                let float =
-                    decimal(value, nonfinite, f64::MANTISSA_DIGITS, f64::MAX).ok_or_else(wrong)?;
-                p.double_val
-                    .push(float.map_err(|()| lossy(value, "double"))?);
+                let float = decimal(value, dtype, f64::MANTISSA_DIGITS, f64::MAX)?;
+                p.double_val.push(float);
             }
             codec::DT_INT32 | codec::DT_INT16 | codec::DT_INT8 | codec::DT_UINT8 => {
                 let v = value.as_i64().and_then(|v| i32::try_from(v).ok());
                 p.int_val.push(v.ok_or_else(wrong)?);
             }
             codec::DT_STRING => match value {
-                Value::String(text) if nonfinite.is_none() => {
+                Value::String(text) if json_nonfinite::number(value).is_none() => {
                     p.string_val.push(Bytes::from(text.clone().into_bytes()))
                 }
                 _ => return Err(wrong()),
@@ -514,38 +509,33 @@ impl Filling {
     }
 }
 
-/// A JSON number as a float type of `digits` bits of mantissa and largest value `max`: None if
-/// it is not a number, Err when TF Serving's `IsLosslessDecimal` refuses it (a whole number
-/// past 2^digits - 1, a decimal out of range; non-finite ones pass).
-fn decimal(
-    value: &Value,
-    nonfinite: Option<f64>,
-    digits: u32,
-    max: f64,
-) -> Option<Result<f64, ()>> {
-    if nonfinite.is_some() {
-        return nonfinite.map(Ok);
+/// A JSON number (or non-finite token) as `dtype`, a float type of `digits` bits of mantissa
+/// and largest value `max`: TF Serving's type error if it is not a number, and its
+/// `IsLosslessDecimal` refusal for a whole number past 2^digits - 1 or a decimal out of range
+/// (non-finite ones pass).
+fn decimal(value: &Value, dtype: i32, digits: u32, max: f64) -> Result<f64, ServingError> {
+    if let Some(nonfinite) = json_nonfinite::number(value) {
+        return Ok(nonfinite);
     }
-    let Value::Number(number) = value else {
-        return None;
+    let Some(float) = value.as_f64() else {
+        return Err(type_error(value, dtype));
     };
     let most_whole = (1u64 << digits) - 1;
-    let float = number.as_f64()?;
-    let lossless = if let Some(whole) = number.as_u64() {
+    let lossless = if let Some(whole) = value.as_u64() {
         whole <= most_whole
-    } else if let Some(whole) = number.as_i64() {
+    } else if let Some(whole) = value.as_i64() {
         whole.unsigned_abs() <= most_whole
     } else {
         float.abs() <= max
     };
-    Some(if lossless { Ok(float) } else { Err(()) })
-}
-
-fn lossy(value: &Value, target: &str) -> ServingError {
-    invalid(format!(
-        "Cannot convert JSON value: {} to {target} without loss of precision.",
-        debug_string(value)
-    ))
+    if !lossless {
+        return Err(invalid(format!(
+            "Cannot convert JSON value: {} to {} without loss of precision.",
+            debug_string(value),
+            dtype_name(dtype)
+        )));
+    }
+    Ok(float)
 }
 
 fn shape_proto(shape: &[i64]) -> TensorShapeProto {
