@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import requests
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
@@ -23,6 +24,9 @@ from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
+
+METRICS_PATH = "/monitoring/prometheus/metrics"
+BATCHING = ":tensorflow:serving:batching_session:"
 
 
 # -- a real pool ------------------------------------------------------------------------
@@ -36,8 +40,17 @@ def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iter
         "max_batch_size { value: 8 }\nbatch_timeout_micros { value: 0 }\n"
         "allowed_batch_sizes: 4\nallowed_batch_sizes: 8\n"
     )
+    monitoring = tmp / "monitoring.config"
+    monitoring.write_text(f'prometheus_config {{ enable: true, path: "{METRICS_PATH}" }}\n')
     pool = Pool(
-        tmp, demo_model_dir, 1, "--enable_batching", "--batching_parameters_file", str(params)
+        tmp,
+        demo_model_dir,
+        1,
+        "--enable_batching",
+        "--batching_parameters_file",
+        str(params),
+        "--monitoring_config_file",
+        str(monitoring),
     ).start()
     try:
         pool.wait_ready(1)
@@ -106,6 +119,68 @@ def test_queued_requests_share_model_calls_and_each_gets_its_own_answer(
     calls = Counter((start, end) for _, start, end in spans)
     assert max(calls.values()) > 1, spans
     assert pool.slot("cpu-0")["restarts"] == 0
+
+
+def batching_metrics(pool: Pool) -> dict[str, float]:
+    """TF Serving's batching series on the pool's Prometheus page (REST port): line → value."""
+    page = requests.get(f"{pool.rest_url}{METRICS_PATH}", timeout=30)
+    assert page.status_code == 200, page.text
+    samples = {}
+    for line in page.text.splitlines():
+        if line.startswith(BATCHING):
+            name, value = line.rsplit(" ", 1)
+            samples[name.removeprefix(BATCHING)] = float(value)
+    return samples
+
+
+def test_tf_servings_batching_metrics_count_each_call_and_each_wait(pool: Pool) -> None:
+    # What the Grafana and alerting rules built for TF Serving read (queuing latency, runs),
+    # under TF Serving's names, buckets and labels.
+    sizes = [1, 3, 2, 1, 4, 1, 2, 2]  # 16 rows: at least 3 calls of <= 8 rows
+    (worker_pid,) = pool.worker_pids()
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        stub.Predict(request_for(demo_inputs(1, DEMO_ROWS)), timeout=30)  # the channel is up
+        before = batching_metrics(pool)
+        timeline(pool, "--clear")
+        os.kill(worker_pid, signal.SIGSTOP)
+        try:
+            futures = [
+                stub.Predict.future(request_for(demo_inputs(n, DEMO_ROWS, seed=n)), timeout=30)
+                for n in sizes
+            ]
+            time.sleep(0.5)
+        finally:
+            os.kill(worker_pid, signal.SIGCONT)
+        for future in futures:
+            future.result()
+    after = batching_metrics(pool)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    calls = len({(start, end) for _, start, end in timeline(pool)})
+    assert 3 <= calls < len(sizes)
+    assert grew("wrapped_run_count{}") == calls
+    # Each request waited once; all but the first (sent to the stopped worker at once) and
+    # perhaps the next waited out the 0.5 s stop, in microseconds.
+    waited = 'queuing_latency_{}{{thread_pool_name=""}}'
+    assert grew(waited.format("count")) == len(sizes)
+    assert grew(waited.format("sum")) >= 0.4e6 * (len(sizes) - 2)
+    assert (
+        after['queuing_latency_bucket{thread_pool_name="",le="+Inf"}']
+        == after[waited.format("count")]
+    )
+    # Both inputs (ids, dense) of every request, by their rows.
+    assert grew("input_batch_size_count{}") == 2 * len(sizes)
+    assert grew("input_batch_size_sum{}") == 2 * sum(sizes)
+    # Calls padded to the allowed sizes 4 or 8, the padding's rows counted by that size.
+    assert grew("processed_batch_size_count{}") == calls
+    grown = {name for name in after if name.startswith("padding_size_count{") and grew(name)}
+    assert grown <= {f'padding_size_count{{execution_batch_size="{n}"}}' for n in (4, 8)}, grown
+    padding = [name for name in after if name.startswith("padding_size_sum{")]
+    padded_rows = sum(grew(name) for name in padding)
+    assert grew("processed_batch_size_sum{}") - padded_rows == sum(sizes)
 
 
 def test_requests_that_cannot_merge_are_answered_alone(pool: Pool, reference_model) -> None:

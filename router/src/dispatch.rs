@@ -633,22 +633,25 @@ impl Actor {
             return;
         };
         let rows = request.rows();
+        let mut merge_key = None;
         if let Some(batching) = &self.batching {
+            let key = batch::merge_key(&request).map(|(key, _)| key);
+            if key.is_some() {
+                // Before the queue's limit, as TF Serving sizes a request before scheduling it.
+                let first_dimensions = (request.tensors.iter())
+                    .map(|(_, _, shape)| shape.first().map_or(0, |rows| rows.unsigned_abs()));
+                self.state.batching.record_input(first_dimensions);
+            }
             if self.queued_rows.saturating_add(rows) > batching.queue_rows() {
                 let full = ServingError::new(Code::Unavailable, batch::QUEUE_FULL);
                 let _ = answer.send(Outcome::Error(full));
                 return;
             }
+            merge_key = key.filter(|_| rows <= batching.max_batch_size);
         }
         let cost = self
             .costs
             .estimate(request.target.model, &request.signature, rows);
-        let merge_key = match &self.batching {
-            Some(batching) if rows <= batching.max_batch_size => {
-                batch::merge_key(&request).map(|(key, _)| key)
-            }
-            _ => None,
-        };
         let queued = Queued {
             request,
             answer,
@@ -723,6 +726,15 @@ impl Actor {
                         let waited = now.saturating_duration_since(member.arrived);
                         self.state.note_queue_wait(waited);
                         self.timeline.note_queue_wait(waited);
+                    }
+                    if let Some(batching) = &self.batching {
+                        let waited = members.iter().map(|(_, member)| {
+                            let waited = now.saturating_duration_since(member.arrived);
+                            u64::try_from(waited.as_micros()).unwrap_or(u64::MAX)
+                        });
+                        let rows = members.iter().map(|(_, m)| m.request.rows()).sum();
+                        let max = batching.max_batch_size;
+                        self.state.batching.record_batch(waited, rows, padded, max);
                     }
                     self.transmit(identity, members, padded);
                 }

@@ -224,6 +224,14 @@ impl Metrics {
         self.tf_serving.record_runtime(model, api, compute_us);
     }
 
+    /// The page TF Serving serves at its Prometheus path: its request metrics, then its
+    /// batching session's.
+    pub fn render_tf_serving(&self) -> String {
+        let mut page = self.tf_serving.render();
+        self.state.batching.render(&mut page);
+        page
+    }
+
     /// The Prometheus text exposition (labels in name order, as prometheus_client writes them).
     pub fn render(&self) -> String {
         let names: Vec<String> = self

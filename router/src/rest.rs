@@ -401,7 +401,7 @@ impl Rest {
         let path = request.uri().path().to_string();
         if method == HttpMethod::GET && self.prometheus_path.as_deref() == Some(path.as_str()) {
             let mut response =
-                Response::new(Full::new(Bytes::from(self.api.metrics.tf_serving.render())));
+                Response::new(Full::new(Bytes::from(self.api.metrics.render_tf_serving())));
             response.headers_mut().insert(
                 hyper::header::CONTENT_TYPE,
                 hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),

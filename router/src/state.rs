@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use crate::metrics::Histogram;
+use crate::tfs_metrics::BatchingMetrics;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -61,6 +62,9 @@ pub struct RouterState {
     pub handoff: Histogram,
     /// From the end of a request's model call until the front door read the answer.
     pub reply: Histogram,
+    /// TF Serving's batching metrics (the dispatcher records while batching is on; its
+    /// metrics page renders them).
+    pub batching: BatchingMetrics,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
     /// Drain requests from the control channel; the server acts on the first.
@@ -86,6 +90,7 @@ impl RouterState {
                 front_door_wait: Histogram::default(),
                 handoff: Histogram::default(),
                 reply: Histogram::default(),
+                batching: BatchingMetrics::default(),
                 gpus: Mutex::new(Vec::new()),
                 drain,
                 reloads: crate::reload::Reloads::default(),

@@ -9,7 +9,11 @@
 //!   call itself (the worker's span; runtime "TF1", TF Serving's name for the TensorFlow
 //!   runtime as opposed to TFRT);
 //! - `:tensorflow:serving:request_example_counts{model}` and `..._count_total{model}`:
-//!   tf.Examples per Classify/Regress/MultiInference.
+//!   tf.Examples per Classify/Regress/MultiInference;
+//! - with `--enable-batching`, the batching session's (`batching/batching_session.cc`,
+//!   `batching/batching_util.h`), one set for the process as there: `queuing_latency`,
+//!   `wrapped_run_count`, `input_batch_size`, `processed_batch_size`, `padding_size`
+//!   (`BatchingMetrics`).
 //!
 //! Histograms have TF Serving's buckets (×1.8 from 10 µs, 33 of them; ×2 from 1 example, 15).
 //! Only requests that name a served model are counted, each under its model: a client cannot
@@ -112,8 +116,10 @@ impl Exponential {
         self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum()
     }
 
-    /// The `_bucket`, `_sum` and `_count` lines for one label set (`labels` without braces).
+    /// The `_bucket`, `_sum` and `_count` lines for one label set (`labels` without braces;
+    /// empty for none: `name_bucket{le="1"}`, `name_sum{}`, as TF Serving's exporter writes).
     fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let comma = if labels.is_empty() { "" } else { "," };
         let mut cumulative = 0;
         for (i, bucket) in self.buckets.iter().enumerate() {
             cumulative += bucket.load(Ordering::Relaxed);
@@ -121,7 +127,10 @@ impl Exponential {
                 .bounds
                 .get(i)
                 .map_or("+Inf".to_string(), |b| format_g(*b, 6));
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{comma}le=\"{le}\"}} {cumulative}"
+            );
         }
         let _ = writeln!(
             out,
@@ -340,6 +349,122 @@ impl TfServingMetrics {
     }
 }
 
+/// TF Serving's batching metrics, recorded where the front door batches (the dispatcher,
+/// with `--enable-batching`). There, every request goes through a batch queue and each batch
+/// is one `Run` of the wrapped session; here, every call the dispatcher sends to a worker
+/// while batching is on is such a batch, of one request or several (a request above
+/// `max_batch_size` runs alone, and the members of a merged call that failed run again one
+/// by one: those calls count as batches of their own too). TF Serving keeps one set for the
+/// process, not one per model, and so does this.
+pub struct BatchingMetrics {
+    /// µs from a request's arrival at the dispatcher to its batch leaving for a worker, per
+    /// request (`thread_pool_name` is empty in TF Serving's server, which names no pool).
+    queuing_latency: Exponential,
+    wrapped_run_count: AtomicU64,
+    /// The first dimension of each input tensor of each request (TF Serving records every
+    /// input's, so a request of three inputs adds three samples).
+    input_batch_size: Exponential,
+    /// Each batch's rows, padding included.
+    processed_batch_size: Exponential,
+    /// Each batch's padding rows, by its rows with padding (`execution_batch_size`). Only
+    /// batches of at most `max_batch_size` rows are counted here, so the labels stay within
+    /// what the operator configured (a larger request runs alone, with no padding).
+    padding_size: std::sync::Mutex<std::collections::BTreeMap<u64, Exponential>>,
+}
+
+impl Default for BatchingMetrics {
+    fn default() -> Self {
+        BatchingMetrics {
+            // "Scale of 100, power of 1.2 with bucket count 52 (~1 second)."
+            queuing_latency: Exponential::new(100.0, 1.2, 52),
+            wrapped_run_count: AtomicU64::new(0),
+            input_batch_size: batch_size_histogram(),
+            processed_batch_size: batch_size_histogram(),
+            padding_size: Default::default(),
+        }
+    }
+}
+
+/// "Exponential buckets [1*2^0, ..., 1*2^13, DBL_MAX]."
+fn batch_size_histogram() -> Exponential {
+    Exponential::new(1.0, 2.0, 14)
+}
+
+impl BatchingMetrics {
+    /// A request entered the batch queue, with these first dimensions of its inputs.
+    pub fn record_input(&self, first_dimensions: impl IntoIterator<Item = u64>) {
+        for rows in first_dimensions {
+            self.input_batch_size.observe(rows);
+        }
+    }
+
+    /// A batch left for a worker: `rows` of its requests padded to `padded`, after each
+    /// request waited `waited_us`; `max_batch_size` bounds the padding series' labels.
+    pub fn record_batch(
+        &self,
+        waited_us: impl IntoIterator<Item = u64>,
+        rows: u64,
+        padded: u64,
+        max_batch_size: u64,
+    ) {
+        for waited in waited_us {
+            self.queuing_latency.observe(waited);
+        }
+        self.processed_batch_size.observe(padded);
+        if padded <= max_batch_size {
+            let mut padding = self
+                .padding_size
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            padding
+                .entry(padded)
+                .or_insert_with(batch_size_histogram)
+                .observe(padded.saturating_sub(rows));
+        }
+        self.wrapped_run_count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Their part of TF Serving's page. `queuing_latency` and `wrapped_run_count` are typed
+    /// even before a batch (TF Serving registers them at start); the others once recorded
+    /// (registered on first use there).
+    pub fn render(&self, out: &mut String) {
+        let name = ":tensorflow:serving:batching_session:queuing_latency";
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        if self.queuing_latency.count() > 0 {
+            self.queuing_latency
+                .render(out, name, "thread_pool_name=\"\"");
+        }
+        let name = ":tensorflow:serving:batching_session:wrapped_run_count";
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let runs = self.wrapped_run_count.load(Ordering::Relaxed);
+        if runs > 0 {
+            let _ = writeln!(out, "{name}{{}} {runs}");
+        }
+        for (family, histogram) in [
+            ("input_batch_size", &self.input_batch_size),
+            ("processed_batch_size", &self.processed_batch_size),
+        ] {
+            if histogram.count() > 0 {
+                let name = format!(":tensorflow:serving:batching_session:{family}");
+                let _ = writeln!(out, "# TYPE {name} histogram");
+                histogram.render(out, &name, "");
+            }
+        }
+        let padding = self
+            .padding_size
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !padding.is_empty() {
+            let name = ":tensorflow:serving:batching_session:padding_size";
+            let _ = writeln!(out, "# TYPE {name} histogram");
+            for (execution_batch_size, histogram) in padding.iter() {
+                let labels = format!("execution_batch_size=\"{execution_batch_size}\"");
+                histogram.render(out, name, &labels);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,6 +502,53 @@ mod tests {
         assert!(page
             .contains(":tensorflow:serving:request_example_count_total{model=\"de\\\"mo\"} 3\n"));
         assert_eq!(page.matches("request_latency_bucket").count(), 34);
+    }
+
+    #[test]
+    fn batching_has_tf_servings_names_buckets_and_unlabelled_lines() {
+        let batching = BatchingMetrics::default();
+        let mut page = String::new();
+        batching.render(&mut page);
+        // Before any batch: the two families TF Serving registers at start, typed, empty.
+        assert_eq!(
+            page,
+            "# TYPE :tensorflow:serving:batching_session:queuing_latency histogram\n\
+             # TYPE :tensorflow:serving:batching_session:wrapped_run_count counter\n"
+        );
+        batching.record_input([2, 2]); // one request, two inputs of 2 rows
+        batching.record_input([3, 3]);
+        batching.record_batch([150, 1_000_000], 5, 8, 8);
+        batching.record_batch([99], 2, 2, 8);
+        batching.record_batch([100], 12, 12, 8); // above max_batch_size: ran alone
+        let mut page = String::new();
+        batching.render(&mut page);
+        let latency = ":tensorflow:serving:batching_session:queuing_latency";
+        let pool = "thread_pool_name=\"\"";
+        // 99 µs is below the first bound, 100 is in [100, 120), 150 in [144, 172.8).
+        assert!(page.contains(&format!("{latency}_bucket{{{pool},le=\"100\"}} 1\n")));
+        assert!(page.contains(&format!("{latency}_bucket{{{pool},le=\"120\"}} 2\n")));
+        assert!(page.contains(&format!("{latency}_bucket{{{pool},le=\"144\"}} 2\n")));
+        assert!(page.contains(&format!("{latency}_bucket{{{pool},le=\"172.8\"}} 3\n")));
+        assert!(page.contains(&format!("{latency}_bucket{{{pool},le=\"+Inf\"}} 4\n")));
+        assert!(page.contains(&format!("{latency}_sum{{{pool}}} 1000349\n")));
+        assert_eq!(page.matches(&format!("{latency}_bucket")).count(), 53);
+        assert!(page.contains(":tensorflow:serving:batching_session:wrapped_run_count{} 3\n"));
+        let input = ":tensorflow:serving:batching_session:input_batch_size";
+        assert!(page.contains(&format!("{input}_bucket{{le=\"2\"}} 0\n")));
+        assert!(page.contains(&format!("{input}_bucket{{le=\"4\"}} 4\n")));
+        assert!(page.contains(&format!("{input}_sum{{}} 10\n{input}_count{{}} 4\n")));
+        assert_eq!(page.matches(&format!("{input}_bucket")).count(), 15);
+        let processed = ":tensorflow:serving:batching_session:processed_batch_size";
+        assert!(page.contains(&format!(
+            "{processed}_sum{{}} 22\n{processed}_count{{}} 3\n"
+        )));
+        let padding = ":tensorflow:serving:batching_session:padding_size";
+        assert!(page.contains(&format!("{padding}_sum{{execution_batch_size=\"8\"}} 3\n")));
+        assert!(page.contains(&format!(
+            "{padding}_bucket{{execution_batch_size=\"2\",le=\"1\"}} 1\n"
+        )));
+        assert!(!page.contains("execution_batch_size=\"12\""));
+        assert_eq!(page.matches(&format!("# TYPE {padding} ")).count(), 1);
     }
 
     #[test]

@@ -1118,6 +1118,17 @@ fn marked_request(rows: usize, mark: u8) -> WorkRequest {
 /// While the one worker computes a first request, requests of `sizes` rows arrive; each
 /// must get its own rows back. The rows of each call the worker received.
 async fn batched_calls(scheduling: Scheduling, behaviour: Behaviour, sizes: &[usize]) -> Vec<i64> {
+    batched_calls_with_state(scheduling, behaviour, sizes)
+        .await
+        .0
+}
+
+/// `batched_calls`, with what the dispatcher recorded.
+async fn batched_calls_with_state(
+    scheduling: Scheduling,
+    behaviour: Behaviour,
+    sizes: &[usize],
+) -> (Vec<i64>, Arc<RouterState>) {
     let (_dir, dir) = run_dir();
     let (dispatcher, state) = start_scheduled(&dir, &scheduling);
     let worker = FakeWorker::start(&dir, "cpu-0", 100, behaviour);
@@ -1140,7 +1151,18 @@ async fn batched_calls(scheduling: Scheduling, behaviour: Behaviour, sizes: &[us
     assert_eq!(state.queued.load(Ordering::Relaxed), 0);
     let seen = worker.rows_seen();
     dispatcher.shutdown();
-    seen
+    (seen, state)
+}
+
+/// TF Serving's batching page as the dispatcher left it: `name` → value, for each line.
+fn batching_page(state: &RouterState) -> std::collections::BTreeMap<String, u64> {
+    let mut page = String::new();
+    state.batching.render(&mut page);
+    page.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| line.rsplit_once(' '))
+        .map(|(name, value)| (name.to_string(), value.parse().unwrap()))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1157,24 +1179,60 @@ async fn waiting_requests_share_one_call_up_to_max_batch_size() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_are_padded_to_an_allowed_batch_size() {
-    let seen = batched_calls(
+    let (seen, state) = batched_calls_with_state(
         batching(8, 0, vec![2, 4, 8], 10),
         Behaviour::SlowEcho(40),
         &[2, 3],
     )
     .await;
     assert_eq!(seen, [2, 8]); // 1 padded to 2, then 2+3 = 5 padded to 8
+                              // TF Serving's batching metrics: two runs, three requests (one input each) queued.
+    let page = batching_page(&state);
+    let name = |family: &str| format!(":tensorflow:serving:batching_session:{family}");
+    assert_eq!(page[&format!("{}{{}}", name("wrapped_run_count"))], 2);
+    let pool = "{thread_pool_name=\"\"}";
+    assert_eq!(page[&format!("{}_count{pool}", name("queuing_latency"))], 3);
+    // In µs: the two requests that waited for the first call (40 ms) waited tens of ms.
+    assert!(page[&format!("{}_sum{pool}", name("queuing_latency"))] >= 20_000);
+    assert_eq!(page[&format!("{}_sum{{}}", name("input_batch_size"))], 6);
+    assert_eq!(
+        page[&format!("{}_sum{{}}", name("processed_batch_size"))],
+        10
+    );
+    let padding = |size: u64, what: &str| {
+        page[&format!(
+            "{}_{what}{{execution_batch_size=\"{size}\"}}",
+            name("padding_size")
+        )]
+    };
+    assert_eq!((padding(2, "count"), padding(2, "sum")), (1, 1));
+    assert_eq!((padding(8, "count"), padding(8, "sum")), (1, 3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_batching_nothing_is_recorded_as_a_batch() {
+    let scheduling = Scheduling {
+        worker_inflight: 1,
+        ..Scheduling::default()
+    };
+    let (seen, state) =
+        batched_calls_with_state(scheduling, Behaviour::SlowEcho(20), &[2, 3]).await;
+    assert_eq!(seen, [1, 2, 3]);
+    assert!(batching_page(&state).is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_merged_call_runs_its_requests_one_by_one() {
-    let seen = batched_calls(
+    let (seen, state) = batched_calls_with_state(
         batching(8, 0, vec![], 10),
         Behaviour::RefuseAbove(1),
         &[1, 1, 1],
     )
     .await;
     assert_eq!(seen, [1, 3, 1, 1, 1]);
+    // Every call sent counts as a run of the batching session, the reruns too.
+    let runs = ":tensorflow:serving:batching_session:wrapped_run_count{}";
+    assert_eq!(batching_page(&state)[runs], 5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
