@@ -858,7 +858,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{which}labels: {labels}")
     print(
         f"{'SLOT':<10} {'VERSION':>7} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
-        f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<14} REASON"
+        f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<25} REASON"
     )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
@@ -866,7 +866,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"{slot:<10} {s['version']:>7} {s['state']:<9} {s['pid'] or '-':>7} {uptime:>8} "
             f"{s['restarts']:>8} {s['inflight']:>8} {s['served']:>9}  {s.get('cpus') or '-':<9} "
-            f"{_weights(s.get('weights')):<14} {s['reason']}"
+            f"{_weights(s.get('weights')):<25} {s['reason']}"
         )
     for g in status.get("gpus", []):
         servers = g.get("servers", {})
@@ -885,12 +885,28 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _weights(report: dict[str, Any] | None) -> str:
-    """Short form of where a worker's variables live, for the status table."""
+    """Short form of where a worker's variables live, for the status table: COPIED (what
+    TensorFlow copied into it) or shared, and how many variables still shared a served
+    function may yet copy (its worker watches them while it serves; `--json` names them and
+    why)."""
     if not report:
         return "-"
     if report["copied"]:
-        return f"COPIED {sum(report['copied'].values()) / 2**20:.0f}MiB"
-    return f"shared {report['shared_bytes'] / 2**20:.0f}MiB"
+        where = f"COPIED {_size(sum(report['copied'].values()))}"
+    else:
+        where = f"shared {_size(report['shared_bytes'])}"
+    at_risk = len(set(report.get("at_risk") or {}) - set(report["copied"]))
+    return f"{where}, {at_risk} at risk" if at_risk else where
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that leaves at least 1: 1.6KiB, 488MiB."""
+    value, unit = float(n), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:.1f}{unit}" if value < 10 and unit != "B" else f"{value:.0f}{unit}"
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -17,7 +17,9 @@ graph (SavedModelBuilder) with a vocabulary file in its assets.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -32,7 +34,7 @@ from mpspool import segment
 from mpspool.worker.publish import publish
 from mpspool.worker.runtime import load_saved_model
 
-from poolproc import Pool
+from poolproc import Pool, mpspool_cmd
 
 SIG = "serving_default"
 ROWS, DIM = 50, 8
@@ -629,6 +631,8 @@ def test_a_copy_made_while_serving_is_shown_and_survives_a_front_door_restart(
         (slot,) = status["slots"]
         assert slot["weights"]["copied"] == {}, slot
         assert list(slot["weights"]["at_risk"]) == ["table:0"], slot
+        table = _status_table(pool)
+        assert re.search(r" shared [0-9.]+KiB, 1 at risk ", table), table
         stub = prediction_service_pb2_grpc.PredictionServiceStub(pool.channel())
 
         def predict(ids: list[int]) -> np.ndarray:
@@ -645,6 +649,8 @@ def test_a_copy_made_while_serving_is_shown_and_survives_a_front_door_restart(
             what="the copy shown in status",
         )
         assert status["slots"][0]["pid"] == slot["pid"], "the worker was replaced"
+        table = _status_table(pool)
+        assert " COPIED 1.6KiB " in table and "at risk" not in table, table  # 1,600 bytes
         metrics_url = status["pool"]["metrics"]
         metrics = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
         gauge = f'mpspool_worker_copied_weight_bytes{{slot="cpu-0@1"}} {table_bytes}'
@@ -682,6 +688,15 @@ def test_a_copy_made_while_serving_is_shown_and_survives_a_front_door_restart(
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+def _status_table(pool: Pool) -> str:
+    """`mpspool status`'s table, as an operator reads it."""
+    done = subprocess.run(
+        mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return done.stdout
 
 
 def test_the_copy_watch_looks_after_requests_only_at_what_is_at_risk_and_never_fails(
