@@ -331,10 +331,27 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--intra-op-threads",
         type=int,
-        default=0,
-        help="TensorFlow intra-op threads per worker (0: the worker's cores when pinned, "
-        "else cores / workers of every model, a CPU quota counting as cores when fewer)",
+        default=None,
+        help="TensorFlow intra-op threads per worker (default 0: the worker's cores when "
+        "pinned, else cores / workers of every model, a CPU quota counting as cores when fewer)",
     )
+    # TF Serving's threading flags, read as its server.cc reads them (_thread_fields), per
+    # worker here; 0, TF Serving's "auto-configured", leaves mpspool's own choice.
+    for name, what in (
+        ("intra_op", "--intra-op-threads"),
+        ("inter_op", "--inter-op-threads"),
+        ("session", "both, when neither of the two above is above 0"),
+    ):
+        flag = f"tensorflow_{name}_parallelism"
+        start.add_argument(
+            f"--{flag}",
+            f"--{flag.replace('_', '-')}",
+            dest=flag,
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"TF Serving's flag: {what} (0: mpspool's choice)",
+        )
     start.add_argument(
         "--cpuset",
         # DeepRec SessionGroup's variable is the fallback; the flag wins when both are given.
@@ -357,7 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
         "default: each such worker would hold its own copy)",
     )
     start.add_argument(
-        "--inter-op-threads", type=int, default=1, help="TensorFlow inter-op threads per worker"
+        "--inter-op-threads",
+        type=int,
+        default=None,
+        help="TensorFlow inter-op threads per worker (default 1: one request runs at a time)",
     )
     sched = start.add_argument_group("scheduling and batching (in the front door)")
     sched.add_argument(
@@ -584,9 +604,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         shutdown_delay_s=args.shutdown_delay,
         start_retries=args.start_retries,
         fatal_retry_s=args.fatal_retry_after,
-        intra_op_threads=args.intra_op_threads,
+        **_thread_fields(args),
         cpuset=args.cpuset,
-        inter_op_threads=args.inter_op_threads,
         share_weights=args.share_weights,
         allow_copied_weights=args.allow_copied_weights,
         version_policy=policy_text,
@@ -694,6 +713,47 @@ def _connection_fields(args: argparse.Namespace) -> dict[str, Any]:
     for warning in warnings:
         print(f"mpspool: {warning}", file=sys.stderr)
     return fields
+
+
+def _thread_fields(args: argparse.Namespace) -> dict[str, int]:
+    """A worker's TensorFlow threads: --intra-op-threads and --inter-op-threads, or TF
+    Serving's flags as its server.cc reads them: all three above 0 is refused with its
+    message; else --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism
+    when either is above 0, else --tensorflow_session_parallelism for both. A 0 (TF Serving's
+    "auto-configured") leaves mpspool's choice: the worker's share of the cores for intra-op,
+    1 for inter-op. mpspool's flags and TF Serving's set the same thing: one or the other."""
+    ours = {"intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads}
+    intra, inter, session = (
+        args.tensorflow_intra_op_parallelism,
+        args.tensorflow_inter_op_parallelism,
+        args.tensorflow_session_parallelism,
+    )
+    if all(v is None for v in (intra, inter, session)):
+        return {
+            "intra_op_threads": 0 if ours["intra_op_threads"] is None else ours["intra_op_threads"],
+            "inter_op_threads": 1 if ours["inter_op_threads"] is None else ours["inter_op_threads"],
+        }
+    if any(v is not None for v in ours.values()):
+        raise ConfigError(
+            "--intra-op-threads/--inter-op-threads and TF Serving's "
+            "--tensorflow_*_parallelism flags set the same thing: give one or the other"
+        )
+    intra, inter, session = (v or 0 for v in (intra, inter, session))
+    if min(intra, inter, session) < 0:
+        raise ConfigError(
+            "--tensorflow_intra_op_parallelism, --tensorflow_inter_op_parallelism and "
+            f"--tensorflow_session_parallelism must be >= 0, got {intra}, {inter}, {session}"
+        )
+    if intra > 0 and inter > 0 and session > 0:
+        raise ConfigError(  # TF Serving's words (model_servers/server.cc)
+            "Either configure server_options.tensorflow_session_parallelism or "
+            "(server_options.tensorflow_intra_op_parallelism, "
+            "server_options.tensorflow_inter_op_parallelism) separately. "
+            "You cannot configure all."
+        )
+    if intra == 0 and inter == 0:
+        intra = inter = session
+    return {"intra_op_threads": intra, "inter_op_threads": inter or 1}
 
 
 def _flag_value(text: str) -> bool:

@@ -471,6 +471,12 @@ class PoolConfig:
         self._validate_models()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            # Refused here, not by each worker at load (its slot would fail its starts).
+            raise ConfigError(
+                "--intra-op-threads and --inter-op-threads must be >= 0, got "
+                f"{self.intra_op_threads} and {self.inter_op_threads}"
+            )
         if self.dispatch not in DISPATCH_POLICIES:
             raise ConfigError(
                 f"--dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}"

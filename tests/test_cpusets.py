@@ -283,6 +283,56 @@ def test_config_validates_and_sizes_threads(demo_model_dir: Path) -> None:
     assert unpinned.cpu_set("cpu-0") == frozenset()
 
 
+def _threads(*flags: str) -> dict[str, int]:
+    from mpspool import cli
+
+    return cli._thread_fields(build_parser().parse_args(["start", "--demo", *flags]))
+
+
+def test_tf_servings_threading_flags_are_read_as_its_server_reads_them() -> None:
+    assert _threads() == {"intra_op_threads": 0, "inter_op_threads": 1}
+    assert _threads("--intra-op-threads", "3", "--inter-op-threads", "0") == {
+        "intra_op_threads": 3,
+        "inter_op_threads": 0,
+    }
+    # Session parallelism sets both, unless intra- or inter-op is above 0.
+    assert _threads("--tensorflow_session_parallelism", "4") == {
+        "intra_op_threads": 4,
+        "inter_op_threads": 4,
+    }
+    assert _threads(
+        "--tensorflow_session_parallelism=4", "--tensorflow-intra-op-parallelism=2"
+    ) == {"intra_op_threads": 2, "inter_op_threads": 1}
+    assert _threads(
+        "--tensorflow_inter_op_parallelism", "2", "--tensorflow_session_parallelism", "4"
+    ) == {"intra_op_threads": 0, "inter_op_threads": 2}
+    # 0, TF Serving's "auto-configured": mpspool's own choice.
+    assert _threads("--tensorflow_session_parallelism", "0") == _threads()
+    said = r"^Either configure server_options\.tensorflow_session_parallelism or \("
+    with pytest.raises(ConfigError, match=said):
+        _threads(
+            "--tensorflow_intra_op_parallelism=1",
+            "--tensorflow_inter_op_parallelism=1",
+            "--tensorflow_session_parallelism=1",
+        )
+    with pytest.raises(ConfigError, match="set the same thing: give one or the other"):
+        _threads("--intra-op-threads", "2", "--tensorflow_session_parallelism", "2")
+    with pytest.raises(ConfigError, match="must be >= 0, got -1, 0, 0"):
+        _threads("--tensorflow_intra_op_parallelism", "-1")
+
+
+def test_negative_threads_are_refused_at_start_not_by_each_worker(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    done = subprocess.run(
+        mpspool_cmd("start", "--model-base-path", str(demo_model_dir),
+                    "--run-dir", str(tmp_path / "run"), "--inter-op-threads", "-2"),
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--intra-op-threads and --inter-op-threads must be >= 0, got 0 and -2" in done.stderr
+
+
 def test_usable_cpus_survive_pool_json(tmp_path: Path, demo_model_dir: Path) -> None:
     # Workers resolve their cores from the start's usable cores, not from their own
     # affinity (which the controller may have narrowed, and which they inherit).
@@ -335,7 +385,10 @@ def test_pool_workers_run_on_their_cores(
     from mpspool.demo_model import demo_inputs
 
     monkeypatch.delenv("MPSPOOL_ROUTER_THREADS", raising=False)  # the placement decides
-    pool = Pool(tmp_path, demo_model_dir, 2, "--cpuset", "0;1").start()
+    # TF Serving's flag for the workers' inter-op threads: it reaches each worker.
+    pool = Pool(
+        tmp_path, demo_model_dir, 2, "--cpuset", "0;1", "--tensorflow_inter_op_parallelism", "2"
+    ).start()
     try:
         status = pool.wait_ready(2)
         by_slot = {s["slot"]: s for s in status["slots"]}
@@ -346,6 +399,9 @@ def test_pool_workers_run_on_their_cores(
             assert {frozenset(os.sched_getaffinity(t)) for t in tids} == {frozenset({core})}
             assert by_slot[slot]["cpus"] == str(core)
         assert "workers on 0, 1" in status["pool"]["cpu_placement"]
+        logs = "".join(p.read_text(errors="replace") for p in pool.log_dir.rglob("*worker*"))
+        # Intra-op: the worker's one core (the placement's choice, no flag asked otherwise).
+        assert logs.count("TensorFlow threads: intra-op 1, inter-op 2") == 2, logs[-3000:]
         # With explicit sets the front door is not pinned: it keeps every usable core.
         assert status["pool"]["router_cpus"] == cpusets.format_cores(os.sched_getaffinity(0))
         # Its async runtime runs on the cores the workers leave, at least one thread. The

@@ -620,6 +620,11 @@ def _set_threads(tf: Any, intra: int, inter: int, where: str) -> None:
                 f"cannot load {where}: cannot set {kind} threads to {wanted}: TensorFlow is "
                 f"already initialized in this process with {getter()} ({exc})"
             ) from exc
+    # 0 read back: TensorFlow sizes that pool itself (its cores).
+    log.info(
+        "TensorFlow threads: intra-op %s, inter-op %s",
+        *(n or "TensorFlow's choice" for n in (intra, inter)),
+    )
 
 
 def _flat_order(function: Any, spec: SignatureSpec) -> list[str] | None:
