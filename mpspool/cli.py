@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from mpspool import __version__, process, rundir, wire
+from mpspool import __version__, process, rundir, tfs_flags, wire
 from mpspool.config import (
     DISPATCH_POLICIES,
     QUEUE_ORDERS,
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = start.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--model-base-path",
+        "--model_base_path",
+        dest="model_base_path",
         type=Path,
         help="TF Serving model directory (numeric version subdirectories)",
     )
@@ -70,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         "model_version_policy and version_labels; every model listed gets workers of its own",
     )
     start.add_argument(
-        "--model-name", help="name clients use in model_spec.name (default: the directory's name)"
+        "--model-name",
+        "--model_name",
+        dest="model_name",
+        help="name clients use in model_spec.name (default: the directory's name)",
     )
     start.add_argument(
         "--workers",
@@ -182,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-signature-method-name-check",
         "--enable_signature_method_name_check",
         dest="signature_method_name_check",
-        action="store_true",
+        type=_flag_value,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
         help="Classify, Regress and MultiInference only run signatures whose method name is "
         "tensorflow/serving/classify or .../regress (TF Serving's flag; off: any signature "
         "with the right inputs and outputs)",
@@ -264,10 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-serialization-as-tensor-content",
         "--enable_serialization_as_tensor_content",
         dest="serialize_as_tensor_content",
-        action="store_true",
+        type=_flag_value,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
         help="Predict answers carry outputs in tensor_content rather than in the typed "
         "fields (float_val, ...), as with TF Serving's flag of that name",
     )
+    tfs_flags.add_to(start)
     _add_run_dir(start)
     start.add_argument(
         "--log-dir",
@@ -384,7 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-batching",
         "--enable_batching",
         dest="batching",
-        action="store_true",
+        type=_flag_value,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
         help="requests waiting for a worker share one model call where they fit (same "
         "signature, outputs and input shapes but the first dimension), as TF Serving's "
         "batching. Only for models whose output rows depend on their own input row",
@@ -531,6 +549,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s"
     )
+    # TF Serving's flags without a setting here: refused before anything starts, or named.
+    for warning in tfs_flags.check(args):
+        print(f"mpspool: {warning}", file=sys.stderr)
     # GPUs first: a pool that cannot have its GPUs should say so at once, before any
     # model is built or loaded.
     gpu_fields, selected_gpus = _resolve_gpus(args) if args.gpus else ({}, [])

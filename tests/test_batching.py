@@ -46,11 +46,13 @@ def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iter
         tmp,
         demo_model_dir,
         1,
-        "--enable_batching",
+        # TF Serving's own syntax, and one of its flags that has no use here (a warning).
+        "--enable_batching=true",
         "--batching_parameters_file",
         str(params),
         "--monitoring_config_file",
         str(monitoring),
+        "--rest_api_num_threads=4",
     ).start()
     try:
         pool.wait_ready(1)
@@ -184,6 +186,7 @@ def test_tf_servings_batching_metrics_count_each_call_and_each_wait(pool: Pool) 
 
 
 def test_requests_that_cannot_merge_are_answered_alone(pool: Pool, reference_model) -> None:
+    assert "mpspool: --rest_api_num_threads=4 has no use here and is ignored" in pool.output()
     # Batch 12 exceeds --max-batch-size 8: it runs by itself, whole.
     x = demo_inputs(12, DEMO_ROWS, seed=3)
     with pool.channel() as channel:
