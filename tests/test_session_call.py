@@ -233,7 +233,38 @@ def test_a_first_request_that_disagrees_leaves_the_keyword_call(parsing_runtime:
     runtime._sessions[SIG].outputs.reverse()  # as if TensorFlow's fetch order were misread
     got = runtime.run(SIG, _examples((1.0, 2.0)), ["label"])
     assert got["label"].tolist() == [b"mid"]
+    runtime.check_deferred()  # the serving loop's step once the answer is sent
     assert runtime.call_paths == {SIG: "keywords"}
+
+
+def test_a_first_request_waits_for_one_call_and_its_check_comes_after(
+    parsing_runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first request is answered by the public call alone; the fast call, with its own
+    first-call set-up, is checked afterwards on a copy of the request's inputs (which were
+    views of the socket's buffer), and before any other call."""
+    runtime = parsing_runtime
+    paths: list[str] = []
+    run = runtime._run
+
+    def counted(key: str, *args: Any) -> Any:
+        paths.append(runtime._call_path(key))
+        return run(key, *args)
+
+    monkeypatch.setattr(runtime, "_run", counted)
+    inputs = _examples((1.0, 2.0))
+    got = runtime.run(SIG, inputs, ["label"])
+    assert got["label"].tolist() == [b"mid"]
+    assert paths == ["keywords"] and runtime.has_deferred_check
+    inputs["examples"][0] = b"changed after the answer"  # the socket's buffer, reused
+    runtime.check_deferred()
+    assert paths == ["keywords", "session"] and not runtime.has_deferred_check
+    assert runtime.call_paths == {SIG: "session"}  # the copy was checked, and agreed
+    # A check left waiting runs before the next call, whoever makes it.
+    runtime._unchecked.add(SIG)
+    runtime.run(SIG, _examples((1.0, 2.0)), ["label"])
+    runtime.run(SIG, _examples((3.0, -1.0)), ["label"])
+    assert paths[2:] == ["keywords", "session", "session"]
 
 
 def test_a_bad_first_request_fails_as_the_public_call_and_checks_nothing(

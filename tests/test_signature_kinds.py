@@ -12,7 +12,9 @@ Served by a real 1-worker pool and called with the official client, curl and req
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,14 @@ def _refused(stub: Any, signature: str, inputs: dict[str, np.ndarray]) -> grpc.R
 def test_signatures_that_refuse_zeros_load_and_serve(stub, pool: Pool) -> None:
     got = _predict(stub, "serving_default", {"ids": np.array([1, 3])})
     np.testing.assert_array_equal(got["rows"], TABLE[[1, 3]])
+    # Its fast call is checked on that request's inputs once the answer is sent, by the
+    # serving loop before it reads another request (none comes until the log says so).
+    log_path = pool.log_dir / "worker-cpu-0-v1.log"
+    checked = re.compile(r"signature 'serving_default': the \w+ call checked on its first request")
+    deadline = time.monotonic() + 30
+    while not checked.search(log_path.read_text()):
+        assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+        time.sleep(0.1)
     got = _predict(stub, "triples", {"x": np.arange(6, dtype=np.float32)})
     np.testing.assert_array_equal(got["sums"], [3.0, 12.0])
     # What they refuse is the model's answer, with TensorFlow's words, and the worker serves on.

@@ -262,8 +262,10 @@ class SavedModelRuntime:
         }
         self._sessions: dict[str, SessionCall | None] = dict.fromkeys(self._functions)
         # Signatures whose fast call warm-up could not check (they refused its zero example):
-        # their first request checks it (_run_unchecked).
+        # their first request checks it (_run_unchecked), once answered (check_deferred).
         self._unchecked: set[str] = set()
+        # That check, waiting: (signature, the request's inputs, the public call's answer).
+        self._deferred: tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
         self._op_error: type[Exception] = tf.errors.OpError
         from tensorflow.python.eager import cancellation
 
@@ -351,6 +353,8 @@ class SavedModelRuntime:
         ``cancel`` (from ``canceller``, or None): its start_cancel() from another thread
         stops the call where TensorFlow can, which fails it with CANCELLED.
         """
+        if self._deferred is not None:
+            self.check_deferred()  # no call takes a fast path before its check
         if signature in self._unchecked:
             return self._run_unchecked(signature, inputs, outputs, cancel)
         return self._run(signature, inputs, outputs, cancel)
@@ -485,10 +489,30 @@ class SavedModelRuntime:
         self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str], cancel: Any
     ) -> dict[str, np.ndarray]:
         """A signature whose fast call warm-up could not check: the public call answers, and
-        the first request it answers checks the fast call on the same inputs."""
+        the fast call is checked on the same inputs once that answer is sent
+        (check_deferred), so that the first request waits neither for a second call nor for
+        the fast call's own first-call set-up (a session's, a graph's optimisation)."""
         with self._keywords_only(key):
             want = self._run(key, inputs, list(self.specs[key].outputs), cancel)
         self._unchecked.discard(key)
+        # Copied: a request's inputs are views of its socket's buffer.
+        copied = {alias: np.array(value, copy=True) for alias, value in inputs.items()}
+        self._deferred = (key, copied, want)
+        return {alias: want[alias] for alias in outputs}
+
+    @property
+    def has_deferred_check(self) -> bool:
+        return self._deferred is not None
+
+    def check_deferred(self) -> None:
+        """The check a first request left (_run_unchecked), if any: the fast call on its
+        inputs against the public call's answer; the public call from now on if they
+        disagree. The serving loop runs it once the answer is sent, before it reads the
+        next request (and run() before any call, whoever makes it)."""
+        if self._deferred is None:
+            return
+        key, inputs, want = self._deferred
+        self._deferred = None
         path = self._call_path(key)
         try:
             agrees = _same_answers(want, self._run(key, inputs, list(want)))
@@ -504,7 +528,6 @@ class SavedModelRuntime:
                 path,
             )
             self._drop_fast_calls(key)
-        return {alias: want[alias] for alias in outputs}
 
     def _drop_fast_calls(self, key: str) -> None:
         """From now on call ``key`` with keywords, the public call."""

@@ -264,6 +264,23 @@ class Worker:
         request = self._accept(frames)
         if request is not None:
             self._socket.send_multipart(self._execute(request))
+            if self.runtime.has_deferred_check:
+                self._check_deferred()
+
+    def _check_deferred(self) -> None:
+        """A signature's first request has been answered by the public call; its fast call
+        is checked now, before the next request is read (runtime.check_deferred). It is a
+        model call: the busy beats cover it as they cover a request's, and the copy watch
+        counts it."""
+        fields = (time.monotonic(), None, None, None)
+        self._busy_beats.running = _new_running(Running, fields)
+        self._copies.calls += 1
+        try:
+            self.runtime.check_deferred()
+        except Exception:  # a check must never end the serving loop
+            log.exception("checking a signature's fast call failed")
+        finally:
+            self._busy_beats.running = None
 
     def _accept(self, frames: list[memoryview]) -> Pending | None:
         """A checked request ready to run; anything else is handled (or refused) here."""
@@ -502,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         runtime.warm_up()
         if config.model_warmup:
             _replay_warmup(runtime, config, version)
+        # A recorded request's check of its fast call, before the weights are looked at: a
+        # copy it makes is warm-up's.
+        runtime.check_deferred()
         weights = runtime.weights_report()
     except ModelLoadError as exc:
         process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
