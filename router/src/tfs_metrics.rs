@@ -354,8 +354,10 @@ impl TfServingMetrics {
 /// is one `Run` of the wrapped session; here, every call the dispatcher sends to a worker
 /// while batching is on is such a batch, of one request or several (a request above
 /// `max_batch_size` runs alone, and the members of a merged call that failed run again one
-/// by one: those calls count as batches of their own too). TF Serving keeps one set for the
-/// process, not one per model, and so does this.
+/// by one: those calls count as batches of their own too). A request sent again because its
+/// worker left is sized and queued again (its wait counted from its first arrival, as the
+/// front door's queue order keeps it). TF Serving keeps one set for the process, not one per
+/// model, and so does this.
 pub struct BatchingMetrics {
     /// µs from a request's arrival at the dispatcher to its batch leaving for a worker, per
     /// request (`thread_pool_name` is empty in TF Serving's server, which names no pool).
