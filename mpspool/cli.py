@@ -332,9 +332,20 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--start-retries",
         type=int,
-        default=3,
-        help="failed starts per worker (its model did not load, or it died before it was "
-        "ready) before its slot is FATAL; a kill of a ready worker is not one",
+        default=None,
+        help="starts of a worker tried again after its first fails (its model did not load, "
+        "or it died before it was ready; a kill of a ready worker is not one), before its "
+        "slot is FATAL (default 3)",
+    )
+    start.add_argument(
+        "--max_num_load_retries",
+        "--max-num-load-retries",
+        dest="max_num_load_retries",
+        type=int,
+        default=None,
+        metavar="N",
+        help="TF Serving's flag: --start-retries (the same count: loads tried again after the "
+        "first failure)",
     )
     start.add_argument(
         "--fatal-retry-after",
@@ -623,7 +634,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         request_read_timeout_s=args.request_read_timeout,
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,
-        start_retries=args.start_retries,
+        start_retries=_start_retries(args),
         fatal_retry_s=args.fatal_retry_after,
         **_thread_fields(args),
         cpuset=args.cpuset,
@@ -734,6 +745,17 @@ def _connection_fields(args: argparse.Namespace) -> dict[str, Any]:
     for warning in warnings:
         print(f"mpspool: {warning}", file=sys.stderr)
     return fields
+
+
+def _start_retries(args: argparse.Namespace) -> int:
+    """--start-retries, or TF Serving's --max_num_load_retries (the same count); not both."""
+    ours, theirs = args.start_retries, args.max_num_load_retries
+    if ours is not None and theirs is not None:
+        raise ConfigError("--start-retries and --max_num_load_retries set the same thing: give one")
+    retries = next((v for v in (ours, theirs) if v is not None), 3)
+    if retries < 0:
+        raise ConfigError(f"--start-retries must be >= 0, got {retries}")
+    return retries
 
 
 def _thread_fields(args: argparse.Namespace) -> dict[str, int]:

@@ -48,11 +48,9 @@ FLAGS: tuple[Flag, ...] = (
          "of its own, in parallel"),
     Flag("num_unload_threads", "int", False, ("0",), "each version unloads by its worker "
          "processes ending"),
-    Flag("max_num_load_retries", "int", False, (), "a worker whose model fails to load is "
-         "started again up to --start-retries times (default 3), then its slot is FATAL and "
-         "tried again after --fatal-retry-after"),
-    Flag("load_retry_interval_micros", "int", False, (), "supervisord waits 1 s longer after "
-         "each failed start of a worker (--start-retries)"),
+    Flag("load_retry_interval_micros", "int", False, (), "a worker whose model failed to "
+         "load is started again after 1 s, then 2, 4, ... s (--max_num_load_retries times, "
+         "then its slot is FATAL and tried again after --fatal-retry-after)"),
     Flag("flush_filesystem_caches", "bool", False, ("true", "false"), ""),
     Flag("remove_unused_fields_from_bundle_metagraph", "bool", False, ("false",),
          "the workers keep no MetaGraphDef after loading"),

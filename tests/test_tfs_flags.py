@@ -84,6 +84,18 @@ def test_flags_that_would_change_what_is_served_are_refused_unless_default(
     assert "only TF Serving's default" in str(info.value)
 
 
+def test_max_num_load_retries_is_start_retries_under_tf_servings_name() -> None:
+    from mpspool.cli import _start_retries
+
+    assert _start_retries(start("--demo")) == 3
+    assert _start_retries(start("--demo", "--max_num_load_retries=0")) == 0
+    assert _start_retries(start("--demo", "--start-retries", "5")) == 5
+    with pytest.raises(ConfigError, match="set the same thing: give one"):
+        _start_retries(start("--demo", "--start-retries=1", "--max_num_load_retries=1"))
+    with pytest.raises(ConfigError, match="must be >= 0, got -1"):
+        _start_retries(start("--demo", "--max-num-load-retries", "-1"))
+
+
 def test_a_value_a_flag_cannot_take_is_refused() -> None:
     with pytest.raises(ConfigError, match="--num_load_threads takes a number, got 'many'"):
         tfs_flags.check(start("--demo", "--num_load_threads=many"))

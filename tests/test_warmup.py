@@ -268,7 +268,8 @@ def test_a_pool_replays_the_records_and_a_failing_warm_up_never_serves(
 
     write_records(served, [predict_log({"ids": keras_inputs(1)["ids"]})])
     (tmp_path / "bad").mkdir()
-    pool = Pool(tmp_path / "bad", base, 1, "--start-retries", "0").start()
+    # TF Serving's spelling of --start-retries: no load tried again after the first fails.
+    pool = Pool(tmp_path / "bad", base, 1, "--max_num_load_retries=0").start()
     try:
         assert pool.proc is not None
         assert pool.proc.wait(120) == 1, pool.output()
@@ -276,6 +277,8 @@ def test_a_pool_replays_the_records_and_a_failing_warm_up_never_serves(
         assert "no worker could start" in out, out
         assert "warm-up of model 'demo' version 1 failed" in out, out
         assert "Missing but required: {features}." in out, out
+        log = (pool.log_dir / "worker-cpu-0-v1.log").read_text(errors="replace")
+        assert log.count("warm-up of model 'demo' version 1 failed") == 1, log[-3000:]
     finally:
         pool.kill()
     assert pool.leftovers() == []
