@@ -338,6 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
         "slot is FATAL (default 3)",
     )
     start.add_argument(
+        "--allow_version_labels_for_unavailable_models",
+        "--allow-version-labels-for-unavailable-models",
+        dest="labels_for_unavailable",
+        type=_flag_value,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="a version label not given to another version yet may name a version that is "
+        "not AVAILABLE (requests by it get NOT_FOUND until it is), as with TF Serving's flag; "
+        "moving a label still waits for its new version to serve",
+    )
+    start.add_argument(
         "--max_num_load_retries",
         "--max-num-load-retries",
         dest="max_num_load_retries",
@@ -645,6 +658,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         models=models,
         model_config_file=str(args.model_config_file.resolve()) if args.model_config_file else "",
         model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
+        allow_version_labels_for_unavailable_models=args.labels_for_unavailable,
         file_system_poll_wait_s=args.file_system_poll_wait_s,
         loading_priority=args.loading_priority,
         worker_policy=args.worker_policy,

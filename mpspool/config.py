@@ -283,6 +283,9 @@ class PoolConfig:
     # version_labels of TF Serving's model config: label ("stable", "canary") → version.
     # The front door resolves a label only while its version is AVAILABLE.
     version_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    # TF Serving's --allow_version_labels_for_unavailable_models: a label not yet given to
+    # another version may name one that is not AVAILABLE (config_reload.label_may_wait_for).
+    allow_version_labels_for_unavailable_models: bool = False
     # --model_config_file (mpspool/model_config.py), read again every this many seconds
     # (0: only at start), when the pool was started from one.
     model_config_file: str = ""

@@ -83,9 +83,6 @@ FLAGS: tuple[Flag, ...] = (
          "the workers' thread pools are TensorFlow's own"),
     Flag("grpc_socket_path", "str", True, ("",), "the front door listens on TCP only"),
     Flag("use_alts_credentials", "bool", True, ("false",), "TLS is --ssl_config_file's"),
-    Flag("allow_version_labels_for_unavailable_models", "bool", True, ("false",),
-         "a label names a version that is AVAILABLE (a reload naming another is refused "
-         "with FAILED_PRECONDITION)"),
     Flag("enable_per_model_batching_parameters", "bool", True, ("false",),
          "--batching_parameters_file applies to every model"),
 )  # fmt: skip

@@ -20,6 +20,15 @@ INVALID_ARGUMENT = 3
 FAILED_PRECONDITION = 9
 
 
+def label_may_wait_for(label: str, version: int, told: dict[str, int], allowed: bool) -> bool:
+    """Whether ``label`` may name ``version`` while that version is not AVAILABLE: only with
+    --allow_version_labels_for_unavailable_models, and only for a label the front door does
+    not have on another version (``told``: the labels it was last given). TF Serving's rule
+    (ServerCore::UpdateModelVersionLabelMap): a new label may point ahead; a label in use
+    moves only to a version that serves, so its requests never lose their version."""
+    return allowed and told.get(label, version) == version
+
+
 def outcome(
     model: str,
     policy: VersionPolicy,
@@ -27,9 +36,12 @@ def outcome(
     available: set[int],
     failed: dict[int, str],
     labels: dict[str, int],
+    told: dict[str, int] | None = None,
+    labels_may_wait: bool = False,
 ) -> tuple[int, str] | None:
     """(code, message) once the pool has settled under the new config; None while a version
-    the policy wants is still on its way."""
+    the policy wants is still on its way. ``told`` and ``labels_may_wait``: see
+    label_may_wait_for."""
     wanted = policy.aspired(on_disk, set())  # as if nothing had failed
     could_not = sorted(v for v in wanted if v in failed)
     if could_not:
@@ -44,12 +56,16 @@ def outcome(
         )
     if wanted - available:
         return None
-    for version in sorted(set(labels.values())):
-        if version not in available:
-            # TF Serving's words (ServerCore::UpdateModelVersionLabelMap).
-            return (
-                FAILED_PRECONDITION,
-                f"Request to assign label to version {version} of model {model}, which is not "
-                "currently available for inference",
-            )
+    waiting = {
+        v
+        for label, v in labels.items()
+        if v not in available and not label_may_wait_for(label, v, told or {}, labels_may_wait)
+    }
+    if waiting:
+        # TF Serving's words (ServerCore::UpdateModelVersionLabelMap).
+        return (
+            FAILED_PRECONDITION,
+            f"Request to assign label to version {min(waiting)} of model {model}, which is not "
+            "currently available for inference",
+        )
     return OK, ""

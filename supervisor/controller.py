@@ -710,6 +710,8 @@ class Controller:
                 model.available_versions(),
                 model.failed,
                 model.config.version_labels,
+                model.labels_told(),
+                model.config.allow_version_labels_for_unavailable_models,
             )
             for model in self.models.values()
             if not model.removed

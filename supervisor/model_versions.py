@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from mpspool import process
 from mpspool.config import PoolConfig
 from mpspool.demo_model import versions_on_disk
+from mpspool.supervisor import config_reload
 from mpspool.supervisor.slots import Slot
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
 from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
@@ -232,15 +233,24 @@ class ModelVersions:
                 self._advance(self.groups[version], now, snap)
         self._tell_router_versions(router_answered)
 
+    def labels_told(self) -> dict[str, int]:
+        """The labels the front door was last given."""
+        return dict(self._versions_told[2]) if self._versions_told else {}
+
     def _labels_for_router(self) -> dict[str, int]:
         """The configured labels whose version is AVAILABLE: a label moves to a version only
         once it serves (as TF Serving, which refuses a label on a version not loaded); until
-        then the label stays where it was told last, or is unknown."""
+        then the label stays where it was told last, or is unknown. With
+        --allow_version_labels_for_unavailable_models a label the front door does not have on
+        another version is given at once (its requests: NOT_FOUND until the version serves)."""
         available = self.available_versions()
-        before = self._versions_told[2] if self._versions_told else {}
+        before = self.labels_told()
+        allowed = self.config.allow_version_labels_for_unavailable_models
         labels = {}
         for label, version in sorted(self.config.version_labels.items()):
-            if version in available:
+            if version in available or config_reload.label_may_wait_for(
+                label, version, before, allowed
+            ):
                 labels[label] = version
                 self._labels_held.discard((label, version))
                 continue

@@ -1611,6 +1611,53 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     )
 
 
+def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_one_waits(
+    make_pool: Callable[..., Pool],
+):
+    """--allow_version_labels_for_unavailable_models, TF Serving's rule: a label the front
+    door does not have on another version is given at once, its version not serving (not even
+    on disk); a label in use moves only once its new version serves. A reload saying so is
+    answered OK; one moving a used label to a version the policy leaves out is refused."""
+    pool = make_pool(
+        share_weights=False,
+        start_retries=0,
+        version_policy="specific:1",
+        version_labels={"stable": 1, "canary": 2},
+        allow_version_labels_for_unavailable_models=True,
+    )
+    base = Path(pool.controller.config.model_base_path)
+    for version in (1, 2):
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    assert pool.router.labels[-1] == {"stable": 1, "canary": 2}, "canary ahead of version 2"
+
+    # A new label on version 9 (not on disk) and stable moved to 2 while 2 loads.
+    pool.router.reload_requests[7] = reload_request(base, [1, 2], {"stable": 2, "next": 9})
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert pool.router.labels[-1] == {"stable": 1, "next": 9}, "stable waits for 2"
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert pool.router.labels[-1] == {"stable": 2, "next": 9}
+    assert pool.router.reload_done == [(7, 0, "")]
+
+    # A used label moved to a version the policy leaves out: refused, as without the flag.
+    pool.router.reload_requests[8] = reload_request(base, [1, 2], {"stable": 9})
+    pool.tick()
+    pool.tick(after_s=0.5)
+    code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[8]
+    assert (code, message) == (
+        9,
+        "Request to assign label to version 9 of model demo, which is not currently "
+        "available for inference",
+    )
+    assert pool.router.labels[-1] == {"stable": 2}, "stable stays where it serves"
+
+
 def test_a_lost_reload_answer_is_given_again(make_pool: Callable[..., Pool]):
     pool, base = versioned_pool(make_pool, [1])
     pool.router.reload_requests[3] = reload_request(base, [1], {"stable": 1})

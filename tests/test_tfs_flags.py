@@ -35,6 +35,7 @@ def test_tf_servings_own_spellings_and_boolean_syntax_are_taken() -> None:
     assert not start("--demo", "--enable_batching=false").batching
     assert start("--demo", "--enable-batching").batching  # mpspool's spelling, bare
     assert not start("--demo").batching
+    assert start("--demo", "--allow_version_labels_for_unavailable_models").labels_for_unavailable
     with pytest.raises(SystemExit):
         start("--demo", "--enable_batching=maybe")
 
@@ -72,7 +73,6 @@ def test_flags_without_use_here_are_named_with_why_and_defaults_pass_quietly() -
         ("--mixed_precision=bfloat16", "in the precision they were saved in"),
         ("--platform_config_file=/p.txt", "the only one"),
         ("--grpc_socket_path=/run/tfs.sock", "TCP only"),
-        ("--allow_version_labels_for_unavailable_models=true", "FAILED_PRECONDITION"),
     ],
 )
 def test_flags_that_would_change_what_is_served_are_refused_unless_default(

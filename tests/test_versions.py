@@ -270,7 +270,14 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
     _model_config(config_file, base, [1, 2], {"stable": 1, "canary": 2})
 
     (tmp_path / "pool").mkdir()
-    pool = Pool(tmp_path / "pool", base, 1, "--model_config_file_poll_wait_seconds", "0.2")
+    pool = Pool(
+        tmp_path / "pool",
+        base,
+        1,
+        "--model_config_file_poll_wait_seconds",
+        "0.2",
+        "--allow_version_labels_for_unavailable_models",  # changes nothing above its use below
+    )
     at = pool.args.index("--model-base-path")
     pool.args[at : at + 4] = ["--model_config_file", str(config_file)]  # name and path: the file
     pool.start()
@@ -350,6 +357,19 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"it is served from {base}" in refused.value.details()
             assert pool.status()["pool"]["version_labels"] == {"stable": 1}
+
+            # A new label naming a version not on disk yet: taken, with TF Serving's flag;
+            # requests by it find nothing until that version serves.
+            ahead = model_management_pb2.ReloadConfigRequest()
+            rpc = config_file.with_suffix(".rpc")
+            _model_config(rpc, base, [1, 2], {"stable": 1, "next": 3})
+            text_format.Parse(rpc.read_text(), ahead.config)
+            assert stub.HandleReloadConfigRequest(ahead, timeout=90).status.error_code == 0
+            with pytest.raises(grpc.RpcError) as missing:
+                _predict_by_label(channel, inputs, "next")
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+            assert missing.value.details() == "Servable not found for request: Specific(demo, 3)"
+            assert _predict_by_label(channel, inputs, "stable").model_spec.version.value == 1
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []

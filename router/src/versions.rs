@@ -255,7 +255,9 @@ impl VersionTable {
     }
 
     /// The table the controller sent: `versions` a list of {version, state, error}, `labels`
-    /// a map of label → version; a label must name a listed version.
+    /// a map of label → version. A label may name a version not listed (with
+    /// --allow_version_labels_for_unavailable_models, one not on disk yet): its requests get
+    /// NOT_FOUND for that version until it serves, as in TF Serving.
     pub fn from_control(
         id: ModelId,
         model: &str,
@@ -303,9 +305,6 @@ impl VersionTable {
                     let (Some(label), Some(version)) = (label.as_str(), version.as_i64()) else {
                         return Err("labels maps a label to a version number".to_string());
                     };
-                    if !table.versions.contains_key(&version) {
-                        return Err(format!("label {label} names version {version}, not listed"));
-                    }
                     table.labels.insert(label.to_string(), version);
                 }
             }
@@ -669,10 +668,28 @@ mod tests {
             ("version".into(), 1.into()),
             ("state".into(), "AVAILABLE".into()),
         ])];
-        let dangling = rmpv::Value::Map(vec![("stable".into(), 2.into())]);
+        let not_a_number = rmpv::Value::Map(vec![("stable".into(), "two".into())]);
+        assert!(VersionTable::from_control(0, "m", &ok, Some(&not_a_number))
+            .unwrap_err()
+            .contains("maps a label to a version number"));
+    }
+
+    #[test]
+    fn a_label_ahead_of_its_version_finds_nothing_until_it_serves() {
+        // --allow_version_labels_for_unavailable_models: "next" names a version not on disk.
+        let ok = [rmpv::Value::Map(vec![
+            ("version".into(), 1.into()),
+            ("state".into(), "AVAILABLE".into()),
+        ])];
+        let ahead = rmpv::Value::Map(vec![("next".into(), 2.into())]);
+        let t = VersionTable::from_control(0, "m", &ok, Some(&ahead)).unwrap();
+        let next = Some(VersionChoice::VersionLabel("next".to_string()));
         assert_eq!(
-            VersionTable::from_control(0, "m", &ok, Some(&dangling)).unwrap_err(),
-            "label stable names version 2, not listed"
+            t.resolve(Some(&spec("m", next))),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Servable not found for request: Specific(m, 2)"
+            ))
         );
     }
 
