@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mpspool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    start = sub.add_parser("start", help="start a pool in the foreground")
+    start = sub.add_parser("start", help="start a pool in the foreground", epilog=tfs_flags.HELP)
     model = start.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--model-base-path",

@@ -88,15 +88,20 @@ FLAGS: tuple[Flag, ...] = (
 )  # fmt: skip
 
 
+#: What `mpspool start --help` says of them (each flag's reason is in its warning or refusal).
+HELP = (
+    "TF Serving's other model-server flags are taken too: named in a warning when they have no "
+    "use in a pool, refused unless they ask for TF Serving's default when they would change "
+    "what is served (README: TF Serving compatibility)."
+)
+
+
 def add_to(parser: argparse.ArgumentParser) -> None:
-    """Each flag in both spellings, its value kept as text for `check`."""
-    group = parser.add_argument_group(
-        "TF Serving flags with no setting here (named in a warning; those that would change "
-        "what is served are refused unless they ask for TF Serving's default)"
-    )
+    """Each flag in both spellings, its value kept as text for `check`; not listed one by one
+    in --help (HELP says what becomes of them)."""
     for flag in FLAGS:
         extra = {"nargs": "?", "const": "true"} if flag.kind == "bool" else {}
-        group.add_argument(
+        parser.add_argument(
             f"--{flag.name}",
             f"--{flag.name.replace('_', '-')}",
             dest=_dest(flag),
