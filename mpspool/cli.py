@@ -785,7 +785,7 @@ def _thread_fields(args: argparse.Namespace) -> dict[str, int]:
         args.tensorflow_inter_op_parallelism,
         args.tensorflow_session_parallelism,
     )
-    if all(v is None for v in (intra, inter, session)):
+    if all(not v for v in (intra, inter, session)):  # none, or TF Serving's "auto" (0)
         return {
             "intra_op_threads": 0 if ours["intra_op_threads"] is None else ours["intra_op_threads"],
             "inter_op_threads": 1 if ours["inter_op_threads"] is None else ours["inter_op_threads"],
@@ -1020,7 +1020,7 @@ def _size(n: int) -> str:
     """Bytes in the largest binary unit that leaves at least 1: 1.6KiB, 488MiB."""
     value, unit = float(n), "B"
     for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
+        if value < 1023.5:  # what would print as 1024 goes up a unit
             break
         value, unit = value / 1024, larger
     return f"{value:.1f}{unit}" if value < 10 and unit != "B" else f"{value:.0f}{unit}"

@@ -12,8 +12,9 @@ spellings and are either
   MetaGraph other than "serve", a TensorFlow Lite model, mixed precision), and serving
   something else quietly is worse than not starting.
 
-TF Serving's flag parser takes `--flag=value`, `--flag value` and, for booleans, the bare
-`--flag` (true).
+TF Serving's flag parser takes `--flag=value` and, for booleans, the bare `--flag` (true);
+`--flag value` is taken here too (argparse's way), where TF Serving would read `value` as a
+stray argument.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ FLAGS: tuple[Flag, ...] = (
          "load is started again after 1 s, then 2, 4, ... s (--max_num_load_retries times, "
          "then its slot is FATAL and tried again after --fatal-retry-after)"),
     Flag("flush_filesystem_caches", "bool", False, ("true", "false"), ""),
-    Flag("remove_unused_fields_from_bundle_metagraph", "bool", False, ("false",),
+    Flag("remove_unused_fields_from_bundle_metagraph", "bool", False, ("true",),
          "the workers keep no MetaGraphDef after loading"),
     Flag("enable_grpc_healthcheck_service", "bool", False, ("true",),
          "grpc.health.v1 is always served"),
@@ -66,7 +67,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_tflite_interpreters_per_pool", "int", False, (),
          "TensorFlow Lite models are not served"),
     # Refused unless TF Serving's default.
-    Flag("saved_model_tags", "str", True, ("serve",),
+    Flag("saved_model_tags", "str", True, ("serve", ""),
          "the workers load the SavedModel's 'serve' MetaGraph"),
     Flag("per_process_gpu_memory_fraction", "float", True, ("0",), "workers take GPU memory "
          "as they need it (TF_FORCE_GPU_ALLOW_GROWTH); with MPS, --pinned-mem-limit bounds "

@@ -254,7 +254,9 @@ class ModelVersions:
                 labels[label] = version
                 self._labels_held.discard((label, version))
                 continue
-            if before.get(label) in available:
+            if label in before and (allowed or before[label] in available):
+                # Where it was told last: a version that serves, or with the flag one ahead
+                # (moving a label in use waits for its new version in either case).
                 labels[label] = before[label]
             if (label, version) not in self._labels_held:
                 self._labels_held.add((label, version))

@@ -1657,6 +1657,18 @@ def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_
     )
     assert pool.router.labels[-1] == {"stable": 2}, "stable stays where it serves"
 
+    # A label told ahead (next -> 9) moved to another version that does not serve: it stays
+    # on 9, and the reload is refused, as TF Serving keeps a label in use where it is.
+    pool.router.reload_requests[9] = reload_request(base, [1, 2], {"stable": 2, "next": 9})
+    pool.tick()
+    assert pool.router.labels[-1] == {"stable": 2, "next": 9}
+    pool.router.reload_requests[10] = reload_request(base, [1, 2], {"stable": 2, "next": 8})
+    pool.tick()
+    pool.tick(after_s=0.5)
+    assert pool.router.labels[-1] == {"stable": 2, "next": 9}, "next stays on 9"
+    code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[10]
+    assert code == 9 and "label to version 8 of model demo" in message, message
+
 
 def test_a_lost_reload_answer_is_given_again(make_pool: Callable[..., Pool]):
     pool, base = versioned_pool(make_pool, [1])

@@ -306,8 +306,12 @@ def test_tf_servings_threading_flags_are_read_as_its_server_reads_them() -> None
     assert _threads(
         "--tensorflow_inter_op_parallelism", "2", "--tensorflow_session_parallelism", "4"
     ) == {"intra_op_threads": 0, "inter_op_threads": 2}
-    # 0, TF Serving's "auto-configured": mpspool's own choice.
+    # 0, TF Serving's "auto-configured": mpspool's own choice, as if not given.
     assert _threads("--tensorflow_session_parallelism", "0") == _threads()
+    assert _threads("--intra-op-threads", "2", "--tensorflow_session_parallelism=0") == {
+        "intra_op_threads": 2,
+        "inter_op_threads": 1,
+    }
     said = r"^Either configure server_options\.tensorflow_session_parallelism or \("
     with pytest.raises(ConfigError, match=said):
         _threads(

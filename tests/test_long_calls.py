@@ -187,6 +187,44 @@ def test_busy_beats_end_a_call_past_its_limit_once_and_stop_beating() -> None:
         unlimited.stop()
 
 
+def test_a_hung_fast_call_check_ends_its_worker_with_bye_and_no_error_for_nobody(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check a signature's first request leaves (Worker._check_deferred) has no request:
+    past --call-timeout its worker says BYE and exits, sending no ERROR for an id the front
+    door cannot read; a request's overrun still sends its error first."""
+    from types import SimpleNamespace
+
+    from mpspool import process, wire
+    from mpspool.worker import serve
+    from mpspool.worker.serve import Running, Worker
+
+    sent: list[list[bytes]] = []
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(process, "exit_now", exit_now)
+    worker = object.__new__(Worker)
+    worker.config = SimpleNamespace(call_timeout_s=1.0)
+    worker.slot, worker.pid = "cpu-0", 4242
+    worker._socket = SimpleNamespace(
+        send_last_from_thread=lambda frames, due: sent.append(frames) or True
+    )
+    for request_id in (None, 7):
+        running = Running(time.monotonic() - 2, request_id, None, None)
+        worker._busy_beats = SimpleNamespace(running=running)
+        with pytest.raises(Exited):
+            worker._call_overrun(running, 2.0)
+    kinds = [[wire.kind_of(wire.unpack(frame)) for frame in frames] for frames in sent]
+    assert kinds == [[wire.Kind.BYE], [wire.Kind.ERROR, wire.Kind.BYE]]
+    assert wire.unpack(sent[1][0])["id"] == 7
+    assert serve.process is process
+
+
 def test_a_request_that_ends_every_worker_it_reaches_is_sent_three_times(pool: Pool) -> None:
     before = restarts(pool)
     with pytest.raises(grpc.RpcError) as refused:

@@ -53,6 +53,11 @@ def test_flags_without_use_here_are_named_with_why_and_defaults_pass_quietly() -
     assert "front door's async runtime" in warnings[0]
     assert warnings[1].startswith("--grpc_max_threads=8 has no use here")
     assert tfs_flags.check(start("--demo")) == []
+    # TF Serving's defaults pass without a word (its saved_model_tags default is empty: serve).
+    quiet = ("--remove_unused_fields_from_bundle_metagraph", "--saved_model_tags=")
+    assert tfs_flags.check(start("--demo", *quiet)) == []
+    (said,) = tfs_flags.check(start("--demo", "--remove_unused_fields_from_bundle_metagraph=0"))
+    assert said.endswith("the workers keep no MetaGraphDef after loading")
     # Health is served even when asked not to be; a profiler is not, even when asked.
     said = tfs_flags.check(start("--demo", "--enable_grpc_healthcheck_service=false"))
     assert said == [

@@ -373,16 +373,14 @@ class Worker:
             f"the model call ran for more than {limit:g} s (--call-timeout) and was taken for "
             f"a hang; worker {self.slot} (pid {self.pid}) exits to be replaced"
         )
-        sent = self._socket.send_last_from_thread(
-            [
-                self._error(request_id, Code.DEADLINE_EXCEEDED, reason),
-                wire.pack(wire.Kind.BYE, slot=self.slot, pid=self.pid),
-            ],
-            lambda: self._busy_beats.running is running,
-        )
+        last = [wire.pack(wire.Kind.BYE, slot=self.slot, pid=self.pid)]
+        if request_id is not None:  # None: a first request's check (_check_deferred)
+            last.insert(0, self._error(request_id, Code.DEADLINE_EXCEEDED, reason))
+        sent = self._socket.send_last_from_thread(last, lambda: self._busy_beats.running is running)
         if sent is None:
             return False
-        log.error("request %s: %s (ran %.1f s)", request_id, reason, ran_s)
+        what = "a fast call's check" if request_id is None else f"request {request_id}"
+        log.error("%s: %s (ran %.1f s)", what, reason, ran_s)
         if not sent:
             log.error("the front door did not take the error for request %s", request_id)
         process.exit_now(process.EXIT_CALL_TIMEOUT)

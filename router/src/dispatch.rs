@@ -105,6 +105,8 @@ enum Command {
         /// When the client stops waiting, if it said: the worker does not start a call
         /// after it, and stops one it can (`wire::encode_request`).
         deadline: Option<Instant>,
+        /// Sent again after its worker left (or none was ready): already counted on arrival.
+        again: bool,
     },
     /// The caller stopped waiting (deadline): forget the entry.
     Cancel {
@@ -332,6 +334,7 @@ impl Dispatcher {
         let arrived = std::time::Instant::now();
         let deadline_exceeded = || ServingError::new(Code::DeadlineExceeded, "Deadline Exceeded");
         let mut lost = 0;
+        let mut sent = 0u32;
         loop {
             // A retry after the deadline passed would only make a worker do work nobody reads.
             if deadline.is_some_and(|d| d <= Instant::now()) {
@@ -345,7 +348,9 @@ impl Dispatcher {
                 answer,
                 arrived,
                 deadline,
+                again: sent > 0,
             };
+            sent += 1;
             if self.commands.send(command).is_err() {
                 return Err(ServingError::new(
                     Code::Unavailable,
@@ -436,6 +441,9 @@ struct Queued {
     request: Arc<WorkRequest>,
     answer: oneshot::Sender<Outcome>,
     arrived: std::time::Instant,
+    /// When it last entered the queue (arrived, sent again, or back from a merged call that
+    /// failed): TF Serving's batch queue wait is measured from here.
+    enqueued: std::time::Instant,
     deadline: Option<Instant>,
     /// The model version it goes to (its request's, or the latest if that one retired).
     servable: Servable,
@@ -605,7 +613,8 @@ impl Actor {
                 answer,
                 arrived,
                 deadline,
-            } => self.enqueue(id, request, answer, arrived, deadline),
+                again,
+            } => self.enqueue(id, request, answer, arrived, deadline, again),
             Command::Cancel { id } => {
                 if self.queue_remove(id).is_some() {
                     self.publish_queue();
@@ -627,6 +636,7 @@ impl Actor {
         answer: oneshot::Sender<Outcome>,
         arrived: std::time::Instant,
         deadline: Option<Instant>,
+        again: bool,
     ) {
         let Some(servable) = self.routable.borrow().route(request.target) else {
             let _ = answer.send(Outcome::NoWorker);
@@ -635,13 +645,13 @@ impl Actor {
         let rows = request.rows();
         let mut merge_key = None;
         if let Some(batching) = &self.batching {
-            let key = batch::merge_key(&request).map(|(key, _)| key);
-            if key.is_some() {
+            if !again {
                 // Before the queue's limit, as TF Serving sizes a request before scheduling it.
                 let first_dimensions = (request.tensors.iter())
                     .map(|(_, _, shape)| shape.first().map_or(0, |rows| rows.unsigned_abs()));
                 self.state.batching.record_input(first_dimensions);
             }
+            let key = batch::merge_key(&request).map(|(key, _)| key);
             if self.queued_rows.saturating_add(rows) > batching.queue_rows() {
                 let full = ServingError::new(Code::Unavailable, batch::QUEUE_FULL);
                 let _ = answer.send(Outcome::Error(full));
@@ -656,6 +666,7 @@ impl Actor {
             request,
             answer,
             arrived,
+            enqueued: std::time::Instant::now(),
             deadline,
             servable,
             cost,
@@ -726,15 +737,6 @@ impl Actor {
                         let waited = now.saturating_duration_since(member.arrived);
                         self.state.note_queue_wait(waited);
                         self.timeline.note_queue_wait(waited);
-                    }
-                    if let Some(batching) = &self.batching {
-                        let waited = members.iter().map(|(_, member)| {
-                            let waited = now.saturating_duration_since(member.arrived);
-                            u64::try_from(waited.as_micros()).unwrap_or(u64::MAX)
-                        });
-                        let rows = members.iter().map(|(_, m)| m.request.rows()).sum();
-                        let max = batching.max_batch_size;
-                        self.state.batching.record_batch(waited, rows, padded, max);
                     }
                     self.transmit(identity, members, padded);
                 }
@@ -824,6 +826,7 @@ impl Actor {
                 continue;
             }
             member.merge_key = None;
+            member.enqueued = std::time::Instant::now();
             self.queue_push(id, member);
         }
     }
@@ -854,6 +857,16 @@ impl Actor {
         frames.push(&header);
         frames.extend(sent.frames.iter().map(|f| &f[..]));
         let sent_now = self.workers.send(&identity, &frames);
+        // TF Serving's batching metrics, for a call that left: with batching on, every call is
+        // a batch (of one request or more), its members' waits since they entered the queue.
+        let batch_record = self.batching.as_ref().map(|batching| {
+            let now = std::time::Instant::now();
+            let waits: Vec<u64> = (members.iter())
+                .map(|(_, m)| now.saturating_duration_since(m.enqueued).as_micros())
+                .map(|waited| u64::try_from(waited).unwrap_or(u64::MAX))
+                .collect();
+            (waits, batching.max_batch_size)
+        });
         let pending = Pending {
             id,
             sent,
@@ -863,6 +876,9 @@ impl Actor {
         };
         match sent_now {
             Ok(()) => {
+                if let Some((waits, max)) = batch_record {
+                    self.state.batching.record_batch(waits, rows, padded, max);
+                }
                 if let Some(handle) = self.table.get_mut(&identity) {
                     handle.inflight.insert(id, pending);
                 }
@@ -920,7 +936,8 @@ impl Actor {
     }
 
     /// Back to the queue if some worker can take it; NoWorker to its caller otherwise.
-    fn requeue(&mut self, id: u64, queued: Queued) {
+    fn requeue(&mut self, id: u64, mut queued: Queued) {
+        queued.enqueued = std::time::Instant::now();
         if self
             .routable
             .borrow()

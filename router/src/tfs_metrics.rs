@@ -351,16 +351,17 @@ impl TfServingMetrics {
 
 /// TF Serving's batching metrics, recorded where the front door batches (the dispatcher,
 /// with `--enable-batching`). There, every request goes through a batch queue and each batch
-/// is one `Run` of the wrapped session; here, every call the dispatcher sends to a worker
+/// is one `Run` of the wrapped session; here, every call the dispatcher hands to a worker
 /// while batching is on is such a batch, of one request or several (a request above
-/// `max_batch_size` runs alone, and the members of a merged call that failed run again one
-/// by one: those calls count as batches of their own too). A request sent again because its
-/// worker left is sized and queued again (its wait counted from its first arrival, as the
-/// front door's queue order keeps it). TF Serving keeps one set for the process, not one per
-/// model, and so does this.
+/// `max_batch_size` or whose inputs cannot merge runs alone, and the members of a merged
+/// call that failed run again one by one: those calls count as batches of their own too).
+/// A request's inputs are sized once, on arrival; its wait is counted each time it leaves
+/// the queue, from when it last entered it (a request sent again after its worker left, or
+/// back from a failed merged call, queued again). TF Serving keeps one set for the process,
+/// not one per model, and so does this.
 pub struct BatchingMetrics {
-    /// µs from a request's arrival at the dispatcher to its batch leaving for a worker, per
-    /// request (`thread_pool_name` is empty in TF Serving's server, which names no pool).
+    /// µs from a request entering the dispatcher's queue to its batch leaving for a worker,
+    /// per request (`thread_pool_name` is empty in TF Serving's server, which names no pool).
     queuing_latency: Exponential,
     wrapped_run_count: AtomicU64,
     /// The first dimension of each input tensor of each request (TF Serving records every

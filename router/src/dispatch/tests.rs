@@ -1210,6 +1210,33 @@ async fn calls_are_padded_to_an_allowed_batch_size() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_again_is_sized_once_and_each_call_it_left_in_counts() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start_scheduled(&dir, &batching(8, 0, vec![], 10));
+    let _leaver = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::LeaveMidRequest);
+    let good = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    // Round-robin starts at cpu-0, the one that leaves: the request goes out twice.
+    let reply = dispatcher
+        .call(
+            rows_request(3),
+            Some(Instant::now() + Duration::from_secs(5)),
+        )
+        .await;
+    assert!(reply.is_ok(), "{reply:?}");
+    assert_eq!(state.retries.load(Ordering::Relaxed), 1);
+    assert_eq!(good.served(), 1);
+    let page = batching_page(&state);
+    let name = |family: &str| format!(":tensorflow:serving:batching_session:{family}");
+    assert_eq!(page[&format!("{}_count{{}}", name("input_batch_size"))], 1);
+    assert_eq!(page[&format!("{}_sum{{}}", name("input_batch_size"))], 3);
+    assert_eq!(page[&format!("{}{{}}", name("wrapped_run_count"))], 2);
+    let pool = "{thread_pool_name=\"\"}";
+    assert_eq!(page[&format!("{}_count{pool}", name("queuing_latency"))], 2);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_batching_nothing_is_recorded_as_a_batch() {
     let scheduling = Scheduling {
         worker_inflight: 1,
