@@ -338,6 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
         "slot is FATAL (default 3)",
     )
     start.add_argument(
+        "--saved_model_tags",
+        "--saved-model-tags",
+        dest="saved_model_tags",
+        default="serve",
+        metavar="TAG[,TAG...]",
+        help="the tag set of the SavedModel's MetaGraphDef the workers load, as TF Serving's "
+        "flag (default %(default)s; the set must be equal, as TensorFlow matches it)",
+    )
+    start.add_argument(
         "--allow_version_labels_for_unavailable_models",
         "--allow-version-labels-for-unavailable-models",
         dest="labels_for_unavailable",
@@ -659,6 +668,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         model_config_file=str(args.model_config_file.resolve()) if args.model_config_file else "",
         model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
         allow_version_labels_for_unavailable_models=args.labels_for_unavailable,
+        saved_model_tags=args.saved_model_tags or "serve",  # empty: TF Serving's default
         file_system_poll_wait_s=args.file_system_poll_wait_s,
         loading_priority=args.loading_priority,
         worker_policy=args.worker_policy,

@@ -283,6 +283,9 @@ class PoolConfig:
     # version_labels of TF Serving's model config: label ("stable", "canary") → version.
     # The front door resolves a label only while its version is AVAILABLE.
     version_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    # TF Serving's --saved_model_tags: the tag set of the MetaGraphDef the workers load,
+    # comma-separated (every model's, as TF Serving's is the server's).
+    saved_model_tags: str = "serve"
     # TF Serving's --allow_version_labels_for_unavailable_models: a label not yet given to
     # another version may name one that is not AVAILABLE (config_reload.label_may_wait_for).
     allow_version_labels_for_unavailable_models: bool = False
@@ -474,6 +477,11 @@ class PoolConfig:
         self._validate_models()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if not self.saved_model_tags or "" in self.saved_model_tags.split(","):
+            raise ConfigError(
+                "--saved_model_tags is a comma-separated list of tags, none empty, got "
+                f"{self.saved_model_tags!r}"
+            )
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             # Refused here, not by each worker at load (its slot would fail its starts).
             raise ConfigError(

@@ -9,7 +9,7 @@ spellings and are either
   threads, loading in worker processes); given, they are named in a warning and the pool
   starts, as TF Serving's own gRPC names arguments it does not know and starts; or
 - *refused* unless they ask for TF Serving's default: they would change what is served (a
-  MetaGraph other than "serve", a TensorFlow Lite model, mixed precision), and serving
+  TensorFlow Lite model, mixed precision, another platform), and serving
   something else quietly is worse than not starting.
 
 TF Serving's flag parser takes `--flag=value` and, for booleans, the bare `--flag` (true);
@@ -67,8 +67,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_tflite_interpreters_per_pool", "int", False, (),
          "TensorFlow Lite models are not served"),
     # Refused unless TF Serving's default.
-    Flag("saved_model_tags", "str", True, ("serve", ""),
-         "the workers load the SavedModel's 'serve' MetaGraph"),
     Flag("per_process_gpu_memory_fraction", "float", True, ("0",), "workers take GPU memory "
          "as they need it (TF_FORCE_GPU_ALLOW_GROWTH); with MPS, --pinned-mem-limit bounds "
          "each worker's pinned memory"),

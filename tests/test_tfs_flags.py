@@ -44,7 +44,7 @@ def test_flags_without_use_here_are_named_with_why_and_defaults_pass_quietly() -
     args = start(
         "--demo", "--rest_api_num_threads=16", "--grpc_max_threads", "8",
         "--enable_grpc_healthcheck_service", "--flush_filesystem_caches=false",
-        "--num_load_threads=0", "--saved_model_tags=serve", "--per_process_gpu_memory_fraction=0.0",
+        "--num_load_threads=0", "--per_process_gpu_memory_fraction=0.0",
         "--prefer-tflite-model=false", "--mixed_precision=",
     )  # fmt: skip
     warnings = tfs_flags.check(args)
@@ -53,9 +53,8 @@ def test_flags_without_use_here_are_named_with_why_and_defaults_pass_quietly() -
     assert "front door's async runtime" in warnings[0]
     assert warnings[1].startswith("--grpc_max_threads=8 has no use here")
     assert tfs_flags.check(start("--demo")) == []
-    # TF Serving's defaults pass without a word (its saved_model_tags default is empty: serve).
-    quiet = ("--remove_unused_fields_from_bundle_metagraph", "--saved_model_tags=")
-    assert tfs_flags.check(start("--demo", *quiet)) == []
+    # TF Serving's default passes without a word.
+    assert tfs_flags.check(start("--demo", "--remove_unused_fields_from_bundle_metagraph")) == []
     (said,) = tfs_flags.check(start("--demo", "--remove_unused_fields_from_bundle_metagraph=0"))
     assert said.endswith("the workers keep no MetaGraphDef after loading")
     # Health is served even when asked not to be; a profiler is not, even when asked.
@@ -72,7 +71,6 @@ def test_flags_without_use_here_are_named_with_why_and_defaults_pass_quietly() -
 @pytest.mark.parametrize(
     ("flag", "says"),
     [
-        ("--saved_model_tags=serve,gpu", "the workers load the SavedModel's 'serve' MetaGraph"),
         ("--per_process_gpu_memory_fraction=0.5", "TF_FORCE_GPU_ALLOW_GROWTH"),
         ("--prefer_tflite_model", "TensorFlow Lite models are not served"),
         ("--mixed_precision=bfloat16", "in the precision they were saved in"),
@@ -130,9 +128,9 @@ def test_the_cli_refuses_before_starting_anything(tmp_path: Path, demo_model_dir
     run_dir = tmp_path / "run"
     done = subprocess.run(
         mpspool_cmd("start", f"--model_base_path={demo_model_dir}", "--model_name=demo",
-                    "--run-dir", str(run_dir), "--saved_model_tags=serve,tpu"),
+                    "--run-dir", str(run_dir), "--prefer_tflite_model=true"),
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("mpspool: --saved_model_tags=serve,tpu is not supported: ")
+    assert done.stderr.startswith("mpspool: --prefer_tflite_model=true is not supported: ")
     assert not run_dir.exists()

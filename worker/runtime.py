@@ -14,7 +14,7 @@ import contextlib
 import logging
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -82,8 +82,11 @@ def load_saved_model(
     inter_op_threads: int = 0,
     weights_segment: str = "",
     work_dir: str = "",
+    tags: Sequence[str] = (SERVE_TAG,),
 ) -> ModelRuntime:
-    """Load the SavedModel in ``model_dir`` (a version directory) with the "serve" tag.
+    """Load the SavedModel in ``model_dir`` (a version directory): its MetaGraphDef whose tag
+    set is ``tags`` (TF Serving's --saved_model_tags, "serve" by default), as TensorFlow's and
+    TF Serving's loaders pick it: the set equal, not merely containing "serve".
 
     Thread counts of 0 leave TensorFlow's defaults. They can only be set before TensorFlow
     runs its first op in this process, so a worker calls this before anything else touches
@@ -102,7 +105,7 @@ def load_saved_model(
         import tensorflow as tf
     except ImportError as exc:
         raise ModelLoadError(f"cannot load {where}: TensorFlow is not installed ({exc})") from exc
-    signature_defs = _read_signature_defs(path, where)
+    signature_defs = _read_signature_defs(path, where, tags)
 
     _set_threads(tf, intra_op_threads, inter_op_threads, where)
     options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=bool(weights_segment))
@@ -112,7 +115,7 @@ def load_saved_model(
         if rewritten is not None:
             load_from = rewritten.model_dir
     try:
-        loaded = tf.saved_model.load(str(load_from), tags=[SERVE_TAG], options=options)
+        loaded = tf.saved_model.load(str(load_from), tags=list(tags), options=options)
     except Exception as exc:  # TF raises OpError, ValueError, OSError, ... for broken models
         if rewritten is not None:
             rewritten.remove()
@@ -572,8 +575,10 @@ def _same_answers(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray])
     )
 
 
-def _read_signature_defs(path: Path, where: str) -> bytes:
-    """The "serve" MetaGraphDef's signature_def map, as a serialized SignatureDefMap.
+def _read_signature_defs(path: Path, where: str, tags: Sequence[str] = (SERVE_TAG,)) -> bytes:
+    """The signature_def map of the MetaGraphDef whose tag set is ``tags``, as a serialized
+    SignatureDefMap. The set must be equal, as tf.saved_model.load and TF Serving's loader
+    match it: a model saved with {serve, gpu} before {serve} serves the second by default.
 
     Read from saved_model.pb with TensorFlow's protos rather than rebuilt from the loaded
     functions, so clients see exactly what TF Serving would show for the same model (tensor
@@ -601,12 +606,13 @@ def _read_signature_defs(path: Path, where: str) -> bytes:
         raise ModelLoadError(f"cannot load {where}: unreadable saved model: {exc}") from exc
 
     for meta_graph in saved_model.meta_graphs:
-        if SERVE_TAG in meta_graph.meta_info_def.tags:
+        if set(meta_graph.meta_info_def.tags) == set(tags):
             break
     else:
-        found = [list(m.meta_info_def.tags) for m in saved_model.meta_graphs]
+        found = [sorted(m.meta_info_def.tags) for m in saved_model.meta_graphs]
         raise ModelLoadError(
-            f"cannot load {where}: no MetaGraphDef with tag {SERVE_TAG!r} (found tag sets {found})"
+            f"cannot load {where}: no MetaGraphDef with the tag set {sorted(set(tags))} "
+            f"(found tag sets {found}; --saved_model_tags picks one)"
         )
 
     signature_map = serving_pb2.SignatureDefMap()

@@ -513,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             inter_op_threads=config.inter_op_threads,
             weights_segment=config.segment_for(version),
             work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),
+            tags=config.saved_model_tags.split(","),
         )
         runtime.warm_up()
         if config.model_warmup:
