@@ -53,45 +53,13 @@ pub fn most_added_bytes() -> usize {
 /// `body` with every non-finite token outside strings written as its marker; borrowed as it
 /// is when it has none. Anything else (`Infi`, `NaNx`) is left for the parser to refuse.
 pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
-    // Outside strings JSON has no N or I: a body of numbers has none at all, and is not walked.
-    if memchr::memchr2(b'N', b'I', body).is_none() {
-        return Cow::Borrowed(body);
-    }
     let mut out: Option<Vec<u8>> = None;
     let mut copied = 0; // body[..copied] is in `out`
-    let mut at = 0;
-    // Jumps from one byte that matters to the next: outside strings a quote or a token's
-    // letter, inside them a quote or a backslash (which escapes the byte after it).
-    while let Some(found) = memchr::memchr3(b'"', b'N', b'I', &body[at..]) {
-        let here = at + found;
-        if body[here] == b'"' {
-            at = here + 1;
-            loop {
-                let Some(next) = memchr::memchr2(b'"', b'\\', &body[at..]) else {
-                    at = body.len(); // an unterminated string: the parser says so
-                    break;
-                };
-                at += next + 1;
-                if body[at - 1] == b'"' {
-                    break;
-                }
-                at = (at + 1).min(body.len()); // the escaped byte
-            }
-            continue;
-        }
-        let start = if here > 0 && body[here - 1] == b'-' {
-            here - 1
-        } else {
-            here
-        };
-        at = here + 1;
-        if let Some((len, which)) = token(&body[start..]) {
-            let out = out.get_or_insert_with(|| Vec::with_capacity(body.len() + 64));
-            out.extend_from_slice(&body[copied..start]);
-            out.extend_from_slice(markers().quoted[which].as_bytes());
-            at = start + len;
-            copied = at;
-        }
+    for (start, len, which) in Tokens::new(body) {
+        let out = out.get_or_insert_with(|| Vec::with_capacity(body.len() + 64));
+        out.extend_from_slice(&body[copied..start]);
+        out.extend_from_slice(markers().quoted[which].as_bytes());
+        copied = start + len;
     }
     match out {
         None => Cow::Borrowed(body),
@@ -99,6 +67,84 @@ pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
             out.extend_from_slice(&body[copied..]);
             Cow::Owned(out)
         }
+    }
+}
+
+/// Where `offset`, a position in `rewrite(body)`, is in `body` itself: an error's position
+/// as the client wrote it (TF Serving's parser reads the tokens in place). A position inside
+/// a marker is its token's start.
+pub fn original_offset(body: &[u8], offset: usize) -> usize {
+    let mut added = 0; // what the markers before `offset` added to the text
+    for (start, len, which) in Tokens::new(body) {
+        let marker = markers().quoted[which].len();
+        let at = start + added;
+        if offset < at {
+            break;
+        }
+        if offset < at + marker {
+            return start;
+        }
+        added += marker - len;
+    }
+    offset - added
+}
+
+/// The non-finite tokens outside strings of a body, in order: (start, length, which marker).
+struct Tokens<'a> {
+    body: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Tokens<'a> {
+    fn new(body: &'a [u8]) -> Tokens<'a> {
+        // Outside strings JSON has no N or I: a body of numbers has none at all, and is not
+        // walked.
+        let at = if memchr::memchr2(b'N', b'I', body).is_none() {
+            body.len()
+        } else {
+            0
+        };
+        Tokens { body, at }
+    }
+}
+
+impl Iterator for Tokens<'_> {
+    type Item = (usize, usize, usize);
+
+    /// Jumps from one byte that matters to the next: outside strings a quote or a token's
+    /// letter, inside them a quote or a backslash (which escapes the byte after it).
+    fn next(&mut self) -> Option<(usize, usize, usize)> {
+        let body = self.body;
+        while let Some(found) = memchr::memchr3(b'"', b'N', b'I', &body[self.at..]) {
+            let here = self.at + found;
+            if body[here] == b'"' {
+                self.at = here + 1;
+                loop {
+                    let Some(next) = memchr::memchr2(b'"', b'\\', &body[self.at..]) else {
+                        self.at = body.len(); // an unterminated string: the parser says so
+                        break;
+                    };
+                    self.at += next + 1;
+                    if body[self.at - 1] == b'"' {
+                        break;
+                    }
+                    self.at = (self.at + 1).min(body.len()); // the escaped byte
+                }
+                continue;
+            }
+            let start = if here > 0 && body[here - 1] == b'-' {
+                here - 1
+            } else {
+                here
+            };
+            self.at = here + 1;
+            if let Some((len, which)) = token(&body[start..]) {
+                self.at = start + len;
+                return Some((start, len, which));
+            }
+        }
+        self.at = body.len();
+        None
     }
 }
 
@@ -227,6 +273,28 @@ mod tests {
             .unwrap()
             .iter()
             .all(|v| number(v).is_none()));
+    }
+
+    #[test]
+    fn a_position_in_the_rewritten_text_maps_back_to_the_clients() {
+        let body = br#"{"a": [NaN, 1, -Infinity], "b": "NaN", "c": Inf x}"#;
+        let text = rewrite(body);
+        let find = |hay: &[u8], needle: &[u8]| {
+            hay.windows(needle.len()).position(|w| w == needle).unwrap()
+        };
+        for needle in [&b"1,"[..], b"\"b\"", b"\"NaN\"", b"x}", b"{"] {
+            assert_eq!(
+                original_offset(body, find(&text, needle)),
+                find(body, needle),
+                "{}",
+                String::from_utf8_lossy(needle)
+            );
+        }
+        // Inside a marker: its token's start.
+        let marker = find(&text, markers().quoted[2].as_bytes());
+        assert_eq!(original_offset(body, marker + 5), find(body, b"-Infinity"));
+        assert_eq!(original_offset(body, text.len()), body.len());
+        assert_eq!(original_offset(b"[1, 2]", 4), 4);
     }
 
     #[test]

@@ -21,8 +21,8 @@
 //! key given twice keeps its first value (rapidjson's lookups find the first).
 //!
 //! Differences: object keys are read in name order, so an error about a row names its inputs
-//! in name order; a parse error's offset in a body with non-finite tokens counts their
-//! markers.
+//! in name order; a parse error's words are serde_json's (its offset is counted as
+//! rapidjson counts it, in the client's bytes).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -218,20 +218,22 @@ pub fn parse_predict(body: &[u8]) -> Result<PredictBody, ServingError> {
 }
 
 fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingError> {
+    let whole = body.len();
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     if body.is_empty() {
         return Err(invalid("JSON Parse error: The document is empty"));
     }
-    let body = json_nonfinite::rewrite(body);
+    let text = json_nonfinite::rewrite(body);
     // The first document only, as rapidjson's kParseStopWhenDoneFlag: no `end()` check.
-    let mut parser = serde_json::Deserializer::from_slice(&body);
+    let mut parser = serde_json::Deserializer::from_slice(&text);
     let value = FirstWins
         .deserialize(&mut parser)
         .map_err(|error: serde_json::Error| {
-            invalid(format!(
-                "JSON Parse error: {error} at offset: {}",
-                offset_of(&body, error.line(), error.column())
-            ))
+            // In the client's bytes, as rapidjson counts them: its stream skips a BOM but
+            // counts it, and reads the non-finite tokens in place.
+            let at = offset_of(&text, error.line(), error.column());
+            let offset = whole - body.len() + json_nonfinite::original_offset(body, at);
+            invalid(format!("JSON Parse error: {error} at offset: {offset}"))
         })?;
     match value {
         Value::Object(map) => Ok(map),
@@ -1405,6 +1407,23 @@ mod tests {
         );
         assert!(message(parse_predict(b"{\"instances\": [1]").map(|_| ()))
             .starts_with("JSON Parse error: "));
+    }
+
+    #[test]
+    fn a_parse_errors_offset_counts_the_clients_bytes_as_rapidjson_does() {
+        let offset = |body: &[u8]| {
+            let said = message(parse_predict(body).map(|_| ()));
+            let (_, at) = said.rsplit_once("at offset: ").unwrap();
+            at.parse::<usize>().unwrap()
+        };
+        // The same error after a token or after a number of the same length: the same offset.
+        let plain = offset(br#"{"instances": [1.5, 12345678, 2,]}"#);
+        assert_eq!(offset(br#"{"instances": [NaN, Infinity, 2,]}"#), plain);
+        // A byte-order mark is skipped but counted, as rapidjson's stream counts it.
+        assert_eq!(
+            offset(b"\xEF\xBB\xBF{\"instances\": [NaN, Infinity, 2,]}"),
+            plain + 3
+        );
     }
 
     #[test]
