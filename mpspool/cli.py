@@ -338,6 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
         "slot is FATAL (default 3)",
     )
     start.add_argument(
+        "--grpc_socket_path",
+        "--grpc-socket-path",
+        dest="grpc_socket_path",
+        type=Path,
+        metavar="PATH",
+        help="serve gRPC on this UNIX socket too (TF Serving's flag): a client on this host "
+        "(a sidecar) skips TCP; its calls count as local ones. A socket left at the path is "
+        "replaced, anything else there refused",
+    )
+    start.add_argument(
         "--saved_model_tags",
         "--saved-model-tags",
         dest="saved_model_tags",
@@ -669,6 +679,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
         allow_version_labels_for_unavailable_models=args.labels_for_unavailable,
         saved_model_tags=args.saved_model_tags or "serve",  # empty: TF Serving's default
+        # Absolute: the front door runs in the run directory, TF Serving from its own.
+        grpc_socket_path=os.path.abspath(args.grpc_socket_path) if args.grpc_socket_path else "",
         file_system_poll_wait_s=args.file_system_poll_wait_s,
         loading_priority=args.loading_priority,
         worker_policy=args.worker_policy,
@@ -963,6 +975,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"pool {pool['pool_id']} (pid {pool['pid']}) {pool['phase']}: model {pool['model']!r} "
         f"version {pool['version']} on {pool['listen']}, up {pool['uptime_s']} s"
     )
+    if pool.get("grpc_socket"):
+        print(f"gRPC also on: {pool['grpc_socket']}")
     if pool.get("rest"):
         print(f"REST API: {pool['rest']}")
     if pool.get("cpu_placement"):

@@ -283,6 +283,8 @@ class PoolConfig:
     # version_labels of TF Serving's model config: label ("stable", "canary") → version.
     # The front door resolves a label only while its version is AVAILABLE.
     version_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    # TF Serving's --grpc_socket_path: gRPC on this UNIX socket too (absolute; "": none).
+    grpc_socket_path: str = ""
     # TF Serving's --saved_model_tags: the tag set of the MetaGraphDef the workers load,
     # comma-separated (every model's, as TF Serving's is the server's).
     saved_model_tags: str = "serve"
@@ -462,6 +464,27 @@ class PoolConfig:
         placement = self.placement()
         return placement.workers[self.slots.index(slot)] if placement.pinned else frozenset()
 
+    def _validate_grpc_socket_path(self) -> None:
+        """What the front door would refuse when it binds (router/src/server.rs, UnixSocket),
+        said at start instead: a path a UNIX socket cannot have, or something other than a
+        socket already there (a socket left there is replaced, as gRPC's servers do)."""
+        import stat
+
+        path = self.grpc_socket_path
+        if not os.path.isabs(path) or len(os.fsencode(path)) > 107:
+            raise ConfigError(
+                f"--grpc_socket_path must be an absolute path of at most 107 bytes (a UNIX "
+                f"socket's), got {path!r}"
+            )
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISSOCK(mode):
+            raise ConfigError(f"--grpc_socket_path {path} exists and is not a socket")
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ConfigError(f"--grpc_socket_path {path}: its directory does not exist")
+
     def threads_per_worker(self, slot: str) -> int:
         """A worker's TensorFlow intra-op threads: --intra-op-threads, else the placement's
         (cpusets decides: its own cores when pinned, else its share of the pool's)."""
@@ -477,6 +500,8 @@ class PoolConfig:
         self._validate_models()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if self.grpc_socket_path:
+            self._validate_grpc_socket_path()
         if not self.saved_model_tags or "" in self.saved_model_tags.split(","):
             raise ConfigError(
                 "--saved_model_tags is a comma-separated list of tags, none empty, got "

@@ -970,6 +970,10 @@ class Controller:
                 "version_labels": self.config.version_labels,
                 "model_base_path": self.config.model_base_path,
                 "listen": f"{self.config.host}:{self.port}" if self.port else None,
+                # TF Serving's --grpc_socket_path, as gRPC clients name it.
+                "grpc_socket": (
+                    f"unix:{self.config.grpc_socket_path}" if self.config.grpc_socket_path else None
+                ),
                 "metrics": (
                     f"http://{self.config.host}:{self.metrics_port}/metrics"
                     if self.metrics_port

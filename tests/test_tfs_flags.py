@@ -75,7 +75,6 @@ def test_flags_without_use_here_are_named_with_why_and_defaults_pass_quietly() -
         ("--prefer_tflite_model", "TensorFlow Lite models are not served"),
         ("--mixed_precision=bfloat16", "in the precision they were saved in"),
         ("--platform_config_file=/p.txt", "the only one"),
-        ("--grpc_socket_path=/run/tfs.sock", "TCP only"),
     ],
 )
 def test_flags_that_would_change_what_is_served_are_refused_unless_default(

@@ -93,6 +93,10 @@ pub struct Config {
     /// many as the descriptors allow); connection_limit.rs.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// TF Serving's `--grpc_socket_path`: gRPC on this UNIX socket as well (an absolute path;
+    /// empty: none).
+    #[serde(default)]
+    pub grpc_socket_path: String,
     #[serde(default = "default_worker_timeout")]
     pub worker_timeout_s: f64,
     /// `--request-read-timeout`: how long a request may send nothing while the front door

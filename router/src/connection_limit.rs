@@ -196,10 +196,21 @@ const REFUSED_READ_BYTES: usize = 64 << 10;
 /// try_read answer WouldBlock without a system call until the reactor has seen the socket
 /// ready, which before tokio 1.54 it had not for a socket fresh from accept.
 pub fn refuse(stream: tokio::net::TcpStream, words: &[u8]) {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = stream.into_std() else {
-        return; // dropped: closed without a word
-    };
+    if let Ok(stream) = stream.into_std() {
+        say_and_close(stream, words);
+    } // else dropped: closed without a word
+}
+
+/// `refuse` for a connection to the UNIX socket (`--grpc_socket_path`).
+pub fn refuse_unix(stream: tokio::net::UnixStream, words: &[u8]) {
+    if let Ok(stream) = stream.into_std() {
+        say_and_close(stream, words);
+    }
+}
+
+/// The words, then what the client sent already, read (the socket is non-blocking, as tokio
+/// left it), then the close as the stream drops.
+fn say_and_close(mut stream: impl std::io::Read + std::io::Write, words: &[u8]) {
     let _ = stream.write(words);
     let mut scratch = [0u8; 16 << 10];
     let mut read = 0;

@@ -209,6 +209,17 @@ async fn serve(config: Config) -> ExitCode {
         .local_addr()
         .map(|a| a.port())
         .unwrap_or(config.port);
+    let unix = if config.grpc_socket_path.is_empty() {
+        None
+    } else {
+        match server::UnixSocket::bind(std::path::Path::new(&config.grpc_socket_path)) {
+            Ok(socket) => {
+                log_info!("gRPC also on the UNIX socket {}", config.grpc_socket_path);
+                Some(socket)
+            }
+            Err(error) => return fail(error),
+        }
+    };
     server::record_port(&state, port);
     let connections = connection_limit::ConnectionLimit::new(connections_allowed(&config));
     // One budget for every request's memory, gRPC and REST alike (request_budget).
@@ -282,7 +293,7 @@ async fn serve(config: Config) -> ExitCode {
         config.host,
         if config.tls.is_some() { " (TLS)" } else { "" }
     );
-    server::Server::new(listener, rest, api, limits, state)
+    server::Server::new(listener, unix, rest, api, limits, state)
         .run(DrainRequest { delay, grace }, drains)
         .await;
     log_info!("stopped");

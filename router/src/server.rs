@@ -89,6 +89,8 @@ enum Cause {
 
 pub struct Server {
     listener: TcpListener,
+    /// TF Serving's `--grpc_socket_path`: gRPC on a UNIX socket too; None: TCP only.
+    unix: Option<UnixSocket>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// TF Serving's REST API, when it is on: drained with the gRPC listener.
     rest: Option<(TcpListener, Arc<Rest>)>,
@@ -106,6 +108,7 @@ pub struct Server {
 impl Server {
     pub fn new(
         listener: TcpListener,
+        unix: Option<UnixSocket>,
         rest: Option<(TcpListener, Arc<Rest>)>,
         api: Api,
         limits: Limits,
@@ -142,6 +145,7 @@ impl Server {
         .prepare();
         Server {
             listener,
+            unix,
             tls: limits.tls,
             rest,
             api,
@@ -163,6 +167,7 @@ impl Server {
     ) {
         let Server {
             listener,
+            unix,
             tls,
             rest,
             api,
@@ -212,6 +217,7 @@ impl Server {
         let (drain, cause) = loop {
             tokio::select! {
                 accepted = listener.accept() => accepting.grpc(accepted).await,
+                accepted = accept_unix(&unix) => accepting.grpc_unix(accepted).await,
                 _ = throttle_looks.tick() => log_trailing(std::time::Instant::now()),
                 accepted = accept_rest(&rest) => {
                     if let Some((stream, handler)) = accepted {
@@ -238,6 +244,7 @@ impl Server {
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => break,
                 accepted = listener.accept() => accepting.grpc(accepted).await,
+                accepted = accept_unix(&unix) => accepting.grpc_unix(accepted).await,
                 accepted = accept_rest(&rest) => {
                     if let Some((stream, handler)) = accepted {
                         accepting.rest(stream, handler);
@@ -246,6 +253,7 @@ impl Server {
             }
         }
         drop(listener); // no new connections
+        drop(unix); // and its file is gone
         drop(rest);
         let _ = shutdown_tx.send(Ending::Gracefully);
         drop(accepting); // its `done` sender: the connections' are the only ones left
@@ -333,20 +341,62 @@ impl Accepting {
             }
         };
         let Some(admitted) = self.connections.admit() else {
-            // Plain words would be noise to a TLS client: it is only closed.
-            let words = match self.tls {
-                None => connection_limit::grpc_refusal(self.connections.most()),
-                Some(_) => Vec::new(),
-            };
+            let words = self.grpc_refusal();
             self.refuse(stream, &words);
             return;
         };
         let _ = stream.set_nodelay(true);
+        let peer = stream.peer_addr().ok();
+        let who = peer.map_or_else(|| "?".to_string(), |a| a.to_string());
+        self.serve_grpc(stream, peer.map(Peer::Tcp), who, admitted);
+    }
+
+    /// A connection to the UNIX socket (`--grpc_socket_path`): served as a TCP one is, under
+    /// the same limit, drain and TLS, its calls local to this host.
+    async fn grpc_unix(&self, accepted: std::io::Result<tokio::net::UnixStream>) {
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(error) => {
+                if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
+                    log_warn!("accept failed ({count} since the last line): {error}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return;
+            }
+        };
+        let Some(admitted) = self.connections.admit() else {
+            let words = self.grpc_refusal();
+            if let Some(count) = REFUSALS.note(std::time::Instant::now()) {
+                log_warn!(
+                    "refused {count} client connection(s) since the last line: {} are open, \
+                     the most kept at once (--max-connections)",
+                    self.connections.most()
+                );
+            }
+            connection_limit::refuse_unix(stream, &words);
+            return;
+        };
+        self.serve_grpc(stream, Some(Peer::Unix), "the UNIX socket".into(), admitted);
+    }
+
+    /// What a gRPC client refused at the limit is told: plain words would be noise to a TLS
+    /// client, which is only closed.
+    fn grpc_refusal(&self) -> Vec<u8> {
+        match self.tls {
+            None => connection_limit::grpc_refusal(self.connections.most()),
+            Some(_) => Vec::new(),
+        }
+    }
+
+    fn serve_grpc<I>(&self, stream: I, peer: Option<Peer>, who: String, admitted: Admitted)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let watch = AnswerWatch::new(self.reading.stall);
-        let service =
-            connection_service(&self.routes, &self.reading, stream.peer_addr().ok(), &watch);
+        let service = connection_service(&self.routes, &self.reading, peer, &watch);
         tokio::spawn(serve_accepted(
             stream,
+            who,
             self.tls.clone(),
             service,
             watch,
@@ -384,6 +434,53 @@ impl Accepting {
         }
         connection_limit::refuse(stream, words);
     }
+}
+
+/// The gRPC UNIX socket of `--grpc_socket_path`, bound: its file is removed when it is
+/// dropped (the drain), so clients find no socket rather than one nobody answers.
+pub struct UnixSocket {
+    listener: tokio::net::UnixListener,
+    path: std::path::PathBuf,
+}
+
+impl UnixSocket {
+    /// Binds `path`, first removing a socket left there (a front door that was killed
+    /// leaves its file; gRPC's own servers unlink one too). Anything else at the path is
+    /// left alone and refused.
+    pub fn bind(path: &std::path::Path) -> Result<UnixSocket, String> {
+        use std::os::unix::fs::FileTypeExt;
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
+                .map_err(|e| format!("cannot remove the old socket {}: {e}", path.display()))?,
+            Ok(_) => {
+                return Err(format!(
+                    "{} exists and is not a socket: not replaced",
+                    path.display()
+                ))
+            }
+            Err(_) => {} // nothing there
+        }
+        let listener = tokio::net::UnixListener::bind(path)
+            .map_err(|e| format!("cannot listen on the UNIX socket {}: {e}", path.display()))?;
+        Ok(UnixSocket {
+            listener,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl Drop for UnixSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The next connection to the UNIX socket; never ready without one.
+async fn accept_unix(unix: &Option<UnixSocket>) -> std::io::Result<tokio::net::UnixStream> {
+    let Some(unix) = unix else {
+        return std::future::pending().await;
+    };
+    unix.listener.accept().await.map(|(stream, _)| stream)
 }
 
 /// The next REST connection (None after a failed accept, which is logged and slowed down);
@@ -425,17 +522,22 @@ async fn recv_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
     }
 }
 
-/// The client's address, in the extensions of every request of its connection: admin calls
+/// The client, in the extensions of every request of its connection: admin calls
 /// (HandleReloadConfigRequest) are taken only from this host.
 #[derive(Clone, Copy, Debug)]
-pub struct Peer(pub std::net::SocketAddr);
+pub enum Peer {
+    Tcp(std::net::SocketAddr),
+    /// A client of the UNIX socket (`--grpc_socket_path`): on this host by definition.
+    Unix,
+}
 
 impl Peer {
     /// Whether a request came from this host; false when its peer is not known.
     pub fn is_local(extensions: &tonic::Extensions) -> bool {
-        extensions
-            .get::<Peer>()
-            .is_some_and(|peer| peer.0.ip().is_loopback())
+        extensions.get::<Peer>().is_some_and(|peer| match peer {
+            Peer::Tcp(address) => address.ip().is_loopback(),
+            Peer::Unix => true,
+        })
     }
 }
 
@@ -446,7 +548,7 @@ impl Peer {
 fn connection_service(
     routes: &tonic::service::Routes,
     reading: &Reading,
-    peer: Option<std::net::SocketAddr>,
+    peer: Option<Peer>,
     watch: &AnswerWatch,
 ) -> TowerToHyperService<
     impl tower::Service<
@@ -481,14 +583,14 @@ type CallBody = http_body_util::combinators::MapErr<
 
 fn prepare_call(
     reading: Reading,
-    peer: Option<std::net::SocketAddr>,
+    peer: Option<Peer>,
 ) -> impl Fn(http::Request<hyper::body::Incoming>) -> http::Request<CallBody> + Clone {
     move |request| {
         let into_grpc: fn(ReadError) -> _ = ReadError::into_grpc;
         let mut request =
             request.map(|body| reading.body(body, Framing::Grpc, None).map_err(into_grpc));
         if let Some(peer) = peer {
-            request.extensions_mut().insert(Peer(peer));
+            request.extensions_mut().insert(peer);
         }
         request
     }
@@ -502,8 +604,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// HTTP/2's preface within `start_limit` (`preface`). `held` (the drain's count and the
 /// connection's place under the limit) is kept until the connection ends.
 #[allow(clippy::too_many_arguments)]
-async fn serve_accepted<S>(
-    stream: tokio::net::TcpStream,
+async fn serve_accepted<I, S>(
+    stream: I,
+    peer: String,
     tls: Option<tokio_rustls::TlsAcceptor>,
     service: S,
     answers: AnswerWatch,
@@ -519,6 +622,7 @@ async fn serve_accepted<S>(
         + 'static,
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (done, admitted) = held;
     let Some(tls) = tls else {
@@ -528,9 +632,6 @@ async fn serve_accepted<S>(
         }
         return;
     };
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "?".to_string(), |a| a.to_string());
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
         Ok(Ok(stream)) => {
             if let Some(stream) = started(stream, start_limit, &mut ending).await {
@@ -793,7 +894,7 @@ mod tests {
     fn only_a_loopback_peer_is_local() {
         let tagged = |addr: &str| {
             let mut extensions = tonic::Extensions::new();
-            extensions.insert(Peer(addr.parse().expect("an address")));
+            extensions.insert(Peer::Tcp(addr.parse().expect("an address")));
             Peer::is_local(&extensions)
         };
         assert!(tagged("127.0.0.1:5000"));
@@ -801,6 +902,33 @@ mod tests {
         assert!(!tagged("10.1.2.3:5000"));
         assert!(!tagged("[2001:db8::1]:5000"));
         assert!(!Peer::is_local(&tonic::Extensions::new()), "unknown peer");
+        let mut unix = tonic::Extensions::new();
+        unix.insert(Peer::Unix);
+        assert!(
+            Peer::is_local(&unix),
+            "a UNIX socket's client is on this host"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_unix_socket_replaces_a_left_socket_refuses_other_files_and_goes_when_dropped() {
+        let dir = std::env::temp_dir().join(format!("mpspool-uds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tfs.sock");
+        // A socket a killed front door left: replaced.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        let socket = UnixSocket::bind(&path).expect("the left socket replaced");
+        let client = tokio::net::UnixStream::connect(&path).await;
+        assert!(client.is_ok(), "{client:?}");
+        assert!(accept_unix(&Some(socket)).await.is_ok());
+        assert!(!path.exists(), "dropped with its listener");
+        // Anything else at the path is not ours to remove.
+        std::fs::write(&path, b"data").unwrap();
+        let refused = UnixSocket::bind(&path).err().unwrap();
+        assert!(refused.contains("exists and is not a socket"), "{refused}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
     const SETTINGS: u8 = 4;
     const PING: u8 = 6;
