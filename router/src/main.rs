@@ -35,6 +35,7 @@ mod status;
 mod tfs_metrics;
 mod timeline;
 mod tls;
+mod uds_authority;
 mod versions;
 mod wire;
 mod workers;

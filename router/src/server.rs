@@ -376,6 +376,8 @@ impl Accepting {
             connection_limit::refuse_unix(stream, &words);
             return;
         };
+        // Each call's :authority made one h2 takes (gRPC's C core sends the socket's path).
+        let stream = crate::uds_authority::AuthorityFix::new(stream);
         self.serve_grpc(stream, Some(Peer::Unix), "the UNIX socket".into(), admitted);
     }
 

@@ -1,0 +1,458 @@
+//! The UNIX socket's connections (`--grpc_socket_path`) with each call's `:authority` made one
+//! the front door's HTTP/2 takes.
+//!
+//! gRPC's C core (Python, C++ clients) names a `unix:` target's percent-encoded path as the
+//! `:authority` of its calls (`%2Frun%2Ftfs.sock`), and h2 resets every stream whose authority
+//! is not a URI authority (hyperium/h2#487), while TF Serving's gRPC server takes it. So on
+//! this listener the client's header blocks are decoded (HPACK, with the client's encoding
+//! state), an authority that is not a valid one becomes `localhost` (what grpc-go and tonic
+//! send on a UNIX socket), and the block is encoded again for h2 (with this connection's own
+//! encoding state, which h2's decoder follows). Every other frame passes as it came; what the
+//! front door writes is not touched. The TCP port never goes through here.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BufMut, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+const PREFACE_LEN: usize = 24;
+const FRAME_HEADER_LEN: usize = 9;
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+/// The frames written to h2 stay within HTTP/2's default SETTINGS_MAX_FRAME_SIZE, which h2
+/// advertises.
+const MAX_FRAME: usize = 16_384;
+/// A header block this long is not a gRPC call's: the connection is ended.
+const MAX_BLOCK: usize = 1 << 20;
+/// HPACK's default dynamic table size, the most h2 lets a client's encoder use.
+const TABLE_SIZE: usize = 4096;
+const LOCALHOST: &[u8] = b"localhost";
+
+enum Reading {
+    Preface,
+    Frames,
+    /// The rest of a frame that passes as it is: this many bytes.
+    Passing(usize),
+}
+
+/// A header block being gathered from HEADERS and CONTINUATION frames.
+struct Block {
+    stream: [u8; 4],
+    end_stream: bool,
+    priority: Option<[u8; 5]>,
+    bytes: Vec<u8>,
+}
+
+pub struct AuthorityFix<S> {
+    inner: S,
+    reading: Reading,
+    /// Read from the client, not handled yet.
+    input: BytesMut,
+    /// Ready for h2.
+    output: BytesMut,
+    block: Option<Block>,
+    decoder: fluke_hpack::Decoder<'static>,
+    encoder: fluke_hpack::Encoder<'static>,
+    ended: bool,
+}
+
+impl<S> AuthorityFix<S> {
+    pub fn new(inner: S) -> AuthorityFix<S> {
+        let mut decoder = fluke_hpack::Decoder::new();
+        decoder.set_max_allowed_table_size(TABLE_SIZE);
+        AuthorityFix {
+            inner,
+            reading: Reading::Preface,
+            input: BytesMut::with_capacity(16 << 10),
+            output: BytesMut::with_capacity(16 << 10),
+            block: None,
+            decoder,
+            encoder: fluke_hpack::Encoder::new(),
+            ended: false,
+        }
+    }
+
+    /// Moves what `input` holds, as far as it is whole, to `output`.
+    fn handle(&mut self) -> io::Result<()> {
+        loop {
+            match self.reading {
+                Reading::Preface => {
+                    if self.input.len() < PREFACE_LEN {
+                        return Ok(());
+                    }
+                    self.output.put(self.input.split_to(PREFACE_LEN));
+                    self.reading = Reading::Frames;
+                }
+                Reading::Passing(left) => {
+                    let n = left.min(self.input.len());
+                    self.output.put(self.input.split_to(n));
+                    if n < left {
+                        self.reading = Reading::Passing(left - n);
+                        return Ok(());
+                    }
+                    self.reading = Reading::Frames;
+                }
+                Reading::Frames => {
+                    if self.input.len() < FRAME_HEADER_LEN {
+                        return Ok(());
+                    }
+                    let head = &self.input[..FRAME_HEADER_LEN];
+                    let len = usize::from(head[0]) << 16
+                        | usize::from(head[1]) << 8
+                        | usize::from(head[2]);
+                    let kind = head[3];
+                    if kind != HEADERS && kind != CONTINUATION {
+                        self.output.put(self.input.split_to(FRAME_HEADER_LEN));
+                        self.reading = Reading::Passing(len);
+                        continue;
+                    }
+                    if len > MAX_BLOCK {
+                        return Err(invalid("a header frame over 1 MiB"));
+                    }
+                    if self.input.len() < FRAME_HEADER_LEN + len {
+                        return Ok(());
+                    }
+                    let frame = self.input.split_to(FRAME_HEADER_LEN + len);
+                    self.header_frame(&frame)?;
+                }
+            }
+        }
+    }
+
+    fn header_frame(&mut self, frame: &[u8]) -> io::Result<()> {
+        let (kind, flags) = (frame[3], frame[4]);
+        let stream = [frame[5], frame[6], frame[7], frame[8]];
+        let mut payload = &frame[FRAME_HEADER_LEN..];
+        if kind == HEADERS {
+            if flags & PADDED != 0 {
+                let (&pad, rest) = payload
+                    .split_first()
+                    .ok_or_else(|| invalid("a padded HEADERS frame without its pad length"))?;
+                let keep = rest
+                    .len()
+                    .checked_sub(usize::from(pad))
+                    .ok_or_else(|| invalid("a HEADERS frame's padding is longer than it"))?;
+                payload = &rest[..keep];
+            }
+            let mut priority = None;
+            if flags & PRIORITY != 0 {
+                if payload.len() < 5 {
+                    return Err(invalid("a HEADERS frame too short for its priority"));
+                }
+                let mut fields = [0u8; 5];
+                fields.copy_from_slice(&payload[..5]);
+                priority = Some(fields);
+                payload = &payload[5..];
+            }
+            self.block = Some(Block {
+                stream,
+                end_stream: flags & END_STREAM != 0,
+                priority,
+                bytes: payload.to_vec(),
+            });
+        } else {
+            let Some(block) = self.block.as_mut() else {
+                // h2 says what is wrong with a CONTINUATION that continues nothing.
+                self.output.put(frame);
+                return Ok(());
+            };
+            if block.bytes.len() + payload.len() > MAX_BLOCK {
+                return Err(invalid("a header block over 1 MiB"));
+            }
+            block.bytes.extend_from_slice(payload);
+        }
+        if flags & END_HEADERS != 0 {
+            if let Some(block) = self.block.take() {
+                self.write_block(block)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The block decoded, its authority made valid, encoded again, and written as a HEADERS
+    /// frame (and CONTINUATIONs when it needs them).
+    fn write_block(&mut self, block: Block) -> io::Result<()> {
+        let mut fields = self
+            .decoder
+            .decode(&block.bytes)
+            .map_err(|error| invalid(&format!("a header block HPACK cannot read: {error:?}")))?;
+        for (name, value) in &mut fields {
+            if name.as_slice() == b":authority"
+                && http::uri::Authority::try_from(value.as_slice()).is_err()
+            {
+                *value = LOCALHOST.to_vec();
+            }
+        }
+        let encoded = self
+            .encoder
+            .encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let mut rest = &encoded[..];
+        let mut first = true;
+        loop {
+            let room = MAX_FRAME
+                - if first && block.priority.is_some() {
+                    5
+                } else {
+                    0
+                };
+            let n = rest.len().min(room);
+            let last = n == rest.len();
+            let (kind, mut flags) = if first {
+                (HEADERS, if block.end_stream { END_STREAM } else { 0 })
+            } else {
+                (CONTINUATION, 0)
+            };
+            if last {
+                flags |= END_HEADERS;
+            }
+            let priority = block.priority.filter(|_| first);
+            if priority.is_some() {
+                flags |= PRIORITY;
+            }
+            let len = n + priority.map_or(0, |p| p.len());
+            self.output
+                .put_slice(&u32::try_from(len).unwrap_or(0).to_be_bytes()[1..]);
+            self.output.put_u8(kind);
+            self.output.put_u8(flags);
+            self.output.put_slice(&block.stream);
+            if let Some(priority) = priority {
+                self.output.put_slice(&priority);
+            }
+            self.output.put_slice(&rest[..n]);
+            rest = &rest[n..];
+            first = false;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_string())
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if !this.output.is_empty() {
+                let n = this.output.len().min(buf.remaining());
+                buf.put_slice(&this.output[..n]);
+                this.output.advance(n);
+                return Poll::Ready(Ok(()));
+            }
+            if this.ended {
+                // What is left is not whole: h2 sees it as it came, then the end.
+                let rest = this.input.split();
+                if rest.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                this.output.put(rest);
+                continue;
+            }
+            let mut chunk = [0u8; 16 << 10];
+            let mut read = ReadBuf::new(&mut chunk);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Ready(Ok(())) => {
+                    if read.filled().is_empty() {
+                        this.ended = true;
+                    } else {
+                        this.input.extend_from_slice(read.filled());
+                        this.handle()?;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = (u32::try_from(payload.len()).unwrap().to_be_bytes()[1..]).to_vec();
+        out.extend_from_slice(&[kind, flags]);
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// What h2 would read from `input`, split into frames: (kind, flags, stream, payload).
+    async fn through(input: Vec<u8>) -> (Vec<u8>, Vec<(u8, u8, u32, Vec<u8>)>) {
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        client.write_all(&input).await.unwrap();
+        drop(client);
+        let mut fixed = AuthorityFix::new(server);
+        let mut out = Vec::new();
+        fixed.read_to_end(&mut out).await.unwrap();
+        let preface = out[..PREFACE_LEN].to_vec();
+        let mut frames = Vec::new();
+        let mut rest = &out[PREFACE_LEN..];
+        while !rest.is_empty() {
+            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+            let stream = u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]);
+            frames.push((rest[3], rest[4], stream, rest[9..9 + len].to_vec()));
+            rest = &rest[9 + len..];
+        }
+        (preface, frames)
+    }
+
+    fn call_headers(authority: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        [
+            (&b":method"[..], &b"POST"[..]),
+            (b":scheme", b"http"),
+            (b":path", b"/tensorflow.serving.PredictionService/Predict"),
+            (b":authority", authority),
+            (b"te", b"trailers"),
+        ]
+        .iter()
+        .map(|(n, v)| (n.to_vec(), v.to_vec()))
+        .collect()
+    }
+
+    #[tokio::test]
+    async fn a_path_as_authority_becomes_localhost_and_everything_else_passes() {
+        const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+        // The client's encoder: the path indexed on the first call, referenced on the second.
+        let mut client = fluke_hpack::Encoder::new();
+        let path_authority = call_headers(b"%2Frun%2Ftfs.sock");
+        let pairs = |h: &Vec<(Vec<u8>, Vec<u8>)>| {
+            h.iter()
+                .map(|(n, v)| (n.to_vec(), v.to_vec()))
+                .collect::<Vec<_>>()
+        };
+        let first = client.encode(path_authority.iter().map(|(n, v)| (&n[..], &v[..])));
+        let second = client.encode(path_authority.iter().map(|(n, v)| (&n[..], &v[..])));
+        let valid = call_headers(b"localhost:8500");
+        let third = client.encode(valid.iter().map(|(n, v)| (&n[..], &v[..])));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+                                             // HEADERS padded and with a priority, its block split over a CONTINUATION.
+        let (head, tail) = first.split_at(first.len() / 2);
+        let mut payload = vec![3u8]; // pad length
+        payload.extend_from_slice(&[0, 0, 0, 0, 15]); // priority
+        payload.extend_from_slice(head);
+        payload.extend_from_slice(&[0, 0, 0]);
+        input.extend(frame(HEADERS, PADDED | PRIORITY, 1, &payload));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, tail));
+        input.extend(frame(0x0, END_STREAM, 1, b"data as it is"));
+        input.extend(frame(HEADERS, END_HEADERS | END_STREAM, 3, &second));
+        input.extend(frame(HEADERS, END_HEADERS, 5, &third));
+        let (preface, frames) = through(input).await;
+        assert_eq!(preface, PREFACE);
+        let kinds: Vec<(u8, u8, u32)> = frames.iter().map(|f| (f.0, f.1, f.2)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (0x4, 0, 0),
+                (HEADERS, END_HEADERS | PRIORITY, 1),
+                (0x0, END_STREAM, 1),
+                (HEADERS, END_HEADERS | END_STREAM, 3),
+                (HEADERS, END_HEADERS, 5),
+            ]
+        );
+        assert_eq!(frames[1].3[..5], [0, 0, 0, 0, 15], "the priority kept");
+        assert_eq!(frames[2].3, b"data as it is");
+        // What h2's decoder reads, in order, with the state the front door's encoder left.
+        let mut server = fluke_hpack::Decoder::new();
+        let read = |block: &[u8], server: &mut fluke_hpack::Decoder<'_>| {
+            pairs(&server.decode(block).unwrap())
+        };
+        let localhost = call_headers(b"localhost");
+        assert_eq!(read(&frames[1].3[5..], &mut server), localhost);
+        assert_eq!(read(&frames[3].3, &mut server), localhost);
+        assert_eq!(
+            read(&frames[4].3, &mut server),
+            valid,
+            "a valid authority is kept"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_block_longer_than_a_frame_goes_on_in_continuations() {
+        let mut client = fluke_hpack::Encoder::new();
+        let mut headers = call_headers(b"%2Frun%2Ftfs.sock");
+        headers.push((b"x-big".to_vec(), vec![b'v'; 40_000]));
+        let block = client.encode(headers.iter().map(|(n, v)| (&n[..], &v[..])));
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        for (i, piece) in block.chunks(16_000).enumerate() {
+            let kind = if i == 0 { HEADERS } else { CONTINUATION };
+            let last = (i + 1) * 16_000 >= block.len();
+            input.extend(frame(kind, if last { END_HEADERS } else { 0 }, 1, piece));
+        }
+        let (_, frames) = through(input).await;
+        assert!(frames.len() >= 3 && frames.iter().all(|f| f.3.len() <= MAX_FRAME));
+        assert_eq!(frames[0].0, HEADERS);
+        assert!(frames[1..].iter().all(|f| f.0 == CONTINUATION));
+        assert_eq!(frames.last().map(|f| f.1), Some(END_HEADERS));
+        let joined: Vec<u8> = frames.iter().flat_map(|f| f.3.clone()).collect();
+        let decoded = fluke_hpack::Decoder::new().decode(&joined).unwrap();
+        assert_eq!(decoded[3].1, b"localhost");
+        assert_eq!(decoded[5].1.len(), 40_000);
+    }
+
+    #[tokio::test]
+    async fn a_block_hpack_cannot_read_ends_the_connection() {
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &[0xff, 0xff, 0xff, 0xff, 0xff],
+        ));
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        client.write_all(&input).await.unwrap();
+        drop(client);
+        let mut out = Vec::new();
+        let error = AuthorityFix::new(server)
+            .read_to_end(&mut out)
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+    }
+}
