@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpc_socket_path",
         "--grpc-socket-path",
         dest="grpc_socket_path",
-        type=Path,
+        default="",
         metavar="PATH",
         help="serve gRPC on this UNIX socket too (TF Serving's flag): a client on this host "
         "(a sidecar) skips TCP; its calls count as local ones. A socket left at the path is "

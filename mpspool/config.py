@@ -476,14 +476,24 @@ class PoolConfig:
                 f"--grpc_socket_path must be an absolute path of at most 107 bytes (a UNIX "
                 f"socket's), got {path!r}"
             )
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ConfigError(f"--grpc_socket_path {path}: its directory does not exist")
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
             mode = None
+        except OSError as exc:
+            raise ConfigError(f"--grpc_socket_path {path}: {exc.strerror}") from None
         if mode is not None and not stat.S_ISSOCK(mode):
             raise ConfigError(f"--grpc_socket_path {path} exists and is not a socket")
-        if not os.path.isdir(os.path.dirname(path)):
-            raise ConfigError(f"--grpc_socket_path {path}: its directory does not exist")
+        if mode is not None:
+            import socket
+
+            with socket.socket(socket.AF_UNIX) as probe:
+                if probe.connect_ex(path) == 0:
+                    raise ConfigError(
+                        f"--grpc_socket_path {path} is a socket another server listens on"
+                    )
 
     def threads_per_worker(self, slot: str) -> int:
         """A worker's TensorFlow intra-op threads: --intra-op-threads, else the placement's

@@ -108,8 +108,12 @@ def test_a_path_that_cannot_be_the_socket_is_refused_before_anything_starts(
 ) -> None:
     taken = tmp_path / "notes.txt"
     taken.write_text("mine")
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "live.sock"))
+    live.listen()
     for path, says in (
         (taken, "exists and is not a socket"),
+        (tmp_path / "live.sock", "is a socket another server listens on"),
         (Path("/tmp") / ("s" * 120), "at most 107 bytes"),
         (tmp_path / "missing" / "tfs.sock", "its directory does not exist"),
     ):
@@ -120,6 +124,7 @@ def test_a_path_that_cannot_be_the_socket_is_refused_before_anything_starts(
         )  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert says in done.stderr, done.stderr
+    live.close()
     assert taken.read_text() == "mine"
 
 
@@ -128,4 +133,6 @@ def test_a_relative_path_is_made_absolute_at_start(flag: str, tmp_path: Path) ->
     from mpspool.cli import build_parser
 
     args = build_parser().parse_args(["start", "--demo", flag, "tfs.sock"])
-    assert args.grpc_socket_path == Path("tfs.sock")
+    assert args.grpc_socket_path == "tfs.sock"
+    # Empty, TF Serving's default: no socket.
+    assert build_parser().parse_args(["start", "--demo", f"{flag}="]).grpc_socket_path == ""

@@ -3,6 +3,7 @@ real pool and the official client. Certificates are made here with the `openssl`
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,21 +81,25 @@ def pool(
     tmp = tmp_path_factory.mktemp("tls")
     config = tmp / "ssl.config"
     config.write_text(_ssl_config(certs, client_verify=True))
-    pool = Pool(tmp, demo_model_dir, 1, "--ssl_config_file", str(config))
+    socket_path = f"/tmp/mpspool-tls-{os.getpid()}.sock"  # short: a socket path's limit
+    pool = Pool(
+        tmp, demo_model_dir, 1, "--ssl_config_file", str(config), "--grpc_socket_path", socket_path
+    )
     try:
         pool.start().wait_ready(1)
         yield pool
         assert pool.stop() == 0
     finally:
         pool.kill()
+        Path(socket_path).unlink(missing_ok=True)
 
 
-def _predict(pool: Pool, credentials: grpc.ChannelCredentials | None) -> None:
+def _predict(pool: Pool, credentials: grpc.ChannelCredentials | None, target: str = "") -> None:
     request = predict_pb2.PredictRequest()
     request.model_spec.name = "demo"
     for name, array in demo_inputs(2, DEMO_ROWS, seed=1).items():
         request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
-    target = f"127.0.0.1:{pool.port}"
+    target = target or f"127.0.0.1:{pool.port}"
     options = [("grpc.ssl_target_name_override", "localhost")]
     channel: grpc.Channel
     if credentials is None:
@@ -117,6 +122,16 @@ def _credentials(certs: Path, ca: str = "ca.pem", client: bool = True) -> grpc.C
 
 def test_mutual_tls_serves_a_client_with_its_certificate(pool: Pool, certs: Path) -> None:
     _predict(pool, _credentials(certs))
+
+
+def test_the_unix_socket_takes_tls_as_the_port_does(pool: Pool, certs: Path) -> None:
+    # TF Serving applies --ssl_config_file to --grpc_socket_path too; the C core's own
+    # :authority (the socket's path) is fixed on the decrypted frames.
+    target = pool.status()["pool"]["grpc_socket"]
+    _predict(pool, _credentials(certs), target)
+    with pytest.raises(grpc.RpcError) as info:
+        _predict(pool, None, target)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ use crate::log::Throttle;
 use crate::preface::{self, Rewound};
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionServiceServer;
+use crate::uds_authority::AuthorityFix;
 
 /// The names grpc.health.v1 answers for: the server as a whole, and TF Serving's services by
 /// their full and short names (what TF Serving's own health checks and load balancers ask).
@@ -52,7 +53,7 @@ use crate::{log_info, log_warn};
 
 const STREAM_WINDOW: u32 = 4 << 20;
 const CONNECTION_WINDOW: u32 = 16 << 20;
-const MAX_FRAME: u32 = 1 << 20;
+pub const MAX_FRAME: u32 = 1 << 20;
 
 pub struct Limits {
     pub max_message_bytes: usize,
@@ -376,8 +377,6 @@ impl Accepting {
             connection_limit::refuse_unix(stream, &words);
             return;
         };
-        // Each call's :authority made one h2 takes (gRPC's C core sends the socket's path).
-        let stream = crate::uds_authority::AuthorityFix::new(stream);
         self.serve_grpc(stream, Some(Peer::Unix), "the UNIX socket".into(), admitted);
     }
 
@@ -396,9 +395,12 @@ impl Accepting {
     {
         let watch = AnswerWatch::new(self.reading.stall);
         let service = connection_service(&self.routes, &self.reading, peer, &watch);
+        // The UNIX socket's calls get an :authority h2 takes (gRPC's C core sends the
+        // socket's path): uds_authority, on the decrypted frames.
+        let fixing = matches!(peer, Some(Peer::Unix));
         tokio::spawn(serve_accepted(
             stream,
-            who,
+            (who, fixing),
             self.tls.clone(),
             service,
             watch,
@@ -443,17 +445,27 @@ impl Accepting {
 pub struct UnixSocket {
     listener: tokio::net::UnixListener,
     path: std::path::PathBuf,
+    /// The file this process bound (device, inode): only that one is removed.
+    file: (u64, u64),
 }
 
 impl UnixSocket {
-    /// Binds `path`, first removing a socket left there (a front door that was killed
-    /// leaves its file; gRPC's own servers unlink one too). Anything else at the path is
-    /// left alone and refused.
+    /// Binds `path`, first removing a socket left there that nobody answers on (a front
+    /// door that was killed leaves its file). A socket some server still listens on, or
+    /// anything that is not a socket, is left alone and refused.
     pub fn bind(path: &std::path::Path) -> Result<UnixSocket, String> {
-        use std::os::unix::fs::FileTypeExt;
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
         match std::fs::symlink_metadata(path) {
-            Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
-                .map_err(|e| format!("cannot remove the old socket {}: {e}", path.display()))?,
+            Ok(meta) if meta.file_type().is_socket() => {
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(format!(
+                        "{} is a socket another server listens on: not replaced",
+                        path.display()
+                    ));
+                }
+                std::fs::remove_file(path)
+                    .map_err(|e| format!("cannot remove the old socket {}: {e}", path.display()))?
+            }
             Ok(_) => {
                 return Err(format!(
                     "{} exists and is not a socket: not replaced",
@@ -464,16 +476,25 @@ impl UnixSocket {
         }
         let listener = tokio::net::UnixListener::bind(path)
             .map_err(|e| format!("cannot listen on the UNIX socket {}: {e}", path.display()))?;
+        let meta = std::fs::symlink_metadata(path)
+            .map_err(|e| format!("cannot read the socket {} just bound: {e}", path.display()))?;
         Ok(UnixSocket {
             listener,
             path: path.to_path_buf(),
+            file: (meta.dev(), meta.ino()),
         })
     }
 }
 
 impl Drop for UnixSocket {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        use std::os::unix::fs::MetadataExt;
+        // Another server may have bound the path since (after removing ours): not ours.
+        let ours = std::fs::symlink_metadata(&self.path)
+            .is_ok_and(|meta| (meta.dev(), meta.ino()) == self.file);
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -608,7 +629,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 #[allow(clippy::too_many_arguments)]
 async fn serve_accepted<I, S>(
     stream: I,
-    peer: String,
+    (peer, fixing): (String, bool),
     tls: Option<tokio_rustls::TlsAcceptor>,
     service: S,
     answers: AnswerWatch,
@@ -628,6 +649,7 @@ async fn serve_accepted<I, S>(
 {
     let (done, admitted) = held;
     let Some(tls) = tls else {
+        let stream = AuthorityFix::new(stream, fixing);
         if let Some(stream) = started(stream, start_limit, &mut ending).await {
             let end = serve_connection(stream, service, Some(answers), lifespan, ending, done);
             admitted.ended(end.await);
@@ -636,6 +658,7 @@ async fn serve_accepted<I, S>(
     };
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
         Ok(Ok(stream)) => {
+            let stream = AuthorityFix::new(stream, fixing);
             if let Some(stream) = started(stream, start_limit, &mut ending).await {
                 let end = serve_connection(stream, service, Some(answers), lifespan, ending, done);
                 admitted.ended(end.await);
@@ -925,6 +948,19 @@ mod tests {
         assert!(client.is_ok(), "{client:?}");
         assert!(accept_unix(&Some(socket)).await.is_ok());
         assert!(!path.exists(), "dropped with its listener");
+        // A socket a live server listens on is not taken over.
+        let live = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let refused = UnixSocket::bind(&path).err().unwrap();
+        assert!(refused.contains("another server listens on"), "{refused}");
+        drop(live);
+        // The path bound again by another after ours was removed: ours does not remove it.
+        let socket = UnixSocket::bind(&path).expect("a dead socket replaced");
+        std::fs::remove_file(&path).unwrap();
+        let other = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        drop(socket);
+        assert!(path.exists(), "the other server's socket stays");
+        drop(other);
+        std::fs::remove_file(&path).unwrap();
         // Anything else at the path is not ours to remove.
         std::fs::write(&path, b"data").unwrap();
         let refused = UnixSocket::bind(&path).err().unwrap();

@@ -25,11 +25,14 @@ const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
-/// The frames written to h2 stay within HTTP/2's default SETTINGS_MAX_FRAME_SIZE, which h2
-/// advertises.
-const MAX_FRAME: usize = 16_384;
+/// The frames written to h2 stay within the SETTINGS_MAX_FRAME_SIZE the front door advertises.
+const MAX_FRAME: usize = crate::server::MAX_FRAME as usize;
 /// A header block this long is not a gRPC call's: the connection is ended.
 const MAX_BLOCK: usize = 1 << 20;
+/// Nor is a header list this large once decoded (each field's name and value plus 32, as
+/// HTTP/2 counts them; h2 itself refuses a call over 16 KiB). Bounded while decoding, since
+/// a small block of references to one large table entry decodes to gigabytes.
+const MAX_LIST: usize = 64 << 10;
 /// HPACK's default dynamic table size, the most h2 lets a client's encoder use.
 const TABLE_SIZE: usize = 4096;
 const LOCALHOST: &[u8] = b"localhost";
@@ -51,6 +54,8 @@ struct Block {
 
 pub struct AuthorityFix<S> {
     inner: S,
+    /// Off: every byte passes as it is (the TCP port's connections).
+    fixing: bool,
     reading: Reading,
     /// Read from the client, not handled yet.
     input: BytesMut,
@@ -63,11 +68,14 @@ pub struct AuthorityFix<S> {
 }
 
 impl<S> AuthorityFix<S> {
-    pub fn new(inner: S) -> AuthorityFix<S> {
+    /// `inner`'s calls, their authorities fixed when `fixing` (after any TLS: the frames are
+    /// the decrypted ones).
+    pub fn new(inner: S, fixing: bool) -> AuthorityFix<S> {
         let mut decoder = fluke_hpack::Decoder::new();
         decoder.set_max_allowed_table_size(TABLE_SIZE);
         AuthorityFix {
             inner,
+            fixing,
             reading: Reading::Preface,
             input: BytesMut::with_capacity(16 << 10),
             output: BytesMut::with_capacity(16 << 10),
@@ -130,6 +138,9 @@ impl<S> AuthorityFix<S> {
         let stream = [frame[5], frame[6], frame[7], frame[8]];
         let mut payload = &frame[FRAME_HEADER_LEN..];
         if kind == HEADERS {
+            if self.block.is_some() {
+                return Err(invalid("a HEADERS frame inside another's header block"));
+            }
             if flags & PADDED != 0 {
                 let (&pad, rest) = payload
                     .split_first()
@@ -175,62 +186,63 @@ impl<S> AuthorityFix<S> {
         Ok(())
     }
 
-    /// The block decoded, its authority made valid, encoded again, and written as a HEADERS
-    /// frame (and CONTINUATIONs when it needs them).
+    /// The block decoded, its authority made valid, encoded again, and written as one HEADERS
+    /// frame.
     fn write_block(&mut self, block: Block) -> io::Result<()> {
-        let mut fields = self
-            .decoder
-            .decode(&block.bytes)
-            .map_err(|error| invalid(&format!("a header block HPACK cannot read: {error:?}")))?;
-        for (name, value) in &mut fields {
-            if name.as_slice() == b":authority"
-                && http::uri::Authority::try_from(value.as_slice()).is_err()
-            {
-                *value = LOCALHOST.to_vec();
+        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut size = 0usize;
+        let decoder = &mut self.decoder;
+        // fluke-hpack panics on some malformed size updates rather than returning an error:
+        // the connection ends either way, but not its task.
+        let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            decoder.decode_with_cb(&block.bytes, |name, value| {
+                size = size.saturating_add(name.len() + value.len() + 32);
+                if size <= MAX_LIST {
+                    let value = if name.as_ref() == b":authority"
+                        && http::uri::Authority::try_from(value.as_ref()).is_err()
+                    {
+                        LOCALHOST.to_vec()
+                    } else {
+                        value.into_owned()
+                    };
+                    fields.push((name.into_owned(), value));
+                }
+            })
+        }));
+        match decoded {
+            Ok(Ok(())) if size <= MAX_LIST => {}
+            Ok(Ok(())) => return Err(invalid("a header list over 64 KiB")),
+            Ok(Err(error)) => {
+                return Err(invalid(&format!(
+                    "a header block HPACK cannot read: {error:?}"
+                )))
             }
+            Err(_) => return Err(invalid("a header block HPACK cannot read")),
         }
         let encoded = self
             .encoder
             .encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
-        let mut rest = &encoded[..];
-        let mut first = true;
-        loop {
-            let room = MAX_FRAME
-                - if first && block.priority.is_some() {
-                    5
-                } else {
-                    0
-                };
-            let n = rest.len().min(room);
-            let last = n == rest.len();
-            let (kind, mut flags) = if first {
-                (HEADERS, if block.end_stream { END_STREAM } else { 0 })
-            } else {
-                (CONTINUATION, 0)
-            };
-            if last {
-                flags |= END_HEADERS;
-            }
-            let priority = block.priority.filter(|_| first);
-            if priority.is_some() {
-                flags |= PRIORITY;
-            }
-            let len = n + priority.map_or(0, |p| p.len());
-            self.output
-                .put_slice(&u32::try_from(len).unwrap_or(0).to_be_bytes()[1..]);
-            self.output.put_u8(kind);
-            self.output.put_u8(flags);
-            self.output.put_slice(&block.stream);
-            if let Some(priority) = priority {
-                self.output.put_slice(&priority);
-            }
-            self.output.put_slice(&rest[..n]);
-            rest = &rest[n..];
-            first = false;
-            if last {
-                return Ok(());
-            }
+        // One frame holds it: a field is encoded in no more than the 32 bytes it is counted
+        // over its name and value, so the block is within MAX_LIST.
+        const _: () = assert!(MAX_LIST + 5 <= MAX_FRAME);
+        let mut flags = END_HEADERS;
+        if block.end_stream {
+            flags |= END_STREAM;
         }
+        if block.priority.is_some() {
+            flags |= PRIORITY;
+        }
+        let len = encoded.len() + block.priority.map_or(0, |p| p.len());
+        self.output
+            .put_slice(&u32::try_from(len).unwrap_or(0).to_be_bytes()[1..]);
+        self.output.put_u8(HEADERS);
+        self.output.put_u8(flags);
+        self.output.put_slice(&block.stream);
+        if let Some(priority) = block.priority {
+            self.output.put_slice(&priority);
+        }
+        self.output.put_slice(&encoded);
+        Ok(())
     }
 }
 
@@ -245,6 +257,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if !this.fixing {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        }
         loop {
             if !this.output.is_empty() {
                 let n = this.output.len().min(buf.remaining());
@@ -327,7 +342,7 @@ mod tests {
         let (mut client, server) = tokio::io::duplex(1 << 20);
         client.write_all(&input).await.unwrap();
         drop(client);
-        let mut fixed = AuthorityFix::new(server);
+        let mut fixed = AuthorityFix::new(server, true);
         let mut out = Vec::new();
         fixed.read_to_end(&mut out).await.unwrap();
         let preface = out[..PREFACE_LEN].to_vec();
@@ -414,7 +429,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_block_longer_than_a_frame_goes_on_in_continuations() {
+    async fn a_block_over_several_frames_goes_on_in_one() {
         let mut client = fluke_hpack::Encoder::new();
         let mut headers = call_headers(b"%2Frun%2Ftfs.sock");
         headers.push((b"x-big".to_vec(), vec![b'v'; 40_000]));
@@ -426,33 +441,58 @@ mod tests {
             input.extend(frame(kind, if last { END_HEADERS } else { 0 }, 1, piece));
         }
         let (_, frames) = through(input).await;
-        assert!(frames.len() >= 3 && frames.iter().all(|f| f.3.len() <= MAX_FRAME));
-        assert_eq!(frames[0].0, HEADERS);
-        assert!(frames[1..].iter().all(|f| f.0 == CONTINUATION));
-        assert_eq!(frames.last().map(|f| f.1), Some(END_HEADERS));
-        let joined: Vec<u8> = frames.iter().flat_map(|f| f.3.clone()).collect();
-        let decoded = fluke_hpack::Decoder::new().decode(&joined).unwrap();
+        assert_eq!(frames.len(), 1);
+        assert_eq!((frames[0].0, frames[0].1), (HEADERS, END_HEADERS));
+        let decoded = fluke_hpack::Decoder::new().decode(&frames[0].3).unwrap();
         assert_eq!(decoded[3].1, b"localhost");
         assert_eq!(decoded[5].1.len(), 40_000);
     }
 
-    #[tokio::test]
-    async fn a_block_hpack_cannot_read_ends_the_connection() {
+    async fn ended_by(block: &[u8]) -> io::Error {
         let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        input.extend(frame(
-            HEADERS,
-            END_HEADERS,
-            1,
-            &[0xff, 0xff, 0xff, 0xff, 0xff],
-        ));
-        let (mut client, server) = tokio::io::duplex(1 << 16);
+        input.extend(frame(HEADERS, END_HEADERS, 1, block));
+        let (mut client, server) = tokio::io::duplex(1 << 21);
         client.write_all(&input).await.unwrap();
         drop(client);
         let mut out = Vec::new();
-        let error = AuthorityFix::new(server)
+        AuthorityFix::new(server, true)
             .read_to_end(&mut out)
             .await
-            .unwrap_err();
-        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+            .unwrap_err()
+    }
+
+    #[tokio::test]
+    async fn a_block_hpack_cannot_read_ends_the_connection_and_never_its_task() {
+        let blocks: [&[u8]; 3] = [&[0xff; 5], &[0x3f], &[0x3f, 0xff, 0xff, 0xff, 0xff, 0xff]];
+        for block in blocks {
+            let error = ended_by(block).await;
+            assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{block:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_small_block_that_decodes_to_a_huge_list_ends_the_connection() {
+        // One 4 KB entry in the table, then half a million one-byte references to it: 2 GB
+        // if decoded whole.
+        let mut client = fluke_hpack::Encoder::new();
+        let mut block = client.encode([(&b"x-big"[..], &[b'v'; 4000][..])]);
+        block.extend(std::iter::repeat_n(0x80 | 62, 1 << 19));
+        let error = ended_by(&block).await;
+        assert_eq!(error.to_string(), "a header list over 64 KiB");
+    }
+
+    #[tokio::test]
+    async fn off_it_passes_every_byte_as_it_is() {
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        bytes.extend(frame(HEADERS, END_HEADERS, 1, &[0xff; 5]));
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        client.write_all(&bytes).await.unwrap();
+        drop(client);
+        let mut out = Vec::new();
+        AuthorityFix::new(server, false)
+            .read_to_end(&mut out)
+            .await
+            .unwrap();
+        assert_eq!(out, bytes);
     }
 }
