@@ -4,11 +4,15 @@
 //! gRPC's C core (Python, C++ clients) names a `unix:` target's percent-encoded path as the
 //! `:authority` of its calls (`%2Frun%2Ftfs.sock`), and h2 resets every stream whose authority
 //! is not a URI authority (hyperium/h2#487), while TF Serving's gRPC server takes it. So on
-//! this listener the client's header blocks are decoded (HPACK, with the client's encoding
-//! state), an authority that is not a valid one becomes `localhost` (what grpc-go and tonic
+//! this listener a connection's first header block is decoded (HPACK, with the client's
+//! encoding state). If its authority is valid (grpc-go, tonic, a client that sets
+//! `grpc.default_authority`), the block and everything after it pass as they came: the
+//! connection costs nothing more. If not, the connection is rewritten: each header block is
+//! decoded, an authority that is not a valid one becomes `localhost` (what grpc-go and tonic
 //! send on a UNIX socket), and the block is encoded again for h2 (with this connection's own
-//! encoding state, which h2's decoder follows). Every other frame passes as it came; what the
-//! front door writes is not touched. The TCP port never goes through here.
+//! encoding state, which h2's decoder follows); a gRPC channel names one authority for all
+//! its calls. Every other frame passes as it came; what the front door writes is not
+//! touched. The TCP port never goes through here.
 
 use std::io;
 use std::pin::Pin;
@@ -50,12 +54,19 @@ struct Block {
     end_stream: bool,
     priority: Option<[u8; 5]>,
     bytes: Vec<u8>,
+    /// Its frames as they came, while the connection's first block decides (`deciding`).
+    frames: Vec<u8>,
 }
 
 pub struct AuthorityFix<S> {
     inner: S,
-    /// Off: every byte passes as it is (the TCP port's connections).
+    /// Off: every byte passes as it is (the TCP port's connections, and a connection whose
+    /// first block's authority was valid, once `output` is drained).
     fixing: bool,
+    /// Until the connection's first header block has been read.
+    deciding: bool,
+    /// What reads from `inner` land in (allocated once, not zeroed each time).
+    scratch: Vec<u8>,
     reading: Reading,
     /// Read from the client, not handled yet.
     input: BytesMut,
@@ -76,6 +87,12 @@ impl<S> AuthorityFix<S> {
         AuthorityFix {
             inner,
             fixing,
+            deciding: true,
+            scratch: if fixing {
+                vec![0; 16 << 10]
+            } else {
+                Vec::new()
+            },
             reading: Reading::Preface,
             input: BytesMut::with_capacity(16 << 10),
             output: BytesMut::with_capacity(16 << 10),
@@ -128,6 +145,11 @@ impl<S> AuthorityFix<S> {
                     }
                     let frame = self.input.split_to(FRAME_HEADER_LEN + len);
                     self.header_frame(&frame)?;
+                    if !self.fixing {
+                        // The first block's authority was valid: the rest as it comes.
+                        self.output.put(self.input.split());
+                        return Ok(());
+                    }
                 }
             }
         }
@@ -166,6 +188,11 @@ impl<S> AuthorityFix<S> {
                 end_stream: flags & END_STREAM != 0,
                 priority,
                 bytes: payload.to_vec(),
+                frames: if self.deciding {
+                    frame.to_vec()
+                } else {
+                    Vec::new()
+                },
             });
         } else {
             let Some(block) = self.block.as_mut() else {
@@ -177,6 +204,9 @@ impl<S> AuthorityFix<S> {
                 return Err(invalid("a header block over 1 MiB"));
             }
             block.bytes.extend_from_slice(payload);
+            if self.deciding {
+                block.frames.extend_from_slice(frame);
+            }
         }
         if flags & END_HEADERS != 0 {
             if let Some(block) = self.block.take() {
@@ -191,6 +221,7 @@ impl<S> AuthorityFix<S> {
     fn write_block(&mut self, block: Block) -> io::Result<()> {
         let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         let mut size = 0usize;
+        let mut replaced = false;
         let decoder = &mut self.decoder;
         // fluke-hpack panics on some malformed size updates rather than returning an error:
         // the connection ends either way, but not its task.
@@ -201,6 +232,7 @@ impl<S> AuthorityFix<S> {
                     let value = if name.as_ref() == b":authority"
                         && http::uri::Authority::try_from(value.as_ref()).is_err()
                     {
+                        replaced = true;
                         LOCALHOST.to_vec()
                     } else {
                         value.into_owned()
@@ -218,6 +250,12 @@ impl<S> AuthorityFix<S> {
                 )))
             }
             Err(_) => return Err(invalid("a header block HPACK cannot read")),
+        }
+        if std::mem::take(&mut self.deciding) && !replaced {
+            // h2 reads this connection as the client wrote it, from its first block on.
+            self.output.put_slice(&block.frames);
+            self.fixing = false;
+            return Ok(());
         }
         let encoded = self
             .encoder
@@ -257,7 +295,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if !this.fixing {
+        if !this.fixing && this.output.is_empty() {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         loop {
@@ -276,8 +314,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
                 this.output.put(rest);
                 continue;
             }
-            let mut chunk = [0u8; 16 << 10];
-            let mut read = ReadBuf::new(&mut chunk);
+            if !this.fixing {
+                return Pin::new(&mut this.inner).poll_read(cx, buf);
+            }
+            let mut read = ReadBuf::new(&mut this.scratch);
             match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
@@ -479,6 +519,30 @@ mod tests {
         block.extend(std::iter::repeat_n(0x80 | 62, 1 << 19));
         let error = ended_by(&block).await;
         assert_eq!(error.to_string(), "a header list over 64 KiB");
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_first_authority_is_valid_passes_as_it_came() {
+        // grpc-go, tonic, or a client with grpc.default_authority: decoded once, then nothing.
+        let mut client = fluke_hpack::Encoder::new();
+        let valid = call_headers(b"localhost");
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(0x4, 0, 0, &[]));
+        for stream in [1u32, 3, 5] {
+            let block = client.encode(valid.iter().map(|(n, v)| (&n[..], &v[..])));
+            let (head, tail) = block.split_at(block.len() / 2);
+            input.extend(frame(HEADERS, 0, stream, head));
+            input.extend(frame(CONTINUATION, END_HEADERS, stream, tail));
+            input.extend(frame(0x0, END_STREAM, stream, b"tensor bytes"));
+        }
+        let (mut writer, server) = tokio::io::duplex(1 << 20);
+        writer.write_all(&input).await.unwrap();
+        drop(writer);
+        let mut out = Vec::new();
+        let mut fixed = AuthorityFix::new(server, true);
+        fixed.read_to_end(&mut out).await.unwrap();
+        assert_eq!(out, input);
+        assert!(!fixed.fixing, "decided after the first block");
     }
 
     #[tokio::test]
