@@ -331,15 +331,8 @@ impl Accepting {
     /// Serves a gRPC connection the listener gave, or refuses it at the limit; after a failed
     /// accept, backs off a little rather than spin.
     async fn grpc(&self, accepted: std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)>) {
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(error) => {
-                if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
-                    log_warn!("accept failed ({count} since the last line): {error}");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                return;
-            }
+        let Some((stream, _)) = accepted_or_back_off(accepted).await else {
+            return;
         };
         let Some(admitted) = self.connections.admit() else {
             let words = self.grpc_refusal();
@@ -355,26 +348,12 @@ impl Accepting {
     /// A connection to the UNIX socket (`--grpc_socket_path`): served as a TCP one is, under
     /// the same limit, drain and TLS, its calls local to this host.
     async fn grpc_unix(&self, accepted: std::io::Result<tokio::net::UnixStream>) {
-        let stream = match accepted {
-            Ok(stream) => stream,
-            Err(error) => {
-                if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
-                    log_warn!("accept failed ({count} since the last line): {error}");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                return;
-            }
+        let Some(stream) = accepted_or_back_off(accepted).await else {
+            return;
         };
         let Some(admitted) = self.connections.admit() else {
-            let words = self.grpc_refusal();
-            if let Some(count) = REFUSALS.note(std::time::Instant::now()) {
-                log_warn!(
-                    "refused {count} client connection(s) since the last line: {} are open, \
-                     the most kept at once (--max-connections)",
-                    self.connections.most()
-                );
-            }
-            connection_limit::refuse_unix(stream, &words);
+            self.note_refusal();
+            connection_limit::refuse_unix(stream, &self.grpc_refusal());
             return;
         };
         self.serve_grpc(stream, Some(Peer::Unix), "the UNIX socket".into(), admitted);
@@ -429,6 +408,12 @@ impl Accepting {
     }
 
     fn refuse(&self, stream: tokio::net::TcpStream, words: &[u8]) {
+        self.note_refusal();
+        connection_limit::refuse(stream, words);
+    }
+
+    /// Refusals for the limit come in floods: one line per `Throttle::EVERY`.
+    fn note_refusal(&self) {
         if let Some(count) = REFUSALS.note(std::time::Instant::now()) {
             log_warn!(
                 "refused {count} client connection(s) since the last line: {} are open, the \
@@ -436,7 +421,21 @@ impl Accepting {
                 self.connections.most()
             );
         }
-        connection_limit::refuse(stream, words);
+    }
+}
+
+/// An accepted gRPC connection, or None after a failed accept (EMFILE and friends), which is
+/// logged (throttled) and followed by a short pause rather than a spin.
+async fn accepted_or_back_off<T>(accepted: std::io::Result<T>) -> Option<T> {
+    match accepted {
+        Ok(stream) => Some(stream),
+        Err(error) => {
+            if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
+                log_warn!("accept failed ({count} since the last line): {error}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        }
     }
 }
 
