@@ -1,7 +1,9 @@
 """`ModelService/HandleReloadConfigRequest`: a ModelServerConfig for the pool's model, sent by a
-client through the front door, applied by the controller (its policy and labels, as a changed
-`--model_config_file` is), and answered once it has taken effect: every version the new
-policy wants is AVAILABLE, or could not load, and every label names a version that serves.
+client through the front door, applied by the controller (its policies and models at once, as
+a changed `--model_config_file` is), and answered once it has taken effect: every version the
+new policy wants is AVAILABLE, or could not load, and every label names a version that serves.
+Its labels are given only then, all together, and only if it succeeded (TF Serving swaps in
+its whole label map or none of it).
 
 The front door holds the client's call; the controller finds the request in the front door's
 snapshot and answers it with the control op `reload_done` (code and message, TF Serving's

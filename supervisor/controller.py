@@ -165,6 +165,9 @@ class Controller:
             for m in config.served_models()
         ]
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
+        # The labels the latest of them asks for, by model: given to the models only once the
+        # request has taken effect (a refused request changes no label, as in TF Serving).
+        self._reload_labels: dict[str, dict[str, int]] = {}
         # (router pid, names) of the models last told to the front door.
         self._models_told: tuple[int, list[str]] | None = None
         # Answers given to calls the front door still lists (a lost reply is sent again).
@@ -693,10 +696,17 @@ class Controller:
         except (DecodeError, ConfigError) as exc:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, str(exc))
             return
-        refused = self._apply_model_entries(entries, now, source)
+        # Policies and models apply now, labels once the request has taken effect: TF Serving
+        # builds its whole label map from the new config and swaps it in only if every label
+        # is valid (ServerCore::UpdateModelVersionLabelMap), so a refused reload leaves every
+        # label where it was, and none moves while the request's versions load.
+        labels_now = {m.name: dict(m.version_labels) for m in self.config.served_models()}
+        held = [dataclasses.replace(e, labels=labels_now.get(e.name, {})) for e in entries]
+        refused = self._apply_model_entries(held, now, source)
         if refused:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
             return
+        self._reload_labels = {e.name: dict(e.labels) for e in entries}
         self._reloads.append(request_id)
 
     def _answer_reloads(self) -> None:
@@ -709,7 +719,7 @@ class Controller:
                 model.on_disk,
                 model.available_versions(),
                 model.failed,
-                model.config.version_labels,
+                self._reload_labels.get(model.name, model.config.version_labels),
                 model.labels_told(),
                 model.config.allow_version_labels_for_unavailable_models,
             )
@@ -720,9 +730,28 @@ class Controller:
             return  # a model's versions are still on their way
         # The first model that did not take the change says why; else every one did.
         result = next((o for o in outcomes if o is not None and o[0]), (config_reload.OK, ""))
+        if result[0] == config_reload.OK:
+            self._give_reload_labels()
+        self._reload_labels = {}
         for request_id in self._reloads:
             self._tell_reload(request_id, *result)
         self._reloads = []
+
+    def _give_reload_labels(self) -> None:
+        """The labels of a HandleReloadConfigRequest that took effect, every model's at once,
+        told to the front door before the caller is answered."""
+        given = []
+        for name, labels in self._reload_labels.items():
+            model = self.models.get(name)
+            if model is None or model.removed or labels == model.config.version_labels:
+                continue
+            log.info("HandleReloadConfigRequest: model %s: labels %s", name, labels or "none")
+            self.config = self.config.with_versions(name, model.config.version_policy, labels)
+            given.append(model)
+        if given:
+            self.config.save(self.run_dir)
+        for model in given:
+            model.tell_router_labels()
 
     def _tell_reload(self, request_id: int, code: int, message: str) -> None:
         if code:

@@ -413,6 +413,11 @@ class ModelVersions:
             rows[group.version] = group.describe()
         return [rows[v] for v in sorted(rows)]
 
+    def tell_router_labels(self) -> None:
+        """The labels (and version table) to the front door now, not at the next reconcile:
+        a HandleReloadConfigRequest's caller is answered right after, and may call by them."""
+        self._tell_router_versions(router_answered=True)
+
     def _tell_router_versions(self, router_answered: bool) -> None:
         """The version table, to the front door when it changed or the front door is a new
         one (which starts with the configured version only)."""

@@ -1599,8 +1599,10 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     assert done[9][0] == 3
     assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
 
-    # A label on a version the policy leaves out: TF Serving's refusal, once settled.
-    pool.router.reload_requests[10] = reload_request(base, [2], {"canary": 1})
+    # A label on a version the policy leaves out: TF Serving's refusal, once settled. Its
+    # policy applies; its labels do not: canary, which it leaves out, stays (TF Serving swaps
+    # its label map only when every label is valid).
+    pool.router.reload_requests[10] = reload_request(base, [2], {"stable": 1})
     pool.tick()
     pool.tick(after_s=0.5)
     code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[10]
@@ -1609,6 +1611,9 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
         "Request to assign label to version 1 of model demo, which is not currently "
         "available for inference"
     )
+    assert pool.controller.policy.describe() == "specific:2"
+    assert pool.router.labels[-1] == {"canary": 2}, "no label moved or went"
+    assert pool.controller.status()["pool"]["version_labels"] == {"canary": 2}
 
 
 def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_one_waits(
@@ -1635,10 +1640,11 @@ def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_
     assert pool.router.labels[-1] == {"stable": 1, "canary": 2}, "canary ahead of version 2"
 
     # A new label on version 9 (not on disk) and stable moved to 2 while 2 loads.
+    # The labels move together once the request has taken effect, not one by one before.
     pool.router.reload_requests[7] = reload_request(base, [1, 2], {"stable": 2, "next": 9})
     pool.tick()
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
-    assert pool.router.labels[-1] == {"stable": 1, "next": 9}, "stable waits for 2"
+    assert pool.router.labels[-1] == {"stable": 1, "canary": 2}, "as before, while 2 loads"
     for name in ("cpu-0", "cpu-1"):
         pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
     pool.tick()
@@ -1655,7 +1661,7 @@ def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_
         "Request to assign label to version 9 of model demo, which is not currently "
         "available for inference",
     )
-    assert pool.router.labels[-1] == {"stable": 2}, "stable stays where it serves"
+    assert pool.router.labels[-1] == {"stable": 2, "next": 9}, "a refused reload moves none"
 
     # A label told ahead (next -> 9) moved to another version that does not serve: it stays
     # on 9, and the reload is refused, as TF Serving keeps a label in use where it is.
