@@ -14,6 +14,7 @@ mod control;
 mod decode_budget;
 mod dispatch;
 mod grpc;
+mod hpack;
 mod inference;
 mod json_nonfinite;
 mod json_tensor;

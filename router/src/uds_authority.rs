@@ -9,9 +9,9 @@
 //! `grpc.default_authority`), the block and everything after it pass as they came: the
 //! connection costs nothing more. If not, the connection is rewritten: each header block is
 //! decoded, an authority that is not a valid one becomes `localhost` (what grpc-go and tonic
-//! send on a UNIX socket), and the block is encoded again for h2 (with this connection's own
-//! encoding state, which h2's decoder follows); a gRPC channel names one authority for all
-//! its calls. Every other frame passes as it came; what the front door writes is not
+//! send on a UNIX socket), and the block is encoded again for h2 without HPACK's dynamic
+//! table, so h2's decoder has no state of this connection's to follow (`hpack.rs` does both);
+//! a gRPC channel names one authority for all its calls. Every other frame passes as it came; what the front door writes is not
 //! touched. The TCP port never goes through here.
 
 use std::io;
@@ -20,6 +20,8 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::hpack;
 
 const PREFACE_LEN: usize = 24;
 const FRAME_HEADER_LEN: usize = 9;
@@ -73,8 +75,9 @@ pub struct AuthorityFix<S> {
     /// Ready for h2.
     output: BytesMut,
     block: Option<Block>,
-    decoder: fluke_hpack::Decoder<'static>,
-    encoder: fluke_hpack::Encoder<'static>,
+    decoder: hpack::Decoder,
+    /// A block encoded again for h2 (kept between blocks, not allocated for each).
+    encoded: Vec<u8>,
     ended: bool,
 }
 
@@ -82,8 +85,6 @@ impl<S> AuthorityFix<S> {
     /// `inner`'s calls, their authorities fixed when `fixing` (after any TLS: the frames are
     /// the decrypted ones).
     pub fn new(inner: S, fixing: bool) -> AuthorityFix<S> {
-        let mut decoder = fluke_hpack::Decoder::new();
-        decoder.set_max_allowed_table_size(TABLE_SIZE);
         AuthorityFix {
             inner,
             fixing,
@@ -97,8 +98,8 @@ impl<S> AuthorityFix<S> {
             input: BytesMut::with_capacity(16 << 10),
             output: BytesMut::with_capacity(16 << 10),
             block: None,
-            decoder,
-            encoder: fluke_hpack::Encoder::new(),
+            decoder: hpack::Decoder::new(TABLE_SIZE),
+            encoded: Vec::new(),
             ended: false,
         }
     }
@@ -219,37 +220,41 @@ impl<S> AuthorityFix<S> {
     /// The block decoded, its authority made valid, encoded again, and written as one HEADERS
     /// frame.
     fn write_block(&mut self, block: Block) -> io::Result<()> {
-        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         let mut size = 0usize;
         let mut replaced = false;
-        let decoder = &mut self.decoder;
-        // fluke-hpack panics on some malformed size updates rather than returning an error:
-        // the connection ends either way, but not its task.
-        let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            decoder.decode_with_cb(&block.bytes, |name, value| {
-                size = size.saturating_add(name.len() + value.len() + 32);
-                if size <= MAX_LIST {
-                    let value = if name.as_ref() == b":authority"
-                        && http::uri::Authority::try_from(value.as_ref()).is_err()
-                    {
-                        replaced = true;
-                        LOCALHOST.to_vec()
-                    } else {
-                        value.into_owned()
-                    };
-                    fields.push((name.into_owned(), value));
+        let encoded = &mut self.encoded;
+        encoded.clear();
+        let decoded = self
+            .decoder
+            .decode(&block.bytes, |field: hpack::Field<'_>| {
+                size = size.saturating_add(field.name.len() + field.value.len() + 32);
+                if size > MAX_LIST {
+                    return Err(hpack::HpackError("a header list over 64 KiB"));
                 }
-            })
-        }));
+                if field.name == b":authority"
+                    && http::uri::Authority::try_from(field.value).is_err()
+                {
+                    replaced = true;
+                    hpack::encode_plain(
+                        &hpack::Field {
+                            value: LOCALHOST,
+                            ..field
+                        },
+                        encoded,
+                    );
+                } else {
+                    hpack::encode_plain(&field, encoded);
+                }
+                Ok(())
+            });
         match decoded {
-            Ok(Ok(())) if size <= MAX_LIST => {}
-            Ok(Ok(())) => return Err(invalid("a header list over 64 KiB")),
-            Ok(Err(error)) => {
+            Ok(()) => {}
+            Err(_) if size > MAX_LIST => return Err(invalid("a header list over 64 KiB")),
+            Err(error) => {
                 return Err(invalid(&format!(
-                    "a header block HPACK cannot read: {error:?}"
+                    "a header block HPACK cannot read: {error}"
                 )))
             }
-            Err(_) => return Err(invalid("a header block HPACK cannot read")),
         }
         if std::mem::take(&mut self.deciding) && !replaced {
             // h2 reads this connection as the client wrote it, from its first block on.
@@ -257,11 +262,8 @@ impl<S> AuthorityFix<S> {
             self.fixing = false;
             return Ok(());
         }
-        let encoded = self
-            .encoder
-            .encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
         // One frame holds it: a field is encoded in no more than the 32 bytes it is counted
-        // over its name and value, so the block is within MAX_LIST.
+        // over its name and value (hpack::encode_plain), so the block is within MAX_LIST.
         const _: () = assert!(MAX_LIST + 5 <= MAX_FRAME);
         let mut flags = END_HEADERS;
         if block.end_stream {
@@ -270,7 +272,7 @@ impl<S> AuthorityFix<S> {
         if block.priority.is_some() {
             flags |= PRIORITY;
         }
-        let len = encoded.len() + block.priority.map_or(0, |p| p.len());
+        let len = self.encoded.len() + block.priority.map_or(0, |p| p.len());
         self.output
             .put_slice(&u32::try_from(len).unwrap_or(0).to_be_bytes()[1..]);
         self.output.put_u8(HEADERS);
@@ -279,7 +281,7 @@ impl<S> AuthorityFix<S> {
         if let Some(priority) = block.priority {
             self.output.put_slice(&priority);
         }
-        self.output.put_slice(&encoded);
+        self.output.put_slice(&self.encoded);
         Ok(())
     }
 }
