@@ -90,6 +90,21 @@ def test_the_pool_answers_on_its_unix_socket_and_removes_it_when_it_stops(
                 request, timeout=30
             )
         np.testing.assert_array_equal(over_unix, tf.make_ndarray(over_tcp.outputs["score"]))
+        # Headers past the front door's limits, over both listeners alike (the socket's through
+        # its rewrite): past 16 KiB that call is refused (431), past 64 KiB its connection
+        # ends with h2's GOAWAY; the channel's next call is answered either way.
+        for target in (f"127.0.0.1:{pool.port}", f"unix:{path}"):
+            with grpc.insecure_channel(target) as channel:
+                stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+                for size, code, says in [
+                    (20_000, grpc.StatusCode.UNKNOWN, "status: 431"),
+                    (70_000, grpc.StatusCode.UNAVAILABLE, "header_list_way_too_large"),
+                ]:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        stub.Predict(request, timeout=30, metadata=[("x-big", "v" * size)])
+                    assert refused.value.code() == code, (target, refused.value)
+                    assert says in refused.value.details(), (target, refused.value.details())
+                    stub.Predict(request, timeout=30)
         shown = subprocess.run(
             mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
             capture_output=True, text=True, timeout=30, check=True,

@@ -54,6 +54,10 @@ use crate::{log_info, log_warn};
 const STREAM_WINDOW: u32 = 4 << 20;
 const CONNECTION_WINDOW: u32 = 16 << 20;
 pub const MAX_FRAME: u32 = 1 << 20;
+/// The largest header list a call may have (each field's name and value plus 32, as HTTP/2
+/// counts them); h2 answers a larger one with 431 and REFUSED_STREAM, that call only. Hyper's
+/// default, set here so that the UNIX socket's rewrite (uds_authority.rs) knows it.
+pub const MAX_HEADER_LIST: u32 = 16 << 10;
 
 pub struct Limits {
     pub max_message_bytes: usize,
@@ -752,6 +756,7 @@ where
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
+        .max_header_list_size(MAX_HEADER_LIST)
         // What h2 queues of a stream's answer beyond what its client takes (answer_body hands
         // it over in pieces of PIECE): two pieces, not h2's 400 KiB.
         .max_send_buf_size(2 * crate::answer_body::PIECE);

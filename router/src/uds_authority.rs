@@ -36,9 +36,11 @@ const MAX_FRAME: usize = crate::server::MAX_FRAME as usize;
 /// A header block this long is not a gRPC call's: the connection is ended.
 const MAX_BLOCK: usize = 1 << 20;
 /// Nor is a header list this large once decoded (each field's name and value plus 32, as
-/// HTTP/2 counts them; h2 itself refuses a call over 16 KiB). Bounded while decoding, since
-/// a small block of references to one large table entry decodes to gigabytes.
-const MAX_LIST: usize = 64 << 10;
+/// HTTP/2 counts them): h2 ends the connection of a list over 4 times its limit (h2's
+/// MAX_HEADER_LIST_ABUSE_MULTIPLIER), as it does on the TCP port, and refuses only the call
+/// (431, REFUSED_STREAM) of one between. Bounded while decoding, since a small block of
+/// references to one large table entry decodes to gigabytes.
+const MAX_LIST: usize = 4 * crate::server::MAX_HEADER_LIST as usize;
 /// HPACK's default dynamic table size, the most h2 lets a client's encoder use.
 const TABLE_SIZE: usize = 4096;
 const LOCALHOST: &[u8] = b"localhost";
@@ -75,6 +77,9 @@ pub struct AuthorityFix<S> {
     /// Ready for h2.
     output: BytesMut,
     block: Option<Block>,
+    /// A header list passed MAX_LIST: h2 has been handed a block it ends the connection for,
+    /// and nothing after it passes (the decoder stopped following the client's table).
+    spent: bool,
     decoder: hpack::Decoder,
     /// A block encoded again for h2 (kept between blocks, not allocated for each).
     encoded: Vec<u8>,
@@ -98,6 +103,7 @@ impl<S> AuthorityFix<S> {
             input: BytesMut::with_capacity(16 << 10),
             output: BytesMut::with_capacity(16 << 10),
             block: None,
+            spent: false,
             decoder: hpack::Decoder::new(TABLE_SIZE),
             encoded: Vec::new(),
             ended: false,
@@ -107,6 +113,10 @@ impl<S> AuthorityFix<S> {
     /// Moves what `input` holds, as far as it is whole, to `output`.
     fn handle(&mut self) -> io::Result<()> {
         loop {
+            if self.spent {
+                self.input.clear();
+                return Ok(());
+            }
             match self.reading {
                 Reading::Preface => {
                     if self.input.len() < PREFACE_LEN {
@@ -249,7 +259,21 @@ impl<S> AuthorityFix<S> {
             });
         match decoded {
             Ok(()) => {}
-            Err(_) if size > MAX_LIST => return Err(invalid("a header list over 64 KiB")),
+            Err(_) if size > MAX_LIST => {
+                // h2 ends the connection of such a list with a GOAWAY saying why
+                // (ENHANCE_YOUR_CALM, "header_list_way_too_large"), as on the TCP port: it
+                // is handed one field that large, and nothing after.
+                self.encoded.clear();
+                let value = vec![b'-'; MAX_LIST];
+                let field = hpack::Field {
+                    name: b"x-header-list-over-limit",
+                    value: &value,
+                    sensitive: false,
+                };
+                hpack::encode_plain(&field, &mut self.encoded);
+                self.spent = true;
+                self.deciding = false;
+            }
             Err(error) => {
                 return Err(invalid(&format!(
                     "a header block HPACK cannot read: {error}"
@@ -263,8 +287,9 @@ impl<S> AuthorityFix<S> {
             return Ok(());
         }
         // One frame holds it: a field is encoded in no more than the 32 bytes it is counted
-        // over its name and value (hpack::encode_plain), so the block is within MAX_LIST.
-        const _: () = assert!(MAX_LIST + 5 <= MAX_FRAME);
+        // over its name and value (hpack::encode_plain), so the block is within MAX_LIST, or
+        // is the one field just past it.
+        const _: () = assert!(MAX_LIST + 64 <= MAX_FRAME);
         let mut flags = END_HEADERS;
         if block.end_stream {
             flags |= END_STREAM;
@@ -306,6 +331,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
                 buf.put_slice(&this.output[..n]);
                 this.output.advance(n);
                 return Poll::Ready(Ok(()));
+            }
+            if this.spent {
+                return Poll::Ready(Ok(())); // h2 ends the connection on what it was handed
             }
             if this.ended {
                 // What is left is not whole: h2 sees it as it came, then the end.
@@ -513,14 +541,49 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_small_block_that_decodes_to_a_huge_list_ends_the_connection() {
-        // One 4 KB entry in the table, then half a million one-byte references to it: 2 GB
-        // if decoded whole.
+    async fn a_list_h2_ends_the_connection_for_is_handed_to_it_as_one_field_and_nothing_after() {
+        // The call's headers with the socket's path, one 4 KB entry in the table, then half a
+        // million one-byte references to it: 2 GB if decoded whole.
         let mut client = fluke_hpack::Encoder::new();
-        let mut block = client.encode([(&b"x-big"[..], &[b'v'; 4000][..])]);
+        let mut headers = call_headers(b"%2Frun%2Ftfs.sock");
+        headers.push((b"x-big".to_vec(), vec![b'v'; 4000]));
+        let mut block = client.encode(headers.iter().map(|(n, v)| (&n[..], &v[..])));
         block.extend(std::iter::repeat_n(0x80 | 62, 1 << 19));
-        let error = ended_by(&block).await;
-        assert_eq!(error.to_string(), "a header list over 64 KiB");
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &block));
+        let next = client.encode(
+            call_headers(b"localhost")
+                .iter()
+                .map(|(n, v)| (&n[..], &v[..])),
+        );
+        input.extend(frame(HEADERS, END_HEADERS, 3, &next));
+        let started = std::time::Instant::now();
+        let (_, frames) = through(input).await;
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(frames.len(), 1, "nothing after it");
+        assert_eq!(
+            (frames[0].0, frames[0].1, frames[0].2),
+            (HEADERS, END_HEADERS, 1)
+        );
+        let fields = fluke_hpack::Decoder::new().decode(&frames[0].3).unwrap();
+        assert_eq!(fields.len(), 1);
+        // Past h2's bound on one connection (4 times its limit): it sends GOAWAY.
+        assert_eq!(fields[0].0.len() + fields[0].1.len() + 32, MAX_LIST + 56);
+        assert!(MAX_LIST == 4 * crate::server::MAX_HEADER_LIST as usize);
+
+        // A list of exactly the bound: decoded and passed whole (h2 refuses that call alone,
+        // with 431, as over TCP).
+        let mut client = fluke_hpack::Encoder::new();
+        let mut headers = call_headers(b"%2Frun%2Ftfs.sock");
+        let listed: usize = headers.iter().map(|(n, v)| n.len() + v.len() + 32).sum();
+        headers.push((b"x-big".to_vec(), vec![b'v'; MAX_LIST - listed - 32 - 5]));
+        let block = client.encode(headers.iter().map(|(n, v)| (&n[..], &v[..])));
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &block));
+        let (_, frames) = through(input).await;
+        let fields = fluke_hpack::Decoder::new().decode(&frames[0].3).unwrap();
+        assert_eq!(fields.len(), 6);
+        assert_eq!(fields[3].1, b"localhost");
     }
 
     #[tokio::test]
