@@ -165,9 +165,6 @@ class Controller:
             for m in config.served_models()
         ]
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
-        # The labels the latest of them asks for, by model: given to the models only once the
-        # request has taken effect (a refused request changes no label, as in TF Serving).
-        self._reload_labels: dict[str, dict[str, int]] = {}
         # (router pid, names) of the models last told to the front door.
         self._models_told: tuple[int, list[str]] | None = None
         # Answers given to calls the front door still lists (a lost reply is sent again).
@@ -566,6 +563,10 @@ class Controller:
             return
         self._config_file_said = ""
         self._file_entries = entries
+        # Newer than a HandleReloadConfigRequest still waiting: its labels are not given (as
+        # TF Serving applies the two one after the other, the later winning); it is answered
+        # on the labels now configured.
+        self._forget_asked_labels()
 
     def _apply_model_entries(self, entries: list[ModelEntry], now: float, source: str) -> str:
         """A model config in force from now: each model's policy and labels, models not
@@ -706,7 +707,8 @@ class Controller:
         if refused:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
             return
-        self._reload_labels = {e.name: dict(e.labels) for e in entries}
+        for entry in entries:
+            self.models[entry.name].labels_asked = dict(entry.labels)
         self._reloads.append(request_id)
 
     def _answer_reloads(self) -> None:
@@ -719,7 +721,7 @@ class Controller:
                 model.on_disk,
                 model.available_versions(),
                 model.failed,
-                self._reload_labels.get(model.name, model.config.version_labels),
+                model.config.version_labels if model.labels_asked is None else model.labels_asked,
                 model.labels_told(),
                 model.config.allow_version_labels_for_unavailable_models,
             )
@@ -730,28 +732,36 @@ class Controller:
             return  # a model's versions are still on their way
         # The first model that did not take the change says why; else every one did.
         result = next((o for o in outcomes if o is not None and o[0]), (config_reload.OK, ""))
-        if result[0] == config_reload.OK:
-            self._give_reload_labels()
-        self._reload_labels = {}
+        if result[0] == config_reload.OK and not self._give_reload_labels():
+            return  # answered once the front door has the labels (a later pass)
+        self._forget_asked_labels()
         for request_id in self._reloads:
             self._tell_reload(request_id, *result)
         self._reloads = []
 
-    def _give_reload_labels(self) -> None:
+    def _give_reload_labels(self) -> bool:
         """The labels of a HandleReloadConfigRequest that took effect, every model's at once,
-        told to the front door before the caller is answered."""
-        given = []
-        for name, labels in self._reload_labels.items():
-            model = self.models.get(name)
-            if model is None or model.removed or labels == model.config.version_labels:
-                continue
-            log.info("HandleReloadConfigRequest: model %s: labels %s", name, labels or "none")
-            self.config = self.config.with_versions(name, model.config.version_policy, labels)
-            given.append(model)
-        if given:
+        and whether the front door has them all now (its caller is answered only then, and
+        may call by them at once)."""
+        asked = [m for m in self.models.values() if m.labels_asked is not None and not m.removed]
+        changed = False
+        for model in asked:
+            labels = model.labels_asked or {}
+            if labels != model.config.version_labels:
+                log.info(
+                    "HandleReloadConfigRequest: model %s: labels %s", model.name, labels or "none"
+                )
+                self.config = self.config.with_versions(
+                    model.name, model.config.version_policy, labels
+                )
+                changed = True
+        if changed:
             self.config.save(self.run_dir)
-        for model in given:
-            model.tell_router_labels()
+        return all([model.tell_router_labels() for model in asked])
+
+    def _forget_asked_labels(self) -> None:
+        for model in self.models.values():
+            model.labels_asked = None
 
     def _tell_reload(self, request_id: int, code: int, message: str) -> None:
         if code:

@@ -87,6 +87,9 @@ class ModelVersions:
         self.next_poll = 0.0
         self._poll_error = ""  # the last failure to read the base path, said once
         self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
+        # The labels a HandleReloadConfigRequest waiting to take effect asks for (None: none
+        # waits). Written by the controller; given as the config's labels once it succeeds.
+        self.labels_asked: dict[str, int] | None = None
         # (router pid, table, labels) last sent to the front door.
         self._versions_told: tuple[int, Any, dict[str, int]] | None = None
 
@@ -254,6 +257,12 @@ class ModelVersions:
                 labels[label] = version
                 self._labels_held.discard((label, version))
                 continue
+            asked = (self.labels_asked or {}).get(label)
+            if asked in available and before.get(label) not in available:
+                # Its version no longer serves (a reload's policy retired it) and the reload,
+                # still waiting on other versions, asks for one that does: there, not nowhere.
+                labels[label] = asked
+                continue
             if label in before and (allowed or before[label] in available):
                 # Where it was told last: a version that serves, or with the flag one ahead
                 # (moving a label in use waits for its new version in either case).
@@ -413,24 +422,27 @@ class ModelVersions:
             rows[group.version] = group.describe()
         return [rows[v] for v in sorted(rows)]
 
-    def tell_router_labels(self) -> None:
+    def tell_router_labels(self) -> bool:
         """The labels (and version table) to the front door now, not at the next reconcile:
-        a HandleReloadConfigRequest's caller is answered right after, and may call by them."""
-        self._tell_router_versions(router_answered=True)
+        a HandleReloadConfigRequest's caller is answered right after, and may call by them.
+        Whether the front door has them."""
+        return self._tell_router_versions(router_answered=True)
 
-    def _tell_router_versions(self, router_answered: bool) -> None:
+    def _tell_router_versions(self, router_answered: bool) -> bool:
         """The version table, to the front door when it changed or the front door is a new
-        one (which starts with the configured version only)."""
+        one (which starts with the configured version only). Whether it has them now."""
         if not router_answered or self.removed:
-            return  # removed: the front door no longer serves it
+            return False  # removed: the front door no longer serves it
         table = self.version_table()
         labels = self._labels_for_router()
         told = (self.pool.router_pid, table, labels)
         if told == self._versions_told:
-            return
+            return True
         answer = self.pool.router.ask("versions", model=self.name, versions=table, labels=labels)
         if answer is not None and answer.get("ok"):
             self._versions_told = told
+            return True
+        return False
 
     def stop(self) -> None:
         """The pool stops: publishers end, every segment is unlinked (the workers that map

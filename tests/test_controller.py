@@ -1676,6 +1676,104 @@ def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_
     assert code == 9 and "label to version 8 of model demo" in message, message
 
 
+def test_a_label_on_a_retired_version_follows_the_reload_while_it_waits(
+    make_pool: Callable[..., Pool],
+):
+    """A reload moving stable from version 1 to 2 whose policy retires 1, still waiting on
+    version 3: once 2 serves (and 1 retires), stable is on 2, not unknown until 3 serves."""
+    pool = make_pool(
+        share_weights=False,
+        start_retries=0,
+        version_policy="specific:1",
+        version_labels={"stable": 1},
+    )
+    base = Path(pool.controller.config.model_base_path)
+    for version in (1, 2, 3):
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    pool.router.reload_requests[7] = reload_request(base, [2, 3], {"stable": 2})
+    pool.tick()
+    assert pool.router.labels[-1] == {"stable": 1}
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE", 3: "LOADING"}
+    assert pool.router.labels[-1] == {"stable": 2}
+    pool.tick(after_s=1.0)
+    assert pool.router.labels[-1] == {"stable": 2}, "there while 3 loads"
+    assert pool.router.reload_done == []
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@3", pool.sd.pid_of(f"{name}@3"))
+    pool.tick()
+    assert pool.router.reload_done == [(7, 0, "")]
+    assert pool.controller.status()["pool"]["version_labels"] == {"stable": 2}
+
+
+def test_a_config_file_changed_while_a_reload_waits_is_not_undone_by_it(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """As TF Serving applies the two one after the other: the file's labels, newer, stay."""
+    config_file = tmp_path / "models.config"
+    pool = make_pool(
+        share_weights=False,
+        start_retries=0,
+        version_policy="specific:1",
+        version_labels={"stable": 1},
+        model_config_file=str(config_file),
+        model_config_file_poll_wait_s=1.0,
+    )
+    base = Path(pool.controller.config.model_base_path)
+    for version in (1, 2):
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    write_model_config(config_file, base, "specific { versions: 1 }", {"stable": 1})
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    pool.router.reload_requests[7] = reload_request(base, [1, 2], {"stable": 2})
+    pool.tick()
+    labels = {"stable": 1, "canary": 1}
+    write_model_config(config_file, base, "specific { versions: 1 versions: 2 }", labels)
+    pool.tick(after_s=1.0)
+    assert pool.router.labels[-1] == labels
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    pool.tick(after_s=1.0)
+    assert pool.router.reload_done == [(7, 0, "")], "answered on the labels in force"
+    assert pool.router.labels[-1] == labels
+    assert pool.controller.status()["pool"]["version_labels"] == labels
+
+
+def test_a_reload_is_answered_only_once_the_front_door_has_its_labels(
+    make_pool: Callable[..., Pool],
+):
+    pool, base = versioned_pool(make_pool, [1])
+    pool.router.reload_requests[7] = reload_request(base, [1], {"stable": 1, "canary": 1})
+    real_ask = pool.router.ask
+    asked: list[tuple[str, bool]] = []
+    lose = {"versions"}
+
+    def losing(op: str, timeout_s: float = 0.5, **fields: Any):
+        if op in ("versions", "reload_done"):
+            asked.append((op, op not in lose))
+        if op in lose:
+            return None  # the front door did not answer in time
+        return real_ask(op, timeout_s, **fields)
+
+    pool.router.ask = losing  # type: ignore[method-assign]
+    pool.tick()
+    assert ("reload_done", True) not in asked, "not answered while the labels did not arrive"
+    lose.clear()
+    pool.tick()
+    assert asked.index(("versions", True)) < asked.index(("reload_done", True))
+    assert pool.router.labels[-1] == {"stable": 1, "canary": 1}
+    assert pool.router.reload_done == [(7, 0, "")]
+
+
 def test_a_lost_reload_answer_is_given_again(make_pool: Callable[..., Pool]):
     pool, base = versioned_pool(make_pool, [1])
     pool.router.reload_requests[3] = reload_request(base, [1], {"stable": 1})
