@@ -103,6 +103,8 @@ const CODE_LENGTHS: [u8; 257] = [
 ];
 
 const EOS: u16 = 256;
+/// A decoder's string buffers larger than this are not kept past the block that grew them.
+const KEPT_BUFFER: usize = 4 << 10;
 const SHORTEST: usize = 5;
 const LONGEST: usize = 30;
 
@@ -359,6 +361,12 @@ impl Decoder {
                 self.value = value;
                 result?;
                 fields_seen = true;
+            }
+        }
+        // A connection lives long; one large string should not keep its buffer with it.
+        for buffer in [&mut self.name, &mut self.value] {
+            if buffer.capacity() > KEPT_BUFFER {
+                *buffer = Vec::new();
             }
         }
         Ok(())

@@ -11,8 +11,11 @@
 //! decoded, an authority that is not a valid one becomes `localhost` (what grpc-go and tonic
 //! send on a UNIX socket), and the block is encoded again for h2 without HPACK's dynamic
 //! table, so h2's decoder has no state of this connection's to follow (`hpack.rs` does both);
-//! a gRPC channel names one authority for all its calls. Every other frame passes as it came; what the front door writes is not
-//! touched. The TCP port never goes through here.
+//! a gRPC channel names one authority for all its calls. Every other frame passes as it came;
+//! what the front door writes is not touched. Where a block breaks HTTP/2's framing or limits
+//! (another frame inside it, too many CONTINUATIONs, a header list h2 ends a connection for),
+//! h2 is handed frames that make it send the GOAWAY it sends for the same on the TCP port,
+//! and nothing after. The TCP port never goes through here.
 
 use std::io;
 use std::pin::Pin;
@@ -44,6 +47,20 @@ const MAX_LIST: usize = 4 * crate::server::MAX_HEADER_LIST as usize;
 /// HPACK's default dynamic table size, the most h2 lets a client's encoder use.
 const TABLE_SIZE: usize = 4096;
 const LOCALHOST: &[u8] = b"localhost";
+/// The CONTINUATION frames without END_HEADERS h2 takes in one block before it ends the
+/// connection (GOAWAY ENHANCE_YOUR_CALM, "too_many_continuations"): its own count, from the
+/// front door's header list and frame limits (h2's calc_max_continuation_frames).
+const MAX_CONTINUATIONS: usize = {
+    let frames = crate::server::MAX_HEADER_LIST / crate::server::MAX_FRAME;
+    let frames = if frames < 1 { 1 } else { frames } as usize;
+    let padded = frames + (frames >> 2);
+    if padded < 5 {
+        5
+    } else {
+        padded
+    }
+};
+const PING: u8 = 0x6;
 
 enum Reading {
     Preface,
@@ -55,6 +72,8 @@ enum Reading {
 /// A header block being gathered from HEADERS and CONTINUATION frames.
 struct Block {
     stream: [u8; 4],
+    /// CONTINUATION frames so far without END_HEADERS.
+    continuations: usize,
     end_stream: bool,
     priority: Option<[u8; 5]>,
     bytes: Vec<u8>,
@@ -143,13 +162,23 @@ impl<S> AuthorityFix<S> {
                         | usize::from(head[1]) << 8
                         | usize::from(head[2]);
                     let kind = head[3];
+                    if kind != CONTINUATION && self.block.is_some() {
+                        // HTTP/2 allows only CONTINUATIONs inside a header block.
+                        let mut ping = frame_head(8, PING, 0, [0; 4]).to_vec();
+                        ping.extend_from_slice(&[0; 8]);
+                        self.framing_error(&ping);
+                        continue;
+                    }
+                    if len > MAX_FRAME {
+                        // h2 refuses it from its head alone (FRAME_SIZE_ERROR).
+                        self.output.put(self.input.split_to(FRAME_HEADER_LEN));
+                        self.spent = true;
+                        continue;
+                    }
                     if kind != HEADERS && kind != CONTINUATION {
                         self.output.put(self.input.split_to(FRAME_HEADER_LEN));
                         self.reading = Reading::Passing(len);
                         continue;
-                    }
-                    if len > MAX_BLOCK {
-                        return Err(invalid("a header frame over 1 MiB"));
                     }
                     if self.input.len() < FRAME_HEADER_LEN + len {
                         return Ok(());
@@ -171,9 +200,6 @@ impl<S> AuthorityFix<S> {
         let stream = [frame[5], frame[6], frame[7], frame[8]];
         let mut payload = &frame[FRAME_HEADER_LEN..];
         if kind == HEADERS {
-            if self.block.is_some() {
-                return Err(invalid("a HEADERS frame inside another's header block"));
-            }
             if flags & PADDED != 0 {
                 let (&pad, rest) = payload
                     .split_first()
@@ -196,6 +222,7 @@ impl<S> AuthorityFix<S> {
             }
             self.block = Some(Block {
                 stream,
+                continuations: 0,
                 end_stream: flags & END_STREAM != 0,
                 priority,
                 bytes: payload.to_vec(),
@@ -211,6 +238,18 @@ impl<S> AuthorityFix<S> {
                 self.output.put(frame);
                 return Ok(());
             };
+            if stream != block.stream {
+                self.framing_error(frame); // h2: PROTOCOL_ERROR
+                return Ok(());
+            }
+            if flags & END_HEADERS == 0 {
+                block.continuations += 1;
+                if block.continuations > MAX_CONTINUATIONS {
+                    let empty = frame_head(0, CONTINUATION, 0, stream);
+                    self.framing_error(&empty.repeat(MAX_CONTINUATIONS + 1));
+                    return Ok(());
+                }
+            }
             if block.bytes.len() + payload.len() > MAX_BLOCK {
                 return Err(invalid("a header block over 1 MiB"));
             }
@@ -311,6 +350,32 @@ impl<S> AuthorityFix<S> {
     }
 }
 
+/// A frame's 9-byte head.
+fn frame_head(len: usize, kind: u8, flags: u8, stream: [u8; 4]) -> [u8; FRAME_HEADER_LEN] {
+    let len = u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes();
+    let mut head = [0; FRAME_HEADER_LEN];
+    head[..3].copy_from_slice(&len[1..]);
+    head[3] = kind;
+    head[4] = flags;
+    head[5..].copy_from_slice(&stream);
+    head
+}
+
+impl<S> AuthorityFix<S> {
+    /// The client broke HTTP/2's framing inside a header block (another frame in it, a
+    /// CONTINUATION of another stream, too many CONTINUATIONs). h2 is handed the block's
+    /// HEADERS frame, empty and without END_HEADERS, and then `then`, so that it ends the
+    /// connection with the GOAWAY it sends for the same frames on the TCP port (it checks
+    /// framing before it decodes a block); nothing after passes.
+    fn framing_error(&mut self, then: &[u8]) {
+        let stream = self.block.take().map_or([0; 4], |block| block.stream);
+        self.output.put_slice(&frame_head(0, HEADERS, 0, stream));
+        self.output.put_slice(then);
+        self.spent = true;
+        self.deciding = false;
+    }
+}
+
 fn invalid(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.to_string())
 }
@@ -397,6 +462,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
@@ -584,6 +650,130 @@ mod tests {
         let fields = fluke_hpack::Decoder::new().decode(&frames[0].3).unwrap();
         assert_eq!(fields.len(), 6);
         assert_eq!(fields[3].1, b"localhost");
+    }
+
+    /// The GOAWAY (error code, debug data) h2's server sends after the preface, SETTINGS and
+    /// `frames`, through the rewrite (`fixing`) or as they came (the TCP port).
+    async fn goaway_of(frames: &[u8], fixing: bool) -> Option<(u32, Vec<u8>)> {
+        let (mut client, server) = tokio::io::duplex(1 << 22);
+        let served = tokio::spawn(async move {
+            // Configured as the front door configures hyper's (server.rs).
+            let handshake = h2::server::Builder::new()
+                .max_frame_size(crate::server::MAX_FRAME)
+                .max_header_list_size(crate::server::MAX_HEADER_LIST)
+                .handshake::<_, bytes::Bytes>(AuthorityFix::new(server, fixing));
+            let Ok(mut connection) = handshake.await else {
+                return;
+            };
+            while let Some(Ok(_)) = connection.accept().await {}
+        });
+        client
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .unwrap();
+        client.write_all(&frame(0x4, 0, 0, &[])).await.unwrap();
+        client.write_all(frames).await.unwrap();
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut piece = [0u8; 1 << 16];
+            loop {
+                match client.read(&mut piece).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => out.extend_from_slice(&piece[..n]),
+                }
+                if goaway_in(&out).is_some() {
+                    break;
+                }
+            }
+        });
+        read.await.expect("h2 answered within 10 s");
+        served.abort();
+        goaway_in(&out)
+    }
+
+    fn goaway_in(mut out: &[u8]) -> Option<(u32, Vec<u8>)> {
+        while out.len() >= 9 {
+            let len = usize::from(out[0]) << 16 | usize::from(out[1]) << 8 | usize::from(out[2]);
+            if out.len() < 9 + len {
+                return None;
+            }
+            if out[3] == 0x7 {
+                let payload = &out[9..9 + len];
+                let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+                return Some((code, payload[8..].to_vec()));
+            }
+            out = &out[9 + len..];
+        }
+        None
+    }
+
+    #[tokio::test]
+    async fn broken_framing_in_a_header_block_gets_h2s_own_goaway_as_on_tcp() {
+        let mut client = fluke_hpack::Encoder::new();
+        let path = call_headers(b"%2Frun%2Ftfs.sock");
+        let block = client.encode(path.iter().map(|(n, v)| (&n[..], &v[..])));
+        let (head, tail) = block.split_at(block.len() / 2);
+        let opened = frame(HEADERS, 0, 1, head);
+        let cases: Vec<(&str, Vec<u8>, u32, &[u8])> = vec![
+            (
+                "another frame inside the block",
+                [opened.clone(), frame(0x0, 0, 1, b"data")].concat(),
+                1,
+                b"",
+            ),
+            (
+                "a HEADERS frame inside the block",
+                [opened.clone(), frame(HEADERS, END_HEADERS, 3, tail)].concat(),
+                1,
+                b"",
+            ),
+            (
+                "a CONTINUATION of another stream",
+                [opened.clone(), frame(CONTINUATION, END_HEADERS, 3, tail)].concat(),
+                1,
+                b"",
+            ),
+            (
+                "too many CONTINUATIONs",
+                [
+                    opened.clone(),
+                    frame(CONTINUATION, 0, 1, &[]).repeat(MAX_CONTINUATIONS + 1),
+                ]
+                .concat(),
+                0xb,
+                b"too_many_continuations",
+            ),
+            (
+                "a HEADERS frame past the frame size",
+                frame_head(MAX_FRAME + 1, HEADERS, END_HEADERS, [0, 0, 0, 1]).to_vec(),
+                0x6,
+                b"",
+            ),
+        ];
+        for (what, frames, code, debug) in cases {
+            let straight = goaway_of(&frames, false).await;
+            let fixed = goaway_of(&frames, true).await;
+            assert_eq!(
+                straight.as_ref().map(|g| g.0),
+                Some(code),
+                "{what}: h2 straight"
+            );
+            assert_eq!(fixed, straight, "{what}");
+            if !debug.is_empty() {
+                assert_eq!(fixed.map(|g| g.1).unwrap_or_default(), debug, "{what}");
+            }
+        }
+        // The rewrite keeps a block's own frames only while its count is within h2's.
+        assert_eq!(MAX_CONTINUATIONS, 5);
+        // A list past h2's bound for one connection: its GOAWAY, through the rewrite too.
+        let mut client = fluke_hpack::Encoder::new();
+        let mut big = call_headers(b"%2Frun%2Ftfs.sock");
+        big.push((b"x-big".to_vec(), vec![b'v'; 70_000]));
+        let block = client.encode(big.iter().map(|(n, v)| (&n[..], &v[..])));
+        let frames = frame(HEADERS, END_HEADERS, 1, &block);
+        let straight = goaway_of(&frames, false).await;
+        assert_eq!(straight, Some((0xb, b"header_list_way_too_large".to_vec())));
+        assert_eq!(goaway_of(&frames, true).await, straight);
     }
 
     #[tokio::test]
