@@ -691,7 +691,6 @@ def cmd_start(args: argparse.Namespace) -> int:
         queue=args.queue,
         aging_bound_ms=args.aging_bound_ms,
         worker_inflight=args.worker_inflight,
-        split_rows=args.split_rows,
         contexts_per_gpu=args.contexts_per_gpu,
         mps=args.mps,
         # "split": shared by every model's contexts on a GPU.
@@ -749,12 +748,22 @@ def _model_workers(given: list[str], models: list[str]) -> dict[str, int]:
 
 
 def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """--enable-batching with the parameters file's values, --max-batch-size over them."""
-    fields: dict[str, Any] = {"batching": args.batching}
+    """--enable-batching with the parameters file's values, --max-batch-size over them;
+    --split-rows, or the file's enable_large_batch_splitting (refused if the two differ)."""
+    fields: dict[str, Any] = {"batching": args.batching, "split_rows": args.split_rows}
     if args.batching_parameters_file is not None:
         if not args.batching:
             raise ConfigError("--batching_parameters_file needs --enable_batching")
-        fields.update(batching_parameters_from(args.batching_parameters_file))
+        from_file = batching_parameters_from(args.batching_parameters_file)
+        split = from_file.get("split_rows", 0)
+        if split and args.split_rows and split != args.split_rows:
+            raise ConfigError(
+                f"--split-rows {args.split_rows} and {args.batching_parameters_file}'s "
+                f"enable_large_batch_splitting (max_execution_batch_size {split}) disagree: "
+                "give one"
+            )
+        fields.update(from_file)
+        fields["split_rows"] = split or args.split_rows
     if args.max_batch_size is not None:
         fields["max_batch_size"] = args.max_batch_size
     return fields

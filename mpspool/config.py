@@ -104,6 +104,9 @@ def tls_from(ssl_config: Path) -> dict[str, Any]:
     }
 
 
+# TF Serving's default max_batch_size (SharedBatchScheduler's input_batch_size_limit).
+MAX_BATCH_SIZE = 1000
+
 # The front door's policies (router/src/policies/mod.rs: CHOOSERS, ORDERS).
 DISPATCH_POLICIES = ("round-robin", "least-loaded", "power-of-two", "packed")
 QUEUE_ORDERS = ("fcfs", "sjf")
@@ -132,7 +135,43 @@ def batching_parameters_from(path: Path) -> dict[str, Any]:
     for name in ("max_batch_size", "batch_timeout_micros", "max_enqueued_batches"):
         if params.HasField(name):
             fields[name] = getattr(params, name).value
+    if params.enable_large_batch_splitting.value:
+        fields.update(_large_batch_splitting(path, params))
+    elif params.HasField("max_execution_batch_size"):
+        log.info(
+            "%s: max_execution_batch_size has no use without enable_large_batch_splitting "
+            "(as in TF Serving)",
+            path,
+        )
     return fields
+
+
+def _large_batch_splitting(path: Path, params: Any) -> dict[str, Any]:
+    """TF Serving's enable_large_batch_splitting: max_batch_size bounds a request's rows and
+    max_execution_batch_size (default max_batch_size) a model call's; a request with more
+    rows than a call takes is cut into pieces that go into separate calls. Here that is
+    --split-rows at max_execution_batch_size (the pieces run on several workers at once,
+    each merging with other requests as any request does) and calls of at most that many
+    rows. A request over max_batch_size is cut too, where TF Serving refuses it."""
+    limit = params.max_batch_size.value if params.HasField("max_batch_size") else MAX_BATCH_SIZE
+    execution = (
+        params.max_execution_batch_size.value
+        if params.HasField("max_execution_batch_size")
+        else limit
+    )
+    if not 1 <= execution <= limit:
+        raise ConfigError(
+            f"{path}: with enable_large_batch_splitting, max_execution_batch_size must be "
+            f"between 1 and max_batch_size {limit}, got {execution}"
+        )
+    sizes = list(params.allowed_batch_sizes)
+    if sizes and sizes[-1] != execution:
+        # TF Serving's words (batching_session.cc, CreateBasicBatchingSession).
+        raise ConfigError(
+            f"{path}: Last entry in allowed_batch_sizes must be equal to "
+            f"max_execution_batch_size; last entry was {sizes[-1]}; expected {execution}"
+        )
+    return {"max_batch_size": execution, "split_rows": execution}
 
 
 def usable_cores() -> int:
@@ -263,7 +302,7 @@ class PoolConfig:
     # --batching_parameters_file sets them). Off by default, as in TF Serving: only correct
     # for models whose rows are independent.
     batching: bool = False
-    max_batch_size: int = 1000
+    max_batch_size: int = MAX_BATCH_SIZE
     batch_timeout_micros: int = 0
     allowed_batch_sizes: tuple[int, ...] = ()
     max_enqueued_batches: int = 10

@@ -203,3 +203,48 @@ def test_requests_that_cannot_merge_are_answered_alone(pool: Pool, reference_mod
         got = tf.make_ndarray(stub.Predict(request_for(x), timeout=30).outputs["score"])
     want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_tf_servings_large_batch_splitting_answers_a_large_request_in_calls_it_allows(
+    tmp_path: Path, demo_model_dir: Path, reference_model
+) -> None:
+    """TF Serving's file with enable_large_batch_splitting and max_execution_batch_size 8: a
+    20-row request is answered whole and right, in model calls of at most 8 rows (8, 8, 4)."""
+    params = tmp_path / "batching.txt"
+    params.write_text(
+        "max_batch_size { value: 32 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 8 }\nallowed_batch_sizes: 4\nallowed_batch_sizes: 8\n"
+    )
+    monitoring = tmp_path / "monitoring.config"
+    monitoring.write_text(f'prometheus_config {{ enable: true, path: "{METRICS_PATH}" }}\n')
+    pool = Pool(
+        tmp_path,
+        demo_model_dir,
+        1,
+        "--enable_batching",
+        f"--batching_parameters_file={params}",
+        f"--monitoring_config_file={monitoring}",
+    ).start()
+    try:
+        pool.wait_ready(1)
+        x = demo_inputs(20, DEMO_ROWS, seed=11)
+        before = batching_metrics(pool)
+        with pool.channel() as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            got = tf.make_ndarray(stub.Predict(request_for(x), timeout=30).outputs["score"])
+        after = batching_metrics(pool)
+        want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+        def grew(name: str) -> float:
+            return after[name] - before.get(name, 0.0)
+
+        assert grew("wrapped_run_count{}") == 3
+        # TF Serving's buckets hold values below their bound: 8 rows count under le="16".
+        assert grew('processed_batch_size_bucket{le="16"}') == 3
+        assert grew('processed_batch_size_bucket{le="8"}') == 1
+        assert grew("processed_batch_size_sum{}") == 20, "8, 8 and 4 rows, no padding"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()

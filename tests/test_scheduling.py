@@ -43,6 +43,43 @@ def test_batching_parameters_files_are_read_as_tf_serving_reads_them(tmp_path: P
         "max_enqueued_batches": 4,
         "allowed_batch_sizes": (32, 64, 128),
     }
+    # enable_large_batch_splitting: calls of max_execution_batch_size rows, larger requests cut
+    # into pieces of that many (--split-rows); without the field, max_batch_size's.
+    path.write_text(
+        "max_batch_size { value: 256 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 64 }\nallowed_batch_sizes: 32\n"
+        "allowed_batch_sizes: 64\n"
+    )
+    assert batching_parameters_from(path) == {
+        "max_batch_size": 64,
+        "split_rows": 64,
+        "allowed_batch_sizes": (32, 64),
+    }
+    path.write_text("enable_large_batch_splitting { value: true }\n")
+    assert batching_parameters_from(path) == {
+        "max_batch_size": 1000,
+        "split_rows": 1000,
+        "allowed_batch_sizes": (),
+    }
+    path.write_text("max_execution_batch_size { value: 64 }\n")  # no use without splitting
+    assert batching_parameters_from(path) == {"allowed_batch_sizes": ()}
+    path.write_text(
+        "max_batch_size { value: 256 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 64 }\nallowed_batch_sizes: 32\n"
+        "allowed_batch_sizes: 256\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match="Last entry in allowed_batch_sizes must be equal to max_execution_batch_size; "
+        "last entry was 256; expected 64",
+    ):
+        batching_parameters_from(path)
+    path.write_text(
+        "max_batch_size { value: 32 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 64 }\n"
+    )
+    with pytest.raises(ConfigError, match="between 1 and max_batch_size 32, got 64"):
+        batching_parameters_from(path)
     path.write_text("pad_variable_length_inputs: true\n")
     with pytest.raises(ConfigError, match="pad_variable_length_inputs is not supported"):
         batching_parameters_from(path)
@@ -59,7 +96,6 @@ def start_args(*flags: str) -> PoolConfig:
         workers=2,
         **cli._batching_fields(args), dispatch=args.dispatch, queue=args.queue,
         aging_bound_ms=args.aging_bound_ms, worker_inflight=args.worker_inflight,
-        split_rows=args.split_rows,
     )  # fmt: skip
 
 
@@ -79,6 +115,17 @@ def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
     )
     config._validate_batching()
     assert config.max_batch_size == 8
+    # TF Serving's enable_large_batch_splitting is --split-rows: the same number, or one of them.
+    splitting = tmp_path / "split.txt"
+    splitting.write_text(
+        "enable_large_batch_splitting { value: true }\nmax_execution_batch_size { value: 32 }\n"
+    )
+    batching = ("--enable_batching", "--batching_parameters_file", str(splitting))
+    assert start_args(*batching).split_rows == 32
+    assert start_args(*batching, "--split-rows", "32").split_rows == 32
+    assert start_args("--enable_batching", "--split-rows", "16").split_rows == 16
+    with pytest.raises(ConfigError, match=r"--split-rows 16 and .* disagree"):
+        start_args(*batching, "--split-rows", "16")
     with pytest.raises(SystemExit):
         start_args("--queue", "lifo")
     for bad, says in ((("--aging-bound-ms", "0"), "aging-bound-ms must be in"),

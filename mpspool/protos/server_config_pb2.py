@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"mpspool/protos/server_config.proto\x12\x0bmpspool.tfs\"0\n\x10PrometheusConfig\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t\"L\n\x10MonitoringConfig\x12\x38\n\x11prometheus_config\x18\x01 \x01(\x0b\x32\x1d.mpspool.tfs.PrometheusConfig\"^\n\tSSLConfig\x12\x12\n\nserver_key\x18\x01 \x01(\t\x12\x13\n\x0bserver_cert\x18\x02 \x01(\t\x12\x11\n\tcustom_ca\x18\x03 \x01(\t\x12\x15\n\rclient_verify\x18\x04 \x01(\x08\"\x1b\n\nInt64Value\x12\r\n\x05value\x18\x01 \x01(\x03\"\x1c\n\x0bStringValue\x12\r\n\x05value\x18\x01 \x01(\t\"\xdc\x02\n\x12\x42\x61tchingParameters\x12/\n\x0emax_batch_size\x18\x01 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x35\n\x14\x62\x61tch_timeout_micros\x18\x02 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x35\n\x14max_enqueued_batches\x18\x03 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x32\n\x11num_batch_threads\x18\x04 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x32\n\x10thread_pool_name\x18\x05 \x01(\x0b\x32\x18.mpspool.tfs.StringValue\x12\x1b\n\x13\x61llowed_batch_sizes\x18\x06 \x03(\x03\x12\"\n\x1apad_variable_length_inputs\x18\x07 \x01(\x08\"X\n\x11ModelServerConfig\x12\x39\n\x11model_config_list\x18\x01 \x01(\x0b\x32\x1c.mpspool.tfs.ModelConfigListH\x00\x42\x08\n\x06\x63onfig\";\n\x0fModelConfigList\x12(\n\x06\x63onfig\x18\x01 \x03(\x0b\x32\x18.mpspool.tfs.ModelConfig\"\xe3\x02\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tbase_path\x18\x02 \x01(\t\x12*\n\nmodel_type\x18\x03 \x01(\x0e\x32\x16.mpspool.tfs.ModelType\x12\x16\n\x0emodel_platform\x18\x04 \x01(\t\x12@\n\x14model_version_policy\x18\x07 \x01(\x0b\x32\".mpspool.tfs.ServableVersionPolicy\x12\x43\n\x0eversion_labels\x18\x08 \x03(\x0b\x32+.mpspool.tfs.ModelConfig.VersionLabelsEntry\x12\x32\n\x0elogging_config\x18\x06 \x01(\x0b\x32\x1a.mpspool.tfs.LoggingConfig\x1a\x34\n\x12VersionLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xa2\x02\n\x15ServableVersionPolicy\x12;\n\x06latest\x18\x64 \x01(\x0b\x32).mpspool.tfs.ServableVersionPolicy.LatestH\x00\x12\x35\n\x03\x61ll\x18\x65 \x01(\x0b\x32&.mpspool.tfs.ServableVersionPolicy.AllH\x00\x12?\n\x08specific\x18\x66 \x01(\x0b\x32+.mpspool.tfs.ServableVersionPolicy.SpecificH\x00\x1a\x1e\n\x06Latest\x12\x14\n\x0cnum_versions\x18\x01 \x01(\r\x1a\x05\n\x03\x41ll\x1a\x1c\n\x08Specific\x12\x10\n\x08versions\x18\x01 \x03(\x03\x42\x0f\n\rpolicy_choice\"\x84\x01\n\rLoggingConfig\x12=\n\x14log_collector_config\x18\x01 \x01(\x0b\x32\x1f.mpspool.tfs.LogCollectorConfig\x12\x34\n\x0fsampling_config\x18\x02 \x01(\x0b\x32\x1b.mpspool.tfs.SamplingConfig\";\n\x12LogCollectorConfig\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x17\n\x0f\x66ilename_prefix\x18\x02 \x01(\t\";\n\x0eSamplingConfig\x12\x15\n\rsampling_rate\x18\x01 \x01(\x01\x12\x12\n\nattributes\x18\x02 \x01(\x05*B\n\tModelType\x12\x1a\n\x16MODEL_TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nTENSORFLOW\x10\x01\x12\t\n\x05OTHER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"mpspool/protos/server_config.proto\x12\x0bmpspool.tfs\"0\n\x10PrometheusConfig\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t\"L\n\x10MonitoringConfig\x12\x38\n\x11prometheus_config\x18\x01 \x01(\x0b\x32\x1d.mpspool.tfs.PrometheusConfig\"^\n\tSSLConfig\x12\x12\n\nserver_key\x18\x01 \x01(\t\x12\x13\n\x0bserver_cert\x18\x02 \x01(\t\x12\x11\n\tcustom_ca\x18\x03 \x01(\t\x12\x15\n\rclient_verify\x18\x04 \x01(\x08\"\x1b\n\nInt64Value\x12\r\n\x05value\x18\x01 \x01(\x03\"\x1a\n\tBoolValue\x12\r\n\x05value\x18\x01 \x01(\x08\"\x1c\n\x0bStringValue\x12\r\n\x05value\x18\x01 \x01(\t\"\xd5\x03\n\x12\x42\x61tchingParameters\x12/\n\x0emax_batch_size\x18\x01 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x35\n\x14\x62\x61tch_timeout_micros\x18\x02 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x35\n\x14max_enqueued_batches\x18\x03 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x32\n\x11num_batch_threads\x18\x04 \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x32\n\x10thread_pool_name\x18\x05 \x01(\x0b\x32\x18.mpspool.tfs.StringValue\x12<\n\x1c\x65nable_large_batch_splitting\x18\x08 \x01(\x0b\x32\x16.mpspool.tfs.BoolValue\x12\x39\n\x18max_execution_batch_size\x18\t \x01(\x0b\x32\x17.mpspool.tfs.Int64Value\x12\x1b\n\x13\x61llowed_batch_sizes\x18\x06 \x03(\x03\x12\"\n\x1apad_variable_length_inputs\x18\x07 \x01(\x08\"X\n\x11ModelServerConfig\x12\x39\n\x11model_config_list\x18\x01 \x01(\x0b\x32\x1c.mpspool.tfs.ModelConfigListH\x00\x42\x08\n\x06\x63onfig\";\n\x0fModelConfigList\x12(\n\x06\x63onfig\x18\x01 \x03(\x0b\x32\x18.mpspool.tfs.ModelConfig\"\xe3\x02\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tbase_path\x18\x02 \x01(\t\x12*\n\nmodel_type\x18\x03 \x01(\x0e\x32\x16.mpspool.tfs.ModelType\x12\x16\n\x0emodel_platform\x18\x04 \x01(\t\x12@\n\x14model_version_policy\x18\x07 \x01(\x0b\x32\".mpspool.tfs.ServableVersionPolicy\x12\x43\n\x0eversion_labels\x18\x08 \x03(\x0b\x32+.mpspool.tfs.ModelConfig.VersionLabelsEntry\x12\x32\n\x0elogging_config\x18\x06 \x01(\x0b\x32\x1a.mpspool.tfs.LoggingConfig\x1a\x34\n\x12VersionLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xa2\x02\n\x15ServableVersionPolicy\x12;\n\x06latest\x18\x64 \x01(\x0b\x32).mpspool.tfs.ServableVersionPolicy.LatestH\x00\x12\x35\n\x03\x61ll\x18\x65 \x01(\x0b\x32&.mpspool.tfs.ServableVersionPolicy.AllH\x00\x12?\n\x08specific\x18\x66 \x01(\x0b\x32+.mpspool.tfs.ServableVersionPolicy.SpecificH\x00\x1a\x1e\n\x06Latest\x12\x14\n\x0cnum_versions\x18\x01 \x01(\r\x1a\x05\n\x03\x41ll\x1a\x1c\n\x08Specific\x12\x10\n\x08versions\x18\x01 \x03(\x03\x42\x0f\n\rpolicy_choice\"\x84\x01\n\rLoggingConfig\x12=\n\x14log_collector_config\x18\x01 \x01(\x0b\x32\x1f.mpspool.tfs.LogCollectorConfig\x12\x34\n\x0fsampling_config\x18\x02 \x01(\x0b\x32\x1b.mpspool.tfs.SamplingConfig\";\n\x12LogCollectorConfig\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x17\n\x0f\x66ilename_prefix\x18\x02 \x01(\t\";\n\x0eSamplingConfig\x12\x15\n\rsampling_rate\x18\x01 \x01(\x01\x12\x12\n\nattributes\x18\x02 \x01(\x05*B\n\tModelType\x12\x1a\n\x16MODEL_TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nTENSORFLOW\x10\x01\x12\t\n\x05OTHER\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELCONFIG_VERSIONLABELSENTRY']._loaded_options = None
   _globals['_MODELCONFIG_VERSIONLABELSENTRY']._serialized_options = b'8\001'
-  _globals['_MODELTYPE']._serialized_start=1744
-  _globals['_MODELTYPE']._serialized_end=1810
+  _globals['_MODELTYPE']._serialized_start=1893
+  _globals['_MODELTYPE']._serialized_end=1959
   _globals['_PROMETHEUSCONFIG']._serialized_start=51
   _globals['_PROMETHEUSCONFIG']._serialized_end=99
   _globals['_MONITORINGCONFIG']._serialized_start=101
@@ -43,30 +43,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SSLCONFIG']._serialized_end=273
   _globals['_INT64VALUE']._serialized_start=275
   _globals['_INT64VALUE']._serialized_end=302
-  _globals['_STRINGVALUE']._serialized_start=304
-  _globals['_STRINGVALUE']._serialized_end=332
-  _globals['_BATCHINGPARAMETERS']._serialized_start=335
-  _globals['_BATCHINGPARAMETERS']._serialized_end=683
-  _globals['_MODELSERVERCONFIG']._serialized_start=685
-  _globals['_MODELSERVERCONFIG']._serialized_end=773
-  _globals['_MODELCONFIGLIST']._serialized_start=775
-  _globals['_MODELCONFIGLIST']._serialized_end=834
-  _globals['_MODELCONFIG']._serialized_start=837
-  _globals['_MODELCONFIG']._serialized_end=1192
-  _globals['_MODELCONFIG_VERSIONLABELSENTRY']._serialized_start=1140
-  _globals['_MODELCONFIG_VERSIONLABELSENTRY']._serialized_end=1192
-  _globals['_SERVABLEVERSIONPOLICY']._serialized_start=1195
-  _globals['_SERVABLEVERSIONPOLICY']._serialized_end=1485
-  _globals['_SERVABLEVERSIONPOLICY_LATEST']._serialized_start=1401
-  _globals['_SERVABLEVERSIONPOLICY_LATEST']._serialized_end=1431
-  _globals['_SERVABLEVERSIONPOLICY_ALL']._serialized_start=1433
-  _globals['_SERVABLEVERSIONPOLICY_ALL']._serialized_end=1438
-  _globals['_SERVABLEVERSIONPOLICY_SPECIFIC']._serialized_start=1440
-  _globals['_SERVABLEVERSIONPOLICY_SPECIFIC']._serialized_end=1468
-  _globals['_LOGGINGCONFIG']._serialized_start=1488
-  _globals['_LOGGINGCONFIG']._serialized_end=1620
-  _globals['_LOGCOLLECTORCONFIG']._serialized_start=1622
-  _globals['_LOGCOLLECTORCONFIG']._serialized_end=1681
-  _globals['_SAMPLINGCONFIG']._serialized_start=1683
-  _globals['_SAMPLINGCONFIG']._serialized_end=1742
+  _globals['_BOOLVALUE']._serialized_start=304
+  _globals['_BOOLVALUE']._serialized_end=330
+  _globals['_STRINGVALUE']._serialized_start=332
+  _globals['_STRINGVALUE']._serialized_end=360
+  _globals['_BATCHINGPARAMETERS']._serialized_start=363
+  _globals['_BATCHINGPARAMETERS']._serialized_end=832
+  _globals['_MODELSERVERCONFIG']._serialized_start=834
+  _globals['_MODELSERVERCONFIG']._serialized_end=922
+  _globals['_MODELCONFIGLIST']._serialized_start=924
+  _globals['_MODELCONFIGLIST']._serialized_end=983
+  _globals['_MODELCONFIG']._serialized_start=986
+  _globals['_MODELCONFIG']._serialized_end=1341
+  _globals['_MODELCONFIG_VERSIONLABELSENTRY']._serialized_start=1289
+  _globals['_MODELCONFIG_VERSIONLABELSENTRY']._serialized_end=1341
+  _globals['_SERVABLEVERSIONPOLICY']._serialized_start=1344
+  _globals['_SERVABLEVERSIONPOLICY']._serialized_end=1634
+  _globals['_SERVABLEVERSIONPOLICY_LATEST']._serialized_start=1550
+  _globals['_SERVABLEVERSIONPOLICY_LATEST']._serialized_end=1580
+  _globals['_SERVABLEVERSIONPOLICY_ALL']._serialized_start=1582
+  _globals['_SERVABLEVERSIONPOLICY_ALL']._serialized_end=1587
+  _globals['_SERVABLEVERSIONPOLICY_SPECIFIC']._serialized_start=1589
+  _globals['_SERVABLEVERSIONPOLICY_SPECIFIC']._serialized_end=1617
+  _globals['_LOGGINGCONFIG']._serialized_start=1637
+  _globals['_LOGGINGCONFIG']._serialized_end=1769
+  _globals['_LOGCOLLECTORCONFIG']._serialized_start=1771
+  _globals['_LOGCOLLECTORCONFIG']._serialized_end=1830
+  _globals['_SAMPLINGCONFIG']._serialized_start=1832
+  _globals['_SAMPLINGCONFIG']._serialized_end=1891
 # @@protoc_insertion_point(module_scope)

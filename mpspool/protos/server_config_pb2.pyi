@@ -48,6 +48,12 @@ class Int64Value(_message.Message):
     value: int
     def __init__(self, value: _Optional[int] = ...) -> None: ...
 
+class BoolValue(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bool
+    def __init__(self, value: _Optional[bool] = ...) -> None: ...
+
 class StringValue(_message.Message):
     __slots__ = ("value",)
     VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -55,12 +61,14 @@ class StringValue(_message.Message):
     def __init__(self, value: _Optional[str] = ...) -> None: ...
 
 class BatchingParameters(_message.Message):
-    __slots__ = ("max_batch_size", "batch_timeout_micros", "max_enqueued_batches", "num_batch_threads", "thread_pool_name", "allowed_batch_sizes", "pad_variable_length_inputs")
+    __slots__ = ("max_batch_size", "batch_timeout_micros", "max_enqueued_batches", "num_batch_threads", "thread_pool_name", "enable_large_batch_splitting", "max_execution_batch_size", "allowed_batch_sizes", "pad_variable_length_inputs")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TIMEOUT_MICROS_FIELD_NUMBER: _ClassVar[int]
     MAX_ENQUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCH_THREADS_FIELD_NUMBER: _ClassVar[int]
     THREAD_POOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_LARGE_BATCH_SPLITTING_FIELD_NUMBER: _ClassVar[int]
+    MAX_EXECUTION_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     PAD_VARIABLE_LENGTH_INPUTS_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: Int64Value
@@ -68,9 +76,11 @@ class BatchingParameters(_message.Message):
     max_enqueued_batches: Int64Value
     num_batch_threads: Int64Value
     thread_pool_name: StringValue
+    enable_large_batch_splitting: BoolValue
+    max_execution_batch_size: Int64Value
     allowed_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     pad_variable_length_inputs: bool
-    def __init__(self, max_batch_size: _Optional[_Union[Int64Value, _Mapping]] = ..., batch_timeout_micros: _Optional[_Union[Int64Value, _Mapping]] = ..., max_enqueued_batches: _Optional[_Union[Int64Value, _Mapping]] = ..., num_batch_threads: _Optional[_Union[Int64Value, _Mapping]] = ..., thread_pool_name: _Optional[_Union[StringValue, _Mapping]] = ..., allowed_batch_sizes: _Optional[_Iterable[int]] = ..., pad_variable_length_inputs: _Optional[bool] = ...) -> None: ...
+    def __init__(self, max_batch_size: _Optional[_Union[Int64Value, _Mapping]] = ..., batch_timeout_micros: _Optional[_Union[Int64Value, _Mapping]] = ..., max_enqueued_batches: _Optional[_Union[Int64Value, _Mapping]] = ..., num_batch_threads: _Optional[_Union[Int64Value, _Mapping]] = ..., thread_pool_name: _Optional[_Union[StringValue, _Mapping]] = ..., enable_large_batch_splitting: _Optional[_Union[BoolValue, _Mapping]] = ..., max_execution_batch_size: _Optional[_Union[Int64Value, _Mapping]] = ..., allowed_batch_sizes: _Optional[_Iterable[int]] = ..., pad_variable_length_inputs: _Optional[bool] = ...) -> None: ...
 
 class ModelServerConfig(_message.Message):
     __slots__ = ("model_config_list",)
