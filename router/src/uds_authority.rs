@@ -201,19 +201,22 @@ impl<S> AuthorityFix<S> {
         let mut payload = &frame[FRAME_HEADER_LEN..];
         if kind == HEADERS {
             if flags & PADDED != 0 {
-                let (&pad, rest) = payload
-                    .split_first()
-                    .ok_or_else(|| invalid("a padded HEADERS frame without its pad length"))?;
-                let keep = rest
-                    .len()
-                    .checked_sub(usize::from(pad))
-                    .ok_or_else(|| invalid("a HEADERS frame's padding is longer than it"))?;
-                payload = &rest[..keep];
+                let keep = payload.split_first().and_then(|(&pad, rest)| {
+                    let keep = rest.len().checked_sub(usize::from(pad))?;
+                    Some(&rest[..keep])
+                });
+                let Some(kept) = keep else {
+                    // No pad length, or more padding than frame.
+                    self.malformed(frame);
+                    return Ok(());
+                };
+                payload = kept;
             }
             let mut priority = None;
             if flags & PRIORITY != 0 {
                 if payload.len() < 5 {
-                    return Err(invalid("a HEADERS frame too short for its priority"));
+                    self.malformed(frame);
+                    return Ok(());
                 }
                 let mut fields = [0u8; 5];
                 fields.copy_from_slice(&payload[..5]);
@@ -367,6 +370,15 @@ impl<S> AuthorityFix<S> {
     /// HEADERS frame, empty and without END_HEADERS, and then `then`, so that it ends the
     /// connection with the GOAWAY it sends for the same frames on the TCP port (it checks
     /// framing before it decodes a block); nothing after passes.
+    /// A HEADERS frame h2 cannot read (its padding or priority): handed to h2 as it came, which
+    /// ends the connection with its GOAWAY before it decodes anything; nothing after passes.
+    fn malformed(&mut self, frame: &[u8]) {
+        self.block = None;
+        self.output.put_slice(frame);
+        self.spent = true;
+        self.deciding = false;
+    }
+
     fn framing_error(&mut self, then: &[u8]) {
         let stream = self.block.take().map_or([0; 4], |block| block.stream);
         self.output.put_slice(&frame_head(0, HEADERS, 0, stream));
@@ -742,6 +754,18 @@ mod tests {
                 .concat(),
                 0xb,
                 b"too_many_continuations",
+            ),
+            (
+                "a HEADERS frame's padding past its end",
+                frame(HEADERS, PADDED | END_HEADERS, 1, &[200, 0x82]),
+                1,
+                b"",
+            ),
+            (
+                "a HEADERS frame too short for its priority",
+                frame(HEADERS, PRIORITY | END_HEADERS, 1, &[0, 0]),
+                1,
+                b"",
             ),
             (
                 "a HEADERS frame past the frame size",
