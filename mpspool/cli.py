@@ -455,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--batching_parameters_file",
         type=Path,
         help="TF Serving's BatchingParameters (text format: max_batch_size, "
-        "batch_timeout_micros, allowed_batch_sizes, max_enqueued_batches); needs "
-        "--enable-batching",
+        "batch_timeout_micros, allowed_batch_sizes, max_enqueued_batches, "
+        "enable_large_batch_splitting, max_execution_batch_size); needs --enable-batching",
     )
     sched.add_argument(
         "--max-batch-size",
@@ -761,6 +761,12 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
                 f"--split-rows {args.split_rows} and {args.batching_parameters_file}'s "
                 f"enable_large_batch_splitting (max_execution_batch_size {split}) disagree: "
                 "give one"
+            )
+        if split and args.max_batch_size is not None:
+            raise ConfigError(
+                f"--max-batch-size with {args.batching_parameters_file}'s "
+                "enable_large_batch_splitting: the file's max_execution_batch_size bounds a "
+                "call there; give it in the file"
             )
         fields.update(from_file)
         fields["split_rows"] = split or args.split_rows

@@ -148,11 +148,14 @@ def batching_parameters_from(path: Path) -> dict[str, Any]:
 
 def _large_batch_splitting(path: Path, params: Any) -> dict[str, Any]:
     """TF Serving's enable_large_batch_splitting: max_batch_size bounds a request's rows and
-    max_execution_batch_size (default max_batch_size) a model call's; a request with more
-    rows than a call takes is cut into pieces that go into separate calls. Here that is
+    max_execution_batch_size (default max_batch_size) a batch's; a request with more rows
+    than a batch takes is cut into pieces that go into separate batches. Here that is
     --split-rows at max_execution_batch_size (the pieces run on several workers at once,
-    each merging with other requests as any request does) and calls of at most that many
-    rows. A request over max_batch_size is cut too, where TF Serving refuses it."""
+    each merging with other requests as any request does) and merged calls of at most that
+    many rows, or of the allowed batch size TF Serving would pad such a batch to. A request
+    over max_batch_size is cut too, where TF Serving refuses it."""
+    # Unset, TF Serving's own default (its scheduler's input_batch_size_limit), where TF
+    # Serving would take the execution size from an unset field (0).
     limit = params.max_batch_size.value if params.HasField("max_batch_size") else MAX_BATCH_SIZE
     execution = (
         params.max_execution_batch_size.value
@@ -165,13 +168,21 @@ def _large_batch_splitting(path: Path, params: Any) -> dict[str, Any]:
             f"between 1 and max_batch_size {limit}, got {execution}"
         )
     sizes = list(params.allowed_batch_sizes)
-    if sizes and sizes[-1] != execution:
-        # TF Serving's words (batching_session.cc, CreateBasicBatchingSession).
+    if sizes and sizes[-1] != limit:
+        # TF Serving's server checks this with splitting too, in its words
+        # (bundle_factory_util.cc, WrapSessionForBatching).
         raise ConfigError(
-            f"{path}: Last entry in allowed_batch_sizes must be equal to "
-            f"max_execution_batch_size; last entry was {sizes[-1]}; expected {execution}"
+            f"{path}: Last entry in allowed_batch_sizes must match max_batch_size; last "
+            f"entry was {sizes[-1]}; expected {limit}"
         )
-    return {"max_batch_size": execution, "split_rows": execution}
+    # A batch of up to `execution` rows is padded to the first allowed size that holds it, so
+    # that size bounds a call as it bounds one in TF Serving.
+    call = next((size for size in sizes if size >= execution), execution)
+    return {
+        "max_batch_size": call,
+        "split_rows": execution,
+        "allowed_batch_sizes": tuple(size for size in sizes if size <= call),
+    }
 
 
 def usable_cores() -> int:

@@ -214,6 +214,7 @@ def test_tf_servings_large_batch_splitting_answers_a_large_request_in_calls_it_a
     params.write_text(
         "max_batch_size { value: 32 }\nenable_large_batch_splitting { value: true }\n"
         "max_execution_batch_size { value: 8 }\nallowed_batch_sizes: 4\nallowed_batch_sizes: 8\n"
+        "allowed_batch_sizes: 32\n"
     )
     monitoring = tmp_path / "monitoring.config"
     monitoring.write_text(f'prometheus_config {{ enable: true, path: "{METRICS_PATH}" }}\n')

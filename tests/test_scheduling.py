@@ -48,11 +48,22 @@ def test_batching_parameters_files_are_read_as_tf_serving_reads_them(tmp_path: P
     path.write_text(
         "max_batch_size { value: 256 }\nenable_large_batch_splitting { value: true }\n"
         "max_execution_batch_size { value: 64 }\nallowed_batch_sizes: 32\n"
-        "allowed_batch_sizes: 64\n"
+        "allowed_batch_sizes: 64\nallowed_batch_sizes: 256\n"
     )
     assert batching_parameters_from(path) == {
         "max_batch_size": 64,
         "split_rows": 64,
+        "allowed_batch_sizes": (32, 64),
+    }
+    # A batch of up to 48 rows is padded to 64 there: calls of 64 rows at most, as there.
+    path.write_text(
+        "max_batch_size { value: 256 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 48 }\nallowed_batch_sizes: 32\n"
+        "allowed_batch_sizes: 64\nallowed_batch_sizes: 256\n"
+    )
+    assert batching_parameters_from(path) == {
+        "max_batch_size": 64,
+        "split_rows": 48,
         "allowed_batch_sizes": (32, 64),
     }
     path.write_text("enable_large_batch_splitting { value: true }\n")
@@ -63,15 +74,15 @@ def test_batching_parameters_files_are_read_as_tf_serving_reads_them(tmp_path: P
     }
     path.write_text("max_execution_batch_size { value: 64 }\n")  # no use without splitting
     assert batching_parameters_from(path) == {"allowed_batch_sizes": ()}
-    path.write_text(
+    path.write_text(  # TF Serving's server checks this rule with splitting too
         "max_batch_size { value: 256 }\nenable_large_batch_splitting { value: true }\n"
         "max_execution_batch_size { value: 64 }\nallowed_batch_sizes: 32\n"
-        "allowed_batch_sizes: 256\n"
+        "allowed_batch_sizes: 64\n"
     )
     with pytest.raises(
         ConfigError,
-        match="Last entry in allowed_batch_sizes must be equal to max_execution_batch_size; "
-        "last entry was 256; expected 64",
+        match="Last entry in allowed_batch_sizes must match max_batch_size; last entry was "
+        "64; expected 256",
     ):
         batching_parameters_from(path)
     path.write_text(
@@ -126,6 +137,8 @@ def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
     assert start_args("--enable_batching", "--split-rows", "16").split_rows == 16
     with pytest.raises(ConfigError, match=r"--split-rows 16 and .* disagree"):
         start_args(*batching, "--split-rows", "16")
+    with pytest.raises(ConfigError, match="give it in the file"):
+        start_args(*batching, "--max-batch-size", "16")
     with pytest.raises(SystemExit):
         start_args("--queue", "lifo")
     for bad, says in ((("--aging-bound-ms", "0"), "aging-bound-ms must be in"),

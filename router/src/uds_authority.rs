@@ -162,17 +162,18 @@ impl<S> AuthorityFix<S> {
                         | usize::from(head[1]) << 8
                         | usize::from(head[2]);
                     let kind = head[3];
+                    if len > MAX_FRAME {
+                        // h2 refuses it from its head alone (FRAME_SIZE_ERROR), before it
+                        // looks at what kind it is: inside a header block too.
+                        self.output.put(self.input.split_to(FRAME_HEADER_LEN));
+                        self.spent = true;
+                        continue;
+                    }
                     if kind != CONTINUATION && self.block.is_some() {
                         // HTTP/2 allows only CONTINUATIONs inside a header block.
                         let mut ping = frame_head(8, PING, 0, [0; 4]).to_vec();
                         ping.extend_from_slice(&[0; 8]);
                         self.framing_error(&ping);
-                        continue;
-                    }
-                    if len > MAX_FRAME {
-                        // h2 refuses it from its head alone (FRAME_SIZE_ERROR).
-                        self.output.put(self.input.split_to(FRAME_HEADER_LEN));
-                        self.spent = true;
                         continue;
                     }
                     if kind != HEADERS && kind != CONTINUATION {
@@ -365,11 +366,6 @@ fn frame_head(len: usize, kind: u8, flags: u8, stream: [u8; 4]) -> [u8; FRAME_HE
 }
 
 impl<S> AuthorityFix<S> {
-    /// The client broke HTTP/2's framing inside a header block (another frame in it, a
-    /// CONTINUATION of another stream, too many CONTINUATIONs). h2 is handed the block's
-    /// HEADERS frame, empty and without END_HEADERS, and then `then`, so that it ends the
-    /// connection with the GOAWAY it sends for the same frames on the TCP port (it checks
-    /// framing before it decodes a block); nothing after passes.
     /// A HEADERS frame h2 cannot read (its padding or priority): handed to h2 as it came, which
     /// ends the connection with its GOAWAY before it decodes anything; nothing after passes.
     fn malformed(&mut self, frame: &[u8]) {
@@ -379,6 +375,13 @@ impl<S> AuthorityFix<S> {
         self.deciding = false;
     }
 
+    /// The client broke HTTP/2's framing inside a header block (another frame in it, a
+    /// CONTINUATION of another stream, too many CONTINUATIONs). h2 is handed the block's
+    /// HEADERS frame, empty and without END_HEADERS, and then `then`, so that it ends the
+    /// connection with the GOAWAY it sends for the same frames on the TCP port (it checks
+    /// framing before it decodes a block); nothing after passes. (The block's priority is
+    /// left out: h2 would reset a stream that names itself as its dependency and keep the
+    /// connection, which the rewrite cannot follow, having dropped the block.)
     fn framing_error(&mut self, then: &[u8]) {
         let stream = self.block.take().map_or([0; 4], |block| block.stream);
         self.output.put_slice(&frame_head(0, HEADERS, 0, stream));
@@ -664,9 +667,10 @@ mod tests {
         assert_eq!(fields[3].1, b"localhost");
     }
 
-    /// The GOAWAY (error code, debug data) h2's server sends after the preface, SETTINGS and
-    /// `frames`, through the rewrite (`fixing`) or as they came (the TCP port).
-    async fn goaway_of(frames: &[u8], fixing: bool) -> Option<(u32, Vec<u8>)> {
+    /// The first RST_STREAM or GOAWAY (kind, error code, GOAWAY's debug data) h2's server sends
+    /// after the preface, SETTINGS and `frames`, through the rewrite (`fixing`) or as they came
+    /// (the TCP port).
+    async fn ending_of(frames: &[u8], fixing: bool) -> Option<(u8, u32, Vec<u8>)> {
         let (mut client, server) = tokio::io::duplex(1 << 22);
         let served = tokio::spawn(async move {
             // Configured as the front door configures hyper's (server.rs).
@@ -693,26 +697,33 @@ mod tests {
                     Ok(0) | Err(_) => break,
                     Ok(n) => out.extend_from_slice(&piece[..n]),
                 }
-                if goaway_in(&out).is_some() {
+                if ending_in(&out).is_some() {
                     break;
                 }
             }
         });
         read.await.expect("h2 answered within 10 s");
         served.abort();
-        goaway_in(&out)
+        ending_in(&out)
     }
 
-    fn goaway_in(mut out: &[u8]) -> Option<(u32, Vec<u8>)> {
+    fn ending_in(mut out: &[u8]) -> Option<(u8, u32, Vec<u8>)> {
         while out.len() >= 9 {
             let len = usize::from(out[0]) << 16 | usize::from(out[1]) << 8 | usize::from(out[2]);
             if out.len() < 9 + len {
                 return None;
             }
-            if out[3] == 0x7 {
-                let payload = &out[9..9 + len];
-                let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
-                return Some((code, payload[8..].to_vec()));
+            let payload = &out[9..9 + len];
+            match out[3] {
+                0x3 => {
+                    let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    return Some((0x3, code, Vec::new()));
+                }
+                0x7 => {
+                    let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+                    return Some((0x7, code, payload[8..].to_vec()));
+                }
+                _ => {}
             }
             out = &out[9 + len..];
         }
@@ -768,6 +779,16 @@ mod tests {
                 b"",
             ),
             (
+                "a frame past the frame size inside a block",
+                [
+                    opened.clone(),
+                    frame_head(MAX_FRAME + 1, 0x0, 0, [0, 0, 0, 1]).to_vec(),
+                ]
+                .concat(),
+                0x6,
+                b"",
+            ),
+            (
                 "a HEADERS frame past the frame size",
                 frame_head(MAX_FRAME + 1, HEADERS, END_HEADERS, [0, 0, 0, 1]).to_vec(),
                 0x6,
@@ -775,16 +796,13 @@ mod tests {
             ),
         ];
         for (what, frames, code, debug) in cases {
-            let straight = goaway_of(&frames, false).await;
-            let fixed = goaway_of(&frames, true).await;
-            assert_eq!(
-                straight.as_ref().map(|g| g.0),
-                Some(code),
-                "{what}: h2 straight"
-            );
+            let straight = ending_of(&frames, false).await;
+            let fixed = ending_of(&frames, true).await;
+            let kind_and_code = straight.as_ref().map(|g| (g.0, g.1));
+            assert_eq!(kind_and_code, Some((0x7, code)), "{what}: h2 straight");
             assert_eq!(fixed, straight, "{what}");
             if !debug.is_empty() {
-                assert_eq!(fixed.map(|g| g.1).unwrap_or_default(), debug, "{what}");
+                assert_eq!(fixed.map(|g| g.2).unwrap_or_default(), debug, "{what}");
             }
         }
         // The rewrite keeps a block's own frames only while its count is within h2's.
@@ -795,9 +813,12 @@ mod tests {
         big.push((b"x-big".to_vec(), vec![b'v'; 70_000]));
         let block = client.encode(big.iter().map(|(n, v)| (&n[..], &v[..])));
         let frames = frame(HEADERS, END_HEADERS, 1, &block);
-        let straight = goaway_of(&frames, false).await;
-        assert_eq!(straight, Some((0xb, b"header_list_way_too_large".to_vec())));
-        assert_eq!(goaway_of(&frames, true).await, straight);
+        let straight = ending_of(&frames, false).await;
+        assert_eq!(
+            straight,
+            Some((0x7, 0xb, b"header_list_way_too_large".to_vec()))
+        );
+        assert_eq!(ending_of(&frames, true).await, straight);
     }
 
     #[tokio::test]
