@@ -1293,10 +1293,12 @@ def test_supervisord_accepts_a_percent_in_paths_and_commands():
 # ---------------------------------------------------------------------------------------
 
 
-def versioned_pool(make_pool: Callable[..., Pool], versions: list[int]) -> tuple[Pool, Path]:
+def versioned_pool(
+    make_pool: Callable[..., Pool], versions: list[int], **settings: Any
+) -> tuple[Pool, Path]:
     """A pool whose base path holds ``versions`` (weights not shared: no publisher child),
-    started on version 1, both workers READY."""
-    pool = make_pool(share_weights=False, start_retries=0)
+    started on version 1, both workers READY; ``settings``: its other config fields."""
+    pool = make_pool(share_weights=False, start_retries=0, **settings)
     base = Path(pool.controller.config.model_base_path)
     for version in versions:
         (base / str(version)).mkdir(parents=True)
@@ -1569,14 +1571,7 @@ def reload_request(base: Path, versions: list[int], labels: dict[str, int], name
 def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     make_pool: Callable[..., Pool],
 ):
-    pool = make_pool(share_weights=False, start_retries=0, version_policy="specific:1")
-    base = Path(pool.controller.config.model_base_path)
-    for version in (1, 2):
-        (base / str(version)).mkdir(parents=True)
-        (base / str(version) / "saved_model.pb").write_bytes(b"")
-    pool.start()
-    pool.make_ready("cpu-0")
-    pool.make_ready("cpu-1")
+    pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
     pool.router.reload_requests[7] = reload_request(base, [1, 2], {"canary": 2})
     pool.tick()
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
@@ -1623,20 +1618,13 @@ def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_
     door does not have on another version is given at once, its version not serving (not even
     on disk); a label in use moves only once its new version serves. A reload saying so is
     answered OK; one moving a used label to a version the policy leaves out is refused."""
-    pool = make_pool(
-        share_weights=False,
-        start_retries=0,
+    pool, base = versioned_pool(
+        make_pool,
+        [1, 2],
         version_policy="specific:1",
         version_labels={"stable": 1, "canary": 2},
         allow_version_labels_for_unavailable_models=True,
     )
-    base = Path(pool.controller.config.model_base_path)
-    for version in (1, 2):
-        (base / str(version)).mkdir(parents=True)
-        (base / str(version) / "saved_model.pb").write_bytes(b"")
-    pool.start()
-    pool.make_ready("cpu-0")
-    pool.make_ready("cpu-1")
     assert pool.router.labels[-1] == {"stable": 1, "canary": 2}, "canary ahead of version 2"
 
     # A new label on version 9 (not on disk) and stable moved to 2 while 2 loads.
@@ -1681,19 +1669,9 @@ def test_a_label_on_a_retired_version_follows_the_reload_while_it_waits(
 ):
     """A reload moving stable from version 1 to 2 whose policy retires 1, still waiting on
     version 3: once 2 serves (and 1 retires), stable is on 2, not unknown until 3 serves."""
-    pool = make_pool(
-        share_weights=False,
-        start_retries=0,
-        version_policy="specific:1",
-        version_labels={"stable": 1},
+    pool, base = versioned_pool(
+        make_pool, [1, 2, 3], version_policy="specific:1", version_labels={"stable": 1}
     )
-    base = Path(pool.controller.config.model_base_path)
-    for version in (1, 2, 3):
-        (base / str(version)).mkdir(parents=True)
-        (base / str(version) / "saved_model.pb").write_bytes(b"")
-    pool.start()
-    pool.make_ready("cpu-0")
-    pool.make_ready("cpu-1")
     pool.router.reload_requests[7] = reload_request(base, [2, 3], {"stable": 2})
     pool.tick()
     assert pool.router.labels[-1] == {"stable": 1}

@@ -96,8 +96,8 @@ pub struct AuthorityFix<S> {
     /// Ready for h2.
     output: BytesMut,
     block: Option<Block>,
-    /// A header list passed MAX_LIST: h2 has been handed a block it ends the connection for,
-    /// and nothing after it passes (the decoder stopped following the client's table).
+    /// h2 has been handed frames it ends the connection for (a header list past MAX_LIST,
+    /// broken framing): nothing after them passes (`stop_after`).
     spent: bool,
     decoder: hpack::Decoder,
     /// A block encoded again for h2 (kept between blocks, not allocated for each).
@@ -166,7 +166,7 @@ impl<S> AuthorityFix<S> {
                         // h2 refuses it from its head alone (FRAME_SIZE_ERROR), before it
                         // looks at what kind it is: inside a header block too.
                         self.output.put(self.input.split_to(FRAME_HEADER_LEN));
-                        self.spent = true;
+                        self.stop_after();
                         continue;
                     }
                     if kind != CONTINUATION && self.block.is_some() {
@@ -314,8 +314,7 @@ impl<S> AuthorityFix<S> {
                     sensitive: false,
                 };
                 hpack::encode_plain(&field, &mut self.encoded);
-                self.spent = true;
-                self.deciding = false;
+                self.stop_after();
             }
             Err(error) => {
                 return Err(invalid(&format!(
@@ -342,10 +341,7 @@ impl<S> AuthorityFix<S> {
         }
         let len = self.encoded.len() + block.priority.map_or(0, |p| p.len());
         self.output
-            .put_slice(&u32::try_from(len).unwrap_or(0).to_be_bytes()[1..]);
-        self.output.put_u8(HEADERS);
-        self.output.put_u8(flags);
-        self.output.put_slice(&block.stream);
+            .put_slice(&frame_head(len, HEADERS, flags, block.stream));
         if let Some(priority) = block.priority {
             self.output.put_slice(&priority);
         }
@@ -371,8 +367,7 @@ impl<S> AuthorityFix<S> {
     fn malformed(&mut self, frame: &[u8]) {
         self.block = None;
         self.output.put_slice(frame);
-        self.spent = true;
-        self.deciding = false;
+        self.stop_after();
     }
 
     /// The client broke HTTP/2's framing inside a header block (another frame in it, a
@@ -386,6 +381,12 @@ impl<S> AuthorityFix<S> {
         let stream = self.block.take().map_or([0; 4], |block| block.stream);
         self.output.put_slice(&frame_head(0, HEADERS, 0, stream));
         self.output.put_slice(then);
+        self.stop_after();
+    }
+
+    /// What h2 has been handed ends the connection: nothing after it passes, and reads end
+    /// once it is taken (the decoder no longer follows the client's table).
+    fn stop_after(&mut self) {
         self.spent = true;
         self.deciding = false;
     }
@@ -496,16 +497,26 @@ mod tests {
         let mut fixed = AuthorityFix::new(server, true);
         let mut out = Vec::new();
         fixed.read_to_end(&mut out).await.unwrap();
-        let preface = out[..PREFACE_LEN].to_vec();
+        (
+            out[..PREFACE_LEN].to_vec(),
+            whole_frames(&out[PREFACE_LEN..]),
+        )
+    }
+
+    /// The whole frames at the start of `bytes`: (kind, flags, stream, payload).
+    fn whole_frames(mut bytes: &[u8]) -> Vec<(u8, u8, u32, Vec<u8>)> {
         let mut frames = Vec::new();
-        let mut rest = &out[PREFACE_LEN..];
-        while !rest.is_empty() {
-            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
-            let stream = u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]);
-            frames.push((rest[3], rest[4], stream, rest[9..9 + len].to_vec()));
-            rest = &rest[9 + len..];
+        while bytes.len() >= 9 {
+            let len =
+                usize::from(bytes[0]) << 16 | usize::from(bytes[1]) << 8 | usize::from(bytes[2]);
+            if bytes.len() < 9 + len {
+                break;
+            }
+            let stream = u32::from_be_bytes([bytes[5], bytes[6], bytes[7], bytes[8]]);
+            frames.push((bytes[3], bytes[4], stream, bytes[9..9 + len].to_vec()));
+            bytes = &bytes[9 + len..];
         }
-        (preface, frames)
+        frames
     }
 
     fn call_headers(authority: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
@@ -707,27 +718,24 @@ mod tests {
         ending_in(&out)
     }
 
-    fn ending_in(mut out: &[u8]) -> Option<(u8, u32, Vec<u8>)> {
-        while out.len() >= 9 {
-            let len = usize::from(out[0]) << 16 | usize::from(out[1]) << 8 | usize::from(out[2]);
-            if out.len() < 9 + len {
-                return None;
-            }
-            let payload = &out[9..9 + len];
-            match out[3] {
-                0x3 => {
-                    let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
-                    return Some((0x3, code, Vec::new()));
+    fn ending_in(out: &[u8]) -> Option<(u8, u32, Vec<u8>)> {
+        whole_frames(out)
+            .into_iter()
+            .find_map(|(kind, _, _, payload)| {
+                let code = |at: usize| {
+                    u32::from_be_bytes([
+                        payload[at],
+                        payload[at + 1],
+                        payload[at + 2],
+                        payload[at + 3],
+                    ])
+                };
+                match kind {
+                    0x3 => Some((0x3, code(0), Vec::new())),
+                    0x7 => Some((0x7, code(4), payload[8..].to_vec())),
+                    _ => None,
                 }
-                0x7 => {
-                    let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
-                    return Some((0x7, code, payload[8..].to_vec()));
-                }
-                _ => {}
-            }
-            out = &out[9 + len..];
-        }
-        None
+            })
     }
 
     #[tokio::test]
