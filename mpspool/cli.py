@@ -19,6 +19,7 @@ from mpspool import __version__, process, rundir, tfs_flags, wire
 from mpspool.config import (
     DISPATCH_POLICIES,
     QUEUE_ORDERS,
+    VERSION_BATCHING_FILE,
     ConfigError,
     PoolConfig,
     ServedModel,
@@ -459,6 +460,19 @@ def build_parser() -> argparse.ArgumentParser:
         "enable_large_batch_splitting, max_execution_batch_size); needs --enable-batching",
     )
     sched.add_argument(
+        "--enable-per-model-batching-parameters",
+        "--enable_per_model_batching_parameters",
+        dest="per_model_batching",
+        type=_flag_value,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="with --enable-batching: each model version is batched by the "
+        "batching_params.pbtxt in its directory (TF Serving's BatchingParameters), and a "
+        "version without one is not batched, as in TF Serving",
+    )
+    sched.add_argument(
         "--max-batch-size",
         type=int,
         default=None,
@@ -751,6 +765,8 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
     """--enable-batching with the parameters file's values, --max-batch-size over them;
     --split-rows, or the file's enable_large_batch_splitting (refused if the two differ)."""
     fields: dict[str, Any] = {"batching": args.batching, "split_rows": args.split_rows}
+    if args.per_model_batching:
+        return _per_model_batching_fields(args)
     if args.batching_parameters_file is not None:
         if not args.batching:
             raise ConfigError("--batching_parameters_file needs --enable_batching")
@@ -773,6 +789,34 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_batch_size is not None:
         fields["max_batch_size"] = args.max_batch_size
     return fields
+
+
+def _per_model_batching_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """--enable_per_model_batching_parameters: each version's own file sets its batching and
+    splitting, so the pool-wide settings are refused beside it; the pool-wide file is read
+    and checked as TF Serving reads it, and its batching values go unused there too."""
+    if not args.batching:
+        print(
+            "mpspool: --enable_per_model_batching_parameters has no effect without "
+            "--enable_batching (as in TF Serving)",
+            file=sys.stderr,
+        )
+        return {"batching": False, "split_rows": args.split_rows}
+    if args.max_batch_size is not None or args.split_rows:
+        raise ConfigError(
+            "--max-batch-size and --split-rows with --enable_per_model_batching_parameters: "
+            f"each version's {VERSION_BATCHING_FILE} says how it is batched and split"
+        )
+    if args.batching_parameters_file is not None:
+        batching_parameters_from(args.batching_parameters_file)
+        print(
+            f"mpspool: {args.batching_parameters_file}: its batching parameters are not used "
+            f"with --enable_per_model_batching_parameters (each version's "
+            f"{VERSION_BATCHING_FILE} is; TF Serving takes only its batch thread pool from it, "
+            "which has no use here)",
+            file=sys.stderr,
+        )
+    return {"batching": True, "per_model_batching": True}
 
 
 def _connection_fields(args: argparse.Namespace) -> dict[str, Any]:

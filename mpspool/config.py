@@ -104,22 +104,24 @@ def tls_from(ssl_config: Path) -> dict[str, Any]:
     }
 
 
-# TF Serving's default max_batch_size (SharedBatchScheduler's input_batch_size_limit).
+# TF Serving's default max_batch_size (SharedBatchScheduler's input_batch_size_limit) and
+# max_enqueued_batches (BasicBatchScheduler's).
 MAX_BATCH_SIZE = 1000
+MAX_ENQUEUED_BATCHES = 10
 
 # The front door's policies (router/src/policies/mod.rs: CHOOSERS, ORDERS).
 DISPATCH_POLICIES = ("round-robin", "least-loaded", "power-of-two", "packed")
 QUEUE_ORDERS = ("fcfs", "sjf")
 
 
-def batching_parameters_from(path: Path) -> dict[str, Any]:
+def batching_parameters_from(
+    path: Path, flag: str = "--batching_parameters_file"
+) -> dict[str, Any]:
     """TF Serving's BatchingParameters file (text format) as PoolConfig fields; what has no
     meaning here is refused (pad_variable_length_inputs) or logged (num_batch_threads)."""
     from mpspool.protos import server_config_pb2
 
-    params = read_text_proto(
-        path, "--batching_parameters_file", server_config_pb2.BatchingParameters(), "a"
-    )
+    params = read_text_proto(path, flag, server_config_pb2.BatchingParameters(), "a")
     if params.pad_variable_length_inputs:
         raise ConfigError(
             f"{path}: pad_variable_length_inputs is not supported: requests merge only when "
@@ -183,6 +185,66 @@ def _large_batch_splitting(path: Path, params: Any) -> dict[str, Any]:
         "split_rows": execution,
         "allowed_batch_sizes": tuple(size for size in sizes if size <= call),
     }
+
+
+# A model version's own batching parameters, beside its SavedModel, read with
+# --enable_per_model_batching_parameters (TF Serving's kBatchingParamsFilename).
+VERSION_BATCHING_FILE = "batching_params.pbtxt"
+
+
+def version_batching(version_dir: Path) -> dict[str, Any] | None:
+    """--enable_per_model_batching_parameters: how a model version is batched, from the
+    BatchingParameters file in its directory, as every field the front door takes (the
+    version table carries it: router/src/versions.rs); None without the file, and then the
+    version is not batched, as in TF Serving (GetPerModelBatchingParams). ConfigError when
+    the file cannot be read or breaks TF Serving's rules: the version does not load."""
+    path = version_dir / VERSION_BATCHING_FILE
+    if not path.is_file():
+        return None
+    fields: dict[str, Any] = {
+        "max_batch_size": MAX_BATCH_SIZE,
+        "batch_timeout_micros": 0,
+        "allowed_batch_sizes": (),
+        "max_enqueued_batches": MAX_ENQUEUED_BATCHES,
+        "split_rows": 0,
+    }
+    fields.update(batching_parameters_from(path, "the version's batching parameters"))
+    try:
+        check_batching(
+            fields["max_batch_size"],
+            fields["max_enqueued_batches"],
+            fields["batch_timeout_micros"],
+            fields["allowed_batch_sizes"],
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    fields["allowed_batch_sizes"] = list(fields["allowed_batch_sizes"])
+    return fields
+
+
+def check_batching(
+    max_batch_size: int,
+    max_enqueued_batches: int,
+    batch_timeout_micros: int,
+    allowed_batch_sizes: tuple[int, ...],
+) -> None:
+    """TF Serving's rules for its batching parameters (the front door checks them again:
+    router/src/batch.rs, Batching::check)."""
+    if max_batch_size < 1:
+        raise ConfigError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    if max_enqueued_batches < 1:
+        raise ConfigError(f"max_enqueued_batches must be at least 1, got {max_enqueued_batches}")
+    if batch_timeout_micros < 0:
+        raise ConfigError(f"batch_timeout_micros must be >= 0, got {batch_timeout_micros}")
+    sizes = list(allowed_batch_sizes)
+    if sizes:
+        if sizes[0] < 1 or any(a >= b for a, b in itertools.pairwise(sizes)):
+            raise ConfigError(f"allowed_batch_sizes must be positive and increasing, got {sizes}")
+        if sizes[-1] != max_batch_size:
+            raise ConfigError(
+                f"the last of allowed_batch_sizes must equal max_batch_size {max_batch_size}, "
+                f"got {sizes}"
+            )
 
 
 def usable_cores() -> int:
@@ -316,7 +378,12 @@ class PoolConfig:
     max_batch_size: int = MAX_BATCH_SIZE
     batch_timeout_micros: int = 0
     allowed_batch_sizes: tuple[int, ...] = ()
-    max_enqueued_batches: int = 10
+    max_enqueued_batches: int = MAX_ENQUEUED_BATCHES
+    # TF Serving's --enable_per_model_batching_parameters (with batching): each version is
+    # batched by the batching_params.pbtxt in its directory (`version_batching`), read by
+    # the controller as the version loads and sent to the front door with the version
+    # table; a version without one is not batched. The five fields above are then unused.
+    per_model_batching: bool = False
     # Scheduling in the front door (router/src/policies/): which worker takes a request, the
     # order of requests waiting for one (only with a limit in flight per worker; 0: none,
     # which sjf and batching make 1), and when sjf lets a waiting request go first.
@@ -781,26 +848,20 @@ class PoolConfig:
         self.placement()
 
     def _validate_batching(self) -> None:
-        """TF Serving's rules for its batching parameters."""
-        if self.max_batch_size < 1:
-            raise ConfigError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
-        if self.max_enqueued_batches < 1:
-            raise ConfigError(
-                f"max_enqueued_batches must be at least 1, got {self.max_enqueued_batches}"
-            )
-        if self.batch_timeout_micros < 0:
-            raise ConfigError(f"batch_timeout_micros must be >= 0, got {self.batch_timeout_micros}")
-        sizes = list(self.allowed_batch_sizes)
-        if sizes:
-            if sizes[0] < 1 or any(a >= b for a, b in itertools.pairwise(sizes)):
-                raise ConfigError(
-                    f"allowed_batch_sizes must be positive and increasing, got {sizes}"
-                )
-            if sizes[-1] != self.max_batch_size:
-                raise ConfigError(
-                    f"the last of allowed_batch_sizes must equal max_batch_size "
-                    f"{self.max_batch_size}, got {sizes}"
-                )
+        """TF Serving's rules for its batching parameters; with per-model batching, each
+        model's first version's own file (a later version's is read as it loads)."""
+        check_batching(
+            self.max_batch_size,
+            self.max_enqueued_batches,
+            self.batch_timeout_micros,
+            self.allowed_batch_sizes,
+        )
+        if not self.per_model_batching:
+            return
+        if not self.batching:
+            raise ConfigError("per-model batching parameters need --enable_batching")
+        for model in self.served_models():
+            version_batching(Path(model.base_path) / str(model.version))
 
     def save(self, run_dir: Path) -> Path:
         path = run_dir / POOL_FILE

@@ -81,8 +81,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("thread_pool_factory_config_file", "str", True, ("",),
          "the workers' thread pools are TensorFlow's own"),
     Flag("use_alts_credentials", "bool", True, ("false",), "TLS is --ssl_config_file's"),
-    Flag("enable_per_model_batching_parameters", "bool", True, ("false",),
-         "--batching_parameters_file applies to every model"),
 )  # fmt: skip
 
 

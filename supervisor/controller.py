@@ -295,6 +295,11 @@ class Controller:
             )
             for stale in segment.remove_stale():
                 log.info("removed a weight segment left by a pool that died: %s", stale)
+            for model in self.models.values():
+                failed = model.first_failure()
+                if failed:
+                    self.fail_pool(failed)
+                    return self.exit_code
             if self.config.share_weights:
                 # Each first version's publisher runs on while supervisord, the front door
                 # and its workers start (ModelVersions.publish_first).

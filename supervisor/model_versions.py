@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mpspool import process
-from mpspool.config import PoolConfig
+from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.supervisor import config_reload
 from mpspool.supervisor.slots import Slot
@@ -105,11 +105,24 @@ class ModelVersions:
         return {key: slot for group in self.groups.values() for key, slot in group.slots.items()}
 
     def new_group(self, version: int) -> VersionGroup:
+        config = self.config
         slots = {}
-        for name in self.config.slots:
+        for name in config.slots:
             slot = Slot(name, version, self.prefix)
             slots[slot.key] = slot
-        return VersionGroup(version, slots, self.config.segment_for(version), model=self.prefix)
+        group = VersionGroup(version, slots, config.segment_for(version), model=self.prefix)
+        if config.batching and config.per_model_batching:
+            # Read once, as TF Serving reads it when it loads the version.
+            try:
+                group.batching = version_batching(Path(config.version_path(version)))
+            except ConfigError as exc:
+                group.batching_error = f"cannot batch as its directory asks: {exc}"
+        return group
+
+    def first_failure(self) -> str:
+        """Why the first version cannot load before any process starts ("": none can be
+        told yet): its batching file. `mpspool start` checked it; it may have changed since."""
+        return self.groups[self.config.model_version].batching_error
 
     # -- publishing ---------------------------------------------------------------
     def publish_first(self) -> str:
@@ -299,6 +312,9 @@ class ModelVersions:
         """START -> LOADING: publish its weights (a child process, polled by `_advance`),
         or start its workers at once when weights are not shared."""
         group.change_state(VersionState.LOADING, now, why)
+        if group.batching_error:
+            self._fail_version(group, group.batching_error, now)
+            return
         if not self.config.share_weights:
             self.start_workers(group, f"version {group.version} loading")
             return

@@ -20,6 +20,7 @@ import logging
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mpspool.supervisor.slots import Slot, group_name
 
@@ -108,6 +109,10 @@ class VersionGroup:
     in_supervisord: bool = False  # its program group was added to supervisord
     workers_started: bool = False  # its program group was started (its slots STARTING)
     model: str = ""  # its model's prefix (Slot.model): "" for the pool's first model
+    # With per-model batching: its batching_params.pbtxt as the front door takes it (None:
+    # not batched), read when the group is made; why that file cannot be used ("": it can).
+    batching: dict[str, Any] | None = None
+    batching_error: str = ""
 
     @property
     def group(self) -> str:
@@ -153,4 +158,11 @@ class VersionGroup:
         self.since = now
 
     def describe(self) -> dict[str, object]:
-        return {"version": self.version, "state": self.state.value, "error": self.error}
+        row: dict[str, object] = {
+            "version": self.version,
+            "state": self.state.value,
+            "error": self.error,
+        }
+        if self.batching is not None:
+            row["batching"] = self.batching
+        return row

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -245,6 +247,84 @@ def test_tf_servings_large_batch_splitting_answers_a_large_request_in_calls_it_a
         assert grew('processed_batch_size_bucket{le="16"}') == 3
         assert grew('processed_batch_size_bucket{le="8"}') == 1
         assert grew("processed_batch_size_sum{}") == 20, "8, 8 and 4 rows, no padding"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+def test_per_model_batching_parameters_batch_each_version_by_its_own_file(
+    tmp_path: Path, demo_model_dir: Path, reference_model
+) -> None:
+    """--enable_per_model_batching_parameters, as TF Serving: version 1's
+    batching_params.pbtxt (splitting at 8 rows) answers a 20-row request in calls of 8, 8 and
+    4; version 2, without that file, is not batched; version 3, whose file TF Serving would
+    refuse, never serves and says why, while 2 serves on."""
+    base, staging = tmp_path / "m", tmp_path / "staging"
+    shutil.copytree(demo_model_dir / "1", base / "1")
+    (base / "1" / "batching_params.pbtxt").write_text(
+        "max_batch_size { value: 32 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 8 }\n"
+    )
+    monitoring = tmp_path / "monitoring.config"
+    monitoring.write_text(f'prometheus_config {{ enable: true, path: "{METRICS_PATH}" }}\n')
+    (tmp_path / "pool").mkdir()
+    pool = Pool(
+        tmp_path / "pool",
+        base,
+        1,
+        "--enable_batching",
+        "--enable_per_model_batching_parameters",
+        f"--monitoring_config_file={monitoring}",
+        "--file_system_poll_wait_seconds=0.2",
+    ).start()
+    x = demo_inputs(20, DEMO_ROWS, seed=11)
+    want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
+
+    def predict() -> dict[str, float]:
+        """A right answer to the 20 rows; how TF Serving's batching series grew meanwhile."""
+        before = batching_metrics(pool)
+        with pool.channel() as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            got = tf.make_ndarray(stub.Predict(request_for(x), timeout=30).outputs["score"])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        after = batching_metrics(pool)
+        return {name: after[name] - before.get(name, 0.0) for name in after}
+
+    def versions(status: dict[str, Any]) -> dict[int, tuple[str, str]]:
+        return {v["version"]: (v["state"], v["error"]) for v in status["versions"]}
+
+    try:
+        status = pool.wait_ready(1)
+        assert status["versions"][0]["batching"]["split_rows"] == 8
+        grew = predict()
+        assert grew["wrapped_run_count{}"] == 3
+        assert grew["processed_batch_size_sum{}"] == 20, "8, 8 and 4 rows"
+
+        (staging / "2").parent.mkdir()
+        shutil.copytree(base / "1", staging / "2", ignore=shutil.ignore_patterns("*.pbtxt"))
+        os.rename(staging / "2", base / "2")
+        pool.wait_for(
+            lambda s: versions(s) == {1: ("END", ""), 2: ("AVAILABLE", "")},
+            timeout=90,
+            what="version 2 serving, version 1 retired",
+        )
+        assert predict().get("wrapped_run_count{}", 0) == 0, "version 2 is not batched"
+
+        shutil.copytree(base / "2", staging / "3")
+        (staging / "3" / "batching_params.pbtxt").write_text(
+            "max_batch_size { value: 32 }\nallowed_batch_sizes: 8\n"
+        )
+        os.rename(staging / "3", base / "3")
+        status = pool.wait_for(
+            lambda s: versions(s).get(3, ("", ""))[0] == "END",
+            timeout=60,
+            what="version 3 failed",
+        )
+        error = versions(status)[3][1]
+        assert "3/batching_params.pbtxt: the last of allowed_batch_sizes" in error, error
+        assert versions(status)[2] == ("AVAILABLE", "")
+        assert predict().get("wrapped_run_count{}", 0) == 0
         assert pool.stop() == 0
         assert pool.leftovers() == []
     finally:

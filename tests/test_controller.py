@@ -1829,6 +1829,68 @@ def test_a_version_that_cannot_load_never_serves_and_is_not_retried(
     assert told(pool)[2] == "LOADING"
 
 
+def test_per_model_batching_tells_each_versions_own_parameters_and_a_bad_file_fails_it(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """--enable_per_model_batching_parameters: each version's batching_params.pbtxt goes to
+    the front door with the version table, read once when the version is found; a version
+    without one goes without (not batched); one whose file breaks TF Serving's rules never
+    loads and says why, while the version before serves on."""
+    base = tmp_path / "m"
+
+    def version(number: int, batching: str | None) -> None:
+        (base / str(number)).mkdir(parents=True)
+        (base / str(number) / "saved_model.pb").write_bytes(b"")
+        if batching is not None:
+            (base / str(number) / "batching_params.pbtxt").write_text(batching)
+
+    version(1, "max_batch_size { value: 16 }\nbatch_timeout_micros { value: 200 }\n")
+    settings = {"share_weights": False, "start_retries": 0, "model_base_path": str(base)}
+    pool = make_pool(batching=True, per_model_batching=True, **settings)
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    one = {
+        "max_batch_size": 16, "batch_timeout_micros": 200, "allowed_batch_sizes": [],
+        "max_enqueued_batches": 10, "split_rows": 0,
+    }  # fmt: skip
+    assert pool.router.versions[-1] == [
+        {"version": 1, "state": "AVAILABLE", "error": "", "batching": one}
+    ]
+    (base / "1" / "batching_params.pbtxt").write_text("max_batch_size { value: 4 }\n")
+    pool.tick(after_s=1.0)
+    assert pool.router.versions[-1][0]["batching"] == one, "read once, as the version loads"
+
+    version(2, "max_batch_size { value: 16 }\nallowed_batch_sizes: 8\n")
+    pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+    error = pool.router.versions[-1][1]["error"]
+    assert "2/batching_params.pbtxt: the last of allowed_batch_sizes must equal" in error
+    assert ("startProcessGroup", "v2") not in pool.sd.calls
+    assert pool.controller.phase is PoolPhase.SERVING
+
+    version(3, None)
+    pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "END", 3: "LOADING"}
+    assert "batching" not in pool.router.versions[-1][2], "not batched"
+    assert ("startProcessGroup", "v3") in pool.sd.calls
+
+    # Without per-model batching the files are not read.
+    plain = make_pool(batching=True, **settings)
+    assert "batching" not in plain.controller.models["demo"].version_table()[0]
+
+
+def test_a_first_version_whose_batching_file_breaks_the_rules_fails_the_start(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    base = tmp_path / "m"
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "batching_params.pbtxt").write_text("max_batch_size: 4\n")
+    pool = make_pool(model_base_path=str(base), batching=True, per_model_batching=True)
+    failure = pool.controller.models["demo"].first_failure()
+    assert "1/batching_params.pbtxt is not a BatchingParameters" in failure, failure
+
+
 def test_the_pool_phase_moves_only_forward(pool: Pool):
     assert pool.controller.phase is PoolPhase.STARTING
     pool.start()

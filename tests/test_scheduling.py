@@ -8,6 +8,7 @@ split.rs.)"""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import subprocess
 import urllib.request
@@ -21,7 +22,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from mpspool import cli
-from mpspool.config import ConfigError, PoolConfig, batching_parameters_from
+from mpspool.config import ConfigError, PoolConfig, batching_parameters_from, version_batching
 from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
@@ -145,6 +146,53 @@ def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
                       (("--worker-inflight", "-1"), "must be >= 0")):  # fmt: skip
         with pytest.raises(ConfigError, match=says):
             start_args(*bad).validate()
+
+
+def test_per_model_batching_reads_each_versions_own_file_as_tf_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--enable_per_model_batching_parameters: a version's batching_params.pbtxt, every
+    field the front door takes (TF Serving's defaults where the file is silent); no file, no
+    batching; a file TF Serving would refuse refuses the start for the first version."""
+    version = tmp_path / "m" / "1"
+    version.mkdir(parents=True)
+    assert version_batching(version) is None
+    (version / "batching_params.pbtxt").write_text(
+        "max_batch_size { value: 32 }\nenable_large_batch_splitting { value: true }\n"
+        "max_execution_batch_size { value: 8 }\nbatch_timeout_micros { value: 500 }\n"
+    )
+    assert version_batching(version) == {
+        "max_batch_size": 8, "batch_timeout_micros": 500, "allowed_batch_sizes": [],
+        "max_enqueued_batches": 10, "split_rows": 8,
+    }  # fmt: skip
+
+    def config(*flags: str) -> PoolConfig:
+        return dataclasses.replace(start_args(*flags), model_base_path=str(tmp_path / "m"))
+
+    per_model = ("--enable_batching", "--enable_per_model_batching_parameters")
+    taken = config(*per_model)
+    assert (taken.batching, taken.per_model_batching) == (True, True)
+    taken._validate_batching()
+    # Without --enable_batching it does nothing (TF Serving reads it only when batching).
+    alone = config("--enable_per_model_batching_parameters")
+    assert (alone.batching, alone.per_model_batching) == (False, False)
+    assert "no effect without --enable_batching" in capsys.readouterr().err
+    # The pool-wide file is read and checked, and its values go unused.
+    params = tmp_path / "b.txt"
+    params.write_text("max_batch_size { value: 16 }\n")
+    assert config(*per_model, f"--batching_parameters_file={params}").max_batch_size == 1000
+    assert "its batching parameters are not used" in capsys.readouterr().err
+    for flag in ("--max-batch-size=8", "--split-rows=4"):
+        with pytest.raises(ConfigError, match=r"batching_params\.pbtxt says how"):
+            config(*per_model, flag)
+    (version / "batching_params.pbtxt").write_text(
+        "max_batch_size { value: 32 }\nallowed_batch_sizes: 8\n"
+    )
+    with pytest.raises(ConfigError, match=r"1/batching_params.pbtxt: the last of allowed_batch"):
+        taken._validate_batching()
+    (version / "batching_params.pbtxt").write_text("max_batch_size: 3\n")
+    with pytest.raises(ConfigError, match="is not a BatchingParameters"):
+        taken._validate_batching()
 
 
 # -- a real pool --------------------------------------------------------------------------

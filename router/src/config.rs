@@ -131,6 +131,11 @@ pub struct Config {
     /// read by mpspool/config.py).
     #[serde(default)]
     pub batching: bool,
+    /// TF Serving's `--enable_per_model_batching_parameters` (with `batching`): each version
+    /// is batched by its own `batching_params.pbtxt`, which the controller sends with the
+    /// version table, and not at all without one; the fields below are then not used.
+    #[serde(default)]
+    pub per_model_batching: bool,
     #[serde(default = "default_max_batch_size")]
     pub max_batch_size: u64,
     #[serde(default)]
@@ -252,7 +257,8 @@ impl Config {
             (true, _, _) | (false, "sjf", _) => 1,
             _ => 0,
         };
-        let batching = self.batching.then(|| Batching {
+        let per_model_batching = self.batching && self.per_model_batching;
+        let batching = (self.batching && !per_model_batching).then(|| Batching {
             max_batch_size: self.max_batch_size,
             timeout: Duration::from_micros(self.batch_timeout_micros),
             allowed_batch_sizes: self.allowed_batch_sizes.clone(),
@@ -266,6 +272,7 @@ impl Config {
             worker_inflight,
             split_rows: self.split_rows,
             batching,
+            per_model_batching,
         }
     }
 
@@ -353,6 +360,25 @@ mod tests {
             let error = Config::parse(&format!("{{{base}, {bad}}}")).unwrap_err();
             assert!(matches!(error, ConfigError::Invalid(_)), "{bad}: {error}");
         }
+    }
+
+    #[test]
+    fn per_model_batching_leaves_the_pools_parameters_unused_and_needs_batching() {
+        let base = r#""model_name": "m", "model_version": 1, "run_dir": "/r", "max_batch_size": 8"#;
+        let config = Config::parse(&format!(
+            r#"{{{base}, "batching": true, "per_model_batching": true}}"#
+        ))
+        .unwrap();
+        let scheduling = config.scheduling();
+        assert!(scheduling.per_model_batching);
+        assert_eq!(scheduling.batching, None);
+        assert_eq!(
+            scheduling.worker_inflight, 1,
+            "requests wait here to be merged"
+        );
+        // Without --enable_batching it does nothing, as in TF Serving.
+        let config = Config::parse(&format!(r#"{{{base}, "per_model_batching": true}}"#)).unwrap();
+        assert_eq!(config.scheduling(), Scheduling::default());
     }
 
     #[test]

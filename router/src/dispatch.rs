@@ -149,6 +149,8 @@ pub struct Dispatcher {
     no_worker_wait: Duration,
     /// `--split-rows` (0: off).
     split_rows: u64,
+    /// Each version's own batching and splitting (`Scheduling::per_model_batching`).
+    per_model_batching: bool,
 }
 
 /// Each servable's signatures, as its workers reported them in READY.
@@ -232,11 +234,12 @@ impl Dispatcher {
             table: WorkerTable::new(worker_timeout, chooser),
             requests: HashMap::new(),
             queue,
-            queued_rows: 0,
+            queued_rows: HashMap::new(),
             queued_by_model: BTreeMap::new(),
             worker_inflight: scheduling.worker_inflight,
             costs: CostModel::default(),
-            batching: scheduling.batching.clone(),
+            batching: scheduling.batching.clone().map(Arc::new),
+            per_model_batching: scheduling.per_model_batching,
             next_batch_id: FIRST_BATCH_ID,
             wake_at: None,
             timeline: Timeline::new(DEFAULT_CAPACITY),
@@ -260,6 +263,7 @@ impl Dispatcher {
             state,
             no_worker_wait: NO_WORKER_WAIT,
             split_rows: scheduling.split_rows,
+            per_model_batching: scheduling.per_model_batching,
         })
     }
 
@@ -299,7 +303,15 @@ impl Dispatcher {
         request: WorkRequest,
         deadline: Option<Instant>,
     ) -> Result<WorkReply, ServingError> {
-        let Some(chunks) = split::split(&request, self.split_rows) else {
+        let split_rows = if self.per_model_batching {
+            let models = self.versions.borrow();
+            (models.get(request.target.model))
+                .and_then(|table| table.versions.get(&request.target.version))
+                .map_or(0, |entry| entry.split_rows)
+        } else {
+            self.split_rows
+        };
+        let Some(chunks) = split::split(&request, split_rows) else {
             return self.call_whole(request, deadline).await;
         };
         drop(request);
@@ -453,6 +465,9 @@ struct Queued {
     /// it runs by itself — batching is off, its inputs cannot merge, or the merged call it
     /// was part of failed and alone it says whose fault that was.
     merge_key: Option<batch::MergeKey>,
+    /// The batching its model version has (the pool's, or with per-model batching the
+    /// version's own), taken on arrival; None: not batched.
+    batching: Option<Arc<Batching>>,
 }
 
 /// A call sent to a worker and not answered yet: one request, or several merged into one.
@@ -533,13 +548,17 @@ struct Actor {
     requests: HashMap<u64, Vec<u8>>,
     /// Requests waiting for a worker with room (only with a `worker_inflight` limit).
     queue: Box<dyn Order<Queued>>,
-    /// Rows waiting in `queue` (for `max_enqueued_batches`).
-    queued_rows: u64,
+    /// Rows waiting in `queue`, by model version: each version's requests have a batch queue
+    /// of their own, bounded by its `max_enqueued_batches`, as in TF Serving.
+    queued_rows: HashMap<Servable, u64>,
     /// Requests waiting in `queue`, by model (what the controller's retiring waits for).
     queued_by_model: BTreeMap<ModelId, u64>,
     worker_inflight: usize,
     costs: CostModel,
-    batching: Option<Batching>,
+    /// The pool's batching (`--enable-batching`, not per model).
+    batching: Option<Arc<Batching>>,
+    /// Each version's own batching instead (`VersionEntry::batching`).
+    per_model_batching: bool,
     next_batch_id: u64,
     /// When a batch waiting to fill must leave (`batch_timeout_micros`).
     wake_at: Option<std::time::Instant>,
@@ -644,7 +663,8 @@ impl Actor {
         };
         let rows = request.rows();
         let mut merge_key = None;
-        if let Some(batching) = &self.batching {
+        let batching = self.batching_of(servable);
+        if let Some(batching) = &batching {
             if !again {
                 // Before the queue's limit, as TF Serving sizes a request before scheduling it.
                 let first_dimensions = (request.tensors.iter())
@@ -652,7 +672,8 @@ impl Actor {
                 self.state.batching.record_input(first_dimensions);
             }
             let key = batch::merge_key(&request).map(|(key, _)| key);
-            if self.queued_rows.saturating_add(rows) > batching.queue_rows() {
+            let queued_rows = self.queued_rows.get(&servable).copied().unwrap_or(0);
+            if queued_rows.saturating_add(rows) > batching.queue_rows() {
                 let full = ServingError::new(Code::Unavailable, batch::QUEUE_FULL);
                 let _ = answer.send(Outcome::Error(full));
                 return;
@@ -671,13 +692,25 @@ impl Actor {
             servable,
             cost,
             merge_key,
+            batching,
         };
         self.queue_push(id, queued);
         self.pump();
     }
 
+    /// The batching of a model version's requests: the pool's, or with per-model batching
+    /// the version's own as the controller last listed it.
+    fn batching_of(&self, servable: Servable) -> Option<Arc<Batching>> {
+        if !self.per_model_batching {
+            return self.batching.clone();
+        }
+        let models = self.versions.borrow();
+        let table = models.get(servable.model)?;
+        table.versions.get(&servable.version)?.batching.clone()
+    }
+
     fn queue_push(&mut self, id: u64, queued: Queued) {
-        self.queued_rows += queued.request.rows();
+        *self.queued_rows.entry(queued.servable).or_default() += queued.request.rows();
         *self
             .queued_by_model
             .entry(queued.servable.model)
@@ -699,7 +732,12 @@ impl Actor {
     }
 
     fn left_queue(&mut self, queued: &Queued) {
-        self.queued_rows = self.queued_rows.saturating_sub(queued.request.rows());
+        if let Some(rows) = self.queued_rows.get_mut(&queued.servable) {
+            *rows = rows.saturating_sub(queued.request.rows());
+            if *rows == 0 {
+                self.queued_rows.remove(&queued.servable);
+            }
+        }
         let model = queued.servable.model;
         if let Some(n) = self.queued_by_model.get_mut(&model) {
             *n = n.saturating_sub(1);
@@ -758,17 +796,13 @@ impl Actor {
     /// they all wait on.
     fn gather(&mut self, id: u64, head: Queued, now: std::time::Instant) -> Gathered {
         let rows = head.request.rows();
-        let (Some((max, timeout)), Some(_)) = (
-            self.batching
-                .as_ref()
-                .map(|b| (b.max_batch_size, b.timeout)),
-            &head.merge_key,
-        ) else {
+        let (Some(batching), Some(_)) = (head.batching.clone(), &head.merge_key) else {
             return Gathered::Send {
                 members: vec![(id, head)],
                 padded: rows,
             };
         };
+        let (max, timeout) = (batching.max_batch_size, batching.timeout);
         let mut total = rows;
         let mut members = vec![(id, head)];
         let mut passed_over = Vec::new();
@@ -800,7 +834,7 @@ impl Actor {
             }
             return Gathered::Wait(oldest + timeout);
         }
-        let padded = self.batching.as_ref().map_or(total, |b| b.padded(total));
+        let padded = batching.padded(total);
         Gathered::Send { members, padded }
     }
 
@@ -859,7 +893,10 @@ impl Actor {
         let sent_now = self.workers.send(&identity, &frames);
         // TF Serving's batching metrics, for a call that left: with batching on, every call is
         // a batch (of one request or more), its members' waits since they entered the queue.
-        let batch_record = self.batching.as_ref().map(|batching| {
+        let batching = members
+            .first()
+            .and_then(|(_, first)| first.batching.as_ref());
+        let batch_record = batching.map(|batching| {
             let now = std::time::Instant::now();
             let waits: Vec<u64> = (members.iter())
                 .map(|(_, m)| now.saturating_duration_since(m.enqueued).as_micros())
@@ -953,9 +990,17 @@ impl Actor {
     /// Membership or versions changed: what is routable, the ready count and the
     /// copied-weights gauge follow.
     fn publish_ready(&self) {
+        let models = self.versions.borrow().clone();
+        let mut by_servable = self.table.ready_by_servable();
+        if self.per_model_batching {
+            // A version's batching comes with the controller's version table: until the
+            // controller has listed a model's versions, its requests wait rather than run
+            // unbatched (a front door that restarted hears from it within a tick).
+            by_servable.retain(|s, _| models.get(s.model).is_some_and(|t| t.from_controller));
+        }
         let routable = Routable {
-            by_servable: self.table.ready_by_servable(),
-            latest: self.versions.borrow().latest(),
+            by_servable,
+            latest: models.latest(),
         };
         self.routable
             .send_if_modified(|r| std::mem::replace(r, routable.clone()) != routable);

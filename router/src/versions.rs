@@ -18,7 +18,10 @@
 //! to it finish) and is no longer found by name.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
 
+use crate::batch::Batching;
 use crate::config::ModelEntry;
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, ModelSpec, ModelVersionStatus, StatusProto,
@@ -63,6 +66,13 @@ pub struct VersionEntry {
     pub state: VersionState,
     /// Why a version failed to load ("" when it did not).
     pub error: String,
+    /// With `--enable_per_model_batching_parameters`: the version's own batching, from the
+    /// `batching_params.pbtxt` in its directory (read by the controller); None: its requests
+    /// are not merged, as TF Serving does not batch a version without that file.
+    pub batching: Option<Arc<Batching>>,
+    /// With it too: the rows above which the version's requests are cut into pieces (its
+    /// file's `enable_large_batch_splitting`; 0: not cut).
+    pub split_rows: u64,
 }
 
 /// A model's place in the pool's list of models (pool.json's `models`, in order).
@@ -109,6 +119,8 @@ impl VersionTable {
         let available = VersionEntry {
             state: VersionState::Available,
             error: String::new(),
+            batching: None,
+            split_rows: 0,
         };
         VersionTable {
             id,
@@ -294,9 +306,21 @@ impl VersionTable {
                 .and_then(rmpv::Value::as_str)
                 .unwrap_or("")
                 .to_string();
-            table
-                .versions
-                .insert(version, VersionEntry { state, error });
+            let (batching, split_rows) = match get("batching") {
+                None | Some(rmpv::Value::Nil) => (None, 0),
+                Some(given) => {
+                    let (batching, split_rows) = version_batching(given)
+                        .map_err(|error| format!("version {version}'s batching: {error}"))?;
+                    (Some(Arc::new(batching)), split_rows)
+                }
+            };
+            let entry = VersionEntry {
+                state,
+                error,
+                batching,
+                split_rows,
+            };
+            table.versions.insert(version, entry);
         }
         match labels {
             None | Some(rmpv::Value::Nil) => {}
@@ -312,6 +336,46 @@ impl VersionTable {
         }
         Ok(table)
     }
+}
+
+/// A version's batching as the controller sends it (mpspool/config.py, `version_batching`):
+/// TF Serving's parameters and the rows above which requests are cut, checked by TF
+/// Serving's rules (`Batching::check`).
+fn version_batching(given: &rmpv::Value) -> Result<(Batching, u64), String> {
+    let Some(map) = given.as_map() else {
+        return Err("a map of TF Serving's batching parameters".to_string());
+    };
+    let field = |name: &str| {
+        map.iter()
+            .find(|(key, _)| key.as_str() == Some(name))
+            .map(|(_, value)| value)
+    };
+    let number = |name: &str| {
+        field(name)
+            .and_then(rmpv::Value::as_u64)
+            .ok_or_else(|| format!("{name} must be a number >= 0"))
+    };
+    let allowed_batch_sizes = match field("allowed_batch_sizes") {
+        None | Some(rmpv::Value::Nil) => Vec::new(),
+        Some(rmpv::Value::Array(sizes)) => sizes
+            .iter()
+            .map(rmpv::Value::as_u64)
+            .collect::<Option<Vec<u64>>>()
+            .ok_or("allowed_batch_sizes must be numbers >= 0")?,
+        Some(_) => return Err("allowed_batch_sizes must be a list".to_string()),
+    };
+    let batching = Batching {
+        max_batch_size: number("max_batch_size")?,
+        timeout: Duration::from_micros(number("batch_timeout_micros")?),
+        allowed_batch_sizes,
+        max_enqueued_batches: number("max_enqueued_batches")?,
+    };
+    batching.check()?;
+    let split_rows = match field("split_rows") {
+        None | Some(rmpv::Value::Nil) => 0,
+        Some(_) => number("split_rows")?,
+    };
+    Ok((batching, split_rows))
 }
 
 /// Every model the pool serves, each with its version table; never empty (the configuration

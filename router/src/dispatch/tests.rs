@@ -1598,3 +1598,171 @@ fn a_merged_call_runs_until_its_last_members_deadline_and_is_not_rerun_past_it()
     assert_eq!(worker.socket.poll(zmq::POLLIN, 300).unwrap(), 0, "rerun");
     dispatcher.shutdown();
 }
+
+/// While `version`'s one worker computes a first request, requests of `sizes` rows arrive
+/// for it; each must get its own rows back.
+async fn calls_on_version(dispatcher: &Dispatcher, version: i64, sizes: &[usize]) {
+    let mut calls = Vec::new();
+    for (mark, rows) in std::iter::once(1).chain(sizes.iter().copied()).enumerate() {
+        let d = dispatcher.clone();
+        let request = WorkRequest {
+            target: Target {
+                model: 0,
+                version,
+                pinned: true,
+            },
+            ..marked_request(rows, mark as u8)
+        };
+        let want = request.frames.clone();
+        calls.push(tokio::spawn(
+            async move { (d.call(request, None).await, want) },
+        ));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    for call in calls {
+        let (reply, want) = call.await.unwrap();
+        assert_eq!(reply.expect("answered").frames, want);
+    }
+}
+
+/// --enable_per_model_batching_parameters: a version is batched by the parameters the
+/// controller lists with it (its batching_params.pbtxt), a version listed without any is
+/// not batched, and until the controller has listed them no request runs (it would run
+/// unbatched).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_model_batching_follows_each_versions_own_parameters() {
+    let (_dir, dir) = run_dir();
+    let scheduling = Scheduling {
+        worker_inflight: 1,
+        per_model_batching: true,
+        ..Scheduling::default()
+    };
+    let (mut dispatcher, _state) = start_scheduled(&dir, &scheduling);
+    let one = FakeWorker::serving(&dir, "cpu-0@1", 100, 1, Behaviour::SlowEcho(40));
+    let two = FakeWorker::serving(&dir, "cpu-0@2", 200, 2, Behaviour::SlowEcho(40));
+    ready(&dispatcher, 2).await;
+    dispatcher.no_worker_wait = Duration::from_millis(200);
+    let early = dispatcher.call(aimed(1, true), None).await.unwrap_err();
+    assert_eq!(
+        early.code,
+        Code::Unavailable,
+        "no table from the controller yet"
+    );
+
+    let listed = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 1, "versions": [
+            {"version": 1, "state": "AVAILABLE", "batching": {
+                "max_batch_size": 8, "batch_timeout_micros": 0, "allowed_batch_sizes": [],
+                "max_enqueued_batches": 10, "split_rows": 4}},
+            {"version": 2, "state": "AVAILABLE", "batching": null}]}),
+    );
+    assert_eq!(listed["ok"], true, "{listed}");
+    calls_on_version(&dispatcher, 1, &[1, 2, 3]).await;
+    calls_on_version(&dispatcher, 2, &[1, 2, 3]).await;
+    assert_eq!(one.rows_seen(), [1, 6], "version 1 merges");
+    assert_eq!(two.rows_seen(), [1, 1, 2, 3], "version 2 does not");
+
+    // Version 1's split_rows cuts a 6-row request into 4 and 2; version 2 takes it whole.
+    for version in [1, 2] {
+        let whole = WorkRequest {
+            target: Target {
+                model: 0,
+                version,
+                pinned: true,
+            },
+            ..marked_request(6, 9)
+        };
+        let want = whole.frames.clone();
+        let reply = dispatcher.call(whole, None).await.unwrap();
+        assert_eq!(reply.frames, want);
+    }
+    let mut cut = one.rows_seen()[2..].to_vec();
+    cut.sort();
+    assert_eq!(cut, [2, 4]);
+    assert_eq!(two.rows_seen()[4..], [6]);
+    dispatcher.shutdown();
+}
+
+/// A version listed with parameters TF Serving would refuse is refused as a whole table.
+#[test]
+fn a_versions_batching_that_breaks_tf_servings_rules_is_refused() {
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let scheduling = Scheduling {
+        worker_inflight: 1,
+        per_model_batching: true,
+        ..Scheduling::default()
+    };
+    let _dispatcher = runtime.block_on(async { start_scheduled(&dir, &scheduling).0 });
+    let refused = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 1, "versions": [
+            {"version": 1, "state": "AVAILABLE", "batching": {
+                "max_batch_size": 8, "batch_timeout_micros": 0, "allowed_batch_sizes": [2, 4],
+                "max_enqueued_batches": 10}}]}),
+    );
+    let error = refused["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("version 1's batching: the last of allowed_batch_sizes must equal"),
+        "{refused}"
+    );
+}
+
+/// Each model version has a batch queue of its own, bounded by its max_enqueued_batches (as
+/// TF Serving's queues are per servable): a full queue of one model refuses its own
+/// requests, not another model's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_batch_queue_of_one_model_does_not_refuse_anothers() {
+    let (_dir, dir) = run_dir();
+    let (state, _drains) = RouterState::new();
+    let models = [ModelEntry::new("m", 1), ModelEntry::new("r", 4)];
+    let timeout = Duration::from_secs(3);
+    let dispatcher = Dispatcher::start(
+        &dir,
+        &models,
+        timeout,
+        &batching(2, 0, vec![], 1),
+        Arc::new(state),
+    )
+    .unwrap();
+    let _m = FakeWorker::of_model(&dir, "cpu-0@1", 100, "m", 1, Behaviour::SlowEcho(300));
+    let _r = FakeWorker::of_model(&dir, "r/cpu-0@4", 200, "r", 4, Behaviour::SlowEcho(300));
+    ready(&dispatcher, 2).await;
+    let m = Target {
+        model: 0,
+        version: 1,
+        pinned: false,
+    };
+    let r = Target {
+        model: 1,
+        version: 4,
+        pinned: false,
+    };
+    // m: one computing, then two rows waiting, its queue's one batch of 2; r: one computing.
+    let mut waiting = Vec::new();
+    for target in [m, m, m, r] {
+        waiting.push(spawn_call(&dispatcher, target));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let full = dispatcher
+        .call(
+            WorkRequest {
+                target: m,
+                ..request()
+            },
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        full,
+        ServingError::new(Code::Unavailable, batch::QUEUE_FULL)
+    );
+    let reply = spawn_call(&dispatcher, r).await.unwrap();
+    assert_eq!(reply.map(|reply| reply.version).ok(), Some(4));
+    for call in waiting {
+        assert!(call.await.unwrap().is_ok());
+    }
+    dispatcher.shutdown();
+}

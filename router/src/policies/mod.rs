@@ -100,6 +100,9 @@ pub struct Scheduling {
     /// Merge waiting requests into one worker call (`--enable-batching`), with TF Serving's
     /// batching parameters.
     pub batching: Option<Batching>,
+    /// `--enable_per_model_batching_parameters`: each version's own batching and splitting
+    /// (`VersionEntry`) instead of `batching` and `split_rows`.
+    pub per_model_batching: bool,
 }
 
 impl Default for Scheduling {
@@ -111,6 +114,7 @@ impl Default for Scheduling {
             worker_inflight: 0,
             split_rows: 0,
             batching: None,
+            per_model_batching: false,
         }
     }
 }
