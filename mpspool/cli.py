@@ -28,6 +28,7 @@ from mpspool.config import (
     default_log_dir,
     default_run_dir,
     prometheus_path_from,
+    read_text_proto,
     tls_from,
     usable_cores,
 )
@@ -765,11 +766,11 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
     """--enable-batching with the parameters file's values, --max-batch-size over them;
     --split-rows, or the file's enable_large_batch_splitting (refused if the two differ)."""
     fields: dict[str, Any] = {"batching": args.batching, "split_rows": args.split_rows}
+    if args.batching_parameters_file is not None and not args.batching:
+        raise ConfigError("--batching_parameters_file needs --enable_batching")
     if args.per_model_batching:
         return _per_model_batching_fields(args)
     if args.batching_parameters_file is not None:
-        if not args.batching:
-            raise ConfigError("--batching_parameters_file needs --enable_batching")
         from_file = batching_parameters_from(args.batching_parameters_file)
         split = from_file.get("split_rows", 0)
         if split and args.split_rows and split != args.split_rows:
@@ -793,8 +794,8 @@ def _batching_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def _per_model_batching_fields(args: argparse.Namespace) -> dict[str, Any]:
     """--enable_per_model_batching_parameters: each version's own file sets its batching and
-    splitting, so the pool-wide settings are refused beside it; the pool-wide file is read
-    and checked as TF Serving reads it, and its batching values go unused there too."""
+    splitting, so the pool-wide settings are refused beside it; the pool-wide file is only
+    parsed, as TF Serving parses it and takes nothing from it but its batch thread pool."""
     if not args.batching:
         print(
             "mpspool: --enable_per_model_batching_parameters has no effect without "
@@ -808,7 +809,14 @@ def _per_model_batching_fields(args: argparse.Namespace) -> dict[str, Any]:
             f"each version's {VERSION_BATCHING_FILE} says how it is batched and split"
         )
     if args.batching_parameters_file is not None:
-        batching_parameters_from(args.batching_parameters_file)
+        from mpspool.protos import server_config_pb2
+
+        read_text_proto(
+            args.batching_parameters_file,
+            "--batching_parameters_file",
+            server_config_pb2.BatchingParameters(),
+            "a",
+        )
         print(
             f"mpspool: {args.batching_parameters_file}: its batching parameters are not used "
             f"with --enable_per_model_batching_parameters (each version's "

@@ -228,8 +228,9 @@ def check_batching(
     batch_timeout_micros: int,
     allowed_batch_sizes: tuple[int, ...],
 ) -> None:
-    """TF Serving's rules for its batching parameters (the front door checks them again:
-    router/src/batch.rs, Batching::check)."""
+    """TF Serving's rules for its batching parameters, in its words where it has a message
+    (batching_session.cc, bundle_factory_util.cc); the front door checks them again
+    (router/src/batch.rs, Batching::check)."""
     if max_batch_size < 1:
         raise ConfigError(f"max_batch_size must be at least 1, got {max_batch_size}")
     if max_enqueued_batches < 1:
@@ -239,11 +240,16 @@ def check_batching(
     sizes = list(allowed_batch_sizes)
     if sizes:
         if sizes[0] < 1 or any(a >= b for a, b in itertools.pairwise(sizes)):
-            raise ConfigError(f"allowed_batch_sizes must be positive and increasing, got {sizes}")
-        if sizes[-1] != max_batch_size:
             raise ConfigError(
-                f"the last of allowed_batch_sizes must equal max_batch_size {max_batch_size}, "
+                "allowed_batch_sizes entries must be monotonically increasing (and positive), "
                 f"got {sizes}"
+            )
+        if sizes[-1] != max_batch_size:
+            # TF Serving's words (bundle_factory_util.cc, WrapSessionForBatching): a version's
+            # status shows them with per-model batching.
+            raise ConfigError(
+                "Last entry in allowed_batch_sizes must match max_batch_size; last entry was "
+                f"{sizes[-1]}; expected {max_batch_size}"
             )
 
 

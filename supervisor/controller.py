@@ -295,19 +295,13 @@ class Controller:
             )
             for stale in segment.remove_stale():
                 log.info("removed a weight segment left by a pool that died: %s", stale)
+            # Each first version's publisher (when weights are shared) runs on while
+            # supervisord, the front door and its workers start (ModelVersions.prepare_first).
             for model in self.models.values():
-                failed = model.first_failure()
+                failed = model.prepare_first()
                 if failed:
                     self.fail_pool(failed)
                     return self.exit_code
-            if self.config.share_weights:
-                # Each first version's publisher runs on while supervisord, the front door
-                # and its workers start (ModelVersions.publish_first).
-                for model in self.models.values():
-                    failed = model.publish_first()
-                    if failed:
-                        self.fail_pool(failed)
-                        return self.exit_code
             self._supervisord_config = text
             self._place_self()
             self.supervisord.start(text)

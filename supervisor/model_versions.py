@@ -119,16 +119,13 @@ class ModelVersions:
                 group.batching_error = f"cannot batch as its directory asks: {exc}"
         return group
 
-    def first_failure(self) -> str:
-        """Why the first version cannot load before any process starts ("": none can be
-        told yet): its batching file. `mpspool start` checked it; it may have changed since."""
-        return self.groups[self.config.model_version].batching_error
-
     # -- publishing ---------------------------------------------------------------
-    def publish_first(self) -> str:
-        """Start publishing the first version's weights; return once the publisher has
-        claimed its segment (the ".partial" file it writes into, renamed into place when
-        complete), with the reason it failed ("" when it did not).
+    def prepare_first(self) -> str:
+        """Before any process of the pool starts: why the first version cannot load ("" when
+        nothing says so yet). Its batching file (`mpspool start` checked it; it may have
+        changed since) or, when weights are shared, its publisher, started here: this
+        returns once the publisher has claimed its segment (the ".partial" file it writes
+        into, renamed into place when complete), or failed.
 
         The controller then starts the version's workers beside the publisher: a worker
         needs the weights only after importing TensorFlow and loading the graph, and waits
@@ -136,6 +133,10 @@ class ModelVersions:
         imports overlap. `_advance_loading` sees the publisher end. Later versions, loaded
         while others serve, publish first and start their workers after (`_load`)."""
         group = self.groups[self.config.model_version]
+        if group.batching_error:
+            return group.batching_error
+        if not self.config.share_weights:
+            return ""
         group.publisher = publisher = self._start_publisher(group.version)
         group.publish_started = time.monotonic()
         final = Path(group.segment)

@@ -322,7 +322,9 @@ def test_per_model_batching_parameters_batch_each_version_by_its_own_file(
             what="version 3 failed",
         )
         error = versions(status)[3][1]
-        assert "3/batching_params.pbtxt: the last of allowed_batch_sizes" in error, error
+        assert "3/batching_params.pbtxt: Last entry in allowed_batch_sizes must match" in error, (
+            error
+        )
         assert versions(status)[2] == ("AVAILABLE", "")
         assert predict().get("wrapped_run_count{}", 0) == 0
         assert pool.stop() == 0

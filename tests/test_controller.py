@@ -1451,7 +1451,7 @@ def start_first_version(pool: Pool) -> VersionGroup:
     (returning once it claimed the segment), then its workers; the version's group."""
     model = pool.controller.models["demo"]
     group = model.groups[1]
-    assert model.publish_first() == ""
+    assert model.prepare_first() == ""
     model.start_workers(group, "spawned", False)
     return group
 
@@ -1865,7 +1865,10 @@ def test_per_model_batching_tells_each_versions_own_parameters_and_a_bad_file_fa
     pool.tick(after_s=1.0)
     assert told(pool) == {1: "AVAILABLE", 2: "END"}
     error = pool.router.versions[-1][1]["error"]
-    assert "2/batching_params.pbtxt: the last of allowed_batch_sizes must equal" in error
+    assert (
+        "2/batching_params.pbtxt: Last entry in allowed_batch_sizes must match max_batch_size"
+        in error
+    )
     assert ("startProcessGroup", "v2") not in pool.sd.calls
     assert pool.controller.phase is PoolPhase.SERVING
 
@@ -1886,9 +1889,16 @@ def test_a_first_version_whose_batching_file_breaks_the_rules_fails_the_start(
     base = tmp_path / "m"
     (base / "1").mkdir(parents=True)
     (base / "1" / "batching_params.pbtxt").write_text("max_batch_size: 4\n")
-    pool = make_pool(model_base_path=str(base), batching=True, per_model_batching=True)
-    failure = pool.controller.models["demo"].first_failure()
-    assert "1/batching_params.pbtxt is not a BatchingParameters" in failure, failure
+    for share_weights in (True, False):
+        pool = make_pool(
+            model_base_path=str(base),
+            batching=True,
+            per_model_batching=True,
+            share_weights=share_weights,
+        )
+        # Before its publisher starts (a publisher would fail: there is no model here).
+        failure = pool.controller.models["demo"].prepare_first()
+        assert "1/batching_params.pbtxt is not a BatchingParameters" in failure, failure
 
 
 def test_the_pool_phase_moves_only_forward(pool: Pool):

@@ -119,7 +119,7 @@ def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs --enable_batching"):
         start_args("--batching_parameters_file", str(params))
     config = start_args("--enable_batching", "--batching_parameters_file", str(params))
-    with pytest.raises(ConfigError, match="must equal max_batch_size 16"):
+    with pytest.raises(ConfigError, match="last entry was 8; expected 16"):
         config._validate_batching()
     # The flag wins over the file.
     config = start_args(
@@ -182,13 +182,24 @@ def test_per_model_batching_reads_each_versions_own_file_as_tf_serving(
     params.write_text("max_batch_size { value: 16 }\n")
     assert config(*per_model, f"--batching_parameters_file={params}").max_batch_size == 1000
     assert "its batching parameters are not used" in capsys.readouterr().err
+    # Only parsed, as TF Serving does: what the pool-wide reading refuses is no matter here,
+    # what is not a BatchingParameters is.
+    params.write_text("pad_variable_length_inputs: true\nmax_batch_size { value: 0 }\n")
+    config(*per_model, f"--batching_parameters_file={params}")
+    params.write_text("max_batch_size: 3\n")
+    with pytest.raises(ConfigError, match="is not a BatchingParameters"):
+        config(*per_model, f"--batching_parameters_file={params}")
+    with pytest.raises(ConfigError, match="needs --enable_batching"):
+        config("--enable_per_model_batching_parameters", f"--batching_parameters_file={params}")
     for flag in ("--max-batch-size=8", "--split-rows=4"):
         with pytest.raises(ConfigError, match=r"batching_params\.pbtxt says how"):
             config(*per_model, flag)
     (version / "batching_params.pbtxt").write_text(
         "max_batch_size { value: 32 }\nallowed_batch_sizes: 8\n"
     )
-    with pytest.raises(ConfigError, match=r"1/batching_params.pbtxt: the last of allowed_batch"):
+    with pytest.raises(
+        ConfigError, match=r"1/batching_params.pbtxt: Last entry in allowed_batch_sizes must match"
+    ):
         taken._validate_batching()
     (version / "batching_params.pbtxt").write_text("max_batch_size: 3\n")
     with pytest.raises(ConfigError, match="is not a BatchingParameters"):

@@ -698,6 +698,26 @@ impl Actor {
         self.pump();
     }
 
+    /// A request that named no version goes to `servable`, its model's latest, as its own
+    /// version has no worker left: it is batched as that version's requests are (with
+    /// per-model batching a version without parameters must get no merged or padded call).
+    fn moved(&self, queued: &mut Queued, servable: Servable) {
+        queued.servable = servable;
+        let batching = self.batching_of(servable);
+        queued.merge_key = match (&queued.batching, &batching) {
+            (_, None) => None,
+            // Keep what it had: None after a merged call it was in failed.
+            (Some(_), Some(_)) => queued.merge_key.take(),
+            (None, Some(_)) => batch::merge_key(&queued.request).map(|(key, _)| key),
+        }
+        .filter(|_| {
+            batching
+                .as_ref()
+                .is_some_and(|b| queued.request.rows() <= b.max_batch_size)
+        });
+        queued.batching = batching;
+    }
+
     /// The batching of a model version's requests: the pool's, or with per-model batching
     /// the version's own as the controller last listed it.
     fn batching_of(&self, servable: Servable) -> Option<Arc<Batching>> {
@@ -763,7 +783,9 @@ impl Actor {
                 let _ = head.answer.send(Outcome::NoWorker); // its caller waits for one
                 continue;
             };
-            head.servable = servable;
+            if servable != head.servable {
+                self.moved(&mut head, servable);
+            }
             let Some(handle) = self.table.pick(self.worker_inflight, servable) else {
                 held.push((id, head));
                 continue;

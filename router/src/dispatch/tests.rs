@@ -1766,3 +1766,53 @@ async fn a_full_batch_queue_of_one_model_does_not_refuse_anothers() {
     }
     dispatcher.shutdown();
 }
+
+/// A queued request that named no version moves to the latest when its own version's
+/// workers are gone, and is batched as that version's requests are: version 2 has no
+/// batching parameters, so no padded or merged call reaches it (version 1 pads to 8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_moves_to_another_version_takes_that_versions_batching() {
+    let (_dir, dir) = run_dir();
+    let scheduling = Scheduling {
+        worker_inflight: 1,
+        per_model_batching: true,
+        ..Scheduling::default()
+    };
+    let (dispatcher, _state) = start_scheduled(&dir, &scheduling);
+    let one = FakeWorker::serving(&dir, "cpu-0@1", 100, 1, Behaviour::SlowEcho(400));
+    let two = FakeWorker::serving(&dir, "cpu-0@2", 200, 2, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let listed = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 1, "versions": [
+            {"version": 1, "state": "AVAILABLE", "batching": {
+                "max_batch_size": 8, "batch_timeout_micros": 0, "allowed_batch_sizes": [8],
+                "max_enqueued_batches": 10}},
+            {"version": 2, "state": "AVAILABLE", "batching": null}]}),
+    );
+    assert_eq!(listed["ok"], true, "{listed}");
+    let unnamed = Target {
+        model: 0,
+        version: 1,
+        pinned: false,
+    };
+    let computing = spawn_call(&dispatcher, unnamed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let queued = spawn_call(&dispatcher, unnamed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(one.rows_seen(), [8], "version 1 pads to its allowed size");
+    let gone = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "gone", "n": 2, "slot": "cpu-0@1", "pid": 100}),
+    );
+    assert_eq!(gone["ok"], true, "{gone}");
+    for call in [computing, queued] {
+        assert_eq!(call.await.unwrap().map(|reply| reply.version).ok(), Some(2));
+    }
+    assert_eq!(
+        two.rows_seen(),
+        [1, 1],
+        "neither padded nor merged on version 2"
+    );
+    dispatcher.shutdown();
+}
