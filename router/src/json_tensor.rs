@@ -471,14 +471,10 @@ impl Filling {
         }
         let wrong = || type_error(value, dtype);
         match dtype {
-            codec::DT_FLOAT => {
-                let float = decimal(value, dtype, f32::MANTISSA_DIGITS, f32::MAX.into())?;
-                p.float_val.push(float as f32);
-            }
-            codec::DT_DOUBLE => {
-                let float = decimal(value, dtype, f64::MANTISSA_DIGITS, f64::MAX)?;
-                p.double_val.push(float);
-            }
+            // Rounded to the nearest value the type holds, out of range to infinity, as
+            // rapidjson's GetFloat (a static_cast of the double) and GetDouble do.
+            codec::DT_FLOAT => p.float_val.push(number(value, dtype)? as f32),
+            codec::DT_DOUBLE => p.double_val.push(number(value, dtype)?),
             codec::DT_INT32 | codec::DT_INT16 | codec::DT_INT8 | codec::DT_UINT8 => {
                 let v = value.as_i64().and_then(|v| i32::try_from(v).ok());
                 p.int_val.push(v.ok_or_else(wrong)?);
@@ -511,33 +507,16 @@ impl Filling {
     }
 }
 
-/// A JSON number (or non-finite token) as `dtype`, a float type of `digits` bits of mantissa
-/// and largest value `max`: TF Serving's type error if it is not a number, and its
-/// `IsLosslessDecimal` refusal for a whole number past 2^digits - 1 or a decimal out of range
-/// (non-finite ones pass).
-fn decimal(value: &Value, dtype: i32, digits: u32, max: f64) -> Result<f64, ServingError> {
+/// A JSON number (or non-finite token) for a float or double input, as a double; TF
+/// Serving's type error if it is not a number. Whatever number it is, it is taken: TF
+/// Serving's `IsLosslessDecimal` refusal ("Cannot convert JSON value: 16777217 to float
+/// without loss of precision.") went in 2.5.0, and its REST guide now gives
+/// `{"x": 1435774380}` as an input silently rounded to a float.
+fn number(value: &Value, dtype: i32) -> Result<f64, ServingError> {
     if let Some(nonfinite) = json_nonfinite::number(value) {
         return Ok(nonfinite);
     }
-    let Some(float) = value.as_f64() else {
-        return Err(type_error(value, dtype));
-    };
-    let most_whole = (1u64 << digits) - 1;
-    let lossless = if let Some(whole) = value.as_u64() {
-        whole <= most_whole
-    } else if let Some(whole) = value.as_i64() {
-        whole.unsigned_abs() <= most_whole
-    } else {
-        float.abs() <= max
-    };
-    if !lossless {
-        return Err(invalid(format!(
-            "Cannot convert JSON value: {} to {} without loss of precision.",
-            debug_string(value),
-            dtype_name(dtype)
-        )));
-    }
-    Ok(float)
+    value.as_f64().ok_or_else(|| type_error(value, dtype))
 }
 
 fn shape_proto(shape: &[i64]) -> TensorShapeProto {
@@ -1338,36 +1317,27 @@ mod tests {
     }
 
     #[test]
-    fn floats_refuse_what_they_cannot_hold_as_tf_serving_does() {
+    fn floats_take_any_number_rounded_as_tf_serving_does() {
         let float = |body: &str, dtype| parse(body, &[("x", dtype)]);
-        let (tensors, _) = float(
-            r#"{"inputs": [16777215, -16777215, 1e-50, 3.4e38]}"#,
-            codec::DT_FLOAT,
-        )
-        .unwrap();
+        let body = r#"{"inputs": [16777217, 1435774380, -16777217, 1e-50, 3.4028235e38, 1e39,
+            -1e39, 18446744073709551615]}"#;
+        let (tensors, _) = float(body, codec::DT_FLOAT).unwrap();
         assert_eq!(
             tensors["x"].float_val,
-            vec![16777215.0, -16777215.0, 0.0, 3.4e38]
+            vec![
+                16777216.0,
+                1435774380.0,
+                -16777216.0,
+                0.0,
+                f32::MAX,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                18446744073709551615.0
+            ]
         );
-        for (number, shown) in [
-            ("16777216", "16777216"),
-            ("-16777217", "-16777217"),
-            ("3.5e38", "3.5e+38"),
-        ] {
-            assert_eq!(
-                message(float(
-                    &format!(r#"{{"inputs": [{number}]}}"#),
-                    codec::DT_FLOAT
-                )),
-                format!("Cannot convert JSON value: {shown} to float without loss of precision.")
-            );
-        }
-        let (tensors, _) = float(r#"{"inputs": [16777216, 3.5e38]}"#, codec::DT_DOUBLE).unwrap();
-        assert_eq!(tensors["x"].double_val, vec![16777216.0, 3.5e38]);
-        assert_eq!(
-            message(float(r#"{"inputs": [9007199254740992]}"#, codec::DT_DOUBLE)),
-            "Cannot convert JSON value: 9007199254740992 to double without loss of precision."
-        );
+        let (tensors, _) =
+            float(r#"{"inputs": [9007199254740993, 1e39]}"#, codec::DT_DOUBLE).unwrap();
+        assert_eq!(tensors["x"].double_val, vec![9007199254740992.0, 1e39]);
         assert_eq!(
             message(float(r#"{"inputs": ["1"]}"#, codec::DT_FLOAT)),
             "JSON Value: \"1\" Type: String is not of expected type: float"
