@@ -473,7 +473,11 @@ class PoolConfig:
         return self.version_path(self.model_version)
 
     def version_path(self, version: int) -> str:
-        return str(Path(self.model_base_path) / str(version))
+        """Where ``version`` of the pool's model is (a zero-padded folder too, as in TF
+        Serving: `demo_model.version_dir`)."""
+        from mpspool.demo_model import version_dir
+
+        return str(version_dir(self.model_base_path, version))
 
     @property
     def weights_segment(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -34,6 +35,7 @@ from mpspool import segment
 from mpspool.demo_model import build_demo_model, demo_inputs
 from mpspool.supervisor.versions import VersionPolicy
 
+from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
 
 ROWS = 2000
@@ -373,3 +375,50 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+def test_a_zero_padded_version_folder_is_that_version_as_in_tf_serving(
+    tmp_path: Path, demo_model_dir: Path, reference_model
+) -> None:
+    """TF Serving loads version 123 from `00000123/` (its own tutorial model's layout): the
+    number is the id, the folder is where it loads from, for the first version and for one
+    added while serving."""
+    from mpspool.demo_model import version_dir
+
+    base, staging = tmp_path / "hp", tmp_path / "staging"
+    shutil.copytree(demo_model_dir / "1", base / "00000123")
+    assert version_dir(base, 123) == base / "00000123"
+    assert version_dir(base, 7) == base / "7", "nothing reads as 7: the plain name"
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1, "--file_system_poll_wait_seconds", "0.2").start()
+    inputs = demo_inputs(3, DEMO_ROWS, seed=3)
+    want = reference_model(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
+
+    def answered_by(version: int) -> None:
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "demo"
+        request.model_spec.version.value = version
+        for name, array in inputs.items():
+            request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}") as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            answer = stub.Predict(request, timeout=30)
+        assert answer.model_spec.version.value == version
+        np.testing.assert_allclose(tf.make_ndarray(answer.outputs["score"]), want, atol=1e-6)
+
+    try:
+        status = pool.wait_ready(1)
+        assert status["pool"]["version"] == 123
+        answered_by(123)
+        shutil.copytree(demo_model_dir / "1", staging / "0124")
+        os.rename(staging / "0124", base / "0124")
+        pool.wait_for(
+            lambda s: _versions(s) == {123: ("END", ""), 124: ("AVAILABLE", "")},
+            timeout=90,
+            what="version 124 serving from 0124/",
+        )
+        answered_by(124)
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
