@@ -214,6 +214,28 @@ def tf1_graph(path: Path) -> dict[str, np.ndarray]:
     return {"words": np.array([b"w3", b"nope", b"w49"], dtype=object)}
 
 
+def tf1_no_variables(path: Path) -> dict[str, np.ndarray]:
+    """A TF1 SavedModel of a graph without variables (parse-and-compute, or a frozen graph):
+    the Builder leaves variables/ empty, and TensorFlow's loader restores nothing."""
+    tf = _tf()
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float32, [None, 2], name="x")
+        out = tf.matmul(x, tf.constant([[1.0, 2.0], [3.0, 4.0]])) + 0.5
+        with v1.Session() as session:
+            builder = v1.saved_model.Builder(str(path))
+            builder.add_meta_graph_and_variables(
+                session,
+                ["serve"],
+                signature_def_map={
+                    SIG: v1.saved_model.predict_signature_def({"x": x}, {"out": out})
+                },
+            )
+            builder.save()
+    assert not (path / "variables" / "variables.index").exists()
+    return {"x": np.array([[1.0, 2.0], [-3.0, 0.25]], dtype=np.float32)}
+
+
 def bfloat16_table(path: Path) -> dict[str, np.ndarray]:
     tf = _tf()
 
@@ -277,6 +299,7 @@ STYLES: dict[str, Callable[[Path], dict[str, np.ndarray]]] = {
     "dense_and_sparse": dense_and_sparse,
     "keras_export": keras_export,
     "tf1_graph": tf1_graph,
+    "tf1_no_variables": tf1_no_variables,
 }
 
 
@@ -317,10 +340,11 @@ def test_worker_runtime_serves_each_style_without_copying(
     )
     runtime.warm_up()
     # Every style runs in a session on the worker's thread (worker/session_call.py) but the
-    # two whose graphs hold a lookup table (initialized in the eager context), which run on
-    # TensorFlow's eager C API (worker/direct_call.py); checked against the keyword call at
-    # warm-up and here against plain TensorFlow.
-    path = "direct" if style in ("vocabulary", "tf1_graph") else "session"
+    # two whose graphs hold a lookup table (initialized in the eager context) and the TF1
+    # graph without variables, which run on TensorFlow's eager C API
+    # (worker/direct_call.py); checked against the keyword call at warm-up and here against
+    # plain TensorFlow.
+    path = "direct" if style in ("vocabulary", "tf1_graph", "tf1_no_variables") else "session"
     assert runtime.call_paths == dict.fromkeys(runtime.specs, path)
     got = runtime.run(SIG, inputs, list(runtime.specs[SIG].outputs))
     report = runtime.weights_report()

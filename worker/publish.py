@@ -51,6 +51,14 @@ def publish(
     no TensorFlow is needed (its import costs seconds at every pool start): only a tensor
     stored in slices (a partitioned variable) is read through TensorFlow's reader."""
     prefix = str(Path(model_dir) / "variables" / "variables")
+    if not Path(prefix + ".index").exists():
+        # A SavedModel without variables (a TF1 Builder's export of a graph that has none:
+        # its variables/ is empty). TensorFlow's loader restores nothing then ("The specified
+        # SavedModel has no variables; no checkpoints were restored"): nothing to share, and
+        # the segment says so to the workers.
+        manifest = segment.plan(model_name, version, owner_pid, owner_started, [], [], {})
+        segment.SegmentWriter(path, manifest).commit()
+        return manifest
     try:
         bundle = tensor_bundle.read_index(prefix)
     except (OSError, tensor_bundle.BundleError, DecodeError) as exc:
