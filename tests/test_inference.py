@@ -47,6 +47,9 @@ def build_example_model(base: Path) -> Path:
         classes = tf.tile(tf.constant([LABELS]), [tf.shape(serialized)[0], 1])
         france = tf.cast(tf.equal(features["country"], "fr"), tf.float32) * 10.0
         value = tf.reduce_sum(features["x"], axis=1, keepdims=True) + france[:, None]
+        # A regression signature whose input is not the serialized Examples (a mistake an
+        # export can make): the Examples can never be fed to it.
+        floats = v1.placeholder(tf.float32, [None, 2], name="floats")
         with v1.Session() as session:
             session.run(v1.global_variables_initializer())
             builder = v1.saved_model.Builder(str(base / "1"))
@@ -60,6 +63,11 @@ def build_example_model(base: Path) -> Path:
                     ),
                     "regress": sigs.regression_signature_def(serialized, value),
                     "predict": sigs.predict_signature_def({"inputs": serialized}, {"s": scores}),
+                    "float_in": sigs.build_signature_def(
+                        {"inputs": v1.saved_model.utils.build_tensor_info(floats)},
+                        {"outputs": v1.saved_model.utils.build_tensor_info(floats[:, :1])},
+                        v1.saved_model.signature_constants.REGRESS_METHOD_NAME,
+                    ),
                 },
             )
             builder.save()
@@ -192,6 +200,17 @@ def test_errors_are_tf_servings(stub, pool: Pool) -> None:
         grpc.StatusCode.INVALID_ARGUMENT,
         'Expected classification signature outputs to contain at least one of "classes" or '
         '"scores"',
+    )
+    # The Examples fed to a float input: TensorFlow's session refuses it, TF Serving says so.
+    regress = regression_pb2.RegressionRequest()
+    regress.model_spec.name = "demo"
+    regress.model_spec.signature_name = "float_in"
+    regress.input.example_list.examples.extend([example([1.0, 2.0])])
+    expect(
+        stub.Regress,
+        regress,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "Expects arg[0] to be float but string is provided",
     )
     request.model_spec.name = "other"
     expect(stub.Classify, request, grpc.StatusCode.NOT_FOUND, "Servable not found")

@@ -124,6 +124,24 @@ fn check_method(spec: &SignatureSpec, task: Task) -> Result<(), ServingError> {
 /// TF Serving's `PreProcessClassification` / `PreProcessRegression` (the signature's shape of
 /// inputs and outputs), giving the output aliases to run.
 fn preprocess(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingError> {
+    let outputs = preprocess_outputs(spec, task)?;
+    // The serialized Examples are a string tensor fed to the signature's input: TensorFlow's
+    // session refuses a feed of another dtype (FunctionCallFrame::SetArgs), and TF Serving
+    // passes its error on. Checked here so that no worker is sent a call it cannot make.
+    let input = spec
+        .inputs
+        .get(INPUTS)
+        .map_or(DT_STRING, |input| input.dtype);
+    if input != DT_STRING {
+        return Err(invalid(format!(
+            "Expects arg[0] to be {} but string is provided",
+            dtype_name(input)
+        )));
+    }
+    Ok(outputs)
+}
+
+fn preprocess_outputs(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingError> {
     if spec.inputs.len() != 1 {
         return Err(invalid("Expected one input Tensor."));
     }
@@ -397,6 +415,18 @@ mod tests {
                     &[("outputs", DT_FLOAT)],
                 )
             },
+            SignatureSpec {
+                key: "float_in".into(),
+                inputs: [(
+                    "inputs".to_string(),
+                    TensorSpec {
+                        dtype: DT_FLOAT,
+                        shape: None,
+                    },
+                )]
+                .into(),
+                ..spec(REGRESS_METHOD, &[], &[("outputs", DT_FLOAT)])
+            },
         ]);
         let (_, outputs) = signature_for(&sigs, "sig", Task::Classify, true).unwrap();
         assert_eq!(outputs, vec!["classes", "scores"]);
@@ -418,6 +448,11 @@ mod tests {
         assert_eq!(
             message("predict", Task::Regress, true),
             "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"
+        );
+        // What TensorFlow's session says of a string feed to a float input (all else right).
+        assert_eq!(
+            message("float_in", Task::Regress, true),
+            "Expects arg[0] to be float but string is provided"
         );
         // Without the method-name check a predict signature of the right shape serves.
         assert!(signature_for(&sigs, "predict", Task::Regress, false).is_ok());
