@@ -214,6 +214,27 @@ def tf1_graph(path: Path) -> dict[str, np.ndarray]:
     return {"words": np.array([b"w3", b"nope", b"w49"], dtype=object)}
 
 
+def string_variable(path: Path) -> dict[str, np.ndarray]:
+    """A tf.string variable (names for the ids) beside a float table: the segment carries
+    numbers only, so each worker restores the strings from the checkpoint itself."""
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(16), name="table")
+            self.names = tf.Variable([f"name{i}".encode() for i in range(ROWS)], name="names")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {
+                "out": tf.reduce_mean(tf.nn.embedding_lookup(self.table, ids), axis=1),
+                "names": tf.gather(self.names, ids),
+            }
+
+    _save_module(M(), path)
+    return {"ids": _ids()}
+
+
 def tf1_no_variables(path: Path) -> dict[str, np.ndarray]:
     """A TF1 SavedModel of a graph without variables (parse-and-compute, or a frozen graph):
     the Builder leaves variables/ empty, and TensorFlow's loader restores nothing."""
@@ -300,6 +321,7 @@ STYLES: dict[str, Callable[[Path], dict[str, np.ndarray]]] = {
     "keras_export": keras_export,
     "tf1_graph": tf1_graph,
     "tf1_no_variables": tf1_no_variables,
+    "string_variable": string_variable,
 }
 
 
@@ -321,6 +343,13 @@ def _direct(version_dir: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
     return {k: v.numpy() for k, v in result.items()}
 
 
+def _same(got: np.ndarray, want: np.ndarray, alias: str) -> None:
+    if want.dtype == object:  # strings
+        np.testing.assert_array_equal(got, want, err_msg=alias)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=alias)
+
+
 @pytest.fixture
 def segment_path() -> Iterator[Path]:
     path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-zoo"
@@ -340,11 +369,12 @@ def test_worker_runtime_serves_each_style_without_copying(
     )
     runtime.warm_up()
     # Every style runs in a session on the worker's thread (worker/session_call.py) but the
-    # two whose graphs hold a lookup table (initialized in the eager context) and the TF1
-    # graph without variables, which run on TensorFlow's eager C API
-    # (worker/direct_call.py); checked against the keyword call at warm-up and here against
-    # plain TensorFlow.
-    path = "direct" if style in ("vocabulary", "tf1_graph", "tf1_no_variables") else "session"
+    # two whose graphs hold a lookup table (initialized in the eager context), the TF1 graph
+    # without variables and the one with a variable the segment does not carry (restored in
+    # the worker), which run on TensorFlow's eager C API (worker/direct_call.py); checked
+    # against the keyword call at warm-up and here against plain TensorFlow.
+    direct = ("vocabulary", "tf1_graph", "tf1_no_variables", "string_variable")
+    path = "direct" if style in direct else "session"
     assert runtime.call_paths == dict.fromkeys(runtime.specs, path)
     got = runtime.run(SIG, inputs, list(runtime.specs[SIG].outputs))
     report = runtime.weights_report()
@@ -354,7 +384,7 @@ def test_worker_runtime_serves_each_style_without_copying(
     want = _direct(base / "1", inputs)
     assert got.keys() == want.keys()
     for alias in want:
-        np.testing.assert_allclose(got[alias], want[alias], rtol=0, atol=1e-6, err_msg=alias)
+        _same(got[alias], want[alias], alias)
 
 
 def test_a_keras_export_publishes_what_its_signatures_read(zoo, segment_path: Path) -> None:
@@ -503,7 +533,7 @@ def test_a_two_worker_pool_serves_each_style_shared(style: str, zoo, tmp_path: P
             response = stub.Predict(request, timeout=30)
             for alias in want:
                 got = tf.make_ndarray(response.outputs[alias])
-                np.testing.assert_allclose(got, want[alias], rtol=0, atol=1e-6, err_msg=alias)
+                _same(got, want[alias], alias)
     except grpc.RpcError as exc:
         pytest.fail(f"{style}: {exc.code()} {exc.details()}\n{pool.output()}")
     finally:

@@ -120,7 +120,10 @@ def load_saved_model(
         if rewritten is not None:
             rewritten.remove()
         raise ModelLoadError(f"cannot load {where}: {_first_line(exc)}") from exc
-    shared = _attach_weights(tf, loaded, weights_segment, where) if weights_segment else None
+    checkpoint = str(path / "variables" / "variables")
+    shared = (
+        _attach_weights(tf, loaded, weights_segment, checkpoint, where) if weights_segment else None
+    )
 
     specs = specs_from_signature_defs(
         serving_pb2.SignatureDefMap.FromString(signature_defs).signature_def
@@ -161,14 +164,14 @@ def _rewrite_gathers(path: Path, work_dir: Path, where: str) -> Any:
     return rewritten
 
 
-def _attach_weights(tf: Any, loaded: Any, segment_path: str, where: str) -> Any:
+def _attach_weights(tf: Any, loaded: Any, segment_path: str, checkpoint: str, where: str) -> Any:
     from mpspool.segment import AttachedSegment, SegmentError
     from mpspool.worker.shared_weights import NotShareable, attach, audit
 
     try:
         _wait_for_publisher(Path(segment_path))
         segment = AttachedSegment(Path(segment_path))
-        bound = attach(tf, loaded, segment)
+        bound = attach(tf, loaded, segment, checkpoint)
     except (SegmentError, NotShareable) as exc:
         raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
     # Said at start, before warm-up: what in the served functions may copy a variable out of

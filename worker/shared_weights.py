@@ -90,18 +90,23 @@ def resolve(root: Any, key: str) -> Any | None:
     return obj
 
 
-def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[Any, TensorEntry]]:
-    """Assign every variable of `loaded` its view of the segment; NotShareable otherwise."""
+def attach(
+    tf: Any, loaded: Any, segment: AttachedSegment, checkpoint: str
+) -> dict[int, tuple[Any, TensorEntry]]:
+    """Assign every variable of `loaded` its view of the segment; NotShareable otherwise.
+    A variable of a dtype the segment does not carry (a tf.string vocabulary, say) is
+    restored from the checkpoint at `checkpoint` (its prefix) into this worker instead."""
     manifest = segment.manifest
-    if manifest.unshared:
-        objects = sorted({k.split("/.ATTRIBUTES/")[0] for k in manifest.unshared})
+    tf1 = _tf1_variables(tf, loaded)
+    restored, lost = _restore_unshared(tf, loaded, tf1, manifest.unshared, checkpoint)
+    if lost:
+        objects = sorted({k.split("/.ATTRIBUTES/")[0] for k in lost})
         raise NotShareable(
             "checkpointed state other than variables cannot be shared (it would be silently "
-            f"lost): {', '.join(objects)} ({', '.join(manifest.unshared)}); "
+            f"lost): {', '.join(objects)} ({', '.join(lost)}); "
             "serve this model with --no-share-weights"
         )
     bound: dict[int, tuple[Any, TensorEntry]] = {}
-    tf1 = _tf1_variables(tf, loaded)
     for entry in manifest.tensors:
         if entry.key.endswith(VARIABLE_SUFFIX):
             variable = resolve(loaded, entry.key)
@@ -145,7 +150,10 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
     unbound = [
         t.name
         for t in tf.train.TrackableView(loaded).descendants()
-        if isinstance(t, tf.Variable) and id(t) not in bound and id(t.handle) in captured
+        if isinstance(t, tf.Variable)
+        and id(t) not in bound
+        and id(t) not in restored
+        and id(t.handle) in captured
     ]
     if unbound:
         raise NotShareable(
@@ -153,6 +161,38 @@ def attach(tf: Any, loaded: Any, segment: AttachedSegment) -> dict[int, tuple[An
             "(their checkpoint keys could not be matched); serve this model with --no-share-weights"
         )
     return bound
+
+
+def _restore_unshared(
+    tf: Any, loaded: Any, tf1: dict[str, Any] | None, keys: list[str], checkpoint: str
+) -> tuple[set[int], list[str]]:
+    """The unshared checkpoint entries that are variables (of a dtype the segment does not
+    carry), each restored from the checkpoint into its variable as TensorFlow's own load
+    would (these are small: vocabularies, names); the ids of those variables, and the keys
+    that name no variable (a lookup table's contents), which would be lost."""
+    restored: set[int] = set()
+    lost: list[str] = []
+    for key in keys:
+        if key.endswith(VARIABLE_SUFFIX):
+            variable = resolve(loaded, key)
+        else:
+            variable = tf1.get(key) if tf1 is not None else None
+        if not isinstance(variable, tf.Variable):
+            lost.append(key)
+            continue
+        try:
+            (value,) = tf.raw_ops.RestoreV2(
+                prefix=checkpoint, tensor_names=[key], shape_and_slices=[""],
+                dtypes=[variable.dtype],
+            )  # fmt: skip
+            variable.assign(value)
+        except (tf.errors.OpError, ValueError) as exc:
+            raise NotShareable(
+                f"variable {variable.name} ({key}) could not be restored from the checkpoint: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
+        restored.add(id(variable))
+    return restored, lost
 
 
 def _tf1_variables(tf: Any, loaded: Any) -> dict[str, Any] | None:
