@@ -190,6 +190,44 @@ def test_warm_up_runs_each_signature_on_one_zero_example(
     assert not any(a.any() for a in inputs.values())
 
 
+def test_a_signature_that_writes_state_runs_once_per_request(tmp_path: Path) -> None:
+    """A counter (assign_add of the batch size) answers 2 to its first 2-row request, as TF
+    Serving's does: no warm-up run on zeros, no second run to check a fast call; a signature
+    beside it that writes nothing is warmed up and called fast as before."""
+    import tensorflow as tf
+
+    from mpspool.worker.stateful import writes_state
+
+    class Counter(tf.Module):
+        def __init__(self) -> None:
+            self.seen = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def count(self, x):
+            self.seen.assign_add(tf.shape(x, out_type=tf.int64)[0])
+            return {"seen": self.seen.read_value()}
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def double(self, x):
+            return {"y": 2.0 * x}
+
+    module = Counter()
+    signatures = {
+        "count": module.count.get_concrete_function(),
+        "double": module.double.get_concrete_function(),
+    }
+    tf.saved_model.save(module, str(tmp_path / "1"), signatures=signatures)
+    runtime = load_saved_model(str(tmp_path / "1"), "counter", 1)
+    assert "AssignAddVariableOp" in writes_state(runtime._functions["count"])
+    assert writes_state(runtime._functions["double"]) == ""
+    runtime.warm_up()
+    assert runtime.call_paths == {"count": "keywords", "double": "direct"}
+    two = {"x": np.zeros(2, np.float32)}
+    assert runtime.run("count", two, ["seen"])["seen"] == 2
+    assert runtime.run("count", two, ["seen"])["seen"] == 4
+    assert not runtime.has_deferred_check
+
+
 def test_missing_directory_is_a_load_error(tmp_path: Path) -> None:
     missing = tmp_path / "demo" / "1"
     with pytest.raises(ModelLoadError, match="does not exist") as info:

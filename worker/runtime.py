@@ -26,6 +26,7 @@ from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
 from mpspool.worker.session_call import SessionCall, session_call
+from mpspool.worker.stateful import writes_state
 
 log = logging.getLogger("mpspool.worker")
 
@@ -443,6 +444,18 @@ class SavedModelRuntime:
         """
         for key, spec in self.specs.items():
             if not spec.inputs:
+                continue
+            writes = writes_state(self._functions[key])
+            if writes:
+                # Runs it needs none of: not at warm-up, and no second run to check a fast
+                # call against (worker/stateful.py).
+                log.info(
+                    "signature %r writes state (%s): not run at warm-up, served through the "
+                    "public call so that it runs once per request",
+                    key,
+                    writes,
+                )
+                self._drop_fast_calls(key)
                 continue
             inputs = {alias: _zeros(info.dtype, info.shape) for alias, info in spec.inputs.items()}
             try:
