@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,52 @@ def test_a_signature_that_writes_state_runs_once_per_request(tmp_path: Path) -> 
     assert runtime.run("count", two, ["seen"])["seen"] == 2
     assert runtime.run("count", two, ["seen"])["seen"] == 4
     assert not runtime.has_deferred_check
+
+
+def test_sigterm_ends_a_workers_start_up_where_it_is(tmp_path: Path, model_dir: Path) -> None:
+    """A worker told to stop while it loads (here: waiting for weights still being
+    published, which has no deadline of its own) exits at once and cleanly, rather than
+    loading on until supervisord's stop wait runs out and it is killed."""
+    segment = tmp_path / "segment"
+    (tmp_path / "segment.partial").write_bytes(b"")  # a publisher that has just begun
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from mpspool.worker import serve\n"
+        "from mpspool.worker.runtime import load_saved_model\n"
+        "serve.stop_while_loading()\n"
+        "load_saved_model(sys.argv[1], 'demo', 1, weights_segment=sys.argv[2],\n"
+        "                 work_dir=sys.argv[3])\n"
+        "print('loaded', flush=True)\n"
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", script, str(model_dir), str(segment), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    waiting = threading.Event()
+
+    def read(stream: Any) -> None:
+        for line in stream:
+            lines.append(line)
+            if "waiting for the weights to be published" in line:
+                waiting.set()  # TensorFlow imported, the graph loaded: now it waits
+
+    reader = threading.Thread(target=read, args=(worker.stderr,), daemon=True)
+    reader.start()
+    try:
+        assert waiting.wait(timeout=120), "".join(lines)
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert worker.returncode == 0, err
+    assert "loaded" not in out
+    assert "Traceback" not in err
 
 
 def test_missing_directory_is_a_load_error(tmp_path: Path) -> None:

@@ -471,6 +471,19 @@ def _keep_plotting_out() -> None:
     sys.modules.setdefault("matplotlib", None)  # type: ignore[arg-type]
 
 
+def stop_while_loading() -> None:
+    """Until the serving loop exists, SIGTERM ends the start-up where it is: importing
+    TensorFlow, loading, waiting for the weights and warming up take seconds (longer than
+    supervisord's stop wait for a large model, which then kills), and nothing a loading
+    worker holds needs more than the exit handlers (its private copy of a rewritten model).
+    SystemExit, which no load step catches."""
+
+    def stop(_signum: int, _frame: object) -> None:
+        raise SystemExit(process.EXIT_OK)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker")
     parser.add_argument("--run-dir", required=True)
@@ -496,9 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if cores:
         cpusets.pin(os.getpid(), cores)
         log.info("pinned to CPU cores %s", cpusets.format_cores(cores))
-    stop = {"requested": False}
-    # Until the serving loop exists, a stop request just ends the start-up.
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    stop_while_loading()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not the terminal
 
     _require_mps_daemon()
@@ -529,8 +540,6 @@ def main(argv: list[str] | None = None) -> int:
         process.fail(
             process.EXIT_LOAD_FAILED, f"model {config.model_name} failed its warm-up: {exc}"
         )
-    if stop["requested"]:
-        return process.EXIT_OK
     if weights and weights["copied"]:
         copied = ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in weights["copied"].items())
         # A worker holding private copies of the weights defeats the pool's memory promise
