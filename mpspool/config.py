@@ -870,8 +870,10 @@ class PoolConfig:
             return
         if not self.batching:
             raise ConfigError("per-model batching parameters need --enable_batching")
+        from mpspool.demo_model import version_dir
+
         for model in self.served_models():
-            version_batching(Path(model.base_path) / str(model.version))
+            version_batching(version_dir(model.base_path, model.version))
 
     def save(self, run_dir: Path) -> Path:
         path = run_dir / POOL_FILE

@@ -109,18 +109,26 @@ def version_dir(base_path: str | Path, version: int) -> Path:
     """The folder version ``version`` loads from: ``<base>/<version>``, or else the folder
     under the base path whose name reads as that number, as TF Serving loads version 123
     from ``00000123/`` (its own tutorial model's layout; file_system_storage_path_source.cc
-    joins the base path with the folder it found, the number being only the id). Where two
-    names read as one number, the plain one wins, else the last in name order (TF Serving
-    takes the last in listing order). ``<base>/<version>`` when nothing matches."""
+    joins the base path with the folder it found, the number being only the id). Only a
+    folder holding a SavedModel counts (versions_on_disk's rule: not a copy in progress).
+    Where two names read as one number, the plain one wins, else the last in name order (TF
+    Serving takes the last in listing order). ``<base>/<version>`` when nothing matches."""
     base = Path(base_path)
     plain = base / str(version)
-    if plain.is_dir():
-        return plain  # the common case: one stat
+
+    def holds_model(folder: Path) -> bool:
+        return any((folder / name).is_file() for name in SAVED_MODEL_FILES)
+
+    if holds_model(plain):
+        return plain  # the common case
     try:
         names = sorted(
             entry.name
             for entry in os.scandir(base)
-            if entry.name.isascii() and entry.name.isdigit() and int(entry.name) == version
+            if entry.name.isascii()
+            and entry.name.isdigit()
+            and int(entry.name) == version
+            and holds_model(base / entry.name)
         )
     except OSError:
         return plain

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -31,7 +32,7 @@ import numpy as np
 import pytest
 
 from mpspool import segment
-from mpspool.worker.publish import publish
+from mpspool.worker.publish import PublishError, publish
 from mpspool.worker.runtime import load_saved_model
 
 from poolproc import Pool, mpspool_cmd
@@ -421,6 +422,19 @@ def test_identical_tensors_are_published_once(tmp_path: Path, segment_path: Path
     got = runtime.run(SIG, {"ids": np.array([3, 4], np.int64)}, ["out"])["out"]
     np.testing.assert_array_equal(got, -_table(12)[[3, 4]])
     assert runtime.weights_report()["copied"] == {}
+
+
+def test_a_checkpoint_without_its_index_is_refused_naming_it(
+    zoo, segment_path: Path, tmp_path: Path
+) -> None:
+    """Only a SavedModel with nothing in variables/ has no variables (an empty segment);
+    data shards without their index are a broken checkpoint, said as such."""
+    base, _ = zoo["embedding_lookup"]
+    broken = tmp_path / "1"
+    shutil.copytree(base / "1", broken)
+    (broken / "variables" / "variables.index").unlink()
+    with pytest.raises(PublishError, match=r"variables\.index"):
+        publish(broken, "broken", 1, segment_path, os.getpid(), 0.0)
 
 
 def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(

@@ -213,20 +213,35 @@ def test_a_signature_that_writes_state_runs_once_per_request(tmp_path: Path) -> 
         def double(self, x):
             return {"y": 2.0 * x}
 
+    class Draw(tf.Module):
+        def __init__(self) -> None:
+            self.generator = tf.random.Generator.from_seed(1)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def draw(self, x):
+            return {"r": x + self.generator.uniform([3])}
+
     module = Counter()
+    module.drawing = Draw()
     signatures = {
         "count": module.count.get_concrete_function(),
         "double": module.double.get_concrete_function(),
+        "draw": module.drawing.draw.get_concrete_function(),
     }
     tf.saved_model.save(module, str(tmp_path / "1"), signatures=signatures)
+    first_draw = tf.saved_model.load(str(tmp_path / "1")).signatures["draw"](x=tf.zeros(3))
     runtime = load_saved_model(str(tmp_path / "1"), "counter", 1)
     assert "AssignAddVariableOp" in writes_state(runtime._functions["count"])
+    assert writes_state(runtime._functions["draw"])  # the generator's state
     assert writes_state(runtime._functions["double"]) == ""
     runtime.warm_up()
-    assert runtime.call_paths == {"count": "keywords", "double": "direct"}
+    assert runtime.call_paths == {"count": "keywords", "double": "direct", "draw": "keywords"}
     two = {"x": np.zeros(2, np.float32)}
     assert runtime.run("count", two, ["seen"])["seen"] == 2
     assert runtime.run("count", two, ["seen"])["seen"] == 4
+    # A seeded generator's first draw is plain TensorFlow's first draw.
+    got = runtime.run("draw", {"x": np.zeros(3, np.float32)}, ["r"])["r"]
+    np.testing.assert_array_equal(got, first_draw["r"].numpy())
     assert not runtime.has_deferred_check
 
 

@@ -387,6 +387,7 @@ def test_a_zero_padded_version_folder_is_that_version_as_in_tf_serving(
 
     base, staging = tmp_path / "hp", tmp_path / "staging"
     shutil.copytree(demo_model_dir / "1", base / "00000123")
+    (base / "0000123").mkdir()  # a copy in progress: no SavedModel yet
     assert version_dir(base, 123) == base / "00000123"
     assert version_dir(base, 7) == base / "7", "nothing reads as 7: the plain name"
     (tmp_path / "pool").mkdir()

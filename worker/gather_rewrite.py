@@ -75,11 +75,15 @@ def rewrite_saved_model(model_dir: Path, work_dir: Path) -> Rewritten | None:
     work_dir.mkdir(parents=True, exist_ok=True)
     private = Path(tempfile.mkdtemp(prefix="model-", dir=work_dir))  # 0700
     target = private / model_dir.name
-    target.mkdir()
-    (target / SAVED_MODEL_PB).write_bytes(saved.SerializeToString())
-    for entry in os.listdir(model_dir):
-        if entry not in _NOT_LINKED:
-            (target / entry).symlink_to(model_dir.resolve() / entry)
+    try:
+        target.mkdir()
+        (target / SAVED_MODEL_PB).write_bytes(saved.SerializeToString())
+        for entry in os.listdir(model_dir):
+            if entry not in _NOT_LINKED:
+                (target / entry).symlink_to(model_dir.resolve() / entry)
+    except BaseException:  # a failed write, or a worker stopped while loading (SystemExit)
+        shutil.rmtree(private, ignore_errors=True)
+        raise
     return Rewritten(target, gathers)
 
 

@@ -51,11 +51,15 @@ def publish(
     no TensorFlow is needed (its import costs seconds at every pool start): only a tensor
     stored in slices (a partitioned variable) is read through TensorFlow's reader."""
     prefix = str(Path(model_dir) / "variables" / "variables")
-    if not Path(prefix + ".index").exists():
+    variables = Path(model_dir) / "variables"
+    if not Path(prefix + ".index").exists() and not (
+        variables.is_dir() and any(variables.iterdir())
+    ):
         # A SavedModel without variables (a TF1 Builder's export of a graph that has none:
         # its variables/ is empty). TensorFlow's loader restores nothing then ("The specified
         # SavedModel has no variables; no checkpoints were restored"): nothing to share, and
-        # the segment says so to the workers.
+        # the segment says so to the workers. Data shards without their index: the read
+        # below says the index is missing.
         manifest = segment.plan(model_name, version, owner_pid, owner_started, [], [], {})
         segment.SegmentWriter(path, manifest).commit()
         return manifest

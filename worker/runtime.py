@@ -445,7 +445,10 @@ class SavedModelRuntime:
         for key, spec in self.specs.items():
             if not spec.inputs:
                 continue
-            writes = writes_state(self._functions[key])
+            # With shared weights such a signature is run as before: a write to a shared
+            # variable copies it into this worker, and that copy refuses the load unless
+            # --allow-copied-weights (N workers would hold N diverging copies of the state).
+            writes = "" if self.shared is not None else writes_state(self._functions[key])
             if writes:
                 # Runs it needs none of: not at warm-up, and no second run to check a fast
                 # call against (worker/stateful.py).
