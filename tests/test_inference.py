@@ -212,6 +212,20 @@ def test_errors_are_tf_servings(stub, pool: Pool) -> None:
         grpc.StatusCode.INVALID_ARGUMENT,
         "Expects arg[0] to be float but string is provided",
     )
+    # In a MultiInference that error is the session's too: after the examples are read.
+    floats = inference_pb2.MultiInferenceRequest()
+    task = floats.tasks.add()
+    task.model_spec.name = "demo"
+    task.model_spec.signature_name = "float_in"
+    task.method_name = "tensorflow/serving/regress"
+    expect(stub.MultiInference, floats, grpc.StatusCode.INVALID_ARGUMENT, "Input is empty.")
+    floats.input.example_list.examples.extend([example([1.0, 2.0])])
+    expect(
+        stub.MultiInference,
+        floats,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "Expects arg[0] to be float but string is provided",
+    )
     request.model_spec.name = "other"
     expect(stub.Classify, request, grpc.StatusCode.NOT_FOUND, "Servable not found")
     multi = inference_pb2.MultiInferenceRequest()

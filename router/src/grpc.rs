@@ -198,6 +198,7 @@ impl Api {
         let name = spec.map_or("", |s| s.signature_name.as_str());
         let (signature, outputs) =
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
+        inference::check_feed(signature)?;
         let reply = self
             .run_task(target, signature, outputs, &examples, task, deadline)
             .await?;
@@ -344,6 +345,11 @@ impl Api {
         }
         // The examples once, for every task.
         let examples = inference::serialized_examples(request.input.as_ref())?;
+        // As TF Serving: the one session run that feeds every task's input comes after
+        // every task's checks and the examples.
+        for (signature, _, _) in &plans {
+            inference::check_feed(signature)?;
+        }
         let n = examples.len();
         let mut response = MultiInferenceResponse::default();
         for (signature, outputs, kind) in plans {

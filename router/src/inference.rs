@@ -121,13 +121,11 @@ fn check_method(spec: &SignatureSpec, task: Task) -> Result<(), ServingError> {
     Ok(())
 }
 
-/// TF Serving's `PreProcessClassification` / `PreProcessRegression` (the signature's shape of
-/// inputs and outputs), giving the output aliases to run.
-fn preprocess(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingError> {
-    let outputs = preprocess_outputs(spec, task)?;
-    // The serialized Examples are a string tensor fed to the signature's input: TensorFlow's
-    // session refuses a feed of another dtype (FunctionCallFrame::SetArgs), and TF Serving
-    // passes its error on. Checked here so that no worker is sent a call it cannot make.
+/// The serialized Examples are a string tensor fed to the signature's input: TensorFlow's
+/// session refuses a feed of another dtype (FunctionCallFrame::SetArgs), and TF Serving passes
+/// its error on once the request's other checks and its examples have passed. Checked before
+/// any worker is sent a call it cannot make.
+pub fn check_feed(spec: &SignatureSpec) -> Result<(), ServingError> {
     let input = spec
         .inputs
         .get(INPUTS)
@@ -138,10 +136,12 @@ fn preprocess(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingEr
             dtype_name(input)
         )));
     }
-    Ok(outputs)
+    Ok(())
 }
 
-fn preprocess_outputs(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingError> {
+/// TF Serving's `PreProcessClassification` / `PreProcessRegression` (the signature's shape of
+/// inputs and outputs), giving the output aliases to run.
+fn preprocess(spec: &SignatureSpec, task: Task) -> Result<Vec<String>, ServingError> {
     if spec.inputs.len() != 1 {
         return Err(invalid("Expected one input Tensor."));
     }
@@ -450,10 +450,13 @@ mod tests {
             "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"
         );
         // What TensorFlow's session says of a string feed to a float input (all else right).
+        let (float_in, _) = signature_for(&sigs, "float_in", Task::Regress, true).unwrap();
         assert_eq!(
-            message("float_in", Task::Regress, true),
+            check_feed(float_in).unwrap_err().message,
             "Expects arg[0] to be float but string is provided"
         );
+        let (string_in, _) = signature_for(&sigs, "sig", Task::Classify, true).unwrap();
+        assert!(check_feed(string_in).is_ok());
         // Without the method-name check a predict signature of the right shape serves.
         assert!(signature_for(&sigs, "predict", Task::Regress, false).is_ok());
         assert!(message("predict", Task::Classify, false)
