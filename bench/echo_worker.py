@@ -56,6 +56,7 @@ def serve(
     model: str,
     signatures: bytes,
     answer: Callable[[dict[str, Any], list[memoryview]], tuple[list[Any], list[Any]]],
+    spin_s: float = 0.0,
 ) -> int:
     """A worker's serving loop over the pool's socket: READY, heartbeats, and for each REQUEST
     ``answer(header, tensor frames)`` -> (REPLY's tensor metas, its frames); a call that
@@ -71,6 +72,7 @@ def serve(
         wire.worker_identity(slot, pid),
         ready,
         wake_on_signals=True,
+        spin_s=spin_s,
     )
     next_beat = time.monotonic() + wire.HEARTBEAT_INTERVAL_S
     while not stop["now"]:

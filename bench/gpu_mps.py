@@ -144,7 +144,12 @@ def client_main(args: argparse.Namespace) -> int:
                 call(*inputs[b][len(latencies) % INPUT_SETS])
                 latencies.append(time.perf_counter() - t)
                 if args.gap_us:  # idle between calls, as a worker waits for its next request
-                    time.sleep(args.gap_us / 1e6)
+                    if args.gap_spin:  # the thread stays on its core (no sleep)
+                        until = time.perf_counter() + args.gap_us / 1e6
+                        while time.perf_counter() < until:
+                            pass
+                    else:
+                        time.sleep(args.gap_us / 1e6)
         except Exception as exc:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         results.append(
@@ -206,6 +211,8 @@ class Clients:
         command += ["--rows", str(args.rows), "--window", str(args.window)]
         gap = args.gap_us if gap_us is None else gap_us
         command += ["--device", args.device, "--gap-us", str(gap)]
+        if getattr(args, "gap_spin", False):
+            command.append("--gap-spin")
         self.processes = [
             subprocess.Popen(
                 [*command, "--seed", str(i)],
@@ -810,6 +817,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gap-us", type=float, default=0.0,
         help="each client sleeps this long after every call (p50/p99 still time the call)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gap-spin", action="store_true",
+        help="with --gap-us: spin on the CPU for the gap instead of sleeping",
     )  # fmt: skip
     parser.add_argument(
         "--plain-first", action="store_true", help="the sets without MPS before those with it"

@@ -136,12 +136,18 @@ class CallClock:
                 return
 
 
-def worker_main(run_dir: str, slot: str, rows: int, device: str) -> int:
+def worker_main(
+    run_dir: str, slot: str, rows: int, device: str, spin_us: float = 0.0, premade: bool = False
+) -> int:
     import torch
 
     model = gpu_mps.demo_model_call(rows, seed=0, device_name=device)
+    made = {b: [torch.from_numpy(a) for a in demo_inputs(b, rows, seed=7).values()]
+            for b in (1, 256)}  # fmt: skip
 
     def call(ids: np.ndarray, dense: np.ndarray) -> np.ndarray:
+        if premade:  # the request's own values, as tensors made once (an experiment)
+            return model(*made[len(ids)]).numpy()
         # Copies: the arrays are views of the socket's buffer, which the next read reuses.
         return model(torch.from_numpy(ids.copy()), torch.from_numpy(dense.copy())).numpy()
 
@@ -152,7 +158,8 @@ def worker_main(run_dir: str, slot: str, rows: int, device: str) -> int:
     stats_dir = os.environ.get(STATS_DIR_ENV)
     if stats_dir:
         call = CallClock(Path(stats_dir) / f"{slot}.json").timed(call)
-    return echo_worker.serve(run_dir, slot, MODEL, signature_defs(), answerer(call))
+    return echo_worker.serve(run_dir, slot, MODEL, signature_defs(), answerer(call),
+                             spin_s=spin_us / 1e6)  # fmt: skip
 
 
 def worker_counters(stats_dir: Path, workers: Sequence[psutil.Process]) -> dict[str, float]:
@@ -261,14 +268,18 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 mps = daemon if mode == "mps" else None
                 gpu_mps.run_sets(args, mode, set_env, sampler, report, save, mps, [k])
                 for batching in (False, True) if args.batching else (False,):
-                    record = {"mode": mode, "k": k, "batching": batching, "windows": []}
-                    report["pool"].append(record)
-                    try:
-                        pool_set(args, record, set_env, sampler, mps, requests, checker,
-                                 Path(workdir), save)  # fmt: skip
-                    except Exception as exc:
-                        report["failed"].append(f"pool {mode} k={k}: {type(exc).__name__}: {exc}")
-                    save()
+                    for spin_us in args.spins:
+                        record = {"mode": mode, "k": k, "batching": batching,
+                                  "spin_us": spin_us, "windows": []}  # fmt: skip
+                        report["pool"].append(record)
+                        try:
+                            pool_set(args, record, set_env, sampler, mps, requests, checker,
+                                     Path(workdir), save)  # fmt: skip
+                        except Exception as exc:
+                            report["failed"].append(
+                                f"pool {mode} k={k} spin {spin_us}: {type(exc).__name__}: {exc}"
+                            )
+                        save()
             if daemon_process.poll() is None:
                 quit_daemon(daemon, daemon_process, report)
             if args.echo_workers:
@@ -306,7 +317,8 @@ def pool_set(
     merges the requests waiting while each worker computes (--enable-batching)."""
     k = record["k"]
     command = [sys.executable, "-m", "bench.gpu_pool", "--worker", "--rows", str(args.rows),
-               "--device", args.device]  # fmt: skip
+               "--device", args.device, "--spin-us", str(record["spin_us"])]  # fmt: skip
+    command += ["--premade-inputs"] if args.premade_inputs else []
     settings = BATCHING if record["batching"] else {}
     stats_dir = Path(tempfile.mkdtemp(prefix="worker-stats-", dir=workdir))
     env = {**env, STATS_DIR_ENV: str(stats_dir)}
@@ -438,6 +450,7 @@ def _run_lines(number: int, report: dict[str, Any]) -> list[str]:
     header = ["batch", "K", "how", "calls/s", "× direct", "p50 µs", "p99 µs",
               "front door µs/call", "workers µs/call", "GPU %"]  # fmt: skip
     rows: list[list[Any]] = []
+    shown: set[tuple[str, int, int]] = set()  # direct rows written
     for batch in report_batches(report):
         for record in report["pool"]:
             k, mode = record["k"], record.get("mode", "mps")
@@ -445,7 +458,10 @@ def _run_lines(number: int, report: dict[str, Any]) -> list[str]:
             how = ("" if mode == "mps" else ", no MPS") + (
                 ", batching" if record.get("batching") else ""
             )
-            if base and not record.get("batching"):
+            spin = record.get("spin_us", 0)
+            spun = f", spin {spin:g} µs" if spin else ""
+            if base and not record.get("batching") and (mode, k, batch) not in shown:
+                shown.add((mode, k, batch))
                 rows.append([batch, k, f"direct{how}", fmt(base["calls_per_s"]), "1",
                              fmt(base["p50_us"]), fmt(base["p99_us"]), "–",
                              fmt(base["cpu_us_per_call"]),
@@ -453,7 +469,7 @@ def _run_lines(number: int, report: dict[str, Any]) -> list[str]:
             for w in (w for w in record["windows"] if w["batch"] == batch):
                 ratio = fmt(w["rps"] / base["calls_per_s"], 2) + "×" if base else "–"
                 cpu = w["cpu_us"]
-                rows.append([batch, k, f"pool{how}, {w['concurrency']} in flight",
+                rows.append([batch, k, f"pool{how}{spun}, {w['concurrency']} in flight",
                              fmt(w["rps"]), ratio,
                              fmt(w["p50_ms"] * 1e3), fmt(w["p99_ms"] * 1e3),
                              fmt(cpu["front door"]), fmt(cpu["workers"]),
@@ -494,7 +510,9 @@ def _gap_lines(gaps: Sequence[dict[str, Any]]) -> list[str]:
         gap = re.search(r"--gap-us (\S+)", report["command"])
         for record in (s for s in report["sets"] if s["k"] == 1 and s["mode"] == "plain"):
             for w in record["windows"]:
-                rows.append([report["date"], fmt(float(gap.group(1)) if gap else 0.0),
+                idle = fmt(float(gap.group(1)) if gap else 0.0)
+                spun = gap and float(gap.group(1)) and "--gap-spin" in report["command"]
+                rows.append([report["date"], f"{idle}, spinning" if spun else idle,
                              w["batch"], fmt(w["calls_per_s"]), fmt(w["p50_us"]),
                              fmt(w["p99_us"]), fmt(w["cpu_us_per_call"])])  # fmt: skip
     header = ["run", "idle after each call µs", "batch", "calls/s", "call p50 µs",
@@ -505,7 +523,8 @@ def _gap_lines(gaps: Sequence[dict[str, Any]]) -> list[str]:
         f"`{gaps[0]['command']}`, then the same with each other --gap-us listed: one process, "
         f"its own CUDA context, no MPS; {len(gaps)} runs back to back on one machine "
         f"({gaps[0].get('nvidia_smi', '?')}), in the order listed. p50 and p99 time the call "
-        "alone, not the idle time.",
+        "alone, not the idle time. *spinning*: with --gap-spin, the process spins on its CPU "
+        "through the idle time instead of sleeping.",
         "",
         *table(header, rows, right_from=1),
         "",
@@ -528,6 +547,7 @@ def worker_split_rows(
                     continue
                 how = ["no MPS"] if mode != "mps" else []
                 how += ["batching"] if record.get("batching") else []
+                how += [f"spin {record['spin_us']:g} µs"] if record.get("spin_us") else []
                 rows.append([batch, record["k"], ", ".join(how),
                              w["concurrency"], fmt(w.get("rows_per_call"), 1),
                              fmt(base["cpu_us_per_call"]) if base else "–",
@@ -598,6 +618,17 @@ def main(argv: list[str] | None = None) -> int:
         "--batching", action="store_true",
         help="each pool also with --enable-batching (max_batch_size 64, no timeout)",
     )  # fmt: skip
+    parser.add_argument(
+        "--worker-spin-us", default="0",
+        help="each pool once per value: how long a worker reads its socket without sleeping "
+        "before it waits (%(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--spin-us", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--premade-inputs", action="store_true",
+        help="workers call the model with tensors made at start from the same values as the "
+        "request's, not from the request (an experiment: what the request's path costs)",
+    )  # fmt: skip
     parser.add_argument("--echo-workers", type=int, default=8, help="0: no echo ceiling")
     parser.add_argument("--echo-connections", type=int, default=8)
     parser.add_argument("--echo-client-threads", type=int, default=4)
@@ -606,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.set_defaults(gap_us=0.0)  # gpu_mps's direct clients: back to back
     args = parser.parse_args(argv)
     if args.worker:
-        return worker_main(*args.rest, rows=args.rows, device=args.device)
+        return worker_main(*args.rest, rows=args.rows, device=args.device,
+                           spin_us=args.spin_us, premade=args.premade_inputs)  # fmt: skip
     if args.rest:
         parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     if args.render:
@@ -617,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     args.contexts = [int(k) for k in args.contexts.split(",")]
     args.no_mps = [int(k) for k in args.no_mps.split(",") if k]
     args.batch_list = [int(b) for b in args.batches.split(",")]
+    args.spins = [float(s) for s in args.worker_spin_us.split(",")]
     report = run_on_gpu(args)
     brief = {k: v for k, v in report.items() if k not in ("sets", "pool", "echo")}
     print(json.dumps(brief, default=str)[:4000])

@@ -236,6 +236,38 @@ def test_idle_gaps_get_their_own_table_from_the_processes_without_mps() -> None:
     assert "1 runs back to back" in text
 
 
+def test_pools_whose_workers_spin_are_rows_of_their_own_over_one_direct_row() -> None:
+    spun = report()
+    spun["pool"] = [
+        {"mode": "mps", "k": 8, "batching": False, "spin_us": 0.0, "mps_clients": 8,
+         "windows": [_pool_window(1, 8, 10_000.0)]},
+        {"mode": "mps", "k": 8, "batching": False, "spin_us": 200.0, "mps_clients": 8,
+         "windows": [_pool_window(1, 8, 12_000.0)]},
+    ]  # fmt: skip
+    text = gpu_pool.render([spun])
+    assert text.count("| 1 | 8 | direct |") == 1
+    assert _row(text, "| 1 | 8 | pool, 8 in flight |")[3:5] == ["10,000", "0.25×"]
+    assert _row(text, "| 1 | 8 | pool, spin 200 µs, 8 in flight |")[3:5] == ["12,000", "0.30×"]
+    assert _row(text, "| 1 | 8 | spin 200 µs | 8 |")[4] == "1.0"
+    assert _row(text, "| 1 | 8 |  | 8 |")[4] == "1.0"
+
+
+def test_a_gap_spent_spinning_is_told_from_one_spent_asleep() -> None:
+    def gap(command: str, calls: float) -> dict[str, Any]:
+        return {"date": "2026-11-27 16:56 UTC", "nvidia_smi": "NVIDIA H200",
+                "command": command, "sets": [_direct("plain", 1, calls)]}  # fmt: skip
+
+    base = "python3 -m bench.gpu_mps --contexts 1 --gap-us"
+    text = gpu_pool.render(
+        [report()],
+        [gap(f"{base} 400", 1_152.0), gap(f"{base} 400 --gap-spin", 1_461.0),
+         gap(f"{base} 0 --gap-spin", 4_945.0)],
+    )  # fmt: skip
+    assert "| 2026-11-27 16:56 UTC | 400 | 1 | 1,152 |" in text
+    assert "| 2026-11-27 16:56 UTC | 400, spinning | 1 | 1,461 |" in text
+    assert "| 2026-11-27 16:56 UTC | 0 | 1 | 4,945 |" in text  # no gap: nothing to spin
+
+
 def test_a_report_without_a_pool_set_is_refused() -> None:
     empty = report() | {"pool": [], "failed": ["pool mps k=8: TimeoutError: no"]}
     with pytest.raises(SystemExit, match="run 1 holds no pool set that ran"):

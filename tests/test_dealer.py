@@ -351,3 +351,30 @@ def test_last_words_from_a_side_thread_go_only_while_still_due(path: str) -> Non
         assert d.send_last_from_thread([b"error", b"bye"], lambda: True) is True
         frame = dealer_module.frame_header
         assert conn.recv(1 << 16) == frame(0, 5) + b"error" + frame(0, 3) + b"bye"
+
+
+def test_a_spinning_dealer_reads_without_sleeping_and_still_waits_when_nothing_comes(
+    context: zmq.Context, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = router(context, path)
+    d = Dealer(path, b"w-1", HELLO, spin_s=0.2)
+    connect(d, r)
+    waits: list[float] = []
+    wait = d._wait
+    monkeypatch.setattr(d, "_wait", lambda sock, t: waits.append(t) or wait(sock, t))
+
+    def later() -> None:
+        time.sleep(0.05)
+        r.send_multipart([b"w-1", b"request"])
+
+    sender = threading.Thread(target=later)
+    sender.start()
+    assert d.poll(1000)  # came within the spin: no wait in the kernel
+    sender.join()
+    assert [bytes(f) for f in d.recv_multipart()] == [b"request"]
+    assert waits == []
+
+    started = time.monotonic()
+    assert not d.poll(300)  # nothing comes: 0.2 s spinning, then the rest asleep
+    assert waits and time.monotonic() - started >= 0.29
+    d.close()

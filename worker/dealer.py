@@ -203,12 +203,20 @@ class Dealer:
 
     ``hello`` is sent first on every connection; the first ``poll`` makes the first one.
     ``wake_on_signals`` makes ``poll`` return when a signal arrives (it installs this
-    process's ``signal.set_wakeup_fd``: main thread only, one per process)."""
+    process's ``signal.set_wakeup_fd``: main thread only, one per process). ``spin_s``: how
+    long ``poll`` keeps reading the socket without sleeping before it waits in the kernel
+    (0: it waits at once)."""
 
     def __init__(
-        self, path: str, identity: bytes, hello: Sequence[bytes], wake_on_signals: bool = False
+        self,
+        path: str,
+        identity: bytes,
+        hello: Sequence[bytes],
+        wake_on_signals: bool = False,
+        spin_s: float = 0.0,
     ) -> None:
         self.path = path
+        self.spin_s = spin_s
         self.identity = identity
         self.hello = list(hello)
         self.connections = 0  # connections made so far, the first one included
@@ -299,10 +307,22 @@ class Dealer:
         self._read_available()
         if self._messages:
             return True
+        if self.spin_s > 0 and self._spin(min(self.spin_s, timeout_ms / 1000)):
+            return True
         if self._sock is None or not self._wait(self._sock, timeout_ms / 1000):
             return False
         self._read_available()
         return bool(self._messages)
+
+    def _spin(self, seconds: float) -> bool:
+        """Reads without sleeping for up to ``seconds``: whether a message came. A thread
+        that sleeps between requests can find its next call slower (its core idled)."""
+        until = time.perf_counter() + seconds
+        while self._sock is not None and time.perf_counter() < until:
+            self._read_available()
+            if self._messages:
+                return True
+        return False
 
     def _read_available(self) -> None:
         """One read of what the socket holds now, parsed into ``_messages``. A lost
