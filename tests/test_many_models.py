@@ -201,8 +201,8 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
     tmp_path: Path,
 ) -> None:
     """The config file rewritten with a second model: it loads on workers of its own and
-    serves; a HandleReloadConfigRequest without it: it leaves at once (NOT_FOUND), its
-    workers and weight segment go, and the file, unchanged, does not bring it back. The first
+    serves; a HandleReloadConfigRequest without it: it leaves at once (NOT_FOUND; its status
+    END), its workers and weight segment go, and the file, unchanged, does not bring it back. The first
     model answers throughout, every answer right."""
     import threading
 
@@ -267,6 +267,13 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
             with pytest.raises(grpc.RpcError) as refused:
                 _predict(channel, "ranker", ranker_inputs)
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            # Its status stays known, END, as TF Serving's state monitor keeps it.
+            request = get_model_status_pb2.GetModelStatusRequest()
+            request.model_spec.name = "ranker"
+            ended = model_service_pb2_grpc.ModelServiceStub(channel).GetModelStatus(request)
+            assert [(v.version, v.state) for v in ended.model_version_status] == [
+                (1, get_model_status_pb2.ModelVersionStatus.END)
+            ]
         status = pool.wait_for(
             lambda s: [m["name"] for m in s["models"]] == ["wdl"] and len(s["slots"]) == 1,
             timeout=60,

@@ -383,7 +383,9 @@ fn version_batching(given: &rmpv::Value) -> Result<(Batching, u64), String> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Models {
     tables: Vec<VersionTable>,
-    /// Models the controller removed: kept for their ids, never found by name.
+    /// Models the controller removed: kept for their ids, never found by name for a call;
+    /// GetModelStatus still lists their versions, all END (TF Serving's state monitor keeps
+    /// an unloaded servable's last state).
     removed: BTreeSet<ModelId>,
 }
 
@@ -480,9 +482,12 @@ impl Models {
                 }
             }
         }
-        for table in &self.tables {
+        for table in &mut self.tables {
             if !self.removed.contains(&table.id) && !listed.iter().any(|m| m.name == table.model) {
                 self.removed.insert(table.id);
+                for entry in table.versions.values_mut() {
+                    entry.state = VersionState::End;
+                }
                 changed.push(format!("{} removed", table.model));
             }
         }
@@ -501,13 +506,18 @@ impl Models {
         self.for_spec(spec).resolve(spec)
     }
 
-    /// `VersionTable::status` on the model the spec names; `up` is asked per servable.
+    /// `VersionTable::status` on the model the spec names, served or removed (a removed
+    /// model's versions are END, as TF Serving answers once it unloaded them); `up` is asked
+    /// per servable.
     pub fn status(
         &self,
         spec: Option<&ModelSpec>,
         up: impl Fn(Servable) -> bool,
     ) -> Result<Vec<ModelVersionStatus>, ServingError> {
-        let table = self.for_spec(spec);
+        // Names are unique across the tables: a model served again takes its old table.
+        let table = spec
+            .and_then(|s| self.tables.iter().find(|t| t.model == s.name))
+            .unwrap_or(&self.tables[0]);
         table.status(spec, |version| {
             up(Servable {
                 model: table.id,
@@ -788,6 +798,24 @@ mod tests {
         );
         assert!(!models.is_served(1) && models.get(1).is_some_and(|t| t.model == "ranker"));
         assert_eq!(models.latest(), BTreeMap::from([(0, 3)]));
+        // GetModelStatus still knows it: its versions END, as TF Serving's state monitor.
+        let states = |models: &Models, spec: &ModelSpec| {
+            models
+                .status(Some(spec), |_| true)
+                .map(|all| all.iter().map(|s| (s.version, s.state)).collect::<Vec<_>>())
+        };
+        let end = model_version_status::State::End as i32;
+        assert_eq!(states(&models, &spec("ranker", None)), Ok(vec![(1, end)]));
+        let one = spec("ranker", Some(VersionChoice::Version(1)));
+        assert_eq!(states(&models, &one), Ok(vec![(1, end)]));
+        let two = spec("ranker", Some(VersionChoice::Version(2)));
+        assert_eq!(
+            states(&models, &two),
+            Err(ServingError::new(
+                Code::NotFound,
+                "Could not find version 2 of model ranker"
+            ))
+        );
         assert!(!models.replace(VersionTable::configured(1, "ranker", 2)));
         assert_eq!(models.iter().count(), 1);
 
@@ -807,6 +835,11 @@ mod tests {
         assert_eq!(
             models.resolve(ranker).map(|t| (t.model, t.version)),
             Ok((1, 2))
+        );
+        let available = model_version_status::State::Available as i32;
+        assert_eq!(
+            states(&models, &spec("ranker", None)),
+            Ok(vec![(2, available)])
         );
         let tower = Some(&spec("tower", None));
         assert_eq!(
