@@ -1314,6 +1314,23 @@ def told(pool: Pool) -> dict[int, str]:
     return {v["version"]: v["state"] for v in pool.router.versions[-1]}
 
 
+def test_every_version_folder_removed_leaves_the_last_version_serving(
+    make_pool: Callable[..., Pool],
+):
+    """Nothing takes its place, so it is not retired (a base path that reads empty for a
+    moment does not take the model down; TF Serving's binary would unload it)."""
+    pool, base = versioned_pool(make_pool, [1])
+    shutil.rmtree(base / "1")
+    pool.tick(after_s=1.0)  # polled: no version on disk
+    pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE"}
+    assert ("stopProcessGroup", "v1") not in pool.sd.calls
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)  # a version appears: it loads, and takes over as usual
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+
+
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
     make_pool: Callable[..., Pool],
 ):

@@ -202,8 +202,8 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
 ) -> None:
     """The config file rewritten with a second model: it loads on workers of its own and
     serves; a HandleReloadConfigRequest without it: it leaves at once (NOT_FOUND; its status
-    END), its workers and weight segment go, and the file, unchanged, does not bring it back. The first
-    model answers throughout, every answer right."""
+    END), its workers and weight segment go, and the file, unchanged, does not bring it back.
+    The first model answers throughout, every answer right."""
     import threading
 
     from tensorflow_serving.apis import model_management_pb2
