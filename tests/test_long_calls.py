@@ -248,3 +248,48 @@ def test_a_request_that_ends_every_worker_it_reaches_is_sent_three_times(pool: P
         slot: 1 for slot in before
     }, (before, after)
     assert predict(pool, [1], timeout=10).outputs["out"].float_val
+
+
+class Total(tf.Module):
+    """``x`` [batch] float32 → ``total``, its sum: a request as large as its input."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"total": tf.reduce_sum(x)}
+
+
+def test_a_worker_copying_a_gigabyte_input_is_not_taken_for_dead(tmp_path: Path) -> None:
+    """TensorFlow copies a request's inputs into its tensors holding Python's GIL, so no
+    thread of the worker beats meanwhile: about 1.6-3.3 s a GB on this 2-core machine. The
+    front door widens a worker's liveness window by the bytes it holds (100 MB a second);
+    before, this request (4 bytes sent, a GB once the front door repeated its value) got its
+    worker declared dead, killed, and the request retried on the next, to the same end."""
+    module = Total()
+    base = tmp_path / "total"
+    tf.saved_model.save(module, str(base / "1"), signatures={"serving_default": module.serve})
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1, "--worker-timeout", str(WORKER_TIMEOUT_S))
+    rows = 250_000_000
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    x = request.inputs["x"]
+    x.dtype = tf.float32.as_datatype_enum
+    x.tensor_shape.dim.add(size=rows)
+    x.float_val.append(0.5)  # repeated to fill the shape, as TensorFlow reads a TensorProto
+    try:
+        pool.start().wait_ready(1)
+        before = restarts(pool)
+        started = time.monotonic()
+        with pool.channel() as channel:
+            reply = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
+                request, timeout=120
+            )
+        took = time.monotonic() - started
+        assert tf.make_ndarray(reply.outputs["total"]) == pytest.approx(rows / 2, rel=1e-2)
+        # Without this the test would prove nothing: the worker had to be silent that long.
+        assert took > 1.5 * WORKER_TIMEOUT_S, f"the request took {took:.2f} s"
+        assert restarts(pool) == before, "no worker was declared dead, killed or restarted"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()

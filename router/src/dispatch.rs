@@ -1035,7 +1035,8 @@ impl Actor {
     }
 
     fn expire(&mut self, now: Instant) {
-        for departure in self.table.expire(now.into_std()) {
+        let bytes_of = |p: &Pending| p.sent.frames.iter().map(|f| f.len() as u64).sum::<u64>();
+        for departure in self.table.expire(now.into_std(), bytes_of) {
             log_warn!(
                 "worker {} (pid {}) declared dead: silent > {:.1} s",
                 departure.slot,
