@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="starts of a worker tried again after its first fails (its model did not load, "
         "or it died before it was ready; a kill of a ready worker is not one), before its "
-        "slot is FATAL (default 3)",
+        "slot is FATAL; and the loads of a version that fails while the pool serves, "
+        "--load_retry_interval_micros apart, before it ends (default 3)",
     )
     start.add_argument(
         "--grpc_socket_path",
@@ -380,6 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="TF Serving's flag: --start-retries (the same count: loads tried again after the "
         "first failure)",
+    )
+    start.add_argument(
+        "--load_retry_interval_micros",
+        "--load-retry-interval-micros",
+        dest="load_retry_interval_micros",
+        type=int,
+        default=60_000_000,
+        metavar="MICROS",
+        help="how long a version that failed to load while the pool serves waits before it is "
+        "tried again (--max_num_load_retries times), as TF Serving's flag (default "
+        "%(default)s: 60 s)",
     )
     start.add_argument(
         "--fatal-retry-after",
@@ -682,6 +694,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         shutdown_delay_s=args.shutdown_delay,
         start_retries=_start_retries(args),
+        load_retry_interval_s=args.load_retry_interval_micros / 1e6,
         fatal_retry_s=args.fatal_retry_after,
         **_thread_fields(args),
         cpuset=args.cpuset,

@@ -371,6 +371,11 @@ class PoolConfig:
     # back-off from backoff_s, then marked FATAL.
     start_retries: int = 3
     backoff_s: float = 1.0
+    # A version loaded while the pool serves (or a model added then) that fails to load is
+    # tried again start_retries times, this long apart, as TF Serving's LoaderHarness retries
+    # (--load_retry_interval_micros, 60 s there too): a folder copied in non-atomically
+    # (saved_model.pb before variables/) loads once the copy is complete.
+    load_retry_interval_s: float = 60.0
     # A FATAL slot is tried again this long after it became FATAL (0: never).
     fatal_retry_s: float = 60.0
     intra_op_threads: int = 0  # 0: the worker's pinned cores, else usable cores / workers
@@ -700,6 +705,11 @@ class PoolConfig:
         self.placement()  # ConfigError when the cpuset cannot be applied here
         if self.fatal_retry_s < 0:
             raise ConfigError(f"--fatal-retry-after must be >= 0, got {self.fatal_retry_s}")
+        if not self.load_retry_interval_s >= 0:  # NaN too
+            raise ConfigError(
+                "--load_retry_interval_micros must be >= 0, got "
+                f"{self.load_retry_interval_s * 1e6:.0f}"
+            )
         if not 1 <= self.contexts_per_gpu <= 48:
             # MPS serves at most 48 client contexts per GPU.
             raise ConfigError(

@@ -49,9 +49,6 @@ FLAGS: tuple[Flag, ...] = (
          "of its own, in parallel"),
     Flag("num_unload_threads", "int", False, ("0",), "each version unloads by its worker "
          "processes ending"),
-    Flag("load_retry_interval_micros", "int", False, (), "a worker whose model failed to "
-         "load is started again after 1 s, then 2, 4, ... s (--max_num_load_retries times, "
-         "then its slot is FATAL and tried again after --fatal-retry-after)"),
     Flag("flush_filesystem_caches", "bool", False, ("true", "false"), ""),
     Flag("remove_unused_fields_from_bundle_metagraph", "bool", False, ("true",),
          "the workers keep no MetaGraphDef after loading"),

@@ -10,6 +10,9 @@ snapshot and answers it with the control op `reload_done` (code and message, TF 
 status codes). TF Serving returns from a reload of a model it already serves without waiting
 for the versions, and then refuses a label on a version not yet loaded; waiting first means
 a caller learns whether the change worked, and the label rule holds on the settled state.
+A version that had failed before the request (END, or waiting to be tried again) is not
+waited for and fails nothing: the same config asked again, or one that only moves labels
+among the versions that serve, succeeds while a broken version sits on disk.
 """
 
 from __future__ import annotations
@@ -40,16 +43,23 @@ def outcome(
     labels: dict[str, int],
     told: dict[str, int] | None = None,
     labels_may_wait: bool = False,
+    failed_before: set[int] | None = None,
 ) -> tuple[int, str] | None:
     """(code, message) once the pool has settled under the new config; None while a version
     the policy wants is still on its way. ``told`` and ``labels_may_wait``: see
-    label_may_wait_for."""
-    wanted = policy.aspired(on_disk, set())  # as if nothing had failed
+    label_may_wait_for. ``failed_before``: versions that had failed (or were waiting to be
+    tried again) before the request was asked and do not serve: passed over as the
+    controller passes over a failed version, neither waited for nor reported, as TF
+    Serving's ReloadConfig waits for no version of a model it already serves. A version that
+    fails after (one the request newly wants, a new model's) is reported: TF Serving returns
+    an added model's load error."""
+    before = failed_before or set()
+    wanted = policy.aspired(on_disk, before)
     could_not = sorted(v for v in wanted if v in failed)
     if could_not:
         why = "; ".join(f"version {v}: {failed[v]}" for v in could_not)
         return UNKNOWN, f"model {model} could not load {why}"
-    if not wanted:
+    if not policy.aspired(on_disk, set()):
         found = ", ".join(str(v) for v in sorted(on_disk)) or "none"
         return (
             FAILED_PRECONDITION,

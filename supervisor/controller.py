@@ -400,10 +400,14 @@ class Controller:
         for model in self.models.values():
             if not model.required:
                 continue  # added while serving: a version that cannot load just ends
+            # A version waiting to try its load again has no worker to count (its slots are
+            # STOPPED until then).
             live = [
                 s
                 for g in model.groups.values()
-                if g.state in (VersionState.LOADING, VersionState.AVAILABLE) and g.publisher is None
+                if g.state in (VersionState.LOADING, VersionState.AVAILABLE)
+                and g.publisher is None
+                and g.retry_at is None
                 for s in g.slots.values()
             ]
             if live and all(s.state is WorkerState.FATAL for s in live):
@@ -700,6 +704,9 @@ class Controller:
         # builds its whole label map from the new config and swaps it in only if every label
         # is valid (ServerCore::UpdateModelVersionLabelMap), so a refused reload leaves every
         # label where it was, and none moves while the request's versions load.
+        # Read before the request changes anything: a version that fails as it applies (an
+        # added model's publisher cannot start) failed after it was asked.
+        failing = {name: model.failing_versions() for name, model in self.models.items()}
         labels_now = {m.name: dict(m.version_labels) for m in self.config.served_models()}
         held = [dataclasses.replace(e, labels=labels_now.get(e.name, {})) for e in entries]
         refused = self._apply_model_entries(held, now, source)
@@ -708,6 +715,8 @@ class Controller:
             return
         for entry in entries:
             self.models[entry.name].labels_asked = dict(entry.labels)
+        for name, model in self.models.items():
+            model.note_reload_asked(failing.get(name, set()), first=not self._reloads)
         self._reloads.append(request_id)
 
     def _answer_reloads(self) -> None:
@@ -723,6 +732,7 @@ class Controller:
                 model.config.version_labels if model.labels_asked is None else model.labels_asked,
                 model.labels_told(),
                 model.config.allow_version_labels_for_unavailable_models,
+                model.failed_before_reload(),
             )
             for model in self.models.values()
             if not model.removed
@@ -1032,7 +1042,7 @@ class Controller:
                 "router_pid": self._router_pid or None,
             },
             # The first model's versions, as before pools served several; then every model's.
-            "versions": self.model.version_table(),
+            "versions": self.model.status_table(),
             "models": [
                 {
                     "name": model.name,
@@ -1040,7 +1050,7 @@ class Controller:
                     "version": model.serving_version(),
                     "version_policy": model.policy.describe(),
                     "version_labels": model.config.version_labels,
-                    "versions": model.version_table(),
+                    "versions": model.status_table(),
                     "removing": model.removed,
                 }
                 for model in self.models.values()

@@ -82,6 +82,10 @@ class ModelVersions:
         self.groups[first.version] = first
         self.aspired = {config.model_version}  # what the policy wants, as last polled
         self.failed: dict[int, str] = {}  # version → why it could not serve (while on disk)
+        # The versions that had failed (END, or waiting to be tried again) when the
+        # HandleReloadConfigRequests now waiting were asked: those do not hold them up
+        # (`failed_before_reload`).
+        self._failed_when_asked: set[int] = set()
         self.retired: list[int] = []  # versions retired, newest last
         self.on_disk: set[int] = set()  # the versions under the base path, as last read
         self.next_poll = 0.0
@@ -303,6 +307,7 @@ class ModelVersions:
         self.on_disk = on_disk
         for version in [v for v in self.failed if v not in on_disk]:
             del self.failed[version]  # gone: if it comes back, it is tried again
+            self._failed_when_asked.discard(version)
         self.aspired = self.policy.aspired(on_disk, set(self.failed))
         for version in sorted(self.aspired - set(self.groups)):
             group = self.new_group(version)
@@ -310,12 +315,18 @@ class ModelVersions:
             self._load(group, now)
 
     def _load(self, group: VersionGroup, now: float, why: str = "new on disk") -> None:
-        """START -> LOADING: publish its weights (a child process, polled by `_advance`),
-        or start its workers at once when weights are not shared."""
+        """START -> LOADING, and its first load try."""
         group.change_state(VersionState.LOADING, now, why)
         if group.batching_error:
-            self._fail_version(group, group.batching_error, now)
+            # Its file is read once, when the group is made: trying again would read the
+            # same refusal (README: at once, without the load retries).
+            self._fail_version(group, group.batching_error, now, retry=False)
             return
+        self._start_try(group, now)
+
+    def _start_try(self, group: VersionGroup, now: float) -> None:
+        """One load try: publish its weights (a child process, polled by `_advance`), or
+        start its workers at once when weights are not shared."""
         if not self.config.share_weights:
             self.start_workers(group, f"version {group.version} loading")
             return
@@ -367,6 +378,9 @@ class ModelVersions:
             self.retired = [*self.retired, group.version][-RETIRED_SHOWN:]
 
     def _advance_loading(self, group: VersionGroup, now: float) -> None:
+        if group.retry_at is not None:
+            self._retry_when_due(group, group.retry_at, now)
+            return
         if group.publisher is not None:
             code = group.publisher.poll()
             if code is None:
@@ -393,13 +407,82 @@ class ModelVersions:
             # version that cannot load ends at once instead of being retried to FATAL.
             self._fail_version(group, failed[0].reason, now)
 
-    def _fail_version(self, group: VersionGroup, reason: str, now: float) -> None:
+    def _fail_version(
+        self, group: VersionGroup, reason: str, now: float, retry: bool = True
+    ) -> None:
+        """A load try of ``group`` failed: tried again later while tries are left (``retry``),
+        else it ends (END, with ``reason``)."""
+        if retry and self._may_retry(group):
+            self._retry_later(group, reason, now)
+            return
         log.error("%s cannot serve: %s", group.label, reason)
         group.error = reason
         self.failed[group.version] = reason
         self.end_group(group, now, reason)
         if not self.groups and self.required:
             self.pool.fail_pool(reason)
+
+    def _may_retry(self, group: VersionGroup) -> bool:
+        """Whether a failed load of ``group`` gets another try: as TF Serving's LoaderHarness
+        (`--max_num_load_retries` more), where ending it would not fail the pool. At the
+        pool's start (nothing of a model it started with serves yet) its slots retry with
+        their own back-off and the pool fails when they cannot (`Controller._exited`)."""
+        if group.failed_tries >= self.config.start_retries:
+            return False
+        return not self.required or self.serving_version() is not None
+
+    def _retry_later(self, group: VersionGroup, reason: str, now: float) -> None:
+        """Stays LOADING (TF Serving's state while it retries; GetModelStatus says no error
+        yet) with nothing running, until the next try is due (`_retry_when_due`)."""
+        group.failed_tries += 1
+        group.last_error = reason
+        interval = self.config.load_retry_interval_s
+        group.retry_at = now + interval
+        log.error(
+            "%s failed to load (try %d of %d; tried again in %g s): %s",
+            group.label, group.failed_tries, self.config.start_retries + 1, interval, reason,
+        )  # fmt: skip
+        self._stop_try(group, f"load try {group.failed_tries} failed")
+
+    def _stop_try(self, group: VersionGroup, why: str) -> None:
+        """What a failed try left ends: its publisher, its workers (their program group
+        stays in supervisord, to be started again), its segment (the next try publishes
+        the folder as it is then: a copy in progress may have completed)."""
+        group.stop_publisher()
+        if group.workers_started:
+            self.pool.rpc("stopProcessGroup", group.group, True)
+            group.workers_started = False
+        for slot in group.slots.values():
+            self.pool.forget(slot, why)
+            slot.load_failures = 0  # each try gives its slots a fresh count
+            slot.start_pending = False
+            if slot.state is not WorkerState.STOPPED:
+                slot.change_state(WorkerState.STOPPED, why)
+        group.unlink_segment()
+
+    def _retry_when_due(self, group: VersionGroup, retry_at: float, now: float) -> None:
+        """A version waiting to be tried again: dropped when its folder went or the policy
+        no longer wants it (TF Serving cancels the retries of a version no longer aspired),
+        else tried again once its interval has passed."""
+        if group.version not in self.aspired or not self._still_on_disk(group.version):
+            self._failed_when_asked.discard(group.version)
+            self.end_group(group, now, "no longer on disk or wanted: not tried again")
+            return
+        if now < retry_at:
+            return
+        group.retry_at = None
+        log.info(
+            "%s: load try %d of %d",
+            group.label, group.failed_tries + 1, self.config.start_retries + 1,
+        )  # fmt: skip
+        self._start_try(group, now)
+
+    def _still_on_disk(self, version: int) -> bool:
+        """Read now, not at the last poll: a retry must not publish a folder just removed."""
+        try:
+            return version in versions_on_disk(self.config.model_base_path)
+        except OSError:
+            return True  # unreadable for a moment: the try says what is wrong, if anything
 
     def _retire(self, group: VersionGroup, now: float, why: str) -> None:
         """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);
@@ -438,6 +521,37 @@ class ModelVersions:
         for group in self.groups.values():
             rows[group.version] = group.describe()
         return [rows[v] for v in sorted(rows)]
+
+    def status_table(self) -> list[dict[str, Any]]:
+        """The version table `mpspool status` shows: a version waiting to be tried again
+        says why its last try failed (the front door's table leaves it out, so GetModelStatus
+        says LOADING with no error, as TF Serving does between its retries)."""
+        rows = self.version_table()
+        for row in rows:
+            group = self.groups.get(int(row["version"]))
+            if group is not None and group.retry_at is not None:
+                row["error"] = (
+                    f"load try {group.failed_tries} of {self.config.start_retries + 1} failed, "
+                    f"tried again {self.config.load_retry_interval_s:g} s after: "
+                    f"{group.last_error}"
+                )
+        return rows
+
+    # -- HandleReloadConfigRequest -----------------------------------------------------
+    def failing_versions(self) -> set[int]:
+        """The versions that failed (END) or wait to be tried again."""
+        return set(self.failed) | {v for v, g in self.groups.items() if g.retry_at is not None}
+
+    def note_reload_asked(self, failing: set[int], first: bool) -> None:
+        """A HandleReloadConfigRequest was taken (``first``: none was waiting) when
+        ``failing`` (`failing_versions`, read before the request changed anything) had
+        failed: those had failed before every waiting request was asked, if before all."""
+        self._failed_when_asked = failing if first else self._failed_when_asked & failing
+
+    def failed_before_reload(self) -> set[int]:
+        """The versions that had failed before the waiting reloads were asked and do not
+        serve now: they are neither waited for nor reported (config_reload.outcome)."""
+        return self._failed_when_asked - self.available_versions()
 
     def tell_router_labels(self) -> bool:
         """The labels (and version table) to the front door now, not at the next reconcile:

@@ -7,8 +7,9 @@ serves; it becomes AVAILABLE (where requests that name no version go) when every
 workers is READY; then the versions the policy no longer wants are UNLOADING: the front door
 sends them nothing new, their workers finish what they have, stop, and their segment is
 unlinked, so their memory goes back with their processes. A version that cannot be published,
-loaded or warmed up never takes traffic: it ends (END) with its error, and whatever served
-before goes on serving.
+loaded or warmed up never takes traffic: it is tried again (`--max_num_load_retries`,
+`--load_retry_interval_micros` apart, as TF Serving), then ends (END) with its error, and
+whatever served before goes on serving.
 
 States and their names are TF Serving's (`ModelVersionStatus.State`).
 """
@@ -113,6 +114,12 @@ class VersionGroup:
     # not batched), read when the group is made; why that file cannot be used ("": it can).
     batching: dict[str, Any] | None = None
     batching_error: str = ""
+    # Its load tries that failed, and while it waits to be tried again (still LOADING, as
+    # TF Serving's LoaderHarness stays kLoading between its retries) when the next one
+    # starts and why the last one failed.
+    failed_tries: int = 0
+    retry_at: float | None = None
+    last_error: str = ""
 
     @property
     def group(self) -> str:

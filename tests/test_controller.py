@@ -1297,8 +1297,9 @@ def versioned_pool(
     make_pool: Callable[..., Pool], versions: list[int], **settings: Any
 ) -> tuple[Pool, Path]:
     """A pool whose base path holds ``versions`` (weights not shared: no publisher child),
-    started on version 1, both workers READY; ``settings``: its other config fields."""
-    pool = make_pool(share_weights=False, start_retries=0, **settings)
+    started on version 1, both workers READY; ``settings``: its other config fields (no
+    load retries unless they say so)."""
+    pool = make_pool(**{"share_weights": False, "start_retries": 0, **settings})
     base = Path(pool.controller.config.model_base_path)
     for version in versions:
         (base / str(version)).mkdir(parents=True)
@@ -1846,6 +1847,252 @@ def test_a_version_that_cannot_load_never_serves_and_is_not_retried(
     assert told(pool)[2] == "LOADING"
 
 
+# ---------------------------------------------------------------------------------------
+# load retries (TF Serving's --max_num_load_retries, --load_retry_interval_micros)
+# ---------------------------------------------------------------------------------------
+
+
+def fail_load(pool: Pool, slot: str, why: str = "cannot load model demo: no variables") -> None:
+    """The worker of ``slot`` exits: its model did not load, for ``why``."""
+    pool.sd.logs[program_of(slot)] = why
+    pool.sd.exit(slot, process.EXIT_LOAD_FAILED)
+
+
+def status_row(pool: Pool, version: int) -> dict[str, Any]:
+    return {v["version"]: v for v in pool.controller.status()["versions"]}[version]
+
+
+def test_a_version_that_fails_to_load_is_tried_again_and_serves_once_it_loads(
+    make_pool: Callable[..., Pool],
+):
+    """A folder copied in before its variables: the load fails, and is tried again
+    load_retry_interval_s later as TF Serving's LoaderHarness does, LOADING meanwhile
+    (GetModelStatus: no error yet; `mpspool status`: why), version 1 serving on."""
+    pool, _ = versioned_pool(make_pool, [1, 2], start_retries=2, load_retry_interval_s=5.0)
+    pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    fail_load(pool, "cpu-0@2")
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert [v["error"] for v in pool.router.versions[-1]] == ["", ""], "TF Serving's kLoading"
+    assert status_row(pool, 2)["error"] == (
+        "load try 1 of 3 failed, tried again 5 s after: cannot load model demo: no variables"
+    )
+    assert pool.sd.rpc_calls("stopProcessGroup") == [("stopProcessGroup", "v2")]
+    assert {pool.slot(f"{n}@2").state for n in ("cpu-0", "cpu-1")} == {S.STOPPED}
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    pool.tick(after_s=4.0)
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "not before its interval"
+    pool.tick(after_s=1.0)
+    assert pool.sd.rpc_calls("startProcessGroup")[starts:] == [("startProcessGroup", "v2")]
+    assert status_row(pool, 2)["error"] == ""
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+    assert pool.controller.phase is PoolPhase.SERVING
+
+
+def test_a_version_that_keeps_failing_ends_after_its_retries(
+    make_pool: Callable[..., Pool], caplog: pytest.LogCaptureFixture
+):
+    pool, _ = versioned_pool(make_pool, [1, 2], start_retries=2, load_retry_interval_s=5.0)
+    caplog.set_level(logging.INFO, logger="mpspool.controller")
+    pool.tick(after_s=1.0)
+    for attempt in range(3):
+        fail_load(pool, "cpu-1@2", f"cannot load model demo: try {attempt + 1}")
+        pool.tick()
+        pool.tick(after_s=5.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+    assert pool.router.versions[-1][1]["error"] == "cannot load model demo: try 3"
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == 3, "the first try and 2 more"
+    assert sorted(pool.controller.slots) == ["cpu-0@1", "cpu-1@1"], "version 1 serves on"
+    assert pool.controller.phase is PoolPhase.SERVING
+    said = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
+    assert said == [
+        "version 2 failed to load (try 1 of 3; tried again in 5 s): cannot load model demo: try 1",
+        "version 2 failed to load (try 2 of 3; tried again in 5 s): cannot load model demo: try 2",
+    ]
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    pool.tick(after_s=60.0)
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "ended: not tried again"
+
+
+def test_a_version_whose_folder_goes_while_it_waits_is_dropped_not_tried_again(
+    make_pool: Callable[..., Pool],
+):
+    pool, base = versioned_pool(make_pool, [1, 2], start_retries=3, load_retry_interval_s=5.0)
+    pool.tick(after_s=1.0)
+    fail_load(pool, "cpu-0@2")
+    pool.tick()
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    shutil.rmtree(base / "2")
+    pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE"}, "dropped, not END with an error"
+    pool.tick(after_s=10.0)
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts
+    assert ("removeProcessGroup", "v2") in pool.sd.calls
+
+
+def test_a_version_removed_just_before_its_retry_is_not_tried(make_pool: Callable[..., Pool]):
+    """Read again when its try is due, not as last polled (--file_system_poll_wait_seconds
+    may be long)."""
+    pool, base = versioned_pool(
+        make_pool, [1, 2], start_retries=3, load_retry_interval_s=5.0, file_system_poll_wait_s=60
+    )
+    pool.tick(after_s=60.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    fail_load(pool, "cpu-0@2")
+    pool.tick()
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    shutil.rmtree(base / "2")
+    pool.tick(after_s=5.0)
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts
+    assert told(pool) == {1: "AVAILABLE"}
+
+
+def test_a_publisher_that_fails_is_tried_again_and_the_version_serves(
+    make_pool: Callable[..., Pool], fake_publisher: Callable[[int], Path]
+):
+    """With shared weights a try is publishing, then the workers: a failed publish is tried
+    again, its half-written segment gone meanwhile."""
+    go = fake_publisher(0)
+    go.touch()
+    pool = make_pool(start_retries=1, load_retry_interval_s=2.0)
+    base = Path(pool.controller.config.model_base_path)
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    start_first_version(pool)
+    model = pool.controller.models["demo"]
+    model.groups[1].publisher.wait(timeout=30)  # type: ignore[union-attr]
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    assert told(pool) == {1: "AVAILABLE"}
+    fake_publisher(1)  # every publisher started from now on fails
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    group = model.groups[2]
+    group.publisher.wait(timeout=30)  # type: ignore[union-attr]
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert status_row(pool, 2)["error"].startswith(
+        "load try 1 of 2 failed, tried again 2 s after: publishing the weights failed:"
+    )
+    assert not Path(group.segment).exists() and not Path(group.segment + ".partial").exists()
+    fake_publisher(0)
+    pool.tick(after_s=2.0)
+    group.publisher.wait(timeout=30)  # type: ignore[union-attr]
+    pool.tick()
+    assert pool.sd.rpc_calls("startProcessGroup")[-1] == ("startProcessGroup", "v2")
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+
+
+def latest_request(base: Path, labels: dict[str, int], latest: int = 1) -> bytes:
+    """A HandleReloadConfigRequest's config of model demo under a `latest` policy."""
+    from mpspool.protos import server_config_pb2
+
+    config = server_config_pb2.ModelServerConfig()
+    model = config.model_config_list.config.add(name="demo", base_path=str(base))
+    model.model_version_policy.latest.num_versions = latest
+    model.version_labels.update(labels)
+    return config.SerializeToString()
+
+
+def answer_of(pool: Pool, request_id: int) -> tuple[int, str]:
+    return {r: (c, m) for r, c, m in pool.router.reload_done}[request_id]
+
+
+def test_a_reload_is_not_failed_by_a_version_that_had_failed_before_it(
+    make_pool: Callable[..., Pool],
+):
+    """TF Serving's ReloadConfig takes the config it runs again, and applies labels on the
+    versions that serve, whatever failed before: a broken version 3 on disk (END) neither
+    holds the call up nor fails it (it failed UNKNOWN with version 3's error)."""
+    pool, base = versioned_pool(make_pool, [1, 2])
+    pool.tick(after_s=1.0)
+    fail_load(pool, "cpu-0@2", "cannot load model demo: no variables")
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+    pool.router.reload_requests[1] = latest_request(base, {})  # the config it runs
+    pool.router.reload_requests[2] = latest_request(base, {"stable": 1})  # a label only
+    pool.tick()
+    pool.tick()
+    assert answer_of(pool, 1) == (0, "") and answer_of(pool, 2) == (0, "")
+    assert pool.router.labels[-1] == {"stable": 1}
+    assert pool.controller.status()["pool"]["version_labels"] == {"stable": 1}
+    # latest:2 passes over the failed version as the controller does: versions 1 (serving)
+    # and, with nothing else on disk, nothing more; the label moves among those that serve.
+    pool.router.reload_requests[3] = latest_request(base, {"stable": 1, "old": 1}, latest=2)
+    pool.tick()
+    pool.tick()
+    assert answer_of(pool, 3) == (0, "")
+    assert pool.router.labels[-1] == {"old": 1, "stable": 1}
+    # A label on the failed version: TF Serving's refusal, no label moved.
+    pool.router.reload_requests[4] = latest_request(base, {"stable": 2})
+    pool.tick()
+    pool.tick()
+    assert answer_of(pool, 4) == (
+        9,
+        "Request to assign label to version 2 of model demo, which is not currently "
+        "available for inference",
+    )
+    assert pool.router.labels[-1] == {"old": 1, "stable": 1}
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}, "version 2 is not tried again"
+
+
+def test_a_reload_that_newly_wants_a_version_waits_through_its_retries_and_reports_it(
+    make_pool: Callable[..., Pool],
+):
+    """A version the request wants that was not failing when it was asked: waited for while
+    it is tried again, then its error is the answer (UNKNOWN), as TF Serving answers a
+    model it adds with its load error."""
+    pool, base = versioned_pool(
+        make_pool, [1, 2], version_policy="specific:1", start_retries=1, load_retry_interval_s=5.0
+    )
+    pool.router.reload_requests[7] = reload_request(base, [1, 2], {})
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    fail_load(pool, "cpu-0@2", "cannot load model demo: try 1")
+    pool.tick()
+    pool.tick(after_s=4.0)
+    assert pool.router.reload_done == [], "its version is tried again: it waits"
+    pool.tick(after_s=1.0)
+    fail_load(pool, "cpu-0@2", "cannot load model demo: try 2")
+    pool.tick()
+    pool.tick()
+    assert answer_of(pool, 7) == (
+        2,
+        "model demo could not load version 2: cannot load model demo: try 2",
+    )
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+
+
+def test_a_reload_does_not_wait_for_a_version_already_waiting_to_be_tried_again(
+    make_pool: Callable[..., Pool],
+):
+    """Its tries may take minutes (60 s apart by default): the request, asked after the
+    first failed, is answered on the versions that serve, and the version serves later."""
+    pool, base = versioned_pool(make_pool, [1, 2], start_retries=2, load_retry_interval_s=60.0)
+    pool.tick(after_s=1.0)
+    fail_load(pool, "cpu-0@2")
+    pool.tick()
+    pool.router.reload_requests[5] = latest_request(base, {"stable": 1})
+    pool.tick(after_s=0.2)
+    pool.tick(after_s=0.2)
+    assert answer_of(pool, 5) == (0, "")
+    assert pool.router.labels[-1] == {"stable": 1}
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    pool.tick(after_s=60.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+
+
 def test_per_model_batching_tells_each_versions_own_parameters_and_a_bad_file_fails_it(
     make_pool: Callable[..., Pool], tmp_path: Path
 ):
@@ -1994,6 +2241,7 @@ def test_a_pools_model_name_too_long_is_refused_without_echoing_it_whole():
         ("max_connection_age_grace_s", "grpc.max_connection_age_grace_ms"),
         ("keepalive_time_s", "grpc.keepalive_time_ms"),
         ("keepalive_timeout_s", "grpc.keepalive_timeout_ms"),
+        ("load_retry_interval_s", "--load_retry_interval_micros"),
     ],
 )
 def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):

@@ -149,7 +149,17 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
     assert not np.allclose(want[1], want[2]), "the versions must answer differently"
 
     (tmp_path / "pool").mkdir()
-    pool = Pool(tmp_path / "pool", base, 2, "--file_system_poll_wait_seconds", "0.2").start()
+    # No load retries: the broken version 3 below ends at its first failure (a retried load:
+    # test_a_version_copied_in_before_its_variables_serves_on_a_load_retry).
+    pool = Pool(
+        tmp_path / "pool",
+        base,
+        2,
+        "--file_system_poll_wait_seconds",
+        "0.2",
+        "--max_num_load_retries",
+        "0",
+    ).start()
     load = None
     try:
         pool.wait_ready(2)
@@ -235,6 +245,77 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
             load.stop()
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+def test_a_version_copied_in_before_its_variables_serves_on_a_load_retry(
+    tmp_path: Path, demo_model_dir: Path, reference_model
+) -> None:
+    """`cp -r` (or `gsutil cp -r`) into the watched base path: saved_model.pb appears before
+    variables/. The first load fails, saying so; the version stays LOADING (GetModelStatus:
+    no error, as TF Serving while it retries) and version 1 serves on; once the variables are
+    there, a retry (--load_retry_interval_micros later) loads it and it takes over."""
+    base = tmp_path / "model"
+    shutil.copytree(demo_model_dir / "1", base / "1")
+    (tmp_path / "pool").mkdir()
+    pool = Pool(
+        tmp_path / "pool",
+        base,
+        1,
+        "--file_system_poll_wait_seconds",
+        "0.2",
+        "--load_retry_interval_micros",
+        "3000000",
+    ).start()
+    inputs = demo_inputs(3, DEMO_ROWS, seed=5)
+    want = reference_model(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
+    try:
+        pool.wait_ready(1)
+        # The copy's first half: everything but variables/.
+        shutil.copytree(
+            demo_model_dir / "1", base / "2", ignore=shutil.ignore_patterns("variables")
+        )
+        status = pool.wait_for(
+            lambda s: " of 4 failed, tried again" in _versions(s).get(2, ("", ""))[1],
+            timeout=60,
+            what="version 2's first load failed",
+        )
+        error = _versions(status)[2][1]
+        assert "variables/variables.index does not exist" in error, error
+        assert "--no-share-weights" not in error, error
+        assert _versions(status)[1] == ("AVAILABLE", "")
+        with pool.channel() as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            request = get_model_status_pb2.GetModelStatusRequest()
+            request.model_spec.name = "demo"
+            listed = {
+                s.version: s for s in stub.GetModelStatus(request, timeout=10).model_version_status
+            }
+            assert listed[2].state == get_model_status_pb2.ModelVersionStatus.LOADING
+            assert listed[2].status.error_message == ""
+        # The copy's second half (renamed in whole, so that no try reads half a checkpoint).
+        shutil.copytree(demo_model_dir / "1" / "variables", tmp_path / "variables")
+        os.rename(tmp_path / "variables", base / "2" / "variables")
+        pool.wait_for(
+            lambda s: _versions(s) == {1: ("END", ""), 2: ("AVAILABLE", "")},
+            timeout=90,
+            what="version 2 serving after a retry",
+        )
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "demo"
+        for name, array in inputs.items():
+            request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+        with pool.channel() as channel:
+            answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
+                request, timeout=30
+            )
+        assert answer.model_spec.version.value == 2
+        np.testing.assert_allclose(tf.make_ndarray(answer.outputs["score"]), want, atol=1e-6)
+        # The error stays in the controller's log (`mpspool start`'s output).
+        assert "version 2 failed to load (try 1 of 4; tried again in 3 s)" in pool.output()
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
 
 
 def _model_config(path: Path, base: Path, versions: list[int], labels: dict[str, int]) -> None:

@@ -31,6 +31,7 @@ log = logging.getLogger("mpspool.publish")
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 READ_CHUNK = 64 * 2**20
+SAVED_OBJECT_VARIABLE = 7  # SavedObject's `variable` field (saved_object_graph.proto)
 
 
 class PublishError(RuntimeError):
@@ -52,6 +53,14 @@ def publish(
     stored in slices (a partitioned variable) is read through TensorFlow's reader."""
     prefix = str(Path(model_dir) / "variables" / "variables")
     variables = Path(model_dir) / "variables"
+    if not Path(prefix + ".index").exists() and _declares_variables(Path(model_dir)):
+        # Said as it is: a version copied in before its variables/ (`cp -r`, `gsutil cp -r`)
+        # is incomplete, not a model whose weights cannot be shared.
+        raise PublishError(
+            f"model {model_name!r} version {version} at {model_dir} has variables but no "
+            f"checkpoint: {prefix}.index does not exist (its variables/ folder is missing or "
+            "not completely copied yet)"
+        )
     if not Path(prefix + ".index").exists() and not (
         variables.is_dir() and any(variables.iterdir())
     ):
@@ -199,6 +208,27 @@ def served_keys(
             if attribute.checkpoint_key.endswith(VARIABLE_SUFFIX):
                 keys.add(attribute.checkpoint_key)
     return keys
+
+
+def _declares_variables(model_dir: Path) -> bool:
+    """Whether the SavedModel's object graph (TF2) has a variable node, so that TensorFlow's
+    loader needs its checkpoint. A TF1 graph is not looked into (without an index its loader
+    restores nothing), nor a saved_model.pb that cannot be read (the workers say why)."""
+    from google.protobuf import unknown_fields
+
+    from mpspool.protos import tensorflow_pb2 as pb
+
+    try:
+        saved = pb.SavedModel.FromString((model_dir / "saved_model.pb").read_bytes())
+    except (OSError, DecodeError):
+        return False
+    # SavedObject.variable, which mpspool's trimmed proto does not name: an unknown field.
+    return any(
+        field.field_number == SAVED_OBJECT_VARIABLE
+        for meta in saved.meta_graphs
+        for node in meta.object_graph_def.nodes
+        for field in unknown_fields.UnknownFieldSet(node)
+    )
 
 
 def _string_scalar(prefix: str, shards: int, entry: Any) -> bytes:
