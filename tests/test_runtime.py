@@ -461,3 +461,59 @@ def test_warm_up_forgives_refused_data_but_not_a_model_that_cannot_run(
     else:
         with pytest.raises(ModelLoadError, match=f"signature '{SIG}' failed: {code.name}"):
             runtime.warm_up()
+
+
+def _parse_example_models(base: Path) -> dict[str, Path]:
+    """A tf.Example parser exported the TF2 way (a tf.function, called directly) and the TF1
+    way (a graph through a session)."""
+    import tensorflow as tf
+
+    features = {"x": tf.io.FixedLenFeature([2], tf.float32)}
+
+    class Parser(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+        def serve(self, examples: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"x": tf.io.parse_example(examples, features)["x"]}
+
+    module = Parser()
+    tf2 = base / "tf2" / "1"
+    tf.saved_model.save(module, str(tf2), signatures={SIG: module.serve})
+    tf1 = base / "tf1" / "1"
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+        examples = tf.compat.v1.placeholder(tf.string, [None], name="examples")
+        x = tf.io.parse_example(examples, features)["x"]
+        builder = tf.compat.v1.saved_model.Builder(str(tf1))
+        signature = tf.compat.v1.saved_model.predict_signature_def({"examples": examples}, {"x": x})
+        builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map={SIG: signature})
+        builder.save()
+    return {"tf2": tf2, "tf1": tf1}
+
+
+def test_a_kernel_error_quoting_bytes_that_are_not_utf8_is_invalid_argument(
+    tmp_path: Path,
+) -> None:
+    """TensorFlow cannot make such a message a str: it raises UnicodeDecodeError in place of
+    the kernel's InvalidArgumentError. The client gets TF Serving's code and the kernel's words,
+    the bytes escaped; it was answered INTERNAL with a Python error (found by a user test)."""
+    for style, path in _parse_example_models(tmp_path).items():
+        runtime = load_saved_model(str(path), "parser", 1)
+        good = _example(1.0, 2.0)
+        np.testing.assert_array_equal(
+            runtime.run(SIG, {"examples": np.array([good], object)}, ["x"])["x"], [[1.0, 2.0]]
+        )
+        with pytest.raises(ServingError) as info:
+            runtime.run(SIG, {"examples": np.array([b"garbage\xff"], object)}, ["x"])
+        assert info.value.code == Code.INVALID_ARGUMENT, (style, info.value.message)
+        assert info.value.message.startswith(
+            "Could not parse example input, value: 'garbage\\xff'"
+        ), (style, info.value.message)
+        assert runtime.run(SIG, {"examples": np.array([good], object)}, ["x"])
+
+
+def _example(*values: float) -> bytes:
+    import tensorflow as tf
+
+    feature = tf.train.Feature(float_list=tf.train.FloatList(value=values))
+    example = tf.train.Example(features=tf.train.Features(feature={"x": feature}))
+    return example.SerializeToString()

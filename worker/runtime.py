@@ -421,6 +421,16 @@ class SavedModelRuntime:
             raise ServingError(exc.error_code, _op_error_message(exc.message)) from exc
         except ServingError:
             raise
+        except UnicodeDecodeError as exc:
+            if not isinstance(exc.object, bytes):
+                raise ServingError(Code.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
+            # A kernel's error quoting the request's bytes ("Could not parse example input,
+            # value: 'garbage\xff'"): TensorFlow cannot make it a str, so its OpError is lost
+            # and this is raised instead, the whole message in `object`, its code gone. Such
+            # a kernel refused the data it was fed (a parser, a conversion), which TF Serving
+            # answers with the kernel's INVALID_ARGUMENT; the bytes it quotes are escaped.
+            message = exc.object.decode("utf-8", "backslashreplace")
+            raise ServingError(Code.INVALID_ARGUMENT, _op_error_message(message)) from exc
         except Exception as exc:
             raise ServingError(
                 Code.INTERNAL,
