@@ -32,7 +32,7 @@ from mpspool.config import (
     tls_from,
     usable_cores,
 )
-from mpspool.model_config import ModelEntry, first_version
+from mpspool.model_config import ModelEntry, NoVersionYet, first_version
 
 DEMO_MODEL_NAME = "demo"
 
@@ -615,6 +615,44 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- start ------------------------------------------------------------------------
+def _await_first_versions(
+    models: list[tuple[Path, str, str]], pool_model: str, poll_wait_s: float
+) -> list[int]:
+    """Each model's first version (`first_version` of base path, policy, name). A model with
+    none yet (no version folder, or no base path) is waited for, its base path read every
+    `poll_wait_s`, as TF Serving waits at start (`fail_if_no_model_versions_found` is off
+    in its model server): a model synced into place after the pod starts (a sidecar, an
+    init step still copying) is served once it is there. Said once per change, in TF
+    Serving's words. With polling off (0) the pool fails at once, saying why."""
+    told = ""
+    while True:
+        try:
+            return [first_version(path, policy, model) for path, policy, model in models]
+        except NoVersionYet as exc:
+            if poll_wait_s <= 0:
+                raise
+            if str(exc) != told:
+                told = str(exc)
+                waiting = next(
+                    (m or pool_model, p) for p, pol, m in models if _lacks_version(p, pol, m)
+                )
+                logging.getLogger("mpspool.controller").warning(
+                    "No versions of servable %s found under base path %s. Did you forget to "
+                    "name your leaf directory as a number (eg. '/1/')? (%s; waiting, the base "
+                    "path read every %g s)",
+                    waiting[0], waiting[1], exc, poll_wait_s,
+                )  # fmt: skip
+            time.sleep(poll_wait_s)
+
+
+def _lacks_version(path: Path, policy: str, model: str) -> bool:
+    try:
+        first_version(path, policy, model)
+    except NoVersionYet:
+        return True
+    return False
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s"
@@ -651,17 +689,21 @@ def cmd_start(args: argparse.Namespace) -> int:
         base_path = args.model_base_path.resolve()
         name = args.model_name or base_path.name
     workers = _model_workers(args.model_workers, [e.name for e in entries])
-    version = first_version(base_path, policy_text)
+    wanted = [(Path(e.base_path), e.version_policy, e.name) for e in entries]
+    first = _await_first_versions(
+        [(base_path, policy_text, ""), *wanted], name, args.file_system_poll_wait_s
+    )
+    version = first[0]
     models = tuple(
         ServedModel(
             e.name,
             e.base_path,
-            first_version(Path(e.base_path), e.version_policy, e.name),
+            first[1 + i],
             e.version_policy,
             e.labels,
             workers.get(e.name, 0),
         )
-        for e in entries
+        for i, e in enumerate(entries)
     )
     if len(models) == 1 and not models[0].workers:
         models = ()  # one model: the fields of the pool's model say it all

@@ -123,9 +123,15 @@ def _policy_text(where: str, policy: object) -> str:
     return f"latest:{max(1, policy.latest.num_versions) if choice == 'latest' else 1}"
 
 
+class NoVersionYet(ConfigError):
+    """A base path with no version the policy wants (or no base path yet): TF Serving waits
+    for one at start, polling."""
+
+
 def first_version(base_path: Path, policy_text: str, model: str = "") -> int:
-    """The newest version under a base path that the policy wants: what a model serves first."""
-    from mpspool.demo_model import latest_version, versions_on_disk
+    """The newest version under a base path that the policy wants: what a model serves first.
+    NoVersionYet when there is none (yet)."""
+    from mpspool.demo_model import NoServableVersionError, latest_version, versions_on_disk
     from mpspool.supervisor.versions import VersionPolicy
 
     flag = f"model {model!r}: version policy" if model else "--version-policy"
@@ -136,11 +142,13 @@ def first_version(base_path: Path, policy_text: str, model: str = "") -> int:
     try:
         latest_version(base_path)  # says what was expected when there is no version at all
         wanted = policy.aspired(versions_on_disk(base_path), set())
-    except OSError as exc:  # not there, or not readable
+    except NoServableVersionError as exc:  # no base path, or nothing in it yet
+        raise NoVersionYet(str(exc)) from None
+    except OSError as exc:  # not readable
         raise ConfigError(str(exc)) from None
     if not wanted:
         found = ", ".join(str(v) for v in sorted(versions_on_disk(base_path)))
-        raise ConfigError(
+        raise NoVersionYet(
             f"no version in {base_path} fits {flag} {policy.describe()} (found {found})"
         )
     return max(wanted)

@@ -98,6 +98,35 @@ def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str
         pool.kill()
 
 
+def test_a_model_not_there_yet_is_waited_for_then_served(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """As TF Serving at start: a base path with no version (a sidecar still syncing the
+    model) is read every poll wait, said once in TF Serving's words, and the pool starts
+    once a version is there; it exited 2 at once before."""
+    base = tmp_path / "models"
+    base.mkdir()
+    pool = Pool(tmp_path, base, 1, "--file_system_poll_wait_seconds", "0.2")
+    try:
+        pool.start()
+        deadline = time.monotonic() + 30
+        while "No versions of servable demo found" not in pool.output():
+            assert pool.proc is not None and pool.proc.poll() is None, pool.output()
+            assert time.monotonic() < deadline, pool.output()
+            time.sleep(0.2)
+        time.sleep(1.0)  # five more reads of the base path: still waiting, said once
+        assert pool.proc is not None and pool.proc.poll() is None, pool.output()
+        assert pool.output().count("No versions of servable demo found") == 1
+        staging = tmp_path / "staging"
+        shutil.copytree(demo_model_dir / "1", staging)
+        staging.rename(base / "1")  # whole at once, as a sync tool moves a finished copy
+        pool.wait_ready(1)
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
 def test_refusals_at_start(tmp_path: Path, demo_model_dir: Path) -> None:
     started = time.monotonic()
     result = subprocess.run(
@@ -105,6 +134,9 @@ def test_refusals_at_start(tmp_path: Path, demo_model_dir: Path) -> None:
             "start",
             "--model-base-path",
             str(tmp_path / "missing"),
+            # Polling off: nothing to wait for (with it, the pool waits for the model).
+            "--file_system_poll_wait_seconds",
+            "0",
             "--run-dir",
             str(tmp_path / "r"),
         ),
