@@ -366,16 +366,29 @@ class ModelVersions:
                 self._retire(group, now, "replaced")
         elif group.state is VersionState.UNLOADING:
             workers = snap.get("workers", {})
-            busy = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
+            running = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
             # Requests of its model waiting for a worker may be pinned to it: wait for them
             # too (another model's queue is none of its business).
             by_model = snap.get("queued_by_model")
             waiting = by_model.get(self.name, 0) if by_model is not None else snap.get("queued", 0)
-            busy += int(waiting)
-            if busy and now - group.since < self.config.drain_timeout_s:
+            unloading_s = now - group.since
+            # What its workers hold is answered, however long its calls (TF Serving unloads
+            # a version once the requests holding it are done); a call past --call-timeout
+            # ends its worker anyway, so that bounds the wait. Cutting at --drain-timeout
+            # re-ran a long request from scratch on the new version, or failed one pinned to
+            # this version with UNAVAILABLE (found by a user test).
+            if running and unloading_s < self._running_calls_bound_s():
+                return
+            if waiting and unloading_s < self.config.drain_timeout_s:
                 return
             self.end_group(group, now, "retired")
             self.retired = [*self.retired, group.version][-RETIRED_SHOWN:]
+
+    def _running_calls_bound_s(self) -> float:
+        """How long an UNLOADING version waits for the requests its workers hold: each call
+        is ended by --call-timeout at the latest (none: as long as they run)."""
+        call_timeout = self.config.call_timeout_s
+        return self.config.drain_timeout_s + call_timeout if call_timeout > 0 else math.inf
 
     def _advance_loading(self, group: VersionGroup, now: float) -> None:
         if group.retry_at is not None:

@@ -1315,6 +1315,45 @@ def told(pool: Pool) -> dict[int, str]:
     return {v["version"]: v["state"] for v in pool.router.versions[-1]}
 
 
+def test_a_retired_version_waits_for_its_running_calls_past_the_drain_timeout(
+    make_pool: Callable[..., Pool],
+):
+    """A call its workers hold is answered however long it runs (bounded by --call-timeout,
+    which ends such a worker anyway); queued requests get --drain-timeout as before."""
+    pool, base = versioned_pool(make_pool, [1], drain_timeout_s=1.0, call_timeout_s=20.0)
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.router.workers["cpu-0@1"]["inflight"] = 1  # a long call on version 1
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+    pool.tick(after_s=5.0)  # past the drain timeout: still its call's
+    assert ("stopProcessGroup", "v1") not in pool.sd.calls
+    pool.router.workers["cpu-0@1"]["inflight"] = 0  # answered
+    pool.tick(after_s=0.2)
+    assert ("stopProcessGroup", "v1") in pool.sd.calls
+    assert told(pool) == {1: "END", 2: "AVAILABLE"}
+
+
+def test_a_retired_version_waits_no_longer_than_a_call_may_run(
+    make_pool: Callable[..., Pool],
+):
+    pool, base = versioned_pool(make_pool, [1], drain_timeout_s=1.0, call_timeout_s=3.0)
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.router.workers["cpu-0@1"]["inflight"] = 1  # a call that never answers
+    pool.tick()
+    pool.tick(after_s=2.0)
+    assert ("stopProcessGroup", "v1") not in pool.sd.calls
+    pool.tick(after_s=2.5)  # past drain + call timeout: ended
+    assert ("stopProcessGroup", "v1") in pool.sd.calls
+
+
 def test_every_version_folder_removed_leaves_the_last_version_serving(
     make_pool: Callable[..., Pool],
 ):
