@@ -623,7 +623,8 @@ def _await_first_versions(
     `poll_wait_s`, as TF Serving waits at start (`fail_if_no_model_versions_found` is off
     in its model server): a model synced into place after the pod starts (a sidecar, an
     init step still copying) is served once it is there. Said once per change, in TF
-    Serving's words. With polling off (0) the pool fails at once, saying why."""
+    Serving's words. With polling off (0) the pool fails at once, saying why. Nothing is
+    started meanwhile (`mpspool status` sees no pool): SIGTERM or Ctrl-C ends the wait."""
     told = ""
     while True:
         try:
@@ -642,7 +643,10 @@ def _await_first_versions(
                     "path read every %g s)",
                     waiting[0], waiting[1], exc, poll_wait_s,
                 )  # fmt: skip
-            time.sleep(poll_wait_s)
+            try:
+                time.sleep(poll_wait_s)
+            except KeyboardInterrupt:  # Ctrl-C while waiting: nothing was started
+                raise SystemExit(130) from None
 
 
 def _lacks_version(path: Path, policy: str, model: str) -> bool:
@@ -689,88 +693,111 @@ def cmd_start(args: argparse.Namespace) -> int:
         base_path = args.model_base_path.resolve()
         name = args.model_name or base_path.name
     workers = _model_workers(args.model_workers, [e.name for e in entries])
-    wanted = [(Path(e.base_path), e.version_policy, e.name) for e in entries]
-    first = _await_first_versions(
-        [(base_path, policy_text, ""), *wanted], name, args.file_system_poll_wait_s
-    )
-    version = first[0]
-    models = tuple(
-        ServedModel(
-            e.name,
-            e.base_path,
-            first[1 + i],
-            e.version_policy,
-            e.labels,
-            workers.get(e.name, 0),
-        )
-        for i, e in enumerate(entries)
-    )
-    if len(models) == 1 and not models[0].workers:
-        models = ()  # one model: the fields of the pool's model say it all
+    wanted = [
+        (base_path, policy_text, ""),
+        *[(Path(e.base_path), e.version_policy, e.name) for e in entries],
+    ]
     run_dir = args.run_dir.resolve()
-    config = PoolConfig(
-        model_name=name,
-        model_base_path=str(base_path),
-        model_version=version,
-        run_dir=str(run_dir),
-        log_dir=str(args.log_dir.resolve()),
-        workers=args.workers,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        rest_api_port=args.rest_api_port,
-        rest_api_timeout_ms=args.rest_api_timeout_in_ms,
-        rest_api_enable_cors_support=args.rest_api_enable_cors_support,
-        max_message_bytes=args.max_message_bytes,
-        serialize_as_tensor_content=args.serialize_as_tensor_content,
-        signature_method_name_check=args.signature_method_name_check,
-        tls=tls_from(args.ssl_config_file) if args.ssl_config_file else None,
-        prometheus_path=(
-            prometheus_path_from(args.monitoring_config_file) if args.monitoring_config_file else ""
-        ),
-        **_connection_fields(args),
-        max_connections=args.max_connections,
-        worker_timeout_s=args.worker_timeout,
-        call_timeout_s=args.call_timeout,
-        request_read_timeout_s=args.request_read_timeout,
-        drain_timeout_s=args.drain_timeout,
-        shutdown_delay_s=args.shutdown_delay,
-        start_retries=_start_retries(args),
-        load_retry_interval_s=args.load_retry_interval_micros / 1e6,
-        fatal_retry_s=args.fatal_retry_after,
-        **_thread_fields(args),
-        cpuset=args.cpuset,
-        share_weights=args.share_weights,
-        allow_copied_weights=args.allow_copied_weights,
-        version_policy=policy_text,
-        version_labels=labels,
-        models=models,
-        model_config_file=str(args.model_config_file.resolve()) if args.model_config_file else "",
-        model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
-        allow_version_labels_for_unavailable_models=args.labels_for_unavailable,
-        saved_model_tags=args.saved_model_tags or "serve",  # empty: TF Serving's default
-        # Absolute: the front door runs in the run directory, TF Serving from its own.
-        grpc_socket_path=os.path.abspath(args.grpc_socket_path) if args.grpc_socket_path else "",
-        file_system_poll_wait_s=args.file_system_poll_wait_s,
-        loading_priority=args.loading_priority,
-        worker_policy=args.worker_policy,
-        model_warmup=args.model_warmup,
-        warmup_iterations=args.warmup_iterations,
-        **_batching_fields(args),
-        dispatch=args.dispatch,
-        queue=args.queue,
-        aging_bound_ms=args.aging_bound_ms,
-        worker_inflight=args.worker_inflight,
-        contexts_per_gpu=args.contexts_per_gpu,
-        mps=args.mps,
-        # "split": shared by every model's contexts on a GPU.
-        active_thread_percentage=_thread_percentage(
-            args.active_thread_percentage,
-            sum(m.workers or args.contexts_per_gpu for m in models) or args.contexts_per_gpu,
-        ),
-        pinned_mem_limit_mib=args.pinned_mem_limit,
-        **gpu_fields,
-    ).validate()
+
+    def make_config(first: list[int], models_on_disk: bool = True) -> PoolConfig:
+        """The pool's configuration, checked (`PoolConfig.validate`), at each model's first
+        version."""
+        version = first[0]
+        models = tuple(
+            ServedModel(
+                e.name,
+                e.base_path,
+                first[1 + i],
+                e.version_policy,
+                e.labels,
+                workers.get(e.name, 0),
+            )
+            for i, e in enumerate(entries)
+        )
+        if len(models) == 1 and not models[0].workers:
+            models = ()  # one model: the fields of the pool's model say it all
+        return PoolConfig(
+            model_name=name,
+            model_base_path=str(base_path),
+            model_version=version,
+            run_dir=str(run_dir),
+            log_dir=str(args.log_dir.resolve()),
+            workers=args.workers,
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            rest_api_port=args.rest_api_port,
+            rest_api_timeout_ms=args.rest_api_timeout_in_ms,
+            rest_api_enable_cors_support=args.rest_api_enable_cors_support,
+            max_message_bytes=args.max_message_bytes,
+            serialize_as_tensor_content=args.serialize_as_tensor_content,
+            signature_method_name_check=args.signature_method_name_check,
+            tls=tls_from(args.ssl_config_file) if args.ssl_config_file else None,
+            prometheus_path=(
+                prometheus_path_from(args.monitoring_config_file)
+                if args.monitoring_config_file
+                else ""
+            ),
+            **_connection_fields(args),
+            max_connections=args.max_connections,
+            worker_timeout_s=args.worker_timeout,
+            call_timeout_s=args.call_timeout,
+            request_read_timeout_s=args.request_read_timeout,
+            drain_timeout_s=args.drain_timeout,
+            shutdown_delay_s=args.shutdown_delay,
+            start_retries=_start_retries(args),
+            load_retry_interval_s=args.load_retry_interval_micros / 1e6,
+            fatal_retry_s=args.fatal_retry_after,
+            **_thread_fields(args),
+            cpuset=args.cpuset,
+            share_weights=args.share_weights,
+            allow_copied_weights=args.allow_copied_weights,
+            version_policy=policy_text,
+            version_labels=labels,
+            models=models,
+            model_config_file=str(args.model_config_file.resolve())
+            if args.model_config_file
+            else "",
+            model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,
+            allow_version_labels_for_unavailable_models=args.labels_for_unavailable,
+            saved_model_tags=args.saved_model_tags or "serve",  # empty: TF Serving's default
+            # Absolute: the front door runs in the run directory, TF Serving from its own.
+            grpc_socket_path=os.path.abspath(args.grpc_socket_path)
+            if args.grpc_socket_path
+            else "",
+            file_system_poll_wait_s=args.file_system_poll_wait_s,
+            loading_priority=args.loading_priority,
+            worker_policy=args.worker_policy,
+            model_warmup=args.model_warmup,
+            warmup_iterations=args.warmup_iterations,
+            **_batching_fields(args),
+            dispatch=args.dispatch,
+            queue=args.queue,
+            aging_bound_ms=args.aging_bound_ms,
+            worker_inflight=args.worker_inflight,
+            contexts_per_gpu=args.contexts_per_gpu,
+            mps=args.mps,
+            # "split": shared by every model's contexts on a GPU.
+            active_thread_percentage=_thread_percentage(
+                args.active_thread_percentage,
+                sum(m.workers or args.contexts_per_gpu for m in models) or args.contexts_per_gpu,
+            ),
+            pinned_mem_limit_mib=args.pinned_mem_limit,
+            **gpu_fields,
+        ).validate(models_on_disk)
+
+    try:
+        first = [first_version(path, policy, model) for path, policy, model in wanted]
+    except NoVersionYet:
+        if args.file_system_poll_wait_s <= 0:
+            raise
+        # Whatever can be refused is refused before the wait, not once the model is there:
+        # the flags (at a stand-in version), and a run directory another pool holds.
+        make_config([0] * len(wanted), models_on_disk=False)
+        if rundir.controller_alive(rundir.read_controller(run_dir)):
+            rundir.prepare(run_dir)  # raises PoolRunning, saying so
+        first = _await_first_versions(wanted, name, args.file_system_poll_wait_s)
+    config = make_config(first)
     if selected_gpus and not config.mps:
         _check_without_mps(config, selected_gpus)
     if config.loading_priority != "normal" and not process.can_restore_priority():

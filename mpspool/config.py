@@ -634,12 +634,14 @@ class PoolConfig:
             return self.intra_op_threads
         return self.placement().worker_threads(self.slots.index(slot))
 
-    def validate(self) -> PoolConfig:
+    def validate(self, models_on_disk: bool = True) -> PoolConfig:
+        """Self, checked. ``models_on_disk``: False checks everything but the models' version
+        folders (a start that waits for its model checks its flags first)."""
         # Length first: its message shows a long name cut, this one whole.
         check_model_name_length(self.model_name)
         if not self.model_name or "/" in self.model_name:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
-        self._validate_models()
+        self._validate_models(models_on_disk)
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
         if self.grpc_socket_path:
@@ -790,7 +792,7 @@ class PoolConfig:
                 f"got {self.request_read_timeout_s}"
             )
         model_pb = Path(self.model_path) / "saved_model.pb"
-        if not model_pb.is_file():
+        if models_on_disk and not model_pb.is_file():
             raise ConfigError(f"no SavedModel at {self.model_path}: expected {model_pb}")
         # ipc:// paths are unix socket paths: at most 107 bytes on Linux.
         longest = len(str(Path(self.run_dir) / "supervisord.sock"))
@@ -800,7 +802,7 @@ class PoolConfig:
             )
         return self
 
-    def _validate_models(self) -> None:
+    def _validate_models(self, models_on_disk: bool = True) -> None:
         """A pool of several models: each named once, with a name safe in process and file
         names, the first being the pool's model; each one's own settings valid."""
         if not self.models:
@@ -824,7 +826,7 @@ class PoolConfig:
             if model.workers < 0:
                 raise ConfigError(f"model {model.name!r}: workers must be >= 0")
             if model is not first:
-                self.for_model(model.name)._validate_model()
+                self.for_model(model.name)._validate_model(models_on_disk)
 
     def validate_added(self, name: str) -> None:
         """A model added while the pool serves: a name safe in process and file names, a
@@ -850,7 +852,7 @@ class PoolConfig:
             )
         self.for_model(name)._validate_model()
 
-    def _validate_model(self) -> None:
+    def _validate_model(self, models_on_disk: bool = True) -> None:
         """The settings each model has of its own."""
         from mpspool.supervisor.versions import VersionPolicy
 
@@ -863,7 +865,7 @@ class PoolConfig:
         if bad:
             raise ConfigError(f"{where}: version labels need a name and a version >= 0: {bad}")
         model_pb = Path(self.model_path) / "saved_model.pb"
-        if not model_pb.is_file():
+        if models_on_disk and not model_pb.is_file():
             raise ConfigError(f"{where}: no SavedModel at {self.model_path}: expected {model_pb}")
         self.placement()
 

@@ -365,6 +365,10 @@ class ModelVersions:
             elif group.version not in self.aspired and replaced:
                 self._retire(group, now, "replaced")
         elif group.state is VersionState.UNLOADING:
+            if not snap:
+                # The front door did not answer this tick (busy copying a large request, or
+                # restarting): what its workers hold is unknown, not none. Judged next tick.
+                return
             workers = snap.get("workers", {})
             running = sum(int(workers.get(k, {}).get("inflight", 0)) for k in group.slots)
             # Requests of its model waiting for a worker may be pinned to it: wait for them
@@ -477,11 +481,11 @@ class ModelVersions:
         """A version waiting to be tried again: dropped when its folder went or the policy
         no longer wants it (TF Serving cancels the retries of a version no longer aspired),
         else tried again once its interval has passed."""
+        if group.version in self.aspired and now < retry_at:
+            return  # the base path's poll notices a folder removed meanwhile
         if group.version not in self.aspired or not self._still_on_disk(group.version):
             self._failed_when_asked.discard(group.version)
             self.end_group(group, now, "no longer on disk or wanted: not tried again")
-            return
-        if now < retry_at:
             return
         group.retry_at = None
         log.info(

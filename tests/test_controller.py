@@ -1331,6 +1331,11 @@ def test_a_retired_version_waits_for_its_running_calls_past_the_drain_timeout(
     assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
     pool.tick(after_s=5.0)  # past the drain timeout: still its call's
     assert ("stopProcessGroup", "v1") not in pool.sd.calls
+    pool.router.answering = False  # a front door too busy to answer is not one with no calls
+    pool.tick(after_s=0.2)
+    pool.tick(after_s=0.2)
+    assert ("stopProcessGroup", "v1") not in pool.sd.calls
+    pool.router.answering = True
     pool.router.workers["cpu-0@1"]["inflight"] = 0  # answered
     pool.tick(after_s=0.2)
     assert ("stopProcessGroup", "v1") in pool.sd.calls

@@ -125,6 +125,16 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
         assert pool.leftovers() == []
     finally:
         pool.kill()
+    # A flag the pool refuses is refused at once, not after the wait.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = subprocess.run(
+        mpspool_cmd("start", "--model-base-path", str(empty), "--worker-inflight", "-1",
+                    "--run-dir", str(tmp_path / "r2")),
+        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "--worker-inflight and --split-rows must be >= 0" in refused.stderr
 
 
 def test_refusals_at_start(tmp_path: Path, demo_model_dir: Path) -> None:

@@ -307,8 +307,11 @@ class Dealer:
         self._read_available()
         if self._messages:
             return True
-        if self.spin_s > 0 and self._spin(min(self.spin_s, timeout_ms / 1000)):
-            return True
+        if self.spin_s > 0:
+            spun_s = min(self.spin_s, timeout_ms / 1000)
+            if self._spin(spun_s):
+                return True
+            timeout_ms = max(0, timeout_ms - int(spun_s * 1000))  # the wait is the rest
         if self._sock is None or not self._wait(self._sock, timeout_ms / 1000):
             return False
         self._read_available()

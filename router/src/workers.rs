@@ -19,6 +19,8 @@ use crate::versions::Servable;
 /// (`WorkerTable::expire`): a third of the slowest copy measured, so a 1 GiB request adds
 /// about 11 s to the liveness window and a 64 KiB one 0.6 ms.
 const IN_FLIGHT_GRACE_BYTES_PER_S: f64 = 100e6;
+/// The most a request's size widens the window (a 2 GiB request would take 21 s).
+const MAX_IN_FLIGHT_GRACE: Duration = Duration::from_secs(30);
 
 pub struct WorkerHandle<P> {
     pub slot: String,
@@ -144,20 +146,23 @@ impl<P> WorkerTable<P> {
         )
     }
 
-    /// Declare dead every worker silent for longer than the liveness window, widened by
-    /// `IN_FLIGHT_GRACE` for the bytes (`bytes_of`) of the requests it holds: TensorFlow copies
-    /// a request's inputs into its tensors holding Python's GIL, so a worker given a 1 GiB
-    /// input beats from no thread for seconds (1.6-3.3 s per GiB on the 2-core machine) and
-    /// would be declared dead, killed, and its request retried on the next worker, to the same
-    /// end.
+    /// Declare dead every worker silent for longer than the liveness window, widened for the
+    /// largest request it holds (`bytes_of`, at `IN_FLIGHT_GRACE_BYTES_PER_S`, at most
+    /// `MAX_IN_FLIGHT_GRACE`): TensorFlow copies a request's inputs into its tensors holding
+    /// Python's GIL, so a worker given a 1 GiB input beats from no thread for seconds
+    /// (1.6-3.3 s per GiB on the 2-core machine) and would be declared dead, killed, and its
+    /// request retried on the next worker, to the same end. The largest, not the sum: a worker
+    /// copies one request at a time and beats between them, and a sum would let a hung worker
+    /// that keeps being sent requests stay alive.
     pub fn expire(&mut self, now: Instant, bytes_of: impl Fn(&P) -> u64) -> Vec<Departure<P>> {
         let silent: Vec<(Vec<u8>, Duration)> = self
             .by_identity
             .values()
             .filter_map(|h| {
                 let quiet = now.saturating_duration_since(h.last_seen);
-                let bytes: u64 = h.inflight.values().map(&bytes_of).sum();
-                let grace = Duration::from_secs_f64(bytes as f64 / IN_FLIGHT_GRACE_BYTES_PER_S);
+                let largest = h.inflight.values().map(&bytes_of).max().unwrap_or(0);
+                let grace = Duration::from_secs_f64(largest as f64 / IN_FLIGHT_GRACE_BYTES_PER_S)
+                    .min(MAX_IN_FLIGHT_GRACE);
                 (quiet > self.timeout + grace).then(|| (h.identity.clone(), quiet))
             })
             .collect();
@@ -510,15 +515,34 @@ mod tests {
         join(&mut t, "cpu-0", 101, now);
         join(&mut t, "cpu-1", 102, now);
         send(&mut t, "cpu-0", 101, 1); // request 1: a GB of inputs, 10 s at 100 MB/s
-        send(&mut t, "cpu-1", 102, 2); // request 2: 64 KiB
-        let bytes_of = |request: &u32| if *request == 1 { 1_000_000_000 } else { 65_536 };
-        let gone = t.expire(now + TIMEOUT + Duration::from_secs(5), bytes_of);
+        send(&mut t, "cpu-1", 102, 2); // requests 2, 3, 4: 200 MB each, 2 s
+        send(&mut t, "cpu-1", 102, 3);
+        send(&mut t, "cpu-1", 102, 4);
+        let bytes_of = |request: &u32| {
+            if *request == 1 {
+                1_000_000_000
+            } else {
+                200_000_000
+            }
+        };
+        // The largest request counts, not the sum: requests sent to a hung worker do not
+        // keep it alive.
+        let gone = t.expire(now + TIMEOUT + Duration::from_millis(2100), bytes_of);
         assert_eq!(gone.iter().map(|d| d.pid).collect::<Vec<_>>(), [102]);
         assert!(t
             .expire(now + TIMEOUT + Duration::from_secs(9), bytes_of)
             .is_empty());
         let gone = t.expire(now + TIMEOUT + Duration::from_secs(11), bytes_of);
         assert_eq!(gone.iter().map(|d| d.pid).collect::<Vec<_>>(), [101]);
+
+        // However large the request, at most MAX_IN_FLIGHT_GRACE.
+        join(&mut t, "cpu-2", 103, now);
+        send(&mut t, "cpu-2", 103, 5);
+        let huge = |_: &u32| u64::MAX;
+        let later = now + TIMEOUT + MAX_IN_FLIGHT_GRACE;
+        assert!(t.expire(later, huge).is_empty());
+        let gone = t.expire(later + Duration::from_millis(100), huge);
+        assert_eq!(gone.iter().map(|d| d.pid).collect::<Vec<_>>(), [103]);
     }
 
     #[test]
