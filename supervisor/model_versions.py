@@ -281,6 +281,12 @@ class ModelVersions:
                 # still waiting on other versions, asks for one that does: there, not nowhere.
                 labels[label] = asked
                 continue
+            if before.get(label) == version:
+                # Its version served and was retired since (a policy that left it out): the
+                # label stays, as TF Serving keeps its label map, and its requests get
+                # NOT_FOUND for that version rather than "Unrecognized servable version label".
+                labels[label] = version
+                continue
             if label in before and (allowed or before[label] in available):
                 # Where it was told last: a version that serves, or with the flag one ahead
                 # (moving a label in use waits for its new version in either case).

@@ -1620,6 +1620,39 @@ def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
     assert status["version_policy"] == "specific:1,2"
 
 
+def test_a_label_whose_version_is_retired_stays_as_in_tf_serving(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """The config file's policy leaves out the version a label names: the version retires,
+    the label stays (TF Serving keeps its label map: requests by it get NOT_FOUND for that
+    version, not "Unrecognized servable version label")."""
+    config_file = tmp_path / "models.config"
+    pool = make_pool(
+        share_weights=False,
+        start_retries=0,
+        version_policy="specific:1",
+        version_labels={"stable": 1},
+        model_config_file=str(config_file),
+        model_config_file_poll_wait_s=1.0,
+    )
+    base = Path(pool.controller.config.model_base_path)
+    for version in (1, 2):
+        (base / str(version)).mkdir(parents=True)
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+    write_model_config(config_file, base, "specific { versions: 1 }", {"stable": 1})
+    pool.start()
+    pool.make_ready("cpu-0")
+    assert pool.router.labels[-1] == {"stable": 1}
+    write_model_config(config_file, base, "specific { versions: 2 }", {"stable": 1})
+    pool.tick(after_s=1.0)  # the file read again: version 2 loads, then 1 retires
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "END", 2: "AVAILABLE"}
+    assert pool.router.labels[-1] == {"stable": 1}
+
+
 def reload_request(base: Path, versions: list[int], labels: dict[str, int], name="demo") -> bytes:
     from mpspool.protos import server_config_pb2
 
