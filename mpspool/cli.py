@@ -627,34 +627,28 @@ def _await_first_versions(
     started meanwhile (`mpspool status` sees no pool): SIGTERM or Ctrl-C ends the wait."""
     told = ""
     while True:
-        try:
-            return [first_version(path, policy, model) for path, policy, model in models]
-        except NoVersionYet as exc:
-            if poll_wait_s <= 0:
-                raise
-            if str(exc) != told:
-                told = str(exc)
-                waiting = next(
-                    (m or pool_model, p) for p, pol, m in models if _lacks_version(p, pol, m)
-                )
-                logging.getLogger("mpspool.controller").warning(
-                    "No versions of servable %s found under base path %s. Did you forget to "
-                    "name your leaf directory as a number (eg. '/1/')? (%s; waiting, the base "
-                    "path read every %g s)",
-                    waiting[0], waiting[1], exc, poll_wait_s,
-                )  # fmt: skip
+        first: list[int] = []
+        for path, policy, model in models:
             try:
-                time.sleep(poll_wait_s)
-            except KeyboardInterrupt:  # Ctrl-C while waiting: nothing was started
-                raise SystemExit(130) from None
-
-
-def _lacks_version(path: Path, policy: str, model: str) -> bool:
-    try:
-        first_version(path, policy, model)
-    except NoVersionYet:
-        return True
-    return False
+                first.append(first_version(path, policy, model))
+            except NoVersionYet as exc:
+                if poll_wait_s <= 0:
+                    raise
+                if str(exc) != told:
+                    told = str(exc)
+                    logging.getLogger("mpspool.controller").warning(
+                        "No versions of servable %s found under base path %s. Did you forget "
+                        "to name your leaf directory as a number (eg. '/1/')? (%s; waiting, the "
+                        "base path read every %g s)",
+                        model or pool_model, path, exc, poll_wait_s,
+                    )  # fmt: skip
+                break
+        else:
+            return first
+        try:
+            time.sleep(poll_wait_s)
+        except KeyboardInterrupt:  # Ctrl-C while waiting: nothing was started
+            raise SystemExit(130) from None
 
 
 def cmd_start(args: argparse.Namespace) -> int:

@@ -1580,17 +1580,17 @@ def write_model_config(path: Path, base: Path, policy: str, labels: dict[str, in
     path.write_text(text + "} }")
 
 
-def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
-    make_pool: Callable[..., Pool], tmp_path: Path
-):
-    """A label reaches the front door once its version is AVAILABLE; moved by the config file
-    to a version still loading, it stays on the old one until the new one serves."""
+def labelled_pool(
+    make_pool: Callable[..., Pool], tmp_path: Path, labels: dict[str, int]
+) -> tuple[Pool, Path, Path]:
+    """A pool started from a model config file (read every second) serving version 1 of
+    versions 1 and 2 on disk, with ``labels``: (pool, base path, config file)."""
     config_file = tmp_path / "models.config"
     pool = make_pool(
         share_weights=False,
         start_retries=0,
         version_policy="specific:1",
-        version_labels={"stable": 1, "canary": 2},
+        version_labels=labels,
         model_config_file=str(config_file),
         model_config_file_poll_wait_s=1.0,
     )
@@ -1598,8 +1598,17 @@ def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
     for version in (1, 2):
         (base / str(version)).mkdir(parents=True)
         (base / str(version) / "saved_model.pb").write_bytes(b"")
-    write_model_config(config_file, base, "specific { versions: 1 }", {"stable": 1, "canary": 2})
+    write_model_config(config_file, base, "specific { versions: 1 }", labels)
     pool.start()
+    return pool, base, config_file
+
+
+def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """A label reaches the front door once its version is AVAILABLE; moved by the config file
+    to a version still loading, it stays on the old one until the new one serves."""
+    pool, base, config_file = labelled_pool(make_pool, tmp_path, {"stable": 1, "canary": 2})
     pool.make_ready("cpu-0")
     assert pool.router.labels[-1] == {"stable": 1}, "canary waits for version 2"
 
@@ -1626,21 +1635,7 @@ def test_a_label_whose_version_is_retired_stays_as_in_tf_serving(
     """The config file's policy leaves out the version a label names: the version retires,
     the label stays (TF Serving keeps its label map: requests by it get NOT_FOUND for that
     version, not "Unrecognized servable version label")."""
-    config_file = tmp_path / "models.config"
-    pool = make_pool(
-        share_weights=False,
-        start_retries=0,
-        version_policy="specific:1",
-        version_labels={"stable": 1},
-        model_config_file=str(config_file),
-        model_config_file_poll_wait_s=1.0,
-    )
-    base = Path(pool.controller.config.model_base_path)
-    for version in (1, 2):
-        (base / str(version)).mkdir(parents=True)
-        (base / str(version) / "saved_model.pb").write_bytes(b"")
-    write_model_config(config_file, base, "specific { versions: 1 }", {"stable": 1})
-    pool.start()
+    pool, base, config_file = labelled_pool(make_pool, tmp_path, {"stable": 1})
     pool.make_ready("cpu-0")
     assert pool.router.labels[-1] == {"stable": 1}
     write_model_config(config_file, base, "specific { versions: 2 }", {"stable": 1})
@@ -1789,21 +1784,7 @@ def test_a_config_file_changed_while_a_reload_waits_is_not_undone_by_it(
     make_pool: Callable[..., Pool], tmp_path: Path
 ):
     """As TF Serving applies the two one after the other: the file's labels, newer, stay."""
-    config_file = tmp_path / "models.config"
-    pool = make_pool(
-        share_weights=False,
-        start_retries=0,
-        version_policy="specific:1",
-        version_labels={"stable": 1},
-        model_config_file=str(config_file),
-        model_config_file_poll_wait_s=1.0,
-    )
-    base = Path(pool.controller.config.model_base_path)
-    for version in (1, 2):
-        (base / str(version)).mkdir(parents=True)
-        (base / str(version) / "saved_model.pb").write_bytes(b"")
-    write_model_config(config_file, base, "specific { versions: 1 }", {"stable": 1})
-    pool.start()
+    pool, base, config_file = labelled_pool(make_pool, tmp_path, {"stable": 1})
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
     pool.router.reload_requests[7] = reload_request(base, [1, 2], {"stable": 2})
