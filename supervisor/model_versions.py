@@ -30,7 +30,8 @@ from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionStat
 
 log = logging.getLogger("mpspool.controller")
 
-# Retired versions listed (END) in status and GetModelStatus, newest last.
+# Versions listed END in status and GetModelStatus once they are gone (retired, or failed and
+# their folder removed); TF Serving keeps them all, this keeps the last few.
 RETIRED_SHOWN = 5
 # How often the pool's start looks for the first publisher's claim on its segment.
 CLAIM_POLL_S = 0.005
@@ -86,7 +87,9 @@ class ModelVersions:
         # HandleReloadConfigRequests now waiting were asked: those do not hold them up
         # (`failed_before_reload`).
         self._failed_when_asked: set[int] = set()
-        self.retired: list[int] = []  # versions retired, newest last
+        # Versions that ended and are gone → why they failed ("" for retired), oldest first:
+        # still listed END, as TF Serving's state monitor keeps every version it ended.
+        self.retired: dict[int, str] = {}
         self.on_disk: set[int] = set()  # the versions under the base path, as last read
         self.next_poll = 0.0
         self._poll_error = ""  # the last failure to read the base path, said once
@@ -312,7 +315,8 @@ class ModelVersions:
         self._poll_error = ""
         self.on_disk = on_disk
         for version in [v for v in self.failed if v not in on_disk]:
-            del self.failed[version]  # gone: if it comes back, it is tried again
+            # Gone: if it comes back, it is tried again; meanwhile it stays END with its error.
+            self._remember_ended(version, self.failed.pop(version))
             self._failed_when_asked.discard(version)
         self.aspired = self.policy.aspired(on_disk, set(self.failed))
         for version in sorted(self.aspired - set(self.groups)):
@@ -392,7 +396,7 @@ class ModelVersions:
             if waiting and unloading_s < self.config.drain_timeout_s:
                 return
             self.end_group(group, now, "retired")
-            self.retired = [*self.retired, group.version][-RETIRED_SHOWN:]
+            self._remember_ended(group.version, "")
 
     def _running_calls_bound_s(self) -> float:
         """How long an UNLOADING version waits for the requests its workers hold: each call
@@ -492,6 +496,9 @@ class ModelVersions:
         if group.version not in self.aspired or not self._still_on_disk(group.version):
             self._failed_when_asked.discard(group.version)
             self.end_group(group, now, "no longer on disk or wanted: not tried again")
+            # END with its last error, as TF Serving's loader ends a version whose retries
+            # it cancels.
+            self._remember_ended(group.version, group.last_error)
             return
         group.retry_at = None
         log.info(
@@ -533,12 +540,19 @@ class ModelVersions:
             self.pool.sync_supervisord()
         group.unlink_segment()
 
+    def _remember_ended(self, version: int, error: str) -> None:
+        """List ``version`` END from now on (the last RETIRED_SHOWN such versions)."""
+        self.retired.pop(version, None)  # a version that came back and ended again: newest
+        self.retired[version] = error
+        for old in list(self.retired)[:-RETIRED_SHOWN]:
+            del self.retired[old]
+
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on
         disk, the last retired ones (END)."""
         rows: dict[int, dict[str, Any]] = {}
-        for version in self.retired:
-            rows[version] = {"version": version, "state": VersionState.END.value, "error": ""}
+        for version, why in self.retired.items():
+            rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
         for version, why in self.failed.items():
             rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
         for group in self.groups.values():

@@ -1897,9 +1897,12 @@ def test_a_version_that_cannot_load_never_serves_and_is_not_retried(
     pool.tick(after_s=5.0)
     assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "not retried"
     assert pool.controller.phase is PoolPhase.SERVING
-    # Removed and copied in again: tried again.
+    # Removed: still listed END with its error, as TF Serving's state monitor keeps it.
     (base / "2" / "saved_model.pb").unlink()
     pool.tick(after_s=1.0)
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+    assert status_row(pool, 2)["error"] == "cannot load model demo: bad graph"
+    # Copied in again: tried again.
     (base / "2" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     assert told(pool)[2] == "LOADING"
@@ -1976,7 +1979,7 @@ def test_a_version_that_keeps_failing_ends_after_its_retries(
     assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "ended: not tried again"
 
 
-def test_a_version_whose_folder_goes_while_it_waits_is_dropped_not_tried_again(
+def test_a_version_whose_folder_goes_while_it_waits_ends_and_is_not_tried_again(
     make_pool: Callable[..., Pool],
 ):
     pool, base = versioned_pool(make_pool, [1, 2], start_retries=3, load_retry_interval_s=5.0)
@@ -1986,7 +1989,8 @@ def test_a_version_whose_folder_goes_while_it_waits_is_dropped_not_tried_again(
     starts = len(pool.sd.rpc_calls("startProcessGroup"))
     shutil.rmtree(base / "2")
     pool.tick(after_s=1.0)
-    assert told(pool) == {1: "AVAILABLE"}, "dropped, not END with an error"
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}, "ended with its last error"
+    assert status_row(pool, 2)["error"] == "cannot load model demo: no variables"
     pool.tick(after_s=10.0)
     assert len(pool.sd.rpc_calls("startProcessGroup")) == starts
     assert ("removeProcessGroup", "v2") in pool.sd.calls
@@ -2006,7 +2010,7 @@ def test_a_version_removed_just_before_its_retry_is_not_tried(make_pool: Callabl
     shutil.rmtree(base / "2")
     pool.tick(after_s=5.0)
     assert len(pool.sd.rpc_calls("startProcessGroup")) == starts
-    assert told(pool) == {1: "AVAILABLE"}
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
 
 
 def test_a_publisher_that_fails_is_tried_again_and_the_version_serves(
