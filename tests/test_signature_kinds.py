@@ -5,7 +5,9 @@
   they load there; here they failed the warm-up, and the pool gave up (its first model could
   not start);
 - one that takes no inputs (a vocabulary): TF Serving's Predict runs it with none; here it was
-  "not found" while GetModelMetadata listed it.
+  "not found" while GetModelMetadata listed it;
+- one whose outputs are scalars, a string among them: TensorFlow gives a scalar string as
+  bytes, not an array, and the worker's warm-up failed on it (the pool did not start).
 
 Served by a real 1-worker pool and called with the official client, curl and requests."""
 
@@ -56,6 +58,16 @@ class _Model(tf.Module):
     def words(self) -> dict[str, tf.Tensor]:
         return {"words": self.vocabulary, "size": tf.size(self.vocabulary)}
 
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([], tf.string, name="prefix"),
+            tf.TensorSpec([], tf.int64, name="id"),
+        ]
+    )
+    def named(self, prefix: tf.Tensor, id: tf.Tensor) -> dict[str, tf.Tensor]:
+        word = tf.strings.join([prefix, tf.gather(self.vocabulary, id)])
+        return {"word": word, "length": tf.strings.length(word), "known": id < 3}
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -65,6 +77,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "serving_default": module.positive.get_concrete_function(),
         "triples": module.triples.get_concrete_function(),
         "words": module.words.get_concrete_function(),
+        "named": module.named.get_concrete_function(),
     }
     tf.saved_model.save(module, str(base / "1"), signatures=signatures)
     return base
@@ -162,6 +175,7 @@ def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> Non
         "serving_default",
         "triples",
         "words",
+        "named",
         "__saved_model_init_op",
     }
     assert not listed.signature_def["words"].inputs
@@ -198,3 +212,19 @@ def test_rest_refuses_a_signature_without_inputs_and_names_dtypes_as_tf_serving(
     assert init["dtype"] == "DT_INVALID"
     assert defs["words"]["inputs"] == {}
     assert defs["words"]["outputs"]["words"]["dtype"] == "DT_STRING"
+
+
+def test_scalar_outputs_a_string_among_them_are_served(stub, pool: Pool) -> None:
+    inputs = {"prefix": np.array(b"very "), "id": np.array(2, np.int64)}
+    got = _predict(stub, "named", inputs)
+    assert {name: (value.shape, value.tolist()) for name, value in got.items()} == {
+        "word": ((), b"very high"),
+        "length": ((), 9),
+        "known": ((), True),
+    }
+    assert _predict(stub, "named", inputs, "word")["word"].tolist() == b"very high"
+    body = {"signature_name": "named", "inputs": {"prefix": "so ", "id": 0}}
+    answer = requests.post(f"{pool.rest_url}/v1/models/demo:predict", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"outputs": {"word": "so low", "length": 6, "known": True}}
+    assert pool.slot("cpu-0")["restarts"] == 0

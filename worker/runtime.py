@@ -395,11 +395,11 @@ class SavedModelRuntime:
             session = self._sessions[signature]
             if session is not None and cancel is None:
                 answer = session(inputs)
-                return {alias: answer[alias] for alias in outputs}
+                return {alias: _array(answer[alias]) for alias in outputs}
             direct = self._direct[signature]
             if direct is not None:
                 answer = direct(inputs, cancel)
-                return {alias: answer[alias].numpy() for alias in outputs}
+                return {alias: _array(answer[alias].numpy()) for alias in outputs}
             function = self._functions[signature]
             order = self._flat_orders[signature]
             # TensorFlow's own calls read the manager from this context (Context.call_function).
@@ -416,7 +416,7 @@ class SavedModelRuntime:
                     )
                 else:
                     result = function(**inputs)
-            return {alias: result[alias].numpy() for alias in outputs}
+            return {alias: _array(result[alias].numpy()) for alias in outputs}
         except self._op_error as exc:
             raise ServingError(exc.error_code, _op_error_message(exc.message)) from exc
         except ServingError:
@@ -588,6 +588,15 @@ class SavedModelRuntime:
             yield
         finally:
             self._sessions[key], self._direct[key], self._flat_orders[key] = fast
+
+
+def _array(value: Any) -> Any:
+    """An output as an array: TensorFlow gives a scalar string as ``bytes`` (``numpy()`` and a
+    session's fetch alike), which has no dtype or shape; a 0-d object array holds it as every
+    string output is held. Other scalars come as numpy scalars, which have both."""
+    if type(value) is bytes:
+        return np.array(value, dtype=object)
+    return value
 
 
 def _same_answers(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> bool:
