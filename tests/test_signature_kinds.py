@@ -7,7 +7,10 @@
 - one that takes no inputs (a vocabulary): TF Serving's Predict runs it with none; here it was
   "not found" while GetModelMetadata listed it;
 - one whose outputs are scalars, a string among them: TensorFlow gives a scalar string as
-  bytes, not an array, and the worker's warm-up failed on it (the pool did not start).
+  bytes, not an array, and the worker's warm-up failed on it (the pool did not start);
+- one that takes a SparseTensor (its components as three inputs, as TF Serving takes them):
+  zeros are an index into a dense shape of [0, 0], which its kernel answers with INTERNAL,
+  and the warm-up failed the load.
 
 Served by a real 1-worker pool and called with the official client, curl and requests."""
 
@@ -68,6 +71,10 @@ class _Model(tf.Module):
         word = tf.strings.join([prefix, tf.gather(self.vocabulary, id)])
         return {"word": word, "length": tf.strings.length(word), "known": id < 3}
 
+    @tf.function(input_signature=[tf.SparseTensorSpec([None, 4], tf.float32)])
+    def sparse(self, s: tf.SparseTensor) -> dict[str, tf.Tensor]:
+        return {"sums": tf.sparse.reduce_sum(s, axis=1)}
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -78,6 +85,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "triples": module.triples.get_concrete_function(),
         "words": module.words.get_concrete_function(),
         "named": module.named.get_concrete_function(),
+        "sparse": module.sparse.get_concrete_function(),
     }
     tf.saved_model.save(module, str(base / "1"), signatures=signatures)
     return base
@@ -176,6 +184,7 @@ def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> Non
         "triples",
         "words",
         "named",
+        "sparse",
         "__saved_model_init_op",
     }
     assert not listed.signature_def["words"].inputs
@@ -227,4 +236,16 @@ def test_scalar_outputs_a_string_among_them_are_served(stub, pool: Pool) -> None
     answer = requests.post(f"{pool.rest_url}/v1/models/demo:predict", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"outputs": {"word": "so low", "length": 6, "known": True}}
+    assert pool.slot("cpu-0")["restarts"] == 0
+
+
+def test_a_sparse_tensor_input_is_served_by_its_components(stub, pool: Pool) -> None:
+    components = {
+        "s": np.array([[0, 1], [1, 3], [1, 0]], np.int64),  # indices
+        "s_1": np.array([1.5, 2.0, 0.25], np.float32),  # values
+        "s_2": np.array([2, 4], np.int64),  # dense shape
+    }
+    np.testing.assert_array_equal(_predict(stub, "sparse", components)["sums"], [1.5, 2.25])
+    log = (pool.log_dir / "worker-cpu-0-v1.log").read_text()
+    assert "warm-up of signature 'sparse' skipped: it refused a zero example (INTERNAL" in log
     assert pool.slot("cpu-0")["restarts"] == 0

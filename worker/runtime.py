@@ -474,7 +474,7 @@ class SavedModelRuntime:
             try:
                 got = self.run(key, inputs, list(spec.outputs))
             except ServingError as exc:
-                if exc.code not in _REFUSALS_OF_DATA:
+                if exc.code not in _REFUSALS_OF_DATA and not self._runs_empty(key, spec):
                     raise ModelLoadError(
                         f"warm-up of model {self.model_name!r} version {self.version}, "
                         f"signature {key!r} failed: {exc.code.name}: {exc.message}"
@@ -516,6 +516,23 @@ class SavedModelRuntime:
                         eager,
                     )
                     self._direct[key] = self._flat_orders[key] = None
+
+    def _runs_empty(self, key: str, spec: SignatureSpec) -> bool:
+        """Whether ``key`` runs on an empty example (its unknown dimensions 0), after the
+        one-row zeros failed with a code that is no refusal of data. Some kernels answer
+        nonsense data with INTERNAL: a SparseTensor input's components as zeros are an
+        index 0 into a dense shape of [0, 0] ("Obtained a write index of 0 which is outside
+        of bounds of [0, 0)"). A signature that runs empty can run, and TF Serving, which runs
+        none at load, serves it: its first request pays the set-up, as for a refusal."""
+        if not any(info.shape and min(info.shape) < 0 for info in spec.inputs.values()):
+            return False  # no unknown dimension: the same example again
+        empty = {a: _zeros(i.dtype, i.shape, unknown=0) for a, i in spec.inputs.items()}
+        with self._keywords_only(key):
+            try:
+                self.run(key, empty, list(spec.outputs))
+            except ServingError:
+                return False
+        return True
 
     def _run_unchecked(
         self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str], cancel: Any
@@ -721,8 +738,10 @@ def _flat_order(function: Any, spec: SignatureSpec) -> list[str] | None:
 _REFUSALS_OF_DATA = frozenset({Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.FAILED_PRECONDITION})
 
 
-def _zeros(dt: int, shape: tuple[int, ...] | None) -> np.ndarray:
-    dims = () if shape is None else tuple(1 if d < 0 else d for d in shape)
+def _zeros(dt: int, shape: tuple[int, ...] | None, unknown: int = 1) -> np.ndarray:
+    """A zero example of ``shape``, its unknown dimensions ``unknown`` long (an unknown rank:
+    a scalar)."""
+    dims = () if shape is None else tuple(unknown if d < 0 else d for d in shape)
     if dt == dtypes.DT_STRING:
         return np.full(dims, b"", dtype=object)
     return np.zeros(dims, dtype=dtypes.numpy_dtype(dt))
