@@ -822,7 +822,9 @@ def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
     try:
         status = pool.wait_ready(1)
         (slot,) = status["slots"]
-        assert slot["weights"]["copied"] == {"calls:0": 8}, slot
+        # With copies allowed a signature that writes a variable is not run at warm-up (its
+        # first request is the first write, as in TF Serving): the copy comes with it.
+        assert slot["weights"]["copied"] == {}, slot
         assert list(slot["weights"]["at_risk"]) == ["calls:0"], slot
         import tensorflow as tf
         from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
@@ -833,9 +835,61 @@ def test_allow_copied_weights_serves_and_shows_the_copy(tmp_path: Path) -> None:
         request.inputs["ids"].CopyFrom(tf.make_tensor_proto(inputs["ids"]))
         got = tf.make_ndarray(stub.Predict(request, timeout=30).outputs["out"])
         np.testing.assert_array_equal(got, _table(11)[[1]])
+        pool.wait_for(
+            lambda s: s["slots"][0]["weights"]["copied"] == {"calls:0": 8},
+            what="the copy its first request made shown",
+        )
         # The operator sees it as a metric too.
         metrics = urllib.request.urlopen(status["pool"]["metrics"], timeout=10).read().decode()
         assert 'mpspool_worker_copied_weight_bytes{slot="cpu-0@1"} 8' in metrics, metrics
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+def test_with_shared_weights_state_that_is_no_shared_variable_is_not_run_at_warm_up(
+    tmp_path: Path, segment_path: Path
+) -> None:
+    """A seeded stateful random op keeps its own sequence, which no copy of the weights
+    shows: its first request gets plain TensorFlow's first draw, as in TF Serving (before,
+    warm-up and its fast-call check drew first with shared weights). A counter on a variable
+    is run at warm-up as before when copies are refused (its copy refuses the load), and not
+    when they are allowed (its first 2-row request answers 2, not 4)."""
+    tf = _tf()
+
+    class Stateful(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(12))
+            self.seen = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def noisy(self, ids):
+            rows = tf.gather(self.table, ids)
+            return {"out": rows + tf.random.uniform(tf.shape(rows), seed=42)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def count(self, ids):
+            self.seen.assign_add(tf.shape(ids, out_type=tf.int64)[0])
+            return {"seen": self.seen.read_value()}
+
+    module = Stateful()
+    signatures = {SIG: module.noisy.get_concrete_function(), "count": module.count}
+    tf.saved_model.save(module, str(tmp_path / "1"), signatures=signatures)
+    ids = {"ids": np.array([3, 4], np.int64)}
+    first = tf.saved_model.load(str(tmp_path / "1")).signatures[SIG](**ids)["out"].numpy()
+    publish(tmp_path / "1", "s", 1, segment_path, os.getpid(), 0.0)
+
+    def load(copies_allowed: bool) -> Any:
+        runtime = load_saved_model(
+            str(tmp_path / "1"), "s", 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
+        )
+        runtime.warm_up(copies_allowed=copies_allowed)
+        return runtime
+
+    runtime = load(copies_allowed=False)
+    np.testing.assert_array_equal(runtime.run(SIG, ids, ["out"])["out"], first)
+    assert runtime.call_paths[SIG] == "keywords"
+    # The counter ran at warm-up: its copy (8 bytes) is what refuses the load.
+    assert list(runtime.weights_report()["copied"].values()) == [8]
+    runtime = load(copies_allowed=True)
+    assert runtime.run("count", ids, ["seen"])["seen"] == 2

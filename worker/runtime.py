@@ -65,7 +65,7 @@ class ModelRuntime(Protocol):
         stopped at all."""
         ...
 
-    def warm_up(self) -> None:
+    def warm_up(self, copies_allowed: bool = False) -> None:
         """Run every signature once so that the first real request is not the slow one."""
         ...
 
@@ -438,7 +438,7 @@ class SavedModelRuntime:
                 f"version {self.version} failed: {type(exc).__name__}: {_first_line(exc)}",
             ) from exc
 
-    def warm_up(self) -> None:
+    def warm_up(self, copies_allowed: bool = False) -> None:
         """Run each signature on a batch of one zero example (unknown dimensions become 1).
 
         The first call of a function pays for graph optimisation and kernel set-up; paying
@@ -451,14 +451,17 @@ class SavedModelRuntime:
         code (out of memory, an internal or device error) still fails the load, so a version
         that can run nothing never takes traffic. A signature without inputs is not run: it
         may exist for its side effects (a reset, a counter), and TF Serving would not run it.
+        ``copies_allowed``: --allow-copied-weights (see below).
         """
         for key, spec in self.specs.items():
             if not spec.inputs:
                 continue
-            # With shared weights such a signature is run as before: a write to a shared
-            # variable copies it into this worker, and that copy refuses the load unless
-            # --allow-copied-weights (N workers would hold N diverging copies of the state).
-            writes = "" if self.shared is not None else writes_state(self._functions[key])
+            # With shared weights one that writes a variable is run as before: the write
+            # copies the shared variable into this worker, and that copy refuses the load
+            # unless --allow-copied-weights (``copies_allowed``: N workers would hold N
+            # diverging copies of the state). Other state (a random op's sequence) is its own.
+            refused_copy = self.shared is not None and not copies_allowed
+            writes = writes_state(self._functions[key], variables=not refused_copy)
             if writes:
                 # Runs it needs none of: not at warm-up, and no second run to check a fast
                 # call against (worker/stateful.py).

@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),
             tags=config.saved_model_tags.split(","),
         )
-        runtime.warm_up()
+        runtime.warm_up(copies_allowed=config.allow_copied_weights)
         if config.model_warmup:
             _replay_warmup(runtime, config, version)
         # A recorded request's check of its fast call, before the weights are looked at: a

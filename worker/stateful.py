@@ -7,19 +7,32 @@ one on the same inputs (worker/runtime.py); both are extra runs that TF Serving 
 For a signature that writes a variable, a table or a generator's state, they would change
 what its clients see (a counter answering 4 to its first 2-row request where TF Serving
 answers 2; a seeded generator's first draw), so such a signature is not run at warm-up and
-is served through the public call, unchecked. Without shared weights only: with them, a
-write to a shared variable is refused at warm-up as a copy (worker/shared_weights.py).
+is served through the public call, unchecked. With shared weights and copies not allowed,
+a signature that writes a variable is run at warm-up as before: the write copies the shared
+variable into the worker, and that copy refuses the load (worker/shared_weights.py); state
+that is no variable (a stateful random op's own sequence, a table) is left alone as without
+shared weights.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Ops that write a variable, a lookup table or a random generator's state (tf.random.Generator's
-# RngReadAndSkip and Stateful* draws; the older stateful draws, Random*, advance their op's
-# own sequence). Stateless random ops (StatelessRandom*) and StatefulPartitionedCall (a call,
-# looked into through the library) are not writes.
-_WRITES_PREFIXES = (
+# Ops that write state that is no variable: a lookup table, or a stateful random op's own
+# sequence (Random*, ...). Stateless random ops (StatelessRandom*) write nothing.
+_OP_STATE_PREFIXES = (
+    "LookupTableInsert",
+    "LookupTableRemove",
+    "LookupTableImport",
+    "Random",  # RandomUniform, RandomStandardNormal, RandomShuffle, RandomGamma, ...
+    "TruncatedNormal",
+    "ParameterizedTruncatedNormal",
+    "Multinomial",
+)
+# Ops that write a variable (tf.random.Generator's state is one: RngReadAndSkip and the
+# Stateful* draws). StatefulPartitionedCall (a call, looked into through the library) is not
+# a write.
+_VARIABLE_WRITES_PREFIXES = (
     "Assign",  # AssignVariableOp, AssignAddVariableOp, AssignSubVariableOp, ref Assign*
     "ResourceScatter",
     "ResourceApply",
@@ -28,36 +41,32 @@ _WRITES_PREFIXES = (
     "StridedSliceAssign",
     "ResourceCountUpTo",
     "CountUpTo",
-    "LookupTableInsert",
-    "LookupTableRemove",
-    "LookupTableImport",
     "RngReadAndSkip",
     "RngSkip",
     "StatefulUniform",
     "StatefulStandardNormal",
     "StatefulTruncatedNormal",
     "StatefulRandomBinomial",
-    "Random",  # RandomUniform, RandomStandardNormal, RandomShuffle, RandomGamma, ...
-    "TruncatedNormal",
-    "ParameterizedTruncatedNormal",
-    "Multinomial",
 )
 # The ref-variable scatters; ScatterNd and TensorScatter* make new tensors and write nothing.
 _SCATTERS = ("Update", "Add", "Sub", "Mul", "Div", "Min", "Max", "NdUpdate", "NdAdd", "NdSub")
 _WRITES = frozenset(f"Scatter{kind}" for kind in (*_SCATTERS, "NdMin", "NdMax"))
 
 
-def writes_state(function: Any) -> str:
-    """The first op of ``function``'s graph, or of a function it calls, that writes a
-    variable or a table (its type and node name), or "" when it writes none. A function
-    TensorFlow cannot describe counts as writing nothing (its runs are checked as before)."""
+def writes_state(function: Any, variables: bool = True) -> str:
+    """The first op of ``function``'s graph, or of a function it calls, that writes state
+    (its type and node name), or "" when it writes none; with ``variables`` False, only
+    state that is no variable counts. A function TensorFlow cannot describe counts as
+    writing nothing (its runs are checked as before)."""
     try:
         graph_def = function.graph.as_graph_def()
     except Exception:  # any failure to describe it: nothing known
         return ""
+    prefixes = _OP_STATE_PREFIXES + (_VARIABLE_WRITES_PREFIXES if variables else ())
+    exact = _WRITES if variables else frozenset()
     scopes = [list(graph_def.node)] + [list(f.node_def) for f in graph_def.library.function]
     for nodes in scopes:
         for node in nodes:
-            if node.op in _WRITES or node.op.startswith(_WRITES_PREFIXES):
+            if node.op in exact or node.op.startswith(prefixes):
                 return f"{node.op} (node {node.name!r})"
     return ""
