@@ -446,9 +446,19 @@ def test_a_gather_on_a_variable_stays_shared(
     path = segments.new("gather")
     manifest = _publish(gather_model_dir, path)
     sizes = {t.key.split("/")[0]: t.nbytes for t in manifest.tensors}
+    # What a killed worker left (its process ended) is removed; a live one's copy is not.
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    left = tmp_path / f"model-{ended.pid}-abc" / "1"
+    live = tmp_path / "model-1-def" / "1"
+    for copy in (left, live):
+        copy.mkdir(parents=True)
+        (copy / "saved_model.pb").write_bytes(b"x")
     shared = load_saved_model(
         str(gather_model_dir), "m", 1, weights_segment=str(path), work_dir=str(tmp_path)
     )
+    assert not left.parent.exists() and live.exists()
+    live.parent.rename(tmp_path / "live-copy")
     assert shared.weights_report()["copied"] == {}
 
     shared.warm_up()
@@ -457,7 +467,7 @@ def test_a_gather_on_a_variable_stays_shared(
     assert report["copied"] == {}
     assert report["shared_bytes"] == sizes["item_embedding"] + sizes["offset"]
     # The rewritten copy lives in the work dir, linking to the original's files.
-    (rewritten,) = tmp_path.glob("model-*/1")
+    (rewritten,) = tmp_path.glob(f"model-{os.getpid()}-*/1")
     assert (rewritten / "variables").is_symlink()
     ids = {"ids": np.array([9, 0, 3, 3], np.int64)}
     got = _run(shared, ids)

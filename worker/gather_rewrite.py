@@ -37,6 +37,8 @@ SAVED_MODEL_PB = "saved_model.pb"
 # The fingerprint describes the original saved_model.pb; the rewritten one has none.
 _NOT_LINKED = {SAVED_MODEL_PB, "fingerprint.pb", "saved_model.pbtxt"}
 DT_INT32 = 3
+# A private copy's directory: "model-<pid of its worker>-<random>".
+_PRIVATE_PREFIX = "model-"
 
 
 @dataclass
@@ -73,7 +75,9 @@ def rewrite_saved_model(model_dir: Path, work_dir: Path) -> Rewritten | None:
     if not gathers:
         return None
     work_dir.mkdir(parents=True, exist_ok=True)
-    private = Path(tempfile.mkdtemp(prefix="model-", dir=work_dir))  # 0700
+    remove_copies_of_ended_processes(work_dir)
+    # 0700; the pid in its name says whose it is.
+    private = Path(tempfile.mkdtemp(prefix=f"{_PRIVATE_PREFIX}{os.getpid()}-", dir=work_dir))
     target = private / model_dir.name
     try:
         target.mkdir()
@@ -85,6 +89,33 @@ def rewrite_saved_model(model_dir: Path, work_dir: Path) -> Rewritten | None:
         shutil.rmtree(private, ignore_errors=True)
         raise
     return Rewritten(target, gathers)
+
+
+def remove_copies_of_ended_processes(work_dir: Path) -> list[Path]:
+    """Remove the copies in ``work_dir`` whose process has ended; the ones removed.
+
+    A worker removes its own copy when it exits normally (atexit), but not when it is killed
+    (a hang, an MPS fault, the OOM killer): each such death left one copy until the pool
+    stopped, in a run directory that a pod keeps in a size-limited emptyDir (deploy/k8s),
+    whose kubelet evicts the pod once it is full. A worker started in a dead one's place
+    removes what the dead left before making its own."""
+    removed = []
+    for entry in work_dir.glob(f"{_PRIVATE_PREFIX}*-*"):
+        pid = entry.name[len(_PRIVATE_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
 
 
 def rewrite_nodes(nodes: Any, in_function: bool) -> int:
