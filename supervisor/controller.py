@@ -936,8 +936,18 @@ class Controller:
         front door killed from outside has answered (it serves), however often it is killed."""
         pid = int(info.get("pid") or 0)
         if pid and pid != self._router_pid:
-            if self._router_pid and not self._router_answered:
-                self._router_silent_deaths += 1
+            if self._router_pid:
+                # Said here too: the controller's log is the one `kubectl logs` shows, and
+                # supervisord's own line about it is in its log file only.
+                ended = self.supervisord.exit_description(ROUTER_PROGRAM) or "ended"
+                log.warning(
+                    "front door pid %d %s; pid %d started in its place",
+                    self._router_pid,
+                    ended,
+                    pid,
+                )
+                if not self._router_answered:
+                    self._router_silent_deaths += 1
             self._router_pid, self._router_answered = pid, False
         if answered:
             self._router_answered = True

@@ -1013,13 +1013,20 @@ def test_a_router_on_its_way_back_is_no_pool_failure(pool: Pool, exitstatus: int
     assert pool.controller.phase is not PoolPhase.DRAINING
 
 
-def test_a_front_door_killed_again_and_again_is_no_pool_failure(pool: Pool):
-    """Each incarnation answers before it is killed: outside kills, not a crash loop."""
+def test_a_front_door_killed_again_and_again_is_no_pool_failure(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+):
+    """Each incarnation answers before it is killed: outside kills, not a crash loop. Each
+    restart is said in the controller's log (the one `kubectl logs` shows)."""
     pool.start()
+    pool.sd.exits[ROUTER_PROGRAM] = "terminated by SIGKILL"
     for pid in range(11, 41):
         pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=pid)
         pool.tick()
     assert pool.controller.phase is not PoolPhase.DRAINING
+    said = [r.getMessage() for r in caplog.records if "front door pid" in r.getMessage()]
+    assert said[-1] == "front door pid 39 terminated by SIGKILL; pid 40 started in its place"
+    assert len(said) >= 29
 
 
 def test_a_front_door_that_keeps_dying_before_it_answers_fails_the_pool(pool: Pool):
