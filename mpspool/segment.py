@@ -15,11 +15,16 @@ DLPack buffer is adopted as it is and aborts the process at the first kernel, so
 AttachedSegment refuses one. The data section starts on a page boundary.
 
 The manifest names the owner (the controller's pid and start time) so that a segment left
-by a pool that died can be recognised and removed by the next one. Segments are mode 0600.
+by a pool that died can be recognised and removed by the next one. A pid says nothing across
+PID namespaces (containers sharing /dev/shm, a container restarted in its pod), so a segment
+in use is also held: a shared flock, taken by its publisher while it writes and by its pool's
+controller while it serves (`hold`), which ends with the process however it dies. Segments
+are mode 0600.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -156,12 +161,15 @@ class SegmentWriter:
         self.total = manifest.data_offset + manifest.data_bytes
         check_space(self.total, path.parent)
         self._tmp = path.with_name(path.name + ".partial")
-        fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while it is written (see the module's doc)
             os.ftruncate(fd, max(self.total, 1))
             self._map = mmap.mmap(fd, max(self.total, 1))
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._held = fd
         raw = manifest.to_json()
         _HEADER.pack_into(self._map, 0, MAGIC, len(raw))
         self._map[_HEADER.size : _HEADER.size + len(raw)] = raw
@@ -180,6 +188,7 @@ class SegmentWriter:
         self._map.flush()
         self._map.close()
         os.rename(self._tmp, self.path)
+        os.close(self._held)  # the controller holds it from now on (`hold`)
         return self.path
 
     def abort(self) -> None:
@@ -188,6 +197,34 @@ class SegmentWriter:
         except (BufferError, ValueError):
             pass
         self._tmp.unlink(missing_ok=True)
+        os.close(self._held)
+
+
+def hold(path: Path) -> int:
+    """A shared lock on the segment at ``path`` for as long as the returned descriptor is
+    open (close it to let go): `remove_stale` leaves a held segment alone."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def held(path: Path) -> bool:
+    """Whether any process holds ``path`` (`hold`, or its publisher writing it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the exclusive lock, if it was taken
+    return False
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -248,7 +285,9 @@ def owner_alive(manifest: Manifest) -> bool:
 
 
 def remove_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Unlink this user's segments whose owning pool is gone (killed, crashed)."""
+    """Unlink this user's segments whose owning pool is gone (killed, crashed): its owner's
+    pid names no live process of its start time here, and no process holds it (an owner in
+    another PID namespace, whose pid means nothing here, still does)."""
     removed = []
     uid = os.getuid()
     for path in shm_dir.glob(f"{PREFIX}*"):
@@ -263,6 +302,7 @@ def remove_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
             stale = not owner_alive(read_manifest(path))
         except SegmentError:
             stale = True
+        stale = stale and not held(path)
         if stale:
             try:
                 path.unlink()

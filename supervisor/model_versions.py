@@ -161,7 +161,11 @@ class ModelVersions:
         group.publisher = None
         if code != 0:
             return f"publishing the weights failed: {self._publish_failure(group.version, code)}"
-        size = Path(group.segment).stat().st_size
+        try:
+            group.hold_segment()
+            size = Path(group.segment).stat().st_size
+        except OSError as exc:  # removed by hand (or by a cleaner) as it was published
+            return f"publishing the weights failed: the segment is gone: {exc}"
         log.info(
             "weights of %s published to %s (%.1f MiB) in %.1f s",
             group.label,

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpspool import segment as weight_segment
 from mpspool.supervisor.slots import Slot, group_name
 
 log = logging.getLogger("mpspool.controller")
@@ -120,6 +122,8 @@ class VersionGroup:
     failed_tries: int = 0
     retry_at: float | None = None
     last_error: str = ""
+    # The controller's hold on its published segment (mpspool/segment.py, `hold`), if any.
+    segment_hold: int | None = None
 
     @property
     def group(self) -> str:
@@ -142,9 +146,18 @@ class VersionGroup:
             self.publisher.wait()
             self.publisher = None
 
+    def hold_segment(self) -> None:
+        """Hold its published segment while the pool runs, so that another pool's start
+        never takes it for one left by a dead pool (segment.remove_stale)."""
+        if self.segment and self.segment_hold is None:
+            self.segment_hold = weight_segment.hold(Path(self.segment))
+
     def unlink_segment(self) -> None:
         """Its weight segment (and a half-written one) leaves /dev/shm; the memory goes back
         with the last process that maps it."""
+        if self.segment_hold is not None:
+            os.close(self.segment_hold)
+            self.segment_hold = None
         if self.segment:
             Path(self.segment).unlink(missing_ok=True)
             Path(self.segment + ".partial").unlink(missing_ok=True)

@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from mpspool import cpusets, process
+from mpspool import segment as segment_module
 from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import controller as controller_module
@@ -1556,6 +1557,11 @@ def test_the_first_versions_workers_start_beside_its_publisher(
     assert told(pool) == {1: "AVAILABLE"}
     assert pool.controller.phase is PoolPhase.SERVING
     assert pool.sd.rpc_calls("startProcessGroup") == [("startProcessGroup", "v1")], "once"
+    # Held while it serves: another pool's start (in another PID namespace, where this
+    # controller's pid means nothing) does not take it for one a dead pool left.
+    assert segment_module.held(Path(group.segment))
+    group.unlink_segment()
+    assert group.segment_hold is None and not Path(group.segment).exists()
 
 
 def test_a_first_publisher_failing_after_its_workers_started_fails_the_pool(

@@ -525,7 +525,9 @@ def _tiny_segment(path: Path, owner_pid: int, owner_started: float, commit: bool
     writer.view("w")[...] = 1.0
     if commit:
         return writer.commit()
-    writer._map.close()  # leave the ".partial" behind, as a publisher killed mid-write would
+    # Leave the ".partial" behind, as a publisher killed mid-write would: its lock goes too.
+    writer._map.close()
+    os.close(writer._held)
     return _partial(path)
 
 
@@ -544,13 +546,23 @@ def test_remove_stale_removes_only_what_a_dead_owner_left(shm_subdir: Path) -> N
     empty.touch()
     unrelated = shm_subdir / "someone-else"
     unrelated.write_bytes(b"")
+    # A pool in another PID namespace (containers sharing /dev/shm): its owner's pid names
+    # nothing here, but its controller holds the segment, and its publisher one it writes.
+    foreign = _tiny_segment(shm_subdir / "mpspool-test-foreign", child.pid, time.time())
+    foreign_hold = segment.hold(foreign)
+    manifest = segment.plan("m", 1, child.pid, time.time(), [("w", dtypes.DT_FLOAT, (4,))])
+    writing = segment.SegmentWriter(shm_subdir / "mpspool-test-foreign-half", manifest)
 
     removed = segment.remove_stale(shm_subdir)
 
     assert sorted(removed) == sorted([dead, dead_partial, garbage, empty])
     assert sorted(p.name for p in shm_subdir.iterdir()) == sorted(
-        [mine.name, mine_partial.name, unrelated.name]
+        [mine.name, mine_partial.name, unrelated.name, foreign.name, writing._tmp.name]
     )
+    # Let go (the controller stopped; the publisher was killed): stale from then on.
+    os.close(foreign_hold)
+    writing.abort()
+    assert segment.remove_stale(shm_subdir) == [foreign]
 
 
 def _waiting_for(path: Path) -> threading.Thread:
