@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -573,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop the pool gracefully and wait for it")
     _add_run_dir(stop)
     stop.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)"
+        "--timeout", type=_seconds, default=60.0, help="seconds to wait (default %(default)s)"
     )
 
     timeline = sub.add_parser(
@@ -602,16 +603,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {
+        code = {
             "start": cmd_start,
             "status": cmd_status,
             "stop": cmd_stop,
             "timeline": cmd_timeline,
             "demo-model": cmd_demo_model,
         }[args.command](args)
+        # Flushed here, not at exit: a reader gone (`mpspool status | head -1`) is then
+        # met below, not in the interpreter's own flush, which cannot be caught.
+        sys.stdout.flush()
+        return code
     except ConfigError as exc:
         print(f"mpspool: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if args.command not in ("status", "timeline"):
+            raise  # a pool's own pipe that broke is no reader gone: said as it is
+        # Whoever read stdout stopped reading: exit quietly, as Python's docs advise (note
+        # on SIGPIPE): what is still buffered goes to devnull, so the flush at exit does not
+        # fail again, and the exit status is 1, Python's own on EPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 # -- start ------------------------------------------------------------------------
@@ -788,12 +802,20 @@ def cmd_start(args: argparse.Namespace) -> int:
         # Whatever can be refused is refused before the wait, not once the model is there:
         # the flags (at a stand-in version), and a run directory another pool holds.
         make_config([0] * len(wanted), models_on_disk=False)
+        _make_log_dir(args.log_dir.resolve())
         if rundir.controller_alive(rundir.read_controller(run_dir)):
             rundir.prepare(run_dir)  # raises PoolRunning, saying so
         first = _await_first_versions(wanted, name, args.file_system_poll_wait_s)
     config = make_config(first)
     if selected_gpus and not config.mps:
         _check_without_mps(config, selected_gpus)
+    # The directories after every other check (a start refused by a flag makes neither),
+    # and before the note below, so that a refusal is its one line.
+    _make_log_dir(Path(config.log_dir))
+    try:
+        created = rundir.prepare(run_dir)
+    except OSError as exc:  # it cannot be made there, or read: a flag's error, not a crash
+        raise _dir_error("--run-dir", run_dir, exc) from None
     if config.loading_priority != "normal" and not process.can_restore_priority():
         # A worker that loaded idle would serve idle for good.
         print(
@@ -802,7 +824,6 @@ def cmd_start(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         config = dataclasses.replace(config, loading_priority="normal")
-    created = rundir.prepare(run_dir)
     config.save(run_dir)
     import psutil
 
@@ -820,6 +841,26 @@ def cmd_start(args: argparse.Namespace) -> int:
             flush=True,
         )
     return Controller(config, created).run()
+
+
+def _make_log_dir(log_dir: Path) -> None:
+    """--log-dir made as the controller makes it (its supervisord writes there first; private:
+    TensorFlow's errors in the logs can quote request values; one that exists keeps its mode),
+    and checked writable: a directory that cannot hold the logs is refused before anything
+    starts, not met by the controller with a pool half up."""
+    try:
+        log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _dir_error("--log-dir", log_dir, exc) from None
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {log_dir}: {os.strerror(errno.EACCES)}")
+
+
+def _dir_error(flag: str, path: Path, exc: OSError) -> ConfigError:
+    """One line for a directory flag the OS refuses: the flag, the path and the OS's words
+    (and the file they are about, when it is another: one inside it, or a parent)."""
+    about = f" ({exc.filename})" if exc.filename and Path(exc.filename) != path else ""
+    return ConfigError(f"{flag} {path}: {exc.strerror}{about}")
 
 
 def _model_workers(given: list[str], models: list[str]) -> dict[str, int]:
@@ -976,6 +1017,17 @@ def _thread_fields(args: argparse.Namespace) -> dict[str, int]:
     if intra == 0 and inter == 0:
         intra = inter = session
     return {"intra_op_threads": intra, "inter_op_threads": inter or 1}
+
+
+def _seconds(text: str) -> float:
+    """A flag's seconds: a number >= 0 (a negative wait would end before it began)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return seconds
 
 
 def _flag_value(text: str) -> bool:

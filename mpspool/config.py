@@ -777,6 +777,14 @@ class PoolConfig:
             raise ConfigError(
                 f"--rest-api-port {self.rest_api_port} is also the gRPC or the metrics port"
             )
+        # Refused here: the front door cannot bind a port outside 1..65535 and would serve
+        # no metrics, saying nothing.
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"--metrics-port must be in 0..65535 or -1 (off), got {self.metrics_port}"
+            )
+        if self.metrics_port > 0 and self.metrics_port == self.port:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is also the gRPC port (--port)")
         if self.worker_timeout_s <= 0.5:
             raise ConfigError(
                 "--worker-timeout must exceed the 0.5 s heartbeat interval, "
@@ -791,6 +799,14 @@ class PoolConfig:
                 "--request-read-timeout must be >= 0 (0: wait for ever), "
                 f"got {self.request_read_timeout_s}"
             )
+        for flag, seconds in (
+            ("--drain-timeout", self.drain_timeout_s),
+            ("--shutdown-delay", self.shutdown_delay_s),
+        ):
+            # The front door refuses what no Duration holds (negative, NaN, infinite or past
+            # 2**64 s) only once the workers run: refused here, before anything starts.
+            if not 0 <= seconds < 2**64:
+                raise ConfigError(f"{flag} must be seconds >= 0, got {seconds}")
         model_pb = Path(self.model_path) / "saved_model.pb"
         if models_on_disk and not model_pb.is_file():
             raise ConfigError(f"no SavedModel at {self.model_path}: expected {model_pb}")

@@ -179,8 +179,9 @@ class ModelVersions:
         """The one-shot child that publishes a version's weights (it needs TensorFlow, which
         the controller never loads); its output goes to `_publish_log_path`."""
         path = self._publish_log_path(version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as out:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Private, as every log of the pool (supervisor/supervisord.py: its umask).
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             return subprocess.Popen(
                 # Reading and checksumming a checkpoint leaves the cores to the workers that
                 # serve (one-shot: it never needs its priority back).

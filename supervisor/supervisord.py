@@ -183,9 +183,12 @@ class Supervisord:
         conf = self.run_dir / CONF_FILE
         conf.write_text(config_text)
         os.chmod(conf, 0o600)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Private: TensorFlow's errors in the logs can quote request values. A log dir that
+        # exists already keeps its mode (it may be a volume's root, or shared).
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         err_path = self.log_dir / "supervisord.stderr"
-        with open(err_path, "wb") as err_file:
+        err_fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(err_fd, "wb") as err_file:
             self.proc = self._spawn(conf, err_file)
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
@@ -225,6 +228,9 @@ class Supervisord:
             # one session (bench/RESULTS.md, reloading).
             process_group=0,
             preexec_fn=process.die_with_parent_sigterm,
+            # supervisord applies its config's umask only when it daemonizes, which it does
+            # not here (nodaemon): without this its logs and its programs' were 0644.
+            umask=0o077,
         )
 
     def update(self, config_text: str) -> tuple[list[str], list[str], list[str]]:

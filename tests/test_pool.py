@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -286,6 +287,18 @@ def test_an_error_echoing_a_huge_name_still_reaches_the_client_with_its_code(stu
     request.model_spec.name = "m" * 20_000
     details = expect_error(stub, request, grpc.StatusCode.NOT_FOUND, "Servable not found")
     assert details.endswith("more bytes)") and len(details) <= 4096, details[-80:]
+
+
+def test_logs_are_readable_by_their_owner_only(pool: Pool) -> None:
+    """TensorFlow's errors can quote request values. supervisord applies its config's umask
+    only when it daemonizes, and the pool runs it in the foreground: its logs and every
+    program's were 0644 in a 0755 directory (found by an operator test)."""
+    assert stat.S_IMODE(pool.log_dir.stat().st_mode) == 0o700
+    logs = list(pool.log_dir.iterdir())
+    assert {p.name for p in logs} >= {"supervisord.log", "router.log", "worker-cpu-0-v1.log"}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) & 0o077 for p in logs} == dict.fromkeys(
+        (p.name for p in logs), 0
+    )
 
 
 def test_workers_serve_without_loading_matplotlib(pool: Pool) -> None:

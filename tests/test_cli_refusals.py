@@ -1,0 +1,200 @@
+"""Flags `mpspool` must refuse before anything starts (exit 2, one line naming the flag),
+and a reader of its output that goes away early (`mpspool status | head -1`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mpspool.config import PoolConfig
+
+from poolproc import mpspool_cmd
+
+# Only a safety net: a refusal answers at once; without it the pool would start and serve.
+REFUSAL_WAIT_S = 60
+
+
+def run_start(tmp_path: Path, model: Path, run_dir: Path, *flags: str) -> tuple[int, str]:
+    """`mpspool start` of one worker with `flags` appended (the last value of a flag wins);
+    its exit status and stderr, once no process it started is left."""
+    log_dir = tmp_path / "logs"
+    args = [
+        "start", "--model-base-path", str(model), "--workers", "1",
+        "--port", "0", "--rest-api-port", "0", "--metrics-port", "0",
+        "--run-dir", str(run_dir), "--log-dir", str(log_dir), *flags,
+    ]  # fmt: skip
+    # cwd outside the repository (its supervisor/ folder would shadow supervisord's), and a
+    # process group of its own, to take everything along should the refusal not come.
+    proc = subprocess.Popen(
+        mpspool_cmd(*args),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        _, err = proc.communicate(timeout=REFUSAL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the controller's processes follow it
+        proc.communicate()
+        raise AssertionError(f"`mpspool start {' '.join(flags)}` was not refused") from None
+    # Nothing left running: not in its process group, nor any process naming its directories.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    mine = (str(run_dir), str(log_dir))
+    left = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"] and any(d in " ".join(p.info["cmdline"]) for d in mine)
+    ]
+    assert left == []
+    return proc.returncode, err
+
+
+def assert_one_line(err: str, *parts: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("mpspool: "), err
+    for part in parts:
+        assert part in lines[0], err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--drain-timeout", "-5"], "--drain-timeout must be seconds >= 0, got -5.0"),
+        (["--shutdown-delay", "-1"], "--shutdown-delay must be seconds >= 0, got -1.0"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be seconds >= 0, got nan"),
+        (["--metrics-port", "99999"], "--metrics-port must be in 0..65535 or -1 (off), got 99999"),
+        (["--metrics-port", "-5"], "--metrics-port must be in 0..65535 or -1 (off), got -5"),
+        (
+            ["--port", "18701", "--metrics-port", "18701"],
+            "--metrics-port 18701 is also the gRPC port (--port)",
+        ),
+        (
+            # Refused before these fixes too (the REST port's own check): kept as a guard.
+            ["--rest-api-port", "18702", "--metrics-port", "18702"],
+            "--rest-api-port 18702 is also the gRPC or the metrics port",
+        ),
+    ],
+    ids=["drain", "delay", "drain-nan", "metrics-high", "metrics-neg", "metrics-grpc",
+         "metrics-rest"],
+)  # fmt: skip
+def test_bad_flag_is_refused_before_anything_starts(
+    tmp_path: Path, demo_model_dir: Path, flags: list[str], message: str
+) -> None:
+    run_dir = tmp_path / "run"
+    code, err = run_start(tmp_path, demo_model_dir, run_dir, *flags)
+    assert code == 2, err
+    assert assert_one_line(err) == f"mpspool: {message}"
+    # Refused by validation: neither directory was made.
+    assert not run_dir.exists()
+    assert not (tmp_path / "logs").exists()
+
+
+def test_run_dir_that_cannot_be_made_is_refused(tmp_path: Path, demo_model_dir: Path) -> None:
+    code, err = run_start(tmp_path, demo_model_dir, Path("/proc/x"))
+    assert code == 2, err
+    assert_one_line(err, "--run-dir /proc/x: ")
+
+
+@pytest.mark.parametrize("kind", ["cannot-be-made", "a-file"])
+def test_log_dir_that_cannot_be_made_is_refused(
+    tmp_path: Path, demo_model_dir: Path, kind: str
+) -> None:
+    if kind == "a-file":
+        log_dir = tmp_path / "a-file"
+        log_dir.write_text("not a directory\n")
+    else:
+        log_dir = Path("/proc/x")
+    run_dir = tmp_path / "run"
+    code, err = run_start(tmp_path, demo_model_dir, run_dir, "--log-dir", str(log_dir))
+    assert code == 2, err
+    assert_one_line(err, f"--log-dir {log_dir}: ")
+    assert not run_dir.exists()  # checked before the run directory is made
+
+
+@pytest.mark.parametrize("metrics_port", [-1, 0, 1, 65535])
+def test_metrics_ports_still_accepted(
+    tmp_path: Path, demo_model_dir: Path, metrics_port: int
+) -> None:
+    """The range check leaves what the field allows: -1 (off), 0 (a free port), 1..65535;
+    and 0 beside a gRPC port of 0 (both pick a free one)."""
+    PoolConfig(
+        model_name="demo",
+        model_base_path=str(demo_model_dir),
+        model_version=1,
+        run_dir=str(tmp_path / "run"),
+        log_dir=str(tmp_path / "logs"),
+        workers=1,
+        port=0,
+        rest_api_port=-1,
+        metrics_port=metrics_port,
+        drain_timeout_s=0.0,
+        shutdown_delay_s=0.0,
+    ).validate()
+
+
+def test_stop_refuses_a_negative_timeout(tmp_path: Path) -> None:
+    result = subprocess.run(
+        mpspool_cmd("stop", "--run-dir", str(tmp_path / "run"), "--timeout", "-5"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    # argparse's refusal: its usage, then the one line that says what is wrong.
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "mpspool stop: error: argument --timeout: expected seconds >= 0, got '-5'"
+
+
+# A pool's answers, as `_ask_pool` returns them: enough for `status` to print its table.
+STATUS = {
+    "pool": {"pool_id": "p", "pid": 1, "phase": "SERVING", "model": "demo", "version": 1,
+             "listen": "127.0.0.1:1", "uptime_s": 1},
+    "versions": [{"version": 1, "state": "AVAILABLE", "error": ""}],
+    "slots": [{"slot": f"cpu-{i}", "version": 1, "state": "READY", "pid": 1, "uptime_s": 1.0,
+               "restarts": 0, "inflight": 0, "served": 0, "reason": ""} for i in range(3)],
+}  # fmt: skip
+TIMELINE = {"now_us": 1, "spans": [["cpu-0", 1, 2]] * 3, "dropped": 0}
+
+
+@pytest.mark.parametrize("command, answer", [("status", STATUS), ("timeline", TIMELINE)])
+def test_a_reader_that_went_away_ends_it_quietly(
+    tmp_path: Path, command: str, answer: dict
+) -> None:
+    """`mpspool status | head -1`: the command's real `main` and printing, with the pool's
+    answer given in place of a pool's, into a pipe whose reader is closed before it starts
+    (so every write meets EPIPE, whatever the timing): exit 1, nothing on stderr."""
+    code = (
+        "import sys\n"
+        "from mpspool import cli\n"
+        f"cli._ask_pool = lambda *args, **kwargs: {answer!r}\n"
+        f"raise SystemExit(cli.main([{command!r}, '--run-dir', {str(tmp_path)!r}]))\n"
+    )
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert result.stderr == ""
+    assert result.returncode == 1
