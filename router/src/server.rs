@@ -558,10 +558,19 @@ pub enum Peer {
 }
 
 impl Peer {
-    /// Whether a request came from this host; false when its peer is not known.
+    /// Whether a request came from this host; false when its peer is not known. Loopback
+    /// means 127.0.0.1 and ::1 only, not all of 127/8: a mesh's sidecar hands the pod its
+    /// inbound traffic from other loopback addresses (Istio's 127.0.0.6), so every remote
+    /// client would pass for a local one.
     pub fn is_local(extensions: &tonic::Extensions) -> bool {
         extensions.get::<Peer>().is_some_and(|peer| match peer {
-            Peer::Tcp(address) => address.ip().is_loopback(),
+            Peer::Tcp(address) => match address.ip() {
+                std::net::IpAddr::V4(ip) => ip == std::net::Ipv4Addr::LOCALHOST,
+                std::net::IpAddr::V6(ip) => {
+                    ip == std::net::Ipv6Addr::LOCALHOST
+                        || ip.to_ipv4_mapped() == Some(std::net::Ipv4Addr::LOCALHOST)
+                }
+            },
             Peer::Unix => true,
         })
     }
@@ -928,6 +937,11 @@ mod tests {
         };
         assert!(tagged("127.0.0.1:5000"));
         assert!(tagged("[::1]:5000"));
+        assert!(tagged("[::ffff:127.0.0.1]:5000"));
+        assert!(
+            !tagged("127.0.0.6:5000"),
+            "Istio's sidecar forwards remote clients from 127.0.0.6"
+        );
         assert!(!tagged("10.1.2.3:5000"));
         assert!(!tagged("[2001:db8::1]:5000"));
         assert!(!Peer::is_local(&tonic::Extensions::new()), "unknown peer");
