@@ -145,6 +145,13 @@ def test_dev_shm_is_memory_backed_and_counted_in_the_memory_limit() -> None:
     limit = quantity(container(deployment())["resources"]["limits"]["memory"])
     # tmpfs pages count against the container's memory limit: leave room for the processes.
     assert 64 * 2**20 < quantity(shm["sizeLimit"]) < limit
+    # deploy/README.md's formula: /dev/shm + contexts x 1.5 Gi a GPU worker + 0.5 Gi for the
+    # rest + the front door's request budget (4 x --max-message-bytes, at least 256 MiB).
+    args = start_args()
+    budget = max(4 * args.max_message_bytes, 256 * 2**20)
+    workers = args.contexts_per_gpu * len(args.gpus.split(","))
+    need = quantity(shm["sizeLimit"]) + workers * 1.5 * 2**30 + 0.5 * 2**30 + budget
+    assert need <= limit, (need / 2**30, limit / 2**30)
 
 
 def test_run_dir_is_made_by_mpspool_inside_an_emptydir() -> None:
