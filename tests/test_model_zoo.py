@@ -471,6 +471,43 @@ def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
         )
 
 
+def test_a_tf1_partitioned_variable_is_refused_naming_its_parts(
+    tmp_path: Path, segment_path: Path
+) -> None:
+    """A TF1 estimator's embedding split by a partitioner is saved whole under its own name
+    ("emb"), its graph variables are the parts ("emb/part_0", ...): not shared yet, and said
+    so (it was called a lookup table's contents)."""
+    tf = _tf()
+    v1 = tf.compat.v1
+    version = tmp_path / "m" / "1"
+    with tf.Graph().as_default():
+        emb = v1.get_variable(
+            "emb", shape=[10, 4], partitioner=v1.fixed_size_partitioner(3), use_resource=True
+        )
+        ids = v1.placeholder(tf.int64, [None], name="ids")
+        out = tf.nn.embedding_lookup(emb, ids)
+        with v1.Session() as session:
+            session.run(v1.global_variables_initializer())
+            builder = v1.saved_model.Builder(str(version))
+            builder.add_meta_graph_and_variables(
+                session,
+                ["serve"],
+                signature_def_map={
+                    SIG: v1.saved_model.predict_signature_def({"ids": ids}, {"out": out})
+                },
+            )
+            builder.save()
+    publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    with pytest.raises(
+        Exception,
+        match=r"tensor emb is a partitioned variable \(emb/part_0, emb/part_1, emb/part_2\), "
+        r"which cannot be shared yet; serve this model with --no-share-weights",
+    ):
+        load_saved_model(
+            str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+        )
+
+
 def test_a_worker_loads_while_the_weights_are_still_being_published(
     zoo, segment_path: Path, tmp_path: Path
 ) -> None:

@@ -118,6 +118,16 @@ def attach(
             )
         else:
             variable = tf1.get(entry.key)
+            parts = sorted(n for n in tf1 if n.startswith(f"{entry.key}/part_"))
+            if variable is None and parts:
+                # A Saver keeps a partitioned variable (a TF1 estimator's embedding, split by
+                # a partitioner) whole under its own name; its parts are no views of it that
+                # TensorFlow could take (each must start 64-byte aligned).
+                raise NotShareable(
+                    f"the checkpoint's tensor {entry.key} is a partitioned variable "
+                    f"({', '.join(parts)}), which cannot be shared yet; serve this model with "
+                    "--no-share-weights"
+                )
             if variable is None:
                 raise NotShareable(
                     f"the checkpoint's tensor {entry.key} is no variable of the TF1 graph (a "
