@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -802,7 +803,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         # Whatever can be refused is refused before the wait, not once the model is there:
         # the flags (at a stand-in version), and a run directory another pool holds.
         make_config([0] * len(wanted), models_on_disk=False)
-        _make_log_dir(args.log_dir.resolve())
+        _make_log_dir(args.log_dir.resolve(), run_dir)
         if rundir.controller_alive(rundir.read_controller(run_dir)):
             rundir.prepare(run_dir)  # raises PoolRunning, saying so
         first = _await_first_versions(wanted, name, args.file_system_poll_wait_s)
@@ -811,7 +812,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         _check_without_mps(config, selected_gpus)
     # The directories after every other check (a start refused by a flag makes neither),
     # and before the note below, so that a refusal is its one line.
-    _make_log_dir(Path(config.log_dir))
+    _make_log_dir(Path(config.log_dir), run_dir)
     try:
         created = rundir.prepare(run_dir)
     except OSError as exc:  # it cannot be made there, or read: a flag's error, not a crash
@@ -843,17 +844,46 @@ def cmd_start(args: argparse.Namespace) -> int:
     return Controller(config, created).run()
 
 
-def _make_log_dir(log_dir: Path) -> None:
+# This process's hold on its --log-dir (_make_log_dir): open as long as the pool runs.
+_log_dir_hold: int | None = None
+LOG_DIR_OWNER = ".mpspool-pool"
+
+
+def _make_log_dir(log_dir: Path, run_dir: Path) -> None:
     """--log-dir made as the controller makes it (its supervisord writes there first; private:
     TensorFlow's errors in the logs can quote request values; one that exists keeps its mode),
-    and checked writable: a directory that cannot hold the logs is refused before anything
-    starts, not met by the controller with a pool half up."""
+    checked writable, and held for this pool: a directory that cannot hold the logs, or that
+    another running pool writes to, is refused before anything starts. Two pools in one log
+    dir (the default is one per user) wrote into each other's logs, and the controller reads
+    them for the reasons it reports."""
+    global _log_dir_hold
+    if _log_dir_hold is not None:
+        return
     try:
         log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise _dir_error("--log-dir", log_dir, exc) from None
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {log_dir}: {os.strerror(errno.EACCES)}")
+    owner = log_dir / LOG_DIR_OWNER
+    try:
+        fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise _dir_error("--log-dir", log_dir, exc) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip()
+        os.close(fd)
+        if holder == str(run_dir):
+            return  # the same pool started twice: its run dir says so (rundir.prepare)
+        raise ConfigError(
+            f"--log-dir {log_dir} is the log dir of the pool running with --run-dir "
+            f"{holder or '(unknown)'}: give each pool its own --log-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(run_dir).encode())
+    _log_dir_hold = fd
 
 
 def _dir_error(flag: str, path: Path, exc: OSError) -> ConfigError:

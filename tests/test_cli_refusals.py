@@ -3,6 +3,7 @@ and a reader of its output that goes away early (`mpspool status | head -1`)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 from mpspool.config import PoolConfig
 
-from poolproc import mpspool_cmd
+from poolproc import Pool, mpspool_cmd
 
 # Only a safety net: a refusal answers at once; without it the pool would start and serve.
 REFUSAL_WAIT_S = 60
@@ -121,6 +122,39 @@ def test_log_dir_that_cannot_be_made_is_refused(
     assert code == 2, err
     assert_one_line(err, f"--log-dir {log_dir}: ")
     assert not run_dir.exists()  # checked before the run directory is made
+
+
+def test_a_log_dir_another_running_pool_writes_to_is_refused(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Two pools in one log dir (the default is one per user) wrote into each other's logs:
+    a second pool's failure to bind went into the first's router.log, and the controller
+    reads those logs for the reasons it reports (found by an operator test)."""
+    (tmp_path / "a").mkdir()
+    pool = Pool(tmp_path / "a", demo_model_dir, 1).start()
+    try:
+        pool.wait_ready(1)
+        run_dir = tmp_path / "run-b"
+        code, err = run_start(
+            tmp_path, demo_model_dir, run_dir, "--log-dir", str(pool.log_dir.resolve())
+        )
+        assert code == 2, err
+        assert_one_line(
+            err,
+            f"--log-dir {pool.log_dir.resolve()} is the log dir of the pool running with "
+            f"--run-dir {pool.run_dir.resolve()}: give each pool its own --log-dir",
+        )
+        assert not run_dir.exists()
+        assert pool.slot("cpu-0")["state"] == "READY"
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
+    # Once that pool is gone, its hold on the log dir is too.
+    fd = os.open(pool.log_dir / ".mpspool-pool", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("metrics_port", [-1, 0, 1, 65535])
