@@ -1128,6 +1128,8 @@ class Controller:
             self._serve_admin(TICK_S)
             if any(e in ("SIGTERM", "SIGINT") for e in self.events):
                 log.warning("second stop request: not waiting for in-flight requests")
+                # The front door too: what is left of its delay and grace ends now.
+                self.router.ask("drain", delay=0.0, grace=0.0)
                 return
             snap = self.router.ask("snapshot")
             if snap is None or snap.get("phase") == "stopped":

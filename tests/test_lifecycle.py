@@ -98,6 +98,36 @@ def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str
         pool.kill()
 
 
+def test_a_second_ctrl_c_ends_the_front_doors_drain_too(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """The controller stopped waiting at a second signal, but the front door went on with
+    its delay (then supervisord's stop of it waited until it killed it): a second Ctrl-C
+    left the pool up for the whole delay (found by an operator test)."""
+    pool = Pool(tmp_path, demo_model_dir, 1, "--shutdown-delay", "30").start()
+    try:
+        pool.wait_ready(1)
+        assert pool.proc is not None
+        pool.ctrl_c()
+        pool.wait_for(lambda s: s["pool"]["phase"] == "draining", what="draining")
+        router_log = pool.log_dir / "router.log"
+        deadline = time.monotonic() + 30
+        while "draining (Controller)" not in router_log.read_text():
+            assert time.monotonic() < deadline, router_log.read_text()[-2000:]
+            time.sleep(0.1)
+        second = time.monotonic()
+        pool.ctrl_c()
+        assert pool.proc.wait(60) == 0, pool.output()
+        took = time.monotonic() - second
+        assert "asked to drain again: delay 0ns, grace 0ns" in router_log.read_text()
+        supervisord_log = (pool.log_dir / "supervisord.log").read_text()
+        assert "router (terminated by SIGKILL)" not in supervisord_log, supervisord_log
+        assert took < 20, f"{took:.1f} s after the second Ctrl-C"  # the delay was 30 s
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
 def test_a_model_not_there_yet_is_waited_for_then_served(
     tmp_path: Path, demo_model_dir: Path
 ) -> None:

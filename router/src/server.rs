@@ -243,8 +243,11 @@ impl Server {
             drain.grace
         );
         set_phase(&state, Phase::Draining);
+        // A second stop request (a second Ctrl-C through the controller's drain of 0 and 0,
+        // or a signal here) shortens what is left: the delay, then the grace.
+        let mut grace = drain.grace;
         // Keep answering (new connections too) while load balancers notice NOT_SERVING.
-        let until = tokio::time::Instant::now() + drain.delay;
+        let mut until = tokio::time::Instant::now() + drain.delay;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => break,
@@ -255,6 +258,12 @@ impl Server {
                         accepting.rest(stream, handler);
                     }
                 }
+                request = drains.recv(), if drains_open => match request {
+                    Some(later) => sooner(later.delay, later, &mut until, &mut grace),
+                    None => drains_open = false,
+                },
+                _ = recv_signal(&mut terminate) => sooner(NOW.delay, NOW, &mut until, &mut grace),
+                _ = recv_signal(&mut interrupt) => sooner(NOW.delay, NOW, &mut until, &mut grace),
             }
         }
         drop(listener); // no new connections
@@ -262,14 +271,21 @@ impl Server {
         drop(rest);
         let _ = shutdown_tx.send(Ending::Gracefully);
         drop(accepting); // its `done` sender: the connections' are the only ones left
-        if tokio::time::timeout(drain.grace, done_rx.recv())
-            .await
-            .is_err()
-        {
-            log_warn!(
-                "in-flight calls still running after {:?}: closing",
-                drain.grace
-            );
+        let mut grace_end = tokio::time::Instant::now() + grace;
+        let finished = loop {
+            tokio::select! {
+                _ = done_rx.recv() => break true,
+                _ = tokio::time::sleep_until(grace_end) => break false,
+                request = drains.recv(), if drains_open => match request {
+                    Some(later) => sooner(later.grace, later, &mut grace_end, &mut grace),
+                    None => drains_open = false,
+                },
+                _ = recv_signal(&mut terminate) => break false,
+                _ = recv_signal(&mut interrupt) => break false,
+            }
+        };
+        if !finished {
+            log_warn!("in-flight calls still running after the drain's grace: closing");
             let _ = shutdown_tx.send(Ending::Now);
             // Closing is immediate; this only lets the connection tasks observe it.
             let _ = tokio::time::timeout(Duration::from_secs(1), done_rx.recv()).await;
@@ -286,6 +302,30 @@ impl Server {
         api.dispatcher.shutdown();
     }
 }
+
+/// A drain asked for while one runs (a second stop request) shortens it: the running phase
+/// (the delay or the grace) ends within `left` (`later`'s own delay or grace), so by `until`
+/// moved sooner, and the grace to come is at most `later`'s.
+fn sooner(
+    left: Duration,
+    later: DrainRequest,
+    until: &mut tokio::time::Instant,
+    grace: &mut Duration,
+) {
+    log_info!(
+        "asked to drain again: delay {:?}, grace {:?}",
+        later.delay,
+        later.grace
+    );
+    *until = (*until).min(tokio::time::Instant::now() + left);
+    *grace = (*grace).min(later.grace);
+}
+
+/// A second stop request's drain: no more delay, no more grace.
+const NOW: DrainRequest = DrainRequest {
+    delay: Duration::ZERO,
+    grace: Duration::ZERO,
+};
 
 /// What serving a connection just accepted needs, for the accept loops (the only holder):
 /// dropped when the listeners are, its `done` sender with it.
