@@ -189,6 +189,10 @@ class Controller:
         self._router_pid = 0  # the front door's incarnation seen last
         self._router_answered = False  # whether that one has answered the control channel
         self._router_silent_deaths = 0  # incarnations in a row that died before answering
+        # Front doors started again after one could not bind the pool's ports once it had
+        # served (_restart_router_later), since one last answered; and when the next is due.
+        self._router_restarts = 0
+        self._router_restart_at: float | None = None
         self._supervisord_config = ""  # the rendered configuration, to start it again
         self._supervisord_deaths: list[float] = []  # monotonic times it died
 
@@ -359,10 +363,11 @@ class Controller:
         # the state they have until the router speaks again.
         router_answered = answer is not None
         snap = answer or {}
-        router_down = _router_down_for_good(infos.get(ROUTER_PROGRAM, {}))
-        router_down = router_down or self._router_crash_loop(
-            infos.get(ROUTER_PROGRAM, {}), router_answered
-        )
+        router_info = infos.get(ROUTER_PROGRAM, {})
+        router_down = _router_down_for_good(router_info)
+        if router_down and self._router_may_bind_again(router_info):
+            router_down = self._restart_router_later()
+        router_down = router_down or self._router_crash_loop(router_info, router_answered)
         if router_down:
             self.fail_pool(
                 f"the router {router_down}: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
@@ -928,6 +933,37 @@ class Controller:
                 self.rpc("startProcess", slot.program, False)
         return True
 
+    def _router_may_bind_again(self, info: dict[str, Any]) -> bool:
+        """Whether a front door that exited because it could not bind is worth starting
+        again: one did serve on these ports (pinned), so another process took one in the
+        moment between a restart's death and its bind (an ephemeral port the OS handed out
+        meanwhile), which may let go. At the pool's start the same exit fails it at once."""
+        return (
+            self.port is not None
+            and info.get("state") == sd.EXITED
+            and int(info.get("exitstatus") or 0) == process.EXIT_CONFIG_ERROR
+        )
+
+    def _restart_router_later(self) -> str:
+        """Start the front door again after a back-off (1, 2, 4, 8 s); "" meanwhile, or why
+        the pool fails once ROUTER_SILENT_DEATHS restarts in a row could not bind."""
+        now = self.clock.monotonic()
+        if self._router_restarts >= ROUTER_SILENT_DEATHS:
+            return f"could not start again ({self._router_restarts} tries)"
+        if self._router_restart_at is None:
+            wait = float(2**self._router_restarts)
+            self._router_restart_at = now + wait
+            log.warning(
+                "the front door could not start again (%s): trying again in %g s",
+                self.supervisord.tail_reason(ROUTER_PROGRAM) or "exit status 3",
+                wait,
+            )
+        elif now >= self._router_restart_at:
+            self._router_restart_at = None
+            self._router_restarts += 1
+            self.rpc("startProcess", ROUTER_PROGRAM, False)
+        return ""
+
     def _router_crash_loop(self, info: dict[str, Any], answered: bool) -> str:
         """ "keeps dying before it answers" when that happened to ROUTER_SILENT_DEATHS front
         doors in a row; "" otherwise. supervisord restarts the front door at once and never
@@ -951,7 +987,7 @@ class Controller:
             self._router_pid, self._router_answered = pid, False
         if answered:
             self._router_answered = True
-            self._router_silent_deaths = 0
+            self._router_silent_deaths = self._router_restarts = 0
         if self._router_silent_deaths >= ROUTER_SILENT_DEATHS:
             return f"keeps dying before it answers ({self._router_silent_deaths} in a row)"
         return ""

@@ -993,12 +993,54 @@ def test_the_pool_fails_when_every_slot_is_fatal(make_pool: Callable[..., Pool])
 
 def test_the_pool_fails_when_the_router_cannot_start(pool: Pool):
     pool.sd.logs[ROUTER_PROGRAM] = "port 8500 is already in use"
+    pool.router.answering = False  # it never bound, so it never answered
     pool.start()
     pool.sd.set(ROUTER_PROGRAM, sd.EXITED, exitstatus=process.EXIT_CONFIG_ERROR)
     pool.tick()
     assert pool.controller.phase is PoolPhase.DRAINING
     assert pool.controller.exit_code == 1
     assert pool.controller.exit_reason == "the router could not start: port 8500 is already in use"
+
+
+def test_a_front_door_that_cannot_bind_again_once_it_served_is_started_again(pool: Pool):
+    """Another process took a pinned port in the moment between a restart's death and its
+    bind: supervisord does not restart the front door after that exit (a configuration
+    error), so the controller does, backing off, until one answers; five in a row fail the
+    pool. Before, the first such exit took the whole pool down (found by an operator test)."""
+    pool.sd.logs[ROUTER_PROGRAM] = "cannot listen on 127.0.0.1:8500: Address already in use"
+    pool.start()
+    pool.tick()
+    assert pool.controller.port is not None, "it served"
+    starts = lambda: len(pool.sd.rpc_calls("startProcess"))  # noqa: E731
+    before = starts()
+    pool.router.answering = False
+    for wait in (1, 2, 4, 8):
+        # Each restart fails to bind too.
+        pool.sd.set(ROUTER_PROGRAM, sd.EXITED, exitstatus=process.EXIT_CONFIG_ERROR)
+        pool.tick()
+        assert pool.controller.phase is not PoolPhase.DRAINING
+        pool.tick(after_s=wait - 0.1)
+        assert starts() == before, "not before its back-off"
+        pool.tick(after_s=0.2)
+        assert starts() == before + 1
+        before = starts()
+    # One binds and answers: the count starts over.
+    pool.router.answering = True
+    pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=77)
+    pool.tick()
+    assert pool.controller._router_restarts == 0
+    pool.router.answering = False
+    for _ in range(controller_module.ROUTER_SILENT_DEATHS):
+        pool.sd.set(ROUTER_PROGRAM, sd.EXITED, exitstatus=process.EXIT_CONFIG_ERROR)
+        pool.tick()
+        pool.tick(after_s=16)
+    pool.sd.set(ROUTER_PROGRAM, sd.EXITED, exitstatus=process.EXIT_CONFIG_ERROR)
+    pool.tick()
+    assert pool.controller.phase is PoolPhase.DRAINING
+    assert pool.controller.exit_reason == (
+        "the router could not start again (5 tries): "
+        "cannot listen on 127.0.0.1:8500: Address already in use"
+    )
 
 
 @pytest.mark.parametrize("exitstatus", [-9, 1, 2])
