@@ -94,6 +94,11 @@ class Manifest:
         return cls(tensors=tensors, **data)
 
 
+# Between a partitioned variable's checkpoint key and one slice's spec, in the key of that
+# slice's entry ("emb@10 4 4,3:0,4"): no checkpoint key holds it.
+SLICE_MARK = "@"
+
+
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 

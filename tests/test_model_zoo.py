@@ -471,23 +471,37 @@ def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
         )
 
 
-def test_a_tf1_partitioned_variable_is_refused_naming_its_parts(
-    tmp_path: Path, segment_path: Path
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_tf1_partitioned_variable_is_shared_part_by_part(
+    tmp_path: Path, segment_path: Path, axis: int
 ) -> None:
     """A TF1 estimator's embedding split by a partitioner is saved whole under its own name
-    ("emb"), its graph variables are the parts ("emb/part_0", ...): not shared yet, and said
-    so (it was called a lookup table's contents)."""
+    ("emb", in slices), its graph variables are the parts ("emb/part_0", ...). Each part is
+    published on its own (aligned) and bound to its variable, along either axis; the answers
+    are plain TensorFlow's and nothing is copied. It was refused, as a lookup table's
+    contents (found by a user test)."""
     tf = _tf()
     v1 = tf.compat.v1
     version = tmp_path / "m" / "1"
     with tf.Graph().as_default():
         emb = v1.get_variable(
-            "emb", shape=[10, 4], partitioner=v1.fixed_size_partitioner(3), use_resource=True
+            "emb",
+            shape=[10, 6],
+            partitioner=v1.fixed_size_partitioner(3, axis=axis),
+            use_resource=True,
         )
+        table = _table(16, rows=10, dim=6)
+        fill = []  # each part its slice of the table, as its SaveSliceInfo places it
+        for part in emb:
+            info = part._save_slice_info
+            where = zip(info.var_offset, info.var_shape, strict=True)
+            fill.append(part.assign(table[tuple(slice(o, o + n) for o, n in where)]))
         ids = v1.placeholder(tf.int64, [None], name="ids")
-        out = tf.nn.embedding_lookup(emb, ids)
+        out = tf.nn.embedding_lookup(emb, ids) if axis == 0 else tf.gather(tf.concat(
+            list(emb), axis=1), ids)  # fmt: skip
         with v1.Session() as session:
             session.run(v1.global_variables_initializer())
+            session.run(fill)
             builder = v1.saved_model.Builder(str(version))
             builder.add_meta_graph_and_variables(
                 session,
@@ -497,15 +511,19 @@ def test_a_tf1_partitioned_variable_is_refused_naming_its_parts(
                 },
             )
             builder.save()
-    publish(version, "m", 1, segment_path, os.getpid(), 0.0)
-    with pytest.raises(
-        Exception,
-        match=r"tensor emb is a partitioned variable \(emb/part_0, emb/part_1, emb/part_2\), "
-        r"which cannot be shared yet; serve this model with --no-share-weights",
-    ):
-        load_saved_model(
-            str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
-        )
+    manifest = publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    assert len(manifest.tensors) == 3
+    assert all(t.key.startswith("emb@10 6 ") for t in manifest.tensors)
+    runtime = load_saved_model(
+        str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+    )
+    runtime.warm_up()
+    inputs = {"ids": np.array([9, 0, 4, 7], np.int64)}
+    got = runtime.run(SIG, inputs, ["out"])["out"]
+    np.testing.assert_array_equal(got, _table(16, rows=10, dim=6)[[9, 0, 4, 7]])
+    report = runtime.weights_report()
+    assert report["copied"] == {}
+    assert report["shared_bytes"] == 10 * 6 * 4
 
 
 def test_a_worker_loads_while_the_weights_are_still_being_published(

@@ -89,6 +89,14 @@ def publish(
             continue
         if served is not None and key.endswith(VARIABLE_SUFFIX) and key not in served:
             continue  # no serving signature reads it (optimizer state, say): not in /dev/shm
+        if tf1 and entry.slices and entry.dtype in _CARRIED:
+            # A TF1 partitioned variable (a `partitioner=`, as an estimator's embedding): the
+            # checkpoint keeps it whole under its name, the graph reads its parts
+            # ("emb/part_0", ...). Each part is published on its own, so that each starts
+            # 64-byte aligned (TensorFlow takes no other buffer) and binds to its variable.
+            for spec, part_shape in slice_specs(entry):
+                shared.append((f"{key}{segment.SLICE_MARK}{spec}", int(entry.dtype), part_shape))
+            continue
         if (tf1 or key.endswith(VARIABLE_SUFFIX)) and entry.dtype in _CARRIED:
             shape = tuple(int(d.size) for d in entry.shape.dim)
             shared.append((key, int(entry.dtype), shape))
@@ -120,6 +128,10 @@ def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.nd
     index says where its bytes are (no copy in this process), through TensorFlow's reader
     otherwise (a sliced or unusual entry). True when read directly."""
     shards, entries = bundle
+    if segment.SLICE_MARK in key and not key.endswith(VARIABLE_SUFFIX):  # TF1 names have no @
+        name, spec = key.split(segment.SLICE_MARK, 1)
+        dest[...] = _read_through_tensorflow(prefix, name, spec, dest.dtype)
+        return False
     entry = entries.get(key)
     if entry is not None and not entry.slices and entry.size == dest.nbytes:
         target = memoryview(dest.reshape(-1).view(np.uint8))
@@ -147,15 +159,47 @@ def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.nd
     return False
 
 
-def _read_through_tensorflow(prefix: str, key: str) -> np.ndarray:
+def _read_through_tensorflow(
+    prefix: str, key: str, spec: str = "", dtype: np.dtype | None = None
+) -> np.ndarray:
     """A tensor the index does not lay out in one piece (a partitioned variable's slices),
-    assembled by TensorFlow's checkpoint reader: one extra copy of that tensor."""
+    assembled by TensorFlow's checkpoint reader: one extra copy of that tensor. With
+    ``spec`` (a slice spec, as TF1's SaveSliceInfo writes it), only that slice."""
     import tensorflow as tf
 
     try:
-        return tf.train.load_checkpoint(prefix).get_tensor(key)
+        if not spec:
+            return tf.train.load_checkpoint(prefix).get_tensor(key)
+        (value,) = tf.raw_ops.RestoreV2(
+            prefix=prefix, tensor_names=[key], shape_and_slices=[spec],
+            dtypes=[tf.as_dtype(dtype)],
+        )  # fmt: skip
+        return value.numpy()
     except Exception as exc:  # NotFoundError, DataLossError, ValueError
-        raise PublishError(f"cannot read {key} from the checkpoint at {prefix}: {exc}") from None
+        what = f"{key} ({spec})" if spec else key
+        raise PublishError(f"cannot read {what} from the checkpoint at {prefix}: {exc}") from None
+
+
+def slice_specs(entry: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """Each slice of a partitioned variable's index entry: its spec as TF1's SaveSliceInfo
+    writes it ("10 4 4,3:0,4": the full shape, then each dimension's start and length; what
+    the graph's VariableDef of that part says), and its shape."""
+    full = [int(d.size) for d in entry.shape.dim]
+    out = []
+    for piece in entry.slices:
+        extents = list(piece.extent) + [None] * (len(full) - len(piece.extent))
+        starts, lengths = [], []
+        for size, extent in zip(full, extents, strict=True):
+            if extent is None or not extent.HasField("length"):  # the whole dimension
+                starts.append(0 if extent is None else int(extent.start))
+                lengths.append(size - starts[-1])
+            else:
+                starts.append(int(extent.start))
+                lengths.append(int(extent.length))
+        spec = " ".join(map(str, full)) + " "
+        spec += ":".join(f"{start},{length}" for start, length in zip(starts, lengths, strict=True))
+        out.append((spec, tuple(lengths)))
+    return out
 
 
 def served_keys(

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mpspool import dtypes
-from mpspool.segment import AttachedSegment, TensorEntry
+from mpspool.segment import SLICE_MARK, AttachedSegment, TensorEntry
 
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -107,6 +108,7 @@ def attach(
             "serve this model with --no-share-weights"
         )
     bound: dict[int, tuple[Any, TensorEntry]] = {}
+    slices: dict[str, str] | None = None  # read when the first slice needs it
     for entry in manifest.tensors:
         if entry.key.endswith(VARIABLE_SUFFIX):
             variable = resolve(loaded, entry.key)
@@ -116,18 +118,18 @@ def attach(
                 f"the checkpoint's tensor {entry.key} names no variable of the loaded model; "
                 "serve this model with --no-share-weights"
             )
+        elif SLICE_MARK in entry.key:
+            # One part of a TF1 partitioned variable: the graph variable whose slice it is.
+            if slices is None:
+                slices = _tf1_slices(tf, Path(checkpoint).parent.parent)
+            variable = tf1.get(slices.get(entry.key, ""))
+            if variable is None:
+                raise NotShareable(
+                    f"the checkpoint's slice {entry.key} is no part of a variable of the TF1 "
+                    "graph; serve this model with --no-share-weights"
+                )
         else:
             variable = tf1.get(entry.key)
-            parts = sorted(n for n in tf1 if n.startswith(f"{entry.key}/part_"))
-            if variable is None and parts:
-                # A Saver keeps a partitioned variable (a TF1 estimator's embedding, split by
-                # a partitioner) whole under its own name; its parts are no views of it that
-                # TensorFlow could take (each must start 64-byte aligned).
-                raise NotShareable(
-                    f"the checkpoint's tensor {entry.key} is a partitioned variable "
-                    f"({', '.join(parts)}), which cannot be shared yet; serve this model with "
-                    "--no-share-weights"
-                )
             if variable is None:
                 raise NotShareable(
                     f"the checkpoint's tensor {entry.key} is no variable of the TF1 graph (a "
@@ -203,6 +205,30 @@ def _restore_unshared(
             ) from None
         restored.add(id(variable))
     return restored, lost
+
+
+def _tf1_slices(tf: Any, model_dir: Path) -> dict[str, str]:
+    """The parts of a TF1 SavedModel's partitioned variables: the segment key of each part's
+    slice (checkpoint key, SLICE_MARK, slice spec: what the publisher writes) → the name its
+    Saver keys the part with, from the graph's VariableDefs (their save_slice_info)."""
+    from tensorflow.core.framework import variable_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel.FromString((model_dir / "saved_model.pb").read_bytes())
+    parts: dict[str, str] = {}
+    for meta_graph in saved.meta_graphs:
+        for collection in ("variables", "trainable_variables"):
+            for raw in meta_graph.collection_def[collection].bytes_list.value:
+                variable = variable_pb2.VariableDef.FromString(raw)
+                info = variable.save_slice_info_def
+                if not info.full_name:
+                    continue
+                spec = " ".join(map(str, info.full_shape)) + " "
+                spec += ":".join(
+                    f"{o},{n}" for o, n in zip(info.var_offset, info.var_shape, strict=True)
+                )
+                parts[f"{info.full_name}{SLICE_MARK}{spec}"] = variable.variable_name.split(":")[0]
+    return parts
 
 
 def _tf1_variables(tf: Any, loaded: Any) -> dict[str, Any] | None:
