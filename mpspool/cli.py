@@ -876,7 +876,13 @@ def _make_log_dir(log_dir: Path, run_dir: Path) -> None:
         holder = os.read(fd, 4096).decode(errors="replace").strip()
         os.close(fd)
         if holder == str(run_dir):
-            return  # the same pool started twice: its run dir says so (rundir.prepare)
+            # The same pool started twice; or a start still waiting for its model, which
+            # has no controller file yet for rundir.prepare to find.
+            raise rundir.PoolRunning(
+                f"a pool is already running in {run_dir}, or a start of one waits for its "
+                f"model (end that with Ctrl-C); stop a pool with `mpspool stop --run-dir "
+                f"{run_dir}`, or pass another --run-dir"
+            ) from None
         raise ConfigError(
             f"--log-dir {log_dir} is the log dir of the pool running with --run-dir "
             f"{holder or '(unknown)'}: give each pool its own --log-dir"

@@ -32,6 +32,7 @@ import re
 import shutil
 import stat
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -75,6 +76,8 @@ class Manifest:
     data_offset: int = 0
     format: int = 1
     extra: dict = field(default_factory=dict)
+    # The owner's PID namespace (pid_namespace()): its pid means something only there.
+    owner_pid_ns: int = 0
 
     @property
     def data_bytes(self) -> int:
@@ -94,6 +97,8 @@ class Manifest:
         return cls(tensors=tensors, **data)
 
 
+# A segment written this recently is never taken for a dead pool's: see remove_stale.
+STALE_MIN_AGE_S = 30.0
 # Between a partitioned variable's checkpoint key and one slice's spec, in the key of that
 # slice's entry ("emb@10 4 4,3:0,4"): no checkpoint key holds it.
 SLICE_MARK = "@"
@@ -137,7 +142,15 @@ def plan(
             offset += nbytes
         entries.append(entry)
         by_key[key] = entry
-    manifest = Manifest(model, version, owner_pid, owner_started, tuple(entries), tuple(unshared))
+    manifest = Manifest(
+        model,
+        version,
+        owner_pid,
+        owner_started,
+        tuple(entries),
+        tuple(unshared),
+        owner_pid_ns=pid_namespace(),
+    )
     data_offset = _align(_HEADER.size + len(manifest.to_json()) + 64, PAGE)
     # The manifest's own length depends on data_offset's digits: leave room, then fix it.
     return replace(manifest, data_offset=data_offset)
@@ -289,12 +302,16 @@ def owner_alive(manifest: Manifest) -> bool:
         return False
 
 
-def remove_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
+def remove_stale(shm_dir: Path = SHM_DIR, min_age_s: float = STALE_MIN_AGE_S) -> list[Path]:
     """Unlink this user's segments whose owning pool is gone (killed, crashed): its owner's
-    pid names no live process of its start time here, and no process holds it (an owner in
-    another PID namespace, whose pid means nothing here, still does)."""
+    pid names no live process of its start time here, no process holds it (an owner in
+    another PID namespace, whose pid means nothing here, still does), and it was last
+    written ``min_age_s`` ago or more when its owner was not in this PID namespace: between
+    its publisher's end and its controller's hold, and between its creation and its
+    publisher's lock, nobody holds a live one."""
     removed = []
     uid = os.getuid()
+    now = time.time()
     for path in shm_dir.glob(f"{PREFIX}*"):
         try:
             info = path.lstat()  # not stat(): a symlink must not pass for its target
@@ -304,14 +321,41 @@ def remove_stale(shm_dir: Path = SHM_DIR) -> list[Path]:
             continue  # a directory, a link, another user's: never ours to remove
         try:
             # A ".partial" one too: its header is written first, naming its owner.
-            stale = not owner_alive(read_manifest(path))
+            manifest: Manifest | None = read_manifest(path)
         except SegmentError:
-            stale = True
-        stale = stale and not held(path)
-        if stale:
-            try:
-                path.unlink()
-            except OSError:
-                continue
+            manifest = None  # no manifest to name an owner: stale, unless held
+        if manifest is not None and owner_alive(manifest):
+            continue
+        # An owner in this PID namespace is dead for sure (a pool killed and started again
+        # at once gets its memory back at once); another's may live, with a gap in its holds.
+        ours = manifest is not None and manifest.owner_pid_ns == pid_namespace() != 0
+        if not ours and now - info.st_mtime < min_age_s:
+            continue
+        if _unlink_unless_held(path):
             removed.append(path)
     return removed
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid); 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _unlink_unless_held(path: Path) -> bool:
+    """Unlink ``path`` while holding it exclusively (so no hold can begin between the look
+    and the unlink); False when someone holds it or it cannot be removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink()
+    except OSError:  # BlockingIOError: held
+        return False
+    finally:
+        os.close(fd)
+    return True

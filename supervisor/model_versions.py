@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mpspool import process
+from mpspool import segment as weight_segment
 from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.supervisor import config_reload
@@ -152,6 +153,13 @@ class ModelVersions:
         # a worker started before the claim would find no segment at all.
         while publisher.poll() is None and not (partial.exists() or final.exists()):
             time.sleep(CLAIM_POLL_S)
+        try:
+            # Held from its claim (the rename keeps the file, and the hold with it), not
+            # from when a tick sees the publisher end: the pool starts supervisord and its
+            # programs meanwhile, seconds in which only the publisher held it.
+            group.segment_hold = weight_segment.hold(partial if partial.exists() else final)
+        except OSError:
+            pass  # renamed or gone meanwhile: held once published (_published), or failed
         code = publisher.poll()
         return "" if code is None else self._published(group, code)
 

@@ -128,6 +128,34 @@ def test_a_second_ctrl_c_ends_the_front_doors_drain_too(
         pool.kill()
 
 
+def test_a_front_door_signalled_during_the_controllers_drain_ends_without_another(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """The controller killed in the middle of its drain: supervisord (following it) sends the
+    front door SIGTERM, which cuts the drain short; the front door must then end, not wait
+    for a signal it already had until supervisord kills it (found by a review)."""
+    pool = Pool(tmp_path, demo_model_dir, 1, "--shutdown-delay", "30").start()
+    try:
+        pool.wait_ready(1)
+        assert pool.proc is not None
+        router = psutil.Process(pool.status()["pool"]["router_pid"])
+        pool.ctrl_c()
+        router_log = pool.log_dir / "router.log"
+        deadline = time.monotonic() + 30
+        while "draining (Controller)" not in router_log.read_text():
+            assert time.monotonic() < deadline, router_log.read_text()[-2000:]
+            time.sleep(0.1)
+        killed = time.monotonic()
+        pool.proc.kill()
+        router.wait(60)
+        took = time.monotonic() - killed
+        supervisord_log = (pool.log_dir / "supervisord.log").read_text()
+        assert "router (terminated by SIGKILL)" not in supervisord_log, supervisord_log
+        assert took < 20, f"the front door ended {took:.1f} s after"  # SIGKILL came at 45
+    finally:
+        pool.kill()
+
+
 def test_a_model_not_there_yet_is_waited_for_then_served(
     tmp_path: Path, demo_model_dir: Path
 ) -> None:
@@ -147,6 +175,15 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
         time.sleep(1.0)  # five more reads of the base path: still waiting, said once
         assert pool.proc is not None and pool.proc.poll() is None, pool.output()
         assert pool.output().count("No versions of servable demo found") == 1
+        # A second start in the same run dir is refused while the first waits (it has no
+        # controller file yet; its log dir says it is there), as once it runs.
+        again = subprocess.run(
+            mpspool_cmd("start", "--model-base-path", str(demo_model_dir),
+                        "--run-dir", str(pool.run_dir), "--log-dir", str(pool.log_dir)),
+            cwd=tmp_path, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert again.returncode == 2, again.stderr
+        assert "a start of one waits for its model" in again.stderr, again.stderr
         staging = tmp_path / "staging"
         shutil.copytree(demo_model_dir / "1", staging)
         staging.rename(base / "1")  # whole at once, as a sync tool moves a finished copy

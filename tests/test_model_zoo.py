@@ -924,8 +924,9 @@ def test_with_shared_weights_state_that_is_no_shared_variable_is_not_run_at_warm
 
         @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
         def count(self, ids):
+            # A random op beside the write: the write still decides (found by a review).
             self.seen.assign_add(tf.shape(ids, out_type=tf.int64)[0])
-            return {"seen": self.seen.read_value()}
+            return {"seen": self.seen.read_value(), "noise": tf.random.uniform([1])}
 
     module = Stateful()
     signatures = {SIG: module.noisy.get_concrete_function(), "count": module.count}

@@ -41,12 +41,15 @@ def test_an_answer_the_wire_cannot_carry_is_an_internal_error_not_a_dead_worker(
     worker, and the front door's retry of the request ended the next one (found by a user
     test with a scalar string output, which TensorFlow gives as bytes)."""
     request = Pending("r1", "serving_default", ["x"], {})
-    reply = _worker(_Runtime({"x": object()}))._execute(request)
+    worker = _worker(_Runtime({"x": object()}))
+    reply = worker._execute(request)
     header = wire.unpack(reply[0])
     assert wire.kind_of(header) is wire.Kind.ERROR
     assert header["id"] == "r1" and header["code"] == Code.INTERNAL
     assert header["message"].startswith("the model's answer could not be encoded: ")
+    assert worker.served == 0, "not counted as served"
 
-    reply = _worker(_Runtime({"x": np.arange(3, dtype=np.float32)}))._execute(request)
-    header = wire.unpack(reply[0])
+    worker = _worker(_Runtime({"x": np.arange(3, dtype=np.float32)}))
+    header = wire.unpack(worker._execute(request)[0])
     assert wire.kind_of(header) is wire.Kind.REPLY and header["tensors"] == [["x", 1, [3]]]
+    assert worker.served == 1

@@ -8,6 +8,7 @@ teardown (with its ".partial"), whatever the test's outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -519,8 +520,12 @@ def shm_subdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _tiny_segment(path: Path, owner_pid: int, owner_started: float, commit: bool = True) -> Path:
+def _tiny_segment(
+    path: Path, owner_pid: int, owner_started: float, commit: bool = True, pid_ns: int = 0
+) -> Path:
     manifest = segment.plan("m", 1, owner_pid, owner_started, [("w", dtypes.DT_FLOAT, (4,))])
+    if pid_ns:
+        manifest = dataclasses.replace(manifest, owner_pid_ns=pid_ns)
     writer = segment.SegmentWriter(path, manifest)
     writer.view("w")[...] = 1.0
     if commit:
@@ -534,35 +539,53 @@ def _tiny_segment(path: Path, owner_pid: int, owner_started: float, commit: bool
 def test_remove_stale_removes_only_what_a_dead_owner_left(shm_subdir: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: its pid names no process (or, reused, one with another start time)
+    # Its owner in this PID namespace and dead: removed at once (a pool killed and started
+    # again gets its memory back at once).
     dead = _tiny_segment(shm_subdir / "mpspool-test-dead", child.pid, time.time())
     dead_partial = _tiny_segment(
         shm_subdir / "mpspool-test-dead-half", child.pid, time.time(), commit=False
     )
     mine = _tiny_segment(shm_subdir / "mpspool-test-mine", *_owner())
     mine_partial = _tiny_segment(shm_subdir / "mpspool-test-mine-half", *_owner(), commit=False)
+    unrelated = shm_subdir / "someone-else"
+    unrelated.write_bytes(b"")
+    assert sorted(segment.remove_stale(shm_subdir)) == sorted([dead, dead_partial])
+    # No manifest to name an owner: removed once old, unless held.
     garbage = shm_subdir / "mpspool-test-garbage"
     garbage.write_bytes(b"this is no weight segment")
     empty = shm_subdir / "mpspool-test-empty"
     empty.touch()
-    unrelated = shm_subdir / "someone-else"
-    unrelated.write_bytes(b"")
     # A pool in another PID namespace (containers sharing /dev/shm): its owner's pid names
-    # nothing here, but its controller holds the segment, and its publisher one it writes.
-    foreign = _tiny_segment(shm_subdir / "mpspool-test-foreign", child.pid, time.time())
+    # nothing here. Its controller holds its segment, its publisher one it writes; and one
+    # just written may be between its publisher's end and its controller's hold.
+    other_ns = segment.pid_namespace() + 1
+    foreign = _tiny_segment(
+        shm_subdir / "mpspool-test-foreign", child.pid, time.time(), pid_ns=other_ns
+    )
     foreign_hold = segment.hold(foreign)
     manifest = segment.plan("m", 1, child.pid, time.time(), [("w", dtypes.DT_FLOAT, (4,))])
+    manifest = dataclasses.replace(manifest, owner_pid_ns=other_ns)
     writing = segment.SegmentWriter(shm_subdir / "mpspool-test-foreign-half", manifest)
+    young = _tiny_segment(
+        shm_subdir / "mpspool-test-foreign-young", child.pid, time.time(), pid_ns=other_ns
+    )
+    assert segment.remove_stale(shm_subdir) == []
+    old = time.time() - segment.STALE_MIN_AGE_S - 1
+    for path in (garbage, empty, foreign, writing._tmp):
+        os.utime(path, (old, old))
 
     removed = segment.remove_stale(shm_subdir)
 
-    assert sorted(removed) == sorted([dead, dead_partial, garbage, empty])
+    assert sorted(removed) == sorted([garbage, empty])
     assert sorted(p.name for p in shm_subdir.iterdir()) == sorted(
-        [mine.name, mine_partial.name, unrelated.name, foreign.name, writing._tmp.name]
+        [mine.name, mine_partial.name, unrelated.name, foreign.name, writing._tmp.name, young.name]
     )
-    # Let go (the controller stopped; the publisher was killed): stale from then on.
+    # Let go (the controller stopped; the publisher was killed): stale from then on, and the
+    # young one once old.
     os.close(foreign_hold)
     writing.abort()
-    assert segment.remove_stale(shm_subdir) == [foreign]
+    os.utime(young, (old, old))
+    assert sorted(segment.remove_stale(shm_subdir)) == sorted([foreign, young])
 
 
 def _waiting_for(path: Path) -> threading.Thread:
@@ -745,7 +768,7 @@ def test_remove_stale_skips_what_is_not_a_plain_file(shm_subdir: Path) -> None:
     directory.mkdir()
     garbage = shm_subdir / "mpspool-test-garbage"
     garbage.write_bytes(b"junk")
-    assert segment.remove_stale(shm_subdir) == [garbage]
+    assert segment.remove_stale(shm_subdir, min_age_s=0) == [garbage]
     assert directory.is_dir()
 
 

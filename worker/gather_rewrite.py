@@ -102,7 +102,8 @@ def remove_copies_of_ended_processes(work_dir: Path) -> list[Path]:
     removed = []
     for entry in work_dir.glob(f"{_PRIVATE_PREFIX}*-*"):
         pid = entry.name[len(_PRIVATE_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        # This process's pid on a copy it has not made yet: a dead worker's, the pid reused.
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

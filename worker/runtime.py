@@ -26,7 +26,7 @@ from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
 from mpspool.worker.session_call import SessionCall, session_call
-from mpspool.worker.stateful import writes_state
+from mpspool.worker.stateful import writes_a_variable, writes_state
 
 log = logging.getLogger("mpspool.worker")
 
@@ -460,8 +460,10 @@ class SavedModelRuntime:
             # copies the shared variable into this worker, and that copy refuses the load
             # unless --allow-copied-weights (``copies_allowed``: N workers would hold N
             # diverging copies of the state). Other state (a random op's sequence) is its own.
-            refused_copy = self.shared is not None and not copies_allowed
-            writes = writes_state(self._functions[key], variables=not refused_copy)
+            writes = writes_state(self._functions[key])
+            if writes and self.shared is not None and not copies_allowed:
+                if writes_a_variable(self._functions[key]):
+                    writes = ""  # run: its copy refuses the load, whatever else it writes
             if writes:
                 # Runs it needs none of: not at warm-up, and no second run to check a fast
                 # call against (worker/stateful.py).
@@ -477,7 +479,9 @@ class SavedModelRuntime:
             try:
                 got = self.run(key, inputs, list(spec.outputs))
             except ServingError as exc:
-                if exc.code not in _REFUSALS_OF_DATA and not self._runs_empty(key, spec):
+                if exc.code not in _REFUSALS_OF_DATA and not (
+                    exc.code == Code.INTERNAL and self._runs_empty(key, spec)
+                ):
                     raise ModelLoadError(
                         f"warm-up of model {self.model_name!r} version {self.version}, "
                         f"signature {key!r} failed: {exc.code.name}: {exc.message}"
@@ -522,7 +526,8 @@ class SavedModelRuntime:
 
     def _runs_empty(self, key: str, spec: SignatureSpec) -> bool:
         """Whether ``key`` runs on an empty example (its unknown dimensions 0), after the
-        one-row zeros failed with a code that is no refusal of data. Some kernels answer
+        one-row zeros failed with INTERNAL (only that: an empty run allocates next to
+        nothing, so out of memory or a device error would pass it). Some kernels answer
         nonsense data with INTERNAL: a SparseTensor input's components as zeros are an
         index 0 into a dense shape of [0, 0] ("Obtained a write index of 0 which is outside
         of bounds of [0, 0)"). A signature that runs empty can run, and TF Serving, which runs

@@ -355,13 +355,14 @@ class Worker:
             return [self._error(request.request_id, Code.INTERNAL, str(exc))]
         finally:
             self._busy_beats.running = None
-        self.served += 1
         try:
-            return self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
+            reply = self._reply(request.request_id, result, start_us, time.time_ns() // 1000)
         except Exception as exc:  # nor must an answer the wire cannot carry
             log.exception("request %s: its answer could not be encoded", request.request_id)
             message = f"the model's answer could not be encoded: {exc}"
             return [self._error(request.request_id, Code.INTERNAL, message)]
+        self.served += 1
+        return reply
 
     def _call_overrun(self, running: Running, ran_s: float) -> bool:
         """From the side thread: the call ``running`` has run past --call-timeout and is

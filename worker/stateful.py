@@ -53,17 +53,23 @@ _SCATTERS = ("Update", "Add", "Sub", "Mul", "Div", "Min", "Max", "NdUpdate", "Nd
 _WRITES = frozenset(f"Scatter{kind}" for kind in (*_SCATTERS, "NdMin", "NdMax"))
 
 
-def writes_state(function: Any, variables: bool = True) -> str:
+def writes_state(function: Any) -> str:
     """The first op of ``function``'s graph, or of a function it calls, that writes state
-    (its type and node name), or "" when it writes none; with ``variables`` False, only
-    state that is no variable counts. A function TensorFlow cannot describe counts as
-    writing nothing (its runs are checked as before)."""
+    (its type and node name), or "" when it writes none. A function TensorFlow cannot
+    describe counts as writing nothing (its runs are checked as before)."""
+    return _first_write(function, _OP_STATE_PREFIXES + _VARIABLE_WRITES_PREFIXES, _WRITES)
+
+
+def writes_a_variable(function: Any) -> str:
+    """As writes_state, for writes to a variable only."""
+    return _first_write(function, _VARIABLE_WRITES_PREFIXES, _WRITES)
+
+
+def _first_write(function: Any, prefixes: tuple[str, ...], exact: frozenset[str]) -> str:
     try:
         graph_def = function.graph.as_graph_def()
     except Exception:  # any failure to describe it: nothing known
         return ""
-    prefixes = _OP_STATE_PREFIXES + (_VARIABLE_WRITES_PREFIXES if variables else ())
-    exact = _WRITES if variables else frozenset()
     scopes = [list(graph_def.node)] + [list(f.node_def) for f in graph_def.library.function]
     for nodes in scopes:
         for node in nodes:

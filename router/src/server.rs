@@ -246,8 +246,10 @@ impl Server {
         // A second stop request (a second Ctrl-C through the controller's drain of 0 and 0,
         // or a signal here) shortens what is left: the delay, then the grace.
         let mut grace = drain.grace;
+        // A signal taken here is the one a controller's drain would wait for at its end.
+        let mut signalled = cause == Cause::Signal;
         // Keep answering (new connections too) while load balancers notice NOT_SERVING.
-        let mut until = tokio::time::Instant::now() + drain.delay;
+        let mut until = after(drain.delay);
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(until) => break,
@@ -262,8 +264,14 @@ impl Server {
                     Some(later) => sooner(later.delay, later, &mut until, &mut grace),
                     None => drains_open = false,
                 },
-                _ = recv_signal(&mut terminate) => sooner(NOW.delay, NOW, &mut until, &mut grace),
-                _ = recv_signal(&mut interrupt) => sooner(NOW.delay, NOW, &mut until, &mut grace),
+                _ = recv_signal(&mut terminate) => {
+                    signalled = true;
+                    sooner(NOW.delay, NOW, &mut until, &mut grace);
+                }
+                _ = recv_signal(&mut interrupt) => {
+                    signalled = true;
+                    sooner(NOW.delay, NOW, &mut until, &mut grace);
+                }
             }
         }
         drop(listener); // no new connections
@@ -271,17 +279,26 @@ impl Server {
         drop(rest);
         let _ = shutdown_tx.send(Ending::Gracefully);
         drop(accepting); // its `done` sender: the connections' are the only ones left
-        let mut grace_end = tokio::time::Instant::now() + grace;
+        let mut grace_end = after(grace);
         let finished = loop {
             tokio::select! {
+                // Done first: with a grace of 0 and nothing in flight, both are ready, and
+                // only this one is the truth (the others would warn of calls still running).
+                biased;
                 _ = done_rx.recv() => break true,
                 _ = tokio::time::sleep_until(grace_end) => break false,
                 request = drains.recv(), if drains_open => match request {
                     Some(later) => sooner(later.grace, later, &mut grace_end, &mut grace),
                     None => drains_open = false,
                 },
-                _ = recv_signal(&mut terminate) => break false,
-                _ = recv_signal(&mut interrupt) => break false,
+                _ = recv_signal(&mut terminate) => {
+                    signalled = true;
+                    break false;
+                }
+                _ = recv_signal(&mut interrupt) => {
+                    signalled = true;
+                    break false;
+                }
             }
         };
         if !finished {
@@ -291,7 +308,7 @@ impl Server {
             let _ = tokio::time::timeout(Duration::from_secs(1), done_rx.recv()).await;
         }
         set_phase(&state, Phase::Stopped);
-        if cause == Cause::Controller {
+        if !signalled {
             // The controller stops this program through supervisord once the workers are down.
             tokio::select! {
                 _ = recv_signal(&mut terminate) => {}
@@ -317,8 +334,16 @@ fn sooner(
         later.delay,
         later.grace
     );
-    *until = (*until).min(tokio::time::Instant::now() + left);
+    *until = (*until).min(after(left));
     *grace = (*grace).min(later.grace);
+}
+
+/// `span` from now; a span no clock reaches (the config takes up to 2**64 s) is 100 years,
+/// not an overflow's panic.
+fn after(span: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(span)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// A second stop request's drain: no more delay, no more grace.
@@ -967,6 +992,16 @@ mod tests {
     use tokio::time::Instant;
 
     const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+    #[tokio::test]
+    async fn a_drain_span_no_clock_reaches_is_far_away_not_a_panic() {
+        let far = after(Duration::MAX);
+        assert!(far > tokio::time::Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600));
+        let mut until = after(Duration::from_secs(30));
+        let mut grace = Duration::from_secs(10);
+        sooner(NOW.delay, NOW, &mut until, &mut grace);
+        assert!(until <= tokio::time::Instant::now() && grace == Duration::ZERO);
+    }
 
     #[test]
     fn only_a_loopback_peer_is_local() {
