@@ -233,16 +233,25 @@ def hold(path: Path) -> int:
 def held(path: Path) -> bool:
     """Whether any process holds ``path`` (`hold`, or its publisher writing it)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _lock_unless_held(path)
     except OSError:
         return False
+    if fd is None:
+        return True
+    os.close(fd)  # and with it the exclusive lock
+    return False
+
+
+def _lock_unless_held(path: Path) -> int | None:
+    """A descriptor holding ``path`` exclusively, or None when someone holds it; OSError when
+    it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # and with it the exclusive lock, if it was taken
-    return False
+        os.close(fd)
+        return None
+    return fd
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -348,13 +357,14 @@ def _unlink_unless_held(path: Path) -> bool:
     """Unlink ``path`` while holding it exclusively (so no hold can begin between the look
     and the unlink); False when someone holds it or it cannot be removed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _lock_unless_held(path)
     except OSError:
         return False
+    if fd is None:
+        return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         path.unlink()
-    except OSError:  # BlockingIOError: held
+    except OSError:
         return False
     finally:
         os.close(fd)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mpspool import process
-from mpspool import segment as weight_segment
 from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.supervisor import config_reload
@@ -157,7 +156,7 @@ class ModelVersions:
             # Held from its claim (the rename keeps the file, and the hold with it), not
             # from when a tick sees the publisher end: the pool starts supervisord and its
             # programs meanwhile, seconds in which only the publisher held it.
-            group.segment_hold = weight_segment.hold(partial if partial.exists() else final)
+            group.hold_segment(partial if partial.exists() else final)
         except OSError:
             pass  # renamed or gone meanwhile: held once published (_published), or failed
         code = publisher.poll()

@@ -146,11 +146,13 @@ class VersionGroup:
             self.publisher.wait()
             self.publisher = None
 
-    def hold_segment(self) -> None:
-        """Hold its published segment while the pool runs, so that another pool's start
-        never takes it for one left by a dead pool (segment.remove_stale)."""
+    def hold_segment(self, path: Path | None = None) -> None:
+        """Hold its segment (at ``path``: its ".partial" while it is written; by default the
+        published one) while the pool runs, so that another pool's start never takes it for
+        one left by a dead pool (segment.remove_stale). Once held, held on: a rename keeps
+        the file, and the hold with it. OSError when it is not there."""
         if self.segment and self.segment_hold is None:
-            self.segment_hold = weight_segment.hold(Path(self.segment))
+            self.segment_hold = weight_segment.hold(path or Path(self.segment))
 
     def unlink_segment(self) -> None:
         """Its weight segment (and a half-written one) leaves /dev/shm; the memory goes back

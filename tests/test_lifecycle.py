@@ -98,6 +98,16 @@ def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str
         pool.kill()
 
 
+def _front_door_draining(pool: Pool) -> Path:
+    """Once the front door has begun the drain the controller asked for: its log."""
+    router_log = pool.log_dir / "router.log"
+    deadline = time.monotonic() + 30
+    while "draining (Controller)" not in router_log.read_text():
+        assert time.monotonic() < deadline, router_log.read_text()[-2000:]
+        time.sleep(0.1)
+    return router_log
+
+
 def test_a_second_ctrl_c_ends_the_front_doors_drain_too(
     tmp_path: Path, demo_model_dir: Path
 ) -> None:
@@ -110,11 +120,7 @@ def test_a_second_ctrl_c_ends_the_front_doors_drain_too(
         assert pool.proc is not None
         pool.ctrl_c()
         pool.wait_for(lambda s: s["pool"]["phase"] == "draining", what="draining")
-        router_log = pool.log_dir / "router.log"
-        deadline = time.monotonic() + 30
-        while "draining (Controller)" not in router_log.read_text():
-            assert time.monotonic() < deadline, router_log.read_text()[-2000:]
-            time.sleep(0.1)
+        router_log = _front_door_draining(pool)
         second = time.monotonic()
         pool.ctrl_c()
         assert pool.proc.wait(60) == 0, pool.output()
@@ -140,11 +146,7 @@ def test_a_front_door_signalled_during_the_controllers_drain_ends_without_anothe
         assert pool.proc is not None
         router = psutil.Process(pool.status()["pool"]["router_pid"])
         pool.ctrl_c()
-        router_log = pool.log_dir / "router.log"
-        deadline = time.monotonic() + 30
-        while "draining (Controller)" not in router_log.read_text():
-            assert time.monotonic() < deadline, router_log.read_text()[-2000:]
-            time.sleep(0.1)
+        _front_door_draining(pool)
         killed = time.monotonic()
         pool.proc.kill()
         router.wait(60)

@@ -51,6 +51,20 @@ def _table(seed: int, rows: int = ROWS, dim: int = DIM) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
 
 
+def _save_tf1(session: Any, path: Path, inputs: dict, outputs: dict, **extra: Any) -> None:
+    """The graph of ``session`` as a TF1 SavedModel (a Builder's, tag "serve") with one
+    predict signature."""
+    v1 = _tf().compat.v1
+    builder = v1.saved_model.Builder(str(path))
+    builder.add_meta_graph_and_variables(
+        session,
+        ["serve"],
+        signature_def_map={SIG: v1.saved_model.predict_signature_def(inputs, outputs)},
+        **extra,
+    )
+    builder.save()
+
+
 def _save_module(module: Any, path: Path) -> None:
     tf = _tf()
     tf.saved_model.save(module, str(path), signatures={SIG: module.serve.get_concrete_function()})
@@ -200,17 +214,14 @@ def tf1_graph(path: Path) -> dict[str, np.ndarray]:
         out = rows + tf.reduce_sum(tf.matmul(table, table, transpose_a=True))
         with v1.Session() as session:
             session.run([v1.global_variables_initializer(), v1.tables_initializer()])
-            builder = v1.saved_model.Builder(str(path))
-            builder.add_meta_graph_and_variables(
+            _save_tf1(
                 session,
-                ["serve"],
-                signature_def_map={
-                    SIG: v1.saved_model.predict_signature_def({"words": words}, {"out": out})
-                },
+                path,
+                {"words": words},
+                {"out": out},
                 assets_collection=v1.get_collection(v1.GraphKeys.ASSET_FILEPATHS),
                 main_op=v1.tables_initializer(),
             )
-            builder.save()
     vocab.unlink()  # the model must read its own copy in assets/
     return {"words": np.array([b"w3", b"nope", b"w49"], dtype=object)}
 
@@ -245,15 +256,7 @@ def tf1_no_variables(path: Path) -> dict[str, np.ndarray]:
         x = v1.placeholder(tf.float32, [None, 2], name="x")
         out = tf.matmul(x, tf.constant([[1.0, 2.0], [3.0, 4.0]])) + 0.5
         with v1.Session() as session:
-            builder = v1.saved_model.Builder(str(path))
-            builder.add_meta_graph_and_variables(
-                session,
-                ["serve"],
-                signature_def_map={
-                    SIG: v1.saved_model.predict_signature_def({"x": x}, {"out": out})
-                },
-            )
-            builder.save()
+            _save_tf1(session, path, {"x": x}, {"out": out})
     assert not (path / "variables" / "variables.index").exists()
     return {"x": np.array([[1.0, 2.0], [-3.0, 0.25]], dtype=np.float32)}
 
@@ -454,15 +457,7 @@ def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
         out = tf.nn.embedding_lookup(table, counts.lookup(words))
         with v1.Session() as session:
             session.run([v1.global_variables_initializer(), insert])
-            builder = v1.saved_model.Builder(str(version))
-            builder.add_meta_graph_and_variables(
-                session,
-                ["serve"],
-                signature_def_map={
-                    SIG: v1.saved_model.predict_signature_def({"words": words}, {"out": out})
-                },
-            )
-            builder.save()
+            _save_tf1(session, version, {"words": words}, {"out": out})
     manifest = publish(version, "m", 1, segment_path, os.getpid(), 0.0)
     assert "table" in {t.key for t in manifest.tensors}
     with pytest.raises(Exception, match=r"tensor counts-keys is no variable of the TF1 graph"):
@@ -502,15 +497,7 @@ def test_a_tf1_partitioned_variable_is_shared_part_by_part(
         with v1.Session() as session:
             session.run(v1.global_variables_initializer())
             session.run(fill)
-            builder = v1.saved_model.Builder(str(version))
-            builder.add_meta_graph_and_variables(
-                session,
-                ["serve"],
-                signature_def_map={
-                    SIG: v1.saved_model.predict_signature_def({"ids": ids}, {"out": out})
-                },
-            )
-            builder.save()
+            _save_tf1(session, version, {"ids": ids}, {"out": out})
     manifest = publish(version, "m", 1, segment_path, os.getpid(), 0.0)
     assert len(manifest.tensors) == 3
     assert all(t.key.startswith("emb@10 6 ") for t in manifest.tensors)

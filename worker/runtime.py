@@ -260,6 +260,13 @@ class SavedModelRuntime:
         # _flat_order) or "keywords" (the public call, which binds and converts every
         # argument against the signature in Python). Warm-up checks the one in use against
         # the last and falls back to it when they disagree.
+        # Signatures with an output that may be a scalar string (a string of rank 0 or of
+        # unknown rank): only their answers need _array, decided here, not per request.
+        self._scalar_string_outputs = {
+            key
+            for key, spec in specs.items()
+            if any(out.dtype == dtypes.DT_STRING and not out.shape for out in spec.outputs.values())
+        }
         self._flat_orders = {
             key: _flat_order(function, specs[key]) for key, function in self._functions.items()
         }
@@ -384,6 +391,33 @@ class SavedModelRuntime:
             return None
         return self._cancellation.CancellationManager()
 
+    def _call_function(
+        self,
+        signature: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[str],
+        cancel: Any,
+    ) -> dict[str, Any]:
+        """``signature`` called flat (in its arguments' order) or with keywords, the public
+        call; its outputs as numpy values."""
+        function = self._functions[signature]
+        order = self._flat_orders[signature]
+        # TensorFlow's own calls read the manager from this context (Context.call_function).
+        scope = (
+            contextlib.nullcontext()
+            if cancel is None
+            else self._cancellation.CancellationManagerContext(cancel)
+        )
+        with scope:
+            if order:
+                constant = self._tf.constant
+                result = function._call_flat(
+                    [constant(inputs[alias]) for alias in order], function.captured_inputs
+                )
+            else:
+                result = function(**inputs)
+        return {alias: result[alias].numpy() for alias in outputs}
+
     def _run(
         self,
         signature: str,
@@ -393,30 +427,21 @@ class SavedModelRuntime:
     ) -> dict[str, np.ndarray]:
         try:
             session = self._sessions[signature]
+            direct = self._direct[signature]
             if session is not None and cancel is None:
                 answer = session(inputs)
-                return {alias: _array(answer[alias]) for alias in outputs}
-            direct = self._direct[signature]
-            if direct is not None:
+                got = {alias: answer[alias] for alias in outputs}
+            elif direct is not None:
                 answer = direct(inputs, cancel)
-                return {alias: _array(answer[alias].numpy()) for alias in outputs}
-            function = self._functions[signature]
-            order = self._flat_orders[signature]
-            # TensorFlow's own calls read the manager from this context (Context.call_function).
-            scope = (
-                contextlib.nullcontext()
-                if cancel is None
-                else self._cancellation.CancellationManagerContext(cancel)
-            )
-            with scope:
-                if order:
-                    constant = self._tf.constant
-                    result = function._call_flat(
-                        [constant(inputs[alias]) for alias in order], function.captured_inputs
-                    )
-                else:
-                    result = function(**inputs)
-            return {alias: _array(result[alias].numpy()) for alias in outputs}
+                got = {alias: answer[alias].numpy() for alias in outputs}
+            else:
+                got = self._call_function(signature, inputs, outputs, cancel)
+            if signature in self._scalar_string_outputs:
+                # TensorFlow gives a scalar string as bytes (numpy() and a session's fetch
+                # alike), which has no dtype or shape: a 0-d object array holds it, as every
+                # string output is held. Other scalars come as numpy scalars, which have both.
+                got = {alias: _array(value) for alias, value in got.items()}
+            return got
         except self._op_error as exc:
             raise ServingError(exc.error_code, _op_error_message(exc.message)) from exc
         except ServingError:
@@ -616,9 +641,7 @@ class SavedModelRuntime:
 
 
 def _array(value: Any) -> Any:
-    """An output as an array: TensorFlow gives a scalar string as ``bytes`` (``numpy()`` and a
-    session's fetch alike), which has no dtype or shape; a 0-d object array holds it as every
-    string output is held. Other scalars come as numpy scalars, which have both."""
+    """An output as an array: ``bytes`` (a scalar string) as a 0-d object array."""
     if type(value) is bytes:
         return np.array(value, dtype=object)
     return value
