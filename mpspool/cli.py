@@ -1232,6 +1232,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{'SLOT':<10} {'VERSION':>7} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
         f"{'INFLIGHT':>8} {'SERVED':>9}  {'CPUS':<9} {'WEIGHTS':<25} REASON"
     )
+    front = status.get("front_door")
+    if front:
+        # The front door's row: no version, in-flight count or weights of its own.
+        uptime = f"{front['uptime_s']:.0f}s" if front["uptime_s"] is not None else "-"
+        print(
+            f"{'front-door':<10} {'-':>7} {front['state']:<9} {front['pid'] or '-':>7} "
+            f"{uptime:>8} {front['restarts']:>8} {'-':>8} {'-':>9}  "
+            f"{front.get('cpus') or '-':<9} {'-':<25} "
+        )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"
         slot = f"{s['model']}/{s['slot']}" if s.get("model") else s["slot"]

@@ -189,6 +189,8 @@ class Controller:
         self._router_pid = 0  # the front door's incarnation seen last
         self._router_answered = False  # whether that one has answered the control channel
         self._router_silent_deaths = 0  # incarnations in a row that died before answering
+        self._router_replaced = 0  # front doors that ended and were started again, in all
+        self._router_since = 0.0  # wall-clock time the current one was first seen
         # Front doors started again after one could not bind the pool's ports once it had
         # served (_restart_router_later), since one last answered; and when the next is due.
         self._router_restarts = 0
@@ -984,7 +986,9 @@ class Controller:
                 )
                 if not self._router_answered:
                     self._router_silent_deaths += 1
+                self._router_replaced += 1
             self._router_pid, self._router_answered = pid, False
+            self._router_since = self.clock.time()
         if answered:
             self._router_answered = True
             self._router_silent_deaths = self._router_restarts = 0
@@ -1101,8 +1105,22 @@ class Controller:
                 }
                 for model in self.models.values()
             ],
+            "front_door": self._describe_front_door(now),
             "slots": [self._describe(slot, now) for slot in self.slots.values()],
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
+        }
+
+    def _describe_front_door(self, now: float) -> dict[str, Any]:
+        """The front door as a row beside the workers': SERVING once it answered the control
+        channel, STARTING before, DOWN while none runs; restarts since the pool started."""
+        pid = self._router_pid
+        state = "SERVING" if pid and self._router_answered else "STARTING" if pid else "DOWN"
+        return {
+            "state": state,
+            "pid": pid or None,
+            "uptime_s": round(now - self._router_since, 1) if pid else None,
+            "restarts": self._router_replaced,
+            "cpus": cpusets.affinity(pid) if pid else None,
         }
 
     def _describe(self, slot: Slot, now: float) -> dict[str, Any]:

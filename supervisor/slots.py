@@ -57,7 +57,12 @@ class Slot:
             return
         if new not in ALLOWED[self.state]:
             raise IllegalTransition(f"slot {self.key}: {self.state.value} -> {new.value}")
-        log.info(
+        # A worker that died under load, or cannot load its model, is what an operator
+        # looks for in the log: a warning, not one line among the routine transitions.
+        crashed = self.state is WorkerState.READY and new is WorkerState.STARTING
+        failing = new in (WorkerState.BACKOFF, WorkerState.FATAL)
+        log.log(
+            logging.WARNING if crashed or failing else logging.INFO,
             "slot %s: %s -> %s%s",
             self.key,
             self.state.value,

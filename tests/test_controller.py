@@ -1141,6 +1141,23 @@ def test_change_state_allows_exactly_the_table(old: WorkerState, new: WorkerStat
         assert slot.state is old
 
 
+def test_a_crash_or_a_failing_load_is_logged_as_a_warning(caplog: pytest.LogCaptureFixture):
+    """What an operator looks for (a worker died, a model cannot load) stands out of the
+    routine transitions, which stay at INFO."""
+    slot = Slot("cpu-0@1", state=S.STARTING)
+    with caplog.at_level(logging.INFO, logger="mpspool.controller"):
+        for new in (S.READY, S.STARTING, S.BACKOFF, S.STARTING, S.FATAL):
+            slot.change_state(new, "test")
+    levels = [(r.levelname, r.getMessage().split(": ", 1)[1]) for r in caplog.records]
+    assert levels == [
+        ("INFO", "STARTING -> READY (test)"),
+        ("WARNING", "READY -> STARTING (test)"),
+        ("WARNING", "STARTING -> BACKOFF (test)"),
+        ("INFO", "BACKOFF -> STARTING (test)"),
+        ("WARNING", "STARTING -> FATAL (test)"),
+    ]
+
+
 def test_every_state_can_reach_stopped_and_fatal_only_a_retry():
     for state in S:
         if state is not S.STOPPED:

@@ -442,6 +442,10 @@ def test_pool_workers_run_on_their_cores(
         assert "CPUs: cpuset '0;1': workers on 0, 1" in table
         rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
         assert rows["cpu-0"][8] == "0" and rows["cpu-1"][8] == "1", table
+        # The front door has its row too: serving, its pid, never restarted.
+        router_pid = pool.status()["pool"]["router_pid"]
+        _, _, state, pid, _, restarts = rows["front-door"][:6]
+        assert (state, pid, restarts) == ("SERVING", str(router_pid), "0"), table
         assert pool.stop() == 0
         assert pool.leftovers() == []
     finally:

@@ -265,6 +265,11 @@ def test_twenty_kills_of_the_front_door_under_load_never_end_the_pool(
         assert status["pool"]["phase"] == "serving"
         # The workers lived through it all: only the front door was replaced.
         assert {s["slot"]: s["pid"] for s in status["slots"]} == workers
+        # Status counts the front door's restarts: every one the controller saw (two kills
+        # between two of its looks count as one).
+        front = status["front_door"]
+        assert front["pid"] == _router_pid(pool) and front["state"] == "SERVING", front
+        assert 0 < front["restarts"] <= kills, front
         assert {o.code for o in streamer.failed()} <= {grpc.StatusCode.UNAVAILABLE}
         assert max(per_kill) <= 60, per_kill
         assert pool.stop() == 0

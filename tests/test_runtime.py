@@ -321,6 +321,33 @@ def test_tensorflow_load_failure_is_a_load_error(tmp_path: Path, model_dir: Path
     assert info.value.__cause__ is not None  # TensorFlow's own error stays attached
 
 
+@pytest.mark.parametrize("wrap", ["py_function", "numpy_function"])
+def test_a_signature_calling_python_is_a_load_error(tmp_path: Path, wrap: str) -> None:
+    """tf.py_function / tf.numpy_function keep their Python in the exporting process: once
+    loaded elsewhere every request would fail ("Could not find callback"), and TF Serving
+    refuses the load. So does the worker, naming the op, even inside a called function."""
+    import tensorflow as tf
+
+    def doubled(x: Any) -> Any:
+        return x * 2
+
+    @tf.function
+    def inner(x):  # a function in the graph's library, called by the signature
+        if wrap == "py_function":
+            return tf.py_function(doubled, [x], tf.float32)
+        return tf.numpy_function(doubled, [x], tf.float32)
+
+    class Module(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def serve(self, x):
+            return {"y": inner(x)}
+
+    module = Module()
+    tf.saved_model.save(module, str(tmp_path / "1"), signatures={"serving_default": module.serve})
+    with pytest.raises(ModelLoadError, match=r"calls Python code through (EagerPyFunc|PyFunc)"):
+        load_saved_model(str(tmp_path / "1"), "py", 1)
+
+
 def test_thread_counts_cannot_change_after_tensorflow_started(
     runtime: ModelRuntime, model_dir: Path
 ) -> None:

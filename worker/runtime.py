@@ -26,7 +26,7 @@ from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
 from mpspool.worker.session_call import SessionCall, session_call
-from mpspool.worker.stateful import writes_a_variable, writes_state
+from mpspool.worker.stateful import calls_python, writes_a_variable, writes_state
 
 log = logging.getLogger("mpspool.worker")
 
@@ -135,6 +135,16 @@ def load_saved_model(
             f"cannot load {where}: signatures {missing} are in saved_model.pb "
             "but TensorFlow did not restore them"
         )
+    for key in sorted(specs):
+        python = calls_python(loaded.signatures[key])
+        if python:
+            # Each request would fail ("Could not find callback with key=pyfunc_0"); TF
+            # Serving refuses the load ("Op type not registered 'EagerPyFunc'").
+            raise ModelLoadError(
+                f"cannot load {where}: signature {key!r} calls Python code through {python} "
+                "(tf.py_function, tf.numpy_function): a SavedModel does not keep that code, "
+                "only the exporting process had it; TF Serving refuses such a model too"
+            )
     runtime = SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
     if shared is not None:
         runtime.shared, runtime.at_risk = shared[:2], shared[2]

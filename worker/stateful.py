@@ -65,6 +65,17 @@ def writes_a_variable(function: Any) -> str:
     return _first_write(function, _VARIABLE_WRITES_PREFIXES, _WRITES)
 
 
+# The ops that call back into the exporting process's Python (tf.py_function,
+# tf.numpy_function, tf1 py_func): a SavedModel keeps only a key into that process's registry.
+_PYTHON_CALLS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+
+
+def calls_python(function: Any) -> str:
+    """The first op of ``function``'s graph, or of a function it calls, that calls Python
+    code kept by the process that exported it (its type and node name), or "" if none."""
+    return _first_write(function, (), _PYTHON_CALLS)
+
+
 def _first_write(function: Any, prefixes: tuple[str, ...], exact: frozenset[str]) -> str:
     try:
         graph_def = function.graph.as_graph_def()
