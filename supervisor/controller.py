@@ -167,6 +167,8 @@ class Controller:
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
         # (router pid, names) of the models last told to the front door.
         self._models_told: tuple[int, list[str]] | None = None
+        # The slots' states and restarts as the front door last took them (its metrics).
+        self._slots_told: tuple[int, list[tuple[str, str, int]]] | None = None
         # Answers given to calls the front door still lists (a lost reply is sent again).
         self._reload_answers: dict[int, tuple[int, str]] = {}
         self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
@@ -425,6 +427,7 @@ class Controller:
         if router_answered:
             self._take_reload_requests(snap.get("reload_requests") or [], now)
         self._reconcile_versions(now, snap, router_answered)
+        self._tell_router_slots(router_answered)
         self._forget_removed_models()
         self._answer_reloads()
         self._restore_priorities()
@@ -671,6 +674,23 @@ class Controller:
             self._models_told = told
         elif answer is not None:
             log.warning("the front door refused the models %s: %s", told[1], answer.get("error"))
+
+    def _tell_router_slots(self, router_answered: bool) -> None:
+        """Each slot's state and restarts, to the front door when they changed or the front
+        door is a new one: its metrics show what only the controller sees (a slot in
+        BACKOFF or FATAL has no worker there; restarts are of processes it never met)."""
+        if not router_answered:
+            return
+        rows = sorted((s.key, s.state.value, s.restarts) for s in self.slots.values())
+        told = (self._router_pid, rows)
+        if told == self._slots_told:
+            return
+        slots = [{"slot": key, "state": state, "restarts": n} for key, state, n in rows]
+        answer = self.router.ask("slots", slots=slots)
+        if answer is not None and answer.get("ok"):
+            self._slots_told = told
+        elif answer is not None:
+            log.warning("the front door refused the slots' states: %s", answer.get("error"))
 
     def _forget_removed_models(self) -> None:
         """A removed model whose versions have all ended leaves the pool's configuration."""

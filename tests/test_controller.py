@@ -242,6 +242,7 @@ class FakeRouter:
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
+        self.slot_samples: list[list[dict[str, Any]]] = []  # each "slots" op's rows
         self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
         self.labels: list[dict[str, int]] = []  # and its labels
         self.versions_of: list[str] = []  # and the model it names ("": none named)
@@ -286,6 +287,9 @@ class FakeRouter:
             return {"ok": True}
         if op == "gpus":
             self.gpu_samples.append(fields["gpus"])
+            return {"ok": True}
+        if op == "slots":
+            self.slot_samples.append(fields["slots"])
             return {"ok": True}
         if op == "reload_done":
             request_id = int(fields["id"])
@@ -667,9 +671,17 @@ def test_a_killed_worker_is_counted_reported_gone_and_ready_again(
     assert "cpu-0" not in pool.router.workers
     assert slot.describe()["served"] == 5, "the old incarnation's answers still count"
 
+    # The front door's metrics hear of it: the slot's state and its restart.
+    assert pool.router.slot_samples[-1] == [
+        {"slot": "cpu-0@1", "state": "STARTING", "restarts": 1},
+        {"slot": "cpu-1@1", "state": "READY", "restarts": 0},
+    ]
+    told = len(pool.router.slot_samples)
+
     pool.tick()  # nothing new: no second "gone", no second restart
     assert pool.router.gone == [("cpu-0@1", 101)]
     assert slot.restarts == 1
+    assert len(pool.router.slot_samples) == told, "told again only when something changed"
 
     pool.router.register("cpu-0@1", 201, answered=2)
     pool.tick()

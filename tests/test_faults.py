@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,6 +141,18 @@ def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy:
     assert "cannot load model demo" in slot["reason"]
     assert "saved_model.pb" in slot["reason"]
     assert next(s for s in status["slots"] if s["slot"] == "cpu-1")["state"] == "READY"
+    # The front door's metrics show what only the controller sees: a FATAL slot (no worker
+    # of it ever reaches the front door) and the processes the slot went through.
+    want = {
+        'mpspool_worker_slots{state="FATAL"}': 1.0,
+        'mpspool_worker_slots{state="READY"}': 1.0,
+        'mpspool_worker_restarts_total{slot="cpu-0@1"}': float(slot["restarts"]),
+    }
+    deadline = time.monotonic() + 10
+    while {k: (seen := _metrics(pool)).get(k) for k in want} != want:
+        assert time.monotonic() < deadline, (want, seen)
+        time.sleep(0.1)
+    assert slot["restarts"] >= 2, slot  # the kill, then a failed load
     with pool.channel() as channel:
         assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
     streamer = Streamer(pool.port, DEMO_ROWS).start()
@@ -148,6 +161,13 @@ def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy:
     finally:
         streamer.stop()
     assert streamer.failed() == []
+
+
+def _metrics(pool: Pool) -> dict[str, float]:
+    """The front door's Prometheus samples, by name and labels as the page writes them."""
+    page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
+    rows = (line.rsplit(" ", 1) for line in page.splitlines() if line and line[0] != "#")
+    return {key: float(value) for key, value in rows}
 
 
 def _next_pid(pool: Pool, slot: str, old: int, seen: list[dict], timeout: float = 60.0) -> int:

@@ -397,6 +397,12 @@ def test_prometheus_metrics(pool: Pool, stub) -> None:
     samples = _parse_prometheus(text)
     assert samples[f'{INFLIGHT_METRIC}{{model="demo"}}'] == 0.0
     assert samples[READY_WORKERS_METRIC] == 2.0
+    # Every state has its row, zeros too (an alert on FATAL > 0 has a series to watch).
+    slots = {k: v for k, v in samples.items() if k.startswith("mpspool_worker_slots{")}
+    assert slots == {
+        f'mpspool_worker_slots{{state="{state}"}}': 2.0 if state == "READY" else 0.0
+        for state in ("STARTING", "READY", "DRAINING", "STOPPED", "BACKOFF", "FATAL")
+    }
     ok = 'mpspool_requests_total{code="OK",method="Predict",model="demo"}'
     not_found = 'mpspool_requests_total{code="NOT_FOUND",method="Predict",model="demo"}'
     assert samples[ok] >= 1

@@ -21,7 +21,7 @@ use rmpv::Value;
 
 use crate::config::ModelEntry;
 use crate::log_info;
-use crate::state::{DrainRequest, GpuSample, RouterState};
+use crate::state::{DrainRequest, GpuSample, RouterState, SlotSample, SLOT_STATES};
 use crate::timeline::Timeline;
 use crate::versions::{ModelId, Models, VersionTable};
 use crate::wire;
@@ -163,6 +163,20 @@ fn op<P>(
             pool.state.set_gpus(parsed);
             vec![("ok", Value::from(true))]
         }
+        "slots" => {
+            let Some(Value::Array(samples)) = field(request, "slots") else {
+                return error("slots needs a list of samples".to_string());
+            };
+            let parsed: Option<Vec<SlotSample>> = samples.iter().map(slot_sample).collect();
+            let Some(parsed) = parsed else {
+                return error(format!(
+                    "each slots sample needs slot, restarts and a state among {}",
+                    SLOT_STATES.join(", ")
+                ));
+            };
+            pool.state.set_slots(parsed);
+            vec![("ok", Value::from(true))]
+        }
         "versions" => {
             let Some(Value::Array(listed)) = field(request, "versions") else {
                 return error("versions needs a list of {version, state, error}".to_string());
@@ -273,6 +287,16 @@ fn gpu_sample(value: &Value) -> Option<GpuSample> {
     })
 }
 
+fn slot_sample(value: &Value) -> Option<SlotSample> {
+    let get = |name: &str| map_field(value, name);
+    let state = get("state")?.as_str()?;
+    Some(SlotSample {
+        slot: get("slot")?.as_str()?.to_string(),
+        state: SLOT_STATES.iter().find(|known| **known == state)?,
+        restarts: get("restarts")?.as_u64()?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,6 +379,29 @@ mod tests {
         );
         assert!(bad["error"].as_str().unwrap().contains("memory_used"));
         assert_eq!(pool.state.gpus().len(), 1, "a bad sample changes nothing");
+
+        let slots = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "slots", "n": 8, "slots": [
+                {"slot": "cpu-0@1", "state": "BACKOFF", "restarts": 2}]}),
+        );
+        assert_eq!(slots["ok"], true);
+        assert_eq!(pool.state.slots()[0].state, "BACKOFF");
+        assert_eq!(pool.state.slots()[0].restarts, 2);
+        let unknown = ask(
+            &mut pool,
+            serde_json::json!({"v": 1, "op": "slots", "n": 9, "slots": [
+                {"slot": "cpu-0@1", "state": "ASLEEP", "restarts": 2}]}),
+        );
+        assert!(unknown["error"]
+            .as_str()
+            .unwrap()
+            .contains("BACKOFF, FATAL"));
+        assert_eq!(
+            pool.state.slots()[0].state,
+            "BACKOFF",
+            "a bad sample changes nothing"
+        );
 
         let snap = ask(
             &mut pool,

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use crate::connection_limit::ConnectionLimit;
 use crate::request_budget::RequestBudget;
-use crate::state::RouterState;
+use crate::state::{RouterState, SLOT_STATES};
 use crate::status::Code;
 use crate::tfs_metrics::TfServingMetrics;
 pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
@@ -334,6 +334,23 @@ impl Metrics {
         out.push_str("# HELP mpspool_workers_ready Workers registered and receiving requests.\n");
         out.push_str("# TYPE mpspool_workers_ready gauge\n");
         out.push_str(&format!("mpspool_workers_ready {}\n", *self.ready.borrow()));
+        // Zero rows too: an alert on FATAL > 0 needs the series before the first FATAL.
+        let slots = self.state.slots();
+        out.push_str("# HELP mpspool_worker_slots Worker slots in each state, as the controller last saw them (BACKOFF: its model could not load and it waits to try again; FATAL: its tries ran out).\n");
+        out.push_str("# TYPE mpspool_worker_slots gauge\n");
+        for state in SLOT_STATES {
+            let n = slots.iter().filter(|s| s.state == state).count();
+            out.push_str(&format!("mpspool_worker_slots{{state=\"{state}\"}} {n}\n"));
+        }
+        out.push_str("# HELP mpspool_worker_restarts_total Processes a worker slot has had since the pool started, less its first (a crash, a kill, a failed load, a restart by the pool).\n");
+        out.push_str("# TYPE mpspool_worker_restarts_total counter\n");
+        for s in &slots {
+            out.push_str(&format!(
+                "mpspool_worker_restarts_total{{slot=\"{}\"}} {}\n",
+                escape(&s.slot),
+                s.restarts
+            ));
+        }
         out.push_str("# HELP mpspool_worker_copied_weight_bytes Bytes of shared weights TensorFlow copied into the worker of each slot (0: it shares them all; more only with --allow-copied-weights).\n");
         out.push_str("# TYPE mpspool_worker_copied_weight_bytes gauge\n");
         for (slot, bytes) in self.copied.borrow().iter() {
@@ -567,6 +584,18 @@ mod tests {
     #[test]
     fn renders_counts_latency_and_gauges() {
         let (state, _drain) = RouterState::new();
+        state.set_slots(vec![
+            crate::state::SlotSample {
+                slot: "cpu-0@1".to_string(),
+                state: "READY",
+                restarts: 3,
+            },
+            crate::state::SlotSample {
+                slot: "ranker/cpu-1@2".to_string(),
+                state: "FATAL",
+                restarts: 4,
+            },
+        ]);
         let (_tx, ready) = watch::channel(2usize);
         let copied = BTreeMap::from([("cpu-0".to_string(), 0u64), ("cpu-1".to_string(), 8)]);
         let (_copied_tx, copied) = watch::channel(copied);
@@ -613,6 +642,12 @@ mod tests {
         assert!(text.contains("mpspool_workers_ready 2\n"));
         assert!(text.contains("mpspool_worker_retries_total 0\n"));
         assert!(text.contains("mpspool_worker_copied_weight_bytes{slot=\"cpu-1\"} 8\n"));
+        for (state, n) in [("READY", 1), ("FATAL", 1), ("BACKOFF", 0), ("STARTING", 0)] {
+            let row = format!("mpspool_worker_slots{{state=\"{state}\"}} {n}\n");
+            assert!(text.contains(&row), "{row}{text}");
+        }
+        assert!(text.contains("mpspool_worker_restarts_total{slot=\"cpu-0@1\"} 3\n"));
+        assert!(text.contains("mpspool_worker_restarts_total{slot=\"ranker/cpu-1@2\"} 4\n"));
         assert!(text.contains("mpspool_worker_copied_weight_bytes{slot=\"cpu-0\"} 0\n"));
         assert!(
             text.contains("mpspool_request_memory_bytes 3072\n"),

@@ -67,6 +67,10 @@ pub struct RouterState {
     pub batching: BatchingMetrics,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
+    /// Every worker slot's state and restarts as the controller last told them (the
+    /// metrics' view of what only the controller sees: a slot in BACKOFF or FATAL has no
+    /// worker here).
+    slots: Mutex<Vec<SlotSample>>,
     /// Drain requests from the control channel; the server acts on the first.
     pub drain: mpsc::UnboundedSender<DrainRequest>,
     /// HandleReloadConfigRequest calls waiting for the controller's answer.
@@ -92,6 +96,7 @@ impl RouterState {
                 reply: Histogram::default(),
                 batching: BatchingMetrics::default(),
                 gpus: Mutex::new(Vec::new()),
+                slots: Mutex::new(Vec::new()),
                 drain,
                 reloads: crate::reload::Reloads::default(),
             },
@@ -109,6 +114,23 @@ pub struct GpuSample {
     pub memory_total: u64,
     /// Percent of the last sample period with a kernel running.
     pub utilization: u64,
+}
+
+/// The states a worker slot can be in (the controller's `WorkerState`), in the order the
+/// metrics list them: a state outside it is refused, so the metric's labels stay these.
+pub const SLOT_STATES: [&str; 6] = [
+    "STARTING", "READY", "DRAINING", "STOPPED", "BACKOFF", "FATAL",
+];
+
+/// One worker slot as the controller sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotSample {
+    /// Its key ("cpu-0@1", "ranker/cpu-0@2"), as the workers register by.
+    pub slot: String,
+    /// One of SLOT_STATES.
+    pub state: &'static str,
+    /// Processes it has had since the pool started, less one.
+    pub restarts: u64,
 }
 
 impl RouterState {
@@ -129,5 +151,16 @@ impl RouterState {
 
     pub fn gpus(&self) -> Vec<GpuSample> {
         self.gpus.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Replaces the slot samples (the control channel's `slots` op is the one writer).
+    pub fn set_slots(&self, samples: Vec<SlotSample>) {
+        if let Ok(mut slots) = self.slots.lock() {
+            *slots = samples;
+        }
+    }
+
+    pub fn slots(&self) -> Vec<SlotSample> {
+        self.slots.lock().map(|s| s.clone()).unwrap_or_default()
     }
 }
