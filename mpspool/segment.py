@@ -230,6 +230,46 @@ def hold(path: Path) -> int:
     return fd
 
 
+def removed(held_fd: int) -> bool:
+    """Whether the segment held by ``held_fd`` (`hold`) no longer has a name: someone
+    unlinked it (a cleanup of /dev/shm, `rm`). Workers mapping it keep serving from it;
+    one started now would find nothing to map."""
+    return os.fstat(held_fd).st_nlink == 0
+
+
+def restore(held_fd: int, path: Path) -> int:
+    """Write the removed segment held by ``held_fd`` back at ``path`` (its content copied
+    in the kernel, under a ".partial" name renamed into place as a publisher does) and
+    return the hold on the new file; the caller closes the old one. SegmentError when
+    /dev/shm has no room or the copy fails; nothing is left behind then. The old pages stay
+    while workers map them: until those workers are replaced the segment takes twice its
+    size."""
+    size = os.fstat(held_fd).st_size
+    check_space(size, path.parent)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        out = os.open(partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SegmentError(f"cannot write {partial}: {exc}") from exc
+    try:
+        fcntl.flock(out, fcntl.LOCK_SH)  # held while it is written, as a publisher's
+        copied = 0
+        while copied < size:
+            n = os.copy_file_range(held_fd, out, size - copied, copied, copied)
+            if n == 0:
+                raise SegmentError(f"{path}: the held segment ended after {copied} bytes")
+            copied += n
+        os.rename(partial, path)
+        return hold(path)
+    except BaseException as exc:
+        partial.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise SegmentError(f"cannot restore {path}: {exc}") from exc
+        raise
+    finally:
+        os.close(out)
+
+
 def held(path: Path) -> bool:
     """Whether any process holds ``path`` (`hold`, or its publisher writing it)."""
     try:

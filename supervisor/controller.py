@@ -394,6 +394,10 @@ class Controller:
             self._restart_gpu(gpu, why)
             infos = self.supervisord.process_info()
         self._publish_gpu_usage(router_answered)
+        for group in self.groups():
+            said = group.restore_segment_if_removed()
+            if said:
+                log.warning("%s: %s", group.label, said)
         workers = snap.get("workers", {})
         dead = snap.get("declared_dead", {})
         now = self.clock.monotonic()

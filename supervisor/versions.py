@@ -124,6 +124,9 @@ class VersionGroup:
     last_error: str = ""
     # The controller's hold on its published segment (mpspool/segment.py, `hold`), if any.
     segment_hold: int | None = None
+    # What restore_segment_if_removed last said of a segment it could not write back, so
+    # that it is said once, not at every tick.
+    segment_trouble: str = ""
 
     @property
     def group(self) -> str:
@@ -153,6 +156,37 @@ class VersionGroup:
         the file, and the hold with it. OSError when it is not there."""
         if self.segment and self.segment_hold is None:
             self.segment_hold = weight_segment.hold(path or Path(self.segment))
+
+    def restore_segment_if_removed(self) -> str:
+        """If someone removed its published segment from /dev/shm, write it back from the
+        controller's hold (the file lives on while held), so that a worker started later
+        (a crash's replacement) finds it: "" when nothing was removed (or what stops it was
+        said before), else what was done. Only once its publisher is done: before, the hold
+        is on the file being written."""
+        if self.publisher is not None or self.segment_hold is None:
+            return ""
+        if not weight_segment.removed(self.segment_hold):
+            return ""
+        path = Path(self.segment)
+        if path.exists():
+            trouble = f"its segment {path} was replaced by another file: left as it is"
+        else:
+            try:
+                restored = weight_segment.restore(self.segment_hold, path)
+            except weight_segment.SegmentError as exc:
+                trouble = f"its segment {path} was removed and cannot be written back: {exc}"
+            else:
+                os.close(self.segment_hold)
+                self.segment_hold, self.segment_trouble = restored, ""
+                return (
+                    f"its segment {path} was removed from outside the pool: written back "
+                    "from the copy its workers still map (twice its size until they are "
+                    "replaced)"
+                )
+        if trouble == self.segment_trouble:
+            return ""
+        self.segment_trouble = trouble
+        return trouble
 
     def unlink_segment(self) -> None:
         """Its weight segment (and a half-written one) leaves /dev/shm; the memory goes back

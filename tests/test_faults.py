@@ -72,6 +72,32 @@ def test_kill_9_of_a_worker_loses_no_request(pool: Pool) -> None:
     assert slot["restarts"] == victim["restarts"] + 1
 
 
+def test_a_segment_removed_from_outside_is_written_back(pool: Pool) -> None:
+    """rm of the weight segment under a serving pool (a cleanup of /dev/shm): the workers
+    keep serving from the pages they map, and the controller writes the segment back from
+    its hold, so that a worker started later (here: a kill's replacement) can load. Before,
+    every replacement failed to load and the pool wore down to FATAL slots."""
+    [segment] = pool.segments()
+    removed = segment.stat().st_ino
+    segment.unlink()
+    deadline = time.monotonic() + 10
+    while not (segment.exists() and segment.stat().st_ino != removed):
+        assert time.monotonic() < deadline, pool.output()[-2000:]
+        time.sleep(0.05)
+    assert segment.stat().st_mode & 0o777 == 0o600
+    assert "was removed from outside the pool: written back" in pool.output()
+    victim = pool.slot("cpu-1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    pool.wait_for(ready_again("cpu-1", victim["pid"]), 60, "cpu-1 READY on the written-back copy")
+    streamer = Streamer(pool.port, DEMO_ROWS).start()
+    try:
+        streamer.wait_for_successes(20)
+    finally:
+        streamer.stop()
+    assert streamer.failed() == []
+    assert pool.segments() == [segment], "no .partial left"
+
+
 def test_sigstop_worker_is_declared_dead_and_replaced(pool: Pool) -> None:
     victim = pool.slot("cpu-1")
     request = predict_pb2.PredictRequest()

@@ -536,6 +536,33 @@ def _tiny_segment(
     return _partial(path)
 
 
+def test_a_removed_segment_is_restored_from_its_hold(shm_subdir: Path) -> None:
+    """The controller's hold keeps a removed segment's content: `restore` writes it back,
+    byte for byte and private, and holds the new file; with no room it says so and leaves
+    nothing behind."""
+    path = _tiny_segment(shm_subdir / "mpspool-p-m-v1", os.getpid(), time.time())
+    content = path.read_bytes()
+    held = segment.hold(path)
+    try:
+        assert not segment.removed(held)
+        path.unlink()
+        assert segment.removed(held)
+        restored = segment.restore(held, path)
+        try:
+            assert path.read_bytes() == content
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            assert not segment.removed(restored) and segment.held(path)
+        finally:
+            os.close(restored)
+        path.unlink()
+        (shm_subdir / "mpspool-p-m-v1.partial").mkdir()  # in the way: the copy cannot start
+        with pytest.raises(segment.SegmentError, match="cannot write"):
+            segment.restore(held, path)
+        assert sorted(p.name for p in shm_subdir.iterdir()) == ["mpspool-p-m-v1.partial"]
+    finally:
+        os.close(held)
+
+
 def test_remove_stale_removes_only_what_a_dead_owner_left(shm_subdir: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: its pid names no process (or, reused, one with another start time)
