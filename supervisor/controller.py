@@ -256,7 +256,7 @@ class Controller:
                 # back-off and FATAL (one owner). startsecs=0: a process is RUNNING once
                 # spawned, so supervisord never counts a kill as a failed start of its own.
                 autorestart="false",
-                exitcodes=(0, process.EXIT_LOAD_FAILED),
+                exitcodes=(0, process.EXIT_CONFIG_ERROR, process.EXIT_LOAD_FAILED),
                 startsecs=0,
                 startretries=0,
             )
@@ -519,6 +519,14 @@ class Controller:
         was_ready = slot.state is WorkerState.READY or (slot.pid and slot.ready_pid == slot.pid)
         self.forget(slot, ended)
         slot.pid = 0
+        if exitstatus == process.EXIT_CONFIG_ERROR:
+            # Refused by the pool's own settings (the worker's last words say which flag
+            # would serve it): backing off and trying again cannot change that.
+            slot.refused = True
+            slot.load_failures = self.config.start_retries + 1
+            slot.reason = self.supervisord.tail_reason(slot.program) or f"{who} {ended}"
+            self._make_fatal(slot, now)
+            return
         if exitstatus == process.EXIT_LOAD_FAILED or not (was_ready or killed_by_us):
             # It could not load, or died before it was ever ready (a crash loop, or killed
             # while loading): a start failure, backed off and counted toward FATAL. Its own

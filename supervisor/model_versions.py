@@ -443,8 +443,10 @@ class ModelVersions:
         failed += [s for s in slots if s.load_failures and s.state is WorkerState.BACKOFF]
         if failed and (others or not self.required):
             # While another version serves (or for a model added while the pool serves), a
-            # version that cannot load ends at once instead of being retried to FATAL.
-            self._fail_version(group, failed[0].reason, now)
+            # version that cannot load ends at once instead of being retried to FATAL; one
+            # the pool's settings refuse is not tried again either.
+            refused = any(s.refused for s in failed)
+            self._fail_version(group, failed[0].reason, now, retry=not refused)
 
     def _fail_version(
         self, group: VersionGroup, reason: str, now: float, retry: bool = True

@@ -24,6 +24,9 @@ class Slot:
     started_at: float = 0.0  # wall-clock start of the current incarnation
     incarnations: int = 0  # processes this slot has had
     load_failures: int = 0
+    # Its last process was refused by the pool's own settings (exit EXIT_CONFIG_ERROR:
+    # weights that cannot be shared): FATAL at once, and its version is not tried again.
+    refused: bool = False
     retry_at: float = 0.0  # monotonic time of the next start, in BACKOFF or FATAL
     reason: str = ""
     served_before: int = 0  # requests answered by earlier incarnations
@@ -69,6 +72,8 @@ class Slot:
             new.value,
             f" ({why})" if why else "",
         )
+        if new is WorkerState.STARTING:
+            self.refused = False  # a new try: its own verdict
         self.state = new
 
     def describe(self, now: float | None = None) -> dict[str, Any]:

@@ -1226,7 +1226,7 @@ def test_render_config_for_the_pools_programs(pool: Pool):
             "1",
         ]
         # A load failure is an expected exit: supervisord leaves the retry to the controller.
-        assert worker["exitcodes"] == f"0,{process.EXIT_LOAD_FAILED}"
+        assert worker["exitcodes"] == f"0,{process.EXIT_CONFIG_ERROR},{process.EXIT_LOAD_FAILED}"
         # supervisord's own shutdown (a killed controller) stops the front door first.
         assert int(router["priority"]) > int(worker["priority"]), "router stops first"
         assert worker["autostart"] == "false", "the controller starts workers after the router"
@@ -2036,6 +2036,45 @@ def test_a_version_that_fails_to_load_is_tried_again_and_serves_once_it_loads(
     pool.tick()
     assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
     assert pool.controller.phase is PoolPhase.SERVING
+
+
+def test_a_version_the_pools_settings_refuse_ends_without_retries(
+    make_pool: Callable[..., Pool],
+):
+    """A worker refused by the pool's own settings (exit 3: weights it cannot share) is FATAL
+    at once, and its version ends at once with the worker's words: another try 60 s later
+    would be refused the same way. Version 1 serves on."""
+    pool, _ = versioned_pool(make_pool, [1, 2], start_retries=2, load_retry_interval_s=5.0)
+    pool.tick(after_s=1.0)
+    refusal = "cannot share the weights: a MutableHashTable's contents; use --no-share-weights"
+    pool.sd.logs[program_of("cpu-0@2")] = refusal
+    pool.sd.exit("cpu-0@2", process.EXIT_CONFIG_ERROR)
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "END"}
+    assert status_row(pool, 2)["error"] == refusal
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    pool.tick(after_s=10.0)
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "not tried again"
+    assert pool.controller.phase is PoolPhase.SERVING
+
+
+def test_a_refused_worker_is_fatal_at_once_and_tried_again_after_the_cool_down(
+    pool: Pool, attempts: list[Attempt]
+):
+    """At the pool's start too: no back-off for a refusal (exit 3); the FATAL cool-down's
+    try starts with a clean verdict."""
+    program = program_of("cpu-0")
+    pool.sd.logs[program] = "cannot share the weights: use --no-share-weights"
+    pool.start()
+    pool.make_ready("cpu-1")
+    slot = pool.slot("cpu-0")
+    pool.sd.exit("cpu-0@1", process.EXIT_CONFIG_ERROR)
+    pool.tick()
+    assert (slot.state, slot.refused) == (S.FATAL, True)
+    assert slot.reason == "cannot share the weights: use --no-share-weights"
+    assert states_of(attempts, "cpu-0")[-2:] == ["STARTING", "FATAL"]
+    pool.tick(60.0)
+    assert (slot.state, slot.refused) == (S.STARTING, False)
 
 
 def test_a_version_that_keeps_failing_ends_after_its_retries(

@@ -31,10 +31,11 @@ from mpspool import dtypes, segment
 from mpspool.demo_model import demo_inputs
 from mpspool.worker import runtime, tensor_bundle
 from mpspool.worker.publish import OBJECT_GRAPH_KEY, PublishError, publish
-from mpspool.worker.runtime import ModelLoadError, ModelRuntime, load_saved_model
+from mpspool.worker.runtime import ModelLoadError, ModelRefused, ModelRuntime, load_saved_model
 from mpspool.worker.shared_weights import resolve, unescape_name
 
 from conftest import DEMO_ROWS
+from poolproc import Pool
 
 SIG = "serving_default"
 EMBEDDING_KEY = "embedding/.ATTRIBUTES/VARIABLE_VALUE"
@@ -404,11 +405,28 @@ def test_a_mutable_table_model_is_refused_with_shared_weights(
 ) -> None:
     path = segments.new("mutable")
     _publish(mutable_model_dir, path)
-    with pytest.raises(ModelLoadError) as info:
+    with pytest.raises(ModelRefused) as info:  # by the pool's settings: no retry helps
         load_saved_model(str(mutable_model_dir), "m", 1, weights_segment=str(path))
     message = str(info.value)
     assert re.search(r"\buser_counts\b(?!/)", message), message  # the object, not only its keys
     assert "--no-share-weights" in message
+
+
+def test_a_pool_refused_by_its_settings_fails_its_start_without_retries(
+    tmp_path: Path, mutable_model_dir: Path
+) -> None:
+    """The same model in a pool: its worker exits as refused (3), is FATAL at once and the
+    start fails with the worker's words, instead of three load retries with back-off (about
+    40 s) that could only be refused the same way."""
+    pool = Pool(tmp_path, mutable_model_dir.parent, 1, "--start-retries", "3").start()
+    try:
+        assert pool.proc is not None
+        assert pool.proc.wait(60) == 1, pool.output()
+        output = pool.output()
+        assert "STARTING -> FATAL" in output and "BACKOFF" not in output, output
+        assert "--no-share-weights" in output.strip().splitlines()[-1], output
+    finally:
+        pool.kill()
 
 
 def test_a_mutable_table_model_loads_plainly(mutable_model_dir: Path) -> None:

@@ -39,6 +39,11 @@ class ModelLoadError(Exception):
     """A model could not be loaded; the message says what failed and where."""
 
 
+class ModelRefused(ModelLoadError):
+    """A model the pool's own settings refuse (weights it cannot share): no load retry can
+    change that, only other flags (--no-share-weights) can."""
+
+
 class ModelRuntime(Protocol):
     """One loaded model version, ready to run its signatures."""
 
@@ -183,8 +188,10 @@ def _attach_weights(tf: Any, loaded: Any, segment_path: str, checkpoint: str, wh
         _wait_for_publisher(Path(segment_path))
         segment = AttachedSegment(Path(segment_path))
         bound = attach(tf, loaded, segment, checkpoint)
-    except (SegmentError, NotShareable) as exc:
+    except SegmentError as exc:  # missing, or being written: another try may find it
         raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
+    except NotShareable as exc:
+        raise ModelRefused(f"cannot share the weights of {where}: {exc}") from exc
     # Said at start, before warm-up: what in the served functions may copy a variable out of
     # the segment, and why. Warm-up then shows what did (refused unless copies are allowed);
     # what it did not run (a write in a branch) is reported with the weights as at_risk.

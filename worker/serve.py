@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not the terminal
 
     _require_mps_daemon()
-    from mpspool.worker.runtime import ModelLoadError, load_saved_model
+    from mpspool.worker.runtime import ModelLoadError, ModelRefused, load_saved_model
 
     try:
         runtime = load_saved_model(
@@ -539,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         # copy it makes is warm-up's.
         runtime.check_deferred()
         weights = runtime.weights_report()
+    except ModelRefused as exc:  # another try would be refused the same way
+        process.fail(process.EXIT_CONFIG_ERROR, f"cannot load model {config.model_name}: {exc}")
     except ModelLoadError as exc:
         process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
     except Exception as exc:  # a warm-up that fails means the model cannot serve either
@@ -553,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         # as asked; --allow-copied-weights serves it anyway, and status shows COPIED.
         if not config.allow_copied_weights:
             process.fail(
-                process.EXIT_LOAD_FAILED,
+                process.EXIT_CONFIG_ERROR,  # every try copies the same: no retry helps
                 f"TensorFlow copied shared variables into this worker: {copied}; an op that "
                 "writes a variable, or reads it other than by ReadVariableOp and the gathers "
                 "mpspool rewrites, does that. Serve it with --allow-copied-weights (each "
