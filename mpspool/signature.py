@@ -34,6 +34,8 @@ class SignatureSpec:
     method_name: str
     inputs: Mapping[str, TensorSpec]
     outputs: Mapping[str, TensorSpec]
+    # Why no request can call it ("" when one can): a tensor that is not one named tensor.
+    unservable: str = ""
 
 
 # The entry tf.saved_model.save writes for the model's initializer: a signature_def, but
@@ -53,8 +55,27 @@ def specs_from_signature_defs(signature_defs: Mapping[str, Any]) -> dict[str, Si
             method_name=sig.method_name,
             inputs={alias: _tensor_spec(info) for alias, info in sig.inputs.items()},
             outputs={alias: _tensor_spec(info) for alias, info in sig.outputs.items()},
+            unservable=_unservable(key, sig),
         )
     return specs
+
+
+def _unservable(key: str, sig: Any) -> str:
+    """Why a request cannot call signature ``key``: TF Serving feeds and fetches each tensor
+    by its TensorInfo's name, and a SparseTensor's (coo_sparse: a TF1 sparse placeholder)
+    or a composite tensor's has none, so its Predict fails there too. The model loads and
+    its other signatures serve, as in TF Serving."""
+    for side, tensors in (("input", sig.inputs), ("output", sig.outputs)):
+        for alias, info in sorted(tensors.items()):
+            encoding = info.WhichOneof("encoding")
+            if encoding in ("coo_sparse", "composite_tensor"):
+                return (
+                    f"signature {key!r} cannot be called: its {side} {alias!r} is a "
+                    f"{'SparseTensor' if encoding == 'coo_sparse' else 'composite tensor'} "
+                    f"({encoding} encoding), not one named tensor a request can "
+                    f"{'feed' if side == 'input' else 'fetch'}"
+                )
+    return ""
 
 
 def _tensor_spec(info: Any) -> TensorSpec:

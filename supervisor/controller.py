@@ -699,9 +699,11 @@ class Controller:
             return
         slots = [{"slot": key, "state": state, "restarts": n} for key, state, n in rows]
         answer = self.router.ask("slots", slots=slots)
-        if answer is not None and answer.get("ok"):
-            self._slots_told = told
-        elif answer is not None:
+        if answer is None:
+            return  # asked again at the next tick
+        # Said once per change, not at every tick, if this front door refuses them.
+        self._slots_told = told
+        if not answer.get("ok"):
             log.warning("the front door refused the slots' states: %s", answer.get("error"))
 
     def _forget_removed_models(self) -> None:

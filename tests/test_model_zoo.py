@@ -936,3 +936,101 @@ def test_with_shared_weights_state_that_is_no_shared_variable_is_not_run_at_warm
     assert list(runtime.weights_report()["copied"].values()) == [8]
     runtime = load(copies_allowed=True)
     assert runtime.run("count", ids, ["seen"])["seen"] == 2
+
+
+def _tf1_with_a_file_and_a_sparse_signature(version: Path, tmp_path: Path) -> None:
+    """A TF1 model beside its predict signature: one that reads the file its input names
+    (NOT_FOUND on the empty path of a zero example) and one fed a SparseTensor through a
+    sparse placeholder (a `coo_sparse` TensorInfo: what TF1 estimators' raw serving input
+    receivers make of sparse features)."""
+    tf = _tf()
+    v1 = tf.compat.v1
+    info = v1.saved_model.build_tensor_info
+    predict = v1.saved_model.signature_def_utils.build_signature_def
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float32, [None, 2], name="x")
+        w = v1.get_variable("w", initializer=tf.constant([[1.0], [2.0]]), use_resource=True)
+        y = tf.matmul(x, w)
+        path = v1.placeholder(tf.string, [], name="path")
+        size = tf.strings.length(tf.io.read_file(path))
+        sparse = v1.sparse_placeholder(tf.float32, [None, 4], name="sp")
+        total = v1.sparse_reduce_sum(sparse, axis=1)
+        method = "tensorflow/serving/predict"
+        signatures = {
+            SIG: predict({"x": info(x)}, {"y": info(y)}, method),
+            "from_path": predict({"path": info(path)}, {"n": info(size)}, method),
+            "sparse_in": predict({"sp": info(sparse)}, {"sum": info(total)}, method),
+        }
+        with v1.Session() as session:
+            session.run(v1.global_variables_initializer())
+            builder = v1.saved_model.Builder(str(version))
+            builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map=signatures)
+            builder.save()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_model_whose_other_signatures_cannot_run_zeros_or_be_called_loads(
+    tmp_path: Path, segment_path: Path, shared: bool
+) -> None:
+    """TF Serving runs no signature at load, so it serves such a model: the predict
+    signature answers, the file reader reads real files, and a request to the sparse one is
+    refused with INVALID_ARGUMENT (TF Serving feeds a tensor by its name, which a coo_sparse
+    input has none of). Both made the load fail here (found by a user test)."""
+    from mpspool.errors import Code, ServingError
+
+    version = tmp_path / "m" / "1"
+    _tf1_with_a_file_and_a_sparse_signature(version, tmp_path)
+    if shared:
+        publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    runtime = load_saved_model(
+        str(version),
+        "m",
+        1,
+        weights_segment=str(segment_path) if shared else "",
+        work_dir=str(tmp_path / "w"),
+    )
+    runtime.warm_up()
+    x = np.array([[1.0, 1.0]], np.float32)
+    assert runtime.run(SIG, {"x": x}, ["y"])["y"].tolist() == [[3.0]]
+    data = tmp_path / "data.txt"
+    data.write_bytes(b"12345")
+    got = runtime.run("from_path", {"path": np.array(str(data).encode(), dtype=object)}, ["n"])
+    assert got["n"] == 5
+    with pytest.raises(ServingError) as info:
+        runtime.run("sparse_in", {"sp": np.zeros((1, 4), np.float32)}, ["sum"])
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert "'sp' is a SparseTensor (coo_sparse encoding)" in info.value.message
+
+
+def test_a_loop_that_ends_only_on_real_data_does_not_hold_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signature iterating until its steps add up to a target never ends on zeros: warm-up
+    stops it (at WARM_UP_RUN_LIMIT_S) and the version loads; real requests end. The load
+    hung for ever, --call-timeout or not (found by a user test)."""
+    from mpspool.worker import runtime as runtime_module
+
+    tf = _tf()
+
+    class Until(tf.Module):
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec([], tf.float32, name="target"),
+                tf.TensorSpec([], tf.float32, name="step"),
+            ]
+        )
+        def until(self, target: Any, step: Any) -> dict[str, Any]:
+            total = tf.constant(0.0)
+            while total <= target:
+                total += step
+            return {"total": total}
+
+    module = Until()
+    tf.saved_model.save(module, str(tmp_path / "1"), signatures={SIG: module.until})
+    monkeypatch.setattr(runtime_module, "WARM_UP_RUN_LIMIT_S", 1.0)
+    runtime = load_saved_model(str(tmp_path / "1"), "until", 1)
+    started = time.monotonic()
+    runtime.warm_up()
+    assert time.monotonic() - started < 30
+    inputs = {"target": np.float32(5.0), "step": np.float32(2.0)}
+    assert runtime.run(SIG, inputs, ["total"])["total"] == 6.0

@@ -175,9 +175,11 @@ def test_warm_up_runs_each_signature_on_one_zero_example(
     calls: list[tuple[str, dict[str, np.ndarray], list[str]]] = []
     real_run = runtime.run
 
-    def spy(signature: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> Any:
+    def spy(
+        signature: str, inputs: dict[str, np.ndarray], outputs: list[str], cancel: Any = None
+    ) -> Any:
         calls.append((signature, inputs, outputs))
-        return real_run(signature, inputs, outputs)
+        return real_run(signature, inputs, outputs, cancel)
 
     monkeypatch.setattr(runtime, "run", spy)
     runtime.warm_up()
@@ -487,7 +489,7 @@ def test_warm_up_forgives_refused_data_but_not_a_model_that_cannot_run(
 ) -> None:
     runtime = load_saved_model(str(two_output_dir), "two", 1)
 
-    def failing(signature: str, inputs: Any, outputs: Any) -> Any:
+    def failing(signature: str, inputs: Any, outputs: Any, cancel: Any = None) -> Any:
         if empty_runs and all(0 in a.shape for a in inputs.values() if a.ndim):
             return {}
         raise ServingError(code, "no")
@@ -498,6 +500,46 @@ def test_warm_up_forgives_refused_data_but_not_a_model_that_cannot_run(
         assert runtime._unchecked == {SIG}
     else:
         with pytest.raises(ModelLoadError, match=f"signature '{SIG}' failed: {code.name}"):
+            runtime.warm_up()
+
+
+@pytest.mark.parametrize(
+    ("code", "loads"),
+    [(Code.INTERNAL, True), (Code.UNKNOWN, True), (Code.RESOURCE_EXHAUSTED, False)],
+)
+def test_a_signature_that_fails_beside_one_that_runs_leaves_the_version_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: Code, loads: bool
+) -> None:
+    """TF Serving would serve the signature that runs, and the failing one's requests would
+    get its error: so here, but out of memory still fails the load."""
+    import tensorflow as tf
+
+    class Two(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def good(self, x):
+            return {"y": x + 1.0}
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def bad(self, x):
+            return {"y": x - 1.0}
+
+    module = Two()
+    signatures = {SIG: module.good.get_concrete_function(), "bad": module.bad}
+    tf.saved_model.save(module, str(tmp_path / "1"), signatures=signatures)
+    runtime = load_saved_model(str(tmp_path / "1"), "two", 1)
+    real_run = runtime.run
+
+    def failing(signature: str, inputs: Any, outputs: Any, cancel: Any = None) -> Any:
+        if signature == "bad":
+            raise ServingError(code, "no")
+        return real_run(signature, inputs, outputs, cancel)
+
+    monkeypatch.setattr(runtime, "run", failing)
+    if loads:
+        runtime.warm_up()
+        assert runtime._unchecked == {"bad"}
+    else:
+        with pytest.raises(ModelLoadError, match=f"signature 'bad' failed: {code.name}"):
             runtime.warm_up()
 
 

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import re
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -319,6 +320,8 @@ class SavedModelRuntime:
         """Serve each signature that allows it from a session whose variables are the weight
         segment's views (``shared_views``: id() of each bound variable → its view)."""
         for key, function in self._functions.items():
+            if self.specs[key].unservable:
+                continue  # never called
             self._sessions[key] = session_call(
                 function,
                 self._flat_orders[key],
@@ -384,6 +387,9 @@ class SavedModelRuntime:
         ``cancel`` (from ``canceller``, or None): its start_cancel() from another thread
         stops the call where TensorFlow can, which fails it with CANCELLED.
         """
+        spec = self.specs.get(signature)
+        if spec is not None and spec.unservable:
+            raise ServingError(Code.INVALID_ARGUMENT, spec.unservable)
         if self._deferred is not None:
             self.check_deferred()  # no call takes a fast path before its check
         if signature in self._unchecked:
@@ -489,15 +495,21 @@ class SavedModelRuntime:
         and many refuse zeros by design (a tf.Example parser with required features given
         empty strings, an assertion that ids are positive, one element reshaped to [-1, 3]).
         Its first real request pays the set-up instead, and checks the fast call against
-        the public one (_run_unchecked). Only refusals of the data are forgiven: any other
-        code (out of memory, an internal or device error) still fails the load, so a version
-        that can run nothing never takes traffic. A signature without inputs is not run: it
-        may exist for its side effects (a reset, a counter), and TF Serving would not run it.
-        ``copies_allowed``: --allow-copied-weights (see below).
+        the public one (_run_unchecked). Refusals of the data are forgiven (a file or key
+        the zeros name not found too), and any failure of a signature while another of the
+        version runs its zeros: TF Serving would serve the others, and that one's requests
+        get its errors. Out of memory still fails the load, and so does any other code (an
+        internal or device error) when no signature runs, so a version that can run nothing
+        never takes traffic. A zero run that may loop is stopped after WARM_UP_RUN_LIMIT_S
+        (a loop that ends only on real data) and left to its first request. A signature
+        without inputs is not run: it may exist for its side effects (a reset, a counter),
+        and TF Serving would not run it. ``copies_allowed``: --allow-copied-weights (below).
         """
+        ran = 0  # signatures that answered their zeros
+        failed: list[tuple[str, ServingError]] = []  # and those that failed otherwise
         for key, spec in self.specs.items():
-            if not spec.inputs:
-                continue
+            if not spec.inputs or spec.unservable:
+                continue  # an unservable one: its requests are refused (run)
             # With shared weights one that writes a variable is run as before: the write
             # copies the shared variable into this worker, and that copy refuses the load
             # unless --allow-copied-weights (``copies_allowed``: N workers would hold N
@@ -519,25 +531,34 @@ class SavedModelRuntime:
                 continue
             inputs = {alias: _zeros(info.dtype, info.shape) for alias, info in spec.inputs.items()}
             try:
-                got = self.run(key, inputs, list(spec.outputs))
-            except ServingError as exc:
-                if exc.code not in _REFUSALS_OF_DATA and not (
+                got = self._zero_run(key, inputs, list(spec.outputs))
+            except (ServingError, _ZeroRunTooLong) as exc:
+                if isinstance(exc, _ZeroRunTooLong):
+                    log.warning(
+                        "warm-up of signature %r stopped after %g s: it does not end on a "
+                        "zero example (a loop that ends on real data); its first request "
+                        "pays the set-up",
+                        key,
+                        WARM_UP_RUN_LIMIT_S,
+                    )
+                elif exc.code is Code.RESOURCE_EXHAUSTED:
+                    raise self._warm_up_error(key, exc) from exc
+                elif exc.code in _REFUSALS_OF_DATA or (
                     exc.code == Code.INTERNAL and self._runs_empty(key, spec)
                 ):
-                    raise ModelLoadError(
-                        f"warm-up of model {self.model_name!r} version {self.version}, "
-                        f"signature {key!r} failed: {exc.code.name}: {exc.message}"
-                    ) from exc
-                log.warning(
-                    "warm-up of signature %r skipped: it refused a zero example (%s: %s); its "
-                    "first request pays the set-up",
-                    key,
-                    exc.code.name,
-                    exc.message.splitlines()[0][:200] if exc.message else "",
-                )
+                    log.warning(
+                        "warm-up of signature %r skipped: it refused a zero example (%s: %s); "
+                        "its first request pays the set-up",
+                        key,
+                        exc.code.name,
+                        exc.message.splitlines()[0][:200] if exc.message else "",
+                    )
+                else:
+                    failed.append((key, exc))  # judged once every signature had its run
                 if self._call_path(key) != "keywords":
                     self._unchecked.add(key)
                 continue
+            ran += 1
             path = self._call_path(key)
             if path != "keywords" and not self._fast_call_agrees(key, inputs, got):
                 log.warning(
@@ -565,6 +586,54 @@ class SavedModelRuntime:
                         eager,
                     )
                     self._direct[key] = self._flat_orders[key] = None
+        if failed and not ran:
+            key, exc = failed[0]
+            raise self._warm_up_error(key, exc) from exc
+        for key, exc in failed:
+            log.warning(
+                "warm-up of signature %r failed (%s: %s); the version loads, as its other "
+                "signatures run (TF Serving runs none at load): its requests will get the error "
+                "if it is the model's",
+                key,
+                exc.code.name,
+                exc.message.splitlines()[0][:200] if exc.message else "",
+            )
+
+    def _warm_up_error(self, key: str, exc: ServingError) -> ModelLoadError:
+        return ModelLoadError(
+            f"warm-up of model {self.model_name!r} version {self.version}, "
+            f"signature {key!r} failed: {exc.code.name}: {exc.message}"
+        )
+
+    def _zero_run(
+        self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
+    ) -> dict[str, np.ndarray]:
+        """Warm-up's run of ``key`` on zeros, stopped (_ZeroRunTooLong) after
+        WARM_UP_RUN_LIMIT_S where TensorFlow can stop it: a signature that may loop (an eager
+        call, or a session with a loop) runs first with a canceller, and a session then runs
+        as it serves (the same inputs: it ends too). A graph without a loop always ends."""
+        cancel = self.canceller(key)
+        if cancel is not None:
+            stopped = threading.Event()
+
+            def stop() -> None:
+                stopped.set()
+                cancel.start_cancel()
+
+            timer = threading.Timer(WARM_UP_RUN_LIMIT_S, stop)
+            timer.daemon = True
+            timer.start()
+            try:
+                got = self.run(key, inputs, outputs, cancel)
+            except ServingError:
+                if stopped.is_set():
+                    raise _ZeroRunTooLong() from None
+                raise
+            finally:
+                timer.cancel()
+            if self._sessions[key] is None:
+                return got  # the path it serves by
+        return self.run(key, inputs, outputs)
 
     def _runs_empty(self, key: str, spec: SignatureSpec) -> bool:
         """Whether ``key`` runs on an empty example (its unknown dimensions 0), after the
@@ -783,7 +852,17 @@ def _flat_order(function: Any, spec: SignatureSpec) -> list[str] | None:
 
 # What a model says of inputs it will not take (an assertion, a reshape, a parse): TensorFlow's
 # codes for bad data, not for a broken model or device.
-_REFUSALS_OF_DATA = frozenset({Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.FAILED_PRECONDITION})
+# Codes of a kernel refusing the data it was fed; NOT_FOUND: a file or key the zeros name.
+_REFUSALS_OF_DATA = frozenset(
+    {Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.FAILED_PRECONDITION, Code.NOT_FOUND}
+)
+# How long warm-up lets a zero run that may loop go on: one whose loop ends only on real data
+# (iterate until a step adds up to a target) would hold the load for ever.
+WARM_UP_RUN_LIMIT_S = 10.0
+
+
+class _ZeroRunTooLong(Exception):
+    """A warm-up run stopped after WARM_UP_RUN_LIMIT_S."""
 
 
 def _zeros(dt: int, shape: tuple[int, ...] | None, unknown: int = 1) -> np.ndarray:

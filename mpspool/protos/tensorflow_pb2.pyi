@@ -108,14 +108,32 @@ class TensorProto(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., tensor_shape: _Optional[_Union[TensorShapeProto, _Mapping]] = ..., version_number: _Optional[int] = ..., tensor_content: _Optional[bytes] = ..., half_val: _Optional[_Iterable[int]] = ..., float_val: _Optional[_Iterable[float]] = ..., double_val: _Optional[_Iterable[float]] = ..., int_val: _Optional[_Iterable[int]] = ..., string_val: _Optional[_Iterable[bytes]] = ..., scomplex_val: _Optional[_Iterable[float]] = ..., int64_val: _Optional[_Iterable[int]] = ..., bool_val: _Optional[_Iterable[bool]] = ..., dcomplex_val: _Optional[_Iterable[float]] = ..., uint32_val: _Optional[_Iterable[int]] = ..., uint64_val: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "dtype", "tensor_shape")
+    __slots__ = ("name", "coo_sparse", "composite_tensor", "dtype", "tensor_shape")
+    class CooSparse(_message.Message):
+        __slots__ = ("values_tensor_name", "indices_tensor_name", "dense_shape_tensor_name")
+        VALUES_TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
+        INDICES_TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
+        DENSE_SHAPE_TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
+        values_tensor_name: str
+        indices_tensor_name: str
+        dense_shape_tensor_name: str
+        def __init__(self, values_tensor_name: _Optional[str] = ..., indices_tensor_name: _Optional[str] = ..., dense_shape_tensor_name: _Optional[str] = ...) -> None: ...
+    class CompositeTensor(_message.Message):
+        __slots__ = ("components",)
+        COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+        components: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+        def __init__(self, components: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
+    COO_SPARSE_FIELD_NUMBER: _ClassVar[int]
+    COMPOSITE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_SHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
+    coo_sparse: TensorInfo.CooSparse
+    composite_tensor: TensorInfo.CompositeTensor
     dtype: DataType
     tensor_shape: TensorShapeProto
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., tensor_shape: _Optional[_Union[TensorShapeProto, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., coo_sparse: _Optional[_Union[TensorInfo.CooSparse, _Mapping]] = ..., composite_tensor: _Optional[_Union[TensorInfo.CompositeTensor, _Mapping]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., tensor_shape: _Optional[_Union[TensorShapeProto, _Mapping]] = ...) -> None: ...
 
 class SignatureDef(_message.Message):
     __slots__ = ("inputs", "outputs", "method_name", "defaults")

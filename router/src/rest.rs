@@ -757,6 +757,7 @@ fn write_signature_def_map(out: &mut String, map: &SignatureDefMap) {
 }
 
 fn write_tensor_infos(out: &mut String, infos: &std::collections::HashMap<String, TensorInfo>) {
+    use crate::proto::mpspool::tfs::tensor_info::Encoding;
     let mut names: Vec<&String> = infos.keys().collect();
     names.sort();
     out.push('{');
@@ -768,11 +769,23 @@ fn write_tensor_infos(out: &mut String, infos: &std::collections::HashMap<String
         write_dtype(out, info.dtype);
         out.push_str(",\n     \"tensor_shape\": ");
         write_shape(out, info.tensor_shape.as_ref());
-        if let Some(crate::proto::mpspool::tfs::tensor_info::Encoding::Name(tensor)) =
-            &info.encoding
-        {
-            out.push_str(",\n     \"name\": ");
-            write_string(out, tensor.as_bytes());
+        match &info.encoding {
+            Some(Encoding::Name(tensor)) => {
+                out.push_str(",\n     \"name\": ");
+                write_string(out, tensor.as_bytes());
+            }
+            // A TF1 sparse placeholder's three tensors, as protobuf's JSON prints them.
+            Some(Encoding::CooSparse(coo)) => {
+                out.push_str(",\n     \"coo_sparse\": {\n      \"values_tensor_name\": ");
+                write_string(out, coo.values_tensor_name.as_bytes());
+                out.push_str(",\n      \"indices_tensor_name\": ");
+                write_string(out, coo.indices_tensor_name.as_bytes());
+                out.push_str(",\n      \"dense_shape_tensor_name\": ");
+                write_string(out, coo.dense_shape_tensor_name.as_bytes());
+                out.push_str("\n     }");
+            }
+            // Its type_spec is not kept (mpspool's proto leaves it out): no partial object.
+            Some(Encoding::CompositeTensor(_)) | None => {}
         }
         out.push_str("\n    }");
     }
@@ -1096,7 +1109,7 @@ mod tests {
     #[test]
     fn signature_maps_are_written_as_protobuf_json() {
         use crate::proto::mpspool::tfs::{
-            tensor_info::Encoding, tensor_shape_proto::Dim, SignatureDef,
+            tensor_info, tensor_info::Encoding, tensor_shape_proto::Dim, SignatureDef,
         };
         let info = TensorInfo {
             encoding: Some(Encoding::Name("serving_default_ids:0".into())),
@@ -1109,8 +1122,17 @@ mod tests {
                 unknown_rank: false,
             }),
         };
+        let sparse = TensorInfo {
+            encoding: Some(Encoding::CooSparse(tensor_info::CooSparse {
+                values_tensor_name: "sp/values:0".into(),
+                indices_tensor_name: "sp/indices:0".into(),
+                dense_shape_tensor_name: "sp/shape:0".into(),
+            })),
+            dtype: 1,
+            tensor_shape: None,
+        };
         let def = SignatureDef {
-            inputs: [("ids".to_string(), info)].into(),
+            inputs: [("ids".to_string(), info), ("sp".to_string(), sparse)].into(),
             outputs: Default::default(),
             method_name: "tensorflow/serving/predict".into(),
             defaults: Default::default(),
@@ -1123,7 +1145,11 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&out).unwrap();
         let expected = serde_json::json!({"signature_def": {"serving_default": {
             "inputs": {"ids": {"dtype": "DT_INT64", "name": "serving_default_ids:0",
-                "tensor_shape": {"dim": [{"size": "-1", "name": ""}], "unknown_rank": false}}},
+                "tensor_shape": {"dim": [{"size": "-1", "name": ""}], "unknown_rank": false}},
+                "sp": {"dtype": "DT_FLOAT", "tensor_shape": {"dim": [], "unknown_rank": false},
+                "coo_sparse": {"values_tensor_name": "sp/values:0",
+                    "indices_tensor_name": "sp/indices:0",
+                    "dense_shape_tensor_name": "sp/shape:0"}}},
             "outputs": {}, "method_name": "tensorflow/serving/predict", "defaults": {}}}});
         assert_eq!(value, expected);
     }
