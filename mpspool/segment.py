@@ -169,6 +169,22 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _allocate(fd: int, size: int, path: Path) -> None:
+    """Give the file behind ``fd`` all its ``size`` bytes of /dev/shm now. A file only
+    truncated to its size gets its pages as they are first written, through a mapping: if
+    another user of /dev/shm took the room since check_space looked, that write is a SIGBUS
+    that kills the process with nothing said; here it is this error."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = shutil.disk_usage(path.parent).free
+        raise SegmentError(
+            f"shared memory too small: need {_mib(size)} for {path.name}, {path.parent} has "
+            f"{_mib(free)} free ({exc.strerror}; docker: --shm-size; Kubernetes: an emptyDir "
+            "with medium: Memory at /dev/shm)"
+        ) from exc
+
+
 class SegmentWriter:
     """Create a segment under a temporary name; `commit()` renames it into place, so a
     reader never sees a half-written one."""
@@ -182,10 +198,11 @@ class SegmentWriter:
         fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while it is written (see the module's doc)
-            os.ftruncate(fd, max(self.total, 1))
+            _allocate(fd, max(self.total, 1), path)
             self._map = mmap.mmap(fd, max(self.total, 1))
         except BaseException:
             os.close(fd)
+            self._tmp.unlink(missing_ok=True)
             raise
         self._held = fd
         raw = manifest.to_json()
@@ -253,6 +270,8 @@ def restore(held_fd: int, path: Path) -> int:
         raise SegmentError(f"cannot write {partial}: {exc}") from exc
     try:
         fcntl.flock(out, fcntl.LOCK_SH)  # held while it is written, as a publisher's
+        if size:
+            _allocate(out, size, path)
         copied = 0
         while copied < size:
             n = os.copy_file_range(held_fd, out, size - copied, copied, copied)

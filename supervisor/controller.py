@@ -411,8 +411,12 @@ class Controller:
                 router_answered,
             )
         for model in self.models.values():
-            if not model.required:
-                continue  # added while serving: a version that cannot load just ends
+            if not model.required or model.has_served:
+                # Added while serving: a version that cannot load just ends. Served: a pool
+                # up and serving stays up while its slots are FATAL (health NOT_SERVING), as
+                # supervisord keeps a FATAL program's siblings; each tries again after
+                # --fatal-retry-after, and one whose files came back serves again.
+                continue
             # A version waiting to try its load again has no worker to count (its slots are
             # STOPPED until then).
             live = [

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,9 @@ class ModelVersions:
         # A model the pool started with must serve, or the pool fails (as TF Serving fails
         # to start); one added while serving that cannot load only shows why in its status.
         self.required = required
+        # Whether a version of it has served: from then on workers that cannot start (their
+        # version's files gone for a moment) wait out FATAL's cool-down, not end the pool.
+        self.has_served = False
         # Removed from the configuration while serving: its versions drain and end, then the
         # controller forgets it.
         self.removed = False
@@ -225,7 +229,12 @@ class ModelVersions:
     def _publish_failure(self, version: int, code: int) -> str:
         path = self._publish_log_path(version)
         reason = process.fatal_reason(path.read_text(errors="replace"))
-        return reason or f"exit code {code}, see {path}"
+        if reason:
+            return reason
+        if code < 0:  # killed: SIGBUS is a page of /dev/shm it could not get
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            return f"the publisher was killed by {name}, see {path}"
+        return f"exit code {code}, see {path}"
 
     def start_added(self, now: float) -> None:
         """A model added while the pool serves: its first version loads as any new version
@@ -438,6 +447,7 @@ class ModelVersions:
             # The first version serves with its first worker; a replacement only when all
             # of its workers are ready, so the pool never serves with fewer.
             group.change_state(VersionState.AVAILABLE, now, f"{len(ready)} workers READY")
+            self.has_served = True
             return
         failed = [s for s in slots if s.load_failures and s.state in FINAL_STATES]
         failed += [s for s in slots if s.load_failures and s.state is WorkerState.BACKOFF]

@@ -977,6 +977,29 @@ def test_a_ready_slot_that_supervisord_reports_fatal_becomes_fatal(pool: Pool):
     assert pool.controller.phase is PoolPhase.SERVING
 
 
+def test_a_pool_that_served_stays_up_while_every_slot_is_fatal(make_pool: Callable[..., Pool]):
+    """Its base path gone for a moment while its workers were replaced: each slot is FATAL,
+    and the pool waits out the cool-down (health says NOT_SERVING meanwhile) instead of
+    ending; the slots try again after it (found by an operator test: a pool exited 10 s
+    after an NFS blip and one worker's OOM kill)."""
+    pool = make_pool(start_retries=0)
+    pool.start()
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    assert pool.controller.phase is PoolPhase.SERVING
+    for name in ("cpu-0", "cpu-1"):
+        pool.sd.logs[program_of(name)] = LOAD_ERROR
+        pool.sd.run(f"{name}@1", pool.sd.pid_of(name) + 1000)  # killed, replaced
+        pool.tick()
+        pool.sd.exit(f"{name}@1", process.EXIT_LOAD_FAILED)
+        pool.tick()
+        assert pool.slot(name).state is S.FATAL
+    assert pool.controller.phase is PoolPhase.SERVING
+    assert pool.controller.exit_code == 0
+    pool.tick(60.0)
+    assert {pool.slot(n).state for n in ("cpu-0", "cpu-1")} == {S.STARTING}
+
+
 def test_supervisords_own_backoff_is_waited_out(pool: Pool):
     pool.start()
     pool.sd.set(program_of("cpu-0"), sd.BACKOFF)  # died within startsecs; it retries

@@ -528,6 +528,22 @@ def test_check_space_refuses_an_impossible_segment() -> None:
     assert "/dev/shm" in str(info.value)
 
 
+def test_a_segment_that_no_longer_fits_is_refused_before_it_is_written(
+    shm_subdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room taken by another /dev/shm user after the check: the writer's allocation says
+    so, where writing through the mapping was a SIGBUS that killed the publisher with nothing
+    said (found by an operator test). Bigger than the whole of /dev/shm, so that the kernel
+    refuses it before allocating a page."""
+    monkeypatch.setattr(segment, "check_space", lambda need, shm_dir=None: None)
+    floats = (shutil.disk_usage(shm_subdir).total + (1 << 30)) // 4
+    manifest = segment.plan("m", 1, os.getpid(), time.time(), [("w", dtypes.DT_FLOAT, (floats,))])
+    path = shm_subdir / "mpspool-p-m-v1"
+    with pytest.raises(segment.SegmentError, match="shared memory too small: need"):
+        segment.SegmentWriter(path, manifest)
+    assert list(shm_subdir.iterdir()) == [], "nothing left behind"
+
+
 @pytest.fixture
 def shm_subdir() -> Iterator[Path]:
     """A private directory in /dev/shm, so that remove_stale sees only this test's files.
