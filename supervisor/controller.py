@@ -293,7 +293,13 @@ class Controller:
 
     # -- main loop ----------------------------------------------------------------
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too (the terminal of a foreground `mpspool start` closing), as a stop: by
+        # default it ended the pool without a drain or a word. Not where it is ignored
+        # (`nohup mpspool start`): the pool is meant to outlive its terminal there.
+        stops = [signal.SIGTERM, signal.SIGINT]
+        if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+            stops.append(signal.SIGHUP)
+        for sig in stops:
             signal.signal(
                 sig, lambda signum, _frame: self.events.append(signal.Signals(signum).name)
             )
@@ -356,7 +362,7 @@ class Controller:
             cpusets.pin(os.getpid(), placement.reserved)
 
     def _dispatch(self, event: str) -> None:
-        if event in ("SIGTERM", "SIGINT", "stop"):
+        if event in ("SIGTERM", "SIGINT", "SIGHUP", "stop"):
             log.info("%s: shutting down", event)
             self._set_phase(PoolPhase.DRAINING, event)
 
@@ -1218,7 +1224,7 @@ class Controller:
         deadline = time.monotonic() + self.config.shutdown_delay_s + self.config.drain_timeout_s + 2
         while time.monotonic() < deadline:
             self._serve_admin(TICK_S)
-            if any(e in ("SIGTERM", "SIGINT") for e in self.events):
+            if any(e in ("SIGTERM", "SIGINT", "SIGHUP") for e in self.events):
                 log.warning("second stop request: not waiting for in-flight requests")
                 # The front door too: what is left of its delay and grace ends now.
                 self.router.ask("drain", delay=0.0, grace=0.0)

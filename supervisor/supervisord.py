@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -74,6 +75,19 @@ class Program:
         return "\n".join(lines) + "\n"
 
 
+# supervisord's own default for minfds: it raises the soft open-file limit that far.
+MIN_OPEN_FILES = 1024
+
+
+def min_open_files() -> int:
+    """supervisord's minfds: its default, or the hard open-file limit where that is lower.
+    Under a lower hard limit supervisord refused to start at all (printing a wrong limit);
+    the pool runs with what it may open, its front door keeping fewer client connections
+    (and saying so in its log)."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MIN_OPEN_FILES if hard == resource.RLIM_INFINITY else min(MIN_OPEN_FILES, hard)
+
+
 def render_config(
     run_dir: Path, log_dir: Path, identifier: str, programs: Sequence[Program]
 ) -> str:
@@ -92,6 +106,7 @@ pidfile={_pct(run_dir / PID_FILE)}
 childlogdir={_pct(log_dir)}
 directory={_pct(run_dir)}
 umask=077
+minfds={min_open_files()}
 
 [rpcinterface:supervisor]
 supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface

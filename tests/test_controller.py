@@ -1348,6 +1348,33 @@ def parse_with_supervisord(run_dir: Path, text: str) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
+def test_supervisord_starts_under_a_hard_open_file_limit_below_its_default(tmp_path: Path):
+    """Under 512 open files at most, supervisord refused to start (its minfds is 1024) and
+    the pool ended with a traceback (found by an operator test): minfds follows the limit."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+        from mpspool.supervisor import supervisord as sd
+        run_dir = Path(sys.argv[1])
+        text = sd.render_config(run_dir, run_dir / "logs", "mpspool-t3st", [])
+        assert "minfds=512" in text, text
+        daemon = sd.Supervisord(run_dir, run_dir / "logs")
+        daemon.start(text)
+        daemon.shutdown()
+        print("started")
+        """
+    )
+    done = subprocess.run(
+        ["prlimit", "--nofile=512", "--", sys.executable, "-c", script, str(tmp_path)],
+        cwd=tmp_path,  # never the repository root: its supervisor/ would shadow supervisord's
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "started" in done.stdout, done.stdout + done.stderr
+
+
 def test_supervisord_itself_accepts_the_rendered_config(tmp_path: Path):
     program = sd.Program(
         name="worker-cpu-0",

@@ -52,7 +52,8 @@ def supervisord_of(pool: Pool) -> psutil.Process:
     return found
 
 
-@pytest.mark.parametrize("how", ["mpspool stop", "SIGTERM", "Ctrl-C"])
+# SIGHUP: the terminal of a foreground `start` closing; it ended the pool with no drain.
+@pytest.mark.parametrize("how", ["mpspool stop", "SIGTERM", "Ctrl-C", "SIGHUP"])
 def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str) -> None:
     pool = Pool(tmp_path, demo_model_dir, 1, "--shutdown-delay", "1.5").start()
     try:
@@ -74,8 +75,8 @@ def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str
         try:
             streamer.wait_for_successes(30)
             signalled_at = time.monotonic()
-            if how == "SIGTERM":
-                pool.signal(signal.SIGTERM)
+            if how in ("SIGTERM", "SIGHUP"):
+                pool.signal(getattr(signal, how))
                 code = pool.proc.wait(60)
             elif how == "Ctrl-C":
                 pool.ctrl_c()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -298,6 +299,36 @@ def test_missing_directory_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist") as info:
         load_saved_model(str(missing), "demo", 1)
     assert str(missing) in str(info.value)
+
+
+def test_an_unreadable_base_path_is_a_load_error_naming_it(tmp_path: Path) -> None:
+    """chmod 000 on the base path: the worker said its warm-up failed, with a traceback
+    (found by an operator test). Root reads any directory, so as root the load runs with
+    the capabilities that allow that dropped (setpriv), as the operator's test did."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    script = (
+        "import sys\n"
+        "from mpspool.worker.runtime import ModelLoadError, load_saved_model\n"
+        "try:\n"
+        "    load_saved_model(sys.argv[1], 'demo', 1)\n"
+        "except ModelLoadError as exc:\n"
+        "    print(exc)\n"
+    )
+    try:
+        done = subprocess.run(
+            [*(drop if os.geteuid() == 0 else []), sys.executable, "-c", script, str(locked / "1")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        locked.chmod(0o700)
+    said = done.stdout.strip()
+    assert said.startswith("cannot load model 'demo' version 1"), done.stdout + done.stderr
+    assert "Permission denied" in said
 
 
 def test_directory_without_saved_model_is_a_load_error(tmp_path: Path, model_dir: Path) -> None:

@@ -106,7 +106,11 @@ def load_saved_model(
     """
     path = Path(model_dir)
     where = f"model {model_name!r} version {version} at {path}"
-    if not path.is_dir():
+    try:
+        found = path.is_dir()
+    except OSError as exc:  # a base path that may not be read (EACCES is no "not there")
+        raise ModelLoadError(f"cannot load {where}: {exc}") from exc
+    if not found:
         raise ModelLoadError(f"cannot load {where}: the directory does not exist")
     try:
         import tensorflow as tf

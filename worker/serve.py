@@ -543,10 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         process.fail(process.EXIT_CONFIG_ERROR, f"cannot load model {config.model_name}: {exc}")
     except ModelLoadError as exc:
         process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
-    except Exception as exc:  # a warm-up that fails means the model cannot serve either
-        log.exception("warm-up failed")
+    except Exception as exc:  # a load or warm-up that fails: the model cannot serve either
+        log.exception("loading or warming up the model failed")
         process.fail(
-            process.EXIT_LOAD_FAILED, f"model {config.model_name} failed its warm-up: {exc}"
+            process.EXIT_LOAD_FAILED,
+            f"model {config.model_name} failed to load or warm up: {type(exc).__name__}: {exc}",
         )
     if weights and weights["copied"]:
         copied = ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in weights["copied"].items())
