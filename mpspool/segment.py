@@ -121,6 +121,7 @@ def plan(
     tensors: Iterable[tuple[str, int, tuple[int, ...]]],
     unshared: Iterable[str] = (),
     same_as: dict[str, str] | None = None,
+    extra: dict | None = None,
 ) -> Manifest:
     """Offsets for each (key, DataType, shape), 64-byte aligned, and where data starts.
 
@@ -149,6 +150,7 @@ def plan(
         owner_started,
         tuple(entries),
         tuple(unshared),
+        extra=dict(extra or {}),
         owner_pid_ns=pid_namespace(),
     )
     data_offset = _align(_HEADER.size + len(manifest.to_json()) + 64, PAGE)

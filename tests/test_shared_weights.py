@@ -412,6 +412,26 @@ def test_a_mutable_table_model_is_refused_with_shared_weights(
     assert "--no-share-weights" in message
 
 
+def test_a_version_whose_graph_changed_since_it_was_published_is_refused_as_such(
+    tmp_path: Path, demo_version: Path, segments: Segments
+) -> None:
+    """A version folder replaced under the same number (a ConfigMap's ..data swap) while
+    its segment serves: a worker started later read the new graph and bound it to the old
+    weights, and the error blamed the checkpoint for a shape the segment holds (found by an
+    operator test). The manifest keeps the published graph's digest; the worker compares."""
+    from mpspool.demo_model import build_demo_model
+
+    version = tmp_path / "m" / "1"
+    shutil.copytree(demo_version, version)
+    path = segments.new("swapped")
+    manifest = _publish(version, path)
+    assert len(manifest.extra["graph_sha256"]) == 64
+    smaller = build_demo_model(tmp_path / "new", embedding_rows=DEMO_ROWS // 2)
+    shutil.copy(smaller / "saved_model.pb", version / "saved_model.pb")
+    with pytest.raises(ModelLoadError, match="saved_model.pb changed since the pool published"):
+        load_saved_model(str(version), "m", 1, weights_segment=str(path), work_dir=str(tmp_path))
+
+
 def test_a_pool_refused_by_its_settings_fails_its_start_without_retries(
     tmp_path: Path, mutable_model_dir: Path
 ) -> None:

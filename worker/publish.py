@@ -9,6 +9,7 @@ copy of the weights: the segment itself.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import resource
@@ -69,7 +70,9 @@ def publish(
         # SavedModel has no variables; no checkpoints were restored"): nothing to share, and
         # the segment says so to the workers. Data shards without their index: the read
         # below says the index is missing.
-        manifest = segment.plan(model_name, version, owner_pid, owner_started, [], [], {})
+        manifest = segment.plan(
+            model_name, version, owner_pid, owner_started, [], [], {}, _extra(Path(model_dir))
+        )
         segment.SegmentWriter(path, manifest).commit()
         return manifest
     try:
@@ -104,7 +107,14 @@ def publish(
             unshared.append(key)
     same_as = _duplicates(bundle, prefix, shared)
     manifest = segment.plan(
-        model_name, version, owner_pid, owner_started, shared, unshared, same_as
+        model_name,
+        version,
+        owner_pid,
+        owner_started,
+        shared,
+        unshared,
+        same_as,
+        _extra(Path(model_dir)),
     )
     writer = segment.SegmentWriter(path, manifest)
     try:
@@ -121,6 +131,28 @@ def publish(
         writer.abort()
         raise
     return manifest
+
+
+# The manifest's record of the graph the weights were published with (segment.Manifest.extra).
+GRAPH_DIGEST_KEY = "graph_sha256"
+
+
+def graph_digest(graph: bytes) -> str:
+    """What a worker compares to tell that a version's saved_model.pb is the one its
+    segment was published from."""
+    return hashlib.sha256(graph).hexdigest()
+
+
+def _extra(model_dir: Path) -> dict[str, str]:
+    """The graph's digest, for the manifest: a version's folder replaced under the same
+    number (a Kubernetes ConfigMap's ..data swap, a re-push) gives a worker started later a
+    new graph beside the weights published from the old one."""
+    for name in ("saved_model.pb", "saved_model.pbtxt"):
+        try:
+            return {GRAPH_DIGEST_KEY: graph_digest((model_dir / name).read_bytes())}
+        except FileNotFoundError:
+            continue
+    return {}
 
 
 def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.ndarray) -> bool:

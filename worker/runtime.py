@@ -116,7 +116,7 @@ def load_saved_model(
         import tensorflow as tf
     except ImportError as exc:
         raise ModelLoadError(f"cannot load {where}: TensorFlow is not installed ({exc})") from exc
-    signature_defs = _read_signature_defs(path, where, tags)
+    signature_defs, digest = _read_signature_defs(path, where, tags)
 
     _set_threads(tf, intra_op_threads, inter_op_threads, where)
     options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=bool(weights_segment))
@@ -133,7 +133,9 @@ def load_saved_model(
         raise ModelLoadError(f"cannot load {where}: {_first_line(exc)}") from exc
     checkpoint = str(path / "variables" / "variables")
     shared = (
-        _attach_weights(tf, loaded, weights_segment, checkpoint, where) if weights_segment else None
+        _attach_weights(tf, loaded, weights_segment, checkpoint, where, digest)
+        if weights_segment
+        else None
     )
 
     specs = specs_from_signature_defs(
@@ -185,13 +187,26 @@ def _rewrite_gathers(path: Path, work_dir: Path, where: str) -> Any:
     return rewritten
 
 
-def _attach_weights(tf: Any, loaded: Any, segment_path: str, checkpoint: str, where: str) -> Any:
+def _attach_weights(
+    tf: Any, loaded: Any, segment_path: str, checkpoint: str, where: str, digest: str
+) -> Any:
     from mpspool.segment import AttachedSegment, SegmentError
+    from mpspool.worker.publish import GRAPH_DIGEST_KEY
     from mpspool.worker.shared_weights import NotShareable, attach, audit
 
     try:
         _wait_for_publisher(Path(segment_path))
         segment = AttachedSegment(Path(segment_path))
+        published = segment.manifest.extra.get(GRAPH_DIGEST_KEY)
+        if published and published != digest:
+            # Bound anyway, its variables would be the old model's under the new graph: a
+            # shape mismatch blamed on the checkpoint, or, shapes equal, silently wrong.
+            raise ModelLoadError(
+                f"cannot load {where}: its saved_model.pb changed since the pool published "
+                "this version's weights (the folder replaced under the same version number: "
+                "a re-push, a ConfigMap's ..data swap). A version's files must stay as they "
+                "were while it serves; serve new content as a new version number"
+            )
         bound = attach(tf, loaded, segment, checkpoint)
     except SegmentError as exc:  # missing, or being written: another try may find it
         raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
@@ -751,10 +766,13 @@ def _same_answers(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray])
     )
 
 
-def _read_signature_defs(path: Path, where: str, tags: Sequence[str] = (SERVE_TAG,)) -> bytes:
+def _read_signature_defs(
+    path: Path, where: str, tags: Sequence[str] = (SERVE_TAG,)
+) -> tuple[bytes, str]:
     """The signature_def map of the MetaGraphDef whose tag set is ``tags``, as a serialized
-    SignatureDefMap. The set must be equal, as tf.saved_model.load and TF Serving's loader
-    match it: a model saved with {serve, gpu} before {serve} serves the second by default.
+    SignatureDefMap, and the digest of the file it was read from (publish.graph_digest).
+    The set must be equal, as tf.saved_model.load and TF Serving's loader match it: a
+    model saved with {serve, gpu} before {serve} serves the second by default.
 
     Read from saved_model.pb with TensorFlow's protos rather than rebuilt from the loaded
     functions, so clients see exactly what TF Serving would show for the same model (tensor
@@ -767,11 +785,13 @@ def _read_signature_defs(path: Path, where: str, tags: Sequence[str] = (SERVE_TA
     pb, pbtxt = path / SAVED_MODEL_PB, path / SAVED_MODEL_PBTXT
     try:
         if pb.is_file():
-            saved_model.ParseFromString(pb.read_bytes())
+            graph = pb.read_bytes()
+            saved_model.ParseFromString(graph)
         elif pbtxt.is_file():
             from google.protobuf import text_format
 
-            text_format.Parse(pbtxt.read_text(), saved_model)
+            graph = pbtxt.read_bytes()
+            text_format.Parse(graph.decode(), saved_model)
         else:
             raise ModelLoadError(
                 f"cannot load {where}: no {SAVED_MODEL_PB} or {SAVED_MODEL_PBTXT} in the directory"
@@ -794,8 +814,10 @@ def _read_signature_defs(path: Path, where: str, tags: Sequence[str] = (SERVE_TA
     signature_map = serving_pb2.SignatureDefMap()
     for key, signature_def in meta_graph.signature_def.items():
         signature_map.signature_def[key].ParseFromString(signature_def.SerializeToString())
+    from mpspool.worker.publish import graph_digest
+
     # Deterministic: the same model always yields the same bytes (map order is otherwise free).
-    return signature_map.SerializeToString(deterministic=True)
+    return signature_map.SerializeToString(deterministic=True), graph_digest(graph)
 
 
 def _set_threads(tf: Any, intra: int, inter: int, where: str) -> None:
