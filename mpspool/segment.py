@@ -281,7 +281,11 @@ def restore(held_fd: int, path: Path) -> int:
                 raise SegmentError(f"{path}: the held segment ended after {copied} bytes")
             copied += n
         os.rename(partial, path)
-        return hold(path)
+        try:
+            return hold(path)
+        except BaseException:
+            path.unlink(missing_ok=True)  # unheld, another pool's start could take it
+            raise
     except BaseException as exc:
         partial.unlink(missing_ok=True)
         if isinstance(exc, OSError):

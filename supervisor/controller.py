@@ -193,6 +193,7 @@ class Controller:
         self._router_silent_deaths = 0  # incarnations in a row that died before answering
         self._router_replaced = 0  # front doors that ended and were started again, in all
         self._router_since = 0.0  # wall-clock time the current one was first seen
+        self._router_running = False  # whether supervisord said last that one runs
         # Front doors started again after one could not bind the pool's ports once it had
         # served (_restart_router_later), since one last answered; and when the next is due.
         self._router_restarts = 0
@@ -374,6 +375,7 @@ class Controller:
         router_answered = answer is not None
         snap = answer or {}
         router_info = infos.get(ROUTER_PROGRAM, {})
+        self._router_running = router_info.get("state") in (sd.STARTING, sd.RUNNING)
         router_down = _router_down_for_good(router_info)
         if router_down and self._router_may_bind_again(router_info):
             router_down = self._restart_router_later()
@@ -417,11 +419,13 @@ class Controller:
                 router_answered,
             )
         for model in self.models.values():
-            if not model.required or model.has_served:
+            if not model.required or (model.has_served and self.config.fatal_retry_s > 0):
                 # Added while serving: a version that cannot load just ends. Served: a pool
                 # up and serving stays up while its slots are FATAL (health NOT_SERVING), as
                 # supervisord keeps a FATAL program's siblings; each tries again after
-                # --fatal-retry-after, and one whose files came back serves again.
+                # --fatal-retry-after, and one whose files came back serves again. With no
+                # retry (--fatal-retry-after 0) nothing would come back: the pool ends, so
+                # that Kubernetes starts it again.
                 continue
             # A version waiting to try its load again has no worker to count (its slots are
             # STOPPED until then).
@@ -505,7 +509,11 @@ class Controller:
                     slot.ready_pid = pid
                     slot.change_state(WorkerState.READY, "registered with the router")
             elif slot.state is WorkerState.READY and router_answered:
-                slot.change_state(WorkerState.STARTING, "no longer registered with the router")
+                # Not a crash: a front door started again has not met it yet (its exit, if it
+                # died, is said when supervisord reports it).
+                slot.change_state(
+                    WorkerState.STARTING, "no longer registered with the router", logging.INFO
+                )
             return
         if state == sd.BACKOFF:
             return  # supervisord is retrying a process that died right after spawn
@@ -970,6 +978,8 @@ class Controller:
             slot.pid = 0
             if slot.state in (WorkerState.READY, WorkerState.STARTING):
                 slot.change_state(WorkerState.STARTING, "supervisord died")
+        if self._router_pid:
+            self._router_replaced += 1  # the next one seen is not counted as a replacement
         self._router_pid, self._router_answered = 0, False
         self.supervisord.start(self._supervisord_config)
         self.gpu.start(self.supervisord.process_info())
@@ -1157,7 +1167,7 @@ class Controller:
     def _describe_front_door(self, now: float) -> dict[str, Any]:
         """The front door as a row beside the workers': SERVING once it answered the control
         channel, STARTING before, DOWN while none runs; restarts since the pool started."""
-        pid = self._router_pid
+        pid = self._router_pid if self._router_running else 0
         state = "SERVING" if pid and self._router_answered else "STARTING" if pid else "DOWN"
         return {
             "state": state,

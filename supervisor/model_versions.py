@@ -232,7 +232,10 @@ class ModelVersions:
         if reason:
             return reason
         if code < 0:  # killed: SIGBUS is a page of /dev/shm it could not get
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-code}"
             return f"the publisher was killed by {name}, see {path}"
         return f"exit code {code}, see {path}"
 

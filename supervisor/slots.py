@@ -55,7 +55,7 @@ class Slot:
         group = group_name(self.version, self.model)
         return f"{group}:{program_name(self.name, self.version, self.model)}"
 
-    def change_state(self, new: WorkerState, why: str = "") -> None:
+    def change_state(self, new: WorkerState, why: str = "", level: int | None = None) -> None:
         if new is self.state and new is not WorkerState.STARTING:
             return
         if new not in ALLOWED[self.state]:
@@ -64,8 +64,10 @@ class Slot:
         # looks for in the log: a warning, not one line among the routine transitions.
         crashed = self.state is WorkerState.READY and new is WorkerState.STARTING
         failing = new in (WorkerState.BACKOFF, WorkerState.FATAL)
+        if level is None:
+            level = logging.WARNING if crashed or failing else logging.INFO
         log.log(
-            logging.WARNING if crashed or failing else logging.INFO,
+            level,
             "slot %s: %s -> %s%s",
             self.key,
             self.state.value,

@@ -161,9 +161,13 @@ class VersionGroup:
         """If someone removed its published segment from /dev/shm, write it back from the
         controller's hold (the file lives on while held), so that a worker started later
         (a crash's replacement) finds it: "" when nothing was removed (or what stops it was
-        said before), else what was done. Only once its publisher is done: before, the hold
-        is on the file being written."""
+        said before), else what was done. Only once its publisher is done (before, the hold
+        is on the file being written), and while it may yet start a worker (LOADING or
+        AVAILABLE: one retiring would double /dev/shm for nothing). The copy runs in the
+        controller's loop: about a second per GiB of segment, once."""
         if self.publisher is not None or self.segment_hold is None:
+            return ""
+        if self.state not in (VersionState.LOADING, VersionState.AVAILABLE):
             return ""
         if not weight_segment.removed(self.segment_hold):
             return ""

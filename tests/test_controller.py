@@ -360,9 +360,9 @@ def attempts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Attempt]]:
     seen: list[Attempt] = []
     original = Slot.change_state
 
-    def recording(self: Slot, new: WorkerState, why: str = "") -> None:
+    def recording(self: Slot, new: WorkerState, why: str = "", level: int | None = None) -> None:
         seen.append((self.name, self.state, new))
-        original(self, new, why)
+        original(self, new, why, level)
 
     monkeypatch.setattr(Slot, "change_state", recording)
     yield seen
@@ -977,12 +977,16 @@ def test_a_ready_slot_that_supervisord_reports_fatal_becomes_fatal(pool: Pool):
     assert pool.controller.phase is PoolPhase.SERVING
 
 
-def test_a_pool_that_served_stays_up_while_every_slot_is_fatal(make_pool: Callable[..., Pool]):
+@pytest.mark.parametrize("fatal_retry_s", [60.0, 0.0])
+def test_a_pool_that_served_stays_up_while_every_slot_is_fatal(
+    make_pool: Callable[..., Pool], fatal_retry_s: float
+):
     """Its base path gone for a moment while its workers were replaced: each slot is FATAL,
     and the pool waits out the cool-down (health says NOT_SERVING meanwhile) instead of
     ending; the slots try again after it (found by an operator test: a pool exited 10 s
-    after an NFS blip and one worker's OOM kill)."""
-    pool = make_pool(start_retries=0)
+    after an NFS blip and one worker's OOM kill). With no retry (--fatal-retry-after 0)
+    nothing would come back: the pool ends, as before."""
+    pool = make_pool(start_retries=0, fatal_retry_s=fatal_retry_s)
     pool.start()
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
@@ -994,10 +998,27 @@ def test_a_pool_that_served_stays_up_while_every_slot_is_fatal(make_pool: Callab
         pool.sd.exit(f"{name}@1", process.EXIT_LOAD_FAILED)
         pool.tick()
         assert pool.slot(name).state is S.FATAL
+    if not fatal_retry_s:
+        assert pool.controller.phase is PoolPhase.DRAINING
+        assert pool.controller.exit_reason.startswith("no worker could start: ")
+        return
     assert pool.controller.phase is PoolPhase.SERVING
     assert pool.controller.exit_code == 0
     pool.tick(60.0)
     assert {pool.slot(n).state for n in ("cpu-0", "cpu-1")} == {S.STARTING}
+
+
+@pytest.mark.parametrize(("code", "said"), [(-7, "SIGBUS"), (-40, "signal 40"), (3, "exit code 3")])
+def test_a_publisher_that_left_no_reason_is_described_by_how_it_ended(
+    pool: Pool, code: int, said: str
+):
+    """Killed while writing (SIGBUS: /dev/shm ran out), its log is empty: the signal says
+    what happened; a real-time signal has no name and must not crash the controller."""
+    model = pool.controller.model
+    log_path = model._publish_log_path(1)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_text("")
+    assert said in model._publish_failure(1, code)
 
 
 def test_supervisords_own_backoff_is_waited_out(pool: Pool):

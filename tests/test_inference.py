@@ -255,8 +255,52 @@ def test_errors_are_tf_servings(stub, pool: Pool) -> None:
         grpc.StatusCode.UNIMPLEMENTED,
         "Unsupported signature method_name: tensorflow/serving/predict",
     )
+    # TF Serving's order (found by a user test): the first task's servable before any task's
+    # checks, a signature looked up before its method, and no task's version but the first's.
+    multi.tasks[1].model_spec.signature_name = "nope"
+    expect(
+        stub.MultiInference,
+        multi,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "Requested signature not found in model graph: nope",
+    )
+    multi.tasks[1].model_spec.signature_name = "serving_default"
+    for task in multi.tasks:
+        task.model_spec.name = "other"
+    expect(stub.MultiInference, multi, grpc.StatusCode.NOT_FOUND, "Servable not found")
+    expect(
+        stub.MultiInference,
+        inference_pb2.MultiInferenceRequest(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "ModelSpec has no name specified.",
+    )
+    request.model_spec.name = "demo"
+    request.model_spec.signature_name = "nope"
+    del request.input.example_list.examples[:]  # no examples: the signature is named first
+    expect(
+        stub.Classify,
+        request,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "No signature was found with the name: nope",
+    )
     # A bad request never costs the worker its life.
     assert pool.status()["slots"][0]["restarts"] == 0
+
+
+def test_multi_inference_runs_every_task_on_the_first_tasks_version(stub) -> None:
+    """TF Serving takes the servable from the first task's spec only: a later task naming a
+    version the pool does not serve, or a label it does not know, changes nothing."""
+    request = inference_pb2.MultiInferenceRequest()
+    request.input.example_list.examples.extend([example([1.0, 2.0], b"de")])
+    for signature, method in (("", "classify"), ("regress", "regress")):
+        task = request.tasks.add()
+        task.model_spec.name = "demo"
+        task.model_spec.signature_name = signature
+        task.method_name = f"tensorflow/serving/{method}"
+    request.tasks[1].model_spec.version.value = 7
+    assert len(stub.MultiInference(request, timeout=30).results) == 2
+    request.tasks[1].model_spec.version_label = "nolabel"
+    assert len(stub.MultiInference(request, timeout=30).results) == 2
 
 
 def test_rest_classify_and_regress(pool: Pool, direct) -> None:

@@ -428,7 +428,7 @@ def test_a_version_whose_graph_changed_since_it_was_published_is_refused_as_such
     assert len(manifest.extra["graph_sha256"]) == 64
     smaller = build_demo_model(tmp_path / "new", embedding_rows=DEMO_ROWS // 2)
     shutil.copy(smaller / "saved_model.pb", version / "saved_model.pb")
-    with pytest.raises(ModelLoadError, match="saved_model.pb changed since the pool published"):
+    with pytest.raises(ModelLoadError, match=r"saved_model\.pb changed since the pool published"):
         load_saved_model(str(version), "m", 1, weights_segment=str(path), work_dir=str(tmp_path))
 
 

@@ -152,6 +152,8 @@ def _extra(model_dir: Path) -> dict[str, str]:
             return {GRAPH_DIGEST_KEY: graph_digest((model_dir / name).read_bytes())}
         except FileNotFoundError:
             continue
+        except OSError as exc:  # unreadable: said as a failed publish, not a traceback
+            raise PublishError(f"cannot read {model_dir / name}: {exc}") from None
     return {}
 
 

@@ -26,7 +26,7 @@ from mpspool.errors import Code, ServingError
 from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
-from mpspool.worker.session_call import SessionCall, session_call
+from mpspool.worker.session_call import SessionCall, has_loop, session_call
 from mpspool.worker.stateful import calls_python, writes_a_variable, writes_state
 
 log = logging.getLogger("mpspool.worker")
@@ -192,7 +192,7 @@ def _attach_weights(
 ) -> Any:
     from mpspool.segment import AttachedSegment, SegmentError
     from mpspool.worker.publish import GRAPH_DIGEST_KEY
-    from mpspool.worker.shared_weights import NotShareable, attach, audit
+    from mpspool.worker.shared_weights import CheckpointUnreadable, NotShareable, attach, audit
 
     try:
         _wait_for_publisher(Path(segment_path))
@@ -208,7 +208,7 @@ def _attach_weights(
                 "were while it serves; serve new content as a new version number"
             )
         bound = attach(tf, loaded, segment, checkpoint)
-    except SegmentError as exc:  # missing, or being written: another try may find it
+    except (SegmentError, CheckpointUnreadable) as exc:  # another try may get past it
         raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
     except NotShareable as exc:
         raise ModelRefused(f"cannot share the weights of {where}: {exc}") from exc
@@ -627,32 +627,44 @@ class SavedModelRuntime:
     def _zero_run(
         self, key: str, inputs: Mapping[str, np.ndarray], outputs: list[str]
     ) -> dict[str, np.ndarray]:
-        """Warm-up's run of ``key`` on zeros, stopped (_ZeroRunTooLong) after
-        WARM_UP_RUN_LIMIT_S where TensorFlow can stop it: a signature that may loop (an eager
-        call, or a session with a loop) runs first with a canceller, and a session then runs
-        as it serves (the same inputs: it ends too). A graph without a loop always ends."""
-        cancel = self.canceller(key)
-        if cancel is not None:
-            stopped = threading.Event()
+        """Warm-up's run of ``key`` on zeros. One whose graph holds a loop runs first with a
+        canceller, stopped (_ZeroRunTooLong) after WARM_UP_RUN_LIMIT_S: a loop may end only
+        on real data. A graph without a loop always ends, however long its first call's
+        set-up takes. A session (with a loop) then runs as it serves: on the same inputs it
+        ends too, and where the eager call failed the session's own run says whether the
+        signature runs (warm_up then checks the eager call against it)."""
+        session = self._sessions[key]
+        if not (session.has_loop if session is not None else self._graph_loops(key)):
+            return self.run(key, inputs, outputs)
+        cancel = self._cancellation.CancellationManager()
+        stopped = threading.Event()
 
-            def stop() -> None:
-                stopped.set()
-                cancel.start_cancel()
+        def stop() -> None:
+            stopped.set()
+            cancel.start_cancel()
 
-            timer = threading.Timer(WARM_UP_RUN_LIMIT_S, stop)
-            timer.daemon = True
-            timer.start()
-            try:
-                got = self.run(key, inputs, outputs, cancel)
-            except ServingError:
-                if stopped.is_set():
-                    raise _ZeroRunTooLong() from None
+        timer = threading.Timer(WARM_UP_RUN_LIMIT_S, stop)
+        timer.daemon = True
+        timer.start()
+        try:
+            got = self.run(key, inputs, outputs, cancel)
+        except ServingError as exc:
+            if stopped.is_set() and exc.code is Code.CANCELLED:
+                raise _ZeroRunTooLong() from None
+            if session is None:
                 raise
-            finally:
-                timer.cancel()
-            if self._sessions[key] is None:
-                return got  # the path it serves by
+        finally:
+            timer.cancel()
+        if session is None:
+            return got
         return self.run(key, inputs, outputs)
+
+    def _graph_loops(self, key: str) -> bool:
+        """Whether ``key``'s function holds a loop (one TensorFlow cannot describe: yes)."""
+        try:
+            return has_loop(self._functions[key].graph.as_graph_def())
+        except Exception:
+            return True
 
     def _runs_empty(self, key: str, spec: SignatureSpec) -> bool:
         """Whether ``key`` runs on an empty example (its unknown dimensions 0), after the
@@ -667,8 +679,8 @@ class SavedModelRuntime:
         empty = {a: _zeros(i.dtype, i.shape, unknown=0) for a, i in spec.inputs.items()}
         with self._keywords_only(key):
             try:
-                self.run(key, empty, list(spec.outputs))
-            except ServingError:
+                self._zero_run(key, empty, list(spec.outputs))
+            except (ServingError, _ZeroRunTooLong):
                 return False
         return True
 

@@ -178,7 +178,7 @@ def session_call(
         )
         assign(*[shared_views[id(v)] for v in bound])
         del assign
-        return SessionCall(session, options, order, outputs, has_loop=_has_loop(graph_def))
+        return SessionCall(session, options, order, outputs, has_loop=has_loop(graph_def))
     except Exception as exc:  # TensorFlow's refusal of this graph: the direct call serves
         session.close()
         log.info("no session call for %s: %s: %s", spec.key, type(exc).__name__, exc)
@@ -204,6 +204,7 @@ def _named_resources(graph_def: Any, ours: set[str]) -> list[str]:
 LOOP_OPS = frozenset({"While", "StatelessWhile", "_While", "Enter", "LoopCond"})
 
 
-def _has_loop(graph_def: Any) -> bool:
+def has_loop(graph_def: Any) -> bool:
+    """Whether the graph (or a function of its library) holds a loop."""
     nodes = itertools.chain(graph_def.node, _library_nodes(graph_def))
     return any(n.op in LOOP_OPS for n in nodes)

@@ -36,6 +36,12 @@ class NotShareable(Exception):
     """The model's weights cannot be served from shared memory; the message says why."""
 
 
+class CheckpointUnreadable(Exception):
+    """A value the segment does not carry could not be read from the checkpoint (a network
+    file system's hiccup, a file still being copied): another try may read it, where a
+    NotShareable model is refused the same way every time."""
+
+
 @dataclass
 class WeightsReport:
     segment: str
@@ -199,7 +205,7 @@ def _restore_unshared(
             )  # fmt: skip
             variable.assign(value)
         except (tf.errors.OpError, ValueError) as exc:
-            raise NotShareable(
+            raise CheckpointUnreadable(
                 f"variable {variable.name} ({key}) could not be restored from the checkpoint: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None

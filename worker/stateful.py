@@ -57,12 +57,12 @@ def writes_state(function: Any) -> str:
     """The first op of ``function``'s graph, or of a function it calls, that writes state
     (its type and node name), or "" when it writes none. A function TensorFlow cannot
     describe counts as writing nothing (its runs are checked as before)."""
-    return _first_write(function, _OP_STATE_PREFIXES + _VARIABLE_WRITES_PREFIXES, _WRITES)
+    return _first_op(function, _OP_STATE_PREFIXES + _VARIABLE_WRITES_PREFIXES, _WRITES)
 
 
 def writes_a_variable(function: Any) -> str:
     """As writes_state, for writes to a variable only."""
-    return _first_write(function, _VARIABLE_WRITES_PREFIXES, _WRITES)
+    return _first_op(function, _VARIABLE_WRITES_PREFIXES, _WRITES)
 
 
 # The ops that call back into the exporting process's Python (tf.py_function,
@@ -73,10 +73,10 @@ _PYTHON_CALLS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
 def calls_python(function: Any) -> str:
     """The first op of ``function``'s graph, or of a function it calls, that calls Python
     code kept by the process that exported it (its type and node name), or "" if none."""
-    return _first_write(function, (), _PYTHON_CALLS)
+    return _first_op(function, (), _PYTHON_CALLS)
 
 
-def _first_write(function: Any, prefixes: tuple[str, ...], exact: frozenset[str]) -> str:
+def _first_op(function: Any, prefixes: tuple[str, ...], exact: frozenset[str]) -> str:
     try:
         graph_def = function.graph.as_graph_def()
     except Exception:  # any failure to describe it: nothing known

@@ -192,12 +192,14 @@ impl Api {
         task: Task,
         deadline: Option<Instant>,
     ) -> Result<(WorkReply, usize, ModelSpec), ServingError> {
+        // TF Serving's order (classifier.cc, regressor.cc): the servable, its signature and
+        // that signature's checks, then the examples, then the feed.
         let target = self.resolve_own(spec)?;
-        let examples = inference::serialized_examples(input)?;
         let signatures = self.signatures(target)?;
         let name = spec.map_or("", |s| s.signature_name.as_str());
         let (signature, outputs) =
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
+        let examples = inference::serialized_examples(input)?;
         inference::check_feed(signature)?;
         let reply = self
             .run_task(target, signature, outputs, &examples, task, deadline)
@@ -268,17 +270,27 @@ impl Api {
         })
     }
 
-    /// TF Serving's `TensorFlowMultiInferenceRunner::Infer`: every task is checked before any
-    /// runs; tasks run one after another on the same examples (TF Serving runs them in one
-    /// session call: the answers are the same).
+    /// TF Serving's `RunMultiInferenceWithServerCore` then `TensorFlowMultiInferenceRunner::
+    /// Infer`, in their order: the servable of the first task's spec (an empty list: the
+    /// default spec, which names no model), then each task in turn (its name, the same model,
+    /// no signature twice, its signature, its method and that signature's checks), all
+    /// before any runs. Every task runs on that servable: a later task's version or label is
+    /// never looked at. Tasks run one after another on the same examples (TF Serving runs
+    /// them in one session call: the answers are the same).
     async fn multi_inference_checked(
         &self,
         request: MultiInferenceRequest,
         deadline: Option<Instant>,
     ) -> Result<MultiInferenceResponse, ServingError> {
+        let first = request.tasks.first().and_then(|t| t.model_spec.as_ref());
+        let target = Target {
+            pinned: true,
+            ..self.resolve(first)?
+        };
+        let signatures = self.signatures(target)?;
         let mut model = "";
         let mut seen = std::collections::BTreeSet::new();
-        let mut tasks = Vec::with_capacity(request.tasks.len());
+        let mut plans = Vec::with_capacity(request.tasks.len());
         for task in &request.tasks {
             let spec = task.model_spec.as_ref();
             let name = spec.map_or("", |s| s.name.as_str());
@@ -303,6 +315,11 @@ impl Api {
                     "Duplicate evaluation of signature: {signature}"
                 )));
             }
+            if !signatures.specs.contains_key(signature) {
+                return Err(ServingError::invalid_argument(format!(
+                    "Requested signature not found in model graph: {signature}"
+                )));
+            }
             let kind = match task.method_name.as_str() {
                 inference::CLASSIFY_METHOD => Task::Classify,
                 inference::REGRESS_METHOD => Task::Regress,
@@ -313,34 +330,8 @@ impl Api {
                     ))
                 }
             };
-            tasks.push((spec, kind));
-        }
-        if tasks.is_empty() {
-            return Err(ServingError::invalid_argument(
-                "MultiInferenceRequest has no tasks",
-            ));
-        }
-        // Model and signatures first, so a bad task fails the request before any work. Every
-        // task runs on the version the first names (they all name one model).
-        let target = Target {
-            pinned: true,
-            ..self.resolve(tasks[0].0)?
-        };
-        let signatures = self.signatures(target)?;
-        let mut plans = Vec::with_capacity(tasks.len());
-        for (spec, kind) in tasks {
-            self.resolve(spec)?;
-            let name = spec
-                .map(|s| s.signature_name.as_str())
-                .filter(|s| !s.is_empty())
-                .unwrap_or(signature::DEFAULT_SIGNATURE);
-            if !signatures.specs.contains_key(name) {
-                return Err(ServingError::invalid_argument(format!(
-                    "Requested signature not found in model graph: {name}"
-                )));
-            }
             let (signature, outputs) =
-                inference::signature_for(&signatures, name, kind, self.method_name_check)?;
+                inference::signature_for(&signatures, signature, kind, self.method_name_check)?;
             plans.push((signature, outputs, kind));
         }
         // The examples once, for every task.
