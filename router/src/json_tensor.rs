@@ -18,7 +18,9 @@
 //! As TF Serving's parser (rapidjson with `kParseNanAndInfFlag | kParseStopWhenDoneFlag`
 //! behind a UTF-8 stream that skips a byte-order mark): `NaN` and `Infinity` are numbers
 //! (json_nonfinite.rs), text after the document is ignored, a leading BOM is skipped, and a
-//! key given twice keeps its first value (rapidjson's lookups find the first).
+//! key given twice keeps its first value (rapidjson's lookups find the first), but for a
+//! feature named twice in a `:classify`/`:regress` example, which keeps its last (TF Serving
+//! walks the example's members and assigns each in turn).
 //!
 //! Differences: object keys are read in name order, so an error about a row names its inputs
 //! in name order; a parse error's words are serde_json's (its offset is counted as
@@ -200,7 +202,13 @@ pub fn parse_cost(body: &[u8]) -> ParseCost {
 
 /// Parses the body as a JSON object (TF Serving's `ParseJson` + `FillSignature`).
 pub fn parse_predict(body: &[u8]) -> Result<PredictBody, ServingError> {
-    let document = parse_object(body)?;
+    parse_body(body, Place::Value)
+}
+
+/// `parse_predict`, or with `Place::Document` a `:classify`/`:regress` body, whose example
+/// objects keep a key's last value (see `Place`).
+fn parse_body(body: &[u8], place: Place) -> Result<PredictBody, ServingError> {
+    let document = parse_object(body, place)?;
     let signature_name = match document.get("signature_name") {
         None => String::new(),
         Some(name @ Value::String(text)) if json_nonfinite::number(name).is_none() => text.clone(),
@@ -217,7 +225,7 @@ pub fn parse_predict(body: &[u8]) -> Result<PredictBody, ServingError> {
     })
 }
 
-fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingError> {
+fn parse_object(body: &[u8], place: Place) -> Result<serde_json::Map<String, Value>, ServingError> {
     let whole = body.len();
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     if body.is_empty() {
@@ -226,7 +234,7 @@ fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingEr
     let text = json_nonfinite::rewrite(body);
     // The first document only, as rapidjson's kParseStopWhenDoneFlag: no `end()` check.
     let mut parser = serde_json::Deserializer::from_slice(&text);
-    let value = FirstWins
+    let value = FirstWins(place)
         .deserialize(&mut parser)
         .map_err(|error: serde_json::Error| {
             // In the client's bytes, as rapidjson counts them: its stream skips a BOM but
@@ -243,8 +251,23 @@ fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ServingEr
 
 /// A document as serde_json's `Value`, except that an object's key given twice keeps its
 /// first value: rapidjson keeps both and its lookups (`FindMember`) find the first, where
-/// serde_json's own map keeps the last.
-struct FirstWins;
+/// serde_json's own map keeps the last. The exception is an example object of a
+/// `:classify`/`:regress` body: TF Serving walks all its members and assigns each feature in
+/// turn (`MakeExampleFromJsonObject`), so there the last one stays.
+struct FirstWins(Place);
+
+/// Where a value sits, for the one place where a key's last value wins.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// Anywhere else: its objects keep a key's first value.
+    Value,
+    /// A `:classify`/`:regress` body: its `context` is an example, its `examples` a list.
+    Document,
+    /// The `examples` list: its objects are examples.
+    Examples,
+    /// An example object: a feature named twice keeps its last value.
+    Example,
+}
 
 impl<'de> serde::de::DeserializeSeed<'de> for FirstWins {
     type Value = Value;
@@ -299,8 +322,12 @@ impl<'de> serde::de::Visitor<'de> for FirstWins {
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut items: A) -> Result<Value, A::Error> {
+        let inside = match self.0 {
+            Place::Examples => Place::Example,
+            _ => Place::Value,
+        };
         let mut values = Vec::new();
-        while let Some(value) = items.next_element_seed(FirstWins)? {
+        while let Some(value) = items.next_element_seed(FirstWins(inside))? {
             values.push(value);
         }
         Ok(Value::Array(values))
@@ -309,8 +336,17 @@ impl<'de> serde::de::Visitor<'de> for FirstWins {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut entries: A) -> Result<Value, A::Error> {
         let mut map = serde_json::Map::new();
         while let Some(key) = entries.next_key::<String>()? {
-            let value = entries.next_value_seed(FirstWins)?;
-            map.entry(key).or_insert(value);
+            let inside = match (self.0, key.as_str()) {
+                (Place::Document, "context") => Place::Example,
+                (Place::Document, "examples") => Place::Examples,
+                _ => Place::Value,
+            };
+            let value = entries.next_value_seed(FirstWins(inside))?;
+            if self.0 == Place::Example {
+                map.insert(key, value);
+            } else {
+                map.entry(key).or_insert(value);
+            }
         }
         Ok(Value::Object(map))
     }
@@ -705,7 +741,7 @@ fn columns_to_tensors(
 /// A `:classify` or `:regress` body (TF Serving's `FillClassifyRegressRequestFromJson`): the
 /// signature it names and its examples, each with the optional `context` in front.
 pub fn parse_examples(body: &[u8]) -> Result<(String, Input), ServingError> {
-    let parsed = parse_predict(body)?;
+    let parsed = parse_body(body, Place::Document)?;
     let document = &parsed.document;
     let whole = || Value::Object(document.clone());
     let context = match document.get("context") {
@@ -1355,12 +1391,13 @@ mod tests {
         // Otherwise the document is serde_json's own.
         let text =
             r#"{"a": [null, true, -1, 18446744073709551615, 0.5, "s\u00e9", {}], "b": {"c": []}}"#;
-        let ours = parse_object(text.as_bytes()).unwrap();
+        let ours = parse_object(text.as_bytes(), Place::Value).unwrap();
         let theirs: serde_json::Map<String, Value> = serde_json::from_str(text).unwrap();
         assert_eq!(ours, theirs);
         // serde_json's depth limit still holds: a deep body is an error, not a full stack.
         let deep = format!("{{\"a\": {}", "[".repeat(100_000));
-        assert!(message(parse_object(deep.as_bytes())).contains("recursion limit exceeded"));
+        assert!(message(parse_object(deep.as_bytes(), Place::Value))
+            .contains("recursion limit exceeded"));
     }
 
     #[test]
@@ -1581,6 +1618,31 @@ mod tests {
     struct Features {
         #[prost(map = "string, message", tag = "1")]
         feature: HashMap<String, Feature>,
+    }
+
+    #[test]
+    fn a_feature_named_twice_in_an_example_keeps_its_last_value_as_tf_servings_walk_does() {
+        // TF Serving assigns every member of an example in turn; elsewhere in the body the
+        // first value stays (its lookups), a b64 object's and the body's own keys included.
+        let body =
+            br#"{"examples": [{"age": 5, "age": 500, "tag": {"b64": "AA==", "b64": "AQ=="}}],
+            "context": {"c": 1, "c": 2}, "examples": [{"age": 7}], "context": {"c": 9}}"#;
+        let (_, input) = parse_examples(body).unwrap();
+        let Some(input::Kind::ExampleListWithContext(list)) = input.kind else {
+            panic!("no context");
+        };
+        let int = |value: i64| Some(feature::Kind::Int64List(Int64List { value: vec![value] }));
+        let example = Example::decode(list.examples[0].clone()).unwrap();
+        let features = example.features.unwrap().feature;
+        assert_eq!(features["age"].kind, int(500));
+        assert_eq!(
+            features["tag"].kind,
+            Some(feature::Kind::BytesList(BytesList {
+                value: vec![Bytes::from_static(b"\0")]
+            }))
+        );
+        let context = Example::decode(list.context).unwrap();
+        assert_eq!(context.features.unwrap().feature["c"].kind, int(2));
     }
 
     #[test]
