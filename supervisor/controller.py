@@ -706,16 +706,25 @@ class Controller:
             log.warning("the front door refused the models %s: %s", told[1], answer.get("error"))
 
     def _tell_router_slots(self, router_answered: bool) -> None:
-        """Each slot's state and restarts, to the front door when they changed or the front
-        door is a new one: its metrics show what only the controller sees (a slot in
-        BACKOFF or FATAL has no worker there; restarts are of processes it never met)."""
+        """Each slot's state, restarts, model and version, to the front door when they
+        changed or the front door is a new one: its metrics show what only the controller
+        sees (a slot in BACKOFF or FATAL has no worker there; restarts are of processes it
+        never met), and a request for a version whose every slot is FATAL fails at once
+        instead of waiting for a worker that cannot come."""
         if not router_answered:
             return
-        rows = sorted((s.key, s.state.value, s.restarts) for s in self.slots.values())
+        rows = sorted(
+            (slot.key, slot.state.value, slot.restarts, model.name, slot.version)
+            for model in self.models.values()
+            for slot in model.slots.values()
+        )
         told = (self._router_pid, rows)
         if told == self._slots_told:
             return
-        slots = [{"slot": key, "state": state, "restarts": n} for key, state, n in rows]
+        slots = [
+            {"slot": key, "state": state, "restarts": n, "model": name, "version": version}
+            for key, state, n, name, version in rows
+        ]
         answer = self.router.ask("slots", slots=slots)
         if answer is None:
             return  # asked again at the next tick

@@ -673,8 +673,8 @@ def test_a_killed_worker_is_counted_reported_gone_and_ready_again(
 
     # The front door's metrics hear of it: the slot's state and its restart.
     assert pool.router.slot_samples[-1] == [
-        {"slot": "cpu-0@1", "state": "STARTING", "restarts": 1},
-        {"slot": "cpu-1@1", "state": "READY", "restarts": 0},
+        {"slot": "cpu-0@1", "state": "STARTING", "restarts": 1, "model": "demo", "version": 1},
+        {"slot": "cpu-1@1", "state": "READY", "restarts": 0, "model": "demo", "version": 1},
     ]
     told = len(pool.router.slot_samples)
 
@@ -1004,6 +1004,10 @@ def test_a_pool_that_served_stays_up_while_every_slot_is_fatal(
         return
     assert pool.controller.phase is PoolPhase.SERVING
     assert pool.controller.exit_code == 0
+    # The front door hears it, and fails the version's requests at once meanwhile.
+    assert {(s["state"], s["model"], s["version"]) for s in pool.router.slot_samples[-1]} == {
+        ("FATAL", "demo", 1)
+    }
     pool.tick(60.0)
     assert {pool.slot(n).state for n in ("cpu-0", "cpu-1")} == {S.STARTING}
 

@@ -188,6 +188,33 @@ def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy:
         streamer.stop()
     assert streamer.failed() == []
 
+    # The last worker's replacement cannot load either: every slot FATAL. Nothing comes back
+    # before --fatal-retry-after, so a request fails at once and says why, instead of
+    # waiting 5 s for a worker, and health says NOT_SERVING.
+    os.kill(pool.slot("cpu-1")["pid"], signal.SIGKILL)
+    pool.wait_for(lambda st: {s["state"] for s in st["slots"]} == {"FATAL"}, 90, "every slot FATAL")
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, value in demo_inputs(1, DEMO_ROWS).items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    with pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        took = []
+        for _ in range(3):  # the controller tells the front door at its next tick
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.Predict(request, timeout=30)
+            took.append(time.monotonic() - started)
+            if took[-1] < 1:
+                break
+        assert took[-1] < 1, took
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert failed.value.details() == (
+            "no worker can serve model demo version 1: each one failed (FATAL) and is tried "
+            "again after --fatal-retry-after"
+        )
+        assert pool.health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+
 
 def _metrics(pool: Pool) -> dict[str, float]:
     """The front door's Prometheus samples, by name and labels as the page writes them."""

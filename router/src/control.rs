@@ -170,7 +170,7 @@ fn op<P>(
             let parsed: Option<Vec<SlotSample>> = samples.iter().map(slot_sample).collect();
             let Some(parsed) = parsed else {
                 return error(format!(
-                    "each slots sample needs slot, restarts and a state among {}",
+                    "each slots sample needs slot, restarts, model, version and a state among {}",
                     SLOT_STATES.join(", ")
                 ));
             };
@@ -294,6 +294,8 @@ fn slot_sample(value: &Value) -> Option<SlotSample> {
         slot: get("slot")?.as_str()?.to_string(),
         state: SLOT_STATES.iter().find(|known| **known == state)?,
         restarts: get("restarts")?.as_u64()?,
+        model: get("model")?.as_str()?.to_string(),
+        version: get("version")?.as_i64()?,
     })
 }
 
@@ -383,7 +385,8 @@ mod tests {
         let slots = ask(
             &mut pool,
             serde_json::json!({"v": 1, "op": "slots", "n": 8, "slots": [
-                {"slot": "cpu-0@1", "state": "BACKOFF", "restarts": 2}]}),
+                {"slot": "cpu-0@1", "state": "BACKOFF", "restarts": 2, "model": "demo",
+                 "version": 1}]}),
         );
         assert_eq!(slots["ok"], true);
         assert_eq!(pool.state.slots()[0].state, "BACKOFF");
@@ -391,7 +394,8 @@ mod tests {
         let unknown = ask(
             &mut pool,
             serde_json::json!({"v": 1, "op": "slots", "n": 9, "slots": [
-                {"slot": "cpu-0@1", "state": "ASLEEP", "restarts": 2}]}),
+                {"slot": "cpu-0@1", "state": "ASLEEP", "restarts": 2, "model": "demo",
+                 "version": 1}]}),
         );
         assert!(unknown["error"]
             .as_str()

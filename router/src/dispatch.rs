@@ -412,6 +412,9 @@ impl Dispatcher {
         target: Target,
         deadline: Option<Instant>,
     ) -> Result<(), ServingError> {
+        if let Some(failed) = self.failed_version(target) {
+            return Err(failed);
+        }
         let mut limit = Instant::now() + self.no_worker_wait;
         let by_deadline = deadline.is_some_and(|d| d <= limit);
         if let Some(deadline) = deadline {
@@ -431,6 +434,28 @@ impl Dispatcher {
                 "no worker is ready to serve the request",
             )),
         }
+    }
+}
+
+impl Dispatcher {
+    /// UNAVAILABLE at once for a request whose version no worker can serve and every slot
+    /// of which the controller reported FATAL: none comes back before `--fatal-retry-after`,
+    /// so waiting NO_WORKER_WAIT for one would only hold the caller. A version whose slots
+    /// restart or back off is waited for, as a worker's restart is.
+    fn failed_version(&self, target: Target) -> Option<ServingError> {
+        if self.routable.borrow().route(target).is_some() {
+            return None;
+        }
+        let model = self.versions.borrow().get(target.model)?.model.clone();
+        if !self.state.every_slot_fatal(&model, target.version) {
+            return None;
+        }
+        let message = format!(
+            "no worker can serve model {model} version {}: each one failed (FATAL) and is \
+             tried again after --fatal-retry-after",
+            target.version
+        );
+        Some(ServingError::new(Code::Unavailable, message))
     }
 }
 

@@ -589,11 +589,15 @@ mod tests {
                 slot: "cpu-0@1".to_string(),
                 state: "READY",
                 restarts: 3,
+                model: "demo".to_string(),
+                version: 1,
             },
             crate::state::SlotSample {
                 slot: "ranker/cpu-1@2".to_string(),
                 state: "FATAL",
                 restarts: 4,
+                model: "ranker".to_string(),
+                version: 2,
             },
         ]);
         let (_tx, ready) = watch::channel(2usize);

@@ -131,6 +131,9 @@ pub struct SlotSample {
     pub state: &'static str,
     /// Processes it has had since the pool started, less one.
     pub restarts: u64,
+    /// The model (its configured name) and version its workers serve.
+    pub model: String,
+    pub version: i64,
 }
 
 impl RouterState {
@@ -162,5 +165,20 @@ impl RouterState {
 
     pub fn slots(&self) -> Vec<SlotSample> {
         self.slots.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Whether the controller said that every slot of `model` `version` is FATAL: none has
+    /// a process, and none tries again before `--fatal-retry-after`, so a request waiting
+    /// for a worker there waits for nothing. False while it said nothing of that version
+    /// (a front door just started, a version just added): those requests wait as before.
+    pub fn every_slot_fatal(&self, model: &str, version: i64) -> bool {
+        let Ok(slots) = self.slots.lock() else {
+            return false;
+        };
+        let mut of_version = slots
+            .iter()
+            .filter(|s| s.model == model && s.version == version)
+            .peekable();
+        of_version.peek().is_some() && of_version.all(|s| s.state == "FATAL")
     }
 }

@@ -740,6 +740,56 @@ async fn no_worker_at_all_is_unavailable_after_the_wait() {
     dispatcher.shutdown();
 }
 
+fn slot(state: &'static str, version: i64) -> crate::state::SlotSample {
+    crate::state::SlotSample {
+        slot: format!("cpu-{state}@{version}"),
+        state,
+        restarts: 3,
+        model: "m".to_string(),
+        version,
+    }
+}
+
+/// Every slot of the version FATAL (the controller's word): nothing comes back before
+/// --fatal-retry-after, so the request fails at once and says why. One slot still backing off
+/// (or nothing said of the version) keeps the wait, as a restart does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_whose_every_slot_is_fatal_is_unavailable_at_once() {
+    let (_dir, dir) = run_dir();
+    let (mut dispatcher, state) = start(&dir, Duration::from_secs(3));
+    dispatcher.no_worker_wait = Duration::from_millis(300);
+    state.set_slots(vec![slot("FATAL", 1), slot("FATAL", 1), slot("READY", 2)]);
+    let started = Instant::now();
+    let error = dispatcher.call(request(), None).await.unwrap_err();
+    assert_eq!(error.code, Code::Unavailable);
+    assert_eq!(
+        error.message,
+        "no worker can serve model m version 1: each one failed (FATAL) and is tried again \
+         after --fatal-retry-after"
+    );
+    assert!(started.elapsed() < Duration::from_millis(250));
+
+    for waited_for in [
+        vec![slot("FATAL", 1), slot("BACKOFF", 1)],
+        vec![slot("FATAL", 2)],
+        vec![],
+    ] {
+        state.set_slots(waited_for);
+        let started = Instant::now();
+        let error = dispatcher.call(request(), None).await.unwrap_err();
+        assert_eq!(error.message, "no worker is ready to serve the request");
+        assert!(started.elapsed() >= Duration::from_millis(250));
+    }
+
+    // A worker back (its slot's retry after the cool-down) serves, whatever was said before.
+    state.set_slots(vec![slot("FATAL", 1)]);
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    dispatcher.call(request(), None).await.unwrap();
+    assert_eq!(worker.served(), 1);
+    dispatcher.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_reply_is_an_answer_and_is_not_retried() {
     let (_dir, dir) = run_dir();
