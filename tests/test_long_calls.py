@@ -126,9 +126,16 @@ def test_a_call_longer_than_the_liveness_window_is_answered_once(
     pool: Pool, long_steps: int
 ) -> None:
     before = restarts(pool)
-    started = time.monotonic()
-    reply = predict(pool, [long_steps, 1], timeout=60)
-    took = time.monotonic() - started
+    steps, took = long_steps, 0.0
+    for _ in range(3):
+        started = time.monotonic()
+        reply = predict(pool, [steps, 1], timeout=60)
+        took = time.monotonic() - started
+        if took > 1.5 * WORKER_TIMEOUT_S:
+            break
+        # The steps were timed here while the machine was busier than the worker found it
+        # (a CI run: 1.91 s for a 4 s aim): aimed again at the worker's own pace.
+        steps = int(steps * LONG_CALL_S / took)
     # Without this the test would prove nothing: the call must outlast the window.
     assert took > 1.5 * WORKER_TIMEOUT_S, f"the call took {took:.2f} s"
     assert list(tf.make_ndarray(reply.outputs["out"]).shape) == [2]
