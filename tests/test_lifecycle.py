@@ -21,7 +21,9 @@ import psutil
 import pytest
 import tensorflow as tf
 from grpc_health.v1 import health_pb2
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from mpspool.config import ConfigError
 from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
@@ -197,6 +199,13 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
         staging = tmp_path / "staging"
         shutil.copytree(demo_model_dir / "1", staging)
         staging.rename(base / "1")  # whole at once, as a sync tool moves a finished copy
+        # A client started beside the pool, calling from the moment the port opens: until the
+        # version serves, every answer is UNAVAILABLE, which clients retry (TF Serving's port
+        # opens only once its models load: its clients meet a refused connection, which they
+        # read as UNAVAILABLE). NOT_FOUND, which they do not retry, is never said.
+        codes = _codes_until_served(pool)
+        assert codes[-1] == grpc.StatusCode.OK, codes
+        assert set(codes[:-1]) == {grpc.StatusCode.UNAVAILABLE}, codes
         pool.wait_ready(1)
         assert pool.stop() == 0
         assert pool.leftovers() == []
@@ -212,6 +221,35 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
     )  # fmt: skip
     assert refused.returncode == 2, refused.stderr
     assert "--worker-inflight and --split-rows must be >= 0" in refused.stderr
+
+
+def _codes_until_served(pool: Pool, timeout: float = 90.0) -> list[grpc.StatusCode]:
+    """Each Predict's code, called from when the pool's port is known until one is answered."""
+    deadline = time.monotonic() + timeout
+    listen = None
+    while listen is None:
+        assert time.monotonic() < deadline, pool.output()
+        try:
+            listen = pool.status()["pool"]["listen"]
+        except ConfigError:  # the controller is not up yet
+            pass
+        time.sleep(0.05)
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    for name, value in demo_inputs(1, DEMO_ROWS).items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    codes: list[grpc.StatusCode] = []
+    with grpc.insecure_channel(listen) as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        while not codes or codes[-1] != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, codes
+            try:
+                stub.Predict(request, timeout=10)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                time.sleep(0.05)
+    return codes
 
 
 def test_refusals_at_start(tmp_path: Path, demo_model_dir: Path) -> None:

@@ -146,6 +146,38 @@ impl VersionTable {
             .is_some_and(|e| e.state == VersionState::Available)
     }
 
+    /// UNAVAILABLE for a request this model cannot serve yet because its first version is
+    /// still loading: none AVAILABLE, `version` (or, for the latest, some version) START or
+    /// LOADING. TF Serving opens its ports only once its models are loaded, so its clients
+    /// meet "connection refused" then, which they take as UNAVAILABLE and retry (and
+    /// `wait_for_ready` waits out); a front door listening from the start that said NOT_FOUND
+    /// would fail every client started beside the pool. Once a version has been AVAILABLE the
+    /// usual answers stand: NOT_FOUND for a version still loading beside it, as TF Serving's.
+    fn first_still_loading(&self, version: Option<i64>) -> Option<ServingError> {
+        let loading =
+            |e: &VersionEntry| matches!(e.state, VersionState::Start | VersionState::Loading);
+        if self
+            .versions
+            .values()
+            .any(|e| e.state == VersionState::Available)
+        {
+            return None;
+        }
+        let waiting = match version {
+            Some(v) => self.versions.get(&v).filter(|e| loading(e)).map(|_| v),
+            None => self
+                .versions
+                .iter()
+                .rev()
+                .find(|(_, e)| loading(e))
+                .map(|(v, _)| *v),
+        }?;
+        Some(ServingError::new(
+            Code::Unavailable,
+            format!("model {} version {waiting} is still loading", self.model),
+        ))
+    }
+
     /// The version a Predict, Classify, Regress, MultiInference or GetModelMetadata runs on.
     pub fn resolve(&self, spec: Option<&ModelSpec>) -> Result<Target, ServingError> {
         let Some(spec) = spec.filter(|s| !s.name.is_empty()) else {
@@ -159,7 +191,12 @@ impl VersionTable {
                 format!("Servable not found for request: {wanted}"),
             )
         };
-        let specific = |v: i64| not_found(format!("Specific({}, {v})", spec.name));
+        let specific = |v: i64| {
+            let loading = (spec.name == self.model)
+                .then(|| self.first_still_loading(Some(v)))
+                .flatten();
+            loading.unwrap_or_else(|| not_found(format!("Specific({}, {v})", spec.name)))
+        };
         match &spec.version_choice {
             Some(VersionChoice::Version(v)) => {
                 if spec.name != self.model || !self.available(*v) {
@@ -187,7 +224,12 @@ impl VersionTable {
             }
             None => {
                 let latest = self.latest().filter(|_| spec.name == self.model);
-                let version = latest.ok_or_else(|| not_found(format!("Latest({})", spec.name)))?;
+                let version = latest.ok_or_else(|| {
+                    let loading = (spec.name == self.model)
+                        .then(|| self.first_still_loading(None))
+                        .flatten();
+                    loading.unwrap_or_else(|| not_found(format!("Latest({})", spec.name)))
+                })?;
                 Ok(Target {
                     model: self.id,
                     version,
@@ -641,19 +683,68 @@ mod tests {
         );
     }
 
+    fn listed(states: &[(i64, &str)]) -> VersionTable {
+        let versions: Vec<rmpv::Value> = states
+            .iter()
+            .map(|(version, state)| {
+                rmpv::Value::Map(vec![
+                    ("version".into(), (*version).into()),
+                    ("state".into(), (*state).into()),
+                ])
+            })
+            .collect();
+        VersionTable::from_control(0, "demo", &versions, None).unwrap()
+    }
+
+    /// While a model's first version loads, its requests are UNAVAILABLE (retried, as TF
+    /// Serving's clients retry the refused connection of a server still loading); a version
+    /// that ended, or one loading beside an AVAILABLE one, is NOT_FOUND as in TF Serving.
     #[test]
-    fn nothing_available_is_not_found_for_latest() {
-        let versions = [rmpv::Value::Map(vec![
-            ("version".into(), 4.into()),
-            ("state".into(), "LOADING".into()),
-        ])];
-        let t = VersionTable::from_control(0, "demo", &versions, None).unwrap();
-        assert_eq!(
-            t.resolve(Some(&spec("demo", None))),
+    fn nothing_available_is_unavailable_while_the_first_version_loads_else_not_found() {
+        let still_loading = |v: i64| {
+            Err(ServingError::new(
+                Code::Unavailable,
+                format!("model demo version {v} is still loading"),
+            ))
+        };
+        let not_found = |what: &str| {
             Err(ServingError::new(
                 Code::NotFound,
-                "Servable not found for request: Latest(demo)"
+                format!("Servable not found for request: {what}"),
             ))
+        };
+        let starting = listed(&[(3, "END"), (4, "LOADING"), (5, "START")]);
+        assert_eq!(
+            starting.resolve(Some(&spec("demo", None))),
+            still_loading(5)
+        );
+        assert_eq!(
+            starting.resolve(Some(&spec("demo", Some(VersionChoice::Version(4))))),
+            still_loading(4)
+        );
+        assert_eq!(
+            starting.resolve(Some(&spec("demo", Some(VersionChoice::Version(3))))),
+            not_found("Specific(demo, 3)")
+        );
+        assert_eq!(
+            starting.resolve(Some(&spec("other", None))),
+            not_found("Latest(other)")
+        );
+
+        let failed = listed(&[(4, "END")]);
+        assert_eq!(
+            failed.resolve(Some(&spec("demo", None))),
+            not_found("Latest(demo)")
+        );
+
+        let serving = listed(&[(3, "AVAILABLE"), (4, "LOADING")]);
+        assert_eq!(
+            serving.resolve(Some(&spec("demo", Some(VersionChoice::Version(4))))),
+            not_found("Specific(demo, 4)")
+        );
+        assert_eq!(
+            serving.resolve(Some(&spec("demo", None))).unwrap().version,
+            3
         );
     }
 
