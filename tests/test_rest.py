@@ -6,7 +6,9 @@ string, binary and integer inputs and string, `_bytes`, int64 and float outputs.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
+import socket
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -206,6 +208,51 @@ def test_rest_with_curl(demo: Pool) -> None:
     )
     code, answer = curl(demo, "demo:predict", "{not json")
     assert code == 400 and answer["error"].startswith("JSON Parse error: "), answer
+
+    # Gzipped, as TF Serving's HTTP server takes a body whose Content-Encoding names gzip
+    # (`curl --data-binary @body.json.gz`); one that is not gzip says so.
+    url = f"{demo.rest_url}/v1/models/demo:predict"
+    for encoding, data, want in [
+        ("gzip", gzip.compress(body.encode()), 200),
+        ("x-gzip", gzip.compress(body.encode()), 200),
+        ("gzip", body.encode(), 400),
+    ]:
+        out = subprocess.run(
+            ["curl", "-sS", "-w", "\n%{http_code}", "-H", f"Content-Encoding: {encoding}",
+             "--data-binary", "@-", url],
+            input=data, capture_output=True, check=True, timeout=30,
+        ).stdout.decode()  # fmt: skip
+        text, code = out.rsplit("\n", 1)
+        assert int(code) == want, text
+        if want == 200:
+            outputs = np.array(json.loads(text)["outputs"], dtype=np.float32)
+            np.testing.assert_array_equal(outputs, expected)
+        else:
+            assert "Failed to uncompress the gzipped body" in json.loads(text)["error"], text
+
+
+def test_a_client_that_shuts_its_sending_side_after_the_request_gets_its_answer(
+    demo: Pool,
+) -> None:
+    """`printf ... | nc -N`, socat and scripts send their request, shut their side and read:
+    the answer comes, as from TF Serving's HTTP server (it closed the connection unanswered)."""
+    body = json.dumps({"inputs": {k: v.tolist() for k, v in demo_inputs(1, DEMO_ROWS).items()}})
+    host, port = demo.rest_url.removeprefix("http://").rsplit(":", 1)
+    closing = "Connection: close\r\n"
+    for version, extra in [("HTTP/1.0", ""), ("HTTP/1.1", closing), ("HTTP/1.1", "")]:
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(
+                f"POST /v1/models/demo:predict {version}\r\nHost: x\r\n{extra}"
+                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            conn.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        assert answer.startswith(f"{version} 200 OK".encode()) or answer.startswith(
+            b"HTTP/1.1 200 OK"
+        ), (version, extra, answer[:200])
+        assert b'"outputs"' in answer
 
 
 def test_nan_and_infinity_as_python_writes_them_and_what_rapidjson_ignores(demo: Pool) -> None:

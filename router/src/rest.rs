@@ -75,21 +75,40 @@ const BLOCKING_BODY_BYTES: usize = 256 * 1024;
 /// body up to ~200 KiB; of the 256 MiB floor, up to ~25 KiB.
 const UNREAD_SHARE: usize = 16;
 
-/// `work` (a body of `size` bytes parsed into what it holds) where it holds up no other
-/// request: in place for a small body, on a blocking thread for a large one.
+/// An answer whose tensors hold at least this many bytes is written as JSON on tokio's
+/// blocking threads: a number prints as up to ~16 characters against its 4 to 8 bytes, so this
+/// is a document of some hundreds of KiB, a millisecond's writing and more; a 100 MB answer
+/// took seconds, every other request (gRPC's too) waiting behind it on a front door of one
+/// thread (found by a client test).
+const BLOCKING_ANSWER_BYTES: usize = BLOCKING_BODY_BYTES / 8;
+
+/// `work` (on a body of `size` bytes) where it holds up no other request: in place for a
+/// small body, on a blocking thread for a large one.
 async fn off_the_serving_thread<T: Send + 'static>(
     size: usize,
     work: impl FnOnce() -> Result<T, ServingError> + Send + 'static,
 ) -> Result<T, ServingError> {
-    if size < BLOCKING_BODY_BYTES {
+    on_a_blocking_thread_if(
+        size >= BLOCKING_BODY_BYTES,
+        "parsing the request body",
+        work,
+    )
+    .await
+}
+
+/// `work`, on one of tokio's blocking threads when `large`, in place otherwise; INTERNAL,
+/// saying `what` failed, if its thread panicked.
+async fn on_a_blocking_thread_if<T: Send + 'static>(
+    large: bool,
+    what: &str,
+    work: impl FnOnce() -> Result<T, ServingError> + Send + 'static,
+) -> Result<T, ServingError> {
+    if !large {
         return work();
     }
-    tokio::task::spawn_blocking(work).await.map_err(|error| {
-        ServingError::new(
-            Code::Internal,
-            format!("parsing the request body failed: {error}"),
-        )
-    })?
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|error| ServingError::new(Code::Internal, format!("{what} failed: {error}")))?
 }
 
 /// `work` (parsing `body` and whatever reads its document) holding the document's share of
@@ -366,6 +385,88 @@ fn add_cors_headers(headers: &mut hyper::HeaderMap) {
     );
 }
 
+/// Whether a body comes gzipped: its Content-Encoding names gzip ("gzip", "x-gzip"), as TF
+/// Serving's HTTP server tests it (`NeedUncompressGzipContent`: the header contains "gzip";
+/// its `auto_uncompress_input` is on by default). Other encodings are read as they come, as
+/// there.
+fn gzipped(headers: &hyper::HeaderMap) -> bool {
+    headers
+        .get_all(hyper::header::CONTENT_ENCODING)
+        .iter()
+        .any(|value| {
+            value
+                .as_bytes()
+                .windows(4)
+                .any(|w| w.eq_ignore_ascii_case(b"gzip"))
+        })
+}
+
+/// Why a gzipped body could not be read.
+#[derive(Debug)]
+enum Gunzip {
+    /// Uncompressed, it passes the body limit (413, as a plain body that long).
+    TooLarge,
+    /// Not gzip (400), or the budget had no room for it (429).
+    Refused(ServingError),
+}
+
+/// Uncompress steps: what a step reads is counted against the budget before the next.
+const GUNZIP_STEP: usize = 64 * 1024;
+
+/// `read`'s body uncompressed (gzip members, one or several), holding the budget's share of
+/// both forms while it is built: a small body can stand for a large document (1 KiB of gzip
+/// for 1 MiB of JSON), so its uncompressed bytes are counted as they come, and refused past
+/// `limit` (the body limit, which applies to what is parsed) or past what the budget has free.
+fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBody, Gunzip> {
+    use std::io::Read as _;
+    let ReadBody {
+        bytes: compressed,
+        mut held,
+    } = read;
+    let mut decoder = flate2::read::MultiGzDecoder::new(&compressed[..]);
+    let mut out = Vec::new();
+    loop {
+        let start = out.len();
+        let counted = compressed.len() + start + GUNZIP_STEP;
+        held = Some(
+            request_budget::resize(held, counted, budget).ok_or_else(|| {
+                Gunzip::Refused(ServingError::new(
+                    Code::ResourceExhausted,
+                    format!(
+                    "requests being read or served hold {} MiB of the front door's memory, and \
+                     uncompressing this body further ({} MiB so far) would pass the {} MiB \
+                     allowed for all of them at once (4 times --max-message-bytes, at least \
+                     256); try again later",
+                    budget.held_bytes() >> 20,
+                    start.div_ceil(1 << 20),
+                    budget.bytes() >> 20
+                ),
+                ))
+            })?,
+        );
+        out.resize(start + GUNZIP_STEP, 0);
+        let n = decoder.read(&mut out[start..]).map_err(|error| {
+            Gunzip::Refused(ServingError::invalid_argument(format!(
+                "Failed to uncompress the gzipped body: {error}"
+            )))
+        })?;
+        out.truncate(start + n);
+        if out.len() > limit {
+            return Err(Gunzip::TooLarge);
+        }
+        if n == 0 {
+            break;
+        }
+    }
+    drop(decoder);
+    drop(compressed);
+    let bytes = Bytes::from(out);
+    Ok(ReadBody {
+        held: held.map(|held| request_budget::keep(held, bytes.len())),
+        bytes,
+    })
+}
+
 fn error_response(error: &ServingError) -> Response<Full<Bytes>> {
     json_response(
         http_status(error.code),
@@ -512,6 +613,7 @@ impl Rest {
                 )),
             )
         };
+        let gzipped = gzipped(request.headers());
         let declared = request
             .headers()
             .get(hyper::header::CONTENT_LENGTH)
@@ -537,10 +639,23 @@ impl Rest {
             .body(request.into_body(), Framing::Whole, reserved);
         let error = match Limited::new(&mut body, limit).collect().await {
             Ok(collected) => {
-                return Ok(ReadBody {
+                let read = ReadBody {
                     bytes: collected.to_bytes(),
                     held: body.take_held(),
-                })
+                };
+                if !gzipped {
+                    return Ok(read);
+                }
+                let budget = self.reading.budget.clone();
+                let large = read.bytes.len() >= BLOCKING_ANSWER_BYTES;
+                let uncompressed = on_a_blocking_thread_if(large, "uncompressing the body", {
+                    move || Ok(gunzip(read, limit, &budget))
+                });
+                return match uncompressed.await {
+                    Ok(Ok(read)) => Ok(read),
+                    Ok(Err(Gunzip::TooLarge)) => Err(too_large(None)),
+                    Ok(Err(Gunzip::Refused(error))) | Err(error) => Err(error_response(&error)),
+                };
             }
             Err(error) if error.is::<http_body_util::LengthLimitError>() => {
                 return Err(too_large(None))
@@ -656,7 +771,13 @@ impl Rest {
         };
         let response = self.api.predict_checked(request, deadline, false).await?;
         let outputs: BTreeMap<_, _> = response.outputs.into_iter().collect();
-        json_tensor::predict_answer(&outputs, format)
+        let size: usize = outputs.values().map(tensor_memory).sum();
+        on_a_blocking_thread_if(
+            size >= BLOCKING_ANSWER_BYTES,
+            "writing the answer",
+            move || json_tensor::predict_answer(&outputs, format),
+        )
+        .await
     }
 
     fn status(&self, model: &str, version: &Version) -> Result<String, ServingError> {
@@ -858,9 +979,14 @@ pub async fn serve_connection(
     // A request whose header stalls is ended as one whose body does (request_body); so is a
     // connection idle that long between requests (hyper starts the clock then too), as
     // nginx's keepalive_timeout (75 s) ends them.
+    // half_close: a client that shuts its sending side once its request is out (`nc -N`,
+    // socat, scripts piping a request) still gets its answer, as libevent's server gives it
+    // (TF Serving stops reading a connection whose request is complete); hyper's default
+    // would close the connection on that EOF, answer unsent.
     builder
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(stall);
+        .header_read_timeout(stall)
+        .half_close(true);
     let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
     tokio::pin!(connection);
     let mut going_away = false;
@@ -885,6 +1011,109 @@ pub async fn serve_connection(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gzip(members: &[&[u8]]) -> Bytes {
+        use std::io::Write as _;
+        let mut out = Vec::new();
+        for member in members {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            encoder.write_all(member).unwrap();
+            out.extend(encoder.finish().unwrap());
+        }
+        Bytes::from(out)
+    }
+
+    #[test]
+    fn a_gzipped_body_is_read_uncompressed_and_holds_its_share_of_the_budget() {
+        let mut headers = hyper::HeaderMap::new();
+        assert!(!gzipped(&headers));
+        for (value, is) in [
+            ("gzip", true),
+            ("x-gzip", true),
+            ("GZip", true),
+            ("br", false),
+        ] {
+            headers.insert(hyper::header::CONTENT_ENCODING, value.parse().unwrap());
+            assert_eq!(gzipped(&headers), is, "{value}");
+        }
+
+        let budget = RequestBudget::new(request_budget::BUDGET_MIN);
+        let document = format!("{{\"instances\": [{}1]}}", "1, ".repeat(100_000));
+        let half = document.len() / 2;
+        // Two members, as `cat a.gz b.gz` makes: both are the body, as zlib's reading has it.
+        let body = gzip(&[&document.as_bytes()[..half], &document.as_bytes()[half..]]);
+        assert!(body.len() * 20 < document.len());
+        let read = gunzip(body.into(), 1 << 20, &budget).unwrap();
+        assert_eq!(read.bytes, document.as_bytes());
+        let held = request_budget::share_bytes(read.held.as_ref());
+        assert!(
+            held >= document.len() && held < document.len() + 1024,
+            "{held}"
+        );
+        assert_eq!(budget.held_bytes(), held);
+        drop(read);
+        assert_eq!(budget.held_bytes(), 0);
+
+        // Uncompressed, over the body limit: 413, whatever its compressed size.
+        let bomb = gzip(&[&vec![b' '; 8 << 20]]);
+        assert!(bomb.len() < 64 << 10);
+        assert!(matches!(
+            gunzip(bomb.clone().into(), 1 << 20, &budget),
+            Err(Gunzip::TooLarge)
+        ));
+        // Over what the budget has free: 429, and nothing kept.
+        let full = RequestBudget::new(request_budget::BUDGET_MIN);
+        let _others = full
+            .try_reserve(request_budget::BUDGET_MIN - (1 << 20))
+            .unwrap();
+        let Err(Gunzip::Refused(refused)) = gunzip(bomb.into(), 64 << 20, &full) else {
+            panic!("not refused");
+        };
+        assert_eq!(refused.code, Code::ResourceExhausted);
+        assert_eq!(full.held_bytes(), request_budget::BUDGET_MIN - (1 << 20));
+        // Not gzip at all.
+        let Err(Gunzip::Refused(bad)) = gunzip(Bytes::from_static(b"{}").into(), 1 << 20, &budget)
+        else {
+            panic!("not refused");
+        };
+        assert_eq!(bad.code, Code::InvalidArgument);
+        assert!(
+            bad.message
+                .starts_with("Failed to uncompress the gzipped body: "),
+            "{}",
+            bad.message
+        );
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    /// Large work leaves the runtime's thread free: on a runtime of one thread (a front door
+    /// on a busy host has one), the work waits for a task that needs that thread, which runs
+    /// only because the work is elsewhere. Small work runs in place, with no hand-off.
+    #[tokio::test(flavor = "current_thread")]
+    async fn large_work_runs_where_the_serving_thread_stays_free() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let other_request = tokio::spawn(async move { tx.send(()) });
+        let served = on_a_blocking_thread_if(true, "writing the answer", move || {
+            rx.recv_timeout(Duration::from_secs(10))
+                .map_err(|_| ServingError::new(Code::Internal, "the serving thread was held"))
+        })
+        .await;
+        assert_eq!(served, Ok(()));
+        assert!(other_request.await.unwrap().is_ok());
+
+        let caller = std::thread::current().id();
+        let small = on_a_blocking_thread_if(false, "writing the answer", move || {
+            Ok(std::thread::current().id())
+        });
+        assert_eq!(small.await, Ok(caller));
+        let panicked = on_a_blocking_thread_if(true, "writing the answer", || -> Result<(), _> {
+            panic!("a bug")
+        });
+        let error = panicked.await.unwrap_err();
+        assert_eq!(error.code, Code::Internal);
+        assert!(error.message.starts_with("writing the answer failed: "));
+    }
 
     #[tokio::test]
     async fn work_on_a_body_holds_its_share_of_the_budget_and_keeps_what_it_built() {
