@@ -699,7 +699,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         base_path = _demo_model(args.demo_rows)
         name = args.model_name or DEMO_MODEL_NAME
     else:
-        base_path = args.model_base_path.resolve()
+        # Absolute, links kept: a base path behind a link a deploy swaps (git-sync, a
+        # `current` link) is read through the link at each poll, as TF Serving reads it.
+        base_path = Path(os.path.abspath(args.model_base_path))
         name = args.model_name or base_path.name
     workers = _model_workers(args.model_workers, [e.name for e in entries])
     wanted = [
@@ -764,7 +766,9 @@ def cmd_start(args: argparse.Namespace) -> int:
             version_policy=policy_text,
             version_labels=labels,
             models=models,
-            model_config_file=str(args.model_config_file.resolve())
+            # Links kept, as for base paths: a ConfigMap's file is a link through `..data`,
+            # which kubelet swaps for each update.
+            model_config_file=os.path.abspath(args.model_config_file)
             if args.model_config_file
             else "",
             model_config_file_poll_wait_s=args.model_config_file_poll_wait_s,

@@ -23,6 +23,7 @@ another base path, or the pool's first model left out, is refused (said, nothing
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,8 +97,9 @@ def _entry(source: str, model: object) -> ModelEntry:
             raise ConfigError(f"{where}: label {label!r} names version {version}, not >= 0")
     return ModelEntry(
         name=model.name,
-        # Relative paths as TF Serving takes them: from where the server was started.
-        base_path=str(Path(model.base_path).resolve()),
+        # Relative paths as TF Serving takes them: from where the server was started. Links
+        # kept: the path is read through them at each poll, as TF Serving reads it.
+        base_path=os.path.abspath(model.base_path),
         version_policy=_policy_text(where, model.model_version_policy),
         labels=labels,
     )

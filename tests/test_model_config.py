@@ -75,6 +75,13 @@ def test_a_relative_base_path_is_taken_from_where_the_pool_starts(tmp_path: Path
     monkeypatch.chdir(tmp_path)
     path = write(tmp_path, 'model_config_list { config { name: "m" base_path: "models/m" } }')
     assert read_model_config(path)[0].base_path == str(tmp_path / "models" / "m")
+    # Through a link, the link stays: a deploy that swaps it (git-sync, a `current` link) is
+    # read at the next poll, as TF Serving reads its base path; resolved once, the pool kept
+    # the old target (and failed a worker's restart once that was removed).
+    (tmp_path / "rel1").mkdir()
+    (tmp_path / "current").symlink_to("rel1")
+    path = write(tmp_path, 'model_config_list { config { name: "m" base_path: "current" } }')
+    assert read_model_config(path)[0].base_path == str(tmp_path / "current")
 
 
 def test_every_model_of_the_list_is_read_in_its_order(tmp_path: Path):

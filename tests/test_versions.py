@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +331,22 @@ def _model_config(path: Path, base: Path, versions: list[int], labels: dict[str,
     path.write_text(text_format.MessageToString(config))
 
 
+def _configmap_update(mount: Path, n: int, write: Callable[[Path], None]) -> None:
+    """A ConfigMap's mount made or updated as kubelet does it: the files written in a new
+    folder `..n`, the `..data` link swapped to it in one rename, the folder before removed."""
+    folder = mount / f"..{n}"
+    folder.mkdir(parents=True)
+    write(folder / "models.config")
+    data = mount / "..data"
+    before = os.readlink(data) if data.is_symlink() else None
+    (mount / "..data_tmp").symlink_to(folder.name)
+    os.replace(mount / "..data_tmp", data)
+    if not (mount / "models.config").is_symlink():
+        (mount / "models.config").symlink_to("..data/models.config")
+    if before is not None:
+        shutil.rmtree(mount / before)
+
+
 def _predict_by_label(channel: grpc.Channel, inputs: dict[str, np.ndarray], label: str):
     request = predict_pb2.PredictRequest()
     request.model_spec.name = "demo"
@@ -350,8 +367,12 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
         build_demo_model(base, embedding_rows=ROWS, version=version, seed=version)
     inputs = demo_inputs(3, ROWS, seed=7)
     want = {v: _direct(base / str(v), inputs) for v in (1, 2)}
-    config_file = tmp_path / "models.config"
-    _model_config(config_file, base, [1, 2], {"stable": 1, "canary": 2})
+    # Mounted as Kubernetes mounts a ConfigMap: models.config -> ..data/models.config, and
+    # ..data -> ..1, which kubelet swaps for a new folder at each update.
+    configmap = tmp_path / "configmap"
+    labels = {"stable": 1, "canary": 2}
+    _configmap_update(configmap, 1, lambda p: _model_config(p, base, [1, 2], labels))
+    config_file = configmap / "models.config"
 
     (tmp_path / "pool").mkdir()
     pool = Pool(
@@ -394,8 +415,10 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
         outputs = json.loads(out.stdout)["outputs"]
         np.testing.assert_allclose(np.array(outputs, dtype=np.float32), want[2], atol=1e-6)
 
-        # Version 1 dropped from the policy, stable moved to 2: applied while serving.
-        _model_config(config_file, base, [2], {"stable": 2, "canary": 2})
+        # Version 1 dropped from the policy, stable moved to 2: applied while serving, from
+        # the ConfigMap's update (the file the pool started from is gone with its folder).
+        updated = {"stable": 2, "canary": 2}
+        _configmap_update(configmap, 2, lambda p: _model_config(p, base, [2], updated))
         status = pool.wait_for(
             lambda s: _versions(s).get(1, ("", ""))[0] == "END",
             timeout=60,
