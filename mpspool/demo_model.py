@@ -105,6 +105,20 @@ def demo_inputs(
     }
 
 
+# The largest version number: TF Serving parses a folder's name into an int64
+# (`ParseVersionNumber`, absl::SimpleAtoi) and skips a folder whose name does not fit.
+MAX_VERSION = 2**63 - 1
+
+
+def _version_number(name: str) -> int | None:
+    """The version a folder's name reads as, or None: digits only (isascii: str.isdigit()
+    also accepts digits such as "²" that int() rejects), at most MAX_VERSION."""
+    if not (name.isascii() and name.isdigit()):
+        return None
+    number = int(name)
+    return number if number <= MAX_VERSION else None
+
+
 def version_dir(base_path: str | Path, version: int) -> Path:
     """The folder version ``version`` loads from: ``<base>/<version>``, or else the folder
     under the base path whose name reads as that number, as TF Serving loads version 123
@@ -125,10 +139,7 @@ def version_dir(base_path: str | Path, version: int) -> Path:
         names = sorted(
             entry.name
             for entry in os.scandir(base)
-            if entry.name.isascii()
-            and entry.name.isdigit()
-            and int(entry.name) == version
-            and holds_model(base / entry.name)
+            if _version_number(entry.name) == version and holds_model(base / entry.name)
         )
     except OSError:
         return plain
@@ -138,16 +149,16 @@ def version_dir(base_path: str | Path, version: int) -> Path:
 def versions_on_disk(base_path: str | Path) -> set[int]:
     """The numeric subdirectories of ``base_path`` holding a SavedModel (TF Serving's rule).
 
-    Non-numeric entries (staging directories, README files) and numeric directories without
+    Non-numeric entries (staging directories, README files), numbers past MAX_VERSION (the
+    controller crashed telling the front door of one) and numeric directories without
     saved_model.pb / saved_model.pbtxt (a copy still in progress) are ignored. OSError when
     the base path cannot be read.
     """
+    found = ((entry, _version_number(entry.name)) for entry in Path(base_path).iterdir())
     return {
-        int(entry.name)
-        for entry in Path(base_path).iterdir()
-        # isascii(): str.isdigit() also accepts digits such as "²" that int() rejects.
-        if entry.name.isascii()
-        and entry.name.isdigit()
+        number
+        for entry, number in found
+        if number is not None
         and entry.is_dir()
         and any((entry / name).is_file() for name in SAVED_MODEL_FILES)
     }

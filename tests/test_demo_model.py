@@ -130,8 +130,14 @@ def test_latest_version_picks_highest_numeric_servable(tmp_path: Path) -> None:
     version(".12.partial-1-abcd")
     version("²")  # str.isdigit() says yes; int() says no
     (tmp_path / "13").write_text("a file, not a version")
+    # Past int64, as TF Serving's parse skips them: the controller crashed on one (msgpack
+    # could not carry it to the front door), or the front door refused its worker.
+    version(str(2**63))
+    version("99999999999999999999")
     assert latest_version(tmp_path) == 10
     assert latest_version(str(tmp_path)) == 10
+    version(str(2**63 - 1))
+    assert latest_version(tmp_path) == 2**63 - 1
 
 
 def test_latest_version_without_versions_says_what_was_expected(tmp_path: Path) -> None:
