@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 import psutil
@@ -71,8 +72,53 @@ def prepare(run_dir: Path) -> bool:
         )
     if info and info.get("created_run_dir"):
         created = True  # inherited from the dead pool that made it
+    _wait_for_dead_pools_processes(run_dir)
     clean(run_dir)  # whatever a dead pool left behind
     return created
+
+
+# How long a start waits for the processes of a pool whose controller died to end: its
+# supervisord stops them (the front door drains first) once it sees its parent gone.
+DEAD_POOL_WAIT_S = 60.0
+
+
+def _wait_for_dead_pools_processes(run_dir: Path) -> None:
+    """Wait until no process of a dead pool runs in ``run_dir``: PoolRunning if one still
+    does after DEAD_POOL_WAIT_S. A controller killed outright leaves its supervisord, front
+    door and workers stopping for some seconds; they own the sockets and files there, and
+    supervisord removes its socket and pid file as it exits. Cleaned under them, a start at
+    once (a restart loop's) had its own socket removed by the dead pool's supervisord, and
+    failed (found by an operator test)."""
+    running = _pool_processes(run_dir)
+    if not running:
+        return
+    pids = ", ".join(str(p.pid) for p in running)
+    print(
+        f"mpspool: waiting for processes of a pool that ended in {run_dir} to end (pids {pids})",
+        file=sys.stderr,
+        flush=True,
+    )
+    _, alive = psutil.wait_procs(running, timeout=DEAD_POOL_WAIT_S)
+    if alive:
+        pids = ", ".join(str(p.pid) for p in alive)
+        raise PoolRunning(
+            f"processes of a pool that ended are still running in {run_dir} after "
+            f"{DEAD_POOL_WAIT_S:.0f} s (pids {pids}); end them, or pass another --run-dir"
+        )
+
+
+def _pool_processes(run_dir: Path) -> list[psutil.Process]:
+    """The processes working in ``run_dir`` (supervisord runs itself and every program of
+    the pool there: `directory=`), this one aside."""
+    where = os.path.realpath(run_dir)
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.cwd() == where:
+                found.append(proc)
+        except psutil.Error:  # gone, or not ours to look at
+            continue
+    return found
 
 
 def write_controller(run_dir: Path, info: dict) -> None:

@@ -298,17 +298,38 @@ def test_refusals_at_start(tmp_path: Path, demo_model_dir: Path) -> None:
 
 def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_dir: Path) -> None:
     """kill -9 of `mpspool start`: supervisord and through it every worker and the router
-    die with it; the next start in that run directory cleans what was left there,
-    the dead pool's shared-memory weights included."""
+    die with it; a start at once in that run directory (a restart loop's) waits for them,
+    then cleans what was left there, the dead pool's shared-memory weights included. It
+    cleaned under them before, and the dead supervisord, exiting, removed the new pool's
+    socket: that pool failed."""
     pool = Pool(tmp_path, demo_model_dir, 1).start()
     second = Pool(tmp_path / "again", demo_model_dir, 1, run_dir=pool.run_dir)
+    (tmp_path / "again").mkdir()
     try:
         pool.wait_ready(1)
+        stale = pool.segments()
         streamer = Streamer(pool.port, DEMO_ROWS).start()
         try:
             streamer.wait_for_successes(10)
-            killed = time.monotonic()
+            # Its supervisord held stopped for a moment, so that the second start surely
+            # meets the dead pool's processes (the signal its parent's death sends it waits).
+            stopped = supervisord_of(pool)
+            stopped.suspend()
             pool.signal(signal.SIGKILL)
+            status = subprocess.run(
+                mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+            )
+            assert status.returncode == 2 and "no pool is running" in status.stderr
+            second.start()
+            deadline = time.monotonic() + 30
+            while "waiting for processes of a pool that ended" not in second.output():
+                assert time.monotonic() < deadline, second.output()
+                time.sleep(0.1)
+            killed = time.monotonic()
+            stopped.resume()
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and [
                 x for x in pool.leftovers() if x.startswith("process")
@@ -325,18 +346,8 @@ def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_
         assert held == [], held[:3]
         assert {o.code for o in streamer.failed()} <= {grpc.StatusCode.UNAVAILABLE}
         assert gone_after < 6, gone_after
-        stale = pool.segments()
         assert stale, "a killed pool cannot unlink its segment; the next start must"
-        status = subprocess.run(
-            mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert status.returncode == 2 and "no pool is running" in status.stderr
-
-        (tmp_path / "again").mkdir()
-        second.start().wait_ready(1)
+        second.wait_ready(1)
         assert not any(path.exists() for path in stale)
         assert second.segments()
         assert second.stop() == 0
