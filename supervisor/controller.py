@@ -165,10 +165,13 @@ class Controller:
             for m in config.served_models()
         ]
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
+        # Those that came while one was in effect: each waits for the one before to be
+        # answered, as TF Serving's ReloadConfig holds its lock for the whole call.
+        self._reloads_waiting: list[tuple[int, bytes]] = []
         # (router pid, names) of the models last told to the front door.
         self._models_told: tuple[int, list[str]] | None = None
         # The slots' states and restarts as the front door last took them (its metrics).
-        self._slots_told: tuple[int, list[tuple[str, str, int]]] | None = None
+        self._slots_told: tuple[int, list[tuple[str, str, int, str, int]]] | None = None
         # Answers given to calls the front door still lists (a lost reply is sent again).
         self._reload_answers: dict[int, tuple[int, str]] = {}
         self.supervisord = sd.Supervisord(self.run_dir, self.log_dir)
@@ -747,13 +750,25 @@ class Controller:
         one is taken, one answered already is answered again (that reply was lost)."""
         ids = {int(request_id) for request_id, _ in listed}
         self._reload_answers = {k: v for k, v in self._reload_answers.items() if k in ids}
+        # One no longer listed was given up by its caller (or its front door): not applied.
+        self._reloads_waiting = [(i, body) for i, body in self._reloads_waiting if i in ids]
+        waiting = {i for i, _ in self._reloads_waiting}
         for request_id, body in listed:
             request_id = int(request_id)
             if request_id in self._reload_answers:
                 code, message = self._reload_answers[request_id]
                 self.router.ask("reload_done", id=request_id, code=code, message=message)
-            elif request_id not in self._reloads:
-                self._reload_config_request(request_id, bytes(body), now)
+            elif request_id not in self._reloads and request_id not in waiting:
+                self._reloads_waiting.append((request_id, bytes(body)))
+        self._next_reload(now)
+
+    def _next_reload(self, now: float) -> None:
+        """The next waiting HandleReloadConfigRequest applied, once none is in effect: two
+        at once were both answered with the later one's outcome (the earlier said OK for a
+        model the later removed before it ever served; found by an operator test)."""
+        while self._reloads_waiting and not self._reloads:
+            request_id, body = self._reloads_waiting.pop(0)
+            self._reload_config_request(request_id, body, now)
 
     def _reload_config_request(self, request_id: int, body: bytes, now: float) -> None:
         """A HandleReloadConfigRequest the front door holds: applied now, answered when it
@@ -815,6 +830,7 @@ class Controller:
         for request_id in self._reloads:
             self._tell_reload(request_id, *result)
         self._reloads = []
+        self._next_reload(self.clock.monotonic())
 
     def _give_reload_labels(self) -> bool:
         """The labels of a HandleReloadConfigRequest that took effect, every model's at once,

@@ -1860,6 +1860,45 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     assert pool.controller.status()["pool"]["version_labels"] == {"canary": 2}
 
 
+def test_reload_config_requests_at_once_are_applied_and_answered_one_after_the_other(
+    make_pool: Callable[..., Pool],
+):
+    """As TF Serving's ReloadConfig holds its lock for the whole call: a request that comes
+    while another is in effect waits for that one's answer, then applies and is answered on
+    its own outcome. Both were answered with the later one's outcome: the earlier said OK for
+    a version the later had dropped before it ever served."""
+    pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
+    pool.router.reload_requests[11] = reload_request(base, [1, 2], {})
+    pool.router.reload_requests[12] = reload_request(base, [1], {"stable": 1})
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert pool.controller.status()["pool"]["version_policy"] == "specific:1,2", "12 waits"
+    pool.tick(after_s=0.5)
+    assert pool.router.reload_done == []
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert pool.router.reload_done == [(11, 0, "")]
+    assert pool.controller.status()["pool"]["version_policy"] == "specific:1", "12 applied"
+    pool.tick()
+    assert pool.router.reload_done == [(11, 0, ""), (12, 0, "")]
+    assert pool.router.labels[-1] == {"stable": 1}
+
+    # One its caller gave up while it waited (no longer listed) is never applied.
+    pool.router.reload_requests[13] = reload_request(base, [1, 2], {})
+    pool.router.reload_requests[14] = reload_request(base, [2], {})
+    for _ in range(4):  # version 2's retired workers gone, its new ones started
+        pool.tick(after_s=0.5)
+    assert pool.router.reload_done[-1][0] == 12, "13 waits for version 2"
+    del pool.router.reload_requests[14]
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    pool.tick()
+    assert [done[0] for done in pool.router.reload_done] == [11, 12, 13]
+    assert pool.controller.status()["pool"]["version_policy"] == "specific:1,2"
+
+
 def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_one_waits(
     make_pool: Callable[..., Pool],
 ):
