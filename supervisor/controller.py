@@ -318,8 +318,9 @@ class Controller:
             for model in self.models.values():
                 failed = model.prepare_first()
                 if failed:
-                    self.fail_pool(failed)
-                    return self.exit_code
+                    model.first_publish_failed(failed, self.clock.monotonic())
+                    if self.phase is not PoolPhase.STARTING:  # no try left: the pool failed
+                        return self.exit_code
             self._supervisord_config = text
             self._place_self()
             self.supervisord.start(text)
@@ -327,7 +328,9 @@ class Controller:
             # started before its daemon would silently run without MPS.
             self.gpu.start(self.supervisord.process_info())
             for model in self.models.values():
-                model.start_workers(model.groups[model.config.model_version], "spawned", False)
+                first = model.groups[model.config.model_version]
+                if first.retry_at is None:  # else started once a later try has published
+                    model.start_workers(first, "spawned", False)
             failures = 0
             while self.phase in (PoolPhase.STARTING, PoolPhase.SERVING):
                 self._serve_admin(TICK_S)

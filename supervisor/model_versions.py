@@ -367,7 +367,7 @@ class ModelVersions:
         try:
             group.publisher = self._start_publisher(group.version)
         except OSError as exc:  # its log cannot be opened: the version fails, said as such
-            self._fail_version(group, f"publishing the weights failed: {exc}", now)
+            self._fail_version(group, f"publishing the weights failed: {exc}", now, publishing=True)
             return
         group.publish_started = time.monotonic()
 
@@ -438,7 +438,7 @@ class ModelVersions:
                 return  # workers started beside it (the first version) wait for the segment
             failed = self._published(group, code)
             if failed:
-                self._fail_version(group, failed, now)
+                self._fail_version(group, failed, now, publishing=True)
                 return
             if not group.workers_started:
                 self.start_workers(group, f"version {group.version} loading")
@@ -461,12 +461,26 @@ class ModelVersions:
             refused = any(s.refused for s in failed)
             self._fail_version(group, failed[0].reason, now, retry=not refused)
 
+    def first_publish_failed(self, reason: str, now: float) -> None:
+        """The first version's publisher, started by `prepare_first`, failed before it claimed
+        its segment (a folder still being copied in: its checkpoint index is read first): tried
+        again as a later try would be, the pool starting meanwhile without its workers."""
+        group = self.groups[self.config.model_version]
+        group.publisher = None
+        self._fail_version(group, reason, now, publishing=True)
+
     def _fail_version(
-        self, group: VersionGroup, reason: str, now: float, retry: bool = True
+        self,
+        group: VersionGroup,
+        reason: str,
+        now: float,
+        retry: bool = True,
+        publishing: bool = False,
     ) -> None:
         """A load try of ``group`` failed: tried again later while tries are left (``retry``),
-        else it ends (END, with ``reason``)."""
-        if retry and self._may_retry(group):
+        else it ends (END, with ``reason``). ``publishing``: its weights could not be
+        published (no worker of it ran)."""
+        if retry and self._may_retry(group, publishing):
             self._retry_later(group, reason, now)
             return
         log.error("%s cannot serve: %s", group.label, reason)
@@ -476,14 +490,17 @@ class ModelVersions:
         if not self.groups and self.required:
             self.pool.fail_pool(reason)
 
-    def _may_retry(self, group: VersionGroup) -> bool:
+    def _may_retry(self, group: VersionGroup, publishing: bool = False) -> bool:
         """Whether a failed load of ``group`` gets another try: as TF Serving's LoaderHarness
         (`--max_num_load_retries` more), where ending it would not fail the pool. At the
         pool's start (nothing of a model it started with serves yet) its slots retry with
-        their own back-off and the pool fails when they cannot (`Controller._exited`)."""
+        their own back-off and the pool fails when they cannot (`Controller._exited`); a
+        failed publish has no slot to retry it, so it is retried here then too (TF Serving
+        retries its first loads as any other: a start while the newest version was still
+        being copied in failed at once)."""
         if group.failed_tries >= self.config.start_retries:
             return False
-        return not self.required or self.serving_version() is not None
+        return publishing or not self.required or self.serving_version() is not None
 
     def _retry_later(self, group: VersionGroup, reason: str, now: float) -> None:
         """Stays LOADING (TF Serving's state while it retries; GetModelStatus says no error

@@ -1618,6 +1618,9 @@ def test_loaded_at_normal_priority_a_worker_still_gets_its_serving_policy(
 FAKE_PUBLISHER = """
 import os, sys, time
 segment, go, code = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if sys.argv[4] == "0":  # fails before it claims its segment (its checkpoint index missing)
+    print("MPSPOOL-FATAL: variables/variables.index does not exist", flush=True)
+    sys.exit(code)
 with open(segment + ".partial", "wb") as f:
     f.write(bytes(4096))
 deadline = time.monotonic() + 30
@@ -1636,20 +1639,24 @@ def fake_publisher(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> Iterator[Callable[[int], Path]]:
     """``arm(code)`` makes every publisher the controller starts the fake above, exiting with
-    ``code``; it returns the go file, which lets the publishers finish once it exists."""
+    ``code``; it returns the go file, which lets the publishers finish once it exists.
+    ``claim=False``: a failing one fails at once, before it claims its segment."""
     from mpspool.supervisor.model_versions import ModelVersions
 
     go = tmp_path / "go"
     segments: list[str] = []
 
-    def arm(code: int) -> Path:
+    def arm(code: int, claim: bool = True) -> Path:
         def start(self: ModelVersions, version: int) -> subprocess.Popen[bytes]:
             segment = self.config.segment_for(version)
             segments.append(segment)
             log_path = self._publish_log_path(version)
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as out:
-                command = [sys.executable, "-c", FAKE_PUBLISHER, segment, str(go), str(code)]
+                command = [
+                    sys.executable, "-c", FAKE_PUBLISHER, segment, str(go), str(code),
+                    str(int(claim)),
+                ]  # fmt: skip
                 return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
         monkeypatch.setattr(ModelVersions, "_start_publisher", start)
@@ -1710,11 +1717,15 @@ def test_the_first_versions_workers_start_beside_its_publisher(
     assert group.segment_hold is None and not Path(group.segment).exists()
 
 
-def test_a_first_publisher_failing_after_its_workers_started_fails_the_pool(
+def test_a_first_publisher_failing_after_its_workers_started_is_retried_then_fails_the_pool(
     make_pool: Callable[..., Pool], fake_publisher: Callable[[int], Path]
 ):
+    """A checkpoint short of its bytes (a folder still being copied in) fails the first
+    publish: its starting workers stop, its segment goes, and it is tried again after
+    --load_retry_interval_micros, as TF Serving retries a first load (the pool failed at
+    once); its last try failing fails the pool, saying why."""
     go = fake_publisher(1)
-    pool = make_pool()
+    pool = make_pool(start_retries=1, load_retry_interval_s=5.0)
     group = start_first_version(pool)
     publisher = group.publisher
     assert publisher is not None
@@ -1723,13 +1734,42 @@ def test_a_first_publisher_failing_after_its_workers_started_fails_the_pool(
     go.touch()
     publisher.wait(timeout=30)
     pool.tick()
+    assert pool.controller.phase is PoolPhase.STARTING, pool.controller.exit_reason
+    assert group.state is VersionState.LOADING and group.retry_at is not None
+    assert "the checkpoint is short by 4096 bytes" in group.last_error
+    assert ("stopProcessGroup", "v1") in pool.sd.calls, "its starting workers are stopped"
+    assert not Path(group.segment).exists()
+    assert not Path(group.segment + ".partial").exists()
+
+    pool.tick(after_s=5.0)  # the second try: published again, failing again
+    assert group.publisher is not None
+    group.publisher.wait(timeout=30)
+    pool.tick()
     assert pool.controller.phase is PoolPhase.DRAINING
     reason = pool.controller.exit_reason
     assert reason.startswith("publishing the weights failed:"), reason
     assert "the checkpoint is short by 4096 bytes" in reason
-    assert ("stopProcessGroup", "v1") in pool.sd.calls, "its starting workers are stopped"
-    assert not Path(group.segment).exists()
-    assert not Path(group.segment + ".partial").exists()
+
+
+def test_a_first_publish_failing_before_its_claim_is_retried_before_workers_start(
+    make_pool: Callable[..., Pool], fake_publisher: Callable[[int], Path]
+):
+    """What Controller.run does when the first publisher fails at once (its checkpoint's
+    index missing: a copy still in progress): no workers start, the pool starts on, and the
+    next try publishes after the interval. With no tries left, the pool fails at once."""
+    fake_publisher(1, claim=False)
+    for retries, phase in ((1, PoolPhase.STARTING), (0, PoolPhase.DRAINING)):
+        pool = make_pool(start_retries=retries, load_retry_interval_s=5.0)
+        model = pool.controller.models["demo"]
+        group = model.groups[1]
+        failed = model.prepare_first()
+        assert failed.startswith("publishing the weights failed:"), failed
+        model.first_publish_failed(failed, pool.controller.clock.monotonic())
+        assert pool.controller.phase is phase
+        if retries:
+            assert group.retry_at is not None and not group.workers_started
+            pool.tick(after_s=5.0)
+            assert group.publisher is not None, "tried again"
 
 
 def write_model_config(path: Path, base: Path, policy: str, labels: dict[str, int]) -> None:

@@ -254,9 +254,10 @@ def test_a_version_copied_in_before_its_variables_serves_on_a_load_retry(
     """`cp -r` (or `gsutil cp -r`) into the watched base path: saved_model.pb appears before
     variables/. The first load fails, saying so; the version stays LOADING (GetModelStatus:
     no error, as TF Serving while it retries) and version 1 serves on; once the variables are
-    there, a retry (--load_retry_interval_micros later) loads it and it takes over."""
+    there, a retry (--load_retry_interval_micros later) loads it and it takes over. The same
+    at the pool's start, with nothing serving yet: the pool exited at once."""
     base = tmp_path / "model"
-    shutil.copytree(demo_model_dir / "1", base / "1")
+    shutil.copytree(demo_model_dir / "1", base / "1", ignore=shutil.ignore_patterns("variables"))
     (tmp_path / "pool").mkdir()
     pool = Pool(
         tmp_path / "pool",
@@ -270,6 +271,14 @@ def test_a_version_copied_in_before_its_variables_serves_on_a_load_retry(
     inputs = demo_inputs(3, DEMO_ROWS, seed=5)
     want = reference_model(**{k: tf.constant(v) for k, v in inputs.items()})["score"].numpy()
     try:
+        status = pool.wait_for(
+            lambda s: " of 4 failed, tried again" in _versions(s).get(1, ("", ""))[1],
+            timeout=60,
+            what="version 1's first load failed",
+        )
+        assert "variables/variables.index does not exist" in _versions(status)[1][1]
+        shutil.copytree(demo_model_dir / "1" / "variables", tmp_path / "variables-1")
+        os.rename(tmp_path / "variables-1", base / "1" / "variables")
         pool.wait_ready(1)
         # The copy's first half: everything but variables/.
         shutil.copytree(
