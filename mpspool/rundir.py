@@ -72,10 +72,16 @@ def prepare(run_dir: Path) -> bool:
         )
     if info and info.get("created_run_dir"):
         created = True  # inherited from the dead pool that made it
-    _wait_for_dead_pools_processes(run_dir)
+    if info:  # a pool ran here and its controller is gone: its processes may not be yet
+        _wait_for_dead_pools_processes(run_dir)
     clean(run_dir)  # whatever a dead pool left behind
     return created
 
+
+# Set in the environment of a pool's supervisord, and so of every program it runs (front door,
+# workers, MPS daemons): the run directory they belong to, so that a start can find the
+# processes a killed pool left running there.
+RUN_DIR_ENV = "MPSPOOL_RUN_DIR"
 
 # How long a start waits for the processes of a pool whose controller died to end: its
 # supervisord stops them (the front door drains first) once it sees its parent gone.
@@ -83,7 +89,7 @@ DEAD_POOL_WAIT_S = 60.0
 
 
 def _wait_for_dead_pools_processes(run_dir: Path) -> None:
-    """Wait until no process of a dead pool runs in ``run_dir``: PoolRunning if one still
+    """Wait until no process of a dead pool runs for ``run_dir``: PoolRunning if one still
     does after DEAD_POOL_WAIT_S. A controller killed outright leaves its supervisord, front
     door and workers stopping for some seconds; they own the sockets and files there, and
     supervisord removes its socket and pid file as it exits. Cleaned under them, a start at
@@ -98,7 +104,10 @@ def _wait_for_dead_pools_processes(run_dir: Path) -> None:
         file=sys.stderr,
         flush=True,
     )
-    _, alive = psutil.wait_procs(running, timeout=DEAD_POOL_WAIT_S)
+    try:
+        _, alive = psutil.wait_procs(running, timeout=DEAD_POOL_WAIT_S)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: nothing was started
+        raise SystemExit(130) from None
     if alive:
         pids = ", ".join(str(p.pid) for p in alive)
         raise PoolRunning(
@@ -108,15 +117,15 @@ def _wait_for_dead_pools_processes(run_dir: Path) -> None:
 
 
 def _pool_processes(run_dir: Path) -> list[psutil.Process]:
-    """The processes working in ``run_dir`` (supervisord runs itself and every program of
-    the pool there: `directory=`), this one aside."""
-    where = os.path.realpath(run_dir)
+    """The processes of a pool of ``run_dir`` (RUN_DIR_ENV names it in their environment),
+    this one and its ancestors aside."""
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.cwd() == where:
+            if proc.pid not in mine and proc.environ().get(RUN_DIR_ENV) == str(run_dir):
                 found.append(proc)
-        except psutil.Error:  # gone, or not ours to look at
+        except psutil.Error:  # gone, a zombie, or not ours to look at
             continue
     return found
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpspool import process
+from mpspool import process, rundir
 
 CONF_FILE = "supervisord.conf"
 SOCKET_FILE = "supervisord.sock"
@@ -230,6 +230,8 @@ class Supervisord:
                 str(conf),
             ],
             cwd=self.run_dir,  # never the repository root: see the module docstring
+            # Inherited by every program: a later start finds a killed pool's processes by it.
+            env={**os.environ, rundir.RUN_DIR_ENV: str(self.run_dir)},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err_file,
