@@ -410,13 +410,20 @@ enum Gunzip {
     Refused(ServingError),
 }
 
-/// Uncompress steps: what a step reads is counted against the budget before the next.
+/// Uncompress steps: the memory a step reads into is counted against the budget first.
 const GUNZIP_STEP: usize = 64 * 1024;
+
+/// A gzipped body at least this long is uncompressed on a blocking thread: gzip shrinks
+/// JSON's repeats up to ~1000 times, so a few KiB may stand for megabytes of document.
+const BLOCKING_GZIP_BYTES: usize = 4 * 1024;
 
 /// `read`'s body uncompressed (gzip members, one or several), holding the budget's share of
 /// both forms while it is built: a small body can stand for a large document (1 KiB of gzip
-/// for 1 MiB of JSON), so its uncompressed bytes are counted as they come, and refused past
-/// `limit` (the body limit, which applies to what is parsed) or past what the budget has free.
+/// for 1 MiB of JSON), so the memory its uncompressed bytes take is counted before they are
+/// read, and refused past `limit` (the body limit, which applies to what is parsed) or past
+/// what the budget has free at once. A gzipped body does not wait for room as a plain one
+/// may (its size is not known before it is read): under memory pressure it is refused
+/// (429, "try again later") where a plain one of that size would wait.
 fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBody, Gunzip> {
     use std::io::Read as _;
     let ReadBody {
@@ -424,26 +431,34 @@ fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBo
         mut held,
     } = read;
     let mut decoder = flate2::read::MultiGzDecoder::new(&compressed[..]);
-    let mut out = Vec::new();
+    let mut out: Vec<u8> = Vec::new();
     loop {
         let start = out.len();
-        let counted = compressed.len() + start + GUNZIP_STEP;
+        // Grown as a Vec grows (doubling), and counted at what it will hold, not its length.
+        let room = out.capacity().max(start + GUNZIP_STEP);
+        let room = if room > out.capacity() {
+            room.max(out.capacity() * 2)
+        } else {
+            room
+        };
+        let counted = compressed.len() + room;
         held = Some(
             request_budget::resize(held, counted, budget).ok_or_else(|| {
                 Gunzip::Refused(ServingError::new(
                     Code::ResourceExhausted,
                     format!(
-                    "requests being read or served hold {} MiB of the front door's memory, and \
-                     uncompressing this body further ({} MiB so far) would pass the {} MiB \
-                     allowed for all of them at once (4 times --max-message-bytes, at least \
-                     256); try again later",
-                    budget.held_bytes() >> 20,
-                    start.div_ceil(1 << 20),
-                    budget.bytes() >> 20
-                ),
+                        "requests being read or served hold {} MiB of the front door's memory, \
+                     and uncompressing this body further ({} MiB so far) would pass the {} \
+                     MiB allowed for all of them at once (4 times --max-message-bytes, at \
+                     least 256); try again later",
+                        budget.held_bytes() >> 20,
+                        start.div_ceil(1 << 20),
+                        budget.bytes() >> 20
+                    ),
                 ))
             })?,
         );
+        out.reserve_exact(room - start);
         out.resize(start + GUNZIP_STEP, 0);
         let n = decoder.read(&mut out[start..]).map_err(|error| {
             Gunzip::Refused(ServingError::invalid_argument(format!(
@@ -460,6 +475,8 @@ fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBo
     }
     drop(decoder);
     drop(compressed);
+    // Its spare capacity given back before it is kept (Bytes keeps a Vec's whole allocation).
+    out.shrink_to_fit();
     let bytes = Bytes::from(out);
     Ok(ReadBody {
         held: held.map(|held| request_budget::keep(held, bytes.len())),
@@ -647,7 +664,7 @@ impl Rest {
                     return Ok(read);
                 }
                 let budget = self.reading.budget.clone();
-                let large = read.bytes.len() >= BLOCKING_ANSWER_BYTES;
+                let large = read.bytes.len() >= BLOCKING_GZIP_BYTES;
                 let uncompressed = on_a_blocking_thread_if(large, "uncompressing the body", {
                     move || Ok(gunzip(read, limit, &budget))
                 });
@@ -982,7 +999,9 @@ pub async fn serve_connection(
     // half_close: a client that shuts its sending side once its request is out (`nc -N`,
     // socat, scripts piping a request) still gets its answer, as libevent's server gives it
     // (TF Serving stops reading a connection whose request is complete); hyper's default
-    // would close the connection on that EOF, answer unsent.
+    // would close the connection on that EOF, answer unsent. The cost, as there: a client
+    // gone altogether mid-request is noticed when its answer is written, not before (its
+    // request runs on, held to --rest_api_timeout_in_ms if set).
     builder
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(stall)
