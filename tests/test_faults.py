@@ -210,8 +210,8 @@ def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy:
         assert took[-1] < 1, took
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert failed.value.details() == (
-            "no worker can serve model demo version 1: each one failed (FATAL) and is tried "
-            "again after --fatal-retry-after"
+            "no worker can serve model demo version 1: each of its workers failed (FATAL; "
+            "`mpspool status` says why)"
         )
         assert pool.health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
 

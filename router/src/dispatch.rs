@@ -451,8 +451,8 @@ impl Dispatcher {
             return None;
         }
         let message = format!(
-            "no worker can serve model {model} version {}: each one failed (FATAL) and is \
-             tried again after --fatal-retry-after",
+            "no worker can serve model {model} version {}: each of its workers failed (FATAL; \
+             `mpspool status` says why)",
             target.version
         );
         Some(ServingError::new(Code::Unavailable, message))

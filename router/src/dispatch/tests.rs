@@ -764,8 +764,8 @@ async fn a_version_whose_every_slot_is_fatal_is_unavailable_at_once() {
     assert_eq!(error.code, Code::Unavailable);
     assert_eq!(
         error.message,
-        "no worker can serve model m version 1: each one failed (FATAL) and is tried again \
-         after --fatal-retry-after"
+        "no worker can serve model m version 1: each of its workers failed (FATAL; \
+         `mpspool status` says why)"
     );
     assert!(started.elapsed() < Duration::from_millis(250));
 
