@@ -606,6 +606,10 @@ class Controller:
             return
         if entries == self._file_entries:
             return
+        if self._reloads_waiting:
+            # Requests queued before this change are older: TF Serving's file poll takes the
+            # lock they wait on, so the file lands after them. Applied at a later read.
+            return
         refused = self._apply_model_entries(entries, now, self.config.model_config_file)
         if refused:
             self._say_once_of_config_file(refused)
@@ -628,7 +632,8 @@ class Controller:
         named = {e.name for e in entries}
         for entry in entries:
             model = served.get(entry.name)
-            if model is not None and model.base_path != entry.base_path:
+            # The same folder however it is named (a link kept as given, or its target).
+            if model is not None and not _same_path(model.base_path, entry.base_path):
                 return (
                     f"{source} names model {entry.name!r} at {entry.base_path}; it is served "
                     f"from {model.base_path}: a model's base path is fixed while it is served "
@@ -1279,3 +1284,8 @@ def _gpu_backend(config: PoolConfig) -> Any:
     from mpspool.mps.gpus import backend
 
     return backend()
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two paths name one folder: equal, or the same once their links are followed."""
+    return a == b or os.path.realpath(a) == os.path.realpath(b)

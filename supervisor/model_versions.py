@@ -102,7 +102,7 @@ class ModelVersions:
         # waits). Written by the controller; given as the config's labels once it succeeds.
         self.labels_asked: dict[str, int] | None = None
         # (router pid, table, labels) last sent to the front door.
-        self._versions_told: tuple[int, Any, dict[str, int]] | None = None
+        self._versions_told: tuple[int, Any, dict[str, int], bool] | None = None
 
     @property
     def config(self) -> PoolConfig:
@@ -462,12 +462,15 @@ class ModelVersions:
             self._fail_version(group, failed[0].reason, now, retry=not refused)
 
     def first_publish_failed(self, reason: str, now: float) -> None:
-        """The first version's publisher, started by `prepare_first`, failed before it claimed
-        its segment (a folder still being copied in: its checkpoint index is read first): tried
-        again as a later try would be, the pool starting meanwhile without its workers."""
+        """`prepare_first` said why the first version cannot load: its publisher failed before
+        it claimed its segment (a folder still being copied in: its checkpoint index is read
+        first), tried again as a later try would be, the pool starting meanwhile without its
+        workers; or its batching file is refused, which ends it (and so the pool)."""
         group = self.groups[self.config.model_version]
         group.publisher = None
-        self._fail_version(group, reason, now, publishing=True)
+        # A batching file refused is not retried (`_load`: trying again reads the same file).
+        retry = not group.batching_error
+        self._fail_version(group, reason, now, retry=retry, publishing=True)
 
     def _fail_version(
         self,
@@ -647,10 +650,15 @@ class ModelVersions:
             return False  # removed: the front door no longer serves it
         table = self.version_table()
         labels = self._labels_for_router()
-        told = (self.pool.router_pid, table, labels)
+        # A model the pool started with that has not served yet: its requests are UNAVAILABLE
+        # while its first version loads, as TF Serving's clients meet a port not yet open.
+        starting = self.required and not self.has_served
+        told = (self.pool.router_pid, table, labels, starting)
         if told == self._versions_told:
             return True
-        answer = self.pool.router.ask("versions", model=self.name, versions=table, labels=labels)
+        answer = self.pool.router.ask(
+            "versions", model=self.name, versions=table, labels=labels, starting=starting
+        )
         if answer is not None and answer.get("ok"):
             self._versions_told = told
             return True

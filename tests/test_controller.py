@@ -244,6 +244,7 @@ class FakeRouter:
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
         self.slot_samples: list[list[dict[str, Any]]] = []  # each "slots" op's rows
         self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
+        self.starting: list[bool] = []  # and whether it said the model had not served yet
         self.labels: list[dict[str, int]] = []  # and its labels
         self.versions_of: list[str] = []  # and the model it names ("": none named)
         self.models: list[list[str]] = []  # each "models" op's names
@@ -303,6 +304,7 @@ class FakeRouter:
             return {"error": "versions names a model this pool does not serve"}
         if op == "versions":
             self.versions.append(fields["versions"])
+            self.starting.append(fields["starting"])
             self.labels.append(fields["labels"])
             self.versions_of.append(fields.get("model", ""))
             return {"ok": True}
@@ -446,9 +448,12 @@ def test_a_slot_is_ready_once_registered_with_the_router(
     assert pool.slot("cpu-0").pid == 101
     assert pool.controller.phase is PoolPhase.STARTING  # nobody can serve yet
     assert capsys.readouterr().out == ""
+    # The front door hears the model has not served yet: UNAVAILABLE for its requests.
+    assert (told(pool), pool.router.starting[-1]) == ({1: "LOADING"}, True)
 
     pool.router.register("cpu-0@1", 101, answered=3)
     pool.tick()
+    assert (told(pool), pool.router.starting[-1]) == ({1: "AVAILABLE"}, False)
     assert pool.slot("cpu-0").state is S.READY
     assert pool.slot("cpu-1").state is S.STARTING
     assert pool.slot("cpu-0").answered == 3
@@ -1770,6 +1775,14 @@ def test_a_first_publish_failing_before_its_claim_is_retried_before_workers_star
             assert group.retry_at is not None and not group.workers_started
             pool.tick(after_s=5.0)
             assert group.publisher is not None, "tried again"
+    # A batching file refused since `start` read it: trying again would read the same file.
+    pool = make_pool(start_retries=1)
+    model = pool.controller.models["demo"]
+    model.groups[1].batching_error = "cannot read the batching parameters file"
+    failed = model.prepare_first()
+    model.first_publish_failed(failed, pool.controller.clock.monotonic())
+    assert pool.controller.phase is PoolPhase.DRAINING
+    assert pool.controller.exit_reason == "cannot read the batching parameters file"
 
 
 def write_model_config(path: Path, base: Path, policy: str, labels: dict[str, int]) -> None:
@@ -2036,6 +2049,30 @@ def test_a_config_file_changed_while_a_reload_waits_is_not_undone_by_it(
     pool.tick()
     pool.tick(after_s=1.0)
     assert pool.router.reload_done == [(7, 0, "")], "answered on the labels in force"
+    assert pool.router.labels[-1] == labels
+    assert pool.controller.status()["pool"]["version_labels"] == labels
+
+
+def test_a_config_file_changed_while_reloads_are_queued_lands_after_them(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """TF Serving's file poll takes the lock queued reloads wait on: the file, newer than
+    them, lands last (applied at once, an older queued request would have undone it)."""
+    pool, base, config_file = labelled_pool(make_pool, tmp_path, {"stable": 1})
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    pool.router.reload_requests[7] = reload_request(base, [1, 2], {"stable": 2})
+    pool.router.reload_requests[8] = reload_request(base, [1, 2], {"canary": 1})
+    pool.tick()
+    labels = {"stable": 1, "file": 2}
+    write_model_config(config_file, base, "specific { versions: 1 versions: 2 }", labels)
+    pool.tick(after_s=1.0)
+    assert pool.router.labels[-1] == {"stable": 1}, "the file waits for the queue"
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    for _ in range(3):
+        pool.tick(after_s=1.0)
+    assert [done[:2] for done in pool.router.reload_done] == [(7, 0), (8, 0)]
     assert pool.router.labels[-1] == labels
     assert pool.controller.status()["pool"]["version_labels"] == labels
 

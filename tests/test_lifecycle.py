@@ -205,7 +205,7 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
         # read as UNAVAILABLE). NOT_FOUND, which they do not retry, is never said.
         codes = _codes_until_served(pool)
         assert codes[-1] == grpc.StatusCode.OK, codes
-        assert set(codes[:-1]) == {grpc.StatusCode.UNAVAILABLE}, codes
+        assert set(codes[:-1]) <= {grpc.StatusCode.UNAVAILABLE}, codes
         pool.wait_ready(1)
         assert pool.stop() == 0
         assert pool.leftovers() == []
@@ -364,19 +364,22 @@ def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_
 
 
 def test_unreadable_weights_fail_the_start_cleanly(tmp_path: Path, demo_model_dir: Path) -> None:
-    """A checkpoint that cannot be published: `start` exits 1 with the reason and leaves
-    no process, segment or run directory behind."""
+    """A checkpoint that cannot be published (half its data: a copy in progress): tried
+    again as any load (the pool starting meanwhile), then `start` exits 1 with the reason and
+    leaves no process, segment or run directory behind."""
     broken = tmp_path / "broken"
     shutil.copytree(demo_model_dir, broken)
     data = broken / "1" / "variables" / "variables.data-00000-of-00001"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    pool = Pool(tmp_path, broken, 1).start()
+    retries = ("--max_num_load_retries", "1", "--load_retry_interval_micros", "500000")
+    pool = Pool(tmp_path, broken, 1, *retries).start()
     try:
         assert pool.proc is not None
         code = pool.proc.wait(60)
         assert code == 1, pool.output()
         last = pool.output().strip().splitlines()[-1]
         assert last.startswith("mpspool: publishing the weights failed:"), pool.output()
+        assert "failed to load (try 1 of 2; tried again in 0.5 s)" in pool.output()
         assert not pool.run_dir.exists()
         pool_id = re.search(r"\(pool (\w+)\)", pool.output()).group(1)
         assert list(Path("/dev/shm").glob(f"mpspool-{pool_id}-*")) == []

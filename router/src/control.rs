@@ -195,7 +195,9 @@ fn op<P>(
             };
             let labels = field(request, "labels");
             match VersionTable::from_control(current.id, &current.model, listed, labels) {
-                Ok(table) => {
+                Ok(mut table) => {
+                    table.starting =
+                        matches!(field(request, "starting"), Some(Value::Boolean(true)));
                     let mut models = Models::clone(&models);
                     models.replace(table);
                     pool.versions.send_replace(Arc::new(models));
@@ -544,15 +546,16 @@ mod tests {
                 .map(|(_, v)| v.clone());
             found.expect("listed in every snapshot")
         };
+        let id = pool.state.reloads.listed()[0].0;
         let expected = Value::Array(vec![Value::Array(vec![
-            Value::from(1),
+            Value::from(id),
             Value::Binary(b"\x0a\x00".to_vec()),
         ])]);
         assert_eq!(listed(&mut pool), expected);
         assert_eq!(listed(&mut pool), expected, "until answered");
         let done = ask(
             &mut pool,
-            serde_json::json!({"v": 1, "op": "reload_done", "n": 2, "id": 1, "code": 9,
+            serde_json::json!({"v": 1, "op": "reload_done", "n": 2, "id": id, "code": 9,
                 "message": "not available"}),
         );
         assert_eq!(done["ok"], true);
@@ -560,7 +563,7 @@ mod tests {
         assert_eq!(listed(&mut pool), Value::Array(vec![]));
         let again = ask(
             &mut pool,
-            serde_json::json!({"v": 1, "op": "reload_done", "n": 3, "id": 1, "code": 0}),
+            serde_json::json!({"v": 1, "op": "reload_done", "n": 3, "id": id, "code": 0}),
         );
         assert_eq!(again["ok"], false, "answered already");
         let bad = ask(

@@ -20,18 +20,38 @@ struct Waiting {
     answer: oneshot::Sender<Outcome>,
 }
 
-#[derive(Default)]
 pub struct Reloads {
     inner: Mutex<Inner>,
 }
 
-#[derive(Default)]
 struct Inner {
     next_id: u64,
     waiting: BTreeMap<u64, Waiting>,
 }
 
+impl Default for Reloads {
+    /// Ids counted from the front door's start in µs of the wall clock: a front door started
+    /// again (kill -9, a crash) never gives an id the controller still holds for one of the
+    /// last one's calls, which a count from 1 did (a new call was taken for an old one).
+    fn default() -> Self {
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+        Self::starting_at(micros)
+    }
+}
+
 impl Reloads {
+    /// Ids after `first`: the next call's is `first + 1`.
+    fn starting_at(first: u64) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                next_id: first,
+                waiting: BTreeMap::new(),
+            }),
+        }
+    }
+
     /// A call with its serialized ModelServerConfig; the receiver gets the controller's answer
     /// (or is closed if the call is dropped from the table, which only a new front door does).
     pub fn submit(&self, config: Vec<u8>) -> oneshot::Receiver<Outcome> {
@@ -46,7 +66,9 @@ impl Reloads {
         receiver
     }
 
-    /// Every call not yet answered, oldest first: (id, config bytes).
+    /// Every call not yet answered whose client still waits, oldest first: (id, config
+    /// bytes). One whose client went away is not listed: the controller does not apply a
+    /// call queued behind another once its caller has given up.
     pub fn listed(&self) -> Vec<(u64, Vec<u8>)> {
         self.inner
             .lock()
@@ -54,6 +76,7 @@ impl Reloads {
                 inner
                     .waiting
                     .iter()
+                    .filter(|(_, w)| !w.answer.is_closed())
                     .map(|(id, w)| (*id, w.config.clone()))
                     .collect()
             })
@@ -81,7 +104,7 @@ mod tests {
 
     #[test]
     fn a_call_is_listed_until_answered_and_gets_the_answer() {
-        let reloads = Reloads::default();
+        let reloads = Reloads::starting_at(0);
         let mut first = reloads.submit(b"one".to_vec());
         let _second = reloads.submit(b"two".to_vec());
         assert_eq!(
@@ -98,10 +121,24 @@ mod tests {
 
     #[test]
     fn a_call_whose_client_left_is_dropped() {
-        let reloads = Reloads::default();
+        let reloads = Reloads::starting_at(0);
+        let kept = reloads.submit(b"kept".to_vec());
         drop(reloads.submit(b"gone".to_vec()));
-        let _kept = reloads.submit(b"kept".to_vec());
-        assert_eq!(reloads.listed(), vec![(2, b"kept".to_vec())]);
-        assert!(!reloads.answer(1, (0, String::new())));
+        // Not listed from the moment its client left, before any later call comes.
+        assert_eq!(reloads.listed(), vec![(1, b"kept".to_vec())]);
+        let _later = reloads.submit(b"later".to_vec());
+        assert!(!reloads.answer(2, (0, String::new())));
+        drop(kept);
+    }
+
+    #[test]
+    fn a_front_door_started_later_gives_ids_after_the_last_ones() {
+        let before = Reloads::default();
+        let _one = before.submit(b"one".to_vec());
+        let (first, _) = before.listed()[0].clone();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let after = Reloads::default();
+        let _two = after.submit(b"two".to_vec());
+        assert!(after.listed()[0].0 > first + 1);
     }
 }

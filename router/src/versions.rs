@@ -112,6 +112,9 @@ pub struct VersionTable {
     pub labels: BTreeMap<String, i64>,
     /// Whether the controller has spoken (until then: the configured version only).
     pub from_controller: bool,
+    /// A model the pool started with that has not served yet (the controller's word): while
+    /// its first version loads, its requests are UNAVAILABLE (`first_still_loading`).
+    pub starting: bool,
 }
 
 impl VersionTable {
@@ -128,6 +131,7 @@ impl VersionTable {
             versions: BTreeMap::from([(version, available)]),
             labels: BTreeMap::new(),
             from_controller: false,
+            starting: false,
         }
     }
 
@@ -146,14 +150,18 @@ impl VersionTable {
             .is_some_and(|e| e.state == VersionState::Available)
     }
 
-    /// UNAVAILABLE for a request this model cannot serve yet because its first version is
-    /// still loading: none AVAILABLE, `version` (or, for the latest, some version) START or
-    /// LOADING. TF Serving opens its ports only once its models are loaded, so its clients
-    /// meet "connection refused" then, which they take as UNAVAILABLE and retry (and
-    /// `wait_for_ready` waits out); a front door listening from the start that said NOT_FOUND
-    /// would fail every client started beside the pool. Once a version has been AVAILABLE the
-    /// usual answers stand: NOT_FOUND for a version still loading beside it, as TF Serving's.
+    /// UNAVAILABLE for a request this model cannot serve yet because the pool is starting
+    /// and its first version is still loading (`starting`; none AVAILABLE, `version` or, for
+    /// the latest, some version START or LOADING). TF Serving opens its ports only once the
+    /// models it starts with are loaded, so its clients meet "connection refused" then,
+    /// which they take as UNAVAILABLE and retry (and `wait_for_ready` waits out); a front
+    /// door listening from the start that said NOT_FOUND would fail every client started
+    /// beside the pool. Otherwise TF Serving's answers stand: NOT_FOUND for a version still
+    /// loading beside one that serves, or for a model added while the pool serves.
     fn first_still_loading(&self, version: Option<i64>) -> Option<ServingError> {
+        if !self.starting {
+            return None;
+        }
         let loading =
             |e: &VersionEntry| matches!(e.state, VersionState::Start | VersionState::Loading);
         if self
@@ -324,6 +332,7 @@ impl VersionTable {
             versions: BTreeMap::new(),
             labels: BTreeMap::new(),
             from_controller: true,
+            starting: false,
         };
         for entry in versions {
             let get = |name: &str| {
@@ -693,7 +702,9 @@ mod tests {
                 ])
             })
             .collect();
-        VersionTable::from_control(0, "demo", &versions, None).unwrap()
+        let mut table = VersionTable::from_control(0, "demo", &versions, None).unwrap();
+        table.starting = true;
+        table
     }
 
     /// While a model's first version loads, its requests are UNAVAILABLE (retried, as TF
@@ -734,6 +745,14 @@ mod tests {
         let failed = listed(&[(4, "END")]);
         assert_eq!(
             failed.resolve(Some(&spec("demo", None))),
+            not_found("Latest(demo)")
+        );
+
+        // A model added while the pool serves: TF Serving's ports are open then, NOT_FOUND.
+        let mut added = listed(&[(4, "LOADING")]);
+        added.starting = false;
+        assert_eq!(
+            added.resolve(Some(&spec("demo", None))),
             not_found("Latest(demo)")
         );
 
