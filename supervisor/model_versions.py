@@ -101,7 +101,7 @@ class ModelVersions:
         # The labels a HandleReloadConfigRequest waiting to take effect asks for (None: none
         # waits). Written by the controller; given as the config's labels once it succeeds.
         self.labels_asked: dict[str, int] | None = None
-        # (router pid, table, labels) last sent to the front door.
+        # (router pid, table, labels, starting) last sent to the front door.
         self._versions_told: tuple[int, Any, dict[str, int], bool] | None = None
 
     @property

@@ -435,9 +435,7 @@ impl Dispatcher {
             )),
         }
     }
-}
 
-impl Dispatcher {
     /// UNAVAILABLE at once for a request whose version no worker can serve and every slot
     /// of which the controller reported FATAL: none comes back before `--fatal-retry-after`,
     /// so waiting NO_WORKER_WAIT for one would only hold the caller. A version whose slots

@@ -170,18 +170,9 @@ impl<B> ReadingBody<B> {
     fn make_room(&mut self, short: usize, frame: Frame<Bytes>) -> Result<Frame<Bytes>, ReadError> {
         let budget = &self.reading.budget;
         let Some(more) = budget.try_reserve(short) else {
-            return Err(ReadError::Refused(ServingError::new(
-                Code::ResourceExhausted,
-                format!(
-                    "requests being read or served (or a REST body waiting) hold {} MiB of the \
-                     front door's memory, and reading this one further ({} MiB so far) would \
-                     pass the {} MiB allowed for all of them at once (4 times \
-                     --max-message-bytes, at least 256); try again later",
-                    budget.held_bytes() >> 20,
-                    self.gathered.div_ceil(1 << 20),
-                    budget.bytes() >> 20
-                ),
-            )));
+            return Err(ReadError::Refused(
+                budget.no_room("reading this one", self.gathered),
+            ));
         };
         match &mut self.held {
             Some(held) => held.merge(more),

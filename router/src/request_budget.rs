@@ -120,6 +120,24 @@ impl RequestBudget {
         })
     }
 
+    /// RESOURCE_EXHAUSTED for a request that cannot go further (`doing`: "reading this one",
+    /// "uncompressing this body") with `so_far` bytes of it taken, the budget not having the
+    /// room free at once.
+    pub fn no_room(&self, doing: &str, so_far: usize) -> ServingError {
+        ServingError::new(
+            Code::ResourceExhausted,
+            format!(
+                "requests being read or served (or a REST body waiting) hold {} MiB of the \
+                 front door's memory, and {doing} further ({} MiB so far) would pass the {} \
+                 MiB allowed for all of them at once (4 times --max-message-bytes, at least \
+                 256); try again later",
+                self.held_bytes() >> 20,
+                so_far.div_ceil(1 << 20),
+                self.bytes >> 20
+            ),
+        )
+    }
+
     #[cfg(test)]
     pub fn available_bytes(&self) -> usize {
         self.permits.available_permits() * UNIT

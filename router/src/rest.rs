@@ -434,29 +434,17 @@ fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBo
     let mut out: Vec<u8> = Vec::new();
     loop {
         let start = out.len();
-        // Grown as a Vec grows (doubling), and counted at what it will hold, not its length.
-        let room = out.capacity().max(start + GUNZIP_STEP);
-        let room = if room > out.capacity() {
-            room.max(out.capacity() * 2)
+        // Counted at what it will hold, grown as a Vec grows (doubling), not at its length.
+        let needed = start + GUNZIP_STEP;
+        let room = if needed > out.capacity() {
+            needed.max(out.capacity() * 2)
         } else {
-            room
+            out.capacity()
         };
         let counted = compressed.len() + room;
         held = Some(
-            request_budget::resize(held, counted, budget).ok_or_else(|| {
-                Gunzip::Refused(ServingError::new(
-                    Code::ResourceExhausted,
-                    format!(
-                        "requests being read or served hold {} MiB of the front door's memory, \
-                     and uncompressing this body further ({} MiB so far) would pass the {} \
-                     MiB allowed for all of them at once (4 times --max-message-bytes, at \
-                     least 256); try again later",
-                        budget.held_bytes() >> 20,
-                        start.div_ceil(1 << 20),
-                        budget.bytes() >> 20
-                    ),
-                ))
-            })?,
+            request_budget::resize(held, counted, budget)
+                .ok_or_else(|| Gunzip::Refused(budget.no_room("uncompressing this body", start)))?,
         );
         out.reserve_exact(room - start);
         out.resize(start + GUNZIP_STEP, 0);

@@ -159,18 +159,11 @@ impl VersionTable {
     /// beside the pool. Otherwise TF Serving's answers stand: NOT_FOUND for a version still
     /// loading beside one that serves, or for a model added while the pool serves.
     fn first_still_loading(&self, version: Option<i64>) -> Option<ServingError> {
-        if !self.starting {
+        if !self.starting || self.latest().is_some() {
             return None;
         }
         let loading =
             |e: &VersionEntry| matches!(e.state, VersionState::Start | VersionState::Loading);
-        if self
-            .versions
-            .values()
-            .any(|e| e.state == VersionState::Available)
-        {
-            return None;
-        }
         let waiting = match version {
             Some(v) => self.versions.get(&v).filter(|e| loading(e)).map(|_| v),
             None => self
@@ -199,12 +192,14 @@ impl VersionTable {
                 format!("Servable not found for request: {wanted}"),
             )
         };
-        let specific = |v: i64| {
-            let loading = (spec.name == self.model)
-                .then(|| self.first_still_loading(Some(v)))
-                .flatten();
-            loading.unwrap_or_else(|| not_found(format!("Specific({}, {v})", spec.name)))
+        // What this model cannot serve: still loading at the pool's start, else not found.
+        let unservable = |version: Option<i64>, wanted: String| {
+            (spec.name == self.model)
+                .then(|| self.first_still_loading(version))
+                .flatten()
+                .unwrap_or_else(|| not_found(wanted))
         };
+        let specific = |v: i64| unservable(Some(v), format!("Specific({}, {v})", spec.name));
         match &spec.version_choice {
             Some(VersionChoice::Version(v)) => {
                 if spec.name != self.model || !self.available(*v) {
@@ -232,12 +227,8 @@ impl VersionTable {
             }
             None => {
                 let latest = self.latest().filter(|_| spec.name == self.model);
-                let version = latest.ok_or_else(|| {
-                    let loading = (spec.name == self.model)
-                        .then(|| self.first_still_loading(None))
-                        .flatten();
-                    loading.unwrap_or_else(|| not_found(format!("Latest({})", spec.name)))
-                })?;
+                let version =
+                    latest.ok_or_else(|| unservable(None, format!("Latest({})", spec.name)))?;
                 Ok(Target {
                     model: self.id,
                     version,
