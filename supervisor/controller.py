@@ -955,6 +955,16 @@ class Controller:
             log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
             return None
 
+    def stop_groups(self, groups: list[str]) -> None:
+        """Their workers stop, all at once; back when none runs."""
+        try:
+            left = self.supervisord.stop_groups(groups)
+        except (OSError, xmlrpc.client.Error) as exc:
+            log.warning("stopping %s failed: %s", ", ".join(groups), exc)
+            return
+        if left:
+            log.warning("still running after 60 s of stopping: %s", ", ".join(left))
+
     def _infos(self) -> dict[str, dict[str, Any]]:
         try:
             return self.supervisord.process_info()
@@ -1228,12 +1238,12 @@ class Controller:
             if self.supervisord.proc is not None and self.supervisord.proc.poll() is None:
                 self._drain_router()
                 self.gpu.terminate_clients()
-                rpc = self.supervisord.rpc(timeout=60.0)
-                for group in self.groups():
-                    if group.in_supervisord:
-                        rpc.stopProcessGroup(group.group, True)
+                groups = [g.group for g in self.groups() if g.in_supervisord]
+                left = self.supervisord.stop_groups(groups)
+                if left:
+                    log.warning("still running after 60 s of stopping: %s", ", ".join(left))
                 self.gpu.quit()
-                rpc.stopProcess("router", True)
+                self.supervisord.stop_groups(["router"])
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("orderly stop failed (%s); shutting supervisord down", exc)
         self.supervisord.shutdown()

@@ -55,6 +55,8 @@ class Pool(Protocol):
 
     def rpc(self, method: str, *args: Any) -> Any: ...
 
+    def stop_groups(self, groups: list[str]) -> None: ...
+
     def sync_supervisord(self) -> None: ...
 
     def forget(self, slot: Slot, why: str, tell_router: bool = True) -> None: ...
@@ -524,7 +526,7 @@ class ModelVersions:
         the folder as it is then: a copy in progress may have completed)."""
         group.stop_publisher()
         if group.workers_started:
-            self.pool.rpc("stopProcessGroup", group.group, True)
+            self.pool.stop_groups([group.group])
             group.workers_started = False
         for slot in group.slots.values():
             self.pool.forget(slot, why)
@@ -576,7 +578,7 @@ class ModelVersions:
         (the memory goes back with the processes that mapped it)."""
         group.stop_publisher()
         if group.in_supervisord:
-            self.pool.rpc("stopProcessGroup", group.group, True)
+            self.pool.stop_groups([group.group])
         for slot in group.slots.values():
             self.pool.forget(slot, why)
             if slot.state is not WorkerState.STOPPED:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import xmlrpc.client
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -221,6 +222,11 @@ class FakeSupervisord:
             for program in [p for p, i in self.programs.items() if i["group"] == group]:
                 del self.programs[program]
         return sorted(wanted.keys() - known), [], sorted(known - wanted.keys())
+
+    def stop_groups(self, groups: list[str], timeout: float = 60.0) -> list[str]:
+        for group in groups:
+            FakeRPC(self).stopProcessGroup(group, False)
+        return []
 
     def tail_reason(self, program: str) -> str:
         self.tailed.append(program)
@@ -1444,6 +1450,42 @@ def test_supervisord_accepts_a_percent_in_paths_and_commands():
         assert worker["stdout_logfile"] == str(run_dir / "logs" / "worker-cpu-0.log")
         assert parsed["socket"][0]["file"] == str(run_dir / sd.SOCKET_FILE)
     finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_real_supervisord_stops_several_groups_at_once(tmp_path: Path):
+    """Each process takes a second to end after its SIGTERM: every group gets its signal
+    before any has ended (stopProcessGroup with wait, group after group, cost a second per
+    group: a pool of eleven models took eleven seconds to stop), and the call returns once
+    all have ended."""
+    base = Path(tempfile.mkdtemp(prefix="mpsc-", dir="/tmp"))  # short: a socket path
+    events = tmp_path / "events"
+    script = (
+        f'trap "echo term $0 >> {events}; sleep 1; echo end $0 >> {events}; exit 0" TERM; '
+        f"echo up $0 >> {events}; while :; do sleep 0.1; done"
+    )
+    groups = [f"g{n}" for n in range(4)]
+    programs = [
+        sd.Program(name=f"p-{g}", group=g, command=["sh", "-c", script, g], startsecs=0)
+        for g in groups
+    ]
+    text = sd.render_config(base, base / "logs", "mpspool-t3st", programs)
+    daemon = sd.Supervisord(base, base / "logs")
+    try:
+        daemon.start(text)
+        deadline = time.monotonic() + 30
+        # Each says "up" once its trap is set (RUNNING comes at the spawn, before it).
+        while not events.exists() or len(events.read_text().split()) < 2 * len(groups):
+            assert time.monotonic() < deadline, daemon.process_info()
+            time.sleep(0.05)
+        assert daemon.stop_groups([*groups, "not-a-group"]) == []
+        lines = events.read_text().split()[2 * len(groups) :]
+        said = [(lines[i], lines[i + 1]) for i in range(0, len(lines), 2)]
+        assert sorted(said) == sorted([(w, g) for g in groups for w in ("end", "term")]), said
+        assert [w for w, _ in said] == ["term"] * 4 + ["end"] * 4, said
+        assert all(i["state"] == sd.STOPPED for i in daemon.process_info().values())
+    finally:
+        daemon.shutdown()
         shutil.rmtree(base, ignore_errors=True)
 
 

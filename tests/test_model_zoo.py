@@ -3,8 +3,9 @@
 Each style below is built by the test (small tables, so the suite stays fast), published into a
 weight segment and loaded by the worker runtime with its variables bound to the segment; after
 warm-up no variable may have been copied out of it, and the answers must equal a plain
-TensorFlow load's. Then every style is served by a real 2-worker pool and answered through the
-official TF Serving client, compared with a direct TensorFlow call of the same SavedModel.
+TensorFlow load's. Then every style is served by a real pool (one pool, a model each, one of
+them on two workers) and answered through the official TF Serving client, compared with a
+direct TensorFlow call of the same SavedModel.
 
 The styles: `tf.nn.embedding_lookup(var, ids)`, `tf.gather(var, ids)`,
 `tf.gather(var.read_value(), ids)`, a gather with `batch_dims`, `tf.gather_nd(var, ...)`, a table
@@ -567,38 +568,73 @@ def test_an_out_of_range_id_keeps_tensorflows_error(zoo, segment_path: Path, tmp
 
 
 # The styles whose difference lies in publishing and loading only (the runtime test above
-# covers both) are left out: a pool of each costs CI ~8 s for nothing more.
-@pytest.mark.parametrize(
-    "style", [s for s in STYLES if s not in ("tf1_no_variables", "string_variable")]
-)
-def test_a_two_worker_pool_serves_each_style_shared(style: str, zoo, tmp_path: Path) -> None:
+# covers both) are left out.
+POOLED = [s for s in STYLES if s not in ("tf1_no_variables", "string_variable")]
+# The style two workers serve (the others one each): a segment both map without copying.
+TWO_WORKERS = "keras_export"
+
+
+@pytest.fixture(scope="module")
+def zoo_pool(zoo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """One pool serving every pooled style as a model of one model config file: a pool per
+    style cost CI ~8.5 s each, mostly its processes starting, for nothing more."""
+    from google.protobuf import text_format
+    from tensorflow_serving.config import model_server_config_pb2
+
+    tmp = tmp_path_factory.mktemp("zoopool")
+    config = model_server_config_pb2.ModelServerConfig()
+    for style in POOLED:
+        config.model_config_list.config.add(name=style, base_path=str(zoo[style][0]))
+    config_file = tmp / "models.config"
+    config_file.write_text(text_format.MessageToString(config))
+    pool = Pool(tmp, zoo[POOLED[0]][0], 1, "--model-workers", f"{TWO_WORKERS}=2")
+    at = pool.args.index("--model-base-path")
+    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]  # names: the file's
+    pool.start()
+    try:
+        pool.wait_ready(len(POOLED) + 1, timeout=240)
+        yield pool
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
+@pytest.mark.parametrize("style", POOLED)
+def test_a_pool_serves_each_style_shared(style: str, zoo, zoo_pool: Pool) -> None:
     """The official client against a real pool: the answers TensorFlow gives, no copies."""
     import tensorflow as tf
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
     base, inputs = zoo[style]
-    pool = Pool(tmp_path, base, 2).start()
-    try:
-        status = pool.wait_ready(2)
-        for slot in status["slots"]:
-            weights = slot["weights"]
-            assert weights and weights["copied"] == {}, slot
-        stub = prediction_service_pb2_grpc.PredictionServiceStub(pool.channel())
-        request = predict_pb2.PredictRequest()
-        request.model_spec.name = "demo"
-        for alias, values in inputs.items():
-            request.inputs[alias].CopyFrom(tf.make_tensor_proto(values))
-        want = _direct(base / "1", inputs)
-        for _ in range(4):  # both workers
-            response = stub.Predict(request, timeout=30)
+    # The pool's first model is its default: its slots carry no model name.
+    slots = [
+        s
+        for s in zoo_pool.status()["slots"]
+        if (s["model"] or POOLED[0]) == style and s["state"] == "READY"
+    ]
+    assert len(slots) == (2 if style == TWO_WORKERS else 1), slots
+    segments = set()
+    for slot in slots:
+        weights = slot["weights"]
+        assert weights and weights["copied"] == {}, slot
+        segments.add(weights["segment"])
+    assert len(segments) == 1, "the workers of a version map one segment"
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = style
+    for alias, values in inputs.items():
+        request.inputs[alias].CopyFrom(tf.make_tensor_proto(values))
+    want = _direct(base / "1", inputs)
+    with zoo_pool.channel() as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        for _ in range(2 * len(slots)):  # every worker
+            try:
+                response = stub.Predict(request, timeout=30)
+            except grpc.RpcError as exc:
+                pytest.fail(f"{style}: {exc.code()} {exc.details()}\n{zoo_pool.output()[-3000:]}")
             for alias in want:
                 got = tf.make_ndarray(response.outputs[alias])
                 _same(got, want[alias], alias)
-    except grpc.RpcError as exc:
-        pytest.fail(f"{style}: {exc.code()} {exc.details()}\n{pool.output()}")
-    finally:
-        assert pool.stop() == 0
-    assert pool.leftovers() == []
 
 
 def _writing_model(path: Path) -> dict[str, np.ndarray]:
