@@ -90,9 +90,23 @@ enum Outcome {
     Lost {
         why: String,
         orderly: bool,
+        /// It shared that call with other requests: any of them may be what ended the worker.
+        merged: bool,
     },
     /// No worker is routable right now.
     NoWorker,
+}
+
+/// Which send of a request a `Command::Send` is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sending {
+    First,
+    /// Sent again after its worker left (or none was ready).
+    Again,
+    /// Sent again after a worker left in the middle of a merged call it was in: from then on
+    /// it runs by itself, so that a request that ends workers (a query of death) takes no
+    /// other request down with it again, and is given up alone after `MAX_SENDS`.
+    AgainAlone,
 }
 
 enum Command {
@@ -105,8 +119,9 @@ enum Command {
         /// When the client stops waiting, if it said: the worker does not start a call
         /// after it, and stops one it can (`wire::encode_request`).
         deadline: Option<Instant>,
-        /// Sent again after its worker left (or none was ready): already counted on arrival.
-        again: bool,
+        /// The first send, or a retry (already counted on arrival), and whether it may share
+        /// a call.
+        sending: Sending,
     },
     /// The caller stopped waiting (deadline): forget the entry.
     Cancel {
@@ -346,7 +361,7 @@ impl Dispatcher {
         let arrived = std::time::Instant::now();
         let deadline_exceeded = || ServingError::new(Code::DeadlineExceeded, "Deadline Exceeded");
         let mut lost = 0;
-        let mut sent = 0u32;
+        let mut sending = Sending::First;
         loop {
             // A retry after the deadline passed would only make a worker do work nobody reads.
             if deadline.is_some_and(|d| d <= Instant::now()) {
@@ -360,9 +375,11 @@ impl Dispatcher {
                 answer,
                 arrived,
                 deadline,
-                again: sent > 0,
+                sending,
             };
-            sent += 1;
+            if sending == Sending::First {
+                sending = Sending::Again;
+            }
             if self.commands.send(command).is_err() {
                 return Err(ServingError::new(
                     Code::Unavailable,
@@ -382,8 +399,15 @@ impl Dispatcher {
             match outcome {
                 Ok(Outcome::Reply(reply)) => return Ok(reply),
                 Ok(Outcome::Error(error)) => return Err(error),
-                Ok(Outcome::Lost { why, orderly }) => {
+                Ok(Outcome::Lost {
+                    why,
+                    orderly,
+                    merged,
+                }) => {
                     lost += u32::from(!orderly);
+                    if merged && !orderly {
+                        sending = Sending::AgainAlone;
+                    }
                     if lost >= MAX_SENDS {
                         log_warn!("request {id} given up after {lost} sends: {why}");
                         let message = format!(
@@ -655,8 +679,8 @@ impl Actor {
                 answer,
                 arrived,
                 deadline,
-                again,
-            } => self.enqueue(id, request, answer, arrived, deadline, again),
+                sending,
+            } => self.enqueue(id, request, answer, arrived, deadline, sending),
             Command::Cancel { id } => {
                 if self.queue_remove(id).is_some() {
                     self.publish_queue();
@@ -678,7 +702,7 @@ impl Actor {
         answer: oneshot::Sender<Outcome>,
         arrived: std::time::Instant,
         deadline: Option<Instant>,
-        again: bool,
+        sending: Sending,
     ) {
         let Some(servable) = self.routable.borrow().route(request.target) else {
             let _ = answer.send(Outcome::NoWorker);
@@ -688,7 +712,7 @@ impl Actor {
         let mut merge_key = None;
         let batching = self.batching_of(servable);
         if let Some(batching) = &batching {
-            if !again {
+            if sending == Sending::First {
                 // Before the queue's limit, as TF Serving sizes a request before scheduling it.
                 let first_dimensions = (request.tensors.iter())
                     .map(|(_, _, shape)| shape.first().map_or(0, |rows| rows.unsigned_abs()));
@@ -701,7 +725,9 @@ impl Actor {
                 let _ = answer.send(Outcome::Error(full));
                 return;
             }
-            merge_key = key.filter(|_| rows <= batching.max_batch_size);
+            merge_key = key
+                .filter(|_| rows <= batching.max_batch_size)
+                .filter(|_| sending != Sending::AgainAlone);
         }
         let cost = self
             .costs
@@ -997,9 +1023,11 @@ impl Actor {
         );
         for pending in departure.pending {
             self.requests.remove(&pending.id);
+            let merged = pending.members.len() > 1;
             pending.tell_all(|| Outcome::Lost {
                 why: why.clone(),
                 orderly: departure.orderly,
+                merged,
             });
         }
         self.publish_ready();

@@ -140,8 +140,13 @@ impl Api {
             .as_ref()
             .map_or("", |s| s.signature_name.as_str());
         let spec = signatures.select(name)?;
-        let mut declared = Vec::with_capacity(request.inputs.len());
-        for (alias, proto) in &request.inputs {
+        // In the aliases' order, not the map's (whose order differs from one request to the
+        // next): requests that can share a call must list their inputs alike, as TF Serving's
+        // batching keys on the set of names; and a request's rows are its first input's.
+        let mut inputs: Vec<_> = request.inputs.iter().collect();
+        inputs.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut declared = Vec::with_capacity(inputs.len());
+        for (alias, proto) in inputs {
             let (dtype, shape) = codec::declared(proto, alias)?;
             declared.push((alias.as_str(), dtype, shape));
         }

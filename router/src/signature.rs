@@ -219,7 +219,11 @@ pub fn check_output_filter(
             )));
         }
     }
-    Ok(filter.to_vec())
+    // As a set: the same filter in another order shares a call (TF Serving's batching keys
+    // on the set of names); the answer is a map either way.
+    let mut outputs = filter.to_vec();
+    outputs.sort_unstable();
+    Ok(outputs)
 }
 
 pub fn shape_fits(want: Option<&[i64]>, got: &[i64]) -> bool {
@@ -323,6 +327,14 @@ mod tests {
             check_output_filter(&spec(), &[]).unwrap(),
             vec!["logit", "score"]
         );
+        // A set: either order is the same filter, so such requests can share a call.
+        for filter in [["score", "logit"], ["logit", "score"]] {
+            let filter: Vec<String> = filter.map(String::from).into();
+            assert_eq!(
+                check_output_filter(&spec(), &filter).unwrap(),
+                vec!["logit", "score"]
+            );
+        }
         let err = check_output_filter(&spec(), &["nope".into()]).unwrap_err();
         assert_eq!(
             err.message,

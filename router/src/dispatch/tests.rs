@@ -25,6 +25,8 @@ enum Behaviour {
     SlowEcho(u64),
     /// Echo after 20 ms, but refuse (INVALID_ARGUMENT) a call of more rows than this.
     RefuseAbove(i64),
+    /// Echo after 20 ms, but die (as DieMidRequest) on a call of more rows than this.
+    DieAbove(i64),
 }
 
 struct FakeWorker {
@@ -120,12 +122,13 @@ impl FakeWorker {
                         break;
                     }
                     Behaviour::DieMidRequest => break,
+                    Behaviour::DieAbove(most) if rows > most => break,
                     Behaviour::GoSilent => continue,
                     Behaviour::RefuseAbove(most) if rows > most => {
                         thread::sleep(Duration::from_millis(20));
                         serde_json::json!({"v": 1, "k": "error", "id": id, "code": 3, "message": "too many rows"})
                     }
-                    Behaviour::RefuseAbove(_) => {
+                    Behaviour::RefuseAbove(_) | Behaviour::DieAbove(_) => {
                         thread::sleep(Duration::from_millis(20));
                         serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, 20_000]})
                     }
@@ -1310,6 +1313,44 @@ async fn a_failed_merged_call_runs_its_requests_one_by_one() {
     // Every call sent counts as a run of the batching session, the reruns too.
     let runs = ":tensorflow:serving:batching_session:wrapped_run_count{}";
     assert_eq!(batching_page(&state)[runs], 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_requests_of_a_merged_call_whose_worker_died_run_alone_from_then_on() {
+    // A query of death merged with others: sent again merged, it would take them down with
+    // it on every worker it reaches. Here the merged call of three ends its worker; the
+    // next worker, which comes once they wait, gets the three one by one, though they
+    // queue behind each other there and batching would merge them.
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 0, vec![], 10));
+    let dies = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::DieAbove(1));
+    ready(&dispatcher, 1).await;
+    let mut calls = Vec::new();
+    for mark in 0..4 {
+        let d = dispatcher.clone();
+        let request = marked_request(1, mark);
+        let want = request.frames.clone();
+        let deadline = Some(Instant::now() + Duration::from_secs(20));
+        calls.push(tokio::spawn(async move {
+            (d.call(request, deadline).await, want)
+        }));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // The first alone (the worker was idle), then the other three merged: it dies on them.
+    for _ in 0..200 {
+        if dies.rows_seen().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(dies.rows_seen(), [1, 3]);
+    let next = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::RefuseAbove(1));
+    for call in calls {
+        let (reply, want) = call.await.unwrap();
+        assert_eq!(reply.expect("answered").frames, want);
+    }
+    assert_eq!(next.rows_seen(), [1, 1, 1], "never merged again");
+    dispatcher.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
