@@ -103,7 +103,11 @@ pub struct MergeKey {
 /// share a first dimension).
 pub fn merge_key(request: &WorkRequest) -> Option<(MergeKey, u64)> {
     let rows = request.rows();
-    if rows == 0 || request.tensors.is_empty() || request.tensors.len() != request.frames.len() {
+    if rows == 0
+        || !request.row_wise
+        || request.tensors.is_empty()
+        || request.tensors.len() != request.frames.len()
+    {
         return None;
     }
     let mut inputs = Vec::with_capacity(request.tensors.len());
@@ -146,6 +150,7 @@ pub fn merge(members: &[&WorkRequest], padded: u64) -> Option<WorkRequest> {
         tensors,
         frames,
         outputs: first.outputs.clone(),
+        row_wise: first.row_wise,
     })
 }
 
@@ -219,6 +224,7 @@ mod tests {
             tensors,
             frames,
             outputs: vec![],
+            row_wise: true,
         }
     }
 
@@ -285,6 +291,10 @@ mod tests {
         ragged.tensors[1].2 = vec![1];
         assert_eq!(key(&ragged), None);
         assert_eq!(key(&request(0, 0, false)), None);
+        // Asking for an output its signature gives a fixed size (a vocabulary): alone.
+        let mut constant = request(2, 0, false);
+        constant.row_wise = false;
+        assert_eq!(key(&constant), None);
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub struct WorkRequest {
     pub tensors: Vec<TensorMeta>,
     pub frames: Vec<Bytes>,
     pub outputs: Vec<String>,
+    /// Its signature declares each output it asks for with one row per input row (or says
+    /// nothing of the output's shape): only then may it share a call with other requests
+    /// or be cut into chunks, as such a call's answer is cut back into rows.
+    pub row_wise: bool,
 }
 
 impl WorkRequest {

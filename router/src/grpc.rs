@@ -168,6 +168,7 @@ impl Api {
             signature: spec.key.clone(),
             tensors,
             frames,
+            row_wise: spec.answers_row_by_row(&outputs),
             outputs,
         };
         let reply = self.run(work, deadline, TfApi::Predict).await?;

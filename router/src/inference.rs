@@ -19,7 +19,7 @@ use crate::dispatch::{WorkReply, WorkRequest};
 use crate::proto::tensorflow::serving::{
     input::Kind, Class, ClassificationResult, Classifications, Input, Regression, RegressionResult,
 };
-use crate::signature::{ModelSignatures, SignatureSpec, DEFAULT_SIGNATURE};
+use crate::signature::{shape_text, ModelSignatures, SignatureSpec, DEFAULT_SIGNATURE};
 use crate::status::ServingError;
 use crate::versions::Target;
 use crate::wire;
@@ -206,6 +206,7 @@ pub fn work(
         signature: spec.key.clone(),
         tensors: vec![(INPUTS.to_string(), DT_STRING, vec![examples.len() as i64])],
         frames: vec![Bytes::from(wire::encode_strings(examples))],
+        row_wise: spec.answers_row_by_row(&outputs),
         outputs,
     }
 }
@@ -218,11 +219,6 @@ fn output<'a>(reply: &'a WorkReply, name: &str) -> Option<(i32, &'a [i64], &'a B
         .zip(&reply.frames)
         .find(|((alias, _, _), _)| alias == name)
         .map(|((_, dtype, shape), frame)| (*dtype, shape.as_slice(), frame))
-}
-
-fn shape_text(shape: &[i64]) -> String {
-    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
-    format!("[{}]", dims.join(","))
 }
 
 fn dt_name(dtype: i32) -> String {

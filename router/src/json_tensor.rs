@@ -43,7 +43,7 @@ use crate::proto::tensorflow::serving::{
     feature, input, BytesList, ClassificationResult, ExampleList, ExampleListWithContext, Feature,
     FloatList, Input, Int64List, RegressionResult,
 };
-use crate::signature::TensorSpec;
+use crate::signature::{shape_text, TensorSpec};
 use crate::status::{Code, ServingError};
 
 const BASE64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
@@ -566,11 +566,6 @@ fn shape_proto(shape: &[i64]) -> TensorShapeProto {
             .collect(),
         unknown_rank: false,
     }
-}
-
-fn shape_text(shape: &[i64]) -> String {
-    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
-    format!("[{}]", dims.join(","))
 }
 
 /// One input's rows stacked: the first row fixes the shape and size the others must have.

@@ -25,7 +25,7 @@ impl TensorSpec {
     fn shape_text(&self) -> String {
         match &self.shape {
             None => "<unknown>".to_string(),
-            Some(shape) => dims(shape),
+            Some(shape) => shape_text(shape),
         }
     }
 }
@@ -38,6 +38,22 @@ pub struct SignatureSpec {
     pub outputs: HashMap<String, TensorSpec>,
     /// Output aliases in name order: what an empty output_filter asks for.
     pub output_names: Vec<String>,
+}
+
+impl SignatureSpec {
+    /// Whether each of `outputs` is declared with a first dimension of any size (a row per
+    /// input row, as a batched model's outputs are), or with no shape at all (nothing to go
+    /// by). A scalar, or an output whose first dimension has a fixed size (a vocabulary, a
+    /// model's constants), is not cut by rows: a request asking for one neither shares a
+    /// call nor is split, whose answer would be another call's rows or repeated per chunk.
+    pub fn answers_row_by_row(&self, outputs: &[String]) -> bool {
+        outputs.iter().all(|name| {
+            self.outputs
+                .get(name)
+                .and_then(|spec| spec.shape.as_deref())
+                .is_none_or(|shape| shape.first() == Some(&-1))
+        })
+    }
 }
 
 /// The served model's signatures, as its first READY worker sent them.
@@ -186,7 +202,7 @@ pub fn check_inputs(
         if !shape_fits(want.shape.as_deref(), shape) {
             return Err(ServingError::invalid_argument(format!(
                 "input \"{alias}\": shape {} is not compatible with the signature's shape {}",
-                dims(shape),
+                shape_text(shape),
                 want.shape_text()
             )));
         }
@@ -242,9 +258,10 @@ fn set(names: &BTreeSet<&str>) -> String {
     )
 }
 
-fn dims(shape: &[i64]) -> String {
-    let d: Vec<String> = shape.iter().map(i64::to_string).collect();
-    format!("[{}]", d.join(","))
+/// A shape as TF Serving's messages write it: `[2,-1,3]`.
+pub fn shape_text(shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("[{}]", dims.join(","))
 }
 
 #[cfg(test)]
@@ -319,6 +336,26 @@ mod tests {
             err.message,
             "input \"dense\": expects dtype float but int64 is provided"
         );
+    }
+
+    #[test]
+    fn outputs_with_a_row_per_input_row_are_those_declared_so() {
+        let mut spec = spec();
+        let mut declare = |name: &str, shape: Option<Vec<i64>>| {
+            let tensor = TensorSpec { dtype: 1, shape };
+            spec.outputs.insert(name.to_string(), tensor);
+        };
+        declare("vocabulary", Some(vec![3]));
+        declare("total", Some(vec![]));
+        declare("anything", None);
+        let row_wise = |names: &[&str]| {
+            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+            spec.answers_row_by_row(&names)
+        };
+        assert!(row_wise(&["logit", "score"]));
+        assert!(row_wise(&["anything", "score"]));
+        assert!(!row_wise(&["score", "vocabulary"]));
+        assert!(!row_wise(&["total"]));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 use bytes::{Bytes, BytesMut};
 
 use crate::dispatch::{WorkReply, WorkRequest};
+use crate::signature::shape_text;
 use crate::status::{Code, ServingError};
 use crate::versions::Target;
 use crate::wire::{self, TensorMeta};
@@ -23,7 +24,11 @@ pub(crate) const DT_STRING: i32 = 7;
 /// not above it, or inputs that do not all share a first dimension.
 pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)>> {
     let rows = request.rows();
-    if limit == 0 || rows <= limit || request.tensors.len() != request.frames.len() {
+    if limit == 0
+        || rows <= limit
+        || !request.row_wise
+        || request.tensors.len() != request.frames.len()
+    {
         return None;
     }
     if request
@@ -64,6 +69,7 @@ pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)
                 tensors,
                 frames: pieces.iter().map(|p| p[i].clone()).collect(),
                 outputs: request.outputs.clone(),
+                row_wise: true,
             };
             (chunk, end - start)
         })
@@ -155,7 +161,16 @@ pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
             if index == 0 {
                 shapes.push(shape.clone());
             } else if shape[1..] != shapes[column][1..] {
-                return Err(not_per_row(name));
+                // Rows padded to the longest of their call (a text model's tokens): a row's
+                // answer depends on the others in its call.
+                let message = format!(
+                    "output {name} of a split request has shape {} in one chunk and {} in \
+                     another past the first dimension: its rows depend on each other, and \
+                     --split-rows is only for models whose rows are independent",
+                    shape_text(&shapes[column]),
+                    shape_text(shape)
+                );
+                return Err(ServingError::new(Code::FailedPrecondition, message));
             }
             columns[column].push(frame);
         }
@@ -228,6 +243,7 @@ mod tests {
             ],
             frames: vec![floats(&x), Bytes::from(wire::encode_strings(&s))],
             outputs: vec![],
+            row_wise: true,
         }
     }
 
@@ -278,6 +294,11 @@ mod tests {
         let mut torn = request();
         torn.frames[0] = torn.frames[0].slice(..36);
         assert!(split(&torn, 2).is_none());
+        // An output its signature gives a fixed size (a vocabulary of 3, asked of a 6-row
+        // request cut in 3 and 3, came back 6 long: every chunk's copy).
+        let mut constant = request();
+        constant.row_wise = false;
+        assert!(split(&constant, 2).is_none());
     }
 
     #[test]
@@ -291,5 +312,23 @@ mod tests {
         let error = join(answers).unwrap_err();
         assert_eq!(error.code, Code::FailedPrecondition);
         assert!(error.message.contains("output x"), "{}", error.message);
+    }
+
+    #[test]
+    fn rows_padded_to_their_chunks_longest_fail_the_join_saying_so() {
+        let chunks = split(&request(), 3).unwrap();
+        let mut answers: Vec<(WorkReply, u64)> =
+            chunks.iter().map(|(c, r)| (echo(c, (0, 1)), *r)).collect();
+        // A text model's tokens, padded to the longest row of the call: 2 wide, then 1.
+        answers[1].0.tensors[0].2 = vec![2, 1];
+        answers[1].0.frames[0] = floats(&[0.0, 0.0]);
+        let error = join(answers).unwrap_err();
+        assert_eq!(error.code, Code::FailedPrecondition);
+        assert_eq!(
+            error.message,
+            "output x of a split request has shape [3,2] in one chunk and [2,1] in another \
+             past the first dimension: its rows depend on each other, and --split-rows is only \
+             for models whose rows are independent"
+        );
     }
 }

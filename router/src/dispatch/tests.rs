@@ -235,6 +235,7 @@ fn rows_request(rows: usize) -> WorkRequest {
         tensors: vec![("x".into(), 1, vec![rows as i64, 1])],
         frames: vec![Bytes::from(vec![0u8; 4 * rows])],
         outputs: vec!["x".into()],
+        row_wise: true,
     }
 }
 
@@ -338,6 +339,7 @@ fn request() -> WorkRequest {
         tensors: vec![("x".into(), 1, vec![1, 2])],
         frames: vec![Bytes::from_static(&[0, 0, 128, 63, 0, 0, 0, 64])],
         outputs: vec!["x".into()],
+        row_wise: true,
     }
 }
 
