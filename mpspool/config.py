@@ -61,14 +61,20 @@ def read_text_proto(path: Path, flag: str, message: Any, article: str) -> Any:
     from google.protobuf import text_format
 
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {flag} {path}: {exc}") from None
+    # Bytes that are not UTF-8 are kept as they are (surrogateescape), not an error: TF
+    # Serving's C++ parser takes a comment saved in Latin-1 by an old editor; in a string
+    # field they stop the parse, with its line and column. Before, a UnicodeDecodeError ended
+    # the pool when such a file was read again while serving (found by an operator's hunt).
+    text = data.decode("utf-8", "surrogateescape")
     try:
         return text_format.Parse(text, message)
     except text_format.ParseError as exc:
         name = type(message).__name__
-        raise ConfigError(f"{path} is not {article} {name}: {exc}") from None
+        said = str(exc).encode("utf-8", "backslashreplace").decode()  # no lone surrogate
+        raise ConfigError(f"{path} is not {article} {name}: {said}") from None
 
 
 def prometheus_path_from(monitoring_config: Path) -> str:

@@ -146,6 +146,24 @@ def test_a_file_a_pool_cannot_serve_is_refused_with_why(tmp_path: Path, text: st
     assert str(path) in str(refused.value)
 
 
+def test_bytes_that_are_not_utf8_pass_in_a_comment_and_are_refused_in_a_value(tmp_path: Path):
+    """A comment saved in Latin-1 is read, as TF Serving's parser reads it; in a string field
+    such a byte is a one-line refusal naming its line and column. Before, either was a
+    UnicodeDecodeError: a traceback at start, and the end of a pool that read the file
+    again while serving (found by an operator's hunt)."""
+    path = tmp_path / "models.config"
+    body = b'model_config_list { config { name: "a" base_path: "/a" } }\n'
+    path.write_bytes(b"# r\xe9glages du mod\xe8le\n" + body)
+    (entry,) = read_model_config(path)
+    assert (entry.name, entry.base_path) == ("a", "/a")
+    path.write_bytes(body.replace(b"/a", b"/r\xe9"))
+    with pytest.raises(ConfigError) as refused:
+        read_model_config(path)
+    said = str(refused.value)
+    assert said.startswith(f"{path} is not a ModelServerConfig: 1:") and "\n" not in said, said
+    said.encode("utf-8")  # printable and loggable: no lone surrogate left in it
+
+
 def test_a_missing_file_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"cannot read --model_config_file .*nope\.config"):
         read_model_config(tmp_path / "nope.config")
