@@ -51,7 +51,8 @@ ECHO_CONCURRENCY = (64, 256)
 WORKER_READY_S = 240.0  # K processes importing torch and building a 2M-row table at once
 STATS_DIR_ENV = "MPSPOOL_BENCH_WORKER_STATS"
 # --enable-batching as bench/batching.py runs it: a batch is what waits while a worker
-# computes, up to 64 requests, no timeout.
+# computes, up to 64 rows (at least the largest request sent: the front door refuses a
+# request above max_batch_size, as TF Serving does), no timeout.
 BATCHING = {"batching": True, "max_batch_size": 64, "batch_timeout_micros": 0}
 STATS_EVERY_S = 0.25
 
@@ -319,7 +320,8 @@ def pool_set(
     command = [sys.executable, "-m", "bench.gpu_pool", "--worker", "--rows", str(args.rows),
                "--device", args.device, "--spin-us", str(record["spin_us"])]  # fmt: skip
     command += ["--premade-inputs"] if args.premade_inputs else []
-    settings = BATCHING if record["batching"] else {}
+    most = max([BATCHING["max_batch_size"], *requests])
+    settings = {**BATCHING, "max_batch_size": most} if record["batching"] else {}
     stats_dir = Path(tempfile.mkdtemp(prefix="worker-stats-", dir=workdir))
     env = {**env, STATS_DIR_ENV: str(stats_dir)}
     with echo_worker.worker_pool(k, MODEL, command, env, WORKER_READY_S, **settings) as server:
@@ -417,7 +419,8 @@ def render(reports: Sequence[dict[str, Any]], gaps: Sequence[dict[str, Any]] = (
         "processes); GPU %: NVML's utilisation, mean of samples every 0.2 s, for the pool over "
         "the whole window with its checks and warm-up, for the direct processes inside their "
         "window (so the pool's reads a little low). *batching*: "
-        "the pool with `--enable-batching` (max_batch_size 64, no timeout: a batch is what "
+        "the pool with `--enable-batching` (max_batch_size 64 or the largest batch sent, no "
+        "timeout: a batch is what "
         "waits while a worker computes). *Where a worker's CPU goes*: the serving thread's "
         "time inside the model call (PyTorch's call, the inputs copied from the socket's "
         "buffer to tensors and the answer back to numpy) and outside it (the loop: socket "
@@ -616,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="where the model runs (cpu: dry run)")
     parser.add_argument(
         "--batching", action="store_true",
-        help="each pool also with --enable-batching (max_batch_size 64, no timeout)",
+        help="each pool also with --enable-batching (max_batch_size 64 or the largest batch, "
+        "no timeout)",
     )  # fmt: skip
     parser.add_argument(
         "--worker-spin-us", default="0",

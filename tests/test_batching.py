@@ -230,15 +230,16 @@ def test_tf_servings_batching_metrics_count_each_call_and_each_wait(pool: Pool) 
     assert grew("processed_batch_size_sum{}") - padded_rows == sum(sizes)
 
 
-def test_requests_that_cannot_merge_are_answered_alone(pool: Pool, reference_model) -> None:
+def test_a_request_above_max_batch_size_is_refused_as_tf_serving_does(pool: Pool) -> None:
+    """It ran alone before: one call larger than the operator sized calls for (found by two
+    hunts). TF Serving's scheduler refuses it before it is queued."""
     assert "mpspool: --rest_api_num_threads=4 has no use here and is ignored" in pool.output()
-    # Batch 12 exceeds --max-batch-size 8: it runs by itself, whole.
-    x = demo_inputs(12, DEMO_ROWS, seed=3)
     with pool.channel() as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        got = tf.make_ndarray(stub.Predict(request_for(x), timeout=30).outputs["score"])
-    want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Predict(request_for(demo_inputs(12, DEMO_ROWS, seed=3)), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "Task size 12 is larger than maximum input batch size 8"
 
 
 def test_tf_servings_large_batch_splitting_answers_a_large_request_in_calls_it_allows(

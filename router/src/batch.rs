@@ -3,7 +3,8 @@
 //! one worker call, and the answer is cut back into each request's rows — TF Serving's
 //! batching, with its parameters:
 //!
-//! - `max_batch_size`: rows in one merged call; a request above it runs alone;
+//! - `max_batch_size`: rows in one merged call; a request above it is refused with
+//!   INVALID_ARGUMENT, TF Serving's message (unless it is cut into chunks first);
 //! - `batch_timeout_micros`: when a worker has room but the batch is not full, wait at most
 //!   this long after its oldest request arrived for more to join (0: send what is there);
 //! - `allowed_batch_sizes`: a merged call is padded up to the smallest allowed size that
@@ -27,9 +28,19 @@ use bytes::Bytes;
 
 use crate::dispatch::{WorkReply, WorkRequest};
 use crate::split;
+use crate::status::{Code, ServingError};
 use crate::wire;
 
 /// TF Serving's message when its batch queue is full (shared_batch_scheduler.h).
+/// TF Serving's refusal of a request of more rows than `max_batch_size`.
+pub fn too_large(rows: u64, batching: &Batching) -> ServingError {
+    let message = format!(
+        "Task size {rows} is larger than maximum input batch size {}",
+        batching.max_batch_size
+    );
+    ServingError::new(Code::InvalidArgument, message)
+}
+
 pub const QUEUE_FULL: &str = "The batch scheduling queue to which this task was submitted is full";
 
 #[derive(Clone, Debug, PartialEq)]

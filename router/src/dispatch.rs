@@ -722,6 +722,13 @@ impl Actor {
                     .map(|(_, _, shape)| shape.first().map_or(0, |rows| rows.unsigned_abs()));
                 self.state.batching.record_input(first_dimensions);
             }
+            if rows > batching.max_batch_size {
+                // TF Serving's scheduler refuses it (shared_batch_scheduler.h): max_batch_size
+                // is what an operator sizes a call's memory by. A request cut into chunks
+                // (--split-rows, enable_large_batch_splitting) arrives here as its chunks.
+                let _ = answer.send(Outcome::Error(batch::too_large(rows, batching)));
+                return;
+            }
             let key = batch::merge_key(&request).map(|(key, _)| key);
             let queued_rows = self.queued_rows.get(&servable).copied().unwrap_or(0);
             if queued_rows.saturating_add(rows) > batching.queue_rows() {
@@ -729,9 +736,7 @@ impl Actor {
                 let _ = answer.send(Outcome::Error(full));
                 return;
             }
-            merge_key = key
-                .filter(|_| rows <= batching.max_batch_size)
-                .filter(|_| sending != Sending::AgainAlone);
+            merge_key = key.filter(|_| sending != Sending::AgainAlone);
         }
         let cost = self
             .costs

@@ -352,9 +352,10 @@ impl TfServingMetrics {
 /// TF Serving's batching metrics, recorded where the front door batches (the dispatcher,
 /// with `--enable-batching`). There, every request goes through a batch queue and each batch
 /// is one `Run` of the wrapped session; here, every call the dispatcher hands to a worker
-/// while batching is on is such a batch, of one request or several (a request above
-/// `max_batch_size` or whose inputs cannot merge runs alone, and the members of a merged
-/// call that failed run again one by one: those calls count as batches of their own too).
+/// while batching is on is such a batch, of one request or several (a request whose inputs
+/// cannot merge runs alone, and the members of a merged call that failed run again one by
+/// one: those calls count as batches of their own too; one above `max_batch_size` is
+/// refused before it is queued, as in TF Serving).
 /// A request's inputs are sized once, on arrival; its wait is counted each time it leaves
 /// the queue, from when it last entered it (a request sent again after its worker left, or
 /// back from a failed merged call, queued again). TF Serving keeps one set for the process,
@@ -371,7 +372,8 @@ pub struct BatchingMetrics {
     processed_batch_size: Exponential,
     /// Each batch's padding rows, by its rows with padding (`execution_batch_size`). Only
     /// batches of at most `max_batch_size` rows are counted here, so the labels stay within
-    /// what the operator configured (a larger request runs alone, with no padding).
+    /// what the operator configured (a larger request, which only a request moved to
+    /// another version's smaller batching can be, runs alone, with no padding).
     padding_size: std::sync::Mutex<std::collections::BTreeMap<u64, Exponential>>,
 }
 

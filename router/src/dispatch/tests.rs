@@ -1406,6 +1406,26 @@ async fn beyond_max_enqueued_batches_requests_are_refused_as_tf_serving_does() {
     dispatcher.shutdown();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_above_max_batch_size_is_refused_as_tf_serving_does() {
+    // It ran alone before, as one call larger than the operator sized calls for.
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 0, vec![2, 4], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    let error = dispatcher.call(rows_request(5), None).await.unwrap_err();
+    assert_eq!(
+        error,
+        ServingError::new(
+            Code::InvalidArgument,
+            "Task size 5 is larger than maximum input batch size 4"
+        )
+    );
+    assert!(dispatcher.call(rows_request(4), None).await.is_ok());
+    assert_eq!(worker.rows_seen(), [4]);
+    dispatcher.shutdown();
+}
+
 fn aimed(version: i64, pinned: bool) -> WorkRequest {
     WorkRequest {
         target: Target {
