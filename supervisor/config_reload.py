@@ -34,6 +34,17 @@ def label_may_wait_for(label: str, version: int, told: dict[str, int], allowed: 
     return allowed and told.get(label, version) == version
 
 
+def no_version_fits(model: str, policy: VersionPolicy, on_disk: set[int]) -> str:
+    """Why ``policy`` wants none of the versions on disk ("" when it wants one)."""
+    if policy.aspired(on_disk, set()):
+        return ""
+    found = ", ".join(str(v) for v in sorted(on_disk)) or "none"
+    return (
+        f"no version of model {model} fits the version policy {policy.describe()} "
+        f"(on disk: {found})"
+    )
+
+
 def outcome(
     model: str,
     policy: VersionPolicy,
@@ -59,13 +70,9 @@ def outcome(
     if could_not:
         why = "; ".join(f"version {v}: {failed[v]}" for v in could_not)
         return UNKNOWN, f"model {model} could not load {why}"
-    if not policy.aspired(on_disk, set()):
-        found = ", ".join(str(v) for v in sorted(on_disk)) or "none"
-        return (
-            FAILED_PRECONDITION,
-            f"no version of model {model} fits the version policy {policy.describe()} "
-            f"(on disk: {found})",
-        )
+    unfit = no_version_fits(model, policy, on_disk)
+    if unfit:
+        return FAILED_PRECONDITION, unfit
     if wanted - available:
         return None
     waiting = {

@@ -31,6 +31,7 @@ import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
 from mpspool.config import ConfigError, PoolConfig, ServedModel
+from mpspool.demo_model import versions_on_disk
 from mpspool.model_config import ModelEntry, first_version, model_entries, read_model_config
 from mpspool.router import THREADS_ENV as ROUTER_THREADS_ENV
 from mpspool.router import binary_path as router_binary
@@ -791,6 +792,24 @@ class Controller:
         except (DecodeError, ConfigError) as exc:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, str(exc))
             return
+        # A served model's new policy that wants none of its versions on disk is refused
+        # before anything changes: applied, it went on to load a version copied in later,
+        # though the caller was told its request failed (found by an operator's hunt).
+        for entry in entries:
+            model = self.models.get(entry.name)
+            if model is None or model.removed:
+                continue
+            if not _same_path(model.config.model_base_path, entry.base_path):
+                continue  # refused below, for that
+            try:
+                on_disk = versions_on_disk(model.config.model_base_path)
+            except OSError:
+                continue  # the reload's answer says what the policy found, once settled
+            policy = VersionPolicy.parse(entry.version_policy)
+            unfit = config_reload.no_version_fits(entry.name, policy, on_disk)
+            if unfit:
+                self._tell_reload(request_id, config_reload.FAILED_PRECONDITION, unfit)
+                return
         # Policies and models apply now, labels once the request has taken effect: TF Serving
         # builds its whole label map from the new config and swaps it in only if every label
         # is valid (ServerCore::UpdateModelVersionLabelMap), so a refused reload leaves every

@@ -1938,13 +1938,24 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     assert done[9][0] == 3
     assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
 
+    # A policy that wants no version on disk: refused at once, and nothing changes (it was
+    # applied, then refused: a version 7 copied in later loaded).
+    pool.router.reload_requests[10] = reload_request(base, [7], {})
+    pool.tick()
+    done = {request_id: (code, message) for request_id, code, message in pool.router.reload_done}
+    assert done[10] == (
+        9,
+        "no version of model demo fits the version policy specific:7 (on disk: 1, 2)",
+    )
+    assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
+
     # A label on a version the policy leaves out: TF Serving's refusal, once settled. Its
     # policy applies; its labels do not: canary, which it leaves out, stays (TF Serving swaps
     # its label map only when every label is valid).
-    pool.router.reload_requests[10] = reload_request(base, [2], {"stable": 1})
+    pool.router.reload_requests[11] = reload_request(base, [2], {"stable": 1})
     pool.tick()
     pool.tick(after_s=0.5)
-    code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[10]
+    code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[11]
     assert code == 9
     assert message == (
         "Request to assign label to version 1 of model demo, which is not currently "
