@@ -34,7 +34,7 @@ from mpspool.config import (
     tls_from,
     usable_cores,
 )
-from mpspool.model_config import ModelEntry, NoVersionYet, first_version
+from mpspool.model_config import ModelEntry, NoVersionYet, first_version, local_base_path
 
 DEMO_MODEL_NAME = "demo"
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-base-path",
         "--model_base_path",
         dest="model_base_path",
-        type=Path,
+        # A string, not a Path: Path("s3://b/m") is "s3:/b/m", no longer seen as a URI.
         help="TF Serving model directory (numeric version subdirectories)",
     )
     model.add_argument(
@@ -701,7 +701,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     else:
         # Absolute, links kept: a base path behind a link a deploy swaps (git-sync, a
         # `current` link) is read through the link at each poll, as TF Serving reads it.
-        base_path = Path(os.path.abspath(args.model_base_path))
+        base_path = Path(local_base_path(args.model_base_path, "--model_base_path"))
         name = args.model_name or base_path.name
     workers = _model_workers(args.model_workers, [e.name for e in entries])
     wanted = [

@@ -24,6 +24,7 @@ another base path, or the pool's first model left out, is refused (said, nothing
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,10 +100,29 @@ def _entry(source: str, model: object) -> ModelEntry:
         name=model.name,
         # Relative paths as TF Serving takes them: from where the server was started. Links
         # kept: the path is read through them at each poll, as TF Serving reads it.
-        base_path=os.path.abspath(model.base_path),
+        base_path=local_base_path(model.base_path, where),
         version_policy=_policy_text(where, model.model_version_policy),
         labels=labels,
     )
+
+
+_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_base_path(path: str, where: str) -> str:
+    """A base path as the pool reads it: absolute (a relative one from where the pool
+    starts, as TF Serving takes it), links kept, `file://` taken as the path it names.
+    ConfigError for another URI (gs://, s3://, hdfs://), which TF Serving reads through its
+    file systems: made absolute it named a folder of the working directory that never came,
+    and the pool waited for it for good."""
+    if path.startswith("file://"):
+        path = path.removeprefix("file://")
+    elif _URI.match(path):
+        raise ConfigError(
+            f"{where}: base path {path} is a URI; mpspool reads models from a local path "
+            "(copy the model onto a volume the pool can read, and give that path)"
+        )
+    return os.path.abspath(path)
 
 
 def _policy_text(where: str, policy: object) -> str:

@@ -132,6 +132,11 @@ def test_every_model_of_the_list_is_read_in_its_order(tmp_path: Path):
             "model_version_policy specific lists no versions",
         ),
         (
+            'model_config_list { config { name: "a" base_path: "gs://bucket/models/a" } }',
+            "model 'a': base path gs://bucket/models/a is a URI; mpspool reads models from a "
+            "local path",
+        ),
+        (
             'model_config_list { config { name: "a" base_pth: "/a" } }',
             'is not a ModelServerConfig: 1:40 : Message type "mpspool.tfs.ModelConfig" has no '
             'field named "base_pth".',
@@ -162,6 +167,26 @@ def test_bytes_that_are_not_utf8_pass_in_a_comment_and_are_refused_in_a_value(tm
     said = str(refused.value)
     assert said.startswith(f"{path} is not a ModelServerConfig: 1:") and "\n" not in said, said
     said.encode("utf-8")  # printable and loggable: no lone surrogate left in it
+
+
+def test_a_file_uri_is_the_path_it_names(tmp_path: Path):
+    path = write(tmp_path, 'model_config_list { config { name: "a" base_path: "file:///m/a" } }')
+    (entry,) = read_model_config(path)
+    assert entry.base_path == "/m/a"
+
+
+def test_start_refuses_a_uri_base_path_in_one_line(tmp_path: Path):
+    """It was made absolute (<cwd>/s3:/bucket/m) and the start waited for good."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mpspool", "start", "--model_base_path=s3://bucket/m",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "mpspool: --model_base_path: base path s3://bucket/m is a URI; mpspool reads models "
+        "from a local path (copy the model onto a volume the pool can read, and give that path)"
+    ]
 
 
 def test_a_missing_file_is_refused(tmp_path: Path):

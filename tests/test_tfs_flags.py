@@ -29,7 +29,7 @@ def test_tf_servings_own_spellings_and_boolean_syntax_are_taken() -> None:
         "--enable_serialization_as_tensor_content=false", "--rest_api_enable_cors_support=1",
     )  # fmt: skip
     assert (args.port, args.rest_api_port) == (8500, 8501)
-    assert (args.model_name, args.model_base_path) == ("wdl", Path("/models/wdl"))
+    assert (args.model_name, args.model_base_path) == ("wdl", "/models/wdl")
     assert args.batching and args.signature_method_name_check
     assert not args.serialize_as_tensor_content and args.rest_api_enable_cors_support
     assert not start("--demo", "--enable_batching=false").batching
