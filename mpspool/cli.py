@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     start = sub.add_parser("start", help="start a pool in the foreground", epilog=tfs_flags.HELP)
-    model = start.add_mutually_exclusive_group(required=True)
+    # One of these, or --model_config_file; beside a config file, --model_base_path (and
+    # --model_name) are ignored, as TF Serving ignores them there (its Docker image always
+    # passes both, and users add --model_config_file).
+    model = start.add_mutually_exclusive_group()
     model.add_argument(
         "--model-base-path",
         "--model_base_path",
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the built-in demo model as 'demo' (built on first use)",
     )
-    model.add_argument(
+    start.add_argument(
         "--model-config-file",
         "--model_config_file",
         dest="model_config_file",
@@ -670,6 +673,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s"
     )
+    if not (args.model_base_path or args.model_config_file or args.demo):
+        raise ConfigError("give --model_base_path, --model_config_file or --demo")
     # TF Serving's flags without a setting here: refused before anything starts, or named.
     for warning in tfs_flags.check(args):
         print(f"mpspool: {warning}", file=sys.stderr)
@@ -685,10 +690,26 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.model_config_file:
         from mpspool.model_config import read_model_config
 
-        if args.model_name or args.version_policy:
+        if args.demo:
+            raise ConfigError("--demo serves the demo model: leave out --model_config_file")
+        if args.version_policy:
             raise ConfigError(
-                "--model_config_file names the model and its version policy: leave out "
-                "--model-name and --version-policy"
+                "--model_config_file gives each model its version policy: leave out "
+                "--version-policy"
+            )
+        ignored = [
+            flag
+            for flag, given in (
+                ("--model_name", args.model_name),
+                ("--model_base_path", args.model_base_path),
+            )
+            if given
+        ]
+        if ignored:
+            print(
+                f"mpspool: {' and '.join(ignored)} ignored: --model_config_file names the "
+                "models and their base paths (as TF Serving ignores them there)",
+                file=sys.stderr,
             )
         entries = read_model_config(args.model_config_file)
         base_path, name = Path(entries[0].base_path), entries[0].name

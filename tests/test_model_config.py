@@ -194,15 +194,34 @@ def test_a_missing_file_is_refused(tmp_path: Path):
         read_model_config(tmp_path / "nope.config")
 
 
-def test_start_refuses_a_model_name_beside_the_file(tmp_path: Path):
-    path = write(tmp_path, official_config())
+def test_start_ignores_a_model_name_and_base_path_beside_the_file_as_tf_serving(
+    tmp_path: Path,
+):
+    """TF Serving's Docker image passes --model_name and --model_base_path to every start,
+    and users add --model_config_file: TF Serving ignores the two there; they were refused.
+    (The file here is refused once read, so that nothing starts.)"""
+    path = write(tmp_path, 'model_config_list { config { name: "a" base_path: "gs://b/a" } }')
     out = subprocess.run(
-        [sys.executable, "-m", "mpspool", "start", "--model_config_file", str(path),
-         "--model-name", "other", "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "mpspool", "start", "--model_name=other",
+         "--model_base_path=/models/other", f"--model_config_file={path}",
+         "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 2
-    assert "--model_config_file names the model and its version policy" in out.stderr
+    said = out.stderr.strip().splitlines()
+    assert said[0] == (
+        "mpspool: --model_name and --model_base_path ignored: --model_config_file names the "
+        "models and their base paths (as TF Serving ignores them there)"
+    )
+    assert said[1].startswith(f"mpspool: {path}: model 'a': base path gs://b/a is a URI"), said
+    out = subprocess.run(
+        [sys.executable, "-m", "mpspool", "start", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert (out.returncode, out.stderr) == (
+        2,
+        "mpspool: give --model_base_path, --model_config_file or --demo\n",
+    )
 
 
 @pytest.mark.parametrize(
