@@ -271,21 +271,22 @@ class Supervisord:
         its workers exited at once (a pool of eleven models took eleven seconds to stop).
         Asking for the processes' states wakes that loop, which reaps the exited first."""
         rpc = self.rpc()
-        for group in groups:
-            try:
-                rpc.stopProcessGroup(group, False)
-            except xmlrpc.client.Fault:  # BAD_NAME: gone already; the look below decides
-                pass
         wanted = set(groups)
         deadline = time.monotonic() + timeout
+        to_stop = wanted
         while True:
-            running = [
-                f"{info['group']}:{info['name']}"
-                for info in rpc.getAllProcessInfo()
-                if info["group"] in wanted and info["state"] in STOPPABLE_STATES
-            ]
+            for group in sorted(to_stop):
+                try:
+                    rpc.stopProcessGroup(group, False)
+                except xmlrpc.client.Fault:  # BAD_NAME: gone already; the look below decides
+                    pass
+            infos = [i for i in rpc.getAllProcessInfo() if i["group"] in wanted]
+            running = [f"{i['group']}:{i['name']}" for i in infos if i["state"] in STOPPABLE_STATES]
             if not running or time.monotonic() >= deadline:
                 return running
+            # Told to stop, a process is STOPPING: one seen starting or running again was
+            # started again meanwhile (a front door that had crashed, autorestarted).
+            to_stop = {i["group"] for i in infos if i["state"] in (STARTING, RUNNING, BACKOFF)}
             time.sleep(0.05)
 
     def process_info(self) -> dict[str, dict[str, Any]]:

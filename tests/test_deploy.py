@@ -128,7 +128,7 @@ def test_container_runs_mpspool_start_on_one_gpu() -> None:
     args = start_args()
     assert args.command == "start"
     assert args.host == "0.0.0.0"
-    assert args.model_base_path.parent == Path("/models")
+    assert Path(args.model_base_path).parent == Path("/models")
     assert "/models" in mounts()
     gpus = args.gpus.split(",")
     limits = container(deployment())["resources"]["limits"]

@@ -31,7 +31,6 @@ use crate::split;
 use crate::status::{Code, ServingError};
 use crate::wire;
 
-/// TF Serving's message when its batch queue is full (shared_batch_scheduler.h).
 /// TF Serving's refusal of a request of more rows than `max_batch_size`.
 pub fn too_large(rows: u64, batching: &Batching) -> ServingError {
     let message = format!(
@@ -41,6 +40,7 @@ pub fn too_large(rows: u64, batching: &Batching) -> ServingError {
     ServingError::new(Code::InvalidArgument, message)
 }
 
+/// TF Serving's message when its batch queue is full (shared_batch_scheduler.h).
 pub const QUEUE_FULL: &str = "The batch scheduling queue to which this task was submitted is full";
 
 #[derive(Clone, Debug, PartialEq)]

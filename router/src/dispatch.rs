@@ -259,6 +259,7 @@ impl Dispatcher {
             costs: CostModel::default(),
             batching: scheduling.batching.clone().map(Arc::new),
             per_model_batching: scheduling.per_model_batching,
+            split_rows: scheduling.split_rows,
             next_batch_id: FIRST_BATCH_ID,
             wake_at: None,
             timeline: Timeline::new(DEFAULT_CAPACITY),
@@ -322,14 +323,16 @@ impl Dispatcher {
         request: WorkRequest,
         deadline: Option<Instant>,
     ) -> Result<WorkReply, ServingError> {
-        let split_rows = if self.per_model_batching {
-            let models = self.versions.borrow();
-            (models.get(request.target.model))
-                .and_then(|table| table.versions.get(&request.target.version))
-                .map_or(0, |entry| entry.split_rows)
-        } else {
-            self.split_rows
+        let target = Servable {
+            model: request.target.model,
+            version: request.target.version,
         };
+        let split_rows = split_rows_of(
+            &self.versions.borrow(),
+            self.per_model_batching,
+            self.split_rows,
+            target,
+        );
         let Some(chunks) = split::split(&request, split_rows) else {
             return self.call_whole(request, deadline).await;
         };
@@ -485,6 +488,17 @@ impl Dispatcher {
     }
 }
 
+/// The rows above which a request to `servable` is cut into chunks (0: not cut): the pool's
+/// `--split-rows`, or with per-model batching the version's own.
+fn split_rows_of(models: &Models, per_model_batching: bool, pool: u64, servable: Servable) -> u64 {
+    if !per_model_batching {
+        return pool;
+    }
+    (models.get(servable.model))
+        .and_then(|table| table.versions.get(&servable.version))
+        .map_or(0, |entry| entry.split_rows)
+}
+
 /// Resolves at `at`; never without one.
 async fn wake(at: Option<std::time::Instant>) {
     match at {
@@ -610,6 +624,8 @@ struct Actor {
     batching: Option<Arc<Batching>>,
     /// Each version's own batching instead (`VersionEntry::batching`).
     per_model_batching: bool,
+    /// `--split-rows` (0: off), as the Dispatcher's.
+    split_rows: u64,
     next_batch_id: u64,
     /// When a batch waiting to fill must leave (`batch_timeout_micros`).
     wake_at: Option<std::time::Instant>,
@@ -722,10 +738,20 @@ impl Actor {
                     .map(|(_, _, shape)| shape.first().map_or(0, |rows| rows.unsigned_abs()));
                 self.state.batching.record_input(first_dimensions);
             }
-            if rows > batching.max_batch_size {
-                // TF Serving's scheduler refuses it (shared_batch_scheduler.h): max_batch_size
-                // is what an operator sizes a call's memory by. A request cut into chunks
-                // (--split-rows, enable_large_batch_splitting) arrives here as its chunks.
+            // TF Serving's scheduler refuses it (shared_batch_scheduler.h): max_batch_size is
+            // what an operator sizes a call's memory by. With splitting (--split-rows,
+            // enable_large_batch_splitting), where max_batch_size is the chunks' size, one
+            // that could not be cut runs alone, as before; inputs of several first dimensions
+            // have no one size to say.
+            let splits = split_rows_of(
+                &self.versions.borrow(),
+                self.per_model_batching,
+                self.split_rows,
+                servable,
+            ) > 0;
+            let one_size =
+                (request.tensors.iter()).all(|(_, _, shape)| shape.first() == Some(&(rows as i64)));
+            if rows > batching.max_batch_size && one_size && !splits {
                 let _ = answer.send(Outcome::Error(batch::too_large(rows, batching)));
                 return;
             }

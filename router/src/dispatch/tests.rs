@@ -1422,7 +1422,36 @@ async fn a_request_above_max_batch_size_is_refused_as_tf_serving_does() {
         )
     );
     assert!(dispatcher.call(rows_request(4), None).await.is_ok());
-    assert_eq!(worker.rows_seen(), [4]);
+    // Inputs of two first dimensions have no one size: it runs alone, as before.
+    let mut uneven = rows_request(5);
+    uneven.tensors.push(("scale".into(), 1, vec![1]));
+    uneven.frames.push(Bytes::from(vec![0u8; 4]));
+    assert!(dispatcher.call(uneven, None).await.is_ok());
+    assert_eq!(worker.rows_seen(), [4, 5]);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_splitting_a_request_that_cannot_be_cut_runs_alone_above_max_batch_size() {
+    // enable_large_batch_splitting: max_batch_size is the chunks' size, so a request that
+    // asks for a fixed-size output (never cut) is not refused by it.
+    let (_dir, dir) = run_dir();
+    let scheduling = Scheduling {
+        split_rows: 4,
+        ..batching(4, 0, vec![], 10)
+    };
+    let (dispatcher, _state) = start_scheduled(&dir, &scheduling);
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    let mut whole = rows_request(6);
+    whole.row_wise = false;
+    assert!(dispatcher.call(whole, None).await.is_ok());
+    assert!(dispatcher.call(rows_request(6), None).await.is_ok());
+    // The other is cut into chunks of 4 and 2, sent at once (in either order).
+    let seen = worker.rows_seen();
+    let mut chunks = seen[1..].to_vec();
+    chunks.sort_unstable();
+    assert_eq!((seen[0], chunks), (6, vec![2, 4]));
     dispatcher.shutdown();
 }
 
