@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,27 @@ def request_for(inputs: dict[str, np.ndarray]) -> predict_pb2.PredictRequest:
     return request
 
 
+def sent_while_held(
+    pool: Pool,
+    stub: prediction_service_pb2_grpc.PredictionServiceStub,
+    requests: list[predict_pb2.PredictRequest],
+    settle: Callable[[], None] = lambda: None,
+) -> list[grpc.Future]:
+    """The requests sent while the pool's one worker is stopped, so that they wait in the
+    front door (all but the first, handed to the worker) while it "computes" (well within
+    the 3 s the front door allows a silent worker); ``settle``, then 0.5 s, before it runs
+    on. Their futures, in order."""
+    (worker_pid,) = pool.worker_pids()
+    os.kill(worker_pid, signal.SIGSTOP)
+    try:
+        futures = [stub.Predict.future(request, timeout=30) for request in requests]
+        settle()
+        time.sleep(0.5)
+    finally:
+        os.kill(worker_pid, signal.SIGCONT)
+    return futures
+
+
 def timeline(pool: Pool, *flags: str) -> list[list]:
     done = subprocess.run(
         mpspool_cmd("timeline", "--run-dir", str(pool.run_dir), *flags),
@@ -88,22 +109,13 @@ def test_queued_requests_share_model_calls_and_each_gets_its_own_answer(
     inputs = [demo_inputs(rows, DEMO_ROWS, seed=100 + i) for i, rows in enumerate(sizes)]
     bad = demo_inputs(2, DEMO_ROWS, seed=7)
     bad["ids"][1, 3] = DEMO_ROWS + 5  # outside the table: this request alone must fail
-    (worker_pid,) = pool.worker_pids()
     timeline(pool, "--clear")
     with pool.channel() as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         stub.Predict(request_for(inputs[0]), timeout=30)  # the channel is up
         timeline(pool, "--clear")
-        # Hold the worker so that the requests wait in the front door while it computes
-        # (well within the 3 s the front door allows a silent worker).
-        os.kill(worker_pid, signal.SIGSTOP)
-        try:
-            futures = [stub.Predict.future(request_for(x), timeout=30) for x in inputs[:5]]
-            futures.append(stub.Predict.future(request_for(bad), timeout=30))
-            futures += [stub.Predict.future(request_for(x), timeout=30) for x in inputs[5:]]
-            time.sleep(0.5)
-        finally:
-            os.kill(worker_pid, signal.SIGCONT)
+        sent = [request_for(x) for x in [*inputs[:5], bad, *inputs[5:]]]
+        futures = sent_while_held(pool, stub, sent)
         bad_future = futures.pop(5)
         answers = [f.result() for f in futures]
         with pytest.raises(grpc.RpcError) as info:
@@ -133,22 +145,15 @@ def test_requests_share_a_call_whatever_order_their_inputs_come_in(
     shared a call only when their orders happened to agree (found by a batching hunt; TF
     Serving keys its batches on the set of input names)."""
     inputs = [demo_inputs(1, DEMO_ROWS, seed=200 + i) for i in range(8)]
-    (worker_pid,) = pool.worker_pids()
     with pool.channel() as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         stub.Predict(request_for(inputs[0]), timeout=30)  # the channel is up
         timeline(pool, "--clear")
-        os.kill(worker_pid, signal.SIGSTOP)
-        try:
-            futures = []
-            for i, x in enumerate(inputs):
-                names = sorted(x, reverse=bool(i % 2))  # and in both orders on the wire
-                request = request_for({name: x[name] for name in names})
-                futures.append(stub.Predict.future(request, timeout=30))
-            time.sleep(0.5)
-        finally:
-            os.kill(worker_pid, signal.SIGCONT)
-        answers = [f.result() for f in futures]
+        sent = []
+        for i, x in enumerate(inputs):
+            names = sorted(x, reverse=bool(i % 2))  # and in both orders on the wire
+            sent.append(request_for({name: x[name] for name in names}))
+        answers = [f.result() for f in sent_while_held(pool, stub, sent)]
     for x, answer in zip(inputs, answers, strict=True):
         want = reference_model(**{k: tf.constant(v) for k, v in x.items()})["score"].numpy()
         np.testing.assert_allclose(tf.make_ndarray(answer.outputs["score"]), want, atol=1e-6)
@@ -175,30 +180,24 @@ def test_tf_servings_batching_metrics_count_each_call_and_each_wait(pool: Pool) 
     # What the Grafana and alerting rules built for TF Serving read (queuing latency, runs),
     # under TF Serving's names, buckets and labels.
     sizes = [1, 3, 2, 1, 4, 1, 2, 2]  # 16 rows: at least 3 calls of <= 8 rows
-    (worker_pid,) = pool.worker_pids()
+    metrics_url = pool.status()["pool"]["metrics"]
+
+    def all_but_the_first_queued() -> None:
+        deadline = time.monotonic() + 20
+        while (
+            f"mpspool_queued_requests {len(sizes) - 1}\n"
+            not in requests.get(metrics_url, timeout=10).text
+        ):
+            assert time.monotonic() < deadline, "the requests never all queued"
+            time.sleep(0.02)
+
     with pool.channel() as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         stub.Predict(request_for(demo_inputs(1, DEMO_ROWS)), timeout=30)  # the channel is up
         before = batching_metrics(pool)
         timeline(pool, "--clear")
-        os.kill(worker_pid, signal.SIGSTOP)
-        try:
-            futures = [
-                stub.Predict.future(request_for(demo_inputs(n, DEMO_ROWS, seed=n)), timeout=30)
-                for n in sizes
-            ]
-            # All but the first (handed to the stopped worker) wait in the queue, then 0.5 s.
-            metrics_url = pool.status()["pool"]["metrics"]
-            deadline = time.monotonic() + 20
-            while (
-                f"mpspool_queued_requests {len(sizes) - 1}\n"
-                not in requests.get(metrics_url, timeout=10).text
-            ):
-                assert time.monotonic() < deadline, "the requests never all queued"
-                time.sleep(0.02)
-            time.sleep(0.5)
-        finally:
-            os.kill(worker_pid, signal.SIGCONT)
+        sent = [request_for(demo_inputs(n, DEMO_ROWS, seed=n)) for n in sizes]
+        futures = sent_while_held(pool, stub, sent, all_but_the_first_queued)
         for future in futures:
             future.result()
     after = batching_metrics(pool)

@@ -118,16 +118,13 @@ pub fn merge_key(request: &WorkRequest) -> Option<(MergeKey, u64)> {
         || !request.row_wise
         || request.tensors.is_empty()
         || request.tensors.len() != request.frames.len()
+        || !request.one_first_dimension()
     {
         return None;
     }
-    let mut inputs = Vec::with_capacity(request.tensors.len());
-    for (name, dtype, shape) in &request.tensors {
-        if shape.first() != Some(&(rows as i64)) {
-            return None;
-        }
-        inputs.push((name.clone(), *dtype, shape[1..].to_vec()));
-    }
+    let inputs = (request.tensors.iter())
+        .map(|(name, dtype, shape)| (name.clone(), *dtype, shape[1..].to_vec()))
+        .collect();
     let key = MergeKey {
         signature: request.signature.clone(),
         outputs: request.outputs.clone(),

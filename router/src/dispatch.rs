@@ -67,6 +67,13 @@ impl WorkRequest {
             .and_then(|(_, _, shape)| shape.first())
             .map_or(1, |&rows| rows.max(0) as u64)
     }
+
+    /// Whether every input's first dimension is its rows: only then can it be cut into
+    /// chunks, merged with others, or sized by its rows.
+    pub fn one_first_dimension(&self) -> bool {
+        let rows = self.rows() as i64;
+        (self.tensors.iter()).all(|(_, _, shape)| shape.first() == Some(&rows))
+    }
 }
 
 #[derive(Debug)]
@@ -743,15 +750,11 @@ impl Actor {
             // enable_large_batch_splitting), where max_batch_size is the chunks' size, one
             // that could not be cut runs alone, as before; inputs of several first dimensions
             // have no one size to say.
-            let splits = split_rows_of(
-                &self.versions.borrow(),
-                self.per_model_batching,
-                self.split_rows,
-                servable,
-            ) > 0;
-            let one_size =
-                (request.tensors.iter()).all(|(_, _, shape)| shape.first() == Some(&(rows as i64)));
-            if rows > batching.max_batch_size && one_size && !splits {
+            let splits = || {
+                let models = self.versions.borrow();
+                split_rows_of(&models, self.per_model_batching, self.split_rows, servable) > 0
+            };
+            if rows > batching.max_batch_size && request.one_first_dimension() && !splits() {
                 let _ = answer.send(Outcome::Error(batch::too_large(rows, batching)));
                 return;
             }

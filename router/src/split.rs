@@ -28,13 +28,7 @@ pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)
         || rows <= limit
         || !request.row_wise
         || request.tensors.len() != request.frames.len()
-    {
-        return None;
-    }
-    if request
-        .tensors
-        .iter()
-        .any(|(_, _, shape)| shape.first() != Some(&(rows as i64)))
+        || !request.one_first_dimension()
     {
         return None;
     }
@@ -69,7 +63,7 @@ pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)
                 tensors,
                 frames: pieces.iter().map(|p| p[i].clone()).collect(),
                 outputs: request.outputs.clone(),
-                row_wise: true,
+                row_wise: request.row_wise,
             };
             (chunk, end - start)
         })
@@ -247,6 +241,12 @@ mod tests {
         }
     }
 
+    /// `request()` cut into chunks of 3 rows and 2, each answered by an echoing worker.
+    fn echoed_chunks_of_three() -> Vec<(WorkReply, u64)> {
+        let chunks = split(&request(), 3).unwrap();
+        chunks.iter().map(|(c, r)| (echo(c, (0, 1)), *r)).collect()
+    }
+
     /// What an echoing worker answers a chunk: its own inputs.
     fn echo(chunk: &WorkRequest, t: (i64, i64)) -> WorkReply {
         WorkReply {
@@ -303,9 +303,7 @@ mod tests {
 
     #[test]
     fn an_output_without_one_row_per_input_row_fails_the_join() {
-        let chunks = split(&request(), 3).unwrap();
-        let mut answers: Vec<(WorkReply, u64)> =
-            chunks.iter().map(|(c, r)| (echo(c, (0, 1)), *r)).collect();
+        let mut answers = echoed_chunks_of_three();
         // A model that reduces over the batch: one row whatever it was given.
         answers[1].0.tensors[0].2 = vec![1, 2];
         answers[1].0.frames[0] = floats(&[0.0, 0.0]);
@@ -316,9 +314,7 @@ mod tests {
 
     #[test]
     fn rows_padded_to_their_chunks_longest_fail_the_join_saying_so() {
-        let chunks = split(&request(), 3).unwrap();
-        let mut answers: Vec<(WorkReply, u64)> =
-            chunks.iter().map(|(c, r)| (echo(c, (0, 1)), *r)).collect();
+        let mut answers = echoed_chunks_of_three();
         // A text model's tokens, padded to the longest row of the call: 2 wide, then 1.
         answers[1].0.tensors[0].2 = vec![2, 1];
         answers[1].0.frames[0] = floats(&[0.0, 0.0]);

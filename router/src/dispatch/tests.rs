@@ -1170,6 +1170,37 @@ fn marked_request(rows: usize, mark: u8) -> WorkRequest {
     }
 }
 
+type MarkedCall = tokio::task::JoinHandle<(Result<WorkReply, ServingError>, Vec<Bytes>)>;
+
+/// Calls of `sizes` rows, each marked by its index (`marked_request`), started 2 ms apart,
+/// each with `deadline` from its start; each resolves to its answer and the frames it sent.
+async fn marked_calls(
+    dispatcher: &Dispatcher,
+    sizes: &[usize],
+    deadline: Option<Duration>,
+) -> Vec<MarkedCall> {
+    let mut calls = Vec::new();
+    for (mark, &rows) in sizes.iter().enumerate() {
+        let dispatcher = dispatcher.clone();
+        let request = marked_request(rows, mark as u8);
+        let want = request.frames.clone();
+        let deadline = deadline.map(|after| Instant::now() + after);
+        calls.push(tokio::spawn(async move {
+            (dispatcher.call(request, deadline).await, want)
+        }));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    calls
+}
+
+async fn each_gets_its_own_rows(calls: Vec<MarkedCall>) {
+    for call in calls {
+        let (reply, want) = call.await.unwrap();
+        let reply = reply.expect("answered");
+        assert_eq!(reply.frames, want, "each request gets its own rows");
+    }
+}
+
 /// While the one worker computes a first request, requests of `sizes` rows arrive; each
 /// must get its own rows back. The rows of each call the worker received.
 async fn batched_calls(scheduling: Scheduling, behaviour: Behaviour, sizes: &[usize]) -> Vec<i64> {
@@ -1188,21 +1219,9 @@ async fn batched_calls_with_state(
     let (dispatcher, state) = start_scheduled(&dir, &scheduling);
     let worker = FakeWorker::start(&dir, "cpu-0", 100, behaviour);
     ready(&dispatcher, 1).await;
-    let mut calls = Vec::new();
-    for (mark, rows) in std::iter::once(1).chain(sizes.iter().copied()).enumerate() {
-        let d = dispatcher.clone();
-        let request = marked_request(rows, mark as u8);
-        let want = request.frames.clone();
-        calls.push(tokio::spawn(
-            async move { (d.call(request, None).await, want) },
-        ));
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    for call in calls {
-        let (reply, want) = call.await.unwrap();
-        let reply = reply.expect("answered");
-        assert_eq!(reply.frames, want, "each request gets its own rows");
-    }
+    let sizes: Vec<usize> = std::iter::once(1).chain(sizes.iter().copied()).collect();
+    let calls = marked_calls(&dispatcher, &sizes, None).await;
+    each_gets_its_own_rows(calls).await;
     assert_eq!(state.queued.load(Ordering::Relaxed), 0);
     let seen = worker.rows_seen();
     dispatcher.shutdown();
@@ -1327,17 +1346,7 @@ async fn the_requests_of_a_merged_call_whose_worker_died_run_alone_from_then_on(
     let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 0, vec![], 10));
     let dies = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::DieAbove(1));
     ready(&dispatcher, 1).await;
-    let mut calls = Vec::new();
-    for mark in 0..4 {
-        let d = dispatcher.clone();
-        let request = marked_request(1, mark);
-        let want = request.frames.clone();
-        let deadline = Some(Instant::now() + Duration::from_secs(20));
-        calls.push(tokio::spawn(async move {
-            (d.call(request, deadline).await, want)
-        }));
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    let calls = marked_calls(&dispatcher, &[1, 1, 1, 1], Some(Duration::from_secs(20))).await;
     // The first alone (the worker was idle), then the other three merged: it dies on them.
     for _ in 0..200 {
         if dies.rows_seen().len() == 2 {
@@ -1347,10 +1356,7 @@ async fn the_requests_of_a_merged_call_whose_worker_died_run_alone_from_then_on(
     }
     assert_eq!(dies.rows_seen(), [1, 3]);
     let next = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::RefuseAbove(1));
-    for call in calls {
-        let (reply, want) = call.await.unwrap();
-        assert_eq!(reply.expect("answered").frames, want);
-    }
+    each_gets_its_own_rows(calls).await;
     assert_eq!(next.rows_seen(), [1, 1, 1], "never merged again");
     dispatcher.shutdown();
 }
