@@ -46,6 +46,30 @@ const LIVENESS_SWEEP: Duration = Duration::from_millis(100);
 /// A worker that said BYE (drained, retired, stopped) left by choice and does not count.
 pub const MAX_SENDS: u32 = 3;
 
+/// What a request gets when no worker comes back to take it again. Once workers have died
+/// on it at least twice and none is left, it is as likely what ended them as not: INTERNAL,
+/// which clients do not retry (UNAVAILABLE would have them send it again into the workers
+/// restarting), as after MAX_SENDS. One loss (a killed worker, a restarting supervisord)
+/// says nothing about the request: UNAVAILABLE, as for a request that never reached one.
+fn given_up_without_workers(waited: ServingError, lost: u32, last_loss: &str) -> ServingError {
+    if lost < 2 || waited.code != Code::Unavailable {
+        return waited;
+    }
+    let message = format!(
+        "the request was sent to a worker {lost} times and each left before answering (last: \
+         {last_loss}); it is not sent again, as it may be what ends them, and {}",
+        lowercase_first(&waited.message)
+    );
+    ServingError::new(Code::Internal, message)
+}
+
+fn lowercase_first(text: &str) -> String {
+    let mut chars = text.chars();
+    chars.next().map_or_else(String::new, |first| {
+        first.to_lowercase().chain(chars).collect()
+    })
+}
+
 pub struct WorkRequest {
     /// The model version it runs on (`VersionTable::resolve`).
     pub target: Target,
@@ -375,6 +399,7 @@ impl Dispatcher {
         let arrived = std::time::Instant::now();
         let deadline_exceeded = || ServingError::new(Code::DeadlineExceeded, "Deadline Exceeded");
         let mut lost = 0;
+        let mut last_loss = String::new();
         let mut sending = Sending::First;
         loop {
             // A retry after the deadline passed would only make a worker do work nobody reads.
@@ -433,8 +458,15 @@ impl Dispatcher {
                     }
                     log_info!("retrying request {id} elsewhere: {why}");
                     self.state.retries.fetch_add(1, Ordering::Relaxed);
+                    if !orderly {
+                        last_loss = why;
+                    }
                 }
-                Ok(Outcome::NoWorker) => self.wait_for_worker(request.target, deadline).await?,
+                Ok(Outcome::NoWorker) => {
+                    if let Err(error) = self.wait_for_worker(request.target, deadline).await {
+                        return Err(given_up_without_workers(error, lost, &last_loss));
+                    }
+                }
                 Err(_) => {
                     return Err(ServingError::new(
                         Code::Unavailable,

@@ -428,6 +428,41 @@ async fn a_request_every_worker_dies_on_is_given_up_after_max_sends() {
     dispatcher.shutdown();
 }
 
+/// A query of death in a pool of two: both workers die on it and none is back within the
+/// wait. It is given up as after MAX_SENDS (INTERNAL: a client would retry UNAVAILABLE into
+/// the restarting workers); one worker lost (killed, not the request's doing as far as
+/// anyone knows) leaves a request UNAVAILABLE, as one that never reached a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_every_worker_of_the_pool_died_on_is_internal_when_none_comes_back() {
+    let (_dir, dir) = run_dir();
+    let (mut dispatcher, _state) = start(&dir, Duration::from_secs(3));
+    dispatcher.no_worker_wait = Duration::from_millis(300);
+    let dying = workers(&dir, 2, Behaviour::DieMidRequest);
+    ready(&dispatcher, 2).await;
+    let error = dispatcher.call(request(), None).await.unwrap_err();
+    assert_eq!(error.code, Code::Internal, "{}", error.message);
+    assert!(
+        error
+            .message
+            .starts_with("the request was sent to a worker 2 times")
+            && error
+                .message
+                .ends_with("and no worker is ready to serve the request"),
+        "{}",
+        error.message
+    );
+    assert!(dying.iter().all(|w| !w.rows_seen().is_empty()));
+
+    let _lone = FakeWorker::start(&dir, "cpu-7", 107, Behaviour::DieMidRequest);
+    ready(&dispatcher, 1).await;
+    let error = dispatcher.call(request(), None).await.unwrap_err();
+    assert_eq!(
+        error,
+        ServingError::new(Code::Unavailable, "no worker is ready to serve the request")
+    );
+    dispatcher.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_that_leave_in_order_do_not_count_against_the_request() {
     // Four workers say BYE on it (drained, retired): more than MAX_SENDS losses, none the
