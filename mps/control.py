@@ -93,7 +93,15 @@ class MpsDaemon:
         return f"mps-gpu{self.gpu_index}"
 
     def command(self) -> list[str]:
-        return [self.binary, "-f"]
+        """Runs in the foreground under supervisord, and ends (SIGTERM) when supervisord does:
+        a foreign binary cannot ask for that itself, so util-linux's setpriv sets the
+        parent-death signal and execs it (same pid). An orphan daemon would hold its pipe
+        directory, and the revived pool's own daemon would find "an instance already
+        running"."""
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:  # pragma: no cover - util-linux is in every Debian base image
+            return [self.binary, "-f"]
+        return [setpriv, "--pdeathsig", "TERM", "--", self.binary, "-f"]
 
     def environment(self) -> dict[str, str]:
         """For the daemon and for every client of it (workers, queries)."""
@@ -120,7 +128,7 @@ class MpsDaemon:
             )
         except subprocess.TimeoutExpired:
             raise MpsError(
-                f"{self.program}: {command!r} got no answer in {timeout_s:.0f} s"
+                f"{self.program}: {command!r} got no answer in {timeout_s:g} s"
             ) from None
         out = (result.stdout + result.stderr).strip()
         if result.returncode != 0:
@@ -131,18 +139,19 @@ class MpsDaemon:
             raise MpsError(f"{self.program}: {command!r}: {out}")
         return out
 
-    def ready(self) -> bool:
+    def ready(self, timeout_s: float = 5.0) -> bool:
         # Asks for a value a daemon always has. The client exits 0 with no output when a daemon
         # hangs up after its greeting (3 runs in 40 against a socket that does), and an empty
         # server list looks the same; an empty default does not.
         try:
-            return self.query("get_default_active_thread_percentage") != ""
+            return self.query("get_default_active_thread_percentage", timeout_s) != ""
         except DaemonDown:
             return False
 
     def wait_ready(self, timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self.ready():
+        # Each query within what is left: a daemon that hangs (stopped) answers none.
+        while not self.ready(max(0.5, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 raise DaemonDown(
                     f"{self.program}: the control daemon did not answer within {timeout_s:.0f} s"
@@ -169,16 +178,16 @@ class MpsDaemon:
             "pinned_mem_limit": self.query("get_default_device_pinned_mem_limit 0"),
         }
 
-    def servers(self) -> list[int]:
-        answer = self.query("get_server_list")
+    def servers(self, timeout_s: float = 5.0) -> list[int]:
+        answer = self.query("get_server_list", timeout_s)
         # An empty list is also what the client prints when the daemon hangs up (ready()):
         # "no servers" only from a daemon that still answers.
-        if not answer and not self.ready():
+        if not answer and not self.ready(timeout_s):
             raise DaemonDown(f"{self.program}: the control daemon hung up")
         return [int(x) for x in answer.split()]
 
-    def clients(self, server: int) -> list[int]:
-        return [int(x) for x in self.query(f"get_client_list {server}").split()]
+    def clients(self, server: int, timeout_s: float = 5.0) -> list[int]:
+        return [int(x) for x in self.query(f"get_client_list {server}", timeout_s).split()]
 
     def terminate_clients(self) -> list[tuple[int, int]]:
         """Ask the server to end each client's GPU work before the client is signalled: a

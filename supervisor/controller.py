@@ -408,6 +408,9 @@ class Controller:
         for gpu, why in self.gpu.faults(self.supervisord, infos).items():
             self._restart_gpu(gpu, why)
             infos = self.supervisord.process_info()
+        for gpu in self.gpu.due(self.clock.monotonic()):
+            self._bring_back_gpu(gpu)
+            infos = self.supervisord.process_info()
         self._publish_gpu_usage(router_answered)
         for group in self.groups():
             said = group.restore_segment_if_removed()
@@ -417,6 +420,8 @@ class Controller:
         dead = snap.get("declared_dead", {})
         now = self.clock.monotonic()
         for slot in self.slots.values():
+            if self.gpu.is_down(self.config.slot_gpu(slot.name)):
+                continue  # stopped, waiting for its GPU's daemon (_bring_back_gpu)
             self._observe(
                 slot,
                 infos.get(slot.program, {}),
@@ -951,19 +956,40 @@ class Controller:
         """Every worker of one GPU goes, in slot order; its daemon must answer again; then
         they come back. Other GPUs' workers are not touched."""
         log.warning("GPU %d: restarting its workers: %s", gpu, why)
-        slots = [s for s in self.slots.values() if self.config.slot_gpu(s.name) == gpu]
-        for slot in slots:
+        for slot in self._gpu_slots(gpu):
             if slot.state in FINAL_STATES:
                 continue
             self.forget(slot, why)  # the router retries their requests elsewhere now
             self.rpc("stopProcess", slot.program, True)
             if slot.state is not WorkerState.BACKOFF:
                 slot.change_state(WorkerState.STARTING, f"GPU {gpu}: {why}")
-        self.gpu.recover(gpu, self.supervisord.process_info())
+        self._bring_back_gpu(gpu)
+
+    def _bring_back_gpu(self, gpu: int) -> None:
+        """Its workers start again once its daemon answers; until then the GPU is down, its
+        workers stopped and tried again later (GpuWatch.due), while the other GPUs serve."""
+        slots = self._gpu_slots(gpu)
+        now = self.clock.monotonic()
+        if not self.gpu.recover(gpu, self.supervisord, now):
+            down = self.gpu.down[gpu]
+            log.error(
+                "GPU %d: its MPS control daemon does not answer (%s); its workers wait, "
+                "tried again in %.0f s",
+                gpu,
+                down.why,
+                down.retry_at - now,
+            )
+            for slot in slots:
+                if slot.state is WorkerState.STARTING:
+                    slot.reason = f"GPU {gpu} down: {down.why}"
+            return
         for slot in slots:
             if slot.state is WorkerState.STARTING:
                 slot.start_pending = True
                 self.rpc("startProcess", slot.program, False)
+
+    def _gpu_slots(self, gpu: int) -> list[Slot]:
+        return [s for s in self.slots.values() if self.config.slot_gpu(s.name) == gpu]
 
     def rpc(self, method: str, *args: Any) -> Any:
         """A supervisord command whose refusal is news, not an error: between our look and

@@ -13,8 +13,10 @@ The controller decides what a fault means for the slots (supervisor/controller.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import xmlrpc.client
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,23 @@ log = logging.getLogger("mpspool.controller")
 
 # Set for MPS workers to the control binary: a worker refuses to start without its daemon.
 WORKER_MPS_ENV = "MPSPOOL_REQUIRE_MPS"
+# How long a fault's recovery waits for a daemon to answer: the controller's tick waits with
+# it, so a GPU whose daemon does not come back is tried again later (RETRY_S) instead.
+RECOVER_WAIT_S = 5.0
+# Seconds before a GPU whose daemon did not come back is tried again, doubling per try.
+RETRY_FIRST_S = 5.0
+RETRY_MAX_S = 60.0
+# A status query's wait for each daemon's answer.
+STATUS_QUERY_S = 1.0
+
+
+@dataclass
+class GpuDown:
+    """A GPU whose daemon did not answer after a fault: its workers wait, the others serve."""
+
+    why: str
+    tries: int
+    retry_at: float  # the controller's monotonic clock
 
 
 class GpuWatch:
@@ -45,6 +64,7 @@ class GpuWatch:
         self._daemon_pid: dict[int, int] = {}
         self._log_offset: dict[int, int] = {}
         self.defaults: dict[int, dict[str, str]] = {}
+        self.down: dict[int, GpuDown] = {}
 
     # -- configuration ------------------------------------------------------------
     def check_without_mps(self, config: PoolConfig) -> list[str]:
@@ -85,7 +105,9 @@ class GpuWatch:
                     priority=5,
                     environment={**base_env, **daemon.environment()},
                     # `quit` ends it with 0 at shutdown; anything else (a kill) is a fault,
-                    # restarted by supervisord and handled as one by the controller.
+                    # restarted by supervisord and handled as one by the controller (which
+                    # starts again one that ended with 0 while serving, or that supervisord
+                    # gave up on: `recover`).
                     autorestart="unexpected",
                     exitcodes=(0,),
                     startsecs=1,
@@ -116,8 +138,8 @@ class GpuWatch:
             self._ready(gpu, daemon)
             self._daemon_pid[gpu] = int(infos.get(f"mps:{daemon.program}", {}).get("pid") or 0)
 
-    def _ready(self, gpu: int, daemon: MpsDaemon) -> None:
-        daemon.wait_ready()
+    def _ready(self, gpu: int, daemon: MpsDaemon, timeout_s: float = 15.0) -> None:
+        daemon.wait_ready(timeout_s)
         self.defaults[gpu] = daemon.apply_defaults(
             self.config.active_thread_percentage, self.config.pinned_limit_mib(gpu)
         )
@@ -128,6 +150,8 @@ class GpuWatch:
         """GPU → why its workers must restart, for what happened since the last look."""
         found: dict[int, str] = {}
         for gpu, daemon in self.daemons.items():
+            if gpu in self.down:
+                continue  # its workers already wait for it: tried again when due
             info = infos.get(f"mps:{daemon.program}", {})
             pid = int(info.get("pid") or 0)
             # STARTING is fine: supervisord says so for startsecs after a spawn, while the
@@ -156,15 +180,39 @@ class GpuWatch:
         self._log_offset[gpu] = offset
         return [] if first else fault_lines(text)
 
-    def recover(self, gpu: int, infos: dict[str, dict[str, Any]]) -> None:
-        """After a fault: the daemon (restarted by supervisord if it died) must answer and
-        carry the pool's defaults before that GPU's workers may start again."""
+    def recover(self, gpu: int, supervisor: Any, now: float) -> bool:
+        """After a fault: the daemon must answer and carry the pool's defaults before that
+        GPU's workers may start again. supervisord restarts one that was killed; one that
+        ended with 0 (a `quit` not ours) or that supervisord gave up on (FATAL) is started
+        here. False when it does not answer within RECOVER_WAIT_S: the GPU is down
+        (`self.down`, the reason) until a later try (`due`) brings it back."""
         daemon = self.daemons.get(gpu)
         if daemon is None:
-            return
-        self._ready(gpu, daemon)
-        self._daemon_pid[gpu] = int(infos.get(f"mps:{daemon.program}", {}).get("pid") or 0)
+            return True
+        name = f"mps:{daemon.program}"
+        try:
+            state = supervisor.process_info().get(name, {}).get("state")
+            if state in (sd.EXITED, sd.FATAL, sd.STOPPED):
+                with contextlib.suppress(xmlrpc.client.Fault):  # started meanwhile
+                    supervisor.rpc().startProcess(name, False)
+            self._ready(gpu, daemon, RECOVER_WAIT_S)
+            pid = int(supervisor.process_info().get(name, {}).get("pid") or 0)
+        except (MpsError, OSError, xmlrpc.client.Error) as exc:
+            tries = self.down[gpu].tries + 1 if gpu in self.down else 1
+            wait = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (tries - 1))
+            self.down[gpu] = GpuDown(str(exc), tries, now + wait)
+            return False
+        self._daemon_pid[gpu] = pid
         self._log_offset.pop(gpu, None)
+        self.down.pop(gpu, None)
+        return True
+
+    def due(self, now: float) -> list[int]:
+        """The GPUs that are down and due another try."""
+        return [gpu for gpu, down in self.down.items() if now >= down.retry_at]
+
+    def is_down(self, gpu: int | None) -> bool:
+        return gpu in self.down
 
     # -- stop ---------------------------------------------------------------------
     def terminate_clients(self) -> None:
@@ -215,8 +263,16 @@ class GpuWatch:
             else:
                 entry["mps"] = infos.get(f"mps:{daemon.program}", {}).get("statename", "?")
                 entry["defaults"] = self.defaults.get(gpu, {})
+                down = self.down.get(gpu)
+                if down is not None:
+                    entry["down"] = {"why": down.why, "tries": down.tries}
                 try:
-                    entry["servers"] = {str(s): daemon.clients(s) for s in daemon.servers()}
+                    # Short: `mpspool status` waits 5 s for the whole answer, and a daemon
+                    # that hangs (stopped) would take all of it.
+                    entry["servers"] = {
+                        str(s): daemon.clients(s, STATUS_QUERY_S)
+                        for s in daemon.servers(STATUS_QUERY_S)
+                    }
                 except MpsError as exc:
                     entry["servers"] = f"unavailable: {exc}"
             if self.backend is not None:

@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -95,6 +96,28 @@ def test_control_daemon_readiness_defaults_and_quit(daemon: MpsDaemon) -> None:
         assert not daemon.ready()
     finally:
         proc.kill()
+
+
+def test_a_daemon_ends_with_the_process_that_started_it(daemon: MpsDaemon) -> None:
+    """supervisord killed (-9): its daemon must not live on holding its pipe directory, where
+    the revived pool's daemon would find "an instance already running"."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); "
+         "time.sleep(600)", *daemon.command()],
+        env={**os.environ, **daemon.environment()},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        daemon.wait_ready(10)
+        (child,) = psutil.Process(parent.pid).children()
+        assert child.cmdline()[-2:] == [daemon.binary, "-f"]  # setpriv exec'd it: same pid
+        parent.kill()
+        parent.wait(10)
+        child.wait(10)
+        assert not daemon.ready()
+    finally:
+        parent.kill()
 
 
 def _hang_up_once(path: Path) -> threading.Thread:
@@ -206,13 +229,29 @@ def _daemon_pid(pool: Pool, uuid: str) -> int:
     raise AssertionError(f"no MPS daemon for {uuid}")
 
 
+def _mps_dirs(pool: Pool, gpu: int) -> tuple[Path, Path]:
+    """A GPU's daemon's pipe and log directories in the pool's run directory."""
+    base = pool.run_dir / "mps" / f"gpu{gpu}"
+    return base / "pipe", base / "log"
+
+
 def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
     tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MPSPOOL_FAKE_GPUS", json.dumps(FAKE_GPUS))
+    # The real control binary, except that its daemon mode refuses to start while `refuse`
+    # exists: a daemon that cannot come back.
+    refuse = tmp_path / "refuse"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(
+        f'#!/bin/sh\nif [ "$1" = -f ] && [ -e {refuse} ]; then echo refused; exit 1; fi\n'
+        f'exec {find_control_binary()} "$@"\n'
+    )
+    control.chmod(0o755)
     pool = Pool(
         tmp_path, demo_model_dir, 1,
         "--gpus", "0,1", "--contexts-per-gpu", "1", "--active-thread-percentage", "50",
+        "--mps-control", str(control),
     )  # fmt: skip
     pool.start()
     try:
@@ -227,7 +266,7 @@ def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
             env = psutil.Process(slot["pid"]).environ()
             assert env["CUDA_VISIBLE_DEVICES"] == fake["uuid"]
             assert env["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"mps/gpu{slot['slot'][3]}/pipe")
-            assert env["MPSPOOL_REQUIRE_MPS"].endswith("nvidia-cuda-mps-control")
+            assert env["MPSPOOL_REQUIRE_MPS"] == str(control)
         # Each GPU's memory and utilisation (NVML; here the fake's) reach the front door's
         # metrics within the controller's sampling interval.
         deadline = time.monotonic() + 10
@@ -264,6 +303,39 @@ def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
         assert streamer.failed() == []
         assert "GPU 1: restarting its workers" in pool.output()
         assert "GPU 0: restarting" not in pool.output()
+
+        # A daemon that ends itself with 0 while serving (an operator's `quit`), and that
+        # cannot start again: its GPU is down, its worker waits, the other GPU serves; once
+        # it can start, the GPU comes back. It ended the whole pool before.
+        refuse.touch()
+        before = {s["slot"]: s["pid"] for s in status["slots"]}
+        streamer = Streamer(pool.port, DEMO_ROWS, pause_s=0.005).start()
+        try:
+            streamer.wait_for_successes(10)
+            gpu1 = MpsDaemon(1, FAKE_GPUS[1]["uuid"], str(control), *_mps_dirs(pool, 1))
+            gpu1.quit()
+
+            def gpu1_down(st: dict) -> bool:
+                return "down" in {g["index"]: g for g in st["gpus"]}[1]
+
+            status = pool.wait_for(gpu1_down, 60, "GPU 1 down")
+            down = {g["index"]: g for g in status["gpus"]}[1]["down"]
+            assert "did not answer" in down["why"], down
+            slots = {s["slot"]: s for s in status["slots"]}
+            assert slots["gpu1-0"]["state"] == "STARTING"
+            assert slots["gpu1-0"]["reason"].startswith("GPU 1 down: ")
+            assert slots["gpu0-0"]["state"] == "READY"
+            served = len(streamer.ok())
+            streamer.wait_for_successes(served + 20)  # GPU 0 alone
+            refuse.unlink()
+            status = pool.wait_for(gpu1_back, 120, "GPU 1 back and its worker READY")
+            streamer.wait_for_successes(len(streamer.ok()) + 10)
+        finally:
+            streamer.stop()
+        assert streamer.failed() == []
+        assert pool.proc.poll() is None
+        assert {s["slot"]: s["pid"] for s in status["slots"]}["gpu0-0"] == before["gpu0-0"]
+        assert "GPU 1: its MPS control daemon does not answer" in pool.output()
 
         assert pool.stop() == 0
         assert pool.leftovers() == []
