@@ -22,7 +22,7 @@ use crate::status::Code;
 use crate::tfs_metrics::TfServingMetrics;
 pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
 use crate::versions::{ModelId, Models};
-use crate::{log_error, log_info};
+use crate::{log_error, log_info, log_warn};
 
 /// Small-batch inference lives between a fraction of a millisecond and a few hundred; a
 /// hand-over to a worker or a wait in an empty queue, in the tens to hundreds of µs.
@@ -429,6 +429,15 @@ pub fn escape(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// Scrapes served at once: Prometheus holds one connection per target, a few dashboards or
+/// `curl`s more. The metrics port's connections come out of the descriptors kept back from
+/// --max-connections (connection_limit::RESERVED_DESCRIPTORS), so they are bounded too: idle
+/// connections there must not take the descriptors the workers and clients need.
+const METRICS_CONNECTIONS: usize = 32;
+/// A connection whose request header is not in within this (or idle this long between
+/// requests) is closed; a scrape's request is one small header.
+const METRICS_HEADER_WAIT: Duration = Duration::from_secs(10);
+
 /// Serve /metrics on `host:port` (0: any free port); the port it got, 0 if it could not:
 /// metrics are for watching the pool, and losing them must not stop it serving.
 pub async fn serve(metrics: Arc<Metrics>, host: &str, port: u16) -> u16 {
@@ -441,25 +450,67 @@ pub async fn serve(metrics: Arc<Metrics>, host: &str, port: u16) -> u16 {
     };
     let bound = listener.local_addr().map(|a| a.port()).unwrap_or(0);
     log_info!("metrics on http://{host}:{bound}/metrics");
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let metrics = metrics.clone();
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
-                        let metrics = metrics.clone();
-                        async move { Ok::<_, std::convert::Infallible>(answer(&metrics, &request)) }
-                    });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
+    tokio::spawn(serve_on(
+        listener,
+        metrics,
+        ConnectionLimit::new(METRICS_CONNECTIONS),
+        METRICS_HEADER_WAIT,
+    ));
     bound
+}
+
+async fn serve_on(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    connections: Arc<ConnectionLimit>,
+    header_wait: Duration,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // EMFILE and the like: wait instead of spinning on the error.
+                if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
+                    log_warn!("metrics accept failed ({count} since the last line): {error}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(admitted) = connections.admit() else {
+            crate::connection_limit::refuse(stream, &metrics_refusal(connections.most()));
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let _admitted = admitted;
+            let service =
+                hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let metrics = metrics.clone();
+                    async move { Ok::<_, std::convert::Infallible>(answer(&metrics, &request)) }
+                });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_wait)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+static ACCEPT_FAILURES: crate::log::Throttle = crate::log::Throttle::new();
+
+fn metrics_refusal(most: usize) -> Vec<u8> {
+    let body = format!(
+        "the metrics port has {most} connections open, the most it serves at once; try \
+         again later or reuse a connection\n"
+    );
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
 }
 
 fn answer(metrics: &Metrics, request: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
@@ -662,5 +713,66 @@ mod tests {
         assert!(text.contains("mpspool_client_connections_limit 2\n"));
         assert!(text.contains("mpspool_client_connections_refused_total 1\n"));
         assert!(text.contains("mpspool_client_connections_idle_closed_total 1\n"));
+    }
+
+    /// Idle or half-sent connections to the metrics port are bounded in number and in time:
+    /// 700 of them took every descriptor of a front door held to `ulimit -n 600`, and gRPC
+    /// and REST clients were turned away (accept: EMFILE).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_metrics_port_bounds_its_connections_in_number_and_time() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (state, _drain) = RouterState::new();
+        let (_tx, ready) = watch::channel(0usize);
+        let (_copied_tx, copied) = watch::channel(BTreeMap::new());
+        let metrics = Arc::new(Metrics::new(
+            models_of("m"),
+            ready,
+            copied,
+            Arc::new(state),
+            test_budget(),
+            ConnectionLimit::new(16),
+        ));
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let limit = ConnectionLimit::new(2);
+        tokio::spawn(serve_on(
+            listener,
+            metrics,
+            limit.clone(),
+            Duration::from_millis(300),
+        ));
+        let mut stalled = Vec::new();
+        for _ in 0..2 {
+            let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+            stream.write_all(b"GET /metr").await.unwrap();
+            stalled.push(stream);
+        }
+        while limit.open() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut third = tokio::net::TcpStream::connect(address).await.unwrap();
+        let mut answer = String::new();
+        third.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+        assert!(answer.contains("the metrics port has 2 connections open"));
+
+        // Their header never completes: closed after the wait, their places given back.
+        for mut stream in stalled {
+            let mut rest = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest));
+            assert!(read.await.is_ok(), "closed by the server");
+        }
+        while limit.open() > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut scrape = tokio::net::TcpStream::connect(address).await.unwrap();
+        scrape
+            .write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut page = String::new();
+        scrape.read_to_string(&mut page).await.unwrap();
+        assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+        assert!(page.contains("mpspool_client_connections_limit 16"));
     }
 }
