@@ -64,7 +64,8 @@ def find_control_binary(explicit: str | None = None) -> str:
         if candidate:
             if not os.access(candidate, os.X_OK):
                 raise MpsError(f"{candidate} is not an executable {CONTROL_BINARY}")
-            return candidate
+            # Absolute: supervisord starts the daemon from the run directory.
+            return os.path.abspath(candidate)
     found = shutil.which(CONTROL_BINARY)
     if not found:
         raise MpsError(

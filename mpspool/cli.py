@@ -545,14 +545,16 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument(
         "--contexts-per-gpu",
         type=int,
-        default=int(os.environ.get("CONTEXTS_COUNT_PER_GPU", "4")),
+        # A string: argparse converts it only when `start` is parsed, so a bad value in the
+        # environment is refused there as the flag's, and other commands never read it.
+        default=os.environ.get("CONTEXTS_COUNT_PER_GPU", "4"),
         help="workers per GPU (env CONTEXTS_COUNT_PER_GPU; default %(default)s; at most 48)",
     )
     gpu.add_argument(
         "--no-mps",
         dest="mps",
         action="store_false",
-        default=os.environ.get("ENABLE_MPS", "1").lower() not in ("0", "false", "no"),
+        default=os.environ.get("ENABLE_MPS", "1").lower() not in ("0", "false", "no", "off"),
         help="run the GPU workers without MPS, for comparison (env ENABLE_MPS=0)",
     )
     gpu.add_argument(
@@ -601,6 +603,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, required=True)
     demo.add_argument("--embedding-rows", type=int, default=None)
     demo.add_argument("--version", dest="model_version", type=int, default=1)
+    demo.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="a version already there is kept and the command succeeds (an init container "
+        "that runs again, as Kubernetes may run it); without it, that is an error",
+    )
     return parser
 
 
@@ -678,9 +686,18 @@ def cmd_start(args: argparse.Namespace) -> int:
     # TF Serving's flags without a setting here: refused before anything starts, or named.
     for warning in tfs_flags.check(args):
         print(f"mpspool: {warning}", file=sys.stderr)
+    dropped = sorted(k for k in os.environ if k.startswith("CUDA_MPS_"))
+    if dropped:
+        # supervisord.pool_environment leaves them out of every process of the pool.
+        print(
+            f"mpspool: warning: {', '.join(dropped)} not passed to the pool's processes: the "
+            "pool runs MPS itself (--active-thread-percentage, --pinned-mem-limit)",
+            file=sys.stderr,
+        )
     # GPUs first: a pool that cannot have its GPUs should say so at once, before any
     # model is built or loaded.
-    gpu_fields, selected_gpus = _resolve_gpus(args) if args.gpus else ({}, [])
+    # `--gpus ''` is refused by parse_gpus, not taken for a CPU pool.
+    gpu_fields, selected_gpus = _resolve_gpus(args) if args.gpus is not None else ({}, [])
     # Likewise a pool without its front door (BinaryNotFound is a ConfigError).
     from mpspool.router import binary_path as router_binary
 
@@ -1339,6 +1356,16 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
     rows = args.embedding_rows or DEFAULT_ROWS
     started = time.monotonic()
+    target = args.out / str(args.model_version)
+    if target.exists():
+        # Versions are immutable, as TF Serving treats them: never written over.
+        if args.exist_ok:
+            print(f"mpspool: {target} is already there; kept as it is")
+            return 0
+        raise ConfigError(
+            f"model version directory {target} already exists; versions are immutable: choose "
+            "another --version, remove it, or pass --exist-ok to keep it"
+        )
     path = build_demo_model(args.out, embedding_rows=rows, version=args.model_version)
     print(
         f"mpspool: wrote the demo model ({rows} rows) to {path} "

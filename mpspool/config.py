@@ -647,6 +647,12 @@ class PoolConfig:
         check_model_name_length(self.model_name)
         if not self.model_name or "/" in self.model_name:
             raise ConfigError(f"--model-name must be a plain name, got {self.model_name!r}")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in self.model_name):
+            # It is written into supervisord's configuration and the pool's logs, line by line.
+            raise ConfigError(
+                f"model name {self.model_name!r} holds a control character (a newline, a tab); "
+                "name the model without one"
+            )
         self._validate_models(models_on_disk)
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
@@ -710,6 +716,13 @@ class PoolConfig:
                 f"--num_request_iterations_for_warmup must be >= 1, got {self.warmup_iterations}"
             )
         self._validate_batching()
+        if self.gpus and not 1 <= self.contexts_per_gpu <= 48:
+            # MPS serves at most 48 client contexts per GPU. Checked before the placement,
+            # which divides by it; a CPU pool does not read it.
+            raise ConfigError(
+                "--contexts-per-gpu must be in 1..48 (MPS's limit per GPU), "
+                f"got {self.contexts_per_gpu}"
+            )
         self.placement()  # ConfigError when the cpuset cannot be applied here
         if self.fatal_retry_s < 0:
             raise ConfigError(f"--fatal-retry-after must be >= 0, got {self.fatal_retry_s}")
@@ -717,12 +730,6 @@ class PoolConfig:
             raise ConfigError(
                 "--load_retry_interval_micros must be >= 0, got "
                 f"{self.load_retry_interval_s * 1e6:.0f}"
-            )
-        if not 1 <= self.contexts_per_gpu <= 48:
-            # MPS serves at most 48 client contexts per GPU.
-            raise ConfigError(
-                "--contexts-per-gpu must be in 1..48 (MPS's limit per GPU), "
-                f"got {self.contexts_per_gpu}"
             )
         if self.gpus and self.contexts_on_gpu() > 48:
             raise ConfigError(
@@ -816,11 +823,19 @@ class PoolConfig:
         model_pb = Path(self.model_path) / "saved_model.pb"
         if models_on_disk and not model_pb.is_file():
             raise ConfigError(f"no SavedModel at {self.model_path}: expected {model_pb}")
-        # ipc:// paths are unix socket paths: at most 107 bytes on Linux.
-        longest = len(str(Path(self.run_dir) / "supervisord.sock"))
-        if longest > 100:
+        # ipc:// paths are unix socket paths: at most 107 bytes on Linux. The longest is an
+        # MPS daemon's (its pipe directory is in the run directory), else supervisord's.
+        sockets = [Path(self.run_dir) / "supervisord.sock"]
+        if self.gpus and self.mps:
+            sockets += [
+                Path(self.run_dir) / "mps" / f"gpu{gpu}" / "pipe" / "control_privileged"
+                for gpu in self.gpus
+            ]
+        longest = max(sockets, key=lambda path: len(str(path)))
+        if len(str(longest)) > 100:
             raise ConfigError(
-                f"--run-dir {self.run_dir} is too long for unix sockets; use a shorter path"
+                f"--run-dir {self.run_dir} is too long for unix sockets ({longest} is "
+                f"{len(str(longest))} bytes, at most 100); use a shorter path"
             )
         return self
 

@@ -180,6 +180,16 @@ class _UnixTransport(xmlrpc.client.Transport):
         return _UnixConnection(self._path, self._timeout)
 
 
+def pool_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the pool's processes inherit: the caller's environment without CUDA's MPS
+    variables. The pool owns MPS for its workers: each GPU worker is given its own daemon's
+    pipe and log directories, and the daemon the pool's defaults (thread percentage, pinned
+    memory). An operator's CUDA_MPS_PIPE_DIRECTORY would join a `--no-mps` pool's workers to
+    whatever daemon listens there, and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE would cap each
+    worker below what `mpspool status` shows."""
+    return {k: v for k, v in environ.items() if not k.startswith("CUDA_MPS_")}
+
+
 class Supervisord:
     """A supervisord child process and its XML-RPC interface."""
 
@@ -233,7 +243,7 @@ class Supervisord:
             ],
             cwd=self.run_dir,  # never the repository root: see the module docstring
             # Inherited by every program: a later start finds a killed pool's processes by it.
-            env={**os.environ, rundir.RUN_DIR_ENV: str(self.run_dir)},
+            env={**pool_environment(os.environ), rundir.RUN_DIR_ENV: str(self.run_dir)},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err_file,

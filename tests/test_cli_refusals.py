@@ -3,6 +3,7 @@ and a reader of its output that goes away early (`mpspool status | head -1`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mpspool.config import PoolConfig
+from mpspool.config import ConfigError, PoolConfig
 
 from poolproc import Pool, mpspool_cmd
 
@@ -176,6 +177,61 @@ def test_metrics_ports_still_accepted(
         drain_timeout_s=0.0,
         shutdown_delay_s=0.0,
     ).validate()
+
+
+def _gpu_config(run_dir: str, **fields: object) -> PoolConfig:
+    uuids = ("GPU-00000000-0000-4000-8000-000000000000", "GPU-11111111-1111-4111-8111-111111111111")
+    return PoolConfig(
+        **{
+            "model_name": "demo", "model_base_path": "/m", "model_version": 1,
+            "run_dir": run_dir, "log_dir": "/tmp/logs", "workers": 1, "gpus": (0, 1),
+            "gpu_uuids": uuids, "gpu_memory": (16 << 30, 16 << 30), "mps": True,
+            "mps_control": "/bin/false", **fields,
+        }
+    )  # fmt: skip
+
+
+def test_gpu_settings_are_refused_in_one_line() -> None:
+    """Each was a traceback or a pool that could not start (found by a GPU/MPS hunt)."""
+    for contexts in (0, -1, 49):  # 0 and -1 divided by zero in the placement
+        with pytest.raises(ConfigError, match=r"--contexts-per-gpu must be in 1\.\.48"):
+            _gpu_config("/tmp/r", contexts_per_gpu=contexts).validate(models_on_disk=False)
+    # A CPU pool does not read it (CONTEXTS_COUNT_PER_GPU=0 in the environment).
+    dataclasses.replace(_gpu_config("/tmp/r"), gpus=(), gpu_uuids=(), gpu_memory=(),
+                        contexts_per_gpu=0).validate(models_on_disk=False)  # fmt: skip
+    # The MPS daemon's privileged socket is the longest socket path: 33 bytes past
+    # supervisord.sock, which alone was checked (the daemon failed with an empty log).
+    run_dir = "/tmp/" + "r" * 70  # supervisord.sock: 92 bytes, within 100
+    _gpu_config(run_dir, mps=False).validate(models_on_disk=False)
+    with pytest.raises(ConfigError, match="mps/gpu0/pipe/control_privileged is 108 bytes"):
+        _gpu_config(run_dir).validate(models_on_disk=False)
+    # Written into supervisord's configuration: a newline there broke the start.
+    with pytest.raises(ConfigError, match="holds a control character"):
+        dataclasses.replace(_gpu_config("/tmp/r"), model_name="a\nb").validate(models_on_disk=False)
+
+
+def test_environment_defaults_are_read_only_by_start(
+    tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad CONTEXTS_COUNT_PER_GPU is the start flag's refusal, not a traceback of every
+    command (it was read while the parser was built); ENABLE_MPS=off turns MPS off."""
+    from mpspool.cli import build_parser
+
+    monkeypatch.setenv("CONTEXTS_COUNT_PER_GPU", "four")
+    monkeypatch.setenv("ENABLE_MPS", "off")
+    assert build_parser().parse_args(["stop", "--run-dir", "/tmp/x"]).command == "stop"
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["start", "--demo"])
+    assert refused.value.code == 2
+    monkeypatch.setenv("CONTEXTS_COUNT_PER_GPU", "3")
+    args = build_parser().parse_args(["start", "--demo"])
+    assert (args.contexts_per_gpu, args.mps) == (3, False)
+
+
+def test_empty_gpus_is_refused_not_a_cpu_pool(tmp_path: Path, demo_model_dir: Path) -> None:
+    code, err = run_start(tmp_path, demo_model_dir, tmp_path / "run", "--gpus", "")
+    assert code == 2, err
+    assert_one_line(err, "--gpus")
 
 
 def test_stop_refuses_a_negative_timeout(tmp_path: Path) -> None:

@@ -80,6 +80,22 @@ def test_existing_version_is_not_overwritten(built: Path) -> None:
     assert (built / "saved_model.pb").read_bytes() == before
 
 
+def test_the_command_keeps_an_existing_version_only_when_told(
+    built: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An init container that runs again (Kubernetes may) over the volume it filled: with
+    --exist-ok it succeeds and writes nothing; without, one line says what to do."""
+    from mpspool.cli import main
+
+    before = (built / "saved_model.pb").read_bytes()
+    out = ["demo-model", "--out", str(built.parent), "--embedding-rows", str(ROWS)]
+    assert main([*out, "--exist-ok"]) == 0
+    assert "already there; kept as it is" in capsys.readouterr().out
+    assert main(out) == 2
+    assert "pass --exist-ok to keep it" in capsys.readouterr().err
+    assert (built / "saved_model.pb").read_bytes() == before
+
+
 def test_crashed_build_leaves_no_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tensorflow as tf
 

@@ -139,6 +139,24 @@ def test_container_runs_mpspool_start_on_one_gpu() -> None:
     assert args.mps and 1 <= args.contexts_per_gpu <= 48
 
 
+def test_the_demo_init_container_may_run_again() -> None:
+    """Kubernetes may run an init container again over the volume it filled (a pod sandbox
+    restarted): the version it wrote is kept, not an error that loops the pod in
+    Init:CrashLoopBackOff."""
+    (init,) = deployment()["spec"]["template"]["spec"]["initContainers"]
+    command = init["command"]
+    assert command[0] == "mpspool"
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "demo-model" and args.exist_ok
+    assert str(args.out) == start_args().model_base_path
+
+
+def test_the_build_context_leaves_out_the_crates_build_folder() -> None:
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    # After `!router/`: the last matching line wins in a .dockerignore.
+    assert ignore.index("router/target") > ignore.index("!router/")
+
+
 def test_dev_shm_is_memory_backed_and_counted_in_the_memory_limit() -> None:
     shm = mounts()["/dev/shm"]["emptyDir"]
     assert shm["medium"] == "Memory"

@@ -120,6 +120,29 @@ def test_a_daemon_ends_with_the_process_that_started_it(daemon: MpsDaemon) -> No
         parent.kill()
 
 
+def test_the_operators_mps_variables_stay_out_of_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool runs MPS itself: an operator's CUDA_MPS_PIPE_DIRECTORY joined `--no-mps`
+    workers to whatever daemon listened there, and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE capped
+    each worker below what status showed. A relative --mps-control path is made absolute
+    (supervisord starts the daemon from the run directory, where it did not resolve)."""
+    from mpspool.supervisor.supervisord import pool_environment
+
+    env = {
+        "PATH": "/usr/bin",
+        "CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    assert pool_environment(env) == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0"}
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\n")
+    control.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert find_control_binary("./nvidia-cuda-mps-control") == str(control)
+
+
 def _hang_up_once(path: Path) -> threading.Thread:
     """A socket where a daemon's would be that greets one client as the daemon does and hangs
     up: a daemon starting or going away, as a client can meet it."""
