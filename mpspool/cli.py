@@ -48,6 +48,12 @@ def _add_run_dir(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _warmup_iterations(text: str) -> int:
+    """TF Serving's flag: its default is 0, and only a value > 0 is read (server.cc), so 0 or
+    less replays each record once."""
+    return max(1, int(text))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpspool", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mpspool {__version__}")
@@ -265,9 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-request-iterations-for-warmup",
         "--num_request_iterations_for_warmup",
         dest="warmup_iterations",
-        type=int,
+        type=_warmup_iterations,
         default=1,
-        help="times each warm-up record is replayed (default %(default)s)",
+        help="times each warm-up record is replayed (default %(default)s; 0 or less is 1, as TF "
+        "Serving, whose default is 0, reads it only when > 0)",
     )
     start.add_argument(
         "--max-message-bytes",
@@ -1244,9 +1251,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     pool = status["pool"]
+    # While it starts, its version is not chosen yet and its front door not listening.
+    version = pool["version"] if pool["version"] is not None else "-"
     print(
         f"pool {pool['pool_id']} (pid {pool['pid']}) {pool['phase']}: model {pool['model']!r} "
-        f"version {pool['version']} on {pool['listen']}, up {pool['uptime_s']} s"
+        f"version {version} on {pool['listen'] or 'no port yet'}, up {pool['uptime_s']} s"
     )
     if pool.get("grpc_socket"):
         print(f"gRPC also on: {pool['grpc_socket']}")

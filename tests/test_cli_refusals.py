@@ -260,6 +260,22 @@ STATUS = {
 TIMELINE = {"now_us": 1, "spans": [["cpu-0", 1, 2]] * 3, "dropped": 0}
 
 
+def test_status_of_a_starting_pool_prints_no_python_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mpspool import cli
+
+    starting = {
+        "pool": {**STATUS["pool"], "phase": "starting", "version": None, "listen": None},
+        "versions": [],
+        "slots": [],
+    }
+    monkeypatch.setattr(cli, "_ask_pool", lambda *args, **kwargs: starting)
+    assert cli.main(["status", "--run-dir", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "pool p (pid 1) starting: model 'demo' version - on no port yet, up 1 s"
+
+
 @pytest.mark.parametrize("command, answer", [("status", STATUS), ("timeline", TIMELINE)])
 def test_a_reader_that_went_away_ends_it_quietly(
     tmp_path: Path, command: str, answer: dict

@@ -239,6 +239,9 @@ def test_warm_up_flags_are_tf_servings() -> None:
     assert parsed("--enable-model-warmup", "true").model_warmup is True
     assert parsed("--enable_model_warmup").model_warmup is True  # absl's bare boolean flag
     assert parsed("--num_request_iterations_for_warmup", "4").warmup_iterations == 4
+    # TF Serving's default is 0, read only when > 0: a manifest passing it must start.
+    for unset in ("0", "-3"):
+        assert parsed(f"--num_request_iterations_for_warmup={unset}").warmup_iterations == 1
     with pytest.raises(SystemExit):
         parsed("--enable_model_warmup=maybe")
     config = PoolConfig(
