@@ -159,6 +159,7 @@ def test_classify_regress_and_multi_inference_records(
     multi.input.example_list.examples.extend([example([2.0, 2.0])])
     for signature, method in (("serving_default", "classify"), ("regress", "regress")):
         task = multi.tasks.add()
+        task.model_spec.name = "ctr"  # TF Serving refuses a task with none
         task.model_spec.signature_name = signature
         task.method_name = f"tensorflow/serving/{method}"
     write_records(
@@ -228,6 +229,82 @@ def test_a_bad_record_fails_the_warm_up_with_the_reason(
     with pytest.raises(WarmupError) as raised:
         replay(tf, recording, served)
     assert message in str(raised.value)
+
+
+def multi_inference_log(*tasks: tuple[str, str, str]) -> Any:
+    """A MultiInference record of one example; each task (model name, signature, method)."""
+    multi = inference_pb2.MultiInferenceRequest()
+    multi.input.example_list.examples.extend([example([2.0, 2.0])])
+    for name, signature, method in tasks:
+        task = multi.tasks.add()
+        task.model_spec.name = name
+        task.model_spec.signature_name = signature
+        task.method_name = method
+    return prediction_log_pb2.PredictionLog(
+        multi_inference_log=prediction_log_pb2.MultiInferenceLog(request=multi)
+    )
+
+
+CLASSIFY = "tensorflow/serving/classify"
+REGRESS = "tensorflow/serving/regress"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "classify on a regression signature",
+            "a Classify warm-up record is refused: INVALID_ARGUMENT: Expected classification "
+            'signature outputs to contain at least one of "classes" or "scores". Signature was: '
+            "regress",
+        ),
+        (
+            "regress on a classification signature",
+            "INVALID_ARGUMENT: Expected one output Tensor.",
+        ),
+        ("no method", "UNIMPLEMENTED: Unsupported signature method_name: "),
+        ("same signature twice", "Duplicate evaluation of signature: regress"),
+        ("no model name", "Found ModelSpec with an empty model name."),
+        ("two models", "must access the same model name"),
+        ("streamed predict", "Unsupported log_type for warmup: 7"),
+    ],
+)
+def test_example_records_tf_serving_refuses_fail_the_warm_up(
+    case: str, message: str, examples_version: Path, tmp_path: Path
+) -> None:
+    """Each was replayed and the version went AVAILABLE, where TF Serving's warm-up refuses
+    it (classifier.cc, regressor.cc, multi_inference.cc, saved_model_warmup.cc)."""
+    served = linked_version(examples_version, tmp_path / "1")
+    if case == "classify on a regression signature":
+        request = classification_pb2.ClassificationRequest()
+        request.model_spec.signature_name = "regress"
+        request.input.example_list.examples.extend([example([1.0, 2.0])])
+        log = prediction_log_pb2.PredictionLog(
+            classify_log=prediction_log_pb2.ClassifyLog(request=request)
+        )
+    elif case == "regress on a classification signature":
+        request = regression_pb2.RegressionRequest()
+        request.input.example_list.examples.extend([example([1.0, 2.0])])
+        log = prediction_log_pb2.PredictionLog(
+            regress_log=prediction_log_pb2.RegressLog(request=request)
+        )
+    elif case == "no method":
+        log = multi_inference_log(("ctr", "regress", ""))
+    elif case == "same signature twice":
+        log = multi_inference_log(("ctr", "regress", REGRESS), ("ctr", "regress", REGRESS))
+    elif case == "no model name":
+        log = multi_inference_log(("", "regress", REGRESS))
+    elif case == "two models":
+        log = multi_inference_log(("ctr", "regress", REGRESS), ("other", "", CLASSIFY))
+    else:
+        log = prediction_log_pb2.PredictionLog()
+        log.predict_streamed_log.request.add().model_spec.name = "ctr"
+    write_records(served, [log])
+    recording = load(served, tmp_path / "work")
+    with pytest.raises(WarmupError) as raised:
+        replay(tf, recording, served)
+    assert message in str(raised.value)
+    assert recording.calls == []
 
 
 def test_warm_up_flags_are_tf_servings() -> None:

@@ -12,7 +12,10 @@ must not take traffic, and the worker exits with the reason (`mpspool status` sh
 The requests run through the same `ModelRuntime.run` as served ones. Classify, Regress and
 MultiInference feed the serialized tf.Examples (the context's bytes in front of each: a
 protobuf merge) to the signature's one `inputs` string tensor, as the front door does
-(router/src/inference.rs).
+(router/src/inference.rs), after the checks the front door makes of a served request
+(TF Serving's `PreProcessClassification` / `PreProcessRegression`, and MultiInference's
+method names, duplicate signatures and model names): a record that TF Serving's warm-up
+refuses fails the load here too, with its message.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+from google.protobuf.unknown_fields import UnknownFieldSet
 
+from mpspool.dtypes import DT_STRING, dtype_name
 from mpspool.errors import ServingError
 from mpspool.protos import prediction_log_pb2, tensorflow_pb2
 from mpspool.signature import check_inputs, check_output_filter
@@ -36,6 +41,11 @@ WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
 MAX_RECORDS = 1000  # TF Serving's WarmupConsts::kMaxNumRecords
 DEFAULT_SIGNATURE = "serving_default"
 INPUTS = "inputs"  # a classification or regression signature's one input
+CLASSIFY_METHOD = "tensorflow/serving/classify"
+REGRESS_METHOD = "tensorflow/serving/regress"
+# PredictionLog's predict_streamed_log: a kind mpspool's copy of the proto does not declare,
+# refused by TF Serving's warm-up (Unimplemented, naming the field's number).
+PREDICT_STREAMED_LOG = 7
 
 
 class WarmupError(Exception):
@@ -107,21 +117,59 @@ def _calls(entry: Any, specs: Mapping[str, Any]) -> list[Call] | None:
         return [_predict(entry.predict_log.request, specs)]
     if kind == "classify_log":
         request = entry.classify_log.request
-        return [_examples_call(request.model_spec.signature_name, request.input, specs)]
+        return [_examples_call(request.model_spec.signature_name, CLASSIFY_METHOD, request, specs)]
     if kind == "regress_log":
         request = entry.regress_log.request
-        return [_examples_call(request.model_spec.signature_name, request.input, specs)]
+        return [_examples_call(request.model_spec.signature_name, REGRESS_METHOD, request, specs)]
     if kind == "multi_inference_log":
-        request = entry.multi_inference_log.request
-        if not request.tasks:
-            raise WarmupError("a MultiInference warm-up record has no tasks")
-        return [
-            _examples_call(task.model_spec.signature_name, request.input, specs)
-            for task in request.tasks
-        ]
+        return _multi_inference(entry.multi_inference_log.request, specs)
     if kind == "session_run_log":
         raise WarmupError("Unsupported log_type for warmup: session_run_log")
+    if kind is None and any(f.field_number == PREDICT_STREAMED_LOG for f in UnknownFieldSet(entry)):
+        raise WarmupError(f"Unsupported log_type for warmup: {PREDICT_STREAMED_LOG}")
     return None
+
+
+def _multi_inference(request: Any, specs: Mapping[str, Any]) -> list[Call]:
+    """TF Serving's `TensorFlowMultiInferenceRunner::Infer` checks, in its order."""
+    if not request.tasks:
+        raise WarmupError("a MultiInference warm-up record has no tasks")
+    model = ""
+    seen: set[str] = set()
+    calls = []
+    for task in request.tasks:
+        name = task.model_spec.name
+        if not name:
+            _refuse(
+                "MultiInference", "INVALID_ARGUMENT", "Found ModelSpec with an empty model name."
+            )
+        if model and name != model:
+            _refuse(
+                "MultiInference",
+                "INVALID_ARGUMENT",
+                "All ModelSpecs in a MultiInferenceRequest must access the same model name.",
+            )
+        model = name
+        signature = task.model_spec.signature_name or DEFAULT_SIGNATURE
+        if signature in seen:
+            _refuse(
+                "MultiInference",
+                "INVALID_ARGUMENT",
+                f"Duplicate evaluation of signature: {signature}",
+            )
+        seen.add(signature)
+        if task.method_name not in (CLASSIFY_METHOD, REGRESS_METHOD):
+            _refuse(
+                "MultiInference",
+                "UNIMPLEMENTED",
+                f"Unsupported signature method_name: {task.method_name}",
+            )
+        calls.append(_examples_call(signature, task.method_name, request, specs))
+    return calls
+
+
+def _refuse(kind: str, code: str, message: str) -> NoReturn:
+    raise WarmupError(f"a {kind} warm-up record is refused: {code}: {message}")
 
 
 def _signature(name: str, specs: Mapping[str, Any]) -> Any:
@@ -153,24 +201,65 @@ def _predict(request: Any, specs: Mapping[str, Any]) -> Call:
     return spec.key, inputs, outputs
 
 
-def _examples_call(signature: str, request_input: Any, specs: Mapping[str, Any]) -> Call:
+def _examples_call(signature: str, method: str, request: Any, specs: Mapping[str, Any]) -> Call:
+    """A Classify or Regress (a MultiInference task) on the record's tf.Examples, asking for
+    the outputs a served one asks for."""
     spec = _signature(signature, specs)
-    if len(spec.inputs) != 1 or INPUTS not in spec.inputs:
-        raise WarmupError(
-            f"signature {spec.key!r} cannot take tf.Examples: it needs exactly one input "
-            f"named {INPUTS!r} (it has {sorted(spec.inputs)})"
+    kind = "Classify" if method == CLASSIFY_METHOD else "Regress"
+    outputs = _preprocess(spec, method)
+    if spec.inputs[INPUTS].dtype != DT_STRING:
+        # TensorFlow's own refusal of the feed, as TF Serving passes it on.
+        _refuse(
+            kind,
+            "INVALID_ARGUMENT",
+            f"Expects arg[0] to be {dtype_name(spec.inputs[INPUTS].dtype)} but string is provided",
         )
-    kind = request_input.WhichOneof("kind")
-    if kind == "example_list":
+    request_input = request.input
+    which = request_input.WhichOneof("kind")
+    if which == "example_list":
         examples = list(request_input.example_list.examples)
-    elif kind == "example_list_with_context":
+    elif which == "example_list_with_context":
         listed = request_input.example_list_with_context
         examples = [listed.context + example for example in listed.examples]
     else:
         raise WarmupError("a warm-up record's Input has no examples")
     if not examples:
         raise WarmupError("a warm-up record's Input has an empty example list")
-    return spec.key, {INPUTS: np.array(examples, dtype=object)}, list(spec.outputs)
+    return spec.key, {INPUTS: np.array(examples, dtype=object)}, outputs
+
+
+def _preprocess(spec: Any, method: str) -> list[str]:
+    """TF Serving's `PreProcessClassification` / `PreProcessRegression`, as the front door
+    checks a served request (router/src/inference.rs `preprocess`): the outputs to run."""
+    classify = method == CLASSIFY_METHOD
+    kind, noun = ("Classify", "classification") if classify else ("Regress", "regression")
+    if len(spec.inputs) != 1:
+        _refuse(kind, "INVALID_ARGUMENT", "Expected one input Tensor.")
+    if classify and len(spec.outputs) not in (1, 2):
+        _refuse(
+            kind,
+            "INVALID_ARGUMENT",
+            f"Expected one or two output Tensors, found {len(spec.outputs)}",
+        )
+    if not classify and len(spec.outputs) != 1:
+        _refuse(kind, "INVALID_ARGUMENT", "Expected one output Tensor.")
+    if INPUTS not in spec.inputs:
+        _refuse(kind, "INVALID_ARGUMENT", f"No {noun} inputs found in SignatureDef: {spec.key}")
+    if classify:
+        outputs = [name for name in ("classes", "scores") if name in spec.outputs]
+        if not outputs:
+            _refuse(
+                kind,
+                "INVALID_ARGUMENT",
+                'Expected classification signature outputs to contain at least one of "classes" '
+                f'or "scores". Signature was: {spec.key}',
+            )
+        return outputs
+    if "outputs" not in spec.outputs:
+        _refuse(
+            kind, "INVALID_ARGUMENT", f"No regression outputs found in SignatureDef: {spec.key}"
+        )
+    return ["outputs"]
 
 
 def _ndarray(tensor: tensorflow_pb2.TensorProto, alias: str) -> np.ndarray:
