@@ -97,7 +97,10 @@ def direct(model: Path):
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Pool]:
-    pool = Pool(tmp_path_factory.mktemp("inference"), model, 1)
+    tmp = tmp_path_factory.mktemp("inference")
+    monitoring = tmp / "monitoring.config"
+    monitoring.write_text('prometheus_config { enable: true, path: "/metrics" }')
+    pool = Pool(tmp, model, 1, "--monitoring_config_file", str(monitoring))
     try:
         pool.start().wait_ready(1)
         yield pool
@@ -359,3 +362,64 @@ def test_method_name_check_flag(tmp_path: Path, model: Path) -> None:
         assert pool.stop() == 0
     finally:
         pool.kill()
+
+
+def _tf_serving_samples(pool: Pool) -> dict[str, float]:
+    page = requests.get(f"{pool.rest_url}/metrics", timeout=30).text
+    samples = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_tf_servings_metrics_count_what_tf_serving_counts(stub, pool: Pool) -> None:
+    """As TF Serving records them: Classify and Regress in request_count, request_latency and
+    runtime_latency, their examples not counted; a MultiInference in none of those, its
+    examples counted (multi_inference.cc, the one caller of RecordRequestExampleCount); a
+    REST GET of status or metadata in request_count and request_latency with API ""."""
+    before = _tf_serving_samples(pool)
+    classify = classification_pb2.ClassificationRequest()
+    classify.model_spec.name = "demo"
+    classify.input.example_list.examples.extend([example(x) for x in XS])
+    stub.Classify(classify, timeout=30)
+    regress = regression_pb2.RegressionRequest()
+    regress.model_spec.name = "demo"
+    regress.model_spec.signature_name = "regress"
+    regress.input.example_list.examples.extend([example(XS[0])])
+    stub.Regress(regress, timeout=30)
+    multi = inference_pb2.MultiInferenceRequest()
+    multi.input.example_list.examples.extend([example(x) for x in XS[:2]])
+    for signature, method in (("serving_default", "classify"), ("regress", "regress")):
+        task = multi.tasks.add()
+        task.model_spec.name = "demo"
+        task.model_spec.signature_name = signature
+        task.method_name = f"tensorflow/serving/{method}"
+    stub.MultiInference(multi, timeout=30)
+    for path in ("/v1/models/demo", "/v1/models/demo/metadata"):
+        assert requests.get(f"{pool.rest_url}{path}", timeout=30).status_code == 200
+    after = _tf_serving_samples(pool)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    tfs = ":tensorflow:serving:"
+    assert grew(f'{tfs}request_count{{model_name="demo",status="OK"}}') == 4
+    for api in ("Classify", "Regress"):
+        latency = f'model_name="demo",API="{api}",entrypoint="GRPC"'
+        assert grew(f"{tfs}request_latency_count{{{latency}}}") == 1
+        assert (
+            grew(f'{tfs}runtime_latency_count{{model_name="demo",API="{api}",runtime="TF1"}}') == 1
+        )
+    assert (
+        f'{tfs}request_latency_count{{model_name="demo",API="MultiInference",entrypoint="GRPC"}}'
+        not in after
+    )
+    assert grew(f'{tfs}request_latency_count{{model_name="demo",API="",entrypoint="REST"}}') == 2
+    assert grew(f'{tfs}request_example_counts_count{{model="demo"}}') == 1
+    assert grew(f'{tfs}request_example_count_total{{model="demo"}}') == 2
+    # The page answers any method at its path, as TF Serving's server matches it.
+    head = requests.head(f"{pool.rest_url}/metrics", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert requests.post(f"{pool.rest_url}/metrics", timeout=30).status_code == 200

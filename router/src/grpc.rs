@@ -100,12 +100,13 @@ impl Api {
         }
     }
 
-    /// A checked request on a worker; its span goes to the metrics as `api`'s.
+    /// A checked request on a worker; its span goes to the metrics as `api`'s (None: not in
+    /// TF Serving's runtime_latency).
     async fn run(
         &self,
         work: WorkRequest,
         deadline: Option<Instant>,
-        api: TfApi,
+        api: Option<TfApi>,
     ) -> Result<WorkReply, ServingError> {
         let model = work.target.model;
         let reply = self.dispatcher.call(work, deadline).await?;
@@ -171,7 +172,7 @@ impl Api {
             row_wise: spec.answers_row_by_row(&outputs),
             outputs,
         };
-        let reply = self.run(work, deadline, TfApi::Predict).await?;
+        let reply = self.run(work, deadline, Some(TfApi::Predict)).await?;
         let mut response = PredictResponse {
             model_spec: Some(self.served_spec(target.model, reply.version, &spec.key)),
             ..PredictResponse::default()
@@ -207,8 +208,12 @@ impl Api {
             inference::signature_for(&signatures, name, task, self.method_name_check)?;
         let examples = inference::serialized_examples(input)?;
         inference::check_feed(signature)?;
+        let api = match task {
+            Task::Classify => TfApi::Classify,
+            Task::Regress => TfApi::Regress,
+        };
         let reply = self
-            .run_task(target, signature, outputs, &examples, task, deadline)
+            .run_task(target, signature, outputs, &examples, Some(api), deadline)
             .await?;
         let served = self.served_spec(target.model, reply.version, &signature.key);
         Ok((reply, examples.len(), served))
@@ -221,13 +226,9 @@ impl Api {
         signature: &SignatureSpec,
         outputs: Vec<String>,
         examples: &[bytes::Bytes],
-        task: Task,
+        api: Option<TfApi>,
         deadline: Option<Instant>,
     ) -> Result<WorkReply, ServingError> {
-        let api = match task {
-            Task::Classify => TfApi::Classify,
-            Task::Regress => TfApi::Regress,
-        };
         let work = inference::work(target, signature, outputs, examples);
         self.run(work, deadline, api).await
     }
@@ -245,9 +246,6 @@ impl Api {
                 deadline,
             )
             .await?;
-        if let Some(model) = self.served_model(&spec.name) {
-            self.metrics.tf_serving.record_examples(model, n);
-        }
         Ok(ClassificationResponse {
             model_spec: Some(spec),
             result: Some(inference::classification_result(&reply, n)?),
@@ -267,9 +265,6 @@ impl Api {
                 deadline,
             )
             .await?;
-        if let Some(model) = self.served_model(&spec.name) {
-            self.metrics.tf_serving.record_examples(model, n);
-        }
         Ok(RegressionResponse {
             model_spec: Some(spec),
             result: Some(inference::regression_result(&reply, n)?),
@@ -351,7 +346,8 @@ impl Api {
         let mut response = MultiInferenceResponse::default();
         for (signature, outputs, kind) in plans {
             let reply = self
-                .run_task(target, signature, outputs, &examples, kind, deadline)
+                // Not in runtime_latency: TF Serving's multi_inference.cc does not time it.
+                .run_task(target, signature, outputs, &examples, None, deadline)
                 .await?;
             let result = match kind {
                 Task::Classify => inference_result::Result::ClassificationResult(
@@ -530,17 +526,9 @@ impl PredictionService for Api {
         &self,
         request: Request<MultiInferenceRequest>,
     ) -> Result<Response<MultiInferenceResponse>, Status> {
+        // Not in TF Serving's request_count or request_latency: its MultiInference does not
+        // record them (prediction_service_impl.cc); its examples are counted once run.
         let mut guard = self.metrics.start(Method::MultiInference);
-        let tasks = &request.get_ref().tasks;
-        let models: Option<Vec<ModelId>> = tasks
-            .iter()
-            .map(|t| self.model_of(t.model_spec.as_ref()))
-            .collect();
-        if let Some(&[model, ref rest @ ..]) = models.as_deref() {
-            if rest.iter().all(|m| *m == model) {
-                guard.tf_serving(model, TfApi::MultiInference, Entrypoint::Grpc);
-            }
-        }
         let deadline = deadline_of(request.metadata(), Instant::now());
         let result = self
             .multi_inference_checked(request.into_inner(), deadline)

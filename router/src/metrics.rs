@@ -218,10 +218,14 @@ impl Metrics {
         self.requests[method as usize][code as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A worker's model call of one request, `compute_us` long.
-    pub fn record_compute(&self, model: ModelId, api: TfApi, compute_us: u64) {
+    /// A worker's model call of one request, `compute_us` long; in TF Serving's
+    /// runtime_latency as `api`'s (None: a call TF Serving does not time there, a
+    /// MultiInference task's).
+    pub fn record_compute(&self, model: ModelId, api: Option<TfApi>, compute_us: u64) {
         self.compute.observe(Duration::from_micros(compute_us));
-        self.tf_serving.record_runtime(model, api, compute_us);
+        if let Some(api) = api {
+            self.tf_serving.record_runtime(model, api, compute_us);
+        }
     }
 
     /// The page TF Serving serves at its Prometheus path: its request metrics, then its

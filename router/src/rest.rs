@@ -505,7 +505,9 @@ impl Rest {
     pub async fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
         let method = request.method().clone();
         let path = request.uri().path().to_string();
-        if method == HttpMethod::GET && self.prometheus_path.as_deref() == Some(path.as_str()) {
+        // Any method, as TF Serving's HTTP server matches the page by its path alone (a HEAD
+        // gets the headers only: hyper leaves a HEAD answer's body out).
+        if self.prometheus_path.as_deref() == Some(path.as_str()) {
             let mut response =
                 Response::new(Full::new(Bytes::from(self.api.metrics.render_tf_serving())));
             response.headers_mut().insert(
@@ -570,12 +572,19 @@ impl Rest {
             }
             Route::Status { model, version } => {
                 let mut guard = self.api.metrics.start(Method::GetModelStatus);
+                // TF Serving counts every REST request that names a model (http_server.cc).
+                if let Some(served) = self.api.served_model(&model) {
+                    guard.tf_serving(served, TfApi::Get, Entrypoint::Rest);
+                }
                 let answer = self.status(&model, &version);
                 guard.set_code(answer.as_ref().err().map_or(Code::Ok, |e| e.code));
                 answer
             }
             Route::Metadata { model, version } => {
                 let mut guard = self.api.metrics.start(Method::GetModelMetadata);
+                if let Some(served) = self.api.served_model(&model) {
+                    guard.tf_serving(served, TfApi::Get, Entrypoint::Rest);
+                }
                 let answer = self.metadata(&model, &version);
                 guard.set_code(answer.as_ref().err().map_or(Code::Ok, |e| e.code));
                 answer

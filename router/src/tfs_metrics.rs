@@ -1,15 +1,19 @@
 //! TF Serving's own metrics, under its names, for dashboards and alerts built on TF Serving
 //! (`util/prometheus_exporter.cc` writes them; `servables/tensorflow/util.cc` defines them):
-//! - `:tensorflow:serving:request_count{model_name,status}`: every Predict, Classify, Regress
-//!   and MultiInference, by status code name;
+//! - `:tensorflow:serving:request_count{model_name,status}`: every gRPC Predict, Classify and
+//!   Regress, and every REST request under /v1/ that names a model (its GETs of status and
+//!   metadata too), by status code name; not MultiInference, which TF Serving's
+//!   PredictionServiceImpl does not count (prediction_service_impl.cc, http_server.cc);
 //! - `:tensorflow:serving:request_latency{model_name,API,entrypoint}`: microseconds from
 //!   receiving a request to answering it, successful ones only; API is the gRPC method name
-//!   ("Predict") or the REST verb ("predict"), entrypoint "GRPC" or "REST";
+//!   ("Predict") or the REST verb ("predict"; "" for a GET, whose method TF Serving's REST
+//!   handler leaves empty), entrypoint "GRPC" or "REST";
 //! - `:tensorflow:serving:runtime_latency{model_name,API,runtime}`: microseconds of the model
 //!   call itself (the worker's span; runtime "TF1", TF Serving's name for the TensorFlow
 //!   runtime as opposed to TFRT);
 //! - `:tensorflow:serving:request_example_counts{model}` and `..._count_total{model}`:
-//!   tf.Examples per Classify/Regress/MultiInference;
+//!   tf.Examples per MultiInference, the one caller of TF Serving's RecordRequestExampleCount
+//!   (multi_inference.cc; Classify and Regress do not count theirs);
 //! - with `--enable-batching`, the batching session's (`batching/batching_session.cc`,
 //!   `batching/batching_util.h`), one set for the process as there: `queuing_latency`,
 //!   `wrapped_run_count`, `input_batch_size`, `processed_batch_size`, `padding_size`
@@ -37,15 +41,11 @@ pub enum Api {
     Predict = 0,
     Classify = 1,
     Regress = 2,
-    MultiInference = 3,
+    /// A REST GET of a model's status or metadata (no method: API "").
+    Get = 3,
 }
 
-const APIS: [Api; 4] = [
-    Api::Predict,
-    Api::Classify,
-    Api::Regress,
-    Api::MultiInference,
-];
+const APIS: [Api; 4] = [Api::Predict, Api::Classify, Api::Regress, Api::Get];
 
 impl Api {
     fn label(self, entrypoint: Entrypoint) -> &'static str {
@@ -53,11 +53,10 @@ impl Api {
             (Api::Predict, Entrypoint::Grpc) => "Predict",
             (Api::Classify, Entrypoint::Grpc) => "Classify",
             (Api::Regress, Entrypoint::Grpc) => "Regress",
-            (Api::MultiInference, Entrypoint::Grpc) => "MultiInference",
             (Api::Predict, Entrypoint::Rest) => "predict",
             (Api::Classify, Entrypoint::Rest) => "classify",
             (Api::Regress, Entrypoint::Rest) => "regress",
-            (Api::MultiInference, Entrypoint::Rest) => "multi_inference",
+            (Api::Get, _) => "",
         }
     }
 }
@@ -267,7 +266,7 @@ impl TfServingMetrics {
         });
     }
 
-    /// The number of tf.Examples of a Classify, Regress or MultiInference.
+    /// The number of tf.Examples of a MultiInference.
     pub fn record_examples(&self, model: ModelId, examples: usize) {
         self.with(model, |series| {
             series.example_counts.observe(examples as u64);
@@ -507,6 +506,12 @@ mod tests {
         assert!(page
             .contains(":tensorflow:serving:request_example_count_total{model=\"de\\\"mo\"} 3\n"));
         assert_eq!(page.matches("request_latency_bucket").count(), 34);
+
+        // A REST GET (status, metadata): API "", as TF Serving's REST handler leaves it.
+        metrics.record_request(0, Api::Get, Entrypoint::Rest, Code::Ok, 40);
+        assert!(metrics.render().contains(
+            ":tensorflow:serving:request_latency_count{model_name=\"de\\\"mo\",API=\"\",entrypoint=\"REST\"} 1\n"
+        ));
     }
 
     #[test]
