@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import fcntl
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -1206,6 +1208,10 @@ def _demo_model(rows: int) -> Path:
 
 
 # -- status and stop ----------------------------------------------------------------
+class PoolNotAnswering(ConfigError):
+    """A pool's controller is alive but did not answer (stopped, wedged, busy)."""
+
+
 def _ask_pool(
     run_dir: Path,
     op: str,
@@ -1225,7 +1231,7 @@ def _ask_pool(
         sock.connect(wire.endpoint(str(run_dir), endpoint))
         sock.send_multipart([b"", wire.pack(op=op, **fields)])
         if not sock.poll(int(timeout_s * 1000)):
-            raise ConfigError(
+            raise PoolNotAnswering(
                 f"the pool in {run_dir} (pid {info['pid']}) did not answer within {timeout_s:.0f} s"
             )
         return wire.unpack(sock.recv_multipart()[-1])
@@ -1344,7 +1350,14 @@ def _size(n: int) -> str:
 def cmd_stop(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.resolve()
     info = rundir.read_controller(run_dir)
-    _ask_pool(run_dir, "stop")
+    try:
+        _ask_pool(run_dir, "stop")
+    except PoolNotAnswering as exc:
+        # SIGTERM is the same orderly stop (Kubernetes' way): taken as soon as the controller
+        # runs again, where the request on its socket may wait behind whatever holds it.
+        print(f"mpspool: {exc}; sending it SIGTERM", file=sys.stderr)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(info["pid"]), signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     # Not psutil's wait(): the controller may be someone else's child, a zombie until reaped.
     while rundir.controller_alive(info):

@@ -260,6 +260,27 @@ STATUS = {
 TIMELINE = {"now_us": 1, "spans": [["cpu-0", 1, 2]] * 3, "dropped": 0}
 
 
+def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A controller that is alive but does not answer (stopped, wedged): `stop` gave up after
+    5 s with the configuration error's exit status; it now sends the orderly stop's signal
+    and waits for the pool to end. Here a stand-in that holds no socket and ends on SIGTERM."""
+    from mpspool import cli, rundir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = psutil.Process(stand_in.pid).create_time()
+        rundir.write_controller(run_dir, {"pid": stand_in.pid, "started": started})
+        assert cli.main(["stop", "--run-dir", str(run_dir), "--timeout", "30"]) == 0
+        assert stand_in.wait(5) == -signal.SIGTERM
+        assert "did not answer within 5 s; sending it SIGTERM" in capsys.readouterr().err
+    finally:
+        stand_in.kill()
+
+
 def test_status_of_a_starting_pool_prints_no_python_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
