@@ -57,6 +57,7 @@ import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -221,16 +222,19 @@ def first_answer_request(rows: int) -> Any:
     )
 
 
-def wait_first_answer(target: str, request: Any, since: float) -> tuple[float, list[float]]:
+def wait_first_answer(
+    target: str, request: Any, since: float, given_up: threading.Event | None = None
+) -> tuple[float, list[float]]:
     """Seconds from `since` (wall clock) to the first answer `target` gives `request`, and the
-    answer; asks every FIRST_ANSWER_POLL_S until then."""
+    answer; asks every FIRST_ANSWER_POLL_S until then, or until `given_up` is set (the pool
+    failed to start: RuntimeError)."""
     deadline = time.monotonic() + FIRST_ANSWER_TIMEOUT_S
     while True:
         try:
             values = harness.answer_values(request, harness.call(target, request, timeout_s=30.0))
             return time.time() - since, values.reshape(-1).tolist()
         except RuntimeError:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (given_up is not None and given_up.is_set()):
                 raise
             time.sleep(FIRST_ANSWER_POLL_S)
 
@@ -547,14 +551,23 @@ def run_pool(
         "load_average": os.getloadavg()[0],
     }
     pool = MemoryPool(model_base, workers, log_root / label, env, label=label, extra_args=extra)
+    given_up = threading.Event()
     with pool, concurrent.futures.ThreadPoolExecutor(1) as asker:
         # Spawn → first correct answer, asked every FIRST_ANSWER_POLL_S from the spawn on:
         # the front door holds a request until a worker is READY, so the first READY worker
         # answers it while the others may still be starting.
         first = asker.submit(
-            wait_first_answer, f"127.0.0.1:{port}", first_answer_request(rows), pool.spawned_at
+            wait_first_answer,
+            f"127.0.0.1:{port}",
+            first_answer_request(rows),
+            pool.spawned_at,
+            given_up,
         )
-        pool.wait_ready()
+        try:
+            pool.wait_ready()
+        except BaseException:
+            given_up.set()  # else the executor's exit would wait out the asker's timeout
+            raise
         seen_all_ready = time.time()
         record["target"] = pool.target
         record["spawn_to_first_answer_s"], record["first_answer"] = first.result()

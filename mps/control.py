@@ -58,6 +58,10 @@ class DaemonDown(MpsError):
     """No control daemon answers behind the pipe directory."""
 
 
+class DaemonHung(MpsError):
+    """A control daemon took the query but gave no answer in time (stopped, wedged)."""
+
+
 def find_control_binary(explicit: str | None = None) -> str:
     """The control binary: an explicit path, $MPSPOOL_MPS_CONTROL, or PATH."""
     for candidate in (explicit, os.environ.get(BINARY_ENV)):
@@ -128,7 +132,7 @@ class MpsDaemon:
                 timeout=timeout_s,
             )
         except subprocess.TimeoutExpired:
-            raise MpsError(
+            raise DaemonHung(
                 f"{self.program}: {command!r} got no answer in {timeout_s:g} s"
             ) from None
         out = (result.stdout + result.stderr).strip()

@@ -1208,6 +1208,11 @@ def _demo_model(rows: int) -> Path:
 
 
 # -- status and stop ----------------------------------------------------------------
+# How long `mpspool stop` waits for the controller to take its request before it sends the
+# same stop as SIGTERM.
+STOP_ANSWER_WAIT_S = 15.0
+
+
 class PoolNotAnswering(ConfigError):
     """A pool's controller is alive but did not answer (stopped, wedged, busy)."""
 
@@ -1314,6 +1319,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             if "memory_used" in g
             else ""
         )
+        if "down" in g:
+            # Its daemon did not answer after a fault: its workers wait for it.
+            print(
+                f"GPU {g['index']} {g['uuid']}: DOWN (MPS daemon {g['mps']}, try "
+                f"{g['down']['tries']}): {g['down']['why']}{usage}"
+            )
+            continue
         print(
             f"GPU {g['index']} {g['uuid']}: MPS daemon {g['mps']}, "
             f"{len(servers) if isinstance(servers, dict) else '?'} server(s), {clients} client(s), "
@@ -1351,7 +1363,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.resolve()
     info = rundir.read_controller(run_dir)
     try:
-        _ask_pool(run_dir, "stop")
+        # Longer than status's 5 s: a controller may be held that long (a GPU's daemon
+        # waited for), and a SIGTERM after its stop began would end the drain early.
+        _ask_pool(run_dir, "stop", timeout_s=STOP_ANSWER_WAIT_S)
     except PoolNotAnswering as exc:
         # SIGTERM is the same orderly stop (Kubernetes' way): taken as soon as the controller
         # runs again, where the request on its socket may wait behind whatever holds it.

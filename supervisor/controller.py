@@ -956,10 +956,14 @@ class Controller:
         """Every worker of one GPU goes, in slot order; its daemon must answer again; then
         they come back. Other GPUs' workers are not touched."""
         log.warning("GPU %d: restarting its workers: %s", gpu, why)
-        for slot in self._gpu_slots(gpu):
-            if slot.state in FINAL_STATES:
-                continue
-            self.forget(slot, why)  # the router retries their requests elsewhere now
+        going = [s for s in self._gpu_slots(gpu) if s.state not in FINAL_STATES]
+        # Every one is taken out of rotation before any is stopped: one forgotten while its
+        # neighbours still served would have its requests sent to them, to be lost again.
+        # Blameless: the GPU's fault, not theirs (a request lost twice with no worker back
+        # would be given up as one that ends workers).
+        for slot in going:
+            self.forget(slot, why, blameless=True)
+        for slot in going:
             self.rpc("stopProcess", slot.program, True)
             if slot.state is not WorkerState.BACKOFF:
                 slot.change_state(WorkerState.STARTING, f"GPU {gpu}: {why}")
@@ -1016,11 +1020,18 @@ class Controller:
         except (OSError, xmlrpc.client.Error):
             return {}
 
-    def forget(self, slot: Slot, why: str, tell_router: bool = True) -> None:
+    def forget(
+        self, slot: Slot, why: str, tell_router: bool = True, blameless: bool = False
+    ) -> None:
         """The incarnation slot.pid is over: tell the router at once (its in-flight requests
-        are retried elsewhere now, not after the liveness window)."""
+        are retried elsewhere now, not after the liveness window). `blameless`: it ends for
+        a reason that is not its requests' doing, which the router then does not count
+        against them (a request lost that way is not taken for one that ends workers)."""
         if slot.pid and tell_router:
-            self.router.ask("gone", slot=slot.key, pid=slot.pid)
+            if blameless:
+                self.router.ask("gone", slot=slot.key, pid=slot.pid, blameless=True)
+            else:
+                self.router.ask("gone", slot=slot.key, pid=slot.pid)
         if slot.pid:
             slot.served_before += slot.answered
         slot.answered = 0
@@ -1070,9 +1081,12 @@ class Controller:
             self._router_replaced += 1  # the next one seen is not counted as a replacement
         self._router_pid, self._router_answered = 0, False
         self.supervisord.start(self._supervisord_config)
-        self.gpu.start(self.supervisord.process_info())
+        # Each GPU's daemon as after a fault: its workers start once it answers, and one that
+        # does not leaves its GPU down (tried again later), not the pool.
+        for gpu in self.config.gpus:
+            self._bring_back_gpu(gpu)
         for slot in self.slots.values():
-            if slot.state is WorkerState.STARTING:
+            if slot.state is WorkerState.STARTING and self.config.slot_gpu(slot.name) is None:
                 slot.start_pending = True
                 self.rpc("startProcess", slot.program, False)
         return True

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mpspool.config import ConfigError, PoolConfig
-from mpspool.mps.control import MpsDaemon, MpsError, fault_lines
+from mpspool.mps.control import DaemonHung, MpsDaemon, MpsError, fault_lines
 from mpspool.supervisor import supervisord as sd
 
 log = logging.getLogger("mpspool.controller")
@@ -29,8 +29,10 @@ log = logging.getLogger("mpspool.controller")
 # Set for MPS workers to the control binary: a worker refuses to start without its daemon.
 WORKER_MPS_ENV = "MPSPOOL_REQUIRE_MPS"
 # How long a fault's recovery waits for a daemon to answer: the controller's tick waits with
-# it, so a GPU whose daemon does not come back is tried again later (RETRY_S) instead.
+# it, so a GPU whose daemon does not come back is tried again later (RETRY_FIRST_S) instead,
+# each later try a short look (a daemon started again answers within a fraction of that).
 RECOVER_WAIT_S = 5.0
+RETRY_WAIT_S = 1.0
 # Seconds before a GPU whose daemon did not come back is tried again, doubling per try.
 RETRY_FIRST_S = 5.0
 RETRY_MAX_S = 60.0
@@ -165,7 +167,8 @@ class GpuWatch:
         if self.backend is not None:
             uuids = {self.config.gpu_uuid(g): g for g in self.config.gpus}
             for uuid, xid in self.backend.xid_events():
-                if uuid in uuids:
+                # A down GPU's workers are already stopped; its next try keeps its back-off.
+                if uuid in uuids and uuids[uuid] not in self.down:
                     found[uuids[uuid]] = f"NVML Xid {xid}"
         return found
 
@@ -195,9 +198,14 @@ class GpuWatch:
             if state in (sd.EXITED, sd.FATAL, sd.STOPPED):
                 with contextlib.suppress(xmlrpc.client.Fault):  # started meanwhile
                     supervisor.rpc().startProcess(name, False)
-            self._ready(gpu, daemon, RECOVER_WAIT_S)
+            self._ready(gpu, daemon, RETRY_WAIT_S if gpu in self.down else RECOVER_WAIT_S)
             pid = int(supervisor.process_info().get(name, {}).get("pid") or 0)
         except (MpsError, OSError, xmlrpc.client.Error) as exc:
+            if isinstance(exc, DaemonHung):
+                # Running but not answering (stopped, wedged): supervisord restarts a daemon
+                # only once it ends, so it is ended (a kill is unexpected: restarted).
+                with contextlib.suppress(OSError, xmlrpc.client.Error):
+                    supervisor.rpc().signalProcess(name, "KILL")
             tries = self.down[gpu].tries + 1 if gpu in self.down else 1
             wait = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (tries - 1))
             self.down[gpu] = GpuDown(str(exc), tries, now + wait)

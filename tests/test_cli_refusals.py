@@ -261,10 +261,11 @@ TIMELINE = {"now_us": 1, "spans": [["cpu-0", 1, 2]] * 3, "dropped": 0}
 
 
 def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A controller that is alive but does not answer (stopped, wedged): `stop` gave up after
     5 s with the configuration error's exit status; it now sends the orderly stop's signal
+    (after STOP_ANSWER_WAIT_S)
     and waits for the pool to end. Here a stand-in that holds no socket and ends on SIGTERM."""
     from mpspool import cli, rundir
 
@@ -274,9 +275,10 @@ def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
     try:
         started = psutil.Process(stand_in.pid).create_time()
         rundir.write_controller(run_dir, {"pid": stand_in.pid, "started": started})
+        monkeypatch.setattr(cli, "STOP_ANSWER_WAIT_S", 1.0)
         assert cli.main(["stop", "--run-dir", str(run_dir), "--timeout", "30"]) == 0
         assert stand_in.wait(5) == -signal.SIGTERM
-        assert "did not answer within 5 s; sending it SIGTERM" in capsys.readouterr().err
+        assert "did not answer within 1 s; sending it SIGTERM" in capsys.readouterr().err
     finally:
         stand_in.kill()
 
@@ -295,6 +297,25 @@ def test_status_of_a_starting_pool_prints_no_python_none(
     assert cli.main(["status", "--run-dir", str(tmp_path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "pool p (pid 1) starting: model 'demo' version - on no port yet, up 1 s"
+
+
+def test_status_says_which_gpu_is_down_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mpspool import cli
+
+    down = {
+        "index": 1, "uuid": "GPU-1", "mps": "BACKOFF", "defaults": {"x": "1"},
+        "down": {"why": "mps-gpu1: the control daemon did not answer within 1 s", "tries": 3},
+        "servers": "unavailable: no control daemon answers",
+    }  # fmt: skip
+    monkeypatch.setattr(cli, "_ask_pool", lambda *args, **kwargs: {**STATUS, "gpus": [down]})
+    assert cli.main(["status", "--run-dir", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        "GPU 1 GPU-1: DOWN (MPS daemon BACKOFF, try 3): mps-gpu1: the control daemon did not "
+        "answer within 1 s"
+    )
 
 
 @pytest.mark.parametrize("command, answer", [("status", STATUS), ("timeline", TIMELINE)])

@@ -247,6 +247,7 @@ class FakeRouter:
         self.workers: dict[str, dict[str, Any]] = {}
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
+        self.blameless: list[tuple[str, int]] = []  # gone for a reason not their requests'
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
         self.slot_samples: list[list[dict[str, Any]]] = []  # each "slots" op's rows
         self.versions: list[list[dict[str, Any]]] = []  # each "versions" op's table
@@ -289,6 +290,8 @@ class FakeRouter:
         if op == "gone":
             slot, pid = fields["slot"], int(fields["pid"])
             self.gone.append((slot, pid))
+            if fields.get("blameless"):
+                self.blameless.append((slot, pid))
             if self.workers.get(slot, {}).get("pid") == pid:
                 del self.workers[slot]
             return {"ok": True}

@@ -73,6 +73,8 @@ def test_an_xid_on_one_gpu_restarts_exactly_its_workers_in_order(
         ("startProcess", gpu1[1]),
     ]
     assert pool.router.gone == [("gpu1-0@1", 103), ("gpu1-1@1", 104)]
+    # The GPU's fault, not their requests': not counted against what they held.
+    assert pool.router.blameless == pool.router.gone
     for name in ("gpu0-0", "gpu0-1"):  # the other GPU keeps serving, same processes
         assert pool.slot(name).state is WorkerState.READY
         assert pool.slot(name).pid == PIDS[name]

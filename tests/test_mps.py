@@ -360,6 +360,30 @@ def test_gpu_pool_with_mps_restarts_only_the_faulted_gpu(
         assert {s["slot"]: s["pid"] for s in status["slots"]}["gpu0-0"] == before["gpu0-0"]
         assert "GPU 1: its MPS control daemon does not answer" in pool.output()
 
+        # kill -9 of supervisord: the daemons go with it (their parent-death signal) and the
+        # revived supervisord's own daemons serve; an orphan daemon held its pipe directory
+        # and the new one went FATAL ("an instance of this daemon is already running").
+        daemons = [psutil.Process(_daemon_pid(pool, gpu["uuid"])) for gpu in FAKE_GPUS]
+        (supervisord,) = [
+            c
+            for c in psutil.Process(pool.proc.pid).children()
+            if "supervisor.supervisord" in " ".join(c.cmdline())
+        ]
+        before = {s["slot"]: s["pid"] for s in status["slots"]}
+        supervisord.kill()
+        _, alive = psutil.wait_procs(daemons, timeout=10)
+        assert alive == []
+
+        def both_back(st: dict) -> bool:
+            slots = {x["slot"]: x for x in st["slots"]}
+            return all(
+                slots[name]["state"] == "READY" and slots[name]["pid"] != before[name]
+                for name in before
+            ) and all(g["mps"] == "RUNNING" and "down" not in g for g in st["gpus"])
+
+        pool.wait_for(both_back, 120, "both GPUs' workers back after supervisord's kill")
+        assert pool.proc.poll() is None
+
         assert pool.stop() == 0
         assert pool.leftovers() == []
         # `quit` on stop: each daemon ended itself (exit 0), not killed.

@@ -194,7 +194,7 @@ def test_classify_regress_and_multi_inference_records(
         ("extra input", "Sent extra: {nope}. Missing but required: {}."),
         ("unknown signature", "names signature 'nope', which the model does not have"),
         ("unknown output", "output tensor alias not found in signature: nope"),
-        ("session run", "Unsupported log_type for warmup: session_run_log"),
+        ("session run", "Unsupported log_type for warmup: 5"),
         ("too many", "Number of warmup records exceeds the maximum (1000)"),
         ("wrong dtype", 'input "ids": expects dtype int64 but string is provided'),
         ("not a TFRecord", "Please verify your warmup data is in TFRecord format"),
@@ -263,6 +263,8 @@ REGRESS = "tensorflow/serving/regress"
             "INVALID_ARGUMENT: Expected one output Tensor.",
         ),
         ("no method", "UNIMPLEMENTED: Unsupported signature method_name: "),
+        # TF Serving looks the signature up before the method.
+        ("no such signature, no method", "Requested signature not found in model graph: nope"),
         ("same signature twice", "Duplicate evaluation of signature: regress"),
         ("no model name", "Found ModelSpec with an empty model name."),
         ("two models", "must access the same model name"),
@@ -290,6 +292,8 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
         )
     elif case == "no method":
         log = multi_inference_log(("ctr", "regress", ""))
+    elif case == "no such signature, no method":
+        log = multi_inference_log(("ctr", "nope", ""))
     elif case == "same signature twice":
         log = multi_inference_log(("ctr", "regress", REGRESS), ("ctr", "regress", REGRESS))
     elif case == "no model name":

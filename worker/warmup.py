@@ -46,6 +46,7 @@ REGRESS_METHOD = "tensorflow/serving/regress"
 # PredictionLog's predict_streamed_log: a kind mpspool's copy of the proto does not declare,
 # refused by TF Serving's warm-up (Unimplemented, naming the field's number).
 PREDICT_STREAMED_LOG = 7
+SESSION_RUN_LOG = 5
 
 
 class WarmupError(Exception):
@@ -124,7 +125,8 @@ def _calls(entry: Any, specs: Mapping[str, Any]) -> list[Call] | None:
     if kind == "multi_inference_log":
         return _multi_inference(entry.multi_inference_log.request, specs)
     if kind == "session_run_log":
-        raise WarmupError("Unsupported log_type for warmup: session_run_log")
+        # TF Serving names the kind by its number (the log_type case), as for field 7 below.
+        raise WarmupError(f"Unsupported log_type for warmup: {SESSION_RUN_LOG}")
     if kind is None and any(f.field_number == PREDICT_STREAMED_LOG for f in UnknownFieldSet(entry)):
         raise WarmupError(f"Unsupported log_type for warmup: {PREDICT_STREAMED_LOG}")
     return None
@@ -158,6 +160,12 @@ def _multi_inference(request: Any, specs: Mapping[str, Any]) -> list[Call]:
                 f"Duplicate evaluation of signature: {signature}",
             )
         seen.add(signature)
+        if signature not in specs:
+            _refuse(
+                "MultiInference",
+                "INVALID_ARGUMENT",
+                f"Requested signature not found in model graph: {signature}",
+            )
         if task.method_name not in (CLASSIFY_METHOD, REGRESS_METHOD):
             _refuse(
                 "MultiInference",

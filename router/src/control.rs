@@ -132,7 +132,10 @@ fn op<P>(
             let (Some(slot), Some(pid)) = (slot, pid) else {
                 return error("gone needs slot and pid".to_string());
             };
-            departures.extend(pool.table.gone(slot, pid));
+            let blameless = field(request, "blameless")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            departures.extend(pool.table.gone(slot, pid, blameless));
             vec![("ok", Value::from(true))]
         }
         "timeline" => {

@@ -441,6 +441,10 @@ const METRICS_CONNECTIONS: usize = 32;
 /// A connection whose request header is not in within this (or idle this long between
 /// requests) is closed; a scrape's request is one small header.
 const METRICS_HEADER_WAIT: Duration = Duration::from_secs(10);
+/// The longest a metrics connection lives: a client that sends requests and never reads
+/// the answers holds its place in a write that never completes, which the header wait does
+/// not end. A scraper's keep-alive connection is closed too, and it opens another.
+const METRICS_CONNECTION_LIFE: Duration = Duration::from_secs(120);
 
 /// Serve /metrics on `host:port` (0: any free port); the port it got, 0 if it could not:
 /// metrics are for watching the pool, and losing them must not stop it serving.
@@ -458,16 +462,17 @@ pub async fn serve(metrics: Arc<Metrics>, host: &str, port: u16) -> u16 {
         listener,
         metrics,
         ConnectionLimit::new(METRICS_CONNECTIONS),
-        METRICS_HEADER_WAIT,
+        (METRICS_HEADER_WAIT, METRICS_CONNECTION_LIFE),
     ));
     bound
 }
 
+/// `waits`: the header wait and the connection's longest life.
 async fn serve_on(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     connections: Arc<ConnectionLimit>,
-    header_wait: Duration,
+    (header_wait, life): (Duration, Duration),
 ) {
     loop {
         let stream = match listener.accept().await {
@@ -493,11 +498,12 @@ async fn serve_on(
                     let metrics = metrics.clone();
                     async move { Ok::<_, std::convert::Infallible>(answer(&metrics, &request)) }
                 });
-            let _ = hyper::server::conn::http1::Builder::new()
+            let connection = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(header_wait)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+                .serve_connection(TokioIo::new(stream), service);
+            // Dropped at the end of its life: the socket closes, its place is given back.
+            let _ = tokio::time::timeout(life, connection).await;
         });
     }
 }
@@ -743,7 +749,7 @@ mod tests {
             listener,
             metrics,
             limit.clone(),
-            Duration::from_millis(300),
+            (Duration::from_millis(300), Duration::from_secs(2)),
         ));
         let mut stalled = Vec::new();
         for _ in 0..2 {
@@ -778,5 +784,20 @@ mod tests {
         scrape.read_to_string(&mut page).await.unwrap();
         assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
         assert!(page.contains("mpspool_client_connections_limit 16"));
+
+        // A client that asks again and again and never reads its answers: its connection
+        // ends with its life (the write it is stuck in does not hold its place for good).
+        let mut greedy = tokio::net::TcpStream::connect(address).await.unwrap();
+        let ask = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n".repeat(2000);
+        let _ = tokio::time::timeout(Duration::from_secs(1), greedy.write_all(&ask)).await;
+        while limit.open() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            while limit.open() > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        assert!(ended.await.is_ok(), "its place is given back");
     }
 }

@@ -133,8 +133,10 @@ impl<P> WorkerTable<P> {
         self.drop_identity(identity, "said bye".to_string(), true)
     }
 
-    /// The controller saw the process of (slot, pid) exit.
-    pub fn gone(&mut self, slot: &str, pid: i64) -> Option<Departure<P>> {
+    /// The controller saw the process of (slot, pid) exit, or is stopping it. `blameless`:
+    /// it goes for a reason that is not its requests' doing (its GPU restarts after a fault),
+    /// so they are sent again as after an orderly leave, not counted towards MAX_SENDS.
+    pub fn gone(&mut self, slot: &str, pid: i64, blameless: bool) -> Option<Departure<P>> {
         let identity = self.by_slot.get(slot)?.clone();
         if self.by_identity.get(&identity).map(|h| h.pid) != Some(pid) {
             return None;
@@ -142,7 +144,7 @@ impl<P> WorkerTable<P> {
         self.drop_identity(
             &identity,
             format!("process {pid} of slot {slot} exited"),
-            false,
+            blameless,
         )
     }
 
@@ -442,14 +444,19 @@ mod tests {
         join(&mut t, "cpu-0", 101, now);
         send(&mut t, "cpu-0", 101, 1);
         // The controller reports an older pid of the slot (already replaced): ignored.
-        assert!(t.gone("cpu-0", 100).is_none());
-        assert!(t.gone("cpu-9", 101).is_none());
+        assert!(t.gone("cpu-0", 100, false).is_none());
+        assert!(t.gone("cpu-9", 101, false).is_none());
         assert_eq!(t.inflight_total(), 1);
-        let gone = t.gone("cpu-0", 101).unwrap();
+        let gone = t.gone("cpu-0", 101, false).unwrap();
         assert_eq!(gone.pid, 101);
         assert!(gone.reason.contains("exited"), "{}", gone.reason);
         assert!(!gone.orderly);
         assert_eq!(gone.pending, vec![1]);
+        // Stopped by the controller for its GPU's fault: its requests are not counted
+        // against (sent again as after an orderly leave).
+        join(&mut t, "cpu-1", 102, now);
+        send(&mut t, "cpu-1", 102, 2);
+        assert!(t.gone("cpu-1", 102, true).unwrap().orderly);
         assert_eq!(t.ready(), 0);
         assert!(t.pick(0, V1).is_none());
         // An exit is not a liveness verdict.
@@ -474,7 +481,7 @@ mod tests {
         // A late reply from the old process is dropped, not delivered to anyone.
         assert_eq!(t.resolve(&ident("cpu-0", 101), 1), None);
         // And a late "gone" for the old pid does not remove the new incarnation.
-        assert!(t.gone("cpu-0", 101).is_none());
+        assert!(t.gone("cpu-0", 101, false).is_none());
         assert_eq!(t.pick(0, V1).unwrap().pid, 202);
     }
 
@@ -741,7 +748,7 @@ mod tests {
             }
             let departed = match how {
                 "leave" => t.leave(&ident("cpu-0", 101), "bye"),
-                "gone" => t.gone("cpu-0", 101),
+                "gone" => t.gone("cpu-0", 101, false),
                 "expire" => t
                     .expire(now + TIMEOUT + Duration::from_millis(100), |_| 0)
                     .into_iter()
