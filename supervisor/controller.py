@@ -193,6 +193,7 @@ class Controller:
         self._announced = False
         self._next_gpu_metrics = 0.0
         self._router_pid = 0  # the front door's incarnation seen last
+        self._served_counted_by: Any = None  # the front door (pid) whose `served` slots hold
         self._router_answered = False  # whether that one has answered the control channel
         self._router_silent_deaths = 0  # incarnations in a row that died before answering
         self._router_replaced = 0  # front doors that ended and were started again, in all
@@ -381,6 +382,7 @@ class Controller:
         # the state they have until the router speaks again.
         router_answered = answer is not None
         snap = answer or {}
+        self._take_served(snap)
         router_info = infos.get(ROUTER_PROGRAM, {})
         self._router_running = router_info.get("state") in (sd.STARTING, sd.RUNNING)
         router_down = _router_down_for_good(router_info)
@@ -1032,12 +1034,25 @@ class Controller:
                 self.router.ask("gone", slot=slot.key, pid=slot.pid, blameless=True)
             else:
                 self.router.ask("gone", slot=slot.key, pid=slot.pid)
-        if slot.pid:
-            slot.served_before += slot.answered
         slot.answered = 0
         slot.inflight = 0
         slot.weights = None
         slot.pid = 0
+
+    def _take_served(self, snap: dict[str, Any]) -> None:
+        """Each slot's served, as the front door counts it (its departed workers' answers
+        included: a poll of the current worker alone missed those after the last look). A
+        front door started again counts from 0: what the last one counted is kept first."""
+        served = snap.get("served")
+        if served is None:
+            return
+        if snap.get("pid") != self._served_counted_by:
+            for slot in self.slots.values():
+                slot.served_before += slot.router_served
+                slot.router_served = 0
+            self._served_counted_by = snap.get("pid")
+        for slot in self.slots.values():
+            slot.router_served = int(served.get(slot.key, 0))
 
     def _set_phase(self, new: PoolPhase, why: str) -> None:
         """The one writer of the pool's phase; staying where it is, is no change."""

@@ -29,7 +29,10 @@ class Slot:
     refused: bool = False
     retry_at: float = 0.0  # monotonic time of the next start, in BACKOFF or FATAL
     reason: str = ""
-    served_before: int = 0  # requests answered by earlier incarnations
+    # Requests its workers answered, as counted by front doors before the current one.
+    served_before: int = 0
+    # As the current front door counts them: every worker of the slot it has seen.
+    router_served: int = 0
     answered: int = 0  # by the current incarnation, per the router
     inflight: int = 0
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
@@ -94,7 +97,7 @@ class Slot:
             "uptime_s": round(now - self.started_at, 1) if running and self.started_at else None,
             "restarts": self.restarts,
             "inflight": self.inflight,
-            "served": self.served_before + self.answered,
+            "served": self.served_before + self.router_served,
             "reason": self.reason,
             "weights": self.weights,
         }

@@ -247,6 +247,8 @@ class FakeRouter:
         self.workers: dict[str, dict[str, Any]] = {}
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
+        self.departed: dict[str, int] = {}  # slot → answers of its workers that left
+        self.pid = 4242  # the front door's process ("pid" in its snapshot)
         self.blameless: list[tuple[str, int]] = []  # gone for a reason not their requests'
         self.gpu_samples: list[list[dict[str, Any]]] = []  # each "gpus" op's samples
         self.slot_samples: list[list[dict[str, Any]]] = []  # each "slots" op's rows
@@ -264,13 +266,22 @@ class FakeRouter:
 
     def register(self, slot: str, pid: int, answered: int = 0, inflight: int = 0) -> None:
         slot = key_of(slot)
+        self._depart(slot)  # a new incarnation replaces the one registered
         self.workers[slot] = {"pid": pid, "inflight": inflight, "answered": answered}
         if self.declared_dead.get(slot) != pid:
             self.declared_dead.pop(slot, None)
 
+    def _depart(self, slot: str) -> None:
+        """As the real front door: a worker that leaves keeps its answers in its slot's
+        `served`."""
+        if slot in self.workers:
+            worker = self.workers.pop(slot)
+            self.departed[slot] = self.departed.get(slot, 0) + worker["answered"]
+
     def declare_dead(self, slot: str) -> int:
         slot = key_of(slot)
-        pid = self.workers.pop(slot)["pid"]
+        pid = self.workers[slot]["pid"]
+        self._depart(slot)
         self.declared_dead[slot] = pid
         return pid
 
@@ -282,6 +293,11 @@ class FakeRouter:
                 "phase": "serving",
                 "port": self.port,
                 "workers": copy.deepcopy(self.workers),
+                "served": {
+                    slot: self.departed.get(slot, 0) + self.workers.get(slot, {}).get("answered", 0)
+                    for slot in {*self.departed, *self.workers}
+                },
+                "pid": self.pid,
                 "declared_dead": dict(self.declared_dead),
                 "inflight": sum(w["inflight"] for w in self.workers.values()),
                 "reload_requests": [[k, v] for k, v in self.reload_requests.items()],
@@ -293,7 +309,7 @@ class FakeRouter:
             if fields.get("blameless"):
                 self.blameless.append((slot, pid))
             if self.workers.get(slot, {}).get("pid") == pid:
-                del self.workers[slot]
+                self._depart(slot)
             return {"ok": True}
         if op == "gpus":
             self.gpu_samples.append(fields["gpus"])
@@ -712,6 +728,27 @@ def test_a_killed_worker_is_counted_reported_gone_and_ready_again(
         "STARTING",
         "READY",
     ]
+
+
+def test_served_counts_what_each_front_door_counted(pool: Pool):
+    """A slot's served is the front door's count for it, its departed workers included (a
+    poll of the current worker alone lost the answers after the last look); a front door
+    started again counts from 0, and what the last one counted stays."""
+    pool.start()
+    pool.make_ready("cpu-0@1", answered=5)
+    pool.tick()
+    # The worker answers 3 more and dies before the next look: the front door saw its
+    # connection close (it is no longer listed) and kept them.
+    pool.router.workers["cpu-0@1"]["answered"] = 8
+    pool.router._depart("cpu-0@1")
+    pool.sd.run("cpu-0@1", 201)
+    pool.tick()
+    assert pool.slot("cpu-0").describe()["served"] == 8
+    # The front door restarts: its successor knows nothing of those 8, nor of the new worker's.
+    pool.router.pid, pool.router.departed = 5353, {}
+    pool.router.register("cpu-0@1", 201, answered=2)
+    pool.tick()
+    assert pool.slot("cpu-0").describe()["served"] == 10
 
 
 def test_a_worker_replaced_before_it_was_ready_counts_as_a_restart(pool: Pool):

@@ -102,6 +102,9 @@ fn op<P>(
                     Value::from(pool.state.rest_port.load(Ordering::Relaxed)),
                 ),
                 ("workers", pool.table.snapshot(pool.now)),
+                // With the front door's pid: its counts start again from 0 when it does.
+                ("served", pool.table.served()),
+                ("pid", Value::from(std::process::id())),
                 ("declared_dead", Value::Map(dead)),
                 ("inflight", Value::from(pool.table.inflight_total() as u64)),
                 // Waiting in the front door for a worker with room (with --worker-inflight).
