@@ -22,6 +22,12 @@ from mpspool.config import ConfigError
 REPO = Path(__file__).resolve().parent.parent
 
 
+def prometheus_samples(text: str) -> dict[str, float]:
+    """A Prometheus text page's samples: name and labels as the page writes them → value."""
+    rows = (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    return {key: float(value) for key, value in rows}
+
+
 def mpspool_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "mpspool", *args]
 

@@ -23,7 +23,7 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 from mpspool.demo_model import demo_inputs
 
 from conftest import DEMO_ROWS
-from poolproc import Pool
+from poolproc import Pool, prometheus_samples
 from streamer import Streamer
 
 
@@ -219,8 +219,7 @@ def test_worker_that_cannot_load_backs_off_then_is_fatal(pool: Pool, model_copy:
 def _metrics(pool: Pool) -> dict[str, float]:
     """The front door's Prometheus samples, by name and labels as the page writes them."""
     page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()
-    rows = (line.rsplit(" ", 1) for line in page.splitlines() if line and line[0] != "#")
-    return {key: float(value) for key, value in rows}
+    return prometheus_samples(page)
 
 
 def _next_pid(pool: Pool, slot: str, old: int, seen: list[dict], timeout: float = 60.0) -> int:

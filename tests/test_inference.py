@@ -22,7 +22,7 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
-from poolproc import Pool
+from poolproc import Pool, prometheus_samples
 
 LABELS = [b"low", b"mid", b"high"]
 WEIGHTS = [[1.0, -1.0, 0.5], [0.5, 2.0, -1.0]]
@@ -365,13 +365,7 @@ def test_method_name_check_flag(tmp_path: Path, model: Path) -> None:
 
 
 def _tf_serving_samples(pool: Pool) -> dict[str, float]:
-    page = requests.get(f"{pool.rest_url}/metrics", timeout=30).text
-    samples = {}
-    for line in page.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+    return prometheus_samples(requests.get(f"{pool.rest_url}/metrics", timeout=30).text)
 
 
 def test_tf_servings_metrics_count_what_tf_serving_counts(stub, pool: Pool) -> None:

@@ -26,7 +26,7 @@ from mpspool.config import ConfigError, prometheus_path_from
 from mpspool.demo_model import DENSE_FEATURES, demo_inputs
 
 from conftest import DEMO_ROWS
-from poolproc import Pool, memory_mib
+from poolproc import Pool, memory_mib, prometheus_samples
 
 # Over 256 KiB, the size from which the front door parses a JSON body off its serving threads
 # (router/src/rest.rs); its request budget is then its floor, 256 MiB.
@@ -542,15 +542,6 @@ def test_json_bodies_parsed_at_once_share_one_memory_budget(demo: Pool) -> None:
 
 
 # -- metrics -------------------------------------------------------------------------------
-def _samples(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
     inputs = demo_inputs(2, DEMO_ROWS, seed=7)
     columns = {name: array.tolist() for name, array in inputs.items()}
@@ -561,7 +552,7 @@ def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
     page = requests.get(f"{demo.rest_url}/monitoring/prometheus/metrics", timeout=30)
     assert page.status_code == 200
     assert page.headers["Content-Type"].startswith("text/plain")
-    tfs = _samples(page.text)
+    tfs = prometheus_samples(page.text)
     assert tfs[':tensorflow:serving:request_count{model_name="demo",status="OK"}'] >= 6
     assert (
         tfs[':tensorflow:serving:request_count{model_name="demo",status="INVALID_ARGUMENT"}'] >= 1
@@ -575,7 +566,7 @@ def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
     # The split, on mpspool's own page: every answered worker call has a wait in the front
     # door, a hand-over and a compute part, and together they fit inside the requests'
     # end-to-end time.
-    ours = _samples(requests.get(demo.status()["pool"]["metrics"], timeout=30).text)
+    ours = prometheus_samples(requests.get(demo.status()["pool"]["metrics"], timeout=30).text)
     waited = ours['mpspool_request_front_door_queue_seconds_sum{model="demo"}']
     queue = ours['mpspool_request_queue_seconds_sum{model="demo"}']
     compute = ours['mpspool_request_compute_seconds_sum{model="demo"}']

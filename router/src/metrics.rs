@@ -552,6 +552,20 @@ mod tests {
         Arc::new(RequestBudget::new(256 << 20))
     }
 
+    /// Metrics of one model, with no worker ready, nothing copied and 16 client connections
+    /// allowed.
+    fn metrics_of(model: &str) -> Metrics {
+        let (state, _drain) = RouterState::new();
+        Metrics::new(
+            models_of(model),
+            watch::channel(0usize).1,
+            watch::channel(BTreeMap::new()).1,
+            Arc::new(state),
+            test_budget(),
+            ConnectionLimit::new(16),
+        )
+    }
+
     fn models_of(name: &str) -> watch::Receiver<Arc<Models>> {
         let models = Models::configured(&[ModelEntry::new(name, 1)]).expect("one model");
         watch::channel(Arc::new(models)).1
@@ -559,17 +573,7 @@ mod tests {
 
     #[test]
     fn latency_buckets_are_cumulative() {
-        let (state, _drain) = RouterState::new();
-        let (_tx, ready) = watch::channel(0usize);
-        let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new(
-            models_of("m"),
-            ready,
-            copied,
-            Arc::new(state),
-            test_budget(),
-            ConnectionLimit::new(16),
-        );
+        let metrics = metrics_of("m");
         for ms in [0, 3, 3, 40, 9000] {
             metrics.record(Method::Predict, Code::Ok, Duration::from_millis(ms));
         }
@@ -612,17 +616,7 @@ mod tests {
 
     #[test]
     fn a_dropped_handler_counts_as_cancelled_and_leaves_the_gauge() {
-        let (state, _drain) = RouterState::new();
-        let (_tx, ready) = watch::channel(0usize);
-        let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Metrics::new(
-            models_of("m\"x"),
-            ready,
-            copied,
-            Arc::new(state),
-            test_budget(),
-            ConnectionLimit::new(16),
-        );
+        let metrics = metrics_of("m\"x");
         let request = metrics.start(Method::GetModelStatus);
         assert!(metrics
             .render()
@@ -731,17 +725,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_metrics_port_bounds_its_connections_in_number_and_time() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (state, _drain) = RouterState::new();
-        let (_tx, ready) = watch::channel(0usize);
-        let (_copied_tx, copied) = watch::channel(BTreeMap::new());
-        let metrics = Arc::new(Metrics::new(
-            models_of("m"),
-            ready,
-            copied,
-            Arc::new(state),
-            test_budget(),
-            ConnectionLimit::new(16),
-        ));
+        let metrics = Arc::new(metrics_of("m"));
         let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let address = listener.local_addr().unwrap();
         let limit = ConnectionLimit::new(2);
