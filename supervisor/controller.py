@@ -1030,10 +1030,7 @@ class Controller:
         a reason that is not its requests' doing, which the router then does not count
         against them (a request lost that way is not taken for one that ends workers)."""
         if slot.pid and tell_router:
-            if blameless:
-                self.router.ask("gone", slot=slot.key, pid=slot.pid, blameless=True)
-            else:
-                self.router.ask("gone", slot=slot.key, pid=slot.pid)
+            self.router.ask("gone", slot=slot.key, pid=slot.pid, blameless=blameless)
         slot.answered = 0
         slot.inflight = 0
         slot.weights = None

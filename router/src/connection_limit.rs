@@ -169,8 +169,13 @@ pub fn grpc_refusal(most: usize) -> Vec<u8> {
 /// What a REST client refused for the limit is sent: 503, in TF Serving's error shape.
 pub fn rest_refusal(most: usize) -> Vec<u8> {
     let body = format!("{{ \"error\": \"{}\" }}", refusal_text(most));
+    http_503("application/json", &body)
+}
+
+/// A whole HTTP/1.1 503 answer of `body`, after which the connection closes.
+pub fn http_503(content_type: &str, body: &str) -> Vec<u8> {
     format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {content_type}\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     )

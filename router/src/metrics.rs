@@ -22,7 +22,7 @@ use crate::status::Code;
 use crate::tfs_metrics::TfServingMetrics;
 pub use crate::tfs_metrics::{Api as TfApi, Entrypoint};
 use crate::versions::{ModelId, Models};
-use crate::{log_error, log_info, log_warn};
+use crate::{log_error, log_info};
 
 /// Small-batch inference lives between a fraction of a millisecond and a few hundred; a
 /// hand-over to a worker or a wait in an empty queue, in the tens to hundreds of µs.
@@ -474,17 +474,13 @@ async fn serve_on(
     connections: Arc<ConnectionLimit>,
     (header_wait, life): (Duration, Duration),
 ) {
+    use crate::server::{accepted_or_back_off, METRICS_ACCEPT_FAILURES};
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(error) => {
-                // EMFILE and the like: wait instead of spinning on the error.
-                if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
-                    log_warn!("metrics accept failed ({count} since the last line): {error}");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
+        let accepted = listener.accept().await;
+        let Some((stream, _)) =
+            accepted_or_back_off(accepted, &METRICS_ACCEPT_FAILURES, "metrics ").await
+        else {
+            continue;
         };
         let Some(admitted) = connections.admit() else {
             crate::connection_limit::refuse(stream, &metrics_refusal(connections.most()));
@@ -508,19 +504,14 @@ async fn serve_on(
     }
 }
 
-static ACCEPT_FAILURES: crate::log::Throttle = crate::log::Throttle::new();
-
 fn metrics_refusal(most: usize) -> Vec<u8> {
-    let body = format!(
-        "the metrics port has {most} connections open, the most it serves at once; try \
-         again later or reuse a connection\n"
-    );
-    format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
+    crate::connection_limit::http_503(
+        "text/plain",
+        &format!(
+            "the metrics port has {most} connections open, the most it serves at once; try \
+             again later or reuse a connection\n"
+        ),
     )
-    .into_bytes()
 }
 
 fn answer(metrics: &Metrics, request: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {

@@ -370,6 +370,7 @@ static REFUSALS: Throttle = Throttle::new();
 /// Failed accepts (EMFILE and friends) come in floods too; one count per listener.
 static ACCEPT_FAILURES: Throttle = Throttle::new();
 static REST_ACCEPT_FAILURES: Throttle = Throttle::new();
+pub static METRICS_ACCEPT_FAILURES: Throttle = Throttle::new();
 
 /// Writes what each of the listeners' throttles counted after its last line (the serving
 /// loop looks every `Throttle::EVERY`).
@@ -383,6 +384,10 @@ fn log_trailing(now: std::time::Instant) {
         (
             &REST_ACCEPT_FAILURES,
             "failed accept(s) of REST connections",
+        ),
+        (
+            &METRICS_ACCEPT_FAILURES,
+            "failed accept(s) of metrics connections",
         ),
         (&TLS_FAILURES, "failed or timed-out TLS handshake(s)"),
         (
@@ -400,7 +405,7 @@ impl Accepting {
     /// Serves a gRPC connection the listener gave, or refuses it at the limit; after a failed
     /// accept, backs off a little rather than spin.
     async fn grpc(&self, accepted: std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)>) {
-        let Some((stream, _)) = accepted_or_back_off(accepted).await else {
+        let Some((stream, _)) = accepted_or_back_off(accepted, &ACCEPT_FAILURES, "").await else {
             return;
         };
         let Some(admitted) = self.connections.admit() else {
@@ -417,7 +422,7 @@ impl Accepting {
     /// A connection to the UNIX socket (`--grpc_socket_path`): served as a TCP one is, under
     /// the same limit, drain and TLS, its calls local to this host.
     async fn grpc_unix(&self, accepted: std::io::Result<tokio::net::UnixStream>) {
-        let Some(stream) = accepted_or_back_off(accepted).await else {
+        let Some(stream) = accepted_or_back_off(accepted, &ACCEPT_FAILURES, "").await else {
             return;
         };
         let Some(admitted) = self.connections.admit() else {
@@ -493,14 +498,19 @@ impl Accepting {
     }
 }
 
-/// An accepted gRPC connection, or None after a failed accept (EMFILE and friends), which is
-/// logged (throttled) and followed by a short pause rather than a spin.
-async fn accepted_or_back_off<T>(accepted: std::io::Result<T>) -> Option<T> {
+/// An accepted connection, or None after a failed accept (EMFILE and friends), which is
+/// logged through its listener's `throttle` (`what`: the listener's name in the line) and
+/// followed by a short pause rather than a spin.
+pub async fn accepted_or_back_off<T>(
+    accepted: std::io::Result<T>,
+    throttle: &Throttle,
+    what: &str,
+) -> Option<T> {
     match accepted {
         Ok(stream) => Some(stream),
         Err(error) => {
-            if let Some(count) = ACCEPT_FAILURES.note(std::time::Instant::now()) {
-                log_warn!("accept failed ({count} since the last line): {error}");
+            if let Some(count) = throttle.note(std::time::Instant::now()) {
+                log_warn!("{what}accept failed ({count} since the last line): {error}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
             None
@@ -582,19 +592,10 @@ async fn accept_rest(
     let Some((listener, handler)) = rest else {
         return std::future::pending().await;
     };
-    match listener.accept().await {
-        Ok((stream, _)) => {
-            let _ = stream.set_nodelay(true);
-            Some((stream, handler.clone()))
-        }
-        Err(error) => {
-            if let Some(count) = REST_ACCEPT_FAILURES.note(std::time::Instant::now()) {
-                log_warn!("REST accept failed ({count} since the last line): {error}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            None
-        }
-    }
+    let (stream, _) =
+        accepted_or_back_off(listener.accept().await, &REST_ACCEPT_FAILURES, "REST ").await?;
+    let _ = stream.set_nodelay(true);
+    Some((stream, handler.clone()))
 }
 
 fn set_phase(state: &RouterState, phase: Phase) {
