@@ -312,10 +312,19 @@ def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_
         try:
             streamer.wait_for_successes(10)
             # Its supervisord held stopped for a moment, so that the second start surely
-            # meets the dead pool's processes (the signal its parent's death sends it waits).
+            # meets the dead pool's processes. Stopped only once the controller is dead: a
+            # process group holding a stopped process when it is orphaned (its leader's
+            # parent dies) gets SIGHUP and SIGCONT from Linux, which resumed a supervisord
+            # stopped before the kill at once, and the start, late under load, met nothing.
             stopped = supervisord_of(pool)
-            stopped.suspend()
             pool.signal(signal.SIGKILL)
+            assert pool.proc is not None
+            pool.proc.wait(timeout=10)
+            stopped.suspend()
+            deadline = time.monotonic() + 5  # SIGSTOP takes effect when it is next scheduled
+            while stopped.status() != psutil.STATUS_STOPPED:
+                assert time.monotonic() < deadline, "supervisord ended before it was held"
+                time.sleep(0.01)
             status = subprocess.run(
                 mpspool_cmd("status", "--run-dir", str(pool.run_dir)),
                 cwd=tmp_path,
