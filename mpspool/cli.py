@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -855,6 +856,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         # the flags (at a stand-in version), and a run directory another pool holds.
         make_config([0] * len(wanted), models_on_disk=False)
         _make_log_dir(args.log_dir.resolve(), run_dir)
+        _claim_gpus(selected_gpus, run_dir)
         if rundir.controller_alive(rundir.read_controller(run_dir)):
             rundir.prepare(run_dir)  # raises PoolRunning, saying so
         first = _await_first_versions(wanted, name, args.file_system_poll_wait_s)
@@ -864,6 +866,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     # The directories after every other check (a start refused by a flag makes neither),
     # and before the note below, so that a refusal is its one line.
     _make_log_dir(Path(config.log_dir), run_dir)
+    _claim_gpus(selected_gpus, run_dir)
     try:
         created = rundir.prepare(run_dir)
     except OSError as exc:  # it cannot be made there, or read: a flag's error, not a crash
@@ -941,6 +944,32 @@ def _make_log_dir(log_dir: Path, run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, str(run_dir).encode())
     _log_dir_hold = fd
+
+
+# This process's locks on its GPUs (_claim_gpus): held as long as the pool runs.
+_gpu_claims: Any = None
+
+
+def _claim_gpus(selected: list[Any], run_dir: Path) -> None:
+    """Lock the pool's GPUs for it (mps/claim.py): a GPU another running pool has is
+    refused before anything starts. Released (its files removed) at this process's exit."""
+    global _gpu_claims
+    if _gpu_claims is not None or not selected:
+        return
+    from mpspool.mps.claim import GpuClaimed, GpuClaims
+
+    claims = GpuClaims()
+    try:
+        claims.take([(gpu.index, gpu.uuid) for gpu in selected], run_dir)
+    except GpuClaimed as exc:
+        if exc.holder == str(run_dir):  # the same pool started twice
+            raise rundir.PoolRunning(
+                f"a pool is already running in {run_dir}; stop it with `mpspool stop "
+                f"--run-dir {run_dir}` or pass another --run-dir"
+            ) from None
+        raise
+    atexit.register(claims.release)
+    _gpu_claims = claims
 
 
 def _dir_error(flag: str, path: Path, exc: OSError) -> ConfigError:

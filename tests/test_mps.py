@@ -22,6 +22,7 @@ import grpc
 import psutil
 import pytest
 
+from mpspool.mps.claim import GpuClaimed, GpuClaims, claim_path
 from mpspool.mps.control import DaemonDown, MpsDaemon, MpsError, fault_lines, find_control_binary
 
 from conftest import DEMO_ROWS
@@ -475,6 +476,22 @@ def test_no_mps_refuses_a_model_added_past_an_exclusive_gpus_one_context(
     try:
         status = pool.wait_ready(1)
         assert "admits one process at a time, so a new model version's worker" in pool.output()
+        # A second pool on the same GPU is refused before anything starts, naming this one.
+        (tmp_path / "other").mkdir()
+        other = subprocess.run(
+            mpspool_cmd(
+                "start", "--model-base-path", str(demo_model_dir), *args,
+                "--run-dir", str(tmp_path / "other" / "run"),
+                "--log-dir", str(tmp_path / "other" / "logs"),
+            ),
+            cwd=tmp_path / "other", capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert other.returncode == 2, other.stderr
+        assert (
+            f"GPU 0 (GPU-eeee0000-0000) is in use by the pool running with --run-dir "
+            f"{pool.run_dir}: give each pool its own GPUs (--gpus)"
+        ) in other.stderr
+        assert not (tmp_path / "other" / "run").exists()
         request = model_management_pb2.ReloadConfigRequest()
         models = request.config.model_config_list
         base = status["models"][0]["base_path"]
@@ -498,8 +515,35 @@ def test_no_mps_refuses_a_model_added_past_an_exclusive_gpus_one_context(
         assert streamer.failed() == []
         assert pool.stop() == 0
         assert pool.leftovers() == []
+        assert not claim_path("GPU-eeee0000-0000").exists()
     finally:
         pool.kill()
+
+
+def test_a_gpu_is_claimed_by_one_pool_at_a_time(tmp_path: Path) -> None:
+    """Locks per GPU UUID (flock, per open file: two claims in one process conflict as two
+    processes' do): all of a pool's GPUs or none, the holder's run dir named, and a lock
+    file a pool killed outright left behind (unlocked) taken over."""
+    first, second = GpuClaims(tmp_path), GpuClaims(tmp_path)
+    first.take([(0, "GPU-aaaa"), (1, "GPU-bbbb")], Path("/run/first"))
+    with pytest.raises(GpuClaimed) as refused:
+        second.take([(2, "GPU-cccc"), (1, "GPU-bbbb")], Path("/run/second"))
+    assert refused.value.holder == "/run/first"
+    assert str(refused.value) == (
+        "GPU 1 (GPU-bbbb) is in use by the pool running with --run-dir /run/first: give each "
+        "pool its own GPUs (--gpus)"
+    )
+    # GPU 2's lock, taken before GPU 1 was refused, was given back with its file.
+    assert not claim_path("GPU-cccc", tmp_path).exists()
+    assert claim_path("GPU-bbbb", tmp_path).read_text() == "/run/first"
+    assert oct(claim_path("GPU-aaaa", tmp_path).stat().st_mode & 0o777) == "0o600"
+    first.release()
+    assert list(tmp_path.iterdir()) == []
+    claim_path("GPU-bbbb", tmp_path).write_text("/run/killed")  # left unlocked
+    second.take([(2, "GPU-cccc"), (1, "GPU-bbbb")], Path("/run/second"))
+    assert claim_path("GPU-bbbb", tmp_path).read_text() == "/run/second"
+    assert claim_path("GPU/x", tmp_path).name == "mpspool.gpu-GPU_x.claim"
+    second.release()
 
 
 def test_split_active_thread_percentage_divides_the_gpu() -> None:
