@@ -11,8 +11,12 @@ recognisable); READY is its first message on every connection. A message is
 ``[header, *tensor frames]`` where header is a msgpack map ``{"v": 1, "k": kind, ...}``.
 
   worker → router
-    READY      {slot, pid, model, version, weights} + [serialized SignatureDefMap]
+    READY      {slot, pid, model, version, weights[, warmup]}
+                                                   + [serialized SignatureDefMap]
                                                    weights: where its variables live, or nil
+                                                   warmup: [version dir, µs, records] when it
+                                                   replayed a warm-up file (TF Serving's
+                                                   warm-up metrics)
     HEARTBEAT  {slot, pid, served[, weights]}      sent from the serving loop
                                                    weights: READY's, sent again when
                                                    serving copied a variable at risk

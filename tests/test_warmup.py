@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import requests
 import tensorflow as tf
 from tensorflow_serving.apis import (
     classification_pb2,
@@ -29,7 +30,7 @@ from mpspool.config import ConfigError, PoolConfig
 from mpspool.worker.runtime import load_saved_model
 from mpspool.worker.warmup import WarmupError, replay
 
-from poolproc import Pool
+from poolproc import Pool, prometheus_samples
 
 SIG = "serving_default"
 
@@ -341,11 +342,24 @@ def test_a_pool_replays_the_records_and_a_failing_warm_up_never_serves(
     path = write_records(served, [predict_log(keras_inputs(2)), predict_log(keras_inputs(1))])
 
     (tmp_path / "good").mkdir()
-    pool = Pool(tmp_path / "good", base, 1, "--num_request_iterations_for_warmup", "3").start()
+    monitoring = tmp_path / "monitoring.config"
+    monitoring.write_text('prometheus_config { enable: true, path: "/metrics" }')
+    pool = Pool(
+        tmp_path / "good", base, 2, "--num_request_iterations_for_warmup", "3",
+        "--monitoring_config_file", str(monitoring),
+    ).start()  # fmt: skip
     try:
-        pool.wait_ready(1)
+        pool.wait_ready(2)
         log = (pool.log_dir / "worker-cpu-0-v1.log").read_text(errors="replace")
         assert f"warm-up: replayed 2 records (6 model calls, 3 iterations each) from {path}" in log
+        # TF Serving's warm-up metrics, by the version's folder: each worker's warm-up (each
+        # loads the version), records counted once whatever the iterations.
+        page = requests.get(f"{pool.rest_url}/metrics", timeout=30).text
+        samples = prometheus_samples(page)
+        labels = f'model_path="{base / "1"}",status="OK"'
+        assert samples[f":tensorflow:serving:model_warmup_records_read{{{labels}}}"] == 4, page
+        assert samples[f":tensorflow:serving:model_warmup_latency_count{{{labels}}}"] == 2, page
+        assert samples[f":tensorflow:serving:model_warmup_latency_sum{{{labels}}}"] > 0
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []

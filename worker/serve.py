@@ -182,10 +182,16 @@ class CopyWatch:
 
 class Worker:
     def __init__(
-        self, config: PoolConfig, slot: str, runtime: Any, weights: dict[str, Any] | None = None
+        self,
+        config: PoolConfig,
+        slot: str,
+        runtime: Any,
+        weights: dict[str, Any] | None = None,
+        warmup: list[Any] | None = None,
     ) -> None:
         self.config = config
         self.weights = weights  # where this worker's variables live (shared_weights.verify)
+        self.warmup = warmup  # READY's: [version dir, µs, records] of a replayed warm-up file
         self.slot = slot
         self.runtime = runtime
         self.pid = os.getpid()
@@ -213,6 +219,7 @@ class Worker:
             model=self.runtime.model_name,
             version=self.runtime.version,
             weights=self.weights,
+            **({} if self.warmup is None else {"warmup": self.warmup}),
         )
         return [header, self.runtime.signature_defs]
 
@@ -427,9 +434,10 @@ def _require_mps_daemon(timeout_s: float = 20.0) -> None:
         )
 
 
-def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> None:
+def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> Any:
     """The version's recorded warm-up requests (worker/warmup.py), after the synthetic
-    warm-up (which also checks the fast call path); a record that fails is a load failure."""
+    warm-up (which also checks the fast call path); a record that fails is a load failure.
+    Its WarmupReport, or None when the version has no warm-up file."""
     import tensorflow as tf
 
     from mpspool.worker.runtime import ModelLoadError
@@ -443,7 +451,7 @@ def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> None:
         ) from exc
     if report is None:
         log.info("no warm-up requests at %s", Path(config.version_path(version), "assets.extra"))
-        return
+        return None
     log.info(
         "warm-up: replayed %d records (%d model calls, %d iterations each) from %s in %.2f s",
         report.records,
@@ -452,6 +460,7 @@ def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> None:
         report.path,
         report.seconds,
     )
+    return report
 
 
 def _freeze_loaded_objects() -> None:
@@ -533,8 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             tags=config.saved_model_tags.split(","),
         )
         runtime.warm_up(copies_allowed=config.allow_copied_weights)
-        if config.model_warmup:
-            _replay_warmup(runtime, config, version)
+        replayed = _replay_warmup(runtime, config, version) if config.model_warmup else None
         # A recorded request's check of its fast call, before the weights are looked at: a
         # copy it makes is warm-up's.
         runtime.check_deferred()
@@ -570,7 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     # Known to the front door by placement and version (and model, but the first's): two
     # versions share a placement while one replaces the other.
     key = wire.slot_key(args.slot, version, pool.model_prefix(config.model_name))
-    worker = Worker(config, key, runtime, weights)
+    warmup = None
+    if replayed is not None:  # for TF Serving's warm-up metrics, which the front door keeps
+        warmup = [config.version_path(version), round(replayed.seconds * 1e6), replayed.records]
+    worker = Worker(config, key, runtime, weights, warmup)
     _freeze_loaded_objects()
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, version, worker.pid)

@@ -1281,6 +1281,7 @@ impl Actor {
                 model,
                 version,
                 weights,
+                warmup,
             } => {
                 if self.table.declared_dead.get(&slot) == Some(&pid) {
                     return; // declared dead and about to be replaced: it does not come back
@@ -1296,6 +1297,13 @@ impl Actor {
                 let servable = Servable { model: id, version };
                 self.learn_signatures(servable, Bytes::copy_from_slice(signature_defs));
                 let weights = weights.unwrap_or(rmpv::Value::Nil);
+                // Once per worker process: READY comes again on each reconnection and
+                // REREGISTER, from a warm-up that ran once.
+                if let (Some((path, micros, records)), None) =
+                    (warmup, self.table.get_mut(&identity))
+                {
+                    self.state.warmup.record(&path, micros, records);
+                }
                 let joined = self
                     .table
                     .register(&identity, &slot, pid, servable, weights, now);

@@ -229,10 +229,11 @@ impl Metrics {
     }
 
     /// The page TF Serving serves at its Prometheus path: its request metrics, then its
-    /// batching session's.
+    /// batching session's and its model warm-up's.
     pub fn render_tf_serving(&self) -> String {
         let mut page = self.tf_serving.render();
         self.state.batching.render(&mut page);
+        self.state.warmup.render(&mut page);
         page
     }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use crate::metrics::Histogram;
-use crate::tfs_metrics::BatchingMetrics;
+use crate::tfs_metrics::{BatchingMetrics, WarmupMetrics};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -65,6 +65,8 @@ pub struct RouterState {
     /// TF Serving's batching metrics (the dispatcher records while batching is on; its
     /// metrics page renders them).
     pub batching: BatchingMetrics,
+    /// TF Serving's model warm-up metrics, from the workers' READY (the dispatcher records).
+    pub warmup: WarmupMetrics,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
     /// Every worker slot's state and restarts as the controller last told them (the
@@ -95,6 +97,7 @@ impl RouterState {
                 handoff: Histogram::default(),
                 reply: Histogram::default(),
                 batching: BatchingMetrics::default(),
+                warmup: WarmupMetrics::default(),
                 gpus: Mutex::new(Vec::new()),
                 slots: Mutex::new(Vec::new()),
                 drain,

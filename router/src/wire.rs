@@ -46,6 +46,10 @@ pub enum WorkerMessage {
         version: i64,
         #[serde(default)]
         weights: Option<rmpv::Value>,
+        /// `[version dir, µs, records]` of the warm-up file it replayed; none without one
+        /// (or with warm-up off).
+        #[serde(default)]
+        warmup: Option<(String, u64, u64)>,
     },
     /// weights: READY's, sent again when serving copied a variable out of the segment.
     #[serde(rename = "hb")]
@@ -312,7 +316,17 @@ mod tests {
         for case in vectors["worker"].as_array().unwrap() {
             let message = decode_worker_header(&unhex(case["bytes"].as_str().unwrap())).unwrap();
             let kind = match message {
-                WorkerMessage::Ready { .. } => "ready",
+                WorkerMessage::Ready {
+                    ref slot,
+                    ref warmup,
+                    ..
+                } => {
+                    // The third READY says its warm-up, the others none.
+                    let want =
+                        (slot == "cpu-2").then(|| ("/models/demo/3".to_string(), 250_000, 2));
+                    assert_eq!(*warmup, want);
+                    "ready"
+                }
                 WorkerMessage::Heartbeat {
                     served,
                     ref weights,

@@ -234,6 +234,18 @@ def wire_vectors() -> dict[str, Any]:
                 ).hex(),
             },
             {
+                "kind": "ready",
+                "bytes": wire.pack(
+                    wire.Kind.READY,
+                    slot="cpu-2",
+                    pid=9,
+                    model="demo",
+                    version=3,
+                    weights=None,
+                    warmup=["/models/demo/3", 250_000, 2],
+                ).hex(),
+            },
+            {
                 "kind": "hb",
                 "bytes": wire.pack(wire.Kind.HEARTBEAT, slot="cpu-0", pid=7, served=12).hex(),
             },
