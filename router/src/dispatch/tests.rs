@@ -890,6 +890,60 @@ fn a_heartbeat_with_weights_replaces_readys_and_the_copied_gauge_follows() {
 }
 
 #[test]
+fn a_warm_up_is_recorded_once_per_worker_process() {
+    // READY comes again from the same process on each reconnection and REREGISTER; its
+    // warm-up ran once. A second process of the slot warmed up again.
+    let runtime = runtime();
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = runtime.block_on(async { start(&dir, Duration::from_secs(30)) });
+    let ready_with_warmup = |worker: &Scripted| {
+        let header = pack(serde_json::json!({
+            "v": 1, "k": "ready", "slot": worker.slot, "pid": worker.pid, "model": "m",
+            "version": 1, "warmup": ["/models/m/1", 1000, 3]
+        }));
+        worker
+            .socket
+            .send_multipart([header, Vec::new()], 0)
+            .unwrap();
+    };
+    let first = Scripted::connect(&dir, "cpu-0", 100);
+    ready_with_warmup(&first);
+    wait_until("cpu-0 registered", || registered(&dir, "cpu-0", 100));
+    ready_with_warmup(&first);
+    // An answer on the same connection after it: once it is back, that READY was read.
+    let call = runtime.spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(request(), None).await }
+    });
+    let (held, frames) = first.next_request();
+    first.answer(&held, frames);
+    runtime.block_on(call).unwrap().unwrap();
+    let second = Scripted::connect(&dir, "cpu-0", 101);
+    ready_with_warmup(&second);
+    wait_until("its next process registered", || {
+        registered(&dir, "cpu-0", 101)
+    });
+    let page = || {
+        let mut page = String::new();
+        state.warmup.render(&mut page);
+        page
+    };
+    let labels = "model_path=\"/models/m/1\",status=\"OK\"";
+    assert!(
+        page().contains(&format!(
+            ":tensorflow:serving:model_warmup_records_read{{{labels}}} 6\n"
+        )),
+        "{}",
+        page()
+    );
+    assert!(page().contains(&format!(
+        ":tensorflow:serving:model_warmup_latency_count{{{labels}}} 2\n"
+    )));
+    drop(first);
+    dispatcher.shutdown();
+}
+
+#[test]
 fn a_worker_reported_gone_has_its_request_retried_and_its_late_reply_dropped() {
     let runtime = runtime();
     let (_dir, dir) = run_dir();
