@@ -514,7 +514,6 @@ class Controller:
                     self.rpc("signalProcess", slot.program, "KILL")
                 return
             if registered and int(registered["pid"]) == pid:
-                slot.answered = int(registered["answered"])
                 slot.inflight = int(registered["inflight"])
                 slot.weights = registered.get("weights")
                 if slot.state is WorkerState.STARTING:
@@ -1031,7 +1030,6 @@ class Controller:
         against them (a request lost that way is not taken for one that ends workers)."""
         if slot.pid and tell_router:
             self.router.ask("gone", slot=slot.key, pid=slot.pid, blameless=blameless)
-        slot.answered = 0
         slot.inflight = 0
         slot.weights = None
         slot.pid = 0

@@ -33,7 +33,6 @@ class Slot:
     served_before: int = 0
     # As the current front door counts them: every worker of the slot it has seen.
     router_served: int = 0
-    answered: int = 0  # by the current incarnation, per the router
     inflight: int = 0
     kill_sent_to: int = 0  # the pid a KILL was already sent to (declared dead)
     # The pid that registered with the router (it loaded its model): a process that ends
