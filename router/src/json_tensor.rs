@@ -407,6 +407,66 @@ impl PredictBody {
     }
 }
 
+/// `absl::Base64Unescape`, which TF Serving decodes `{"b64": ...}` with: standard alphabet,
+/// ASCII whitespace anywhere skipped, the padding optional ("=" or "." as the pad), the unused
+/// bits of the last character not checked. The base64 crate refused what TF Serving takes:
+/// unpadded text (Go's RawStdEncoding, Java's withoutPadding), a trailing newline (`base64`
+/// piped in), MIME line breaks (Python's encodebytes). None where absl fails.
+fn base64_unescape(text: &str) -> Option<Vec<u8>> {
+    let sextet = |c: u8| -> Option<u32> {
+        Some(u32::from(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        }))
+    };
+    let is_space = |c: u8| matches!(c, b' ' | b'\t' | b'\n' | b'\x0b' | b'\x0c' | b'\r');
+    let is_pad = |c: u8| c == b'=' || c == b'.';
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3 + 2);
+    let (mut bits, mut count, mut at) = (0u32, 0usize, 0usize);
+    while let Some(&c) = bytes.get(at) {
+        if is_pad(c) {
+            break; // the data ends at its first pad character
+        }
+        at += 1;
+        if is_space(c) {
+            continue;
+        }
+        bits = (bits << 6) | sextet(c)?;
+        count += 1;
+        if count == 4 {
+            out.extend_from_slice(&bits.to_be_bytes()[1..]);
+            (bits, count) = (0, 0);
+        }
+    }
+    let expected_pads = match count {
+        0 => 0,
+        2 => {
+            out.push((bits >> 4) as u8);
+            2
+        }
+        3 => {
+            out.extend_from_slice(&((bits >> 2) as u16).to_be_bytes());
+            1
+        }
+        _ => return None, // six bits left over
+    };
+    // After the data: whitespace and either no pad or exactly the pads it needs.
+    let mut pads = 0;
+    for &c in &bytes[at..] {
+        if is_pad(c) {
+            pads += 1;
+        } else if !is_space(c) {
+            return None;
+        }
+    }
+    (pads == 0 || pads == expected_pads).then_some(out)
+}
+
 fn is_base64_object(value: &Value) -> bool {
     matches!(value, Value::Object(map) if map.len() == 1
         && matches!(map.get("b64"), Some(b64 @ Value::String(_)) if json_nonfinite::number(b64).is_none()))
@@ -499,9 +559,8 @@ impl Filling {
                     ))
                 }
             };
-            let decoded = BASE64
-                .decode(encoded)
-                .map_err(|_| invalid("Unable to base64 decode"))?;
+            let decoded =
+                base64_unescape(encoded).ok_or_else(|| invalid("Unable to base64 decode"))?;
             p.string_val.push(Bytes::from(decoded));
             return Ok(());
         }
@@ -856,9 +915,8 @@ fn add_to_feature(value: &Value, name: &str, feature: &mut Feature) -> Result<()
                 return Err(unexpected());
             }
             let encoded = value.get("b64").and_then(Value::as_str).unwrap_or_default();
-            let decoded = BASE64
-                .decode(encoded)
-                .map_err(|_| invalid("Unable to base64 decode"))?;
+            let decoded =
+                base64_unescape(encoded).ok_or_else(|| invalid("Unable to base64 decode"))?;
             push_bytes(feature, Bytes::from(decoded)).ok_or_else(|| incompatible(feature))
         }
         Value::String(text) => push_bytes(feature, Bytes::from(text.clone().into_bytes()))
@@ -1225,6 +1283,38 @@ fn strip_zeros(text: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn base64_is_decoded_as_absl_decodes_it() {
+        let ok = |text: &str, want: &[u8]| {
+            assert_eq!(base64_unescape(text).as_deref(), Some(want), "{text:?}");
+        };
+        ok("YWI=", b"ab");
+        ok("YWI", b"ab"); // unpadded
+        ok("YWI.", b"ab"); // "." as the pad
+        ok("YWJ=", b"ab"); // the unused bits are not checked
+        ok("YWI=\n", b"ab");
+        ok("YW\r\nI=", b"ab"); // MIME line breaks
+        ok(" aGVs bG8= ", b"hello");
+        ok("YQ==", b"a");
+        ok("YQ", b"a");
+        ok("aGVsbG8gd29ybGQ=", b"hello world");
+        ok("", b"");
+        ok("/+/+", &[0xff, 0xef, 0xfe]);
+        for bad in [
+            "YQ=",
+            "YWI==",
+            "Y",
+            "YWJj=",
+            "%%%",
+            "YW=I",
+            "YWI=x",
+            "aGVs\0bG8=",
+            "YW-_",
+        ] {
+            assert_eq!(base64_unescape(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn the_parse_cost_counts_objects_and_values_outside_strings() {
