@@ -357,17 +357,18 @@ def _answer(sock: socket.socket) -> bytes:
 def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_arrive(
     tmp_path: Path,
 ) -> None:
-    """A request's bytes count against the front door's memory budget while they arrive (a
-    REST body's length from before it is read), and a request that stops sending is ended
-    after --request-read-timeout, freeing what it held. Before, a body being gathered was
-    outside the budget (as many as clients opened, up to --max-message-bytes each), and a
-    client that sent part of a request, or a whole gRPC message without ending its stream,
-    held its memory until it disconnected. Checked with the clients still connected: four
-    REST bodies of 60 MiB being sent hold 240 MiB; a gRPC message and a chunked REST body are
-    refused (RESOURCE_EXHAUSTED, 429) as they pass the 256 MiB budget, and a fifth REST body
-    with a length waits for room instead; once silent, the four are answered 408 after the
-    timeout, the fifth goes on and stalls in turn (408), and the memory is freed; a REST
-    header that stalls has its connection closed; a gRPC call whose 46 MiB message came whole
+    """A request's bytes count against the front door's memory budget while they arrive, and
+    a request that stops sending is ended after --request-read-timeout, freeing what it held.
+    Before, a body being gathered was outside the budget (as many as clients opened, up to
+    --max-message-bytes each), and a client that sent part of a request, or a whole gRPC
+    message without ending its stream, held its memory until it disconnected. Checked with
+    the clients still connected: REST bodies that declare 60 MiB and send nothing hold
+    nothing (a length reserved before its bytes came let four such heads, a byte trickled now
+    and then, hold a 2 GiB budget); four REST bodies that sent 62 MiB each hold 248 MiB; a
+    gRPC message, a chunked REST body and a fifth REST body with a length are refused
+    (RESOURCE_EXHAUSTED, 429) as they pass the 256 MiB budget; once silent, the four are
+    answered 408 after the timeout and the memory is freed; a REST header that stalls has
+    its connection closed; a gRPC call whose 46 MiB message came whole
     but whose stream was never ended holds 46 MiB (its bytes' share handed to its decoding,
     not counted twice), then gets DEADLINE_EXCEEDED and frees it; a
     gRPC message stalled halfway (curl, HTTP/2) holds its bytes, then gets DEADLINE_EXCEEDED;
@@ -401,12 +402,18 @@ def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_
 
             threading.Thread(target=send, daemon=True).start()
 
-        # Four REST bodies declaring 60 MiB: each length reserved before any of it is read
-        # (240 MiB). 50 MiB sent, then a byte every half second until the checks below are
-        # done, so that none stalls before.
+        # Four REST heads declaring 60 MiB, nothing of their bodies sent: they hold nothing
+        # (and are ended after the timeout, silent).
+        declared_only = [connect() for _ in range(4)]
+        for sock in declared_only:
+            sock.sendall(_rest_request(60 << 20))
+        time.sleep(0.5)
+        assert _request_memory(pool) < 0.01, "declared lengths held before their bytes came"
+        # Four REST bodies declaring 63 MiB: 62 MiB sent (248 MiB held as it came), then a
+        # byte every half second until the checks below are done, so that none stalls before.
         stalled = [connect() for _ in range(4)]
         for sock in stalled:
-            sock.sendall(_rest_request(60 << 20) + b" " * (50 << 20))
+            sock.sendall(_rest_request(63 << 20) + b" " * (62 << 20))
         trickling = threading.Event()
         trickling.set()
 
@@ -418,7 +425,7 @@ def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_
                 time.sleep(0.5)
 
         threading.Thread(target=trickle, daemon=True).start()
-        _wait_for_memory(pool, 239.9, 241)
+        _wait_for_memory(pool, 247.9, 249)
         # A gRPC message arriving meanwhile is refused as it passes the budget.
         with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
             with pytest.raises(grpc.RpcError) as refused:
@@ -433,17 +440,18 @@ def test_requests_that_stop_arriving_are_ended_and_their_bytes_count_while_they_
         answer = _answer(chunked)
         assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
         assert b"try again later" in answer and b"256 MiB allowed" in answer, answer[-400:]
-        # A fifth REST body with a length waits for room to read it (TCP holds its client).
+        # And a fifth REST body with a length: its length is not room it holds or waits for.
         fifth = connect()
         send_in_background(fifth, _rest_request(60 << 20) + b" " * (20 << 20))
-        held = _wait_for_memory(pool, 239.9, 256.001)
+        answer = _answer(fifth)
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
+        held = _wait_for_memory(pool, 247.9, 249)
         # A header that stops halfway: its connection is closed after the timeout.
         header = connect()
         header.sendall(b"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\n")
-        # The four, silent from now: 408 after the timeout, their memory freed; and the fifth,
-        # which had room once they were ended, read its 20 MiB and stalled in turn.
+        # The eight, silent from now: 408 after the timeout, the memory freed.
         trickling.clear()
-        for sock in [*stalled, fifth]:
+        for sock in [*declared_only, *stalled]:
             answer = _answer(sock)
             assert answer.startswith(b"HTTP/1.1 408"), (held, answer[:300])
             assert b"--request-read-timeout" in answer, answer[-400:]

@@ -12,10 +12,12 @@
 //!   the message is whole the share is handed to its decoding, whose cost counts its bytes
 //!   too (`decode_budget::hand_over_gathered`; a compressed message's decompressed bytes,
 //!   so that while it is decoded its compressed ones are not counted, as before);
-//! - a REST body with a length has it reserved before any of it is read (`rest` waits for
-//!   that room, first come, first served, holding nothing, as its parse does); one without
-//!   counts its bytes as they arrive, as gRPC's, refused when there is no room; the share
-//!   goes to the reader when the body is whole;
+//! - a REST body counts its bytes as they arrive, as gRPC's, refused when there is no room
+//!   (429), its length or none; the share goes to the reader when the body is whole. A
+//!   length is not reserved before the bytes come: four connections that each declared 512
+//!   MiB and sent nothing held a 2 GiB budget for as long as they trickled a byte now and
+//!   then, and every REST request and every gRPC message over 64 KiB waited or was refused
+//!   meanwhile (found by a REST hunt). TF Serving, with no budget, holds only what came too;
 //! - a body that sends nothing for `stall` while the front door waits for more of it is
 //!   ended (nginx's client_body_timeout, 60 s there too). The clock runs only while the
 //!   front door waits on the client, never while a request is served.
@@ -93,14 +95,13 @@ pub struct Reading {
 }
 
 impl Reading {
-    /// `inner` read as `framing` says, holding `reserved` for its bytes to begin with (a REST
-    /// body's length, reserved before it is read).
-    pub fn body<B>(&self, inner: B, framing: Framing, reserved: Option<Held>) -> ReadingBody<B> {
+    /// `inner` read as `framing` says.
+    pub fn body<B>(&self, inner: B, framing: Framing) -> ReadingBody<B> {
         ReadingBody {
             inner,
             reading: self.clone(),
             framing,
-            held: reserved,
+            held: None,
             gathered: 0,
             messages: Messages::default(),
             read: 0,
@@ -365,7 +366,7 @@ mod tests {
             budget: budget.clone(),
             stall,
         };
-        (send, reading.body(Chunked(receive), framing, None))
+        (send, reading.body(Chunked(receive), framing))
     }
 
     async fn send(chunks: &Chunks, bytes: &[u8]) {
@@ -428,21 +429,23 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_whole_body_reads_within_its_reserved_length_and_counts_past_it() {
+    async fn a_whole_body_holds_what_came_and_is_refused_past_the_room() {
         let budget = Arc::new(RequestBudget::new(1 << 20));
         let reading = Reading {
             budget: budget.clone(),
             stall: None,
         };
-        let reserved = budget.try_reserve(200 << 10);
         let others = budget.try_reserve(824 << 10).unwrap();
         let (chunks, receive) = mpsc::channel(16);
-        let mut body = reading.body(Chunked(receive), Framing::Whole, reserved);
-        send(&chunks, &[1; 200 << 10]).await;
-        assert!(
-            next(&mut body).await.unwrap().is_ok(),
-            "within what it reserved"
+        let mut body = reading.body(Chunked(receive), Framing::Whole);
+        assert_eq!(
+            budget.held_bytes(),
+            824 << 10,
+            "nothing held before its bytes come"
         );
+        send(&chunks, &[1; 200 << 10]).await;
+        assert!(next(&mut body).await.unwrap().is_ok(), "within the room");
+        assert_eq!(budget.held_bytes(), 1 << 20);
         send(&chunks, &[1; 1024]).await;
         let Some(Err(ReadError::Refused(_))) = next(&mut body).await else {
             panic!("read past its room");

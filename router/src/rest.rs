@@ -421,9 +421,8 @@ const BLOCKING_GZIP_BYTES: usize = 4 * 1024;
 /// both forms while it is built: a small body can stand for a large document (1 KiB of gzip
 /// for 1 MiB of JSON), so the memory its uncompressed bytes take is counted before they are
 /// read, and refused past `limit` (the body limit, which applies to what is parsed) or past
-/// what the budget has free at once. A gzipped body does not wait for room as a plain one
-/// may (its size is not known before it is read): under memory pressure it is refused
-/// (429, "try again later") where a plain one of that size would wait.
+/// what the budget has free at once: under memory pressure it is refused (429, "try again
+/// later"), as a plain body's bytes are as they arrive.
 fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBody, Gunzip> {
     use std::io::Read as _;
     let ReadBody {
@@ -561,10 +560,7 @@ impl Rest {
                 version,
                 method,
             } => {
-                // Waiting for room to read the body counts against the REST timeout; the
-                // call's own deadline starts once the body is read, as before bodies waited.
-                let room_by = self.timeout.map(|t| Instant::now() + t);
-                let body = match self.read_body(request, room_by).await {
+                let body = match self.read_body(request).await {
                     Ok(body) => body,
                     Err(response) => return response,
                 };
@@ -607,13 +603,12 @@ impl Rest {
     }
 
     /// The whole body and its share of the budget; or a 413 answer when it is (or declares
-    /// itself) over the limit, 504 when the budget had no room for its length by `room_by`,
-    /// 429 when one without a length passes what the budget has free, 408 when it stopped
+    /// itself) over the limit, 429 when its bytes pass what the budget has free as they
+    /// arrive (request_body: a length is not reserved before them), 408 when it stopped
     /// arriving.
     async fn read_body(
         &self,
         request: Request<hyper::body::Incoming>,
-        room_by: Option<Instant>,
     ) -> Result<ReadBody, Response<Full<Bytes>>> {
         let limit = self.max_body_bytes;
         let too_large = |size: Option<u64>| {
@@ -636,21 +631,7 @@ impl Rest {
         if let Some(size) = declared.filter(|&n| n > limit as u64) {
             return Err(too_large(Some(size)));
         }
-        // Its length is reserved before any of it is read, waiting for room holding nothing:
-        // a body that held its bytes so far while waiting for room to read the rest could wait
-        // for room other such bodies hold, and they for its.
-        let reserved = match declared.and_then(|n| usize::try_from(n).ok()) {
-            Some(length) if length >= crate::decode_budget::UNCOUNTED_BYTES => {
-                match self.reading.budget.reserve(length, room_by).await {
-                    Ok(reserved) => Some(reserved),
-                    Err(error) => return Err(error_response(&error)),
-                }
-            }
-            _ => None,
-        };
-        let mut body = self
-            .reading
-            .body(request.into_body(), Framing::Whole, reserved);
+        let mut body = self.reading.body(request.into_body(), Framing::Whole);
         let error = match Limited::new(&mut body, limit).collect().await {
             Ok(collected) => {
                 let read = ReadBody {

@@ -688,8 +688,7 @@ fn prepare_call(
 ) -> impl Fn(http::Request<hyper::body::Incoming>) -> http::Request<CallBody> + Clone {
     move |request| {
         let into_grpc: fn(ReadError) -> _ = ReadError::into_grpc;
-        let mut request =
-            request.map(|body| reading.body(body, Framing::Grpc, None).map_err(into_grpc));
+        let mut request = request.map(|body| reading.body(body, Framing::Grpc).map_err(into_grpc));
         if let Some(peer) = peer {
             request.extensions_mut().insert(peer);
         }
