@@ -34,6 +34,15 @@ def label_may_wait_for(label: str, version: int, told: dict[str, int], allowed: 
     return allowed and told.get(label, version) == version
 
 
+def unavailable_label(model: str, version: int) -> str:
+    """TF Serving's words for a label on a version that does not serve
+    (ServerCore::UpdateModelVersionLabelMap)."""
+    return (
+        f"Request to assign label to version {version} of model {model}, which is not "
+        "currently available for inference"
+    )
+
+
 def no_version_fits(model: str, policy: VersionPolicy, on_disk: set[int]) -> str:
     """Why ``policy`` wants none of the versions on disk ("" when it wants one)."""
     if policy.aspired(on_disk, set()):
@@ -81,10 +90,5 @@ def outcome(
         if v not in available and not label_may_wait_for(label, v, told or {}, labels_may_wait)
     }
     if waiting:
-        # TF Serving's words (ServerCore::UpdateModelVersionLabelMap).
-        return (
-            FAILED_PRECONDITION,
-            f"Request to assign label to version {min(waiting)} of model {model}, which is not "
-            "currently available for inference",
-        )
+        return FAILED_PRECONDITION, unavailable_label(model, min(waiting))
     return OK, ""

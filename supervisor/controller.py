@@ -816,6 +816,10 @@ class Controller:
             if unfit:
                 self._tell_reload(request_id, config_reload.FAILED_PRECONDITION, unfit)
                 return
+        hopeless = self._label_without_version(entries)
+        if hopeless:
+            self._tell_reload(request_id, config_reload.FAILED_PRECONDITION, hopeless)
+            return
         # Policies and models apply now, labels once the request has taken effect: TF Serving
         # builds its whole label map from the new config and swaps it in only if every label
         # is valid (ServerCore::UpdateModelVersionLabelMap), so a refused reload leaves every
@@ -834,6 +838,35 @@ class Controller:
         for name, model in self.models.items():
             model.note_reload_asked(failing.get(name, set()), first=not self._reloads)
         self._reloads.append(request_id)
+
+    def _label_without_version(self, entries: list[ModelEntry]) -> str:
+        """Why a label of the request can never take effect ("" when each can): it names a
+        version the request's policy does not serve (one not on disk, or one the policy
+        retires), and is not a label --allow_version_labels_for_unavailable_models lets point
+        ahead. Such a request is refused once the pool settles under it (`_answer_reloads`);
+        here it is refused before it changes anything, as TF Serving checks every label
+        before it adds or updates a model (ServerCore::ReloadConfig runs
+        UpdateModelVersionLabelMap first). Applied first, it removed the models it left out
+        and retired versions, then answered FAILED_PRECONDITION (found by a reload hunt).
+        A label on a version the request loads is still waited for."""
+        allowed = self.config.allow_version_labels_for_unavailable_models
+        for entry in entries:
+            model = self.models.get(entry.name)
+            served = model is not None and not model.removed
+            told = model.labels_told() if served else {}
+            failing = model.failing_versions() if served else set()
+            try:
+                on_disk = versions_on_disk(entry.base_path)
+            except OSError:
+                on_disk = set()
+            wanted = VersionPolicy.parse(entry.version_policy).aspired(on_disk, failing)
+            for label, version in sorted(entry.labels.items()):
+                if version in wanted:
+                    continue
+                if config_reload.label_may_wait_for(label, version, told, allowed):
+                    continue
+                return config_reload.unavailable_label(entry.name, version)
+        return ""
 
     def _answer_reloads(self) -> None:
         if not self._reloads:

@@ -1988,21 +1988,24 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     )
     assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
 
-    # A label on a version the policy leaves out: TF Serving's refusal, once settled. Its
-    # policy applies; its labels do not: canary, which it leaves out, stays (TF Serving swaps
-    # its label map only when every label is valid).
-    pool.router.reload_requests[11] = reload_request(base, [2], {"stable": 1})
-    pool.tick()
-    pool.tick(after_s=0.5)
-    code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[11]
-    assert code == 9
-    assert message == (
-        "Request to assign label to version 1 of model demo, which is not currently "
-        "available for inference"
-    )
-    assert pool.controller.policy.describe() == "specific:2"
-    assert pool.router.labels[-1] == {"canary": 2}, "no label moved or went"
-    assert pool.controller.status()["pool"]["version_labels"] == {"canary": 2}
+    # A label on a version the policy leaves out (it serves now; the policy would retire
+    # it), and one on a version not on disk: TF Serving's refusal, at once, before anything
+    # changes, as TF Serving checks its labels before it touches a model. (Applied first,
+    # the policy retired version 1 and a model left out was removed, then it was refused.)
+    for request_id, labels in ((11, {"stable": 1}), (12, {"canary": 2, "stable": 9})):
+        pool.router.reload_requests[request_id] = reload_request(base, [2], labels)
+        pool.tick()
+        code, message = {r: (c, m) for r, c, m in pool.router.reload_done}[request_id]
+        assert code == 9
+        version = labels["stable"]
+        assert message == (
+            f"Request to assign label to version {version} of model demo, which is not "
+            "currently available for inference"
+        )
+        assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
+        assert told(pool) == {1: "AVAILABLE", 2: "AVAILABLE"}
+        assert pool.router.labels[-1] == {"canary": 2}, "no label moved or went"
+        assert pool.controller.status()["pool"]["version_labels"] == {"canary": 2}
 
 
 def test_reload_config_requests_at_once_are_applied_and_answered_one_after_the_other(
