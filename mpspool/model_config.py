@@ -98,8 +98,9 @@ def _entry(source: str, model: object) -> ModelEntry:
             raise ConfigError(f"{where}: label {label!r} names version {version}, not >= 0")
     return ModelEntry(
         name=model.name,
-        # Relative paths as TF Serving takes them: from where the server was started. Links
-        # kept: the path is read through them at each poll, as TF Serving reads it.
+        # A relative path is taken from where the pool started (TF Serving's server refuses
+        # one: ValidateModelConfigList, with no model_config_list_root_dir). Links kept: the
+        # path is read through them at each poll, as TF Serving reads it.
         base_path=local_base_path(model.base_path, where),
         version_policy=_policy_text(where, model.model_version_policy),
         labels=labels,
@@ -111,7 +112,7 @@ _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 def local_base_path(path: str, where: str) -> str:
     """A base path as the pool reads it: absolute (a relative one from where the pool
-    starts, as TF Serving takes it), links kept, `file://` taken as the path it names.
+    starts, which TF Serving refuses), links kept, `file://` taken as the path it names.
     ConfigError for another URI (gs://, s3://, hdfs://), which TF Serving reads through its
     file systems: made absolute it named a folder of the working directory that never came,
     and the pool waited for it for good."""
