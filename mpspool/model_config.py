@@ -59,6 +59,11 @@ def model_entries(config: object, source: str) -> list[ModelEntry]:
 
     assert isinstance(config, server_config_pb2.ModelServerConfig)
     if config.WhichOneof("config") != "model_config_list":
+        if source == "HandleReloadConfigRequest":  # TF Serving's words (model_service_impl.cc)
+            raise ConfigError(
+                "ServerModelConfig type not supported by HandleReloadConfigRequest. Only "
+                "ModelConfigList is currently supported"
+            )
         raise ConfigError(f"{source}: no model_config_list")
     models = list(config.model_config_list.config)
     if not models:
@@ -68,7 +73,9 @@ def model_entries(config: object, source: str) -> list[ModelEntry]:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         # TF Serving refuses the same (ServerCore: "Illegal to list model ... multiple times").
-        raise ConfigError(f"{source}: lists model {twice[0]!r} more than once")
+        raise ConfigError(
+            f"{source}: Illegal to list model {twice[0]} multiple times in config list"
+        )
     return entries
 
 

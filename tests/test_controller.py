@@ -1971,10 +1971,16 @@ def test_a_reload_config_request_is_answered_once_it_is_in_effect(
     # Refused at once: the pool's model left out; bytes that are no ModelServerConfig.
     pool.router.reload_requests[8] = reload_request(base, [1], {}, name="other")
     pool.router.reload_requests[9] = b"\xff\xff\xff"
+    pool.router.reload_requests[14] = b""  # a ModelServerConfig with no model_config_list
     pool.tick()
     done = {request_id: (code, message) for request_id, code, message in pool.router.reload_done}
     assert done[8][0] == 3 and "leaves out 'demo', the model the pool started with" in done[8][1]
     assert done[9][0] == 3
+    assert done[14] == (
+        3,
+        "ServerModelConfig type not supported by HandleReloadConfigRequest. Only "
+        "ModelConfigList is currently supported",
+    )
     assert pool.controller.policy.describe() == "specific:1,2", "nothing changed"
 
     # A policy that wants no version on disk: refused at once, and nothing changes (it was

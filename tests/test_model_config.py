@@ -106,7 +106,7 @@ def test_every_model_of_the_list_is_read_in_its_order(tmp_path: Path):
         (
             'model_config_list { config { name: "a" base_path: "/a" } '
             'config { name: "a" base_path: "/b" } }',
-            "lists model 'a' more than once",
+            "Illegal to list model a multiple times in config list",
         ),
         ("model_config_list { }", "model_config_list lists no model"),
         ("", "no model_config_list"),
