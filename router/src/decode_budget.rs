@@ -371,7 +371,7 @@ fn hold_while_serving(held: Held) {
 }
 
 /// A gRPC request whose decoded form is smaller than this is not counted against the budget:
-/// decoding cannot wait for room as a REST document's parse does, and a small call (a health, status or
+/// decoding cannot wait for room as a REST body does, and a small call (a health, status or
 /// metadata call, a batch-1 Predict) should not be refused because large requests or a
 /// waiting REST body hold the budget. Each is small, and their number is bounded by
 /// connections and streams.

@@ -12,12 +12,16 @@
 //!   the message is whole the share is handed to its decoding, whose cost counts its bytes
 //!   too (`decode_budget::hand_over_gathered`; a compressed message's decompressed bytes,
 //!   so that while it is decoded its compressed ones are not counted, as before);
-//! - a REST body counts its bytes as they arrive, as gRPC's, refused when there is no room
-//!   (429), its length or none; the share goes to the reader when the body is whole. A
-//!   length is not reserved before the bytes come: four connections that each declared 512
-//!   MiB and sent nothing held a 2 GiB budget for as long as they trickled a byte now and
-//!   then, and every REST request and every gRPC message over 64 KiB waited or was refused
-//!   meanwhile (found by a REST hunt). TF Serving, with no budget, holds only what came too;
+//! - a REST body counts its bytes as they arrive too, its length or none, and waits for room
+//!   when the budget has none (first come, first served, until the REST timeout: then
+//!   DEADLINE_EXCEEDED, 504), its client held back by TCP meanwhile; the share goes to the
+//!   reader when the body is whole. A length is not reserved before the bytes come: four
+//!   connections that each declared 512 MiB and sent nothing held a 2 GiB budget for as
+//!   long as they trickled a byte now and then, and every REST request and every gRPC
+//!   message over 64 KiB waited or was refused meanwhile (found by a REST hunt). TF
+//!   Serving, with no budget, holds only what came too. (Bodies that wait holding what they
+//!   read could wait for one another only if such bodies filled the budget between them:
+//!   four or more near --max-message-bytes at once; each then ends at its REST timeout.)
 //! - a body that sends nothing for `stall` while the front door waits for more of it is
 //!   ended (nginx's client_body_timeout, 60 s there too). The clock runs only while the
 //!   front door waits on the client, never while a request is served.
@@ -94,13 +98,19 @@ pub struct Reading {
     pub stall: Option<Duration>,
 }
 
+/// A wait for the budget's room for the frame that did not fit.
+type RoomWait = Pin<Box<dyn Future<Output = Result<Held, ServingError>> + Send>>;
+
 impl Reading {
-    /// `inner` read as `framing` says.
+    /// `inner` read as `framing` says: refused when the budget has no room (gRPC: its
+    /// decoding cannot wait either).
     pub fn body<B>(&self, inner: B, framing: Framing) -> ReadingBody<B> {
         ReadingBody {
             inner,
             reading: self.clone(),
             framing,
+            room_by: None,
+            waiting: None,
             held: None,
             gathered: 0,
             messages: Messages::default(),
@@ -116,6 +126,10 @@ pub struct ReadingBody<B> {
     inner: B,
     reading: Reading,
     framing: Framing,
+    /// Waits for room until then (None: refused at once when there is none).
+    room_by: Option<Option<Instant>>,
+    /// The room being waited for, and the frame it is for.
+    waiting: Option<(RoomWait, Frame<Bytes>)>,
     /// The share of the bytes counted now (None while they are under UNCOUNTED_BYTES).
     held: Option<Held>,
     /// Bytes of the body so far (Whole), or of the message being gathered (Grpc).
@@ -137,6 +151,13 @@ enum Room {
 }
 
 impl<B> ReadingBody<B> {
+    /// Waits for room when the budget has none, first come first served, until `deadline`
+    /// (None: for as long as it takes) instead of being refused (REST).
+    pub fn waiting_for_room(mut self, deadline: Option<Instant>) -> Self {
+        self.room_by = Some(deadline);
+        self
+    }
+
     /// The share of what was read (Whole), for the reader to hold while it works on the body.
     pub fn take_held(&mut self) -> Option<Held> {
         self.held.take()
@@ -167,19 +188,51 @@ impl<B> ReadingBody<B> {
     }
 
     /// `frame`, with the budget holding `short` more bytes of the body for it; refused when it
-    /// has not the room free at once.
-    fn make_room(&mut self, short: usize, frame: Frame<Bytes>) -> Result<Frame<Bytes>, ReadError> {
+    /// has not the room free at once, unless the body waits for room (None: waiting now).
+    fn make_room(
+        &mut self,
+        short: usize,
+        frame: Frame<Bytes>,
+        cx: &mut Context<'_>,
+    ) -> Option<Result<Frame<Bytes>, ReadError>> {
         let budget = &self.reading.budget;
-        let Some(more) = budget.try_reserve(short) else {
-            return Err(ReadError::Refused(
+        if let Some(more) = budget.try_reserve(short) {
+            self.hold(more);
+            return Some(Ok(frame));
+        }
+        let Some(deadline) = self.room_by else {
+            return Some(Err(ReadError::Refused(
                 budget.no_room("reading this one", self.gathered),
-            ));
+            )));
         };
+        let budget = budget.clone();
+        let wait: RoomWait = Box::pin(async move { budget.reserve(short, deadline).await });
+        self.waiting = Some((wait, frame));
+        self.poll_room(cx)
+    }
+
+    /// The room waited for: the frame it was for once it is had (None: still waiting).
+    fn poll_room(&mut self, cx: &mut Context<'_>) -> Option<Result<Frame<Bytes>, ReadError>> {
+        let (wait, _) = self.waiting.as_mut()?;
+        let granted = match wait.as_mut().poll(cx) {
+            Poll::Pending => return None,
+            Poll::Ready(granted) => granted,
+        };
+        let (_, frame) = self.waiting.take()?;
+        Some(match granted {
+            Ok(more) => {
+                self.hold(more);
+                Ok(frame)
+            }
+            Err(error) => Err(ReadError::Refused(error)),
+        })
+    }
+
+    fn hold(&mut self, more: Held) {
         match &mut self.held {
             Some(held) => held.merge(more),
             None => self.held = Some(more),
         }
-        Ok(frame)
     }
 
     /// Whether the client has sent nothing for the stall limit (and the error to end with);
@@ -223,6 +276,13 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ReadError>>> {
         let this = self.get_mut();
+        if this.waiting.is_some() {
+            // Not read further while it waits: its client is held back by TCP meanwhile.
+            return match this.poll_room(cx) {
+                Some(result) => Poll::Ready(Some(result)),
+                None => Poll::Pending,
+            };
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 let data = frame.data_ref().map_or(&[][..], |data| &data[..]);
@@ -230,7 +290,10 @@ where
                 this.moved |= !data.is_empty() || !frame.is_data();
                 match this.count(data) {
                     Room::Enough => Poll::Ready(Some(Ok(frame))),
-                    Room::Short(short) => Poll::Ready(Some(this.make_room(short, frame))),
+                    Room::Short(short) => match this.make_room(short, frame, cx) {
+                        Some(result) => Poll::Ready(Some(result)),
+                        None => Poll::Pending,
+                    },
                 }
             }
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(ReadError::Body(error.into())))),
@@ -451,6 +514,49 @@ mod tests {
             panic!("read past its room");
         };
         drop((body, others));
+        assert_eq!(budget.held_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_rest_body_waits_for_room_holding_what_came_until_its_deadline() {
+        let budget = Arc::new(RequestBudget::new(1 << 20));
+        let reading = Reading {
+            budget: budget.clone(),
+            stall: None,
+        };
+        let others = budget.try_reserve(900 << 10).unwrap();
+        let (chunks, receive) = mpsc::channel(16);
+        let mut body = reading
+            .body(Chunked(receive), Framing::Whole)
+            .waiting_for_room(None);
+        send(&chunks, &[1; 100 << 10]).await;
+        assert!(next(&mut body).await.unwrap().is_ok(), "within the room");
+        send(&chunks, &[1; 100 << 10]).await;
+        let waiting = tokio::time::timeout(Duration::from_millis(50), next(&mut body)).await;
+        assert!(waiting.is_err(), "it waits for room, not refused");
+        // Holding what came, and what is free goes to it as it waits (tokio's fair
+        // semaphore hands permits to the first waiter as they come back).
+        assert_eq!(budget.held_bytes(), 1 << 20);
+        drop(others);
+        assert!(
+            next(&mut body).await.unwrap().is_ok(),
+            "read once there is room"
+        );
+        assert_eq!(budget.held_bytes(), 200 << 10);
+
+        // Until its deadline: then DEADLINE_EXCEEDED, what it held given back.
+        let others = budget.try_reserve(824 << 10).unwrap();
+        let (chunks, receive) = mpsc::channel(16);
+        let deadline = Instant::now() + Duration::from_millis(50);
+        let mut late = reading
+            .body(Chunked(receive), Framing::Whole)
+            .waiting_for_room(Some(deadline));
+        send(&chunks, &[1; 100 << 10]).await;
+        let Some(Err(ReadError::Refused(error))) = next(&mut late).await else {
+            panic!("not ended at its deadline");
+        };
+        assert_eq!(error.code, Code::DeadlineExceeded);
+        drop((late, body, others));
         assert_eq!(budget.held_bytes(), 0);
     }
 

@@ -421,8 +421,9 @@ const BLOCKING_GZIP_BYTES: usize = 4 * 1024;
 /// both forms while it is built: a small body can stand for a large document (1 KiB of gzip
 /// for 1 MiB of JSON), so the memory its uncompressed bytes take is counted before they are
 /// read, and refused past `limit` (the body limit, which applies to what is parsed) or past
-/// what the budget has free at once: under memory pressure it is refused (429, "try again
-/// later"), as a plain body's bytes are as they arrive.
+/// what the budget has free at once. A gzipped body does not wait for room as a plain one
+/// does: under memory pressure it is refused (429, "try again later") where a plain one of
+/// that size would wait.
 fn gunzip(read: ReadBody, limit: usize, budget: &RequestBudget) -> Result<ReadBody, Gunzip> {
     use std::io::Read as _;
     let ReadBody {
@@ -560,7 +561,10 @@ impl Rest {
                 version,
                 method,
             } => {
-                let body = match self.read_body(request).await {
+                // Waiting for room to read the body counts against the REST timeout; the
+                // call's own deadline starts once the body is read.
+                let room_by = self.timeout.map(|t| Instant::now() + t);
+                let body = match self.read_body(request, room_by).await {
                     Ok(body) => body,
                     Err(response) => return response,
                 };
@@ -603,12 +607,13 @@ impl Rest {
     }
 
     /// The whole body and its share of the budget; or a 413 answer when it is (or declares
-    /// itself) over the limit, 429 when its bytes pass what the budget has free as they
-    /// arrive (request_body: a length is not reserved before them), 408 when it stopped
+    /// itself) over the limit, 504 when the budget had no room for its bytes as they came by
+    /// `room_by` (request_body: a length is not reserved before them), 408 when it stopped
     /// arriving.
     async fn read_body(
         &self,
         request: Request<hyper::body::Incoming>,
+        room_by: Option<Instant>,
     ) -> Result<ReadBody, Response<Full<Bytes>>> {
         let limit = self.max_body_bytes;
         let too_large = |size: Option<u64>| {
@@ -631,7 +636,10 @@ impl Rest {
         if let Some(size) = declared.filter(|&n| n > limit as u64) {
             return Err(too_large(Some(size)));
         }
-        let mut body = self.reading.body(request.into_body(), Framing::Whole);
+        let mut body = self
+            .reading
+            .body(request.into_body(), Framing::Whole)
+            .waiting_for_room(room_by);
         let error = match Limited::new(&mut body, limit).collect().await {
             Ok(collected) => {
                 let read = ReadBody {
