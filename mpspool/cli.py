@@ -179,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--rest-api-timeout-in-ms",
         "--rest_api_timeout_in_ms",
-        type=int,
+        type=_rest_timeout_ms,
         default=30_000,
-        help="deadline of a REST Predict in ms (default %(default)s, as TF Serving; 0: none)",
+        help="deadline of a REST Predict in ms (default %(default)s, as TF Serving; 0 or "
+        "less: none)",
     )
     start.add_argument(
         "--ssl-config-file",
@@ -1154,6 +1155,12 @@ def _flag_value(text: str) -> bool:
     if value in ("false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _rest_timeout_ms(text: str) -> int:
+    """--rest_api_timeout_in_ms: TF Serving sets a deadline only for a value above 0
+    (HttpRestApiHandler), so any other means none, stored as 0."""
+    return max(0, int(text))
 
 
 def _thread_percentage(text: str, contexts: int) -> float:

@@ -36,6 +36,9 @@ def test_tf_servings_own_spellings_and_boolean_syntax_are_taken() -> None:
     assert start("--demo", "--enable-batching").batching  # mpspool's spelling, bare
     assert not start("--demo").batching
     assert start("--demo", "--allow_version_labels_for_unavailable_models").labels_for_unavailable
+    # A REST deadline only above 0, as TF Serving's HttpRestApiHandler sets one.
+    assert start("--demo", "--rest_api_timeout_in_ms=-1").rest_api_timeout_in_ms == 0
+    assert start("--demo", "--rest_api_timeout_in_ms", "250").rest_api_timeout_in_ms == 250
     with pytest.raises(SystemExit):
         start("--demo", "--enable_batching=maybe")
 

@@ -306,7 +306,8 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        // A frame held back for room is still to come.
+        self.waiting.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
