@@ -1312,7 +1312,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         front = pool.get("router_cpus") or "-"
         print(f"CPUs: {pool['cpu_placement']} (front door now on {front})")
     models = status.get("models") or [
-        {"name": pool["model"], **{k: pool.get(k) for k in ("version_policy", "version_labels")}}
+        {"name": pool["model"]}
+        | {k: pool.get(k) for k in ("version_policy", "version_labels", "labels_in_effect")}
         | {"versions": status.get("versions", [])}
     ]
     for model in models:
@@ -1324,7 +1325,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         print(f"{which}versions ({model.get('version_policy')}): {versions or '-'}")
         if model.get("version_labels"):
-            labels = ", ".join(f"{k}={v}" for k, v in sorted(model["version_labels"].items()))
+            labels = _labels_text(model["version_labels"], model.get("labels_in_effect"))
             print(f"{which}labels: {labels}")
     print(
         f"{'SLOT':<10} {'VERSION':>7} {'STATE':<9} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} "
@@ -1393,6 +1394,23 @@ def _size(n: int) -> str:
             break
         value, unit = value / 1024, larger
     return f"{value:.1f}{unit}" if value < 10 and unit != "B" else f"{value:.0f}{unit}"
+
+
+def _labels_text(configured: dict[str, int], in_effect: dict[str, int] | None) -> str:
+    """A model's labels as status shows them: each configured label, and for one that waits
+    for its version to serve, where the front door resolves it meanwhile (`in_effect`, its
+    labels; None from a pool that does not say). Status showed the configured label alone,
+    while requests by it were answered by another version (found by a reload hunt)."""
+    shown = []
+    for label, version in sorted(configured.items()):
+        now = version if in_effect is None else in_effect.get(label)
+        if now == version:
+            shown.append(f"{label}={version}")
+        elif now is None:
+            shown.append(f"{label}={version} (waits for version {version})")
+        else:
+            shown.append(f"{label}={version} (waits for version {version}; on {now} meanwhile)")
+    return ", ".join(shown)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

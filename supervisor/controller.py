@@ -1265,6 +1265,8 @@ class Controller:
                 "version": self.model.serving_version(),
                 "version_policy": self.model.policy.describe(),
                 "version_labels": self.config.version_labels,
+                # The labels the front door resolves now: a label waits for its version.
+                "labels_in_effect": self.model.labels_told(),
                 "model_base_path": self.config.model_base_path,
                 "listen": f"{self.config.host}:{self.port}" if self.port else None,
                 # TF Serving's --grpc_socket_path, as gRPC clients name it.
@@ -1299,6 +1301,7 @@ class Controller:
                     "version": model.serving_version(),
                     "version_policy": model.policy.describe(),
                     "version_labels": model.config.version_labels,
+                    "labels_in_effect": model.labels_told(),
                     "versions": model.status_table(),
                     "removing": model.removed,
                 }

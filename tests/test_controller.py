@@ -36,6 +36,7 @@ import pytest
 
 from mpspool import cpusets, process
 from mpspool import segment as segment_module
+from mpspool.cli import _labels_text
 from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.router import binary_path as router_binary
 from mpspool.supervisor import controller as controller_module
@@ -1912,6 +1913,15 @@ def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
     assert pool.controller.policy.describe() == "specific:1,2"
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
     assert pool.router.labels[-1] == {"stable": 1}, "stable stays on 1 while 2 loads"
+    # Status says both: the labels configured, and where the front door has them now.
+    (model,) = pool.controller.status()["models"]
+    assert (model["version_labels"], model["labels_in_effect"]) == (
+        {"stable": 2, "canary": 2},
+        {"stable": 1},
+    )
+    assert _labels_text(model["version_labels"], model["labels_in_effect"]) == (
+        "canary=2 (waits for version 2), stable=2 (waits for version 2; on 1 meanwhile)"
+    )
     for name in ("cpu-0", "cpu-1"):
         pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
     pool.tick()
@@ -1919,6 +1929,11 @@ def test_labels_name_available_versions_only_and_move_when_the_new_one_serves(
     assert pool.router.labels[-1] == {"canary": 2, "stable": 2}
     status = pool.controller.status()["pool"]
     assert status["version_labels"] == {"stable": 2, "canary": 2}
+    assert status["labels_in_effect"] == {"stable": 2, "canary": 2}
+    assert _labels_text(status["version_labels"], status["labels_in_effect"]) == (
+        "canary=2, stable=2"
+    )
+    assert _labels_text({"stable": 2}, None) == "stable=2", "a pool that does not say"
     assert status["version_policy"] == "specific:1,2"
 
 
