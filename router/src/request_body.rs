@@ -278,10 +278,9 @@ where
         let this = self.get_mut();
         if this.waiting.is_some() {
             // Not read further while it waits: its client is held back by TCP meanwhile.
-            return match this.poll_room(cx) {
-                Some(result) => Poll::Ready(Some(result)),
-                None => Poll::Pending,
-            };
+            return this
+                .poll_room(cx)
+                .map_or(Poll::Pending, |result| Poll::Ready(Some(result)));
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
@@ -290,10 +289,9 @@ where
                 this.moved |= !data.is_empty() || !frame.is_data();
                 match this.count(data) {
                     Room::Enough => Poll::Ready(Some(Ok(frame))),
-                    Room::Short(short) => match this.make_room(short, frame, cx) {
-                        Some(result) => Poll::Ready(Some(result)),
-                        None => Poll::Pending,
-                    },
+                    Room::Short(short) => this
+                        .make_room(short, frame, cx)
+                        .map_or(Poll::Pending, |result| Poll::Ready(Some(result))),
                 }
             }
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(ReadError::Body(error.into())))),

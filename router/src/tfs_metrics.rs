@@ -481,8 +481,9 @@ impl BatchingMetrics {
 /// there. Both families are typed from the start (TF Serving registers them at start).
 #[derive(Default)]
 pub struct WarmupMetrics {
-    /// (model_path, status) → its latency histogram and records read.
-    by_path: std::sync::Mutex<std::collections::BTreeMap<(String, String), (Exponential, u64)>>,
+    /// model_path → its latency histogram and records read (status "OK": the only one
+    /// recorded).
+    by_path: std::sync::Mutex<std::collections::BTreeMap<String, (Exponential, u64)>>,
 }
 
 impl WarmupMetrics {
@@ -490,7 +491,7 @@ impl WarmupMetrics {
     pub fn record(&self, path: &str, micros: u64, records: u64) {
         let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
         let (latency, read) = by_path
-            .entry((path.to_string(), "OK".to_string()))
+            .entry(path.to_string())
             .or_insert_with(|| (latency_histogram(), 0));
         latency.observe(micros);
         *read += records;
@@ -499,22 +500,16 @@ impl WarmupMetrics {
     /// Their part of TF Serving's page.
     pub fn render(&self, out: &mut String) {
         let by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
-        let labels = |(path, status): &(String, String)| {
-            format!(
-                "model_path=\"{}\",status=\"{}\"",
-                escape(path),
-                escape(status)
-            )
-        };
+        let labels = |path: &str| format!("model_path=\"{}\",status=\"OK\"", escape(path));
         let name = ":tensorflow:serving:model_warmup_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for (key, (latency, _)) in by_path.iter() {
-            latency.render(out, name, &labels(key));
+        for (path, (latency, _)) in by_path.iter() {
+            latency.render(out, name, &labels(path));
         }
         let name = ":tensorflow:serving:model_warmup_records_read";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (key, (_, read)) in by_path.iter() {
-            let _ = writeln!(out, "{name}{{{}}} {read}", labels(key));
+        for (path, (_, read)) in by_path.iter() {
+            let _ = writeln!(out, "{name}{{{}}} {read}", labels(path));
         }
     }
 }
