@@ -180,6 +180,8 @@ fn op<P>(
                     SLOT_STATES.join(", ")
                 ));
             };
+            pool.table
+                .keep_departed_of(parsed.iter().map(|sample| sample.slot.as_str()));
             pool.state.set_slots(parsed);
             vec![("ok", Value::from(true))]
         }

@@ -301,6 +301,16 @@ impl<P> WorkerTable<P> {
         self.by_identity.values().map(|h| h.inflight.len()).sum()
     }
 
+    /// The controller's slots are now `slots` (it lists every slot it has at each change):
+    /// the answered counts of those it no longer has are forgotten, so that the table does
+    /// not grow with every version a long-lived pool ever loaded, and a slot whose model is
+    /// removed and added again counts from 0, not from what its old workers answered.
+    pub fn keep_departed_of<'a>(&mut self, slots: impl IntoIterator<Item = &'a str>) {
+        let kept: std::collections::BTreeSet<&str> = slots.into_iter().collect();
+        self.departed_answered
+            .retain(|slot, _| kept.contains(slot.as_str()));
+    }
+
     /// Per slot, every request its workers answered since this front door started, those
     /// that left included: the controller polls it, and a worker's last answers before it
     /// died would be missed by a poll of the current worker's count alone.
@@ -729,6 +739,35 @@ mod tests {
         assert_eq!(
             serde_json::to_value(t.served()).unwrap(),
             serde_json::json!({"cpu-0": 4, "cpu-1": 0})
+        );
+    }
+
+    /// A slot the controller no longer lists (its version ended, its model was removed)
+    /// is forgotten: a model added again under the same slot counts from 0, and a pool that
+    /// rolls versions for months does not keep a count per version it ever loaded.
+    #[test]
+    fn served_forgets_the_slots_the_controller_no_longer_has() {
+        let (mut t, now) = table("round-robin");
+        for (slot, pid) in [("cpu-0@1", 101), ("cpu-0@2", 102)] {
+            join(&mut t, slot, pid, now);
+            send(&mut t, slot, pid, pid as u32);
+            t.resolve(&ident(slot, pid), pid as u64);
+            assert!(t.leave(&ident(slot, pid), "version ended").is_some());
+        }
+        assert_eq!(
+            serde_json::to_value(t.served()).unwrap(),
+            serde_json::json!({"cpu-0@1": 1, "cpu-0@2": 1})
+        );
+        t.keep_departed_of(["cpu-0@2", "cpu-0@3"]);
+        assert_eq!(
+            serde_json::to_value(t.served()).unwrap(),
+            serde_json::json!({"cpu-0@2": 1})
+        );
+        t.keep_departed_of([]);
+        join(&mut t, "cpu-0@2", 103, now);
+        assert_eq!(
+            serde_json::to_value(t.served()).unwrap(),
+            serde_json::json!({"cpu-0@2": 0})
         );
     }
 
