@@ -286,15 +286,24 @@ fn route(method: &HttpMethod, path: &str) -> Result<Option<Route>, ServingError>
     let Some(rest) = rest.strip_prefix('/') else {
         return Ok(None);
     };
-    let mut segments: Vec<&str> = rest.split('/').collect();
-    let metadata = segments.len() > 1 && segments.last() == Some(&"metadata");
-    if metadata {
-        segments.pop();
-    }
+    let segments: Vec<&str> = rest.split('/').collect();
     let Some((name, more)) = segments.split_first().filter(|(n, _)| is_name(n)) else {
         return Ok(None);
     };
-    let Some(version) = version_of(more)? else {
+    // TF Serving's pattern ends in an optional `/metadata` (any case, `(?i)`) after an
+    // optional version part, and prefers the version part: `.../labels/metadata` is the
+    // status by the label "metadata", `.../labels/x/metadata` the metadata by "x". Its
+    // handler answers metadata for the lowercase word only; `/METADATA` is a status.
+    let version = match version_of(more)? {
+        Some(version) => Some((version, false)),
+        None => match more.split_last() {
+            Some((last, before)) if last.eq_ignore_ascii_case("metadata") => {
+                version_of(before)?.map(|version| (version, *last == "metadata"))
+            }
+            _ => None,
+        },
+    };
+    let Some((version, metadata)) = version else {
         return Ok(None);
     };
     let model = decode(name, "model name")?;
@@ -1261,6 +1270,44 @@ mod tests {
                 version: Version::Latest
             })
         );
+        // The version part comes first: a label may be named "metadata" (found by a REST
+        // hunt: this was a 400), and `/METADATA` matches the pattern but asks for a status.
+        let status = |version: Version| {
+            Some(Route::Status {
+                model: "demo".into(),
+                version,
+            })
+        };
+        assert_eq!(
+            get("/v1/models/demo/labels/metadata"),
+            status(Version::Label("metadata".into()))
+        );
+        assert_eq!(
+            get("/v1/models/demo/labels/metadata/metadata"),
+            Some(Route::Metadata {
+                model: "demo".into(),
+                version: Version::Label("metadata".into())
+            })
+        );
+        assert_eq!(get("/v1/models/demo/METADATA"), status(Version::Latest));
+        assert_eq!(
+            get("/v1/models/demo/versions/2/Metadata"),
+            status(Version::Number(2))
+        );
+        assert_eq!(
+            get("/v1/models/demo/metadata"),
+            Some(Route::Metadata {
+                model: "demo".into(),
+                version: Version::Latest
+            })
+        );
+        assert_eq!(get("/v1/models/metadata"), {
+            Some(Route::Status {
+                model: "metadata".into(),
+                version: Version::Latest,
+            })
+        });
+        assert_eq!(get("/v1/models/demo/versions/metadata"), None);
         assert_eq!(get("/v1/models/demo/other"), None);
         assert_eq!(get("/metrics"), None);
         let huge = route(
