@@ -736,10 +736,12 @@ class PoolConfig:
                 "contexts per GPU, every model's together, must be at most 48 (MPS's limit "
                 f"per GPU), got {self.contexts_on_gpu()}"
             )
-        if not 0 < self.active_thread_percentage <= 100:
+        # At least 0.1: the MPS control daemon keeps the default with one decimal, and a
+        # smaller value (0.04) reads back as 0.0, a GPU share of nothing.
+        if not 0.1 <= self.active_thread_percentage <= 100:
             raise ConfigError(
-                "--active-thread-percentage must be in (0, 100], "
-                f"got {self.active_thread_percentage}"
+                "--active-thread-percentage must be in [0.1, 100] (the MPS daemon keeps one "
+                f"decimal), got {self.active_thread_percentage:g}"
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")

@@ -87,9 +87,15 @@ def assert_one_line(err: str, *parts: str) -> str:
             ["--rest-api-port", "18702", "--metrics-port", "18702"],
             "--rest-api-port 18702 is also the gRPC or the metrics port",
         ),
+        (
+            # The MPS control daemon reads 0.04 back as 0.0: a GPU share of nothing.
+            ["--active-thread-percentage", "0.04"],
+            "--active-thread-percentage must be in [0.1, 100] (the MPS daemon keeps one "
+            "decimal), got 0.04",
+        ),
     ],
     ids=["drain", "delay", "drain-nan", "metrics-high", "metrics-neg", "metrics-grpc",
-         "metrics-rest"],
+         "metrics-rest", "thread-percentage"],
 )  # fmt: skip
 def test_bad_flag_is_refused_before_anything_starts(
     tmp_path: Path, demo_model_dir: Path, flags: list[str], message: str
