@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -136,6 +137,9 @@ def test_ten_reloads_give_memory_back_and_leave_no_retired_segment(
         assert pool.leftovers() == []
     finally:
         pool.kill()
-    first, last = after[1], after[RELOADS]
+    # Against the median of the first half, not the first reload alone: a pool may settle
+    # one step up after its first reload and stay there (an Intel AVX-512 host: 383 MiB, then
+    # 457 MiB nine times), which is no leak; what leaks grows with every reload.
+    early = statistics.median(after[n] for n in range(1, RELOADS // 2 + 1))
     print("pool PSS MiB after each reload:", {n: pss >> 20 for n, pss in after.items()})
-    assert last <= 1.05 * first, {n: pss >> 20 for n, pss in after.items()}
+    assert after[RELOADS] <= 1.05 * early, {n: pss >> 20 for n, pss in after.items()}
