@@ -6,6 +6,7 @@ every kind of system, and REST windows beside gRPC (bench/rest.py). Needs h2load
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,19 @@ def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
     for _ in range(2):
         harness.write_section(results, text, frontdoor.BEGIN_MARK, frontdoor.END_MARK)
     assert results.read_text().count(frontdoor.BEGIN_MARK) == 1 and "kept" in results.read_text()
+
+
+def test_each_generated_section_of_results_md_holds_its_own_heading_alone() -> None:
+    """A scenario rewrites everything between its markers: a section written by hand inside
+    them is lost at its next run (three were, inside rest's and gpu-mps's markers)."""
+    text = harness.RESULTS_MD.read_text()
+    marks = re.findall(r"<!-- ([a-z-]+):(begin|end)\b", text)
+    assert marks and len(marks) % 2 == 0, marks
+    for begin, end in zip(marks[::2], marks[1::2], strict=True):
+        assert begin[0] == end[0] and (begin[1], end[1]) == ("begin", "end"), (begin, end)
+        inside = text.split(f"<!-- {begin[0]}:begin", 1)[1].split(f"<!-- {begin[0]}:end", 1)[0]
+        headings = [line for line in inside.splitlines() if line.startswith("## ")]
+        assert len(headings) == 1, (begin[0], headings)
 
 
 def test_a_short_run_of_each_kind_of_system(tmp_path: Path) -> None:
