@@ -244,7 +244,13 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     ahead = [best(two, b) / best(p, b) for p in peers for b in (1, big)]
     echo = [w["rps"] for w in windows if w["system"].startswith("echo")]
     fd = ("front door",)
-    front_door_batch_1 = max(cpu(one, 1, fd), cpu(two, 1, fd))
+
+    def worse(*values: float) -> float:
+        """The largest, or NaN when one was not measured: Python's max(x, nan) is x, which
+        made a target of 1 and 2 workers read 1 worker's alone (found by a bench hunt)."""
+        return float(np.max(values))
+
+    front_door_batch_1 = worse(cpu(one, 1, fd), cpu(two, 1, fd))
     targets = [
         ("one front door over echo workers ≥ 10,000 req/s", max(echo, default=np.nan),
          "req/s", lambda v: v >= 10_000),
@@ -252,8 +258,8 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
          front_door_batch_1, "µs", lambda v: v <= 60),
         ("all-in server CPU per batch-1 request (front door + workers) ≤ 2× the in-process "
          "call's (1w / P=1 and 2w / P=2, the worse)",
-         max(cpu(one, 1, ("front door", "workers")) / limit(1, 1, "cpu_us_per_call"),
-             cpu(two, 1, ("front door", "workers")) / limit(2, 1, "cpu_us_per_call")),
+         worse(cpu(one, 1, ("front door", "workers")) / limit(1, 1, "cpu_us_per_call"),
+               cpu(two, 1, ("front door", "workers")) / limit(2, 1, "cpu_us_per_call")),
          "×", lambda v: v <= 2),
         ("batch 1: 2 workers ≥ 0.6× the in-process limit (P=2), rows/s best over C",
          best(two, 1) / limit(2, 1, "rows_per_s"), "×", lambda v: v >= 0.6),
@@ -262,7 +268,8 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         (f"batch {big}: 2 workers ≥ 1.6× 1 worker", best(two, big) / best(one, big), "×",
          lambda v: v >= 1.6),
         (f"2 workers ahead of every peer at batch 1 and {big} (smallest ratio; peers: "
-         f"{', '.join(peers) or 'none ran'})", min(ahead, default=np.nan), "×", lambda v: v > 1),
+         f"{', '.join(peers) or 'none ran'})", float(np.min(ahead)) if ahead else np.nan, "×",
+         lambda v: v > 1),
         ("p50 at concurrency 1, batch 1 ≤ the in-process call's + 150 µs (1 worker vs P=1)",
          (p50(one, 1, 1) - limit(1, 1, "p50_ms")) * 1e3, "µs over", lambda v: v <= 150),
         # Not targets: the same ratios against processes making the worker's own call.

@@ -178,48 +178,6 @@ def worker_counters(stats_dir: Path, workers: Sequence[psutil.Process]) -> dict[
     return out
 
 
-# --- requests and answers in TF Serving's messages, without TensorFlow ---------------------
-
-
-def predict_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> harness.Request:
-    """harness.predict_request's message, built from the pool's own copy of TF Serving's
-    protos (tensor_content, little-endian) where TensorFlow is not installed."""
-    from mpspool.protos import serving_pb2
-
-    request = serving_pb2.PredictRequest()
-    request.model_spec.name = model
-    request.model_spec.signature_name = "serving_default"
-    for name, values in inputs.items():
-        tensor = request.inputs[name]
-        tensor.dtype = dtypes.dt_of_array(values)
-        for size in values.shape:
-            tensor.tensor_shape.dim.add(size=size)
-        tensor.tensor_content = np.ascontiguousarray(
-            values, values.dtype.newbyteorder("<")
-        ).tobytes()
-    batch = len(next(iter(inputs.values())))
-    body = harness.grpc_frame(request.SerializeToString())
-    return harness.Request(key, "tfserving", harness.PREDICT_PATH, body, batch)
-
-
-def float_output(request: harness.Request, raw: bytes) -> np.ndarray:
-    """The float output of a PredictResponse, read with the pool's own protos."""
-    from mpspool.protos import serving_pb2
-
-    outputs = serving_pb2.PredictResponse.FromString(raw).outputs
-    if request.output not in outputs:
-        raise RuntimeError(f"answer without output {request.output!r}: {sorted(outputs)}")
-    tensor = outputs[request.output]
-    if tensor.dtype != dtypes.DT_FLOAT:
-        raise RuntimeError(f"output {request.output!r} has dtype {tensor.dtype}, not DT_FLOAT")
-    shape = [d.size for d in tensor.tensor_shape.dim]
-    if tensor.tensor_content:
-        values = np.frombuffer(tensor.tensor_content, "<f4")
-    else:
-        values = np.array(tensor.float_val, np.float32)
-    return values.reshape(shape)
-
-
 # --- the run, on the GPU machine ---------------------------------------------------------------
 
 
@@ -256,10 +214,10 @@ def run_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
         plain_env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu.uuid}
         env = {**plain_env, **daemon.environment()}
         requests = {
-            b: predict_request(f"demo batch {b}", MODEL, demo_inputs(b, args.rows, seed=7))
+            b: harness.predict_request(f"demo batch {b}", MODEL, demo_inputs(b, args.rows, seed=7))
             for b in args.batch_list
         }
-        checker = harness.Checker(float_output)
+        checker = harness.Checker()
         with tempfile.TemporaryDirectory() as workdir:
             sets = [("mps", k, env) for k in args.contexts]
             sets += [("plain", k, plain_env) for k in args.no_mps]
@@ -366,10 +324,10 @@ def echo_ceiling(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]
     """The front door over echo workers, the client with threads of its own: its ceiling
     on this machine's cores, no GPU."""
     rows = np.zeros((1, 29), np.float32)
-    request = predict_request("echo", echo_worker.MODEL, {"x": rows})
+    request = harness.predict_request("echo", echo_worker.MODEL, {"x": rows})
     request.output = "x"
     windows = []
-    checker = harness.Checker(float_output)  # every answer equal to the first
+    checker = harness.Checker()  # every answer equal to the first
     with echo_worker.echo_pool(args.echo_workers) as server:
         for concurrency in ECHO_CONCURRENCY:
             window = harness.measure(

@@ -63,6 +63,8 @@ OUT_DIR = REPO / "bench" / "out"
 RESULTS_MD = REPO / "bench" / "RESULTS.md"
 MODEL_NAME = "demo"
 READY_TIMEOUT_S = 300.0
+# One status poll's wait for the pool's answer (it is busy publishing for a moment at start).
+STATUS_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 60.0
 PREDICT_PATH = "/tensorflow.serving.PredictionService/Predict"
 KSERVE_INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -97,15 +99,68 @@ def _git(*args: str) -> str:
     ).stdout
 
 
+# The front door's sources: built into the installed binary by pip or cargo, not copied with
+# the Python code (a run measures whatever binary is installed).
+RUST_SOURCES = ("router/src/", "router/proto/", "router/build.rs", "router/Cargo.")
+
+
+def _is_rust_source(name: str) -> bool:
+    return name.startswith(RUST_SOURCES)
+
+
+def front_door_build(kind: str) -> dict[str, Any]:
+    """The front door binary the pools will run, when it was built, and whether it can be the
+    code under test: a binary older than a file of its sources, or (``kind`` "HEAD") built
+    from a working tree whose sources differ from HEAD, is not (found by a bench hunt: a run
+    said "commit X (frozen copy)" over a binary built before the edits it listed)."""
+    from mpspool.router import BINARY_ENV, BinaryNotFound, binary_path
+
+    try:
+        path = binary_path()
+        built = os.stat(path).st_mtime
+    except (BinaryNotFound, OSError) as exc:
+        return {"path": "", "problem": f"no front door binary: {exc}"}
+    build: dict[str, Any] = {"path": path, "built": built, "problem": ""}
+    if os.environ.get(BINARY_ENV):
+        return build  # a binary chosen by hand: what it was built from is the chooser's word
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        names = _git("ls-files", "-co", "--exclude-standard", "--", "router").splitlines()
+        newer = sorted(
+            name
+            for name in names
+            if _is_rust_source(name)
+            and (REPO / name).is_file()
+            and (REPO / name).stat().st_mtime > built
+        )
+        changed = [
+            line[3:]
+            for line in _git("status", "--porcelain", "--", "router").splitlines()
+            if _is_rust_source(line[3:])
+        ]
+        if newer:
+            build["problem"] = (
+                f"older than its sources ({', '.join(newer[:4])}"
+                f"{' …' if len(newer) > 4 else ''} changed since): rebuild it"
+            )
+        elif kind == "HEAD" and changed:
+            build["problem"] = (
+                f"built from the working tree, whose {', '.join(changed[:4])} differ from HEAD"
+            )
+    return build
+
+
 def freeze_source(kind: str, dest: Path) -> dict[str, Any]:
     """Copy the Python code under test out of the repository ("worktree": the files as they are;
     "HEAD": the last commit; "live": no copy), so that edits made during a run cannot mix
-    versions; describe what was copied. Processes get the copy first on PYTHONPATH."""
-    info: dict[str, Any] = {"kind": kind}
+    versions; describe what was copied, and the front door binary beside it. Processes get
+    the copy first on PYTHONPATH."""
+    info: dict[str, Any] = {"kind": kind, "front_door": front_door_build(kind)}
+    if info["front_door"]["problem"]:
+        print(f"bench: the front door binary is {info['front_door']['problem']}", file=sys.stderr)
     with contextlib.suppress(subprocess.SubprocessError, OSError):
         info["commit"] = _git("rev-parse", "--short", "HEAD").strip()
         changed = _git("status", "--porcelain", "--", *PACKAGE_DIRS).splitlines()
-        info["uncommitted"] = sorted(line[3:] for line in changed)
+        info["uncommitted"] = sorted(line[3:] for line in changed if not _is_rust_source(line[3:]))
     if kind == "live":
         return info
     if kind == "HEAD":
@@ -149,11 +204,21 @@ def frozen_code(kind: str) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
 def _describe_source(source: dict[str, Any]) -> str:
     commit = source.get("commit", "unknown commit")
     if source.get("kind") == "HEAD":
-        return f"commit {commit} (frozen copy)"
-    changed = source.get("uncommitted") or []
-    extra = f" plus uncommitted changes to {', '.join(changed)}" if changed else ""
-    frozen = "frozen copy of the working tree" if "path" in source else "live working tree"
-    return f"commit {commit}{extra} ({frozen})"
+        described = f"commit {commit} (frozen copy)"
+    else:
+        changed = source.get("uncommitted") or []
+        extra = f" plus uncommitted changes to {', '.join(changed)}" if changed else ""
+        frozen = "frozen copy of the working tree" if "path" in source else "live working tree"
+        described = f"commit {commit}{extra} ({frozen})"
+    build = source.get("front_door")
+    if not build:
+        return described
+    if not build["path"]:
+        return f"{described}; **{build['problem']}**"
+    built = dt.datetime.fromtimestamp(build["built"], dt.timezone.utc)
+    binary = f"front door `{build['path']}` built {built:%Y-%m-%d %H:%M} UTC"
+    problem = f", **{build['problem']}**" if build["problem"] else ""
+    return f"{described}; {binary}{problem}"
 
 
 # -- the model -----------------------------------------------------------------------------
@@ -212,6 +277,7 @@ class Pool:
         self.rest_port = 0  # TF Serving's REST API (after wait_ready)
         self.pool_id = ""
         self.ready_s = 0.0
+        self.spawned_at = 0.0
         self.roles: dict[str, list[psutil.Process]] = {}
         self._descendants: dict[int, psutil.Process] = {}
 
@@ -224,6 +290,9 @@ class Pool:
             # load generator are one group, as a client on another machine would leave the
             # pool's scheduling alone; in a session of its own the pool's idle-priority work
             # (a loading version) competed with the client as a group of equal weight.
+            # The start time is the clock read here: psutil's create_time() rests on a boot
+            # time in whole seconds, up to a second early.
+            self.spawned_at = time.time()
             self.proc = subprocess.Popen(
                 _mpspool(*self.args), cwd=_OUTSIDE, env=self.env, stdout=out,
                 stderr=subprocess.STDOUT, process_group=0,
@@ -240,16 +309,26 @@ class Pool:
         self.stop()
 
     def status(self) -> dict[str, Any]:
-        out = subprocess.run(
-            _mpspool("status", "--json", "--run-dir", str(self.run_dir)),
-            cwd=_OUTSIDE, env=self.env, capture_output=True, check=True, timeout=30,
-        ).stdout  # fmt: skip
-        return json.loads(out)
+        """What `mpspool status --json` prints, asked of the pool's admin socket: a CLI
+        process per poll cost 0.2-0.45 s and 0.36 s of CPU, which the starting workers lost
+        on 2 cores (a 1-worker pool read 8.2-8.9 s to start polled so, 4.5-5.5 s polled
+        here; found by a bench hunt). SubprocessError while the pool cannot answer yet."""
+        import zmq
+
+        from mpspool.cli import _ask_pool
+        from mpspool.config import ConfigError
+
+        try:
+            status = _ask_pool(self.run_dir, "status", timeout_s=STATUS_TIMEOUT_S)
+        except (ConfigError, OSError, zmq.ZMQError, ValueError) as exc:
+            raise subprocess.SubprocessError(str(exc)) from exc
+        if "slots" not in status:
+            raise subprocess.SubprocessError(f"no status: {status}")
+        return status
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until every slot is READY and the front door listens; then find the processes."""
         assert self.proc is not None
-        started = psutil.Process(self.proc.pid).create_time()
         deadline = time.monotonic() + timeout_s
         status: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -270,7 +349,7 @@ class Pool:
                     rest = status["pool"].get("rest") or ""
                     self.rest_port = int(rest.split("/v1/")[0].rsplit(":", 1)[1]) if rest else 0
                     self.pool_id = status["pool"].get("pool_id", "")
-                    self.ready_s = time.time() - started
+                    self.ready_s = time.time() - self.spawned_at
                     self._find_processes()
                     return
             time.sleep(0.3)
@@ -425,15 +504,26 @@ def grpc_frame(message: bytes) -> bytes:
 
 
 def predict_request(key: str, model: str, inputs: dict[str, np.ndarray]) -> Request:
-    """A TF Serving PredictRequest built with the official client's messages."""
-    import tensorflow as tf
-    from tensorflow_serving.apis import predict_pb2
+    """A TF Serving PredictRequest, the bytes the official client sends (tensor_content,
+    little-endian; tests/test_bench_gpu_pool.py compares them), built from the pool's own copy
+    of TF Serving's protos: the bench process never maps TensorFlow, whose library pages it
+    would otherwise share with the processes it measures (a lone worker's USS read 201 MiB
+    where it is its TensorFlow's only mapper; found by a bench hunt), and where it is not
+    installed (the GPU machine) it still runs."""
+    from mpspool import dtypes
+    from mpspool.protos import serving_pb2
 
-    request = predict_pb2.PredictRequest()
+    request = serving_pb2.PredictRequest()
     request.model_spec.name = model
     request.model_spec.signature_name = "serving_default"
-    for alias, values in inputs.items():
-        request.inputs[alias].CopyFrom(tf.make_tensor_proto(values))
+    for name, values in inputs.items():
+        tensor = request.inputs[name]
+        tensor.dtype = dtypes.dt_of_array(values)
+        for size in values.shape:
+            tensor.tensor_shape.dim.add(size=size)
+        tensor.tensor_content = np.ascontiguousarray(
+            values, values.dtype.newbyteorder("<")
+        ).tobytes()
     batch = len(next(iter(inputs.values())))
     return Request(key, "tfserving", PREDICT_PATH, grpc_frame(request.SerializeToString()), batch)
 
@@ -496,8 +586,9 @@ def call(target: str, request: Request, timeout_s: float = 60.0) -> bytes:
 
 
 def answer_values(request: Request, raw: bytes) -> np.ndarray:
-    """The output tensor of an answer, read with the official messages (KServe: its own;
-    REST: TF Serving's columnar JSON)."""
+    """The float output of an answer, read without TensorFlow (predict_request says why) from
+    either encoding a server may use (KServe: its own messages; REST: TF Serving's columnar
+    JSON)."""
     if request.protocol == "rest":
         return np.array(json.loads(raw)["outputs"], dtype=np.float32)
     if request.protocol == "kserve":
@@ -510,13 +601,21 @@ def answer_values(request: Request, raw: bytes) -> np.ndarray:
         i = names.index(request.output)
         shape = tuple(response.outputs[i].shape)
         return np.frombuffer(response.raw_output_contents[i], "<f4").reshape(shape)
-    import tensorflow as tf
-    from tensorflow_serving.apis import predict_pb2
+    from mpspool import dtypes
+    from mpspool.protos import serving_pb2
 
-    outputs = predict_pb2.PredictResponse.FromString(raw).outputs
+    outputs = serving_pb2.PredictResponse.FromString(raw).outputs
     if request.output not in outputs:
         raise RuntimeError(f"answer without output {request.output!r}: {sorted(outputs)}")
-    return tf.make_ndarray(outputs[request.output])
+    tensor = outputs[request.output]
+    if tensor.dtype != dtypes.DT_FLOAT:
+        raise RuntimeError(f"output {request.output!r} has dtype {tensor.dtype}, not DT_FLOAT")
+    shape = [d.size for d in tensor.tensor_shape.dim]
+    if tensor.tensor_content:
+        values = np.frombuffer(tensor.tensor_content, "<f4")
+    else:
+        values = np.array(tensor.float_val, np.float32)
+    return values.reshape(shape)
 
 
 class Checker:
@@ -603,6 +702,17 @@ def poisson_script(path: Path, url: str, rps: float, duration_s: float, seed: in
     return len(offsets)
 
 
+def spread_streams(concurrency: int, most_connections: int) -> tuple[int, int]:
+    """Connections and streams per connection that make exactly ``concurrency`` streams:
+    the most connections up to ``most_connections`` that divide it. min(C, 4) connections of
+    C // 4 streams ran C = 6 as 4 and C = 10 as 8 while the tables said 6 and 10 (found by a
+    bench hunt)."""
+    connections = max(
+        n for n in range(1, max(1, min(concurrency, most_connections)) + 1) if concurrency % n == 0
+    )
+    return connections, max(1, concurrency // connections)
+
+
 def h2load(
     port: int,
     request: Request,
@@ -639,8 +749,7 @@ def h2load(
         connections, streams = concurrency, 1
     else:
         protocol = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
-        connections = min(concurrency, connections)
-        streams = max(1, concurrency // connections)
+        connections, streams = spread_streams(concurrency, connections)
     if seed is not None:
         if request.protocol == "rest":
             raise ValueError("Poisson arrivals need HTTP/2 streams (one connection)")

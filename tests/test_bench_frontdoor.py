@@ -6,8 +6,10 @@ every kind of system, and REST windows beside gRPC (bench/rest.py). Needs h2load
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,39 @@ def test_h2load_output_is_parsed() -> None:
         harness.parse_h2load("connect failed", "")
 
 
+def test_h2load_streams_make_the_concurrency_asked_for() -> None:
+    for concurrency in (1, 2, 4, 5, 6, 7, 10, 16, 64):
+        connections, streams = harness.spread_streams(concurrency, harness.MAX_CONNECTIONS)
+        assert connections * streams == concurrency and connections <= harness.MAX_CONNECTIONS
+    assert harness.spread_streams(16, 4) == (4, 4)  # as many connections as allowed
+    assert harness.spread_streams(6, 4) == (3, 2)
+
+
+def test_a_front_door_binary_older_than_its_sources_is_said_to_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binary is not frozen with the Python code: a run over one built before its sources
+    changed says so beside the code it claims to measure."""
+    import mpspool.router
+
+    binary = tmp_path / "mpspool-router"
+    binary.write_bytes(b"")
+    monkeypatch.delenv(mpspool.router.BINARY_ENV, raising=False)
+    monkeypatch.setattr(mpspool.router, "binary_path", lambda: str(binary))
+    os.utime(binary, (0, 0))  # built in 1970: every source file changed since
+    source = harness.freeze_source("live", tmp_path)
+    assert "older than its sources (router/" in source["front_door"]["problem"]
+    described = harness._describe_source(source)
+    assert f"front door `{binary}` built 1970-01-01 00:00 UTC, **older than its" in described
+    future = time.time() + 3600
+    os.utime(binary, (future, future))
+    source = harness.freeze_source("live", tmp_path)
+    assert source["front_door"]["problem"] == ""
+    assert harness._describe_source(source).endswith(
+        f"front door `{binary}` built " + (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(future)))
+    )
+
+
 def _window(system: str, batch: int, c: int, rps: float, fd: float, wk: float, p50: float):
     return {
         "system": system, "batch": batch, "concurrency": c, "requests": int(rps), "rps": rps,
@@ -185,6 +220,28 @@ def test_targets_are_ratios_of_one_run(tmp_path: Path) -> None:
     for _ in range(2):
         harness.write_section(results, text, frontdoor.BEGIN_MARK, frontdoor.END_MARK)
     assert results.read_text().count(frontdoor.BEGIN_MARK) == 1 and "kept" in results.read_text()
+
+
+def test_a_target_over_1_and_2_workers_is_unmeasured_when_one_of_them_is() -> None:
+    """A window whose workers' CPU could not be measured (a worker restarted in it: NaN)
+    leaves "the worse of 1 and 2 workers" unmeasured; it read 1 worker's figure alone, and
+    the all-in target went from 2.84x (not met) to 0.50x (met) in a hunt's run."""
+    windows = [
+        {**w, "cpu_us": {**w["cpu_us"], "workers": float("nan")}}
+        if (w["system"], w["batch"]) == ("mpspool 2w", 1)
+        else w
+        for w in REPORT["windows"]
+    ]
+    summary = frontdoor.summarise({**REPORT, "windows": windows})
+    got = {t["target"].split(" (")[0]: t for t in summary["targets"]}
+    all_in = got["all-in server CPU per batch-1 request"]
+    assert np.isnan(all_in["measured"]) and all_in["met"] is None
+    # The front door's own CPU was measured in both: still the worse of the two.
+    assert got["front-door CPU per batch-1 Predict ≤ 60 µs"]["measured"] == 50
+    no_two = [w for w in REPORT["windows"] if w["system"] != "mpspool 2w"]
+    summary = frontdoor.summarise({**REPORT, "windows": no_two})
+    got = {t["target"].split(" (")[0]: t for t in summary["targets"]}
+    assert got["front-door CPU per batch-1 Predict ≤ 60 µs"]["met"] is None
 
 
 def test_each_generated_section_of_results_md_holds_its_own_heading_alone() -> None:

@@ -27,41 +27,45 @@ from mpspool.demo_model import demo_inputs  # noqa: E402
 
 def test_requests_without_tensorflow_are_the_official_clients_requests() -> None:
     inputs = demo_inputs(3, 1000, seed=7)
-    ours = gpu_pool.predict_request("k", "demo", inputs)
-    theirs = harness.predict_request("k", "demo", inputs)
+    ours = harness.predict_request("k", "demo", inputs)
+    theirs = predict_pb2.PredictRequest()
+    theirs.model_spec.name = "demo"
+    theirs.model_spec.signature_name = "serving_default"
+    for name, values in inputs.items():
+        theirs.inputs[name].CopyFrom(tf.make_tensor_proto(values))
     assert ours.body[:1] == b"\x00"
     assert int.from_bytes(ours.body[1:5], "big") == len(ours.body) - 5
+    assert ours.body[5:] == theirs.SerializeToString()  # the very bytes
     parsed = predict_pb2.PredictRequest.FromString(ours.body[5:])
-    assert parsed == predict_pb2.PredictRequest.FromString(theirs.body[5:])
     for name, values in inputs.items():
         np.testing.assert_array_equal(tf.make_ndarray(parsed.inputs[name]), values)
-    assert (ours.path, ours.batch, ours.protocol) == (theirs.path, 3, "tfserving")
+    assert (ours.path, ours.batch, ours.protocol) == (harness.PREDICT_PATH, 3, "tfserving")
 
 
 def test_float_outputs_are_read_from_either_encoding_and_others_refused() -> None:
-    request = gpu_pool.predict_request("k", "demo", demo_inputs(2, 1000))
+    request = harness.predict_request("k", "demo", demo_inputs(2, 1000))
     scores = np.array([[0.25], [0.75]], np.float32)
     response = predict_pb2.PredictResponse()
     response.outputs["score"].CopyFrom(tf.make_tensor_proto(scores))  # tensor_content
     assert response.outputs["score"].tensor_content
     np.testing.assert_array_equal(
-        gpu_pool.float_output(request, response.SerializeToString()), scores
+        harness.answer_values(request, response.SerializeToString()), scores
     )
     typed = predict_pb2.PredictResponse()
     typed.outputs["score"].CopyFrom(tf.make_tensor_proto([[0.5], [1.5]], tf.float32))
     typed.outputs["score"].ClearField("tensor_content")
     typed.outputs["score"].float_val[:] = [0.5, 1.5]
     np.testing.assert_array_equal(
-        gpu_pool.float_output(request, typed.SerializeToString()), [[0.5], [1.5]]
+        harness.answer_values(request, typed.SerializeToString()), [[0.5], [1.5]]
     )
     ints = predict_pb2.PredictResponse()
     ints.outputs["score"].CopyFrom(tf.make_tensor_proto(np.ones((2, 1), np.int64)))
     with pytest.raises(RuntimeError, match="dtype 9, not DT_FLOAT"):
-        gpu_pool.float_output(request, ints.SerializeToString())
+        harness.answer_values(request, ints.SerializeToString())
     with pytest.raises(RuntimeError, match=r"without output 'score': \['other'\]"):
         other = predict_pb2.PredictResponse()
         other.outputs["other"].CopyFrom(tf.make_tensor_proto(scores))
-        gpu_pool.float_output(request, other.SerializeToString())
+        harness.answer_values(request, other.SerializeToString())
 
 
 def test_a_worker_answers_a_requests_tensors_with_its_calls_scores() -> None:
@@ -127,14 +131,14 @@ sys.exit(echo_worker.serve(sys.argv[1], sys.argv[2], "echo", echo_worker.signatu
 
 def test_a_failed_call_is_answered_internal_and_the_worker_serves_on() -> None:
     command = [sys.executable, "-c", FAILING_WORKER]
-    good = gpu_pool.predict_request("good", "echo", {"x": np.ones((1, 3), np.float32)})
-    bad = gpu_pool.predict_request("bad", "echo", {"x": -np.ones((1, 3), np.float32)})
+    good = harness.predict_request("good", "echo", {"x": np.ones((1, 3), np.float32)})
+    bad = harness.predict_request("bad", "echo", {"x": -np.ones((1, 3), np.float32)})
     good.output = bad.output = "x"
     with echo_worker.worker_pool(1, "echo", command) as server:
         worker = server.roles["workers"][0]
         with pytest.raises(RuntimeError, match="INTERNAL: ValueError: negative input"):
             harness.call(server.target, bad)
-        answer = gpu_pool.float_output(good, harness.call(server.target, good))
+        answer = harness.answer_values(good, harness.call(server.target, good))
         np.testing.assert_array_equal(answer, np.ones((1, 3)))
         assert worker.is_running() and harness.request_counts(server.metrics_url) == {
             "INTERNAL": 1,

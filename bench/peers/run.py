@@ -97,11 +97,15 @@ class PeerServer:
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0  # spawn → first answer
+        self.spawned_at = 0.0
         self._seen: dict[int, psutil.Process] = {}
 
     def __enter__(self) -> PeerServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
+            # The clock read at the spawn, not psutil's create_time(): that rests on a boot
+            # time in whole seconds, up to a second early (bench/harness.py's Pool does the same).
+            self.spawned_at = time.time()
             self.proc = subprocess.Popen(
                 self.args, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
@@ -124,7 +128,6 @@ class PeerServer:
     def wait_ready(self, request: Request, timeout_s: float = READY_TIMEOUT_S) -> Server:
         """Poll with a real request until one is answered (the contract's only readiness)."""
         assert self.proc is not None
-        spawned = psutil.Process(self.proc.pid).create_time()
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -137,7 +140,7 @@ class PeerServer:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
-        self.start_s = time.time() - spawned
+        self.start_s = time.time() - self.spawned_at
         return Server(self.name, self.port, {"server": self.processes()}, request.protocol)
 
     def processes(self) -> list[psutil.Process]:
