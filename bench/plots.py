@@ -38,8 +38,15 @@ def plot_windows(
                     xs, ys = zip(*points, strict=True)
                     ax.plot(xs, ys, marker="o", color=colors[system], label=system)
             if key == "rows_per_s":
+                # A style of its own for each reference (up to eight), so none reads as another.
+                styles = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
                 for i, (name, value) in enumerate(references.get(batch, {}).items()):
-                    ax.axhline(value, color="black", linestyle=("--", ":")[i % 2], label=name)
+                    ax.axhline(
+                        value,
+                        color=("black", "dimgray")[i // len(styles) % 2],
+                        linestyle=styles[i % len(styles)],
+                        label=name,
+                    )
             ax.set_xscale("log", base=2)
             ticks = sorted({w["concurrency"] for w in windows})
             ax.set_xticks(ticks, [str(t) for t in ticks])
