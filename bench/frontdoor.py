@@ -39,7 +39,7 @@ from bench.harness import Checker, Pool, Server, fmt, measure
 from bench.inprocess import REQUEST_SEED, InProcessLimit
 from bench.peers.run import PEERS, PeerServer
 from mpspool.demo_model import demo_inputs
-from mpspool.router import BINARY_ENV, binary_path
+from mpspool.router import BINARY_ENV
 
 BEGIN_MARK = "<!-- frontdoor:begin (written by bench/frontdoor.py; edits here are lost) -->"
 END_MARK = "<!-- frontdoor:end -->"
@@ -71,7 +71,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": front_door_env() + harness.command_line("bench.frontdoor"),
-        "front_door": front_door(),
         "machine": harness.describe_machine(),
         "load_start": harness.load_average(),
         "rows": args.rows,
@@ -164,12 +163,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def front_door_env() -> str:
     override = os.environ.get(BINARY_ENV)
     return f"{BINARY_ENV}={override} " if override else ""
-
-
-def front_door() -> str:
-    path = binary_path()
-    built = dt.datetime.fromtimestamp(os.stat(path).st_mtime, dt.timezone.utc)
-    return f"`{path}` (built {built:%Y-%m-%d %H:%M} UTC)"
 
 
 def footprint_mib(server: Server) -> float:
@@ -302,8 +295,9 @@ def render(report: dict[str, Any], plot: Path | None) -> str:
         f"- **Machine:** {report['machine']}; shared with other work: load average "
         f"{report['load_start']} at start, {report['load_end']} at end (1/5/15 min); the "
         "client runs on the same cores",
-        f"- **Code under test:** {report.get('source', '?')}; the front door is "
-        f"{report.get('front_door', '?')}",
+        # The source names its front door binary; reports from before it did carry their own.
+        f"- **Code under test:** {report.get('source', '?')}"
+        + (f"; the front door is {report['front_door']}" if "front_door" in report else ""),
         f"- **Model:** demo, {report['rows']:,} embedding rows; one fixed request per batch "
         "size (the same ids for every system)",
         f"- **Windows:** {report['warmup_s']} s h2load warm-up, then {report['duration_s']} s "
