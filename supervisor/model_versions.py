@@ -25,8 +25,9 @@ from mpspool import process
 from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.supervisor import config_reload
-from mpspool.supervisor.slots import Slot
+from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
+from mpspool.supervisor.supervisord import PROGRAM_LOG_BACKUPS
 from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
@@ -296,6 +297,9 @@ class ModelVersions:
         available = self.available_versions()
         before = self.labels_told()
         allowed = self.config.allow_version_labels_for_unavailable_models
+        # Said once per (label, version) while configured: a pair configured no more goes,
+        # or each label moved away before its version served stayed here for good.
+        self._labels_held &= set(self.config.version_labels.items())
         labels = {}
         for label, version in sorted(self.config.version_labels.items()):
             if version in available or config_reload.label_may_wait_for(
@@ -595,6 +599,24 @@ class ModelVersions:
         self.retired[version] = error
         for old in list(self.retired)[:-RETIRED_SHOWN]:
             del self.retired[old]
+            self._remove_logs(old)
+
+    def _remove_logs(self, version: int) -> None:
+        """A version no longer shown loses its workers' logs (supervisord's backups too) and
+        its publisher's: a pool that rolls versions for months kept files for every version
+        it ever loaded, each worker's up to 60 MB (found by a hunt). The versions status
+        still lists keep theirs, to say why they ended. Not while the version is loaded
+        again, or failed and still on disk (its logs say why)."""
+        if version in self.groups or version in self.failed:
+            return
+        names = [program_name(slot, version, self.prefix) + ".log" for slot in self.config.slots]
+        names.append(self._publish_log_path(version).name)
+        for name in names:
+            for suffix in ["", *(f".{n}" for n in range(1, PROGRAM_LOG_BACKUPS + 1))]:
+                try:
+                    (self.pool.log_dir / f"{name}{suffix}").unlink(missing_ok=True)
+                except OSError as exc:  # the operator's directory: said, never fatal
+                    log.warning("cannot remove the log of retired version %d: %s", version, exc)
 
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on

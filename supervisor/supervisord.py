@@ -34,6 +34,9 @@ STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL = 0, 10, 20, 30, 40
 # The states a stop ends (STOPPING: one under way).
 STOPPABLE_STATES = (STARTING, RUNNING, BACKOFF, STOPPING)
 
+# Each program's log keeps this many rotated files beside it (name.log.1, name.log.2).
+PROGRAM_LOG_BACKUPS = 2
+
 
 @dataclass
 class Program:
@@ -70,7 +73,7 @@ class Program:
             # supervisord expands this value twice (4.3.0), so it is escaped twice.
             f"stdout_logfile={_pct(_pct(log_dir / (self.name + '.log')))}",
             "stdout_logfile_maxbytes=20MB",
-            "stdout_logfile_backups=2",
+            f"stdout_logfile_backups={PROGRAM_LOG_BACKUPS}",
         ]
         if env:
             lines.append(f"environment={env}")

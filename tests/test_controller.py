@@ -1583,6 +1583,40 @@ def test_a_retired_version_waits_for_its_running_calls_past_the_drain_timeout(
     assert told(pool) == {1: "END", 2: "AVAILABLE"}
 
 
+def test_a_version_no_longer_shown_takes_its_logs_along(make_pool: Callable[..., Pool]):
+    """Status lists the last five retired versions; older ones' worker logs (with
+    supervisord's rotated backups) and publisher logs are removed, so a pool rolling versions
+    for months does not keep files of every version it loaded. The versions still shown, and
+    the one serving, keep theirs."""
+    pool, base = versioned_pool(make_pool, [1], drain_timeout_s=1.0)
+    logs = Path(pool.controller.config.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def files(version: int) -> list[Path]:
+        workers = [logs / f"worker-{s}-v{version}.log" for s in ("cpu-0", "cpu-1")]
+        publish = logs / ("publish.log" if version == 1 else f"publish-v{version}.log")
+        return [*workers, workers[0].with_suffix(".log.1"), publish]
+
+    for path in files(1):
+        path.write_text("version 1 said this\n")
+    for version in range(2, 9):
+        for path in files(version):
+            path.write_text(f"version {version}\n")
+        (base / str(version)).mkdir()
+        (base / str(version) / "saved_model.pb").write_bytes(b"")
+        pool.tick(after_s=1.0)
+        for name in ("cpu-0", "cpu-1"):
+            pool.router.register(f"{name}@{version}", pool.sd.pid_of(f"{name}@{version}"))
+        pool.tick()
+        pool.tick(after_s=0.2)
+        assert told(pool)[version - 1] == "END", told(pool)
+    assert sorted(told(pool)) == [3, 4, 5, 6, 7, 8]  # five retired shown, and the one serving
+    for version in (1, 2):
+        assert not any(path.exists() for path in files(version)), version
+    for version in range(3, 9):
+        assert all(path.exists() for path in files(version)), version
+
+
 def test_a_retired_version_waits_no_longer_than_a_call_may_run(
     make_pool: Callable[..., Pool],
 ):

@@ -181,7 +181,7 @@ fn op<P>(
                 ));
             };
             pool.table
-                .keep_departed_of(parsed.iter().map(|sample| sample.slot.as_str()));
+                .forget_slots_not_in(parsed.iter().map(|sample| sample.slot.as_str()));
             pool.state.set_slots(parsed);
             vec![("ok", Value::from(true))]
         }
@@ -206,6 +206,8 @@ fn op<P>(
                 Ok(mut table) => {
                     table.starting =
                         matches!(field(request, "starting"), Some(Value::Boolean(true)));
+                    let listed = table.versions.keys().copied().collect();
+                    pool.state.warmup.keep_versions_of(current.id, &listed);
                     let mut models = Models::clone(&models);
                     models.replace(table);
                     pool.versions.send_replace(Arc::new(models));

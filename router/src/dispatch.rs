@@ -1302,7 +1302,7 @@ impl Actor {
                 if let (Some((path, micros, records)), None) =
                     (warmup, self.table.get_mut(&identity))
                 {
-                    self.state.warmup.record(&path, micros, records);
+                    self.state.warmup.record(servable, &path, micros, records);
                 }
                 let joined = self
                     .table

@@ -302,12 +302,17 @@ impl<P> WorkerTable<P> {
     }
 
     /// The controller's slots are now `slots` (it lists every slot it has at each change):
-    /// the answered counts of those it no longer has are forgotten, so that the table does
-    /// not grow with every version a long-lived pool ever loaded, and a slot whose model is
-    /// removed and added again counts from 0, not from what its old workers answered.
-    pub fn keep_departed_of<'a>(&mut self, slots: impl IntoIterator<Item = &'a str>) {
+    /// what is kept of those it no longer has is forgotten, so that the table does not grow
+    /// with every version a long-lived pool ever loaded. Their answered counts (a slot whose
+    /// model is removed and added again counts from 0, not from what its old workers
+    /// answered), and their incarnations declared dead (one declared dead while its version
+    /// retired was never replaced, so never registered again, and stayed in every snapshot;
+    /// found by a hunt).
+    pub fn forget_slots_not_in<'a>(&mut self, slots: impl IntoIterator<Item = &'a str>) {
         let kept: std::collections::BTreeSet<&str> = slots.into_iter().collect();
         self.departed_answered
+            .retain(|slot, _| kept.contains(slot.as_str()));
+        self.declared_dead
             .retain(|slot, _| kept.contains(slot.as_str()));
     }
 
@@ -746,7 +751,7 @@ mod tests {
     /// is forgotten: a model added again under the same slot counts from 0, and a pool that
     /// rolls versions for months does not keep a count per version it ever loaded.
     #[test]
-    fn served_forgets_the_slots_the_controller_no_longer_has() {
+    fn what_is_kept_of_slots_the_controller_no_longer_has_is_forgotten() {
         let (mut t, now) = table("round-robin");
         for (slot, pid) in [("cpu-0@1", 101), ("cpu-0@2", 102)] {
             join(&mut t, slot, pid, now);
@@ -758,12 +763,23 @@ mod tests {
             serde_json::to_value(t.served()).unwrap(),
             serde_json::json!({"cpu-0@1": 1, "cpu-0@2": 1})
         );
-        t.keep_departed_of(["cpu-0@2", "cpu-0@3"]);
+        // A worker of each of two versions declared dead by silence.
+        join(&mut t, "cpu-0@1", 104, now);
+        join(&mut t, "cpu-0@3", 105, now);
+        assert_eq!(t.expire(now + TIMEOUT * 2, |_| 0).len(), 2);
+        assert_eq!(t.declared_dead.len(), 2);
+        t.forget_slots_not_in(["cpu-0@2", "cpu-0@3"]);
         assert_eq!(
             serde_json::to_value(t.served()).unwrap(),
-            serde_json::json!({"cpu-0@2": 1})
+            serde_json::json!({"cpu-0@2": 1, "cpu-0@3": 0})
         );
-        t.keep_departed_of([]);
+        // The slot the controller still has keeps its dead incarnation (it replaces it).
+        assert_eq!(
+            t.declared_dead,
+            BTreeMap::from([("cpu-0@3".to_string(), 105)])
+        );
+        t.forget_slots_not_in([]);
+        assert!(t.declared_dead.is_empty());
         join(&mut t, "cpu-0@2", 103, now);
         assert_eq!(
             serde_json::to_value(t.served()).unwrap(),
