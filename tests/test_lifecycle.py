@@ -224,7 +224,11 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
 
 
 def _codes_until_served(pool: Pool, timeout: float = 90.0) -> list[grpc.StatusCode]:
-    """Each Predict's code, called from when the pool's port is known until one is answered."""
+    """Each Predict's code, called from when the pool's port is known until one is answered.
+    Health is asked before each: once it says SERVING, a Predict must be served (a readiness
+    probe sends traffic on it). It said SERVING a controller tick before the version was
+    AVAILABLE, and 8 to 14 Predicts polled every 5 ms then failed as still loading (found by
+    a README hunt)."""
     deadline = time.monotonic() + timeout
     listen = None
     while listen is None:
@@ -244,11 +248,16 @@ def _codes_until_served(pool: Pool, timeout: float = 90.0) -> list[grpc.StatusCo
         while not codes or codes[-1] != grpc.StatusCode.OK:
             assert time.monotonic() < deadline, codes
             try:
+                serving = pool.health(channel) == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                serving = False
+            try:
                 stub.Predict(request, timeout=10)
                 codes.append(grpc.StatusCode.OK)
             except grpc.RpcError as exc:
+                assert not serving, f"health said SERVING, then Predict: {exc.details()}"
                 codes.append(exc.code())
-                time.sleep(0.05)
+                time.sleep(0.005)
     return codes
 
 

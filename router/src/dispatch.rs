@@ -193,6 +193,7 @@ pub struct Dispatcher {
     versions: watch::Receiver<Arc<Models>>,
     routable: watch::Receiver<Routable>,
     ready: watch::Receiver<usize>,
+    serving: watch::Receiver<usize>,
     copied: watch::Receiver<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
     /// NO_WORKER_WAIT, shorter in tests.
@@ -276,6 +277,7 @@ impl Dispatcher {
         let (versions_tx, versions) = watch::channel(Arc::new(tables));
         let (routable_tx, routable) = watch::channel(Routable::default());
         let (ready_tx, ready) = watch::channel(0);
+        let (serving_tx, serving) = watch::channel(0);
         let (copied_tx, copied) = watch::channel(Default::default());
         let actor = Actor {
             control_fd: signal_fd(&control)?,
@@ -298,6 +300,7 @@ impl Dispatcher {
             versions: versions_tx,
             routable: routable_tx,
             ready: ready_tx,
+            serving: serving_tx,
             copied: copied_tx,
             state: state.clone(),
             _context: context,
@@ -310,6 +313,7 @@ impl Dispatcher {
             versions,
             routable,
             ready,
+            serving,
             copied,
             state,
             no_worker_wait: NO_WORKER_WAIT,
@@ -334,6 +338,15 @@ impl Dispatcher {
 
     pub fn ready_workers(&self) -> watch::Receiver<usize> {
         self.ready.clone()
+    }
+
+    /// The READY workers whose version the controller has said AVAILABLE: what health
+    /// says SERVING by. A worker is READY a controller tick before its version is
+    /// AVAILABLE, and at the pool's start its model's requests were refused as still
+    /// loading for that tick while health said SERVING (a readiness probe's traffic failed;
+    /// found by a README hunt).
+    pub fn serving_workers(&self) -> watch::Receiver<usize> {
+        self.serving.clone()
     }
 
     /// Slot → bytes of shared weights TensorFlow copied into its worker, for the
@@ -673,6 +686,8 @@ struct Actor {
     versions: watch::Sender<Arc<Models>>,
     routable: watch::Sender<Routable>,
     ready: watch::Sender<usize>,
+    /// The READY workers of AVAILABLE versions (`Dispatcher::serving_workers`).
+    serving: watch::Sender<usize>,
     copied: watch::Sender<std::collections::BTreeMap<String, u64>>,
     state: Arc<RouterState>,
     _context: zmq::Context,
@@ -1141,6 +1156,14 @@ impl Actor {
             // unbatched (a front door that restarted hears from it within a tick).
             by_servable.retain(|s, _| models.get(s.model).is_some_and(|t| t.from_controller));
         }
+        let serving: usize = by_servable
+            .iter()
+            .filter(|(s, _)| models.is_served(s.model))
+            .filter(|(s, _)| models.get(s.model).is_some_and(|t| t.available(s.version)))
+            .map(|(_, n)| n)
+            .sum();
+        self.serving
+            .send_if_modified(|n| std::mem::replace(n, serving) != serving);
         let routable = Routable {
             by_servable,
             latest: models.latest(),

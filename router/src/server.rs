@@ -201,7 +201,7 @@ impl Server {
         }
         let health_task = tokio::spawn(follow_health(
             health,
-            api.dispatcher.ready_workers(),
+            api.dispatcher.serving_workers(),
             state.phase.subscribe(),
         ));
         let (shutdown_tx, shutdown_rx) = watch::channel(Ending::No);
@@ -949,8 +949,9 @@ where
     }
 }
 
-/// Health is SERVING only while the phase is SERVING and at least one worker is READY, for
-/// "" and for TF Serving's PredictionService.
+/// Health is SERVING only while the phase is SERVING and at least one worker of a version
+/// the controller said AVAILABLE is READY (`serving`, the dispatcher's count), for "" and for
+/// TF Serving's services.
 async fn follow_health(
     reporter: HealthReporter,
     mut ready: watch::Receiver<usize>,

@@ -144,7 +144,7 @@ impl VersionTable {
             .map(|(v, _)| *v)
     }
 
-    fn available(&self, version: i64) -> bool {
+    pub fn available(&self, version: i64) -> bool {
         self.versions
             .get(&version)
             .is_some_and(|e| e.state == VersionState::Available)

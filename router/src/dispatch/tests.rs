@@ -1550,6 +1550,46 @@ async fn with_splitting_a_request_that_cannot_be_cut_runs_alone_above_max_batch_
     dispatcher.shutdown();
 }
 
+/// Health follows the workers of AVAILABLE versions, not every READY worker: at the pool's
+/// start a worker is READY a controller tick before its version is AVAILABLE, and health
+/// said SERVING while requests were refused as still loading (found by a README hunt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_counts_the_ready_workers_of_available_versions_only() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start(&dir, Duration::from_secs(3));
+    let listed = ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 1, "starting": true,
+            "versions": [{"version": 1, "state": "LOADING"}]}),
+    );
+    assert_eq!(listed["ok"], true);
+    let _one = FakeWorker::serving(&dir, "cpu-0@1", 100, 1, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    assert_eq!(*dispatcher.serving_workers().borrow(), 0);
+    ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 2,
+            "versions": [{"version": 1, "state": "AVAILABLE"}]}),
+    );
+    let mut serving = dispatcher.serving_workers();
+    tokio::time::timeout(Duration::from_secs(10), serving.wait_for(|n| *n == 1))
+        .await
+        .expect("serving once its version is AVAILABLE")
+        .unwrap();
+    // A version of a worker that retires takes it out again.
+    ask(
+        &dir,
+        serde_json::json!({"v": 1, "op": "versions", "n": 3,
+            "versions": [{"version": 1, "state": "UNLOADING"}]}),
+    );
+    tokio::time::timeout(Duration::from_secs(10), serving.wait_for(|n| *n == 0))
+        .await
+        .expect("not serving once its version unloads")
+        .unwrap();
+    assert_eq!(*dispatcher.ready_workers().borrow(), 1);
+    dispatcher.shutdown();
+}
+
 fn aimed(version: i64, pinned: bool) -> WorkRequest {
     WorkRequest {
         target: Target {
