@@ -88,6 +88,21 @@ class GpuClaims:
                 same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
+            if same and os.fstat(fd).st_uid != os.getuid():
+                # Another user's file that no pool holds (theirs ended, or it was put there
+                # to be adopted: written to, it stayed theirs and readable by all; found by
+                # a hunt). Replaced while locked, so no start takes the one going away.
+                owner = os.fstat(fd).st_uid
+                try:
+                    path.unlink()
+                except OSError as exc:
+                    os.close(fd)
+                    raise ConfigError(
+                        f"GPU {index} ({uuid}): its lock file {path} belongs to uid {owner} "
+                        f"and no pool holds it, but cannot be replaced ({exc.strerror}): "
+                        "remove it"
+                    ) from None
+                same = False
             if same:
                 break
             os.close(fd)

@@ -692,6 +692,11 @@ def cmd_start(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s controller %(levelname)s %(message)s"
     )
+    # Everything the pool makes is its user's alone, whatever umask it was started with:
+    # under umask 000 the parents `mkdir(parents=True)` made for --log-dir or --run-dir were
+    # 0777 (another user could swap the log dir under them) and the controller's admin
+    # socket srwxrwxrwx (found by a hunt). Files meant to be shared say so with their mode.
+    os.umask(0o077)
     if not (args.model_base_path or args.model_config_file or args.demo):
         raise ConfigError("give --model_base_path, --model_config_file or --demo")
     # TF Serving's flags without a setting here: refused before anything starts, or named.
@@ -757,7 +762,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         (base_path, policy_text, ""),
         *[(Path(e.base_path), e.version_policy, e.name) for e in entries],
     ]
-    run_dir = args.run_dir.resolve()
+    run_dir = rundir.absolute(args.run_dir)
 
     def make_config(first: list[int], models_on_disk: bool = True) -> PoolConfig:
         """The pool's configuration, checked (`PoolConfig.validate`), at each model's first
@@ -1414,7 +1419,8 @@ def _labels_text(configured: dict[str, int], in_effect: dict[str, int] | None) -
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir.resolve()
+    run_dir = rundir.absolute(args.run_dir)
+    rundir.check_owned(run_dir)
     info = rundir.read_controller(run_dir)
     try:
         # Longer than status's 5 s: a controller may be held that long (a GPU's daemon

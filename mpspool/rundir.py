@@ -43,6 +43,32 @@ def controller_alive(info: dict | None) -> bool:
         return False
 
 
+def absolute(run_dir: Path) -> Path:
+    """``run_dir`` made absolute with its parents resolved but not itself: a link there is
+    for `prepare` and `check_owned` to see, not to follow."""
+    path = Path(os.path.abspath(run_dir))
+    return path.parent.resolve() / path.name if path.name else path
+
+
+def check_owned(run_dir: Path) -> None:
+    """ConfigError unless ``run_dir`` is a directory of this user, not a link (when it
+    exists): what `mpspool stop` acts on, as it may signal the pid its controller file
+    names. Another user's link or directory at the default /tmp/mpspool-<uid> could name
+    any process."""
+    try:
+        st = run_dir.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(
+            f"run dir {run_dir} is a symbolic link: pass the directory itself as --run-dir"
+        )
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})"
+        )
+
+
 def prepare(run_dir: Path) -> bool:
     """Create (or check and clean) the run directory; True if it is a pool's to remove at
     exit: this call created it, or a dead pool that had created it left it behind."""
@@ -52,7 +78,14 @@ def prepare(run_dir: Path) -> bool:
         created = True
     except FileExistsError:
         pass
-    st = run_dir.stat()
+    # Not followed through a link: another user's link at the default /tmp/mpspool-<uid>
+    # (where XDG_RUNTIME_DIR is unset) made the pool clean a directory of their choosing
+    # (found by a hunt).
+    st = run_dir.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(
+            f"run dir {run_dir} is a symbolic link: pass the directory itself as --run-dir"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"run dir {run_dir} is not a directory")
     if st.st_uid != os.getuid():

@@ -115,6 +115,32 @@ def test_run_dir_that_cannot_be_made_is_refused(tmp_path: Path, demo_model_dir: 
     assert_one_line(err, "--run-dir /proc/x: ")
 
 
+def test_a_run_dir_that_is_a_link_is_refused_and_its_target_untouched(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Another user's link at the default /tmp/mpspool-<uid> made the pool clean the
+    directory it points to (its models/ and pool files removed)."""
+    target = tmp_path / "target"
+    (target / "models").mkdir(parents=True)
+    target.chmod(0o700)
+    (target / "models" / "precious").write_text("kept")
+    (target / "pool.json").write_text("{}")
+    link = tmp_path / "run"
+    link.symlink_to(target)
+    code, err = run_start(tmp_path, demo_model_dir, link)
+    assert code == 2, err
+    assert_one_line(err, f"run dir {link} is a symbolic link: pass the directory itself")
+    assert (target / "models" / "precious").read_text() == "kept"
+    assert (target / "pool.json").exists()
+    # `stop` may signal the pid a controller file names: not through a link either.
+    stopped = subprocess.run(
+        mpspool_cmd("stop", "--run-dir", str(link)),
+        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert stopped.returncode == 2, stopped.stderr
+    assert_one_line(stopped.stderr, f"run dir {link} is a symbolic link")
+
+
 @pytest.mark.parametrize("kind", ["cannot-be-made", "a-file"])
 def test_log_dir_that_cannot_be_made_is_refused(
     tmp_path: Path, demo_model_dir: Path, kind: str

@@ -177,8 +177,16 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
     base = tmp_path / "models"
     base.mkdir()
     pool = Pool(tmp_path, base, 1, "--file_system_poll_wait_seconds", "0.2")
+    # Its log dir's parents made by the pool, and the pool started under umask 000: what it
+    # makes is private all the same (the parents were 0777, its admin socket srwxrwxrwx).
+    pool.log_dir = tmp_path / "parent" / "logs"
+    pool.args[pool.args.index("--log-dir") + 1] = str(pool.log_dir)
+    umask = os.umask(0)
     try:
         pool.start()
+    finally:
+        os.umask(umask)
+    try:
         deadline = time.monotonic() + 30
         while "No versions of servable demo found" not in pool.output():
             assert pool.proc is not None and pool.proc.poll() is None, pool.output()
@@ -207,6 +215,9 @@ def test_a_model_not_there_yet_is_waited_for_then_served(
         assert codes[-1] == grpc.StatusCode.OK, codes
         assert set(codes[:-1]) <= {grpc.StatusCode.UNAVAILABLE}, codes
         pool.wait_ready(1)
+        made = [pool.log_dir.parent, *pool.log_dir.iterdir(), *pool.run_dir.iterdir()]
+        shared = {str(p): oct(p.lstat().st_mode & 0o777) for p in made if p.lstat().st_mode & 0o077}
+        assert shared == {}, shared
         assert pool.stop() == 0
         assert pool.leftovers() == []
     finally:

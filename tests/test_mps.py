@@ -546,6 +546,25 @@ def test_a_gpu_is_claimed_by_one_pool_at_a_time(tmp_path: Path) -> None:
     second.release()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's file needs root")
+def test_another_users_claim_file_that_no_pool_holds_is_replaced_not_adopted(
+    tmp_path: Path,
+) -> None:
+    """A lock file another user left (or put there to be adopted), unlocked: the pool makes
+    its own, 0600 and its user's, instead of writing its run dir into theirs (which stayed
+    theirs and readable by all). One they hold is refused as any holder's is."""
+    planted = claim_path("GPU-aaaa", tmp_path)
+    planted.write_text("/planted")
+    planted.chmod(0o666)
+    os.chown(planted, 65534, 65534)
+    claims = GpuClaims(tmp_path)
+    claims.take([(0, "GPU-aaaa")], Path("/run/ours"))
+    st = planted.stat()
+    assert (st.st_uid, oct(st.st_mode & 0o777)) == (os.getuid(), "0o600")
+    assert planted.read_text() == "/run/ours"
+    claims.release()
+
+
 def test_split_active_thread_percentage_divides_the_gpu() -> None:
     from mpspool.cli import _thread_percentage
     from mpspool.config import ConfigError
