@@ -13,9 +13,12 @@ TF Serving, and with `grpc.default_authority` set as grpc-go and tonic send it."
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -151,3 +154,72 @@ def test_a_relative_path_is_made_absolute_at_start(flag: str, tmp_path: Path) ->
     assert args.grpc_socket_path == "tfs.sock"
     # Empty, TF Serving's default: no socket.
     assert build_parser().parse_args(["start", "--demo", f"{flag}="]).grpc_socket_path == ""
+
+
+NOBODY = 65534
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+# A raw unary call as another user: only grpc imported (no TensorFlow), the request's bytes
+# made by the test; prints the status code's name.
+_RAW_CALL = """
+import sys, grpc
+target, body = sys.argv[1], open(sys.argv[2], "rb").read()
+with grpc.insecure_channel(target) as channel:
+    call = channel.unary_unary("/tensorflow.serving.ModelService/HandleReloadConfigRequest")
+    try:
+        call(body, timeout=60)
+        print("OK")
+    except grpc.RpcError as exc:
+        print(exc.code().name, exc.details())
+"""
+
+
+def test_an_admin_call_over_tcp_is_taken_from_the_pools_user_only(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """HandleReloadConfigRequest from this host, but from another user: refused. Any local
+    user could add a model to a pool running as root, whose workers then ran that user's
+    SavedModel as root (found by a hunt)."""
+    from google.protobuf import text_format
+    from tensorflow_serving.apis import model_management_pb2
+
+    probe = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import grpc"], capture_output=True)
+    if os.getuid() != 0 or probe.returncode != 0:
+        pytest.skip("needs root and setpriv to call as another user")
+    # Where the other user can read them (pytest's own directories are root's alone).
+    shared = Path(tempfile.mkdtemp(prefix="mpt-nobody-", dir="/tmp"))
+    shared.chmod(0o755)
+    script = shared / "call.py"
+    script.write_text(_RAW_CALL)
+    request = model_management_pb2.ReloadConfigRequest()
+    text_format.Parse(
+        f'model_config_list {{ config {{ name: "demo" base_path: "{demo_model_dir}" '
+        'model_platform: "tensorflow" } }',
+        request.config,
+    )
+    body = shared / "request.bin"
+    body.write_bytes(request.SerializeToString())
+    for path in (script, body):
+        path.chmod(0o644)
+    pool = Pool(tmp_path, demo_model_dir, 1).start()
+    try:
+        pool.wait_ready(1)
+        target = f"127.0.0.1:{pool.port}"
+
+        def call(*as_user: str) -> str:
+            done = subprocess.run(
+                [*as_user, sys.executable, str(script), target, str(body)],
+                capture_output=True, text=True, timeout=90,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
+            return done.stdout.strip()
+
+        refused = call(*AS_NOBODY)
+        assert refused == (
+            "PERMISSION_DENIED HandleReloadConfigRequest changes the pool's configuration, an "
+            "admin action: it is taken only from the user the pool runs as (or root)"
+        ), refused
+        assert call() == "OK"
+        assert pool.stop() == 0
+    finally:
+        pool.kill()
+        shutil.rmtree(shared)

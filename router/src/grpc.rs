@@ -559,7 +559,8 @@ impl ModelService for Api {
 
     /// Handed to the controller, which applies the config's version policy and labels and
     /// answers once they are in effect (supervisor/config_reload.py); the call waits for that
-    /// (or the client's deadline). An admin action: taken only from this host.
+    /// (or the client's deadline). An admin action: taken only from this host, and there
+    /// only from the pool's user (or root).
     async fn handle_reload_config_request(
         &self,
         request: Request<ReloadConfigRequest>,
@@ -569,6 +570,14 @@ impl ModelService for Api {
                 Code::PermissionDenied,
                 "HandleReloadConfigRequest changes the pool's configuration, an admin action: \
                  it is taken only from this host",
+            )
+            .into());
+        }
+        if !Peer::is_this_user(request.extensions()) {
+            return Err(ServingError::new(
+                Code::PermissionDenied,
+                "HandleReloadConfigRequest changes the pool's configuration, an admin action: \
+                 it is taken only from the user the pool runs as (or root)",
             )
             .into());
         }

@@ -21,6 +21,7 @@ mod json_tensor;
 mod lifespan;
 mod log;
 mod metrics;
+mod peer_uid;
 mod policies;
 mod preface;
 mod proto;

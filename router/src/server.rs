@@ -640,6 +640,19 @@ impl Peer {
             Peer::Unix => true,
         })
     }
+
+    /// Whether a local peer (`is_local`) is this process's user or root. The UNIX socket is
+    /// 0700, so its peers are; a loopback TCP peer is whoever owns the client's socket (the
+    /// kernel's socket table), and any local user could connect there.
+    pub fn is_this_user(extensions: &tonic::Extensions) -> bool {
+        // SAFETY: getuid has no preconditions and cannot fail.
+        let ours = unsafe { libc::getuid() };
+        extensions.get::<Peer>().is_some_and(|peer| match peer {
+            Peer::Tcp(address) => crate::peer_uid::loopback_peer_uid(*address)
+                .is_some_and(|uid| uid == ours || uid == 0),
+            Peer::Unix => true,
+        })
+    }
 }
 
 /// One connection's gRPC service: each call tagged with the peer, its body read as
