@@ -88,11 +88,11 @@ class GpuClaims:
                 same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
-            if same and os.fstat(fd).st_uid != os.getuid():
+            owner = os.fstat(fd).st_uid
+            if same and owner != os.getuid():
                 # Another user's file that no pool holds (theirs ended, or it was put there
                 # to be adopted: written to, it stayed theirs and readable by all; found by
                 # a hunt). Replaced while locked, so no start takes the one going away.
-                owner = os.fstat(fd).st_uid
                 try:
                     path.unlink()
                 except OSError as exc:

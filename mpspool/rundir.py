@@ -50,23 +50,35 @@ def absolute(run_dir: Path) -> Path:
     return path.parent.resolve() / path.name if path.name else path
 
 
+def _not_a_link(run_dir: Path) -> os.stat_result:
+    """``run_dir``'s own stat, not followed through a link: another user's link at the
+    default /tmp/mpspool-<uid> (where XDG_RUNTIME_DIR is unset) made the pool clean a
+    directory of their choosing (found by a hunt). ConfigError for a link."""
+    st = run_dir.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(
+            f"run dir {run_dir} is a symbolic link: pass the directory itself as --run-dir"
+        )
+    return st
+
+
+def _check_uid(run_dir: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})"
+        )
+
+
 def check_owned(run_dir: Path) -> None:
     """ConfigError unless ``run_dir`` is a directory of this user, not a link (when it
     exists): what `mpspool stop` acts on, as it may signal the pid its controller file
     names. Another user's link or directory at the default /tmp/mpspool-<uid> could name
     any process."""
     try:
-        st = run_dir.lstat()
+        st = _not_a_link(run_dir)
     except FileNotFoundError:
         return
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(
-            f"run dir {run_dir} is a symbolic link: pass the directory itself as --run-dir"
-        )
-    if st.st_uid != os.getuid():
-        raise ConfigError(
-            f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})"
-        )
+    _check_uid(run_dir, st)
 
 
 def prepare(run_dir: Path) -> bool:
@@ -78,20 +90,10 @@ def prepare(run_dir: Path) -> bool:
         created = True
     except FileExistsError:
         pass
-    # Not followed through a link: another user's link at the default /tmp/mpspool-<uid>
-    # (where XDG_RUNTIME_DIR is unset) made the pool clean a directory of their choosing
-    # (found by a hunt).
-    st = run_dir.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(
-            f"run dir {run_dir} is a symbolic link: pass the directory itself as --run-dir"
-        )
+    st = _not_a_link(run_dir)
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"run dir {run_dir} is not a directory")
-    if st.st_uid != os.getuid():
-        raise ConfigError(
-            f"run dir {run_dir} belongs to uid {st.st_uid}, not to you ({os.getuid()})"
-        )
+    _check_uid(run_dir, st)
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise ConfigError(
             f"run dir {run_dir} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private: "

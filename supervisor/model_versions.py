@@ -27,7 +27,7 @@ from mpspool.demo_model import versions_on_disk
 from mpspool.supervisor import config_reload
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
-from mpspool.supervisor.supervisord import PROGRAM_LOG_BACKUPS
+from mpspool.supervisor.supervisord import program_logs
 from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
@@ -609,14 +609,17 @@ class ModelVersions:
         again, or failed and still on disk (its logs say why)."""
         if version in self.groups or version in self.failed:
             return
-        names = [program_name(slot, version, self.prefix) + ".log" for slot in self.config.slots]
-        names.append(self._publish_log_path(version).name)
-        for name in names:
-            for suffix in ["", *(f".{n}" for n in range(1, PROGRAM_LOG_BACKUPS + 1))]:
-                try:
-                    (self.pool.log_dir / f"{name}{suffix}").unlink(missing_ok=True)
-                except OSError as exc:  # the operator's directory: said, never fatal
-                    log.warning("cannot remove the log of retired version %d: %s", version, exc)
+        paths = [
+            path
+            for slot in self.config.slots
+            for path in program_logs(self.pool.log_dir, program_name(slot, version, self.prefix))
+        ]
+        paths.append(self._publish_log_path(version))
+        for path in paths:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # the operator's directory: said, never fatal
+                log.warning("cannot remove the log of retired version %d: %s", version, exc)
 
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on

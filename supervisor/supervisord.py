@@ -38,6 +38,12 @@ STOPPABLE_STATES = (STARTING, RUNNING, BACKOFF, STOPPING)
 PROGRAM_LOG_BACKUPS = 2
 
 
+def program_logs(log_dir: Path, name: str) -> list[Path]:
+    """Program ``name``'s log in ``log_dir``, then the rotated files supervisord keeps."""
+    log = log_dir / f"{name}.log"
+    return [log, *(log.with_name(f"{log.name}.{n}") for n in range(1, PROGRAM_LOG_BACKUPS + 1))]
+
+
 @dataclass
 class Program:
     name: str
@@ -71,7 +77,7 @@ class Program:
             "killasgroup=true",
             "redirect_stderr=true",
             # supervisord expands this value twice (4.3.0), so it is escaped twice.
-            f"stdout_logfile={_pct(_pct(log_dir / (self.name + '.log')))}",
+            f"stdout_logfile={_pct(_pct(program_logs(log_dir, self.name)[0]))}",
             "stdout_logfile_maxbytes=20MB",
             f"stdout_logfile_backups={PROGRAM_LOG_BACKUPS}",
         ]
