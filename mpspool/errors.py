@@ -7,6 +7,7 @@ a worker's error crosses ZeroMQ as an integer and reaches the client unchanged.
 from __future__ import annotations
 
 import enum
+import errno
 
 
 class Code(enum.IntEnum):
@@ -39,3 +40,57 @@ class ServingError(Exception):
 
     def __repr__(self) -> str:
         return f"ServingError({self.code.name}, {self.message!r})"
+
+
+def code_of(value: int) -> Code:
+    """The code numbered ``value`` (as TensorFlow's OpError.error_code); UNKNOWN for a number
+    outside gRPC's range."""
+    return Code(value) if value in Code._value2member_map_ else Code.UNKNOWN
+
+
+def status_text(code: Code | int, message: str) -> str:
+    """A failure's reason in absl::Status::ToString's form ("NOT_FOUND: message"): how the
+    code of a version's load failure travels with its words (a process's fatal line, the
+    controller's version tables, `mpspool status`) to the front door, which answers
+    GetModelStatus with both, as TF Serving does (router/src/status.rs, split_status_text).
+    UNKNOWN is left unsaid: a reason without a code is UNKNOWN."""
+    code = Code(code)
+    return message if code in (Code.OK, Code.UNKNOWN) else f"{code.name}: {message}"
+
+
+# TensorFlow's reading of an errno (tsl/platform/errors.cc, ErrnoToCode), for those a load meets.
+_CODE_OF_ERRNO = {
+    errno.ENOENT: Code.NOT_FOUND,
+    errno.ENXIO: Code.NOT_FOUND,
+    errno.ENODEV: Code.NOT_FOUND,
+    errno.EACCES: Code.PERMISSION_DENIED,
+    errno.EPERM: Code.PERMISSION_DENIED,
+    errno.EROFS: Code.PERMISSION_DENIED,
+    errno.ENOTDIR: Code.FAILED_PRECONDITION,
+    errno.EISDIR: Code.FAILED_PRECONDITION,
+    errno.ENAMETOOLONG: Code.INVALID_ARGUMENT,
+    errno.ENOSPC: Code.RESOURCE_EXHAUSTED,
+    errno.ENOMEM: Code.RESOURCE_EXHAUSTED,
+    errno.EMFILE: Code.RESOURCE_EXHAUSTED,
+    errno.ENFILE: Code.RESOURCE_EXHAUSTED,
+    errno.EFBIG: Code.RESOURCE_EXHAUSTED,
+    errno.EIO: Code.UNAVAILABLE,
+}
+
+
+# The same for an OSError raised without an errno, by its class (TensorFlow's loader raises
+# FileNotFoundError("Unsuccessful TensorSliceReader constructor: ...") so).
+_CODE_OF_CLASS = (
+    (FileNotFoundError, Code.NOT_FOUND),
+    (PermissionError, Code.PERMISSION_DENIED),
+    (NotADirectoryError, Code.FAILED_PRECONDITION),
+    (IsADirectoryError, Code.FAILED_PRECONDITION),
+)
+
+
+def code_of_os_error(exc: OSError) -> Code:
+    """The code TensorFlow gives a failed file operation with ``exc``'s errno, or its class
+    when it has none (UNKNOWN when neither says)."""
+    if exc.errno:
+        return _CODE_OF_ERRNO.get(exc.errno, Code.UNKNOWN)
+    return next((code for kind, code in _CODE_OF_CLASS if isinstance(exc, kind)), Code.UNKNOWN)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from mpspool import process
 from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
+from mpspool.errors import Code, status_text
 from mpspool.supervisor import config_reload
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
@@ -130,7 +131,9 @@ class ModelVersions:
             try:
                 group.batching = version_batching(Path(config.version_path(version)))
             except ConfigError as exc:
-                group.batching_error = f"cannot batch as its directory asks: {exc}"
+                group.batching_error = status_text(
+                    Code.INVALID_ARGUMENT, f"cannot batch as its directory asks: {exc}"
+                )
         return group
 
     # -- publishing ---------------------------------------------------------------

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from mpspool import segment
+from mpspool.errors import Code
 from mpspool.worker.publish import PublishError, publish
 from mpspool.worker.runtime import load_saved_model
 
@@ -437,8 +438,9 @@ def test_a_checkpoint_without_its_index_is_refused_naming_it(
     broken = tmp_path / "1"
     shutil.copytree(base / "1", broken)
     (broken / "variables" / "variables.index").unlink()
-    with pytest.raises(PublishError, match=r"variables\.index"):
+    with pytest.raises(PublishError, match=r"variables\.index") as info:
         publish(broken, "broken", 1, segment_path, os.getpid(), 0.0)
+    assert info.value.code == Code.NOT_FOUND
 
 
 def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
@@ -552,7 +554,7 @@ def test_a_worker_loads_while_the_weights_are_still_being_published(
 
 
 def test_an_out_of_range_id_keeps_tensorflows_error(zoo, segment_path: Path, tmp_path: Path):
-    from mpspool.errors import Code, ServingError
+    from mpspool.errors import ServingError
 
     base, _ = zoo["gather_on_variable"]
     publish(base / "1", "g", 1, segment_path, os.getpid(), 0.0)

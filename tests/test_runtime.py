@@ -299,6 +299,7 @@ def test_missing_directory_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist") as info:
         load_saved_model(str(missing), "demo", 1)
     assert str(missing) in str(info.value)
+    assert info.value.code is Code.NOT_FOUND  # what GetModelStatus reports, as TF Serving
 
 
 def test_an_unreadable_base_path_is_a_load_error_naming_it(tmp_path: Path) -> None:
@@ -315,7 +316,7 @@ def test_an_unreadable_base_path_is_a_load_error_naming_it(tmp_path: Path) -> No
         "try:\n"
         "    load_saved_model(sys.argv[1], 'demo', 1)\n"
         "except ModelLoadError as exc:\n"
-        "    print(exc)\n"
+        "    print(exc.code.name, exc)\n"
     )
     try:
         done = subprocess.run(
@@ -327,7 +328,9 @@ def test_an_unreadable_base_path_is_a_load_error_naming_it(tmp_path: Path) -> No
     finally:
         locked.chmod(0o700)
     said = done.stdout.strip()
-    assert said.startswith("cannot load model 'demo' version 1"), done.stdout + done.stderr
+    assert said.startswith("PERMISSION_DENIED cannot load model 'demo' version 1"), (
+        done.stdout + done.stderr
+    )
     assert "Permission denied" in said
 
 
@@ -336,6 +339,7 @@ def test_directory_without_saved_model_is_a_load_error(tmp_path: Path, model_dir
     with pytest.raises(ModelLoadError, match=r"no saved_model\.pb") as info:
         load_saved_model(str(tmp_path), "demo", 1)
     assert str(tmp_path) in str(info.value)
+    assert info.value.code is Code.NOT_FOUND
 
 
 def test_corrupt_saved_model_is_a_load_error(tmp_path: Path) -> None:
@@ -343,6 +347,7 @@ def test_corrupt_saved_model_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="unreadable") as info:
         load_saved_model(str(tmp_path), "demo", 1)
     assert str(tmp_path) in str(info.value)
+    assert info.value.code is Code.DATA_LOSS  # TensorFlow's "Can't parse ... as binary proto"
 
 
 def test_tensorflow_load_failure_is_a_load_error(tmp_path: Path, model_dir: Path) -> None:
@@ -352,6 +357,8 @@ def test_tensorflow_load_failure_is_a_load_error(tmp_path: Path, model_dir: Path
         load_saved_model(str(tmp_path), "demo", 1)
     assert str(tmp_path) in str(info.value)
     assert info.value.__cause__ is not None  # TensorFlow's own error stays attached
+    # TF Serving's code for a restore that finds no checkpoint files.
+    assert info.value.code is Code.NOT_FOUND, repr(info.value.__cause__)
 
 
 @pytest.mark.parametrize("wrap", ["py_function", "numpy_function"])
@@ -377,8 +384,10 @@ def test_a_signature_calling_python_is_a_load_error(tmp_path: Path, wrap: str) -
 
     module = Module()
     tf.saved_model.save(module, str(tmp_path / "1"), signatures={"serving_default": module.serve})
-    with pytest.raises(ModelLoadError, match=r"calls Python code through (EagerPyFunc|PyFunc)"):
+    refusal = r"calls Python code through (EagerPyFunc|PyFunc)"
+    with pytest.raises(ModelLoadError, match=refusal) as e:
         load_saved_model(str(tmp_path / "1"), "py", 1)
+    assert e.value.code is Code.NOT_FOUND  # TF Serving: "Op type not registered 'EagerPyFunc'"
 
 
 def test_thread_counts_cannot_change_after_tensorflow_started(
@@ -387,8 +396,9 @@ def test_thread_counts_cannot_change_after_tensorflow_started(
     import tensorflow as tf
 
     current = tf.config.threading.get_intra_op_parallelism_threads()
-    with pytest.raises(ModelLoadError, match="intra-op threads"):
+    with pytest.raises(ModelLoadError, match="intra-op threads") as info:
         load_saved_model(str(model_dir), "demo", 1, intra_op_threads=current + 3)
+    assert info.value.code is Code.FAILED_PRECONDITION
 
 
 def test_thread_counts_apply_in_a_fresh_process(model_dir: Path) -> None:
@@ -530,8 +540,9 @@ def test_warm_up_forgives_refused_data_but_not_a_model_that_cannot_run(
         runtime.warm_up()  # left to its first request
         assert runtime._unchecked == {SIG}
     else:
-        with pytest.raises(ModelLoadError, match=f"signature '{SIG}' failed: {code.name}"):
+        with pytest.raises(ModelLoadError, match=f"signature '{SIG}' failed: {code.name}") as info:
             runtime.warm_up()
+        assert info.value.code is code
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 
 from mpspool.cli import build_parser
 from mpspool.config import ConfigError, PoolConfig
+from mpspool.errors import Code
 from mpspool.worker.runtime import ModelLoadError, load_saved_model
 
 from poolproc import Pool
@@ -65,6 +66,7 @@ def test_saved_model_tags_pick_another_graph_and_an_unknown_set_is_refused(
     with pytest.raises(ModelLoadError, match=r"no MetaGraphDef with the tag set \['tpu'\]") as info:
         load_saved_model(str(two_graphs / "1"), "tags", 1, tags=["tpu"])
     assert "found tag sets [['gpu', 'serve'], ['serve']]" in str(info.value)
+    assert info.value.code is Code.NOT_FOUND  # TF Serving's "Could not find meta graph def"
 
 
 def test_the_flag_in_both_spellings_and_empty_tags_refused() -> None:

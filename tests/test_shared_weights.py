@@ -29,6 +29,7 @@ import pytest
 
 from mpspool import dtypes, segment
 from mpspool.demo_model import demo_inputs
+from mpspool.errors import Code
 from mpspool.worker import runtime, tensor_bundle
 from mpspool.worker.publish import OBJECT_GRAPH_KEY, PublishError, publish
 from mpspool.worker.runtime import ModelLoadError, ModelRefused, ModelRuntime, load_saved_model
@@ -744,8 +745,9 @@ def test_publish_refuses_a_truncated_data_file(damaged_copy: Path, segments: Seg
     data = damaged_copy / "variables" / DATA_FILE
     os.truncate(data, data.stat().st_size // 2)
     path = segments.new("truncated")
-    with pytest.raises(PublishError, match="ends inside"):
+    with pytest.raises(PublishError, match="ends inside") as info:
         _publish(damaged_copy, path)
+    assert info.value.code == Code.DATA_LOSS  # GetModelStatus's code for the version
     assert not path.exists()
     assert not _partial(path).exists()
 
@@ -765,8 +767,9 @@ def test_publish_refuses_a_corrupted_data_file(damaged_copy: Path, segments: Seg
     with pytest.raises(tf.errors.DataLossError):  # what a plain load does
         tf.saved_model.load(str(damaged_copy))
     path = segments.new("corrupted")
-    with pytest.raises(PublishError):
+    with pytest.raises(PublishError) as info:
         _publish(damaged_copy, path)
+    assert info.value.code == Code.DATA_LOSS  # as TensorFlow's DataLossError above
     assert not path.exists()
     assert not _partial(path).exists()
 
@@ -775,8 +778,9 @@ def test_publish_refuses_a_missing_data_file(damaged_copy: Path, segments: Segme
     (damaged_copy / "variables" / DATA_FILE).unlink()
     path = segments.new("missing")
     try:
-        with pytest.raises(PublishError):
+        with pytest.raises(PublishError) as info:
             _publish(damaged_copy, path)
+        assert info.value.code == Code.NOT_FOUND
     finally:
         assert not path.exists()
         assert not _partial(path).exists()

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from google.protobuf import text_format
+from tensorflow.core.protobuf import error_codes_pb2
 from tensorflow_serving.apis import (
     get_model_status_pb2,
     model_management_pb2,
@@ -232,6 +233,10 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
             assert states == {3: 50, 2: 50, 1: 30}, states  # END, END, AVAILABLE
             failed = next(s for s in listed if s.version == 3)
             assert "unreadable saved model" in failed.status.error_message
+            # TF Serving's code for a saved_model.pb that does not parse ("Can't parse ...
+            # as binary proto"), given apart from the message as TF Serving gives it.
+            assert failed.status.error_code == error_codes_pb2.DATA_LOSS
+            assert not failed.status.error_message.startswith("DATA_LOSS")
             # A retired version takes no requests.
             predict = predict_pb2.PredictRequest()
             predict.CopyFrom(load.request)

@@ -27,6 +27,7 @@ from test_inference import build_example_model, example
 
 from mpspool import cli
 from mpspool.config import ConfigError, PoolConfig
+from mpspool.errors import Code
 from mpspool.worker.runtime import load_saved_model
 from mpspool.worker.warmup import WarmupError, replay
 
@@ -204,6 +205,8 @@ def test_classify_regress_and_multi_inference_records(
 def test_a_bad_record_fails_the_warm_up_with_the_reason(
     case: str, message: str, keras_version: Path, tmp_path: Path
 ) -> None:
+    """With TF Serving's status code for it (saved_model_warmup.cc and _util.cc, Predict's
+    checks): the version's load fails with it, and GetModelStatus reports it."""
     served = linked_version(keras_version, tmp_path / "1")
     good = keras_inputs(1)
     if case == "extra input":
@@ -230,6 +233,12 @@ def test_a_bad_record_fails_the_warm_up_with_the_reason(
     with pytest.raises(WarmupError) as raised:
         replay(tf, recording, served)
     assert message in str(raised.value)
+    expected = {
+        "unknown signature": Code.FAILED_PRECONDITION,
+        "session run": Code.UNIMPLEMENTED,
+        "not a TFRecord": Code.DATA_LOSS,
+    }
+    assert raised.value.code is expected.get(case, Code.INVALID_ARGUMENT)
 
 
 def multi_inference_log(*tasks: tuple[str, str, str]) -> Any:

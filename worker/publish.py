@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from mpspool import process, segment
 from mpspool.config import PoolConfig
+from mpspool.errors import Code, code_of, code_of_os_error, status_text
 from mpspool.rundir import read_controller
 from mpspool.worker import tensor_bundle
 
@@ -36,7 +37,13 @@ SAVED_OBJECT_VARIABLE = 7  # SavedObject's `variable` field (saved_object_graph.
 
 
 class PublishError(RuntimeError):
-    pass
+    """The checkpoint could not be read into a segment; ``code``: the status TensorFlow's
+    restore gives the same failure (NOT_FOUND for files that are not there, DATA_LOSS for
+    bytes that do not check), which GetModelStatus reports for the version."""
+
+    def __init__(self, message: str, code: int = Code.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def publish(
@@ -60,7 +67,8 @@ def publish(
         raise PublishError(
             f"model {model_name!r} version {version} at {model_dir} has variables but no "
             f"checkpoint: {prefix}.index does not exist (its variables/ folder is missing or "
-            "not completely copied yet)"
+            "not completely copied yet)",
+            Code.NOT_FOUND,
         )
     if not Path(prefix + ".index").exists() and not (
         variables.is_dir() and any(variables.iterdir())
@@ -79,7 +87,8 @@ def publish(
         bundle = tensor_bundle.read_index(prefix)
     except (OSError, tensor_bundle.BundleError, DecodeError) as exc:
         raise PublishError(
-            f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
+            f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}",
+            code_of_os_error(exc) if isinstance(exc, OSError) else Code.DATA_LOSS,
         ) from None
     served = served_keys(Path(model_dir), bundle, prefix)
     # A TF1 Saver's checkpoint (no object graph) keys each variable by its name, not by an
@@ -125,7 +134,8 @@ def publish(
     except OSError as exc:
         writer.abort()
         raise PublishError(
-            f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}"
+            f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}",
+            code_of_os_error(exc),
         ) from None
     except BaseException:
         writer.abort()
@@ -153,7 +163,9 @@ def _extra(model_dir: Path) -> dict[str, str]:
         except FileNotFoundError:
             continue
         except OSError as exc:  # unreadable: said as a failed publish, not a traceback
-            raise PublishError(f"cannot read {model_dir / name}: {exc}") from None
+            raise PublishError(
+                f"cannot read {model_dir / name}: {exc}", code_of_os_error(exc)
+            ) from None
     return {}
 
 
@@ -177,7 +189,7 @@ def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.nd
                 # bytes, not a view of the segment: google_crc32c takes read-only buffers only.
                 chunk = shard.read(min(READ_CHUNK, entry.size - done))
                 if not chunk:
-                    raise PublishError(f"checkpoint shard ends inside {key}")
+                    raise PublishError(f"checkpoint shard ends inside {key}", Code.DATA_LOSS)
                 target[done : done + len(chunk)] = chunk
                 crc = google_crc32c.extend(crc, chunk)
                 done += len(chunk)
@@ -186,7 +198,8 @@ def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.nd
             # plain load refuses would be served with wrong weights.
             raise PublishError(
                 f"checkpoint data of {key} in {shard.name} is corrupted: checksum does not "
-                f"match (stored {entry.crc32c:#010x}, computed {_masked(crc):#010x})"
+                f"match (stored {entry.crc32c:#010x}, computed {_masked(crc):#010x})",
+                Code.DATA_LOSS,
             )
         return True
     dest[...] = _read_through_tensorflow(prefix, key)
@@ -211,7 +224,10 @@ def _read_through_tensorflow(
         return value.numpy()
     except Exception as exc:  # NotFoundError, DataLossError, ValueError
         what = f"{key} ({spec})" if spec else key
-        raise PublishError(f"cannot read {what} from the checkpoint at {prefix}: {exc}") from None
+        raise PublishError(
+            f"cannot read {what} from the checkpoint at {prefix}: {exc}",
+            code_of(getattr(exc, "error_code", Code.UNKNOWN)),
+        ) from None
 
 
 def slice_specs(entry: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -412,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     except segment.SegmentError as exc:
         process.fail(process.EXIT_CONFIG_ERROR, str(exc))
     except PublishError as exc:
-        process.fail(process.EXIT_LOAD_FAILED, str(exc))
+        process.fail(process.EXIT_LOAD_FAILED, status_text(exc.code, str(exc)))
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     log.info(
         "published %d tensors, %.1f MiB, to %s in %.2f s (peak RSS %.0f MiB)%s",

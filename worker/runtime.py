@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpspool import dtypes
-from mpspool.errors import Code, ServingError
+from mpspool.errors import Code, ServingError, code_of, code_of_os_error
 from mpspool.protos import serving_pb2
 from mpspool.signature import SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
@@ -37,12 +37,42 @@ SAVED_MODEL_PBTXT = "saved_model.pbtxt"
 
 
 class ModelLoadError(Exception):
-    """A model could not be loaded; the message says what failed and where."""
+    """A model could not be loaded; the message says what failed and where, ``code`` the
+    status TF Serving's loader gives that failure (what GetModelStatus reports for the
+    version: NOT_FOUND for a missing SavedModel, DATA_LOSS for a corrupt one, ...)."""
+
+    def __init__(self, message: str, code: Code = Code.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ModelRefused(ModelLoadError):
     """A model the pool's own settings refuse (weights it cannot share): no load retry can
     change that, only other flags (--no-share-weights) can."""
+
+    def __init__(self, message: str, code: Code = Code.FAILED_PRECONDITION) -> None:
+        super().__init__(message, code)
+
+
+def load_failure_code(exc: BaseException) -> Code:
+    """The status code of what TensorFlow or the file system raised while loading: an
+    OpError's own (DataLossError, NotFoundError, ...; also when it is the cause of what was
+    raised), an OSError's errno read as TensorFlow reads it, a protobuf that does not parse
+    DATA_LOSS (TensorFlow's ReadBinaryProto)."""
+    from google.protobuf.message import DecodeError
+    from google.protobuf.text_format import ParseError
+
+    cause: BaseException | None = exc
+    while cause is not None:  # TensorFlow re-raises some as Python's: FileNotFoundError
+        code = getattr(cause, "error_code", None)  # tf.errors.OpError, without importing TF
+        if isinstance(code, int):
+            return code_of(code)
+        cause = cause.__cause__
+    if isinstance(exc, OSError):
+        return code_of_os_error(exc)
+    if isinstance(exc, (DecodeError, ParseError)):
+        return Code.DATA_LOSS
+    return Code.UNKNOWN
 
 
 class ModelRuntime(Protocol):
@@ -109,9 +139,9 @@ def load_saved_model(
     try:
         found = path.is_dir()
     except OSError as exc:  # a base path that may not be read (EACCES is no "not there")
-        raise ModelLoadError(f"cannot load {where}: {exc}") from exc
+        raise ModelLoadError(f"cannot load {where}: {exc}", code_of_os_error(exc)) from exc
     if not found:
-        raise ModelLoadError(f"cannot load {where}: the directory does not exist")
+        raise ModelLoadError(f"cannot load {where}: the directory does not exist", Code.NOT_FOUND)
     try:
         import tensorflow as tf
     except ImportError as exc:
@@ -130,7 +160,9 @@ def load_saved_model(
     except Exception as exc:  # TF raises OpError, ValueError, OSError, ... for broken models
         if rewritten is not None:
             rewritten.remove()
-        raise ModelLoadError(f"cannot load {where}: {_first_line(exc)}") from exc
+        raise ModelLoadError(
+            f"cannot load {where}: {_first_line(exc)}", load_failure_code(exc)
+        ) from exc
     checkpoint = str(path / "variables" / "variables")
     shared = (
         _attach_weights(tf, loaded, weights_segment, checkpoint, where, digest)
@@ -155,7 +187,8 @@ def load_saved_model(
             raise ModelLoadError(
                 f"cannot load {where}: signature {key!r} calls Python code through {python} "
                 "(tf.py_function, tf.numpy_function): a SavedModel does not keep that code, "
-                "only the exporting process had it; TF Serving refuses such a model too"
+                "only the exporting process had it; TF Serving refuses such a model too",
+                Code.NOT_FOUND,  # TF Serving's: "Op type not registered 'EagerPyFunc'"
             )
     runtime = SavedModelRuntime(model_name, version, signature_defs, specs, loaded)
     if shared is not None:
@@ -175,7 +208,9 @@ def _rewrite_gathers(path: Path, work_dir: Path, where: str) -> Any:
     try:
         rewritten = rewrite_saved_model(path, work_dir)
     except Exception as exc:  # a saved_model.pb protobuf cannot parse, an unwritable dir
-        raise ModelLoadError(f"cannot load {where}: rewriting its gathers failed: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot load {where}: rewriting its gathers failed: {exc}", load_failure_code(exc)
+        ) from exc
     if rewritten is not None:
         atexit.register(rewritten.remove)
         log.info(
@@ -205,11 +240,16 @@ def _attach_weights(
                 f"cannot load {where}: its saved_model.pb changed since the pool published "
                 "this version's weights (the folder replaced under the same version number: "
                 "a re-push, a ConfigMap's ..data swap). A version's files must stay as they "
-                "were while it serves; serve new content as a new version number"
+                "were while it serves; serve new content as a new version number",
+                Code.FAILED_PRECONDITION,
             )
         bound = attach(tf, loaded, segment, checkpoint)
-    except (SegmentError, CheckpointUnreadable) as exc:  # another try may get past it
+    except SegmentError as exc:  # another try may get past it
         raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
+    except CheckpointUnreadable as exc:  # as TensorFlow's restore of that value would fail
+        raise ModelLoadError(
+            f"cannot share the weights of {where}: {exc}", code_of(exc.code)
+        ) from exc
     except NotShareable as exc:
         raise ModelRefused(f"cannot share the weights of {where}: {exc}") from exc
     # Said at start, before warm-up: what in the served functions may copy a variable out of
@@ -621,7 +661,8 @@ class SavedModelRuntime:
     def _warm_up_error(self, key: str, exc: ServingError) -> ModelLoadError:
         return ModelLoadError(
             f"warm-up of model {self.model_name!r} version {self.version}, "
-            f"signature {key!r} failed: {exc.code.name}: {exc.message}"
+            f"signature {key!r} failed: {exc.code.name}: {exc.message}",
+            exc.code,
         )
 
     def _zero_run(
@@ -806,12 +847,15 @@ def _read_signature_defs(
             text_format.Parse(graph.decode(), saved_model)
         else:
             raise ModelLoadError(
-                f"cannot load {where}: no {SAVED_MODEL_PB} or {SAVED_MODEL_PBTXT} in the directory"
+                f"cannot load {where}: no {SAVED_MODEL_PB} or {SAVED_MODEL_PBTXT} in the directory",
+                Code.NOT_FOUND,
             )
     except ModelLoadError:
         raise
     except Exception as exc:  # DecodeError, ParseError, OSError
-        raise ModelLoadError(f"cannot load {where}: unreadable saved model: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot load {where}: unreadable saved model: {exc}", load_failure_code(exc)
+        ) from exc
 
     for meta_graph in saved_model.meta_graphs:
         if set(meta_graph.meta_info_def.tags) == set(tags):
@@ -820,7 +864,8 @@ def _read_signature_defs(
         found = [sorted(m.meta_info_def.tags) for m in saved_model.meta_graphs]
         raise ModelLoadError(
             f"cannot load {where}: no MetaGraphDef with the tag set {sorted(set(tags))} "
-            f"(found tag sets {found}; --saved_model_tags picks one)"
+            f"(found tag sets {found}; --saved_model_tags picks one)",
+            Code.NOT_FOUND,  # TF Serving's "Could not find meta graph def matching ..."
         )
 
     signature_map = serving_pb2.SignatureDefMap()
@@ -849,7 +894,10 @@ def _set_threads(tf: Any, intra: int, inter: int, where: str) -> None:
         ),
     ):
         if wanted < 0:
-            raise ModelLoadError(f"cannot load {where}: {kind} threads must be >= 0, got {wanted}")
+            raise ModelLoadError(
+                f"cannot load {where}: {kind} threads must be >= 0, got {wanted}",
+                Code.INVALID_ARGUMENT,
+            )
         if wanted == 0:
             continue
         try:
@@ -857,7 +905,8 @@ def _set_threads(tf: Any, intra: int, inter: int, where: str) -> None:
         except RuntimeError as exc:
             raise ModelLoadError(
                 f"cannot load {where}: cannot set {kind} threads to {wanted}: TensorFlow is "
-                f"already initialized in this process with {getter()} ({exc})"
+                f"already initialized in this process with {getter()} ({exc})",
+                Code.FAILED_PRECONDITION,
             ) from exc
     # 0 read back: TensorFlow sizes that pool itself (its cores).
     log.info(

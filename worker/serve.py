@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from mpspool import cpusets, process, rundir, wire
 from mpspool.config import PoolConfig
-from mpspool.errors import Code, ServingError
+from mpspool.errors import Code, ServingError, status_text
 from mpspool.signature import check_output_filter, select_signature
 from mpspool.worker.dealer import Dealer
 
@@ -447,7 +447,7 @@ def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> Any:
         report = replay(tf, runtime, config.version_path(version), config.warmup_iterations)
     except WarmupError as exc:
         raise ModelLoadError(
-            f"warm-up of model {config.model_name!r} version {version} failed: {exc}"
+            f"warm-up of model {config.model_name!r} version {version} failed: {exc}", exc.code
         ) from exc
     if report is None:
         log.info("no warm-up requests at %s", Path(config.version_path(version), "assets.extra"))
@@ -528,7 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not the terminal
 
     _require_mps_daemon()
-    from mpspool.worker.runtime import ModelLoadError, ModelRefused, load_saved_model
+    from mpspool.worker.runtime import (
+        ModelLoadError,
+        ModelRefused,
+        load_failure_code,
+        load_saved_model,
+    )
 
     try:
         runtime = load_saved_model(
@@ -547,15 +552,25 @@ def main(argv: list[str] | None = None) -> int:
         # copy it makes is warm-up's.
         runtime.check_deferred()
         weights = runtime.weights_report()
+    # Each reason carries its status code (errors.status_text): GetModelStatus reports it.
     except ModelRefused as exc:  # another try would be refused the same way
-        process.fail(process.EXIT_CONFIG_ERROR, f"cannot load model {config.model_name}: {exc}")
+        process.fail(
+            process.EXIT_CONFIG_ERROR,
+            status_text(exc.code, f"cannot load model {config.model_name}: {exc}"),
+        )
     except ModelLoadError as exc:
-        process.fail(process.EXIT_LOAD_FAILED, f"cannot load model {config.model_name}: {exc}")
+        process.fail(
+            process.EXIT_LOAD_FAILED,
+            status_text(exc.code, f"cannot load model {config.model_name}: {exc}"),
+        )
     except Exception as exc:  # a load or warm-up that fails: the model cannot serve either
         log.exception("loading or warming up the model failed")
         process.fail(
             process.EXIT_LOAD_FAILED,
-            f"model {config.model_name} failed to load or warm up: {type(exc).__name__}: {exc}",
+            status_text(
+                load_failure_code(exc),
+                f"model {config.model_name} failed to load or warm up: {type(exc).__name__}: {exc}",
+            ),
         )
     if weights and weights["copied"]:
         copied = ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in weights["copied"].items())
@@ -565,10 +580,13 @@ def main(argv: list[str] | None = None) -> int:
         if not config.allow_copied_weights:
             process.fail(
                 process.EXIT_CONFIG_ERROR,  # every try copies the same: no retry helps
-                f"TensorFlow copied shared variables into this worker: {copied}; an op that "
-                "writes a variable, or reads it other than by ReadVariableOp and the gathers "
-                "mpspool rewrites, does that. Serve it with --allow-copied-weights (each "
-                "worker then holds its own copy) or --no-share-weights",
+                status_text(
+                    Code.FAILED_PRECONDITION,
+                    f"TensorFlow copied shared variables into this worker: {copied}; an op "
+                    "that writes a variable, or reads it other than by ReadVariableOp and the "
+                    "gathers mpspool rewrites, does that. Serve it with --allow-copied-weights "
+                    "(each worker then holds its own copy) or --no-share-weights",
+                ),
             )
         log.warning("TensorFlow copied shared variables into this worker: %s", copied)
     elif weights:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from mpspool import dtypes
+from mpspool.errors import Code
 from mpspool.segment import SLICE_MARK, AttachedSegment, TensorEntry
 
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -39,7 +40,12 @@ class NotShareable(Exception):
 class CheckpointUnreadable(Exception):
     """A value the segment does not carry could not be read from the checkpoint (a network
     file system's hiccup, a file still being copied): another try may read it, where a
-    NotShareable model is refused the same way every time."""
+    NotShareable model is refused the same way every time. ``code``: TensorFlow's status code
+    for the failed read (NOT_FOUND, DATA_LOSS, ...)."""
+
+    def __init__(self, message: str, code: int = Code.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -207,7 +213,8 @@ def _restore_unshared(
         except (tf.errors.OpError, ValueError) as exc:
             raise CheckpointUnreadable(
                 f"variable {variable.name} ({key}) could not be restored from the checkpoint: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                getattr(exc, "error_code", Code.UNKNOWN),
             ) from None
         restored.add(id(variable))
     return restored, lost

@@ -31,7 +31,7 @@ import numpy as np
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from mpspool.dtypes import DT_STRING, dtype_name
-from mpspool.errors import ServingError
+from mpspool.errors import Code, ServingError
 from mpspool.protos import prediction_log_pb2, tensorflow_pb2
 from mpspool.signature import check_inputs, check_output_filter
 
@@ -50,7 +50,14 @@ SESSION_RUN_LOG = 5
 
 
 class WarmupError(Exception):
-    """A warm-up record could not be read or run; the message says which and why."""
+    """A warm-up record could not be read or run; the message says which and why, ``code``
+    the status TF Serving's warm-up fails the load with (saved_model_warmup_util.cc: its
+    checks of a record INVALID_ARGUMENT, a corrupt file DATA_LOSS, a record that runs and
+    fails that request's own)."""
+
+    def __init__(self, message: str, code: Code = Code.INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,8 @@ def replay(
                     runtime.run(signature, inputs, outputs)
                 except ServingError as exc:
                     raise WarmupError(
-                        f"warm-up record {index} of {path} failed: {exc.code.name}: {exc.message}"
+                        f"warm-up record {index} of {path} failed: {exc.code.name}: {exc.message}",
+                        exc.code,
                     ) from exc
                 runs += 1
         records += 1
@@ -104,7 +112,8 @@ def _records(tf: Any, path: Path) -> Iterator[bytes]:
             yield record.numpy()
     except tf.errors.DataLossError as exc:
         raise WarmupError(
-            f"{exc.message}. Please verify your warmup data is in TFRecord format. ({path})"
+            f"{exc.message}. Please verify your warmup data is in TFRecord format. ({path})",
+            Code.DATA_LOSS,
         ) from exc
 
 
@@ -126,9 +135,11 @@ def _calls(entry: Any, specs: Mapping[str, Any]) -> list[Call] | None:
         return _multi_inference(entry.multi_inference_log.request, specs)
     if kind == "session_run_log":
         # TF Serving names the kind by its number (the log_type case), as for field 7 below.
-        raise WarmupError(f"Unsupported log_type for warmup: {SESSION_RUN_LOG}")
+        raise WarmupError(f"Unsupported log_type for warmup: {SESSION_RUN_LOG}", Code.UNIMPLEMENTED)
     if kind is None and any(f.field_number == PREDICT_STREAMED_LOG for f in UnknownFieldSet(entry)):
-        raise WarmupError(f"Unsupported log_type for warmup: {PREDICT_STREAMED_LOG}")
+        raise WarmupError(
+            f"Unsupported log_type for warmup: {PREDICT_STREAMED_LOG}", Code.UNIMPLEMENTED
+        )
     return None
 
 
@@ -177,7 +188,7 @@ def _multi_inference(request: Any, specs: Mapping[str, Any]) -> list[Call]:
 
 
 def _refuse(kind: str, code: str, message: str) -> NoReturn:
-    raise WarmupError(f"a {kind} warm-up record is refused: {code}: {message}")
+    raise WarmupError(f"a {kind} warm-up record is refused: {code}: {message}", Code[code])
 
 
 def _signature(name: str, specs: Mapping[str, Any]) -> Any:
@@ -186,7 +197,8 @@ def _signature(name: str, specs: Mapping[str, Any]) -> Any:
     if spec is None:
         raise WarmupError(
             f"a warm-up record names signature {key!r}, which the model does not have "
-            f"(it has {', '.join(sorted(specs)) or 'none'})"
+            f"(it has {', '.join(sorted(specs)) or 'none'})",
+            Code.FAILED_PRECONDITION,  # TF Serving's "Serving signature key ... not found"
         )
     return spec
 
@@ -204,7 +216,8 @@ def _predict(request: Any, specs: Mapping[str, Any]) -> Call:
     except ServingError as exc:
         raise WarmupError(
             f"a Predict warm-up record does not fit signature {spec.key!r}: "
-            f"{exc.code.name}: {exc.message}"
+            f"{exc.code.name}: {exc.message}",
+            exc.code,
         ) from exc
     return spec.key, inputs, outputs
 

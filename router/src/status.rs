@@ -75,6 +75,20 @@ impl Code {
     }
 }
 
+/// A failure's reason as the controller words it, in absl::Status::ToString's form
+/// (`mpspool/errors.py`, `status_text`): "NOT_FOUND: message" is NOT_FOUND and the message; a
+/// reason that does not begin with a code's name is UNKNOWN, all of it the message.
+pub fn split_status_text(text: &str) -> (Code, &str) {
+    text.split_once(": ")
+        .and_then(|(name, message)| {
+            (1..=16)
+                .map(Code::from_i32)
+                .find(|code| code.name() == name)
+                .map(|code| (code, message))
+        })
+        .unwrap_or((Code::Unknown, text))
+}
+
 /// A request failed with a TF Serving status code and message.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{}: {message}", code.name())]
@@ -169,6 +183,28 @@ mod tests {
         }
         assert_eq!(Code::from_i32(99), Code::Unknown);
         assert_eq!(Code::from_i32(-1), Code::Unknown);
+    }
+
+    #[test]
+    fn a_reason_gives_the_code_it_begins_with() {
+        assert_eq!(
+            split_status_text("NOT_FOUND: cannot load model m: no saved_model.pb"),
+            (Code::NotFound, "cannot load model m: no saved_model.pb")
+        );
+        assert_eq!(
+            split_status_text("DATA_LOSS: checksum: does not match"),
+            (Code::DataLoss, "checksum: does not match")
+        );
+        // No code name first (lower case, an unknown word, OK, none at all): UNKNOWN, whole.
+        for text in [
+            "cannot load: no variables",
+            "not_found: x",
+            "NOTFOUND: x",
+            "OK: x",
+            "",
+        ] {
+            assert_eq!(split_status_text(text), (Code::Unknown, text));
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::config::ModelEntry;
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, ModelSpec, ModelVersionStatus, StatusProto,
 };
-use crate::status::{Code, ServingError};
+use crate::status::{split_status_text, Code, ServingError};
 
 /// TF Serving's version states (`ModelVersionStatus.State`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,7 +64,8 @@ impl VersionState {
 #[derive(Clone, Debug, PartialEq)]
 pub struct VersionEntry {
     pub state: VersionState,
-    /// Why a version failed to load ("" when it did not).
+    /// Why a version failed to load ("" when it did not), as the controller words it: its
+    /// status code first when it has one ("NOT_FOUND: ...", `split_status_text`).
     pub error: String,
     /// With `--enable_per_model_batching_parameters`: the version's own batching, from the
     /// `batching_params.pbtxt` in its directory (read by the controller); None: its requests
@@ -293,9 +294,11 @@ impl VersionTable {
                 let status = if entry.error.is_empty() {
                     StatusProto::default()
                 } else {
+                    // TF Serving's: the code and message of the load's failure.
+                    let (code, message) = split_status_text(&entry.error);
                     StatusProto {
-                        error_code: Code::Unknown as i32,
-                        error_message: entry.error.clone(),
+                        error_code: code as i32,
+                        error_message: message.to_string(),
                     }
                 };
                 ModelVersionStatus {
@@ -755,6 +758,26 @@ mod tests {
         assert_eq!(
             serving.resolve(Some(&spec("demo", None))).unwrap().version,
             3
+        );
+    }
+
+    #[test]
+    fn status_gives_a_failed_version_the_code_of_its_failure() {
+        let versions = [rmpv::Value::Map(vec![
+            ("version".into(), 4.into()),
+            ("state".into(), "END".into()),
+            (
+                "error".into(),
+                "NOT_FOUND: cannot load model demo: no saved_model.pb".into(),
+            ),
+        ])];
+        let t = VersionTable::from_control(0, "demo", &versions, None).unwrap();
+        let all = t.status(Some(&spec("demo", None)), |_| true).unwrap();
+        let failed = all[0].status.as_ref().unwrap();
+        assert_eq!(failed.error_code, Code::NotFound as i32);
+        assert_eq!(
+            failed.error_message,
+            "cannot load model demo: no saved_model.pb"
         );
     }
 
