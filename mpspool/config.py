@@ -471,6 +471,9 @@ class PoolConfig:
     active_thread_percentage: float = 100.0
     pinned_mem_limit_mib: int = -1  # per client; -1: device memory / contexts; 0: none
     pool_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(4))
+    # The secret that makes its weight segments' names unguessable (segment.segment_path);
+    # only pool.json (0600, in the 0700 run directory) holds it.
+    segment_key: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
     # CPU placement (mpspool/cpusets.py): DeepRec's SESSION_GROUP_CPUSET text ("2-4;5-7"),
     # "auto", or "" (no pinning). The usable cores are those of the process that made the
     # config (`mpspool start`), kept here so that every worker resolves the same placement
@@ -500,7 +503,7 @@ class PoolConfig:
             return ""
         from mpspool.segment import segment_path
 
-        return str(segment_path(self.pool_id, self.model_name, version))
+        return str(segment_path(self.pool_id, self.model_name, version, self.segment_key))
 
     @property
     def slots(self) -> list[str]:
@@ -941,4 +944,7 @@ class PoolConfig:
             if name in data:  # absent: the field's default
                 data[name] = tuple(data[name])
         data["models"] = tuple(ServedModel(**m) for m in data.get("models", ()))
+        # Written before the key existed: its segments' names had none (not a new random
+        # key at each load, which would give each reader other names).
+        data.setdefault("segment_key", "")
         return cls(**data)

@@ -25,6 +25,7 @@ are mode 0600.
 from __future__ import annotations
 
 import fcntl
+import hmac
 import json
 import mmap
 import os
@@ -108,9 +109,21 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def segment_path(pool_id: str, model: str, version: int, shm_dir: Path = SHM_DIR) -> Path:
+def segment_path(
+    pool_id: str, model: str, version: int, key: str = "", shm_dir: Path = SHM_DIR
+) -> Path:
+    """Where a version's weights are published. With ``key`` (the pool's secret, kept in its
+    private run directory) the name ends in a keyed digest of the model and version: every
+    local user can list /dev/shm, and one who read version 1's name could otherwise create
+    version 2's (or its ".partial") first, and version 2 would never load: the publisher
+    creates its file exclusively, and a rename over another user's file in the sticky
+    /dev/shm is refused."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
-    return shm_dir / f"{PREFIX}{pool_id}-{safe}-v{version}"
+    name = f"{PREFIX}{pool_id}-{safe}-v{version}"
+    if key:
+        digest = hmac.new(key.encode(), f"{model}\0{version}".encode(), "sha256").hexdigest()
+        name += f"-{digest[:16]}"
+    return shm_dir / name
 
 
 def plan(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -168,6 +169,19 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         load = CheckedLoad(pool.port, want, inputs).start()
         wait = pool.wait_for
 
+        # Another local user who lists /dev/shm and reads version 1's segment name creates
+        # the names version 2's would have by that pattern (and their ".partial"), to keep
+        # version 2 from loading: the names end in a digest keyed by the pool's secret.
+        [first] = _segments(pool.pool_id)
+        assert re.fullmatch(rf"mpspool-{pool.pool_id}-demo-v1-[0-9a-f]{{16}}", first), first
+        foreign = [
+            segment.SHM_DIR / f"{name}{end}"
+            for name in (first.replace("-v1-", "-v2-"), first.split("-v1-")[0] + "-v2")
+            for end in ("", ".partial")
+        ]
+        for path in foreign:
+            path.write_bytes(b"not yours")
+            os.chown(path, 65534, 65534)
         # Version 2 appears: its own workers load while 1 serves; then 1 retires.
         os.rename(staging / "2", base / "2")
         status = wait(
@@ -177,6 +191,9 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         )
         assert status["pool"]["version"] == 2
         assert {s["version"] for s in status["slots"]} == {2}
+        assert {p.name for p in foreign} <= set(_segments(pool.pool_id)), "another's, kept"
+        for path in foreign:
+            path.unlink()
         assert len(_segments(pool.pool_id)) == 1, "version 1's segment is unlinked"
         # Loaded idle (--loading-priority's default) where the right to leave SCHED_IDLE is
         # there, else at normal priority; either way, serving, each worker's serving thread
