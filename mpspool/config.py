@@ -279,7 +279,21 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 MAX_MODEL_NAME_BYTES = 128
 
 
+def check_utf8(what: str, value: str) -> None:
+    """Refuse a name or path that is not UTF-8 text (os.fsdecode's surrogates for its other
+    bytes): the pool's messages, pool.json and its admin replies carry it as text, and one
+    such base path served until the first `mpspool status` took the pool down."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(
+            f"{what} {os.fsencode(value).decode(errors='backslashreplace')} is not UTF-8 text; "
+            "rename it"
+        ) from None
+
+
 def check_model_name_length(name: str) -> None:
+    check_utf8("model name", name)
     size = len(name.encode())
     if size > MAX_MODEL_NAME_BYTES:
         shown = name if len(name) <= 40 else name[:40] + "..."
@@ -646,6 +660,18 @@ class PoolConfig:
     def validate(self, models_on_disk: bool = True) -> PoolConfig:
         """Self, checked. ``models_on_disk``: False checks everything but the models' version
         folders (a start that waits for its model checks its flags first)."""
+        for flag, path in (
+            ("--model-base-path", self.model_base_path),
+            ("--run-dir", self.run_dir),
+            ("--log-dir", self.log_dir),
+        ):
+            check_utf8(flag, str(path))
+        from mpspool.supervisor.supervisord import config_value_problem
+
+        for flag, path in (("--run-dir", self.run_dir), ("--log-dir", self.log_dir)):
+            problem = config_value_problem(str(path))
+            if problem:  # supervisord's configuration names both
+                raise ConfigError(f"{flag} {str(path)!r} cannot be used: {problem}")
         # Length first: its message shows a long name cut, this one whole.
         check_model_name_length(self.model_name)
         if not self.model_name or "/" in self.model_name:
@@ -836,11 +862,11 @@ class PoolConfig:
                 Path(self.run_dir) / "mps" / f"gpu{gpu}" / "pipe" / "control_privileged"
                 for gpu in self.gpus
             ]
-        longest = max(sockets, key=lambda path: len(str(path)))
-        if len(str(longest)) > 100:
+        longest = max(sockets, key=lambda path: len(os.fsencode(path)))
+        if len(os.fsencode(longest)) > 100:  # bytes, as the kernel counts (not characters)
             raise ConfigError(
                 f"--run-dir {self.run_dir} is too long for unix sockets ({longest} is "
-                f"{len(str(longest))} bytes, at most 100); use a shorter path"
+                f"{len(os.fsencode(longest))} bytes, at most 100); use a shorter path"
             )
         return self
 

@@ -245,8 +245,10 @@ class Controller:
                         "mpspool.worker",
                         "--run-dir",
                         str(self.run_dir),
-                        "--model",
-                        model.name,
+                        # The pool's first model is the worker's default: its name, which
+                        # may be anything (a leading '-', a ' #' supervisord's config would
+                        # cut as a comment), stays out of the command line.
+                        *([f"--model={slot.model}"] if slot.model else []),
                         "--slot",
                         slot.name,
                         "--version",
@@ -390,9 +392,9 @@ class Controller:
             router_down = self._restart_router_later()
         router_down = router_down or self._router_crash_loop(router_info, router_answered)
         if router_down:
-            self.fail_pool(
-                f"the router {router_down}: {self.supervisord.tail_reason(ROUTER_PROGRAM)}"
-            )
+            # Its last words; failing those, why supervisord could not spawn it at all.
+            why = self.supervisord.tail_reason(ROUTER_PROGRAM) or router_info.get("spawnerr", "")
+            self.fail_pool(f"the router {router_down}: {why or 'it said nothing'}")
             return
         if snap.get("port") and self.port is None:
             self.port = int(snap["port"])
@@ -1252,7 +1254,15 @@ class Controller:
                 reply = {"error": f"unknown op {op!r}"}
         except wire.ProtocolError as exc:
             reply = {"error": str(exc)}
-        self._admin.send_multipart([identity, *rest[:-1], wire.pack(**reply)])
+        except Exception as exc:  # a status the controller cannot make: said, never fatal
+            log.exception("the admin request could not be answered")
+            reply = {"error": f"the controller could not answer: {type(exc).__name__}: {exc}"}
+        try:
+            answer = wire.pack(**reply)
+        except (TypeError, ValueError) as exc:  # what msgpack cannot carry (text not UTF-8)
+            log.exception("the admin reply could not be packed")
+            answer = wire.pack(error=f"the reply could not be packed: {exc}")
+        self._admin.send_multipart([identity, *rest[:-1], answer])
 
     def status(self) -> dict[str, Any]:
         now = self.clock.time()

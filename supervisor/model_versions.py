@@ -209,8 +209,8 @@ class ModelVersions:
                         "mpspool.worker.publish",
                         "--run-dir",
                         str(self.pool.run_dir),
-                        "--model",
-                        self.name,
+                        # The pool's first model is its default (a name of any shape).
+                        *([f"--model={self.name}"] if self.prefix else []),
                         "--version",
                         str(version),
                     ],

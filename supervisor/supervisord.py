@@ -151,10 +151,34 @@ def last_error_line(text: str) -> str:
     return ""
 
 
+# Where supervisord's configuration parser (configparser, inline_comment_prefixes ";" and
+# "#") ends a value: at a ';' or '#' after whitespace, the rest taken for a comment.
+_INLINE_COMMENT = re.compile(r"(\s)([#;])")
+
+
 def _quote(arg: str) -> str:
+    """``arg`` as one word of a command supervisord splits with shlex: quoted, and a ';' or
+    '#' after whitespace put in its own quotes ("'a '';b'"), so that no comment starts there
+    (an install path such as "/opt/v #2/bin/python" was cut at the '#')."""
     if arg and all(c.isalnum() or c in "-_./:=,@+" for c in arg):
         return arg
-    return "'" + arg.replace("'", "'\"'\"'") + "'"
+    quoted = "'" + arg.replace("'", "'\"'\"'") + "'"
+    return _INLINE_COMMENT.sub(r"\1''\2", quoted)
+
+
+def config_value_problem(value: str) -> str:
+    """Why supervisord's configuration cannot carry ``value`` as a plain value (a directory,
+    a log file: not a command word, which `_quote` protects); "" when it can. Its parser
+    strips a value's surrounding whitespace, ends it at a ';' or '#' after whitespace, and
+    reads a line break as the start of another line."""
+    if value != value.strip():
+        return "it begins or ends with whitespace"
+    if "\n" in value or "\r" in value:
+        return "it has a line break"
+    found = _INLINE_COMMENT.search(value)
+    if found:
+        return f"a {found.group(2)!r} after whitespace starts a comment there"
+    return ""
 
 
 def _pct(value: object) -> str:

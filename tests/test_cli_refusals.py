@@ -141,6 +141,40 @@ def test_a_run_dir_that_is_a_link_is_refused_and_its_target_untouched(
     assert_one_line(stopped.stderr, f"run dir {link} is a symbolic link")
 
 
+@pytest.mark.parametrize(
+    "case", ["run-dir-hash", "log-dir-semicolon", "log-dir-space", "not-utf8", "run-dir-bytes"]
+)
+def test_a_path_the_pool_cannot_carry_is_refused_naming_it(
+    tmp_path: Path, demo_model_dir: Path, case: str
+) -> None:
+    """Found by a hunt: supervisord's configuration cut a run or log dir at " #" or " ;" and
+    dropped a trailing space (a traceback naming another directory); a base path that is not
+    UTF-8 served until the first `mpspool status` took the pool down; a run dir of 70
+    characters but 110 bytes passed the socket-length check and failed in supervisord."""
+    model, run_dir, flags = demo_model_dir, tmp_path / "run", []
+    if case == "run-dir-hash":
+        run_dir = tmp_path / "run #2"
+        expected = f"--run-dir '{run_dir}' cannot be used: a '#' after whitespace starts"
+    elif case == "log-dir-semicolon":
+        flags = ["--log-dir", str(tmp_path / "my logs ;2")]
+        expected = f"--log-dir '{tmp_path}/my logs ;2' cannot be used: a ';' after whitespace"
+    elif case == "log-dir-space":
+        flags = ["--log-dir", f"{tmp_path}/logs "]
+        expected = f"--log-dir '{tmp_path}/logs ' cannot be used: it begins or ends with"
+    elif case == "not-utf8":
+        model = Path(os.fsdecode(os.fsencode(tmp_path) + b"/mod\xe8le"))
+        model.mkdir()
+        (model / "1").symlink_to(demo_model_dir / "1")
+        expected = f"--model-base-path {tmp_path}/mod\\xe8le is not UTF-8 text; rename it"
+    else:
+        run_dir = tmp_path / ("é" * 40)
+        expected = "is too long for unix sockets"
+    code, err = run_start(tmp_path, model, run_dir, *flags)
+    assert code == 2, err
+    assert_one_line(err, expected)
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("kind", ["cannot-be-made", "a-file"])
 def test_log_dir_that_cannot_be_made_is_refused(
     tmp_path: Path, demo_model_dir: Path, kind: str

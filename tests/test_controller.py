@@ -522,9 +522,12 @@ def test_each_model_of_a_pool_has_its_own_workers_versions_and_names(
     assert conf["group:v1"]["programs"] == "worker-cpu-0-v1,worker-cpu-1-v1"
     assert conf["group:ranker-v1"]["programs"] == "worker-ranker-cpu-0-v1"
     command = shlex.split(conf["program:worker-ranker-cpu-0-v1"]["command"])
-    assert command[command.index("--model") :] == [
-        "--model", "ranker", "--slot", "cpu-0", "--version", "1",
+    assert command[command.index("--model=ranker") :] == [
+        "--model=ranker", "--slot", "cpu-0", "--version", "1",
     ]  # fmt: skip
+    # The pool's first model is the worker's default: its name is not on the command line.
+    command = shlex.split(conf["program:worker-cpu-0-v1"]["command"])
+    assert command[command.index("--run-dir") + 2 :] == ["--slot", "cpu-0", "--version", "1"]
 
     pool.start()
     pool.make_ready("cpu-0")
@@ -1209,6 +1212,17 @@ def test_the_pool_fails_when_supervisord_gives_up_on_the_router(pool: Pool):
     assert pool.controller.exit_reason == "the router could not start: thread 'main' panicked"
 
 
+def test_a_router_supervisord_cannot_spawn_is_said_why(pool: Pool):
+    """No output of its own (it never ran): supervisord's spawn error says why. The reason
+    was empty ("the router could not start: ")."""
+    pool.start()
+    pool.sd.set(ROUTER_PROGRAM, sd.FATAL, spawnerr="can't find command '/opt/x/mpspool-router'")
+    pool.tick()
+    assert pool.controller.exit_reason == (
+        "the router could not start: can't find command '/opt/x/mpspool-router'"
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # shutdown, with the fakes
 # ---------------------------------------------------------------------------------------
@@ -1317,8 +1331,6 @@ def test_render_config_for_the_pools_programs(pool: Pool):
             "mpspool.worker",
             "--run-dir",
             str(run_dir),
-            "--model",
-            controller.config.model_name,
             "--slot",
             name,
             "--version",
@@ -1471,6 +1483,34 @@ def test_supervisord_itself_accepts_the_rendered_config(tmp_path: Path):
     assert worker["stopasgroup"] and worker["killasgroup"]
     assert worker["directory"] == str(tmp_path)
     assert worker["stdout_logfile"] == str(tmp_path / "logs" / "worker-cpu-0.log")
+
+
+def test_supervisord_keeps_what_looks_like_a_comment_in_a_command(tmp_path: Path):
+    """supervisord's parser ends a value at a ';' or '#' after whitespace: an install path
+    such as "/opt/v #2/bin/python" was cut there, and the pool could not start its front
+    door or workers ("No closing quotation"). Quoted apart, every word arrives whole."""
+    program = sd.Program(
+        name="worker-cpu-0",
+        group="workers",
+        command=["/opt/v #2/bin/python", "a ;b", "tab\t#c", "#d", ";e", "f #", "'g' #h", " #"],
+    )
+    parsed = parse_with_supervisord(tmp_path, render(tmp_path, [program]))
+    assert shlex.split(parsed["programs"]["worker-cpu-0"]["command"]) == list(program.command)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("/tmp/run #2", "a '#' after whitespace starts a comment there"),
+        ("/tmp/logs ;x", "a ';' after whitespace starts a comment there"),
+        ("/tmp/logs ", "it begins or ends with whitespace"),
+        ("/tmp/a\nb", "it has a line break"),
+        ("/tmp/run#2;x", ""),
+        ("/tmp/my logs", ""),
+    ],
+)
+def test_a_value_supervisords_config_cannot_carry_is_said_why(value: str, problem: str):
+    assert sd.config_value_problem(value) == problem
 
 
 def test_supervisord_accepts_a_percent_in_paths_and_commands():
