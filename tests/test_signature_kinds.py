@@ -21,6 +21,7 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +250,54 @@ def test_a_sparse_tensor_input_is_served_by_its_components(stub, pool: Pool) -> 
     log = (pool.log_dir / "worker-cpu-0-v1.log").read_text()
     assert "warm-up of signature 'sparse' skipped: it refused a zero example (INTERNAL" in log
     assert pool.slot("cpu-0")["restarts"] == 0
+
+
+class _FixedBesideRows(tf.Module):
+    """A batch of rows beside an input of fixed size: 4 weights added to every row."""
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None, 2], tf.float32, name="x"),
+            tf.TensorSpec([4], tf.float32, name="table"),
+        ]
+    )
+    def offset(self, x: tf.Tensor, table: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"y": x + tf.reduce_sum(table)}
+
+
+def test_an_input_of_fixed_size_is_never_cut_or_stacked_with_the_rows(
+    tmp_path: Path,
+) -> None:
+    """With --split-rows 2, 4 rows beside 4 weights were cut into 2 chunks of 2 rows and 2
+    weights each, and with batching the weights of merged requests were stacked: wrong
+    answers with status OK, whenever the table's size equalled the rows (found by a hunt). A
+    signature with an input of fixed size is now neither split nor merged."""
+    module = _FixedBesideRows()
+    base = tmp_path / "fixed"
+    signatures = {"serving_default": module.offset.get_concrete_function()}
+    tf.saved_model.save(module, str(base / "1"), signatures=signatures)
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1, "--split-rows", "2", "--enable_batching").start()
+    try:
+        pool.wait_ready(1)
+        x = np.arange(8, dtype=np.float32).reshape(4, 2)
+        table = np.ones(4, np.float32)
+        with pool.channel() as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            got = _predict(stub, "serving_default", {"x": x, "table": table})["y"]
+            np.testing.assert_array_equal(got, x + 4)
+
+            def one(i: int) -> np.ndarray:
+                weights = np.full(4, float(i), np.float32)
+                return _predict(stub, "serving_default", {"x": x, "table": weights})["y"]
+
+            with ThreadPoolExecutor(16) as calls:
+                answers = list(calls.map(one, range(64)))
+        for i, answer in enumerate(answers):
+            np.testing.assert_array_equal(answer, x + 4 * i, err_msg=f"request {i}")
+        body = {"inputs": {"x": x.tolist(), "table": table.tolist()}}
+        answer = requests.post(f"{pool.rest_url}/v1/models/demo:predict", json=body, timeout=30)
+        assert answer.json() == {"outputs": (x + 4).tolist()}
+        assert pool.stop() == 0
+    finally:
+        pool.kill()

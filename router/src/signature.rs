@@ -41,18 +41,25 @@ pub struct SignatureSpec {
 }
 
 impl SignatureSpec {
-    /// Whether each of `outputs` is declared with a first dimension of any size (a row per
-    /// input row, as a batched model's outputs are), or with no shape at all (nothing to go
-    /// by). A scalar, or an output whose first dimension has a fixed size (a vocabulary, a
-    /// model's constants), is not cut by rows: a request asking for one neither shares a
-    /// call nor is split, whose answer would be another call's rows or repeated per chunk.
+    /// Whether every input, and each of `outputs`, is declared with a first dimension of
+    /// any size (a row per request row, as a batched model's tensors are), or with no shape
+    /// at all (nothing to go by). A scalar, or a tensor whose first dimension has a fixed
+    /// size, is not cut by rows: a request of such a signature neither shares a call nor is
+    /// split. An output of fixed size (a vocabulary, a model's constants) would be another
+    /// call's rows or repeated per chunk; an input of fixed size (a table of 4 weights beside
+    /// 4 rows, a SparseTensor's dense shape) was cut or stacked with the rows whenever its
+    /// size happened to equal their count, and the model answered wrongly without an error
+    /// (found by a hunt).
     pub fn answers_row_by_row(&self, outputs: &[String]) -> bool {
-        outputs.iter().all(|name| {
-            self.outputs
-                .get(name)
-                .and_then(|spec| spec.shape.as_deref())
+        let by_rows = |spec: &TensorSpec| {
+            spec.shape
+                .as_deref()
                 .is_none_or(|shape| shape.first() == Some(&-1))
-        })
+        };
+        self.inputs.values().all(by_rows)
+            && outputs
+                .iter()
+                .all(|name| self.outputs.get(name).is_none_or(by_rows))
     }
 }
 
@@ -356,6 +363,24 @@ mod tests {
         assert!(row_wise(&["anything", "score"]));
         assert!(!row_wise(&["score", "vocabulary"]));
         assert!(!row_wise(&["total"]));
+    }
+
+    #[test]
+    fn a_signature_with_an_input_of_fixed_size_is_not_cut_by_rows() {
+        let outputs = vec!["score".to_string()];
+        assert!(spec().answers_row_by_row(&outputs));
+        let with_input = |name: &str, shape: Option<Vec<i64>>| {
+            let mut spec = spec();
+            let tensor = TensorSpec { dtype: 1, shape };
+            spec.inputs.insert(name.to_string(), tensor);
+            spec.answers_row_by_row(&outputs)
+        };
+        assert!(with_input("any_rank", None), "nothing to go by");
+        assert!(
+            !with_input("table", Some(vec![4])),
+            "4 weights, whatever the rows"
+        );
+        assert!(!with_input("scale", Some(vec![])), "a scalar");
     }
 
     #[test]
