@@ -74,8 +74,23 @@ _DT_OF_NUMPY: dict[np.dtype, int] = {
 }
 
 
+# Types a signature may declare that mpspool does not carry (no request can send them, no
+# answer hold them): named in the refusal of such a signature (signature.py, _unservable).
+_UNCARRIED_NAMES: dict[int, str] = {
+    11: "qint8", 12: "quint8", 13: "qint32", 15: "qint16", 16: "quint16", 20: "resource",
+    21: "variant", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
+    27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz", 29: "int4", 30: "uint4", 31: "int2",
+    32: "uint2", 33: "float4_e2m1fn",
+}  # fmt: skip
+
+
 def dtype_name(dt: int) -> str:
-    return DTYPE_NAMES.get(dt, f"DataType({dt})")
+    return DTYPE_NAMES.get(dt) or _UNCARRIED_NAMES.get(dt, f"DataType({dt})")
+
+
+def carried(dt: int) -> bool:
+    """Whether tensors of DataType ``dt`` cross the wire (numpy_dtype knows it)."""
+    return dt in NUMPY_OF_DT
 
 
 def numpy_dtype(dt: int) -> np.dtype:

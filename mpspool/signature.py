@@ -63,10 +63,17 @@ def specs_from_signature_defs(signature_defs: Mapping[str, Any]) -> dict[str, Si
 def _unservable(key: str, sig: Any) -> str:
     """Why a request cannot call signature ``key``: TF Serving feeds and fetches each tensor
     by its TensorInfo's name, and a SparseTensor's (coo_sparse: a TF1 sparse placeholder)
-    or a composite tensor's has none, so its Predict fails there too. The model loads and
-    its other signatures serve, as in TF Serving."""
+    or a composite tensor's has none, so its Predict fails there too. Nor a tensor of a type
+    mpspool does not carry (float8, int4, a resource): its warm-up failed the whole model's
+    load (found by a hunt). The model loads and its other signatures serve, as in TF
+    Serving."""
     for side, tensors in (("input", sig.inputs), ("output", sig.outputs)):
         for alias, info in sorted(tensors.items()):
+            if not dtypes.carried(info.dtype) and info.WhichOneof("encoding") == "name":
+                return (
+                    f"signature {key!r} cannot be called: its {side} {alias!r} is "
+                    f"{dtypes.dtype_name(info.dtype)}, a type mpspool does not carry"
+                )
             encoding = info.WhichOneof("encoding")
             if encoding in ("coo_sparse", "composite_tensor"):
                 return (

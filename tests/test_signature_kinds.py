@@ -76,6 +76,16 @@ class _Model(tf.Module):
     def sparse(self, s: tf.SparseTensor) -> dict[str, tf.Tensor]:
         return {"sums": tf.sparse.reduce_sum(s, axis=1)}
 
+    @tf.function(
+        input_signature=[tf.TensorSpec([None], tf.dtypes.experimental.float8_e4m3fn, name="q")]
+    )
+    def from_float8(self, q: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"y": tf.cast(q, tf.float32)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def to_int4(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"q": tf.cast(tf.cast(x, tf.int8), tf.dtypes.experimental.int4)}
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -87,6 +97,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "words": module.words.get_concrete_function(),
         "named": module.named.get_concrete_function(),
         "sparse": module.sparse.get_concrete_function(),
+        "from_float8": module.from_float8.get_concrete_function(),
+        "to_int4": module.to_int4.get_concrete_function(),
     }
     tf.saved_model.save(module, str(base / "1"), signatures=signatures)
     return base
@@ -186,6 +198,8 @@ def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> Non
         "words",
         "named",
         "sparse",
+        "from_float8",
+        "to_int4",
         "__saved_model_init_op",
     }
     assert not listed.signature_def["words"].inputs
@@ -237,6 +251,27 @@ def test_scalar_outputs_a_string_among_them_are_served(stub, pool: Pool) -> None
     answer = requests.post(f"{pool.rest_url}/v1/models/demo:predict", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"outputs": {"word": "so low", "length": 6, "known": True}}
+    assert pool.slot("cpu-0")["restarts"] == 0
+
+
+def test_a_signature_of_a_type_not_carried_is_refused_and_the_others_serve(
+    stub, pool: Pool
+) -> None:
+    """A float8 input failed the warm-up, and with it the whole model's load (the pool did
+    not start); an int4 output failed each request with INTERNAL, saying numpy's type had no
+    TensorFlow counterpart (found by a hunt)."""
+    error = _refused(stub, "to_int4", {"x": np.ones(2, np.float32)})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == (
+        "signature 'to_int4' cannot be called: its output 'q' is int4, a type mpspool does "
+        "not carry"
+    )
+    error = _refused(stub, "from_float8", {"q": np.ones(2, np.float32)})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == 'input "q": expects dtype float8_e4m3fn but float is provided'
+    np.testing.assert_array_equal(
+        _predict(stub, "serving_default", {"ids": np.array([2])})["rows"], TABLE[[2]]
+    )
     assert pool.slot("cpu-0")["restarts"] == 0
 
 
