@@ -302,10 +302,25 @@ fn materialize_strings(
     n: u64,
 ) -> Result<Bytes, ServingError> {
     if !proto.tensor_content.is_empty() && n > 0 {
-        return Err(invalid(
-            name,
-            "string tensors must use string_val, not tensor_content",
-        ));
+        // TensorFlow's own encoding of strings there (Tensor::FromProto reads it first).
+        let values = decode_string_list(&proto.tensor_content, n).ok_or_else(|| {
+            invalid(
+                name,
+                format!(
+                    "tensor_content does not hold {n} strings as TensorFlow encodes them \
+                     (each one's length as a varint, then their bytes)"
+                ),
+            )
+        })?;
+        let bytes = values.iter().fold(array_header_size(n), |sum, v| {
+            sum.saturating_add(bin_size(v.len() as u64))
+        });
+        if bytes > MAX_TENSOR_BYTES {
+            return Err(too_big(name, DT_STRING, shape, bytes));
+        }
+        let out = wire::encode_strings_iter(n as u32, values.into_iter(), bytes as usize);
+        debug_assert_eq!(out.len() as u64, bytes);
+        return Ok(Bytes::from(out));
     }
     let values = &proto.string_val;
     let given = values.len() as u64;
@@ -333,6 +348,52 @@ fn materialize_strings(
     let out = wire::encode_strings_iter(n as u32, sent.chain(fill), bytes as usize);
     debug_assert_eq!(out.len() as u64, bytes);
     Ok(Bytes::from(out))
+}
+
+/// The `n` strings of a string tensor's `tensor_content`, as TensorFlow encodes them
+/// (`port::EncodeStringList`): each one's length as a varint32, then their bytes one after
+/// another, exactly filling it; None for anything else (`DecodeStringList`'s refusal).
+fn decode_string_list(content: &[u8], n: u64) -> Option<Vec<&[u8]>> {
+    // Each string takes a byte of it at least (its length): n is bounded by its size.
+    if n > content.len() as u64 {
+        return None;
+    }
+    let mut at = 0;
+    let mut sizes = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let (len, used) = varint32(&content[at..])?;
+        sizes.push(len as usize);
+        at += used;
+    }
+    let total = sizes
+        .iter()
+        .try_fold(0usize, |sum, &len| sum.checked_add(len))?;
+    if total != content.len() - at {
+        return None;
+    }
+    Some(
+        sizes
+            .into_iter()
+            .map(|len| {
+                let value = &content[at..at + len];
+                at += len;
+                value
+            })
+            .collect(),
+    )
+}
+
+/// A varint32 (at most 5 bytes; bits past 32 dropped, as TensorFlow's GetVarint32 does) and
+/// the bytes it took.
+fn varint32(bytes: &[u8]) -> Option<(u32, usize)> {
+    let mut value = 0u64;
+    for (i, &byte) in bytes.iter().take(5).enumerate() {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte < 0x80 {
+            return Some((value as u32, i + 1));
+        }
+    }
+    None
 }
 
 /// Bytes msgpack spends on an array header of `n` elements.
@@ -422,8 +483,11 @@ fn check_output_frame(dtype: i32, shape: &[i64], frame: &Bytes) -> Result<(), Se
 }
 
 /// A PredictResponse output from a worker's frame: `tensor_content` for numbers, `string_val`
-/// for strings (what the Python front door sent, and TF Serving with
-/// `--enable_serialization_as_tensor_content`).
+/// for strings (`--enable_serialization_as_tensor_content`). TF Serving would put strings
+/// into `tensor_content` too, in TensorFlow's own encoding (each length as a varint, then the
+/// bytes); TensorFlow's `Tensor::FromProto` reads either form, but `tf.make_ndarray`, what
+/// Python clients call, fails on that one ("cannot create an OBJECT array from memory
+/// buffer"), so strings stay in the field every client reads.
 pub fn output_tensor(dtype: i32, shape: &[i64], frame: Bytes) -> Result<TensorProto, ServingError> {
     let mut proto = output_shell(dtype, shape);
     if dtype == DT_STRING {

@@ -900,8 +900,12 @@ fn write_tensor_infos(out: &mut String, infos: &std::collections::HashMap<String
         write_string(out, name.as_bytes());
         out.push_str(": {\n     \"dtype\": ");
         write_dtype(out, info.dtype);
-        out.push_str(",\n     \"tensor_shape\": ");
-        write_shape(out, info.tensor_shape.as_ref());
+        // A message field: printed only when set, as protobuf's JSON prints it (a TF1
+        // TensorInfo of name and dtype alone read as a scalar's shape; found by a hunt).
+        if let Some(shape) = &info.tensor_shape {
+            out.push_str(",\n     \"tensor_shape\": ");
+            write_shape(out, shape);
+        }
         match &info.encoding {
             Some(Encoding::Name(tensor)) => {
                 out.push_str(",\n     \"name\": ");
@@ -958,8 +962,8 @@ fn write_dtype(out: &mut String, dtype: i32) {
     }
 }
 
-fn write_shape(out: &mut String, shape: Option<&TensorShapeProto>) {
-    let (dims, unknown) = shape.map_or((&[][..], false), |s| (&s.dim[..], s.unknown_rank));
+fn write_shape(out: &mut String, shape: &TensorShapeProto) {
+    let (dims, unknown) = (&shape.dim[..], shape.unknown_rank);
     out.push_str("{\n      \"dim\": [");
     for (i, dim) in dims.iter().enumerate() {
         out.push_str(if i > 0 { ", " } else { "" });
@@ -1427,7 +1431,8 @@ mod tests {
         let expected = serde_json::json!({"signature_def": {"serving_default": {
             "inputs": {"ids": {"dtype": "DT_INT64", "name": "serving_default_ids:0",
                 "tensor_shape": {"dim": [{"size": "-1", "name": ""}], "unknown_rank": false}},
-                "sp": {"dtype": "DT_FLOAT", "tensor_shape": {"dim": [], "unknown_rank": false},
+                // No shape given: none printed (it read as a scalar's).
+                "sp": {"dtype": "DT_FLOAT",
                 "coo_sparse": {"values_tensor_name": "sp/values:0",
                     "indices_tensor_name": "sp/indices:0",
                     "dense_shape_tensor_name": "sp/shape:0"}}},

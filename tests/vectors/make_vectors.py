@@ -147,11 +147,21 @@ def cases() -> list[dict[str, Any]]:
         _proto(s, (1 << 30,), fields={"string_val": [b""]}),
         ours="needs 2147483653 bytes, more than the 2147483648 one tensor may have",
     )
+    # Strings in tensor_content: TensorFlow's own encoding (each one's length as a varint32,
+    # then their bytes, exactly filling it), read before string_val.
+    add("string [1] in tensor_content", _proto(s, (1,), content=b"\x01a"))
     add(
-        "string tensor_content (TensorFlow's own encoding; the front door reads string_val only)",
-        _proto(s, (1,), content=b"\x01a"),
-        ours="string tensors must use string_val, not tensor_content",
+        "string [2] in tensor_content, not UTF-8, string_val ignored",
+        _proto(s, (2,), content=b"\x01\x02a\xff\x00", fields={"string_val": [b"zz"]}),
     )
+    add(
+        "string [2] in tensor_content, one of 200 bytes (a 2-byte length)",
+        _proto(s, (2,), content=b"\xc8\x01\x00" + b"y" * 200),
+    )
+    add("string [2] in tensor_content, a byte too many", _proto(s, (2,), content=b"\x01\x01abc"))
+    add("string [2] in tensor_content, a byte short", _proto(s, (2,), content=b"\x01\x02ab"))
+    add("string [3] in tensor_content holding 2", _proto(s, (3,), content=b"\x01\x01ab"))
+    add("string [1] in tensor_content, a length cut", _proto(s, (1,), content=b"\x80"))
     add(
         "rank 65 (TensorFlow allows 254; numpy, which the workers use, 64)",
         _proto(dtypes.DT_FLOAT, (1,) * 65),
@@ -165,7 +175,7 @@ def cases() -> list[dict[str, Any]]:
     add("unknown rank, no dimensions (a scalar)", _proto(dtypes.DT_FLOAT, (), unknown_rank=True))
     add("unknown rank with dimensions", _proto(dtypes.DT_FLOAT, (2,), unknown_rank=True))
     add("element count over int64", _proto(dtypes.DT_FLOAT, (1 << 40, 1 << 40, 0)))
-    add("unsupported dtype (qint8)", _proto(11, (1,)), ours="unsupported dtype DataType(11)")
+    add("unsupported dtype (qint8)", _proto(11, (1,)), ours="unsupported dtype qint8")
     add(
         "complex64 odd number of parts",
         _proto(dtypes.DT_COMPLEX64, (2,), fields={"scomplex_val": [1.0, 2.0, 3.0]}),
