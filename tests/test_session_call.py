@@ -154,6 +154,34 @@ def test_the_session_call_answers_and_fails_as_the_keyword_call(
         assert want[alias].tolist() == got[alias].tolist()
 
 
+def test_a_model_without_variables_gets_the_session_call(tmp_path: Path) -> None:
+    """Nothing to assign: the callable of no target that would assign it was refused
+    ("Must specify at least one target"), and such models were called directly (found by
+    a hunt)."""
+    import tensorflow as tf
+
+    class Plain(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def double(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"y": x * 2}
+
+    module = Plain()
+    version = tmp_path / "plain" / "1"
+    tf.saved_model.save(module, str(version), signatures={SIG: module.double})
+    path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-plain"
+    try:
+        publish(version, "plain", 1, path, os.getpid(), 0.0)
+        runtime = load_saved_model(
+            str(version), "plain", 1, weights_segment=str(path), work_dir=str(tmp_path / "w")
+        )
+        runtime.warm_up()
+        assert runtime.call_paths == {SIG: "session"}
+        x = np.array([1.5, -2.0], np.float32)
+        assert runtime.run(SIG, {"x": x}, ["y"])["y"].tolist() == [3.0, -4.0]
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_weights_not_shared_are_called_directly(three_output_dir: Path) -> None:
     # Without a segment the variables' buffers are the eager context's own: nothing for a
     # session to adopt without a copy, so the eager direct call serves.

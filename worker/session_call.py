@@ -173,11 +173,14 @@ def session_call(
     try:
         # TensorFlow adopts a fed array's buffer when it is 64-byte aligned (the segment's
         # tensors are, for DLPack's sake) and AssignVariableOp keeps the tensor it is given.
-        assign = session._make_callable_from_options(
-            CallableOptions(feed=[v.name for v in values], target=[a.name for a in assigns])
-        )
-        assign(*[shared_views[id(v)] for v in bound])
-        del assign
+        # A model without variables has nothing to assign (a callable of no target is
+        # refused: such models lost their session call; found by a hunt).
+        if assigns:
+            assign = session._make_callable_from_options(
+                CallableOptions(feed=[v.name for v in values], target=[a.name for a in assigns])
+            )
+            assign(*[shared_views[id(v)] for v in bound])
+            del assign
         return SessionCall(session, options, order, outputs, has_loop=has_loop(graph_def))
     except Exception as exc:  # TensorFlow's refusal of this graph: the direct call serves
         session.close()
