@@ -18,6 +18,7 @@ import enum
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import zmq
 
@@ -1212,6 +1214,7 @@ class Controller:
             PoolPhase.SERVING, "a version of each model is AVAILABLE and the front door listens"
         )
         host, model = self.config.host, self.config.model_name
+        url_name = quote(model, safe="")  # pasted into a shell or a browser whatever it holds
         serving = ""
         for each in self.models.values():
             version = each.serving_version()
@@ -1226,13 +1229,14 @@ class Controller:
             "ModelService, grpc.health.v1\n"
             f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
             + (
-                f"  REST:   curl http://{host}:{self.rest_port}/v1/models/{model}   "
+                f"  REST:   curl http://{host}:{self.rest_port}/v1/models/{url_name}   "
                 f'(:predict with {{"instances": [...]}})\n'
                 if self.rest_port
                 else ""
             )
-            + f"  status: mpspool status --run-dir {self.run_dir}\n"
-            f"  stop:   mpspool stop --run-dir {self.run_dir}   (or Ctrl-C)\n"
+            # Lines to paste: a path with a space quoted, a name in a URL percent-encoded.
+            + f"  status: mpspool status --run-dir {shlex.quote(str(self.run_dir))}\n"
+            f"  stop:   mpspool stop --run-dir {shlex.quote(str(self.run_dir))}   (or Ctrl-C)\n"
             f"  logs:   {self.log_dir}",
             flush=True,
         )

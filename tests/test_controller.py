@@ -245,6 +245,7 @@ class FakeRouter:
 
     def __init__(self) -> None:
         self.port = 8500
+        self.rest_port = 0  # REST off, unless a test says
         self.workers: dict[str, dict[str, Any]] = {}
         self.declared_dead: dict[str, int] = {}
         self.gone: list[tuple[str, int]] = []
@@ -293,6 +294,7 @@ class FakeRouter:
             return {
                 "phase": "serving",
                 "port": self.port,
+                "rest_port": self.rest_port,
                 "workers": copy.deepcopy(self.workers),
                 "served": {
                     slot: self.departed.get(slot, 0) + self.workers.get(slot, {}).get("answered", 0)
@@ -2848,3 +2850,19 @@ def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
     assert code == 2, message  # UNKNOWN: a wanted version that cannot load
     assert "No space left on device" in message
     assert pool.controller.phase is PoolPhase.SERVING
+
+
+def test_the_banners_lines_paste_whatever_the_model_is_named(
+    make_pool: Callable[..., Pool], capsys: pytest.CaptureFixture[str]
+):
+    """Its curl line named the model raw (a space cut the URL) and its stop line the run dir
+    unquoted (found by a hunt)."""
+    pool = make_pool(model_name="my model é")
+    pool.router.rest_port = 8501
+    pool.start()
+    pool.router.register("cpu-0@1", 101)
+    pool.tick()
+    banner = capsys.readouterr().out
+    assert "/v1/models/my%20model%20%C3%A9   " in banner, banner
+    run_dir = shlex.quote(str(pool.controller.run_dir))
+    assert f"  stop:   mpspool stop --run-dir {run_dir}   (or Ctrl-C)" in banner
