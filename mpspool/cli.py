@@ -811,7 +811,12 @@ def cmd_start(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             shutdown_delay_s=args.shutdown_delay,
             start_retries=_start_retries(args),
-            load_retry_interval_s=args.load_retry_interval_micros / 1e6,
+            # Through float first: an int past a float's range (400 digits) is infinity
+            # here, refused by name (PoolConfig.validate), not an OverflowError.
+            load_retry_interval_s=float(
+                max(-(10**300), min(args.load_retry_interval_micros, 10**300))
+            )
+            / 1e6,
             fatal_retry_s=args.fatal_retry_after,
             **_thread_fields(args),
             cpuset=args.cpuset,

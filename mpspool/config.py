@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -277,6 +278,9 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # and its ".partial"; its publisher's log; its workers' supervisord programs and logs), which
 # Linux caps at 255 bytes: with room for the rest of each, a name is at most this long.
 MAX_MODEL_NAME_BYTES = 128
+# The longest time any setting may name: about 31 years, "for ever" in practice, and far
+# from where the front door's clock arithmetic (an Instant plus 2**64 s) overflows.
+MAX_SECONDS = 1e9
 
 
 def check_utf8(what: str, value: str) -> None:
@@ -851,6 +855,7 @@ class PoolConfig:
             # 2**64 s) only once the workers run: refused here, before anything starts.
             if not 0 <= seconds < 2**64:
                 raise ConfigError(f"{flag} must be seconds >= 0, got {seconds}")
+        self._validate_time_bounds()
         model_pb = Path(self.model_path) / "saved_model.pb"
         if models_on_disk and not model_pb.is_file():
             raise ConfigError(f"no SavedModel at {self.model_path}: expected {model_pb}")
@@ -869,6 +874,36 @@ class PoolConfig:
                 f"{len(os.fsencode(longest))} bytes, at most 100); use a shorter path"
             )
         return self
+
+    def _validate_time_bounds(self) -> None:
+        """Every time setting finite and at most MAX_SECONDS, after each one's own rule: NaN
+        and infinity passed those, reached pool.json as JSON it does not allow, and the
+        front door refused it naming the file, not the flag; 1e19 s passed, and adding it to
+        a clock reading panicked the front door on every connection (found by hunts)."""
+        for flag, seconds, shown in (
+            ("--file_system_poll_wait_seconds", self.file_system_poll_wait_s, None),
+            ("--model_config_file_poll_wait_seconds", self.model_config_file_poll_wait_s, None),
+            ("--fatal-retry-after", self.fatal_retry_s, None),
+            ("--load_retry_interval_micros", self.load_retry_interval_s, 1e6),
+            ("--worker-timeout", self.worker_timeout_s, None),
+            ("--call-timeout", self.call_timeout_s, None),
+            ("--request-read-timeout", self.request_read_timeout_s, None),
+            ("--drain-timeout", self.drain_timeout_s, None),
+            ("--shutdown-delay", self.shutdown_delay_s, None),
+            ("--max-connection-age", self.max_connection_age_s, None),
+            ("--max-connection-idle", self.max_connection_idle_s, None),
+            ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_s or 0.0, 1e3),
+            ("grpc.keepalive_time_ms", self.keepalive_time_s, 1e3),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_s, 1e3),
+            ("--rest-api-timeout-in-ms", self.rest_api_timeout_ms / 1e3, 1e3),
+        ):
+            if not (math.isfinite(seconds) and seconds <= MAX_SECONDS):
+                unit = "" if shown is None else f" ({shown:g} per second)"
+                given = seconds if shown is None else seconds * shown
+                raise ConfigError(
+                    f"{flag} must be at most {MAX_SECONDS:g} seconds (about 31 years){unit}, "
+                    f"got {given:g}"
+                )
 
     def _validate_models(self, models_on_disk: bool = True) -> None:
         """A pool of several models: each named once, with a name safe in process and file

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import configparser
 import copy
+import dataclasses
 import itertools
 import logging
+import re
 import shlex
 import shutil
 import subprocess
@@ -2819,6 +2821,43 @@ def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):
     )  # fmt: skip
     with pytest.raises(ConfigError, match=f"{flag} must be >= 0"):
         config.validate()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e19])
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("file_system_poll_wait_s", "--file_system_poll_wait_seconds"),
+        ("model_config_file_poll_wait_s", "--model_config_file_poll_wait_seconds"),
+        ("fatal_retry_s", "--fatal-retry-after"),
+        ("load_retry_interval_s", "--load_retry_interval_micros"),
+        ("worker_timeout_s", "--worker-timeout"),
+        ("call_timeout_s", "--call-timeout"),
+        ("request_read_timeout_s", "--request-read-timeout"),
+        ("drain_timeout_s", "--drain-timeout"),
+        ("shutdown_delay_s", "--shutdown-delay"),
+        ("max_connection_age_s", "--max-connection-age"),
+        ("max_connection_idle_s", "--max-connection-idle"),
+        ("max_connection_age_grace_s", "grpc.max_connection_age_grace_ms"),
+        ("keepalive_time_s", "grpc.keepalive_time_ms"),
+        ("keepalive_timeout_s", "grpc.keepalive_timeout_ms"),
+        ("rest_api_timeout_ms", "--rest-api-timeout-in-ms"),
+    ],
+)
+def test_a_time_past_31_years_or_not_finite_is_refused_by_its_flag(
+    field: str, flag: str, value: float
+):
+    """NaN and infinity passed each setting's own rule and reached pool.json, which the
+    front door then refused naming the file; 1e19 s panicked the front door on every
+    connection as a clock reading plus it overflowed (found by hunts)."""
+    config = PoolConfig(
+        model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
+        workers=1, **{field: value},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=f"^{re.escape(flag)} must be"):
+        config.validate(models_on_disk=False)
+    ok = dataclasses.replace(config, **{field: 1e9 if field != "rest_api_timeout_ms" else 10**12})
+    ok.validate(models_on_disk=False)  # 31 years is still a setting
 
 
 def test_a_negative_connection_limit_is_refused():
