@@ -318,7 +318,7 @@ fn materialize_strings(
         if bytes > MAX_TENSOR_BYTES {
             return Err(too_big(name, DT_STRING, shape, bytes));
         }
-        let out = wire::encode_strings_iter(n as u32, values.into_iter(), bytes as usize);
+        let out = wire::encode_strings_iter(n as u32, values, bytes as usize);
         debug_assert_eq!(out.len() as u64, bytes);
         return Ok(Bytes::from(out));
     }

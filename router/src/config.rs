@@ -212,10 +212,26 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// Seconds from the configuration as a Duration; negative or non-finite values are refused.
+/// The longest time a setting may name (about 31 years), as the pool's own check
+/// (`mpspool/config.py`, MAX_SECONDS): far from where a clock reading plus it overflows
+/// (`Instant + 1e19 s` panicked on every connection; found by a hunt).
+pub const MAX_SECONDS: f64 = 1e9;
+
+/// `value` seconds as a Duration when it is finite and in [0, MAX_SECONDS]; None otherwise.
+pub fn bounded_seconds(value: f64) -> Option<Duration> {
+    (value <= MAX_SECONDS)
+        .then(|| Duration::try_from_secs_f64(value).ok())
+        .flatten()
+}
+
+/// Seconds from the configuration as a Duration; negative, non-finite or past MAX_SECONDS
+/// values are refused.
 pub fn seconds(name: &str, value: f64) -> Result<Duration, ConfigError> {
-    Duration::try_from_secs_f64(value)
-        .map_err(|_| ConfigError::Invalid(format!("{name} must be seconds >= 0, got {value}")))
+    bounded_seconds(value).ok_or_else(|| {
+        ConfigError::Invalid(format!(
+            "{name} must be seconds in [0, {MAX_SECONDS:e}], got {value}"
+        ))
+    })
 }
 
 impl Config {

@@ -64,12 +64,14 @@ fn field<'a>(request: &'a [(String, Value)], name: &str) -> Option<&'a Value> {
     request.iter().find(|(k, _)| k == name).map(|(_, v)| v)
 }
 
+/// A field of seconds in [0, MAX_SECONDS]: past it `Duration::from_secs_f64` panicked and
+/// took the dispatcher with it (a drain of 1e30 s; found by a hunt).
 fn seconds(request: &[(String, Value)], name: &str) -> Option<Duration> {
     let value = field(request, name)?;
     let secs = value
         .as_f64()
         .or_else(|| value.as_i64().map(|v| v as f64))?;
-    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+    crate::config::bounded_seconds(secs)
 }
 
 fn op<P>(
@@ -150,7 +152,10 @@ fn op<P>(
         "drain" => {
             let (Some(delay), Some(grace)) = (seconds(request, "delay"), seconds(request, "grace"))
             else {
-                return error("drain needs delay and grace in seconds".to_string());
+                return error(format!(
+                    "drain needs delay and grace in seconds, in [0, {:e}]",
+                    crate::config::MAX_SECONDS
+                ));
             };
             let _ = pool.state.drain.send(DrainRequest { delay, grace });
             vec![("ok", Value::from(true))]
@@ -525,6 +530,18 @@ mod tests {
         );
         assert_eq!(drain["ok"], true);
         assert_eq!(drains.try_recv().unwrap().grace, Duration::from_secs(2));
+        // No Duration holds 1e30 s: an error reply, not a panic of the dispatcher.
+        for delay in [1e30, 1.5e9, -1.0] {
+            let huge = ask(
+                &mut pool,
+                serde_json::json!({"v": 1, "op": "drain", "delay": delay, "grace": 2, "n": 9}),
+            );
+            assert!(huge["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("drain needs delay and grace in seconds"));
+        }
+        assert!(drains.try_recv().is_err());
 
         let bad = ask(
             &mut pool,

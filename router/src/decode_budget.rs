@@ -278,9 +278,14 @@ pub fn input_memory(input: &Input) -> usize {
     };
     match &input.kind {
         Some(input::Kind::ExampleList(list)) => examples(&list.examples),
-        Some(input::Kind::ExampleListWithContext(list)) => {
-            examples(&list.examples).saturating_add(list.context.len())
-        }
+        // The context once, and once more in front of each example (serialized_examples).
+        Some(input::Kind::ExampleListWithContext(list)) => examples(&list.examples)
+            .saturating_add(list.context.len())
+            .saturating_add(
+                crate::inference::merged_size(&list.context, &list.examples)
+                    .try_into()
+                    .unwrap_or(usize::MAX),
+            ),
         None => 0,
     }
 }

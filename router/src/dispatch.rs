@@ -33,7 +33,7 @@ use crate::versions::{ModelId, Models, Servable, Target};
 use crate::wire::{self, TensorMeta, WorkerMessage};
 use crate::workers::{Departure, WorkerTable};
 use crate::zmtp::{self, RouterSocket, SendError};
-use crate::{log_info, log_warn};
+use crate::{log_error, log_info, log_warn};
 
 /// How long a request waits for some worker to become routable when none is (a restart in
 /// progress) before it fails with UNAVAILABLE, if the client's deadline is longer.
@@ -45,6 +45,9 @@ const LIVENESS_SWEEP: Duration = Duration::from_millis(100);
 /// aborts the process on its input) would otherwise take the whole pool down, over and over.
 /// A worker that said BYE (drained, retired, stopped) left by choice and does not count.
 pub const MAX_SENDS: u32 = 3;
+/// The front door's exit status when its dispatcher panicked: not one the pool expects
+/// (0, or 3 for a configuration it refuses), so supervisord starts it again.
+const DISPATCHER_PANICKED: i32 = 70;
 
 /// What a request gets when no worker comes back to take it again. Once workers have died
 /// on it at least twice and none is left, it is as likely what ended them as not: INTERNAL,
@@ -305,7 +308,19 @@ impl Dispatcher {
             state: state.clone(),
             _context: context,
         };
-        tokio::spawn(actor.run(commands_rx));
+        let actor = tokio::spawn(actor.run(commands_rx));
+        // The dispatcher is the front door's one owner of its workers: after a panic in it
+        // (which tokio contains) every request was answered "the front door is shutting
+        // down" while status said SERVING, and nothing restarted it (found by a hunt). The
+        // process ends instead, and supervisord starts another.
+        tokio::spawn(async move {
+            if let Err(ended) = actor.await {
+                if ended.is_panic() {
+                    log_error!("the dispatcher panicked: the front door exits to be restarted");
+                    std::process::exit(DISPATCHER_PANICKED);
+                }
+            }
+        });
         Ok(Dispatcher {
             commands,
             ids: Arc::new(AtomicU64::new(1)),

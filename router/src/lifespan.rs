@@ -126,7 +126,9 @@ impl Age {
         } else {
             self.grace
         };
-        now + wait.unwrap_or(FOREVER)
+        // Checked: a reading plus any Duration may overflow (the pool bounds its settings).
+        let wait = wait.unwrap_or(FOREVER);
+        now.checked_add(wait).unwrap_or(now + FOREVER)
     }
 
     pub fn expired(&mut self) -> AgeStep {

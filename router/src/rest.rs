@@ -25,7 +25,7 @@ use crate::json_tensor::{self, write_string};
 use crate::metrics::{Entrypoint, Method, TfApi};
 use crate::proto::mpspool::tfs::{
     model_spec::VersionChoice, model_version_status, GetModelMetadataRequest,
-    GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo,
+    GetModelStatusRequest, ModelSpec, PredictRequest, SignatureDefMap, TensorInfo, TensorProto,
     TensorShapeProto,
 };
 use crate::proto::tensorflow::serving::{ClassificationRequest, Input, RegressionRequest};
@@ -81,6 +81,25 @@ const UNREAD_SHARE: usize = 16;
 /// took seconds, every other request (gRPC's too) waiting behind it on a front door of one
 /// thread (found by a client test).
 const BLOCKING_ANSWER_BYTES: usize = BLOCKING_BODY_BYTES / 8;
+
+/// The most JSON arrays an answer is written as (2 GiB of brackets at least): an empty
+/// tensor's are all it holds, so its bytes said nothing of them, and a model's
+/// `tf.zeros([n, m, 0])` made a 26-byte request a 400 MB answer written on the serving
+/// thread (found by a hunt).
+const MAX_ANSWER_ARRAYS: u64 = 1 << 30;
+
+/// JSON arrays a tensor is written as: [2, 3, 4] is 1 + 2 + 2·3 (its innermost arrays hold
+/// the values), a scalar none.
+fn json_arrays(tensor: &TensorProto) -> u64 {
+    let dims = tensor.tensor_shape.as_ref().map_or(&[][..], |s| &s.dim[..]);
+    let mut arrays = 0u64;
+    let mut outer = 1u64;
+    for dim in dims {
+        arrays = arrays.saturating_add(outer);
+        outer = outer.saturating_mul(dim.size.max(0) as u64);
+    }
+    arrays
+}
 
 /// `work` (on a body of `size` bytes) where it holds up no other request: in place for a
 /// small body, on a blocking thread for a large one.
@@ -783,7 +802,21 @@ impl Rest {
         };
         let response = self.api.predict_checked(request, deadline, false).await?;
         let outputs: BTreeMap<_, _> = response.outputs.into_iter().collect();
+        let arrays = outputs
+            .values()
+            .fold(0u64, |sum, t| sum.saturating_add(json_arrays(t)));
+        if arrays > MAX_ANSWER_ARRAYS {
+            return Err(ServingError::new(
+                Code::ResourceExhausted,
+                format!(
+                    "the answer's outputs would be written as {arrays} JSON arrays, more than \
+                     {MAX_ANSWER_ARRAYS}"
+                ),
+            ));
+        }
         let size: usize = outputs.values().map(tensor_memory).sum();
+        let size =
+            size.saturating_add(usize::try_from(arrays.saturating_mul(2)).unwrap_or(usize::MAX));
         on_a_blocking_thread_if(
             size >= BLOCKING_ANSWER_BYTES,
             "writing the answer",
@@ -1389,6 +1422,31 @@ mod tests {
         for unknown in [34, 99, 100, 134, -1] {
             assert_eq!(written(unknown), unknown.to_string());
         }
+    }
+
+    #[test]
+    fn an_answers_json_arrays_are_counted_from_its_shape() {
+        let shaped = |dims: &[i64]| TensorProto {
+            tensor_shape: Some(TensorShapeProto {
+                dim: dims
+                    .iter()
+                    .map(
+                        |&size| crate::proto::mpspool::tfs::tensor_shape_proto::Dim {
+                            size,
+                            name: String::new(),
+                        },
+                    )
+                    .collect(),
+                unknown_rank: false,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(json_arrays(&shaped(&[])), 0);
+        assert_eq!(json_arrays(&shaped(&[5])), 1);
+        assert_eq!(json_arrays(&shaped(&[2, 3, 4])), 1 + 2 + 6);
+        // Empty, and all brackets: [[[], ...], ...].
+        assert_eq!(json_arrays(&shaped(&[100_000_000, 1, 0])), 200_000_001);
+        assert_eq!(json_arrays(&shaped(&[1 << 62, 1 << 62, 0])), u64::MAX);
     }
 
     #[test]

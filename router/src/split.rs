@@ -20,12 +20,19 @@ use crate::wire::{self, TensorMeta};
 
 pub(crate) const DT_STRING: i32 = 7;
 
+/// The most chunks one request is cut into. A request's rows are declared, not counted:
+/// a tensor of shape [2^60, 0] carries no bytes, and its list of 2^60 chunks aborted the
+/// front door (found by a hunt). One past it runs whole, as one that cannot be cut.
+pub const MAX_CHUNKS: u64 = 65_536;
+
 /// The chunks of `request` (each with its row count), or None when it stays whole: no limit,
-/// not above it, or inputs that do not all share a first dimension.
+/// not above it, inputs that do not all share a first dimension, or more than MAX_CHUNKS
+/// chunks.
 pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)>> {
     let rows = request.rows();
     if limit == 0
         || rows <= limit
+        || rows.div_ceil(limit) > MAX_CHUNKS
         || !request.row_wise
         || request.tensors.len() != request.frames.len()
         || !request.one_first_dimension()
@@ -277,6 +284,27 @@ mod tests {
         assert_eq!(joined.tensors, whole.tensors);
         assert_eq!(joined.frames, whole.frames);
         assert_eq!(joined.span, Some((0, 25)));
+    }
+
+    #[test]
+    fn rows_declared_past_the_chunk_bound_stay_whole() {
+        // [2^60, 0]: no bytes, 2^60 rows. Its chunks were listed, and the front door aborted.
+        let zero_size = WorkRequest {
+            tensors: vec![("x".into(), 1, vec![1 << 60, 0])],
+            frames: vec![Bytes::new()],
+            ..request()
+        };
+        assert!(split(&zero_size, 1000).is_none());
+        let at_the_bound = WorkRequest {
+            tensors: vec![("x".into(), 1, vec![(MAX_CHUNKS * 2) as i64, 0])],
+            frames: vec![Bytes::new()],
+            ..request()
+        };
+        assert_eq!(
+            split(&at_the_bound, 2).map(|c| c.len() as u64),
+            Some(MAX_CHUNKS)
+        );
+        assert!(split(&at_the_bound, 1).is_none());
     }
 
     #[test]
