@@ -891,11 +891,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
         config = dataclasses.replace(config, loading_priority="normal")
     config.save(run_dir)
-    import psutil
-
+    pid = os.getpid()
     rundir.write_controller(
-        run_dir,
-        {"pid": os.getpid(), "started": psutil.Process().create_time(), "created_run_dir": created},
+        run_dir, {"pid": pid, "started": process.started_at(pid), "created_run_dir": created}
     )
     from mpspool.supervisor.controller import Controller
 

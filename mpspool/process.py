@@ -50,6 +50,27 @@ def die_with_parent_sigterm() -> None:
     die_with_parent(signal.SIGTERM)
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def started_at(pid: int) -> float:
+    """When process ``pid`` started, in seconds since boot: with its pid, what tells it from
+    a later process given the same pid (a pool's controller, a segment's owner). Not
+    psutil's create_time(), which adds the boot time as the wall clock has it: a clock step
+    (NTP at boot, a VM resumed, `date -s`) moved that, and `mpspool status` and `stop` took
+    a live pool for gone while `start` asked for its processes to be ended (found by a
+    hunt). ProcessLookupError when no such process is there."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    # Fields after the command name, which is in parentheses and may hold anything: the
+    # 22nd field, its start time in clock ticks since boot, is the 20th of these.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19]) / _CLOCK_TICKS
+
+
 def fail(code: int, reason: str) -> NoReturn:
     """Report `reason` in the marker format and exit with a reserved code."""
     sys.stderr.write(f"{FATAL_MARKER}{reason}\n")

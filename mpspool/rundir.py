@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from mpspool import process
 from mpspool.config import ConfigError
 
 CONTROLLER_FILE = "controller.json"
@@ -36,10 +37,10 @@ def controller_alive(info: dict | None) -> bool:
     if not info:
         return False
     try:
-        proc = psutil.Process(int(info["pid"]))
-        same = abs(proc.create_time() - float(info["started"])) < 1.0
-        return same and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, ValueError):
+        pid = int(info["pid"])
+        same = abs(process.started_at(pid) - float(info["started"])) < 1.0
+        return same and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError, KeyError, ValueError, TypeError, IndexError):
         return False
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from mpspool import dtypes
+from mpspool import dtypes, process
 
 MAGIC = b"MPSPOOL-WEIGHTS1"
 _HEADER = struct.Struct("<16sQ")
@@ -69,7 +69,7 @@ class Manifest:
     model: str
     version: int
     owner_pid: int
-    owner_started: float  # psutil create_time of the owner: pids get reused
+    owner_started: float  # process.started_at of the owner: pids get reused
     tensors: tuple[TensorEntry, ...]
     # Checkpointed values that are not plain variables (hash tables, ...): they cannot be
     # shared, and a worker refuses the model rather than serve it without them.
@@ -382,10 +382,9 @@ class AttachedSegment:
 
 def owner_alive(manifest: Manifest) -> bool:
     try:
-        proc = psutil.Process(manifest.owner_pid)
-        same = abs(proc.create_time() - manifest.owner_started) < 1.0
-        return same and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        same = abs(process.started_at(manifest.owner_pid) - manifest.owner_started) < 1.0
+        return same and psutil.Process(manifest.owner_pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError, ValueError, IndexError):
         return False
 
 

@@ -333,13 +333,13 @@ def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
     5 s with the configuration error's exit status; it now sends the orderly stop's signal
     (after STOP_ANSWER_WAIT_S)
     and waits for the pool to end. Here a stand-in that holds no socket and ends on SIGTERM."""
-    from mpspool import cli, rundir
+    from mpspool import cli, process, rundir
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        started = psutil.Process(stand_in.pid).create_time()
+        started = process.started_at(stand_in.pid)
         rundir.write_controller(run_dir, {"pid": stand_in.pid, "started": started})
         monkeypatch.setattr(cli, "STOP_ANSWER_WAIT_S", 1.0)
         assert cli.main(["stop", "--run-dir", str(run_dir), "--timeout", "30"]) == 0

@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
-from mpspool import dtypes, segment
+from mpspool import dtypes, process, segment
 from mpspool.demo_model import demo_inputs
 from mpspool.errors import Code
 from mpspool.worker import runtime, tensor_bundle
@@ -81,7 +80,7 @@ def _partial(path: Path) -> Path:
 
 
 def _owner() -> tuple[int, float]:
-    return os.getpid(), psutil.Process().create_time()
+    return os.getpid(), process.started_at(os.getpid())
 
 
 def _publish(model_dir: Path, path: Path, name: str = "m") -> segment.Manifest:
@@ -886,3 +885,28 @@ def test_a_misaligned_segment_is_refused_or_copied(
     assert runtime.weights_report()["copied"] == {"word_vectors:0": 64}
     got = _run(runtime, {"words": np.array([b"banana"], dtype=object)})
     assert got["vectors"].tolist() == [[4.0, 5.0, 6.0, 7.0]]
+
+
+def test_a_clock_step_does_not_make_a_live_owner_look_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """psutil's create_time() is the boot time as the wall clock has it plus the process's
+    start: after a clock step (NTP at boot, a VM resumed) a live pool's controller and a
+    segment's owner read as ended, `mpspool stop` found no pool and `start` asked for the
+    live one's processes to be ended (found by a hunt). Identity is the start in ticks since
+    boot now; the step is made here as the kernel would report it to psutil."""
+    import psutil._pslinux
+
+    from mpspool import rundir
+
+    me = {"pid": os.getpid(), "started": process.started_at(os.getpid())}
+    manifest = segment.plan("m", 1, me["pid"], me["started"], [])
+    assert rundir.controller_alive(me) and segment.owner_alive(manifest)
+    real = psutil._pslinux.boot_time
+    for step in (3600.0, -3600.0, 2.0):
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda step=step: real() + step)
+        assert rundir.controller_alive(me), step
+        assert segment.owner_alive(manifest), step
+    # Another process's start, or none, is still told apart.
+    assert not rundir.controller_alive({**me, "started": me["started"] - 5})
+    assert not segment.owner_alive(segment.plan("m", 1, 2**22 + 7, 0.0, []))
