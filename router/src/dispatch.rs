@@ -1294,7 +1294,7 @@ impl Actor {
                     if pending.merged {
                         self.rerun_alone(pending.members);
                     } else {
-                        let error = ServingError::new(Code::from_i32(code), message);
+                        let error = ServingError::new(Code::of_error(code), message);
                         pending.tell_all(|| Outcome::Error(error.clone()));
                     }
                 }

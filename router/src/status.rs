@@ -51,6 +51,16 @@ impl Code {
         }
     }
 
+    /// The code of an error a worker sent: as `from_i32`, but OK is no error's code, and
+    /// an error said with it is UNKNOWN (a status of OK carries no answer: gRPC would end
+    /// the call OK without one, REST answer 200 with an error).
+    pub fn of_error(value: i32) -> Code {
+        match Code::from_i32(value) {
+            Code::Ok => Code::Unknown,
+            code => code,
+        }
+    }
+
     /// The upper-case name Prometheus labels and logs use (`INVALID_ARGUMENT`).
     pub fn name(self) -> &'static str {
         match self {
@@ -183,6 +193,8 @@ mod tests {
         }
         assert_eq!(Code::from_i32(99), Code::Unknown);
         assert_eq!(Code::from_i32(-1), Code::Unknown);
+        assert_eq!(Code::of_error(0), Code::Unknown);
+        assert_eq!(Code::of_error(5), Code::NotFound);
     }
 
     #[test]
