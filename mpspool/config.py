@@ -278,9 +278,11 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # and its ".partial"; its publisher's log; its workers' supervisord programs and logs), which
 # Linux caps at 255 bytes: with room for the rest of each, a name is at most this long.
 MAX_MODEL_NAME_BYTES = 128
-# The longest time any setting may name: about 31 years, "for ever" in practice, and far
-# from where the front door's clock arithmetic (an Instant plus 2**64 s) overflows.
-MAX_SECONDS = 1e9
+# The longest time any setting may name: 2**31 - 1 s (about 68 years), TF Serving's own
+# bound where its flags are int32 seconds (the common "never" of its poll waits), "for ever"
+# in practice, and far from where the front door's clock arithmetic (an Instant plus 2**64
+# s) overflows.
+MAX_SECONDS = 2**31 - 1
 
 
 def check_utf8(what: str, value: str) -> None:
@@ -901,8 +903,8 @@ class PoolConfig:
                 unit = "" if shown is None else f" ({shown:g} per second)"
                 given = seconds if shown is None else seconds * shown
                 raise ConfigError(
-                    f"{flag} must be at most {MAX_SECONDS:g} seconds (about 31 years){unit}, "
-                    f"got {given:g}"
+                    f"{flag} must be at most {MAX_SECONDS} seconds (about 68 years){unit}, "
+                    f"got {given}"
                 )
 
     def _validate_models(self, models_on_disk: bool = True) -> None:

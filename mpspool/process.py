@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from typing import NoReturn
 
 EXIT_OK = 0
@@ -69,6 +70,21 @@ def started_at(pid: int) -> float:
     # 22nd field, its start time in clock ticks since boot, is the 20th of these.
     fields = stat[stat.rindex(b")") + 2 :].split()
     return int(fields[19]) / _CLOCK_TICKS
+
+
+def is_process_started_at(pid: int, started: float) -> bool:
+    """Whether ``pid`` is the process that started at ``started`` (`started_at`). A value an
+    mpspool before this one wrote (psutil's create_time(): seconds since the epoch, far
+    past any time since boot) is compared as it was then: a pool started by it and still
+    running is not taken for gone. OSError when no such process is there."""
+    if started > time.clock_gettime(time.CLOCK_BOOTTIME) + 1.0:
+        import psutil
+
+        try:
+            return abs(psutil.Process(pid).create_time() - started) < 1.0
+        except psutil.NoSuchProcess:
+            raise ProcessLookupError(pid) from None
+    return abs(started_at(pid) - started) < 1.0
 
 
 def fail(code: int, reason: str) -> NoReturn:

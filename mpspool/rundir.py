@@ -38,7 +38,7 @@ def controller_alive(info: dict | None) -> bool:
         return False
     try:
         pid = int(info["pid"])
-        same = abs(process.started_at(pid) - float(info["started"])) < 1.0
+        same = process.is_process_started_at(pid, float(info["started"]))
         return same and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, OSError, KeyError, ValueError, TypeError, IndexError):
         return False

@@ -382,7 +382,7 @@ class AttachedSegment:
 
 def owner_alive(manifest: Manifest) -> bool:
     try:
-        same = abs(process.started_at(manifest.owner_pid) - manifest.owner_started) < 1.0
+        same = process.is_process_started_at(manifest.owner_pid, manifest.owner_started)
         return same and psutil.Process(manifest.owner_pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, OSError, ValueError, IndexError):
         return False

@@ -138,6 +138,17 @@ class RouterLink:
         self._socket.close()
 
 
+def url_host(host: str) -> str:
+    """``host`` as a URL names it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def rest_url(host: str, port: int, model: str) -> str:
+    """A model's REST URL as a user pastes it: the model's name percent-encoded (a space or
+    '#' in it cut the URL)."""
+    return f"http://{url_host(host)}:{port}/v1/models/{quote(model, safe='')}"
+
+
 class Controller:
     def __init__(
         self,
@@ -1214,7 +1225,6 @@ class Controller:
             PoolPhase.SERVING, "a version of each model is AVAILABLE and the front door listens"
         )
         host, model = self.config.host, self.config.model_name
-        url_name = quote(model, safe="")  # pasted into a shell or a browser whatever it holds
         serving = ""
         for each in self.models.values():
             version = each.serving_version()
@@ -1229,7 +1239,7 @@ class Controller:
             "ModelService, grpc.health.v1\n"
             f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
             + (
-                f"  REST:   curl http://{host}:{self.rest_port}/v1/models/{url_name}   "
+                f"  REST:   curl {rest_url(host, self.rest_port, model)}   "
                 f'(:predict with {{"instances": [...]}})\n'
                 if self.rest_port
                 else ""
@@ -1288,12 +1298,12 @@ class Controller:
                     f"unix:{self.config.grpc_socket_path}" if self.config.grpc_socket_path else None
                 ),
                 "metrics": (
-                    f"http://{self.config.host}:{self.metrics_port}/metrics"
+                    f"http://{url_host(self.config.host)}:{self.metrics_port}/metrics"
                     if self.metrics_port
                     else None
                 ),
                 "rest": (
-                    f"http://{self.config.host}:{self.rest_port}/v1/models/{self.config.model_name}"
+                    rest_url(self.config.host, self.rest_port, self.config.model_name)
                     if self.rest_port
                     else None
                 ),

@@ -2823,7 +2823,7 @@ def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):
         config.validate()
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e19])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e19, 2**31])
 @pytest.mark.parametrize(
     ("field", "flag"),
     [
@@ -2844,20 +2844,23 @@ def test_a_negative_timeout_is_refused(field: str, flag: str, value: float):
         ("rest_api_timeout_ms", "--rest-api-timeout-in-ms"),
     ],
 )
-def test_a_time_past_31_years_or_not_finite_is_refused_by_its_flag(
+def test_a_time_past_68_years_or_not_finite_is_refused_by_its_flag(
     field: str, flag: str, value: float
 ):
     """NaN and infinity passed each setting's own rule and reached pool.json, which the
     front door then refused naming the file; 1e19 s panicked the front door on every
     connection as a clock reading plus it overflowed (found by hunts)."""
+    if field == "rest_api_timeout_ms" and value == 2**31:
+        value *= 1000  # the bound is in seconds
     config = PoolConfig(
         model_name="m", model_base_path="/m", model_version=1, run_dir="/r", log_dir="/l",
         workers=1, **{field: value},
     )  # fmt: skip
     with pytest.raises(ConfigError, match=f"^{re.escape(flag)} must be"):
         config.validate(models_on_disk=False)
-    ok = dataclasses.replace(config, **{field: 1e9 if field != "rest_api_timeout_ms" else 10**12})
-    ok.validate(models_on_disk=False)  # 31 years is still a setting
+    # TF Serving's int32 "never" is still a setting.
+    never = 2**31 - 1 if field != "rest_api_timeout_ms" else (2**31 - 1) * 1000
+    dataclasses.replace(config, **{field: never}).validate(models_on_disk=False)
 
 
 def test_a_negative_connection_limit_is_refused():
@@ -2905,3 +2908,6 @@ def test_the_banners_lines_paste_whatever_the_model_is_named(
     assert "/v1/models/my%20model%20%C3%A9   " in banner, banner
     run_dir = shlex.quote(str(pool.controller.run_dir))
     assert f"  stop:   mpspool stop --run-dir {run_dir}   (or Ctrl-C)" in banner
+    rest = pool.controller.status()["pool"]["rest"]
+    assert rest == "http://127.0.0.1:8501/v1/models/my%20model%20%C3%A9"
+    assert controller_module.rest_url("::1", 8501, "m") == "http://[::1]:8501/v1/models/m"

@@ -441,7 +441,7 @@ def test_a_checkpoint_without_its_index_is_refused_naming_it(
     (broken / "variables" / "variables.index").unlink()
     with pytest.raises(PublishError, match=r"variables\.index") as info:
         publish(broken, "broken", 1, segment_path, os.getpid(), 0.0)
-    assert info.value.code == Code.NOT_FOUND
+    assert info.value.code == Code.NOT_FOUND  # the files that are not there
 
 
 def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(

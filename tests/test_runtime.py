@@ -357,7 +357,9 @@ def test_tensorflow_load_failure_is_a_load_error(tmp_path: Path, model_dir: Path
         load_saved_model(str(tmp_path), "demo", 1)
     assert str(tmp_path) in str(info.value)
     assert info.value.__cause__ is not None  # TensorFlow's own error stays attached
-    # TF Serving's code for a restore that finds no checkpoint files.
+    # NOT_FOUND: TensorFlow's loader finds no checkpoint files. (TF Serving's C++ loader
+    # would load the graph without its variables, "no checkpoints were restored", and fail
+    # each request instead.)
     assert info.value.code is Code.NOT_FOUND, repr(info.value.__cause__)
 
 

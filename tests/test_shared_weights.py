@@ -910,3 +910,10 @@ def test_a_clock_step_does_not_make_a_live_owner_look_dead(
     # Another process's start, or none, is still told apart.
     assert not rundir.controller_alive({**me, "started": me["started"] - 5})
     assert not segment.owner_alive(segment.plan("m", 1, 2**22 + 7, 0.0, []))
+    # What an mpspool before this one wrote (psutil's seconds since the epoch) still names
+    # its live pool: one upgraded in place while it runs is not taken for gone.
+    monkeypatch.setattr(psutil._pslinux, "boot_time", real)
+    epoch = psutil.Process().create_time()
+    assert rundir.controller_alive({**me, "started": epoch})
+    assert segment.owner_alive(segment.plan("m", 1, me["pid"], epoch, []))
+    assert not rundir.controller_alive({**me, "started": epoch - 5})

@@ -303,7 +303,11 @@ fn materialize_strings(
 ) -> Result<Bytes, ServingError> {
     if !proto.tensor_content.is_empty() && n > 0 {
         // TensorFlow's own encoding of strings there (Tensor::FromProto reads it first).
-        let values = decode_string_list(&proto.tensor_content, n).ok_or_else(|| {
+        let list = StringList {
+            content: &proto.tensor_content,
+            n,
+        };
+        let bytes = list.frame_size().ok_or_else(|| {
             invalid(
                 name,
                 format!(
@@ -312,13 +316,11 @@ fn materialize_strings(
                 ),
             )
         })?;
-        let bytes = values.iter().fold(array_header_size(n), |sum, v| {
-            sum.saturating_add(bin_size(v.len() as u64))
-        });
         if bytes > MAX_TENSOR_BYTES {
             return Err(too_big(name, DT_STRING, shape, bytes));
         }
-        let out = wire::encode_strings_iter(n as u32, values, bytes as usize);
+        // n < 2^30 here: each element takes at least 2 bytes of a frame of at most 2^31.
+        let out = wire::encode_strings_iter(n as u32, list.values(), bytes as usize);
         debug_assert_eq!(out.len() as u64, bytes);
         return Ok(Bytes::from(out));
     }
@@ -350,37 +352,48 @@ fn materialize_strings(
     Ok(Bytes::from(out))
 }
 
-/// The `n` strings of a string tensor's `tensor_content`, as TensorFlow encodes them
+/// A string tensor's `tensor_content` as TensorFlow encodes `n` strings there
 /// (`port::EncodeStringList`): each one's length as a varint32, then their bytes one after
-/// another, exactly filling it; None for anything else (`DecodeStringList`'s refusal).
-fn decode_string_list(content: &[u8], n: u64) -> Option<Vec<&[u8]>> {
-    // Each string takes a byte of it at least (its length): n is bounded by its size.
-    if n > content.len() as u64 {
-        return None;
+/// another, exactly filling it. Read twice, never listed: a list of n lengths (n up to the
+/// content's size, an empty string taking one byte) was 24 bytes an element before any
+/// bound was checked, 12 GiB for a 512 MiB request (found by a review).
+struct StringList<'a> {
+    content: &'a [u8],
+    n: u64,
+}
+
+impl<'a> StringList<'a> {
+    /// The bytes its strings take as a wire frame (msgpack), or None when it is not `n`
+    /// strings in TensorFlow's encoding (`DecodeStringList`'s refusal).
+    fn frame_size(&self) -> Option<u64> {
+        if self.n > self.content.len() as u64 {
+            return None; // each string takes a byte at least (its length)
+        }
+        let (mut at, mut data, mut frame) = (0usize, 0u64, array_header_size(self.n));
+        for _ in 0..self.n {
+            let (len, used) = varint32(&self.content[at..])?;
+            at += used;
+            data = data.checked_add(u64::from(len))?;
+            frame = frame.saturating_add(bin_size(u64::from(len)));
+        }
+        (data == (self.content.len() - at) as u64).then_some(frame)
     }
-    let mut at = 0;
-    let mut sizes = Vec::with_capacity(n as usize);
-    for _ in 0..n {
-        let (len, used) = varint32(&content[at..])?;
-        sizes.push(len as usize);
-        at += used;
+
+    /// Its strings in order; only for a list `frame_size` accepted.
+    fn values(&self) -> impl Iterator<Item = &'a [u8]> {
+        let content = self.content;
+        let skip = |at: usize| at + varint32(&content[at..]).map_or(1, |(_, used)| used);
+        let mut data = (0..self.n).fold(0, |at, _| skip(at)); // after the n lengths
+        let mut length = 0; // where the next length is
+        (0..self.n).map(move |_| {
+            let (len, used) = varint32(&content[length..]).unwrap_or((0, 1));
+            length += used;
+            let end = (data + len as usize).min(content.len());
+            let value = &content[data..end];
+            data = end;
+            value
+        })
     }
-    let total = sizes
-        .iter()
-        .try_fold(0usize, |sum, &len| sum.checked_add(len))?;
-    if total != content.len() - at {
-        return None;
-    }
-    Some(
-        sizes
-            .into_iter()
-            .map(|len| {
-                let value = &content[at..at + len];
-                at += len;
-                value
-            })
-            .collect(),
-    )
 }
 
 /// A varint32 (at most 5 bytes; bits past 32 dropped, as TensorFlow's GetVarint32 does) and

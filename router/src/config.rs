@@ -212,10 +212,10 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// The longest time a setting may name (about 31 years), as the pool's own check
-/// (`mpspool/config.py`, MAX_SECONDS): far from where a clock reading plus it overflows
-/// (`Instant + 1e19 s` panicked on every connection; found by a hunt).
-pub const MAX_SECONDS: f64 = 1e9;
+/// The longest time a setting may name (2^31 - 1 s, about 68 years), as the pool's own
+/// check (`mpspool/config.py`, MAX_SECONDS): far from where a clock reading plus it
+/// overflows (`Instant + 1e19 s` panicked on every connection; found by a hunt).
+pub const MAX_SECONDS: f64 = 2_147_483_647.0;
 
 /// `value` seconds as a Duration when it is finite and in [0, MAX_SECONDS]; None otherwise.
 pub fn bounded_seconds(value: f64) -> Option<Duration> {
