@@ -445,7 +445,7 @@ fn output_elements(shape: &[i64]) -> Result<u64, ServingError> {
 }
 
 /// An output TensorProto with its dtype and shape and no values yet.
-fn output_shell(dtype: i32, shape: &[i64]) -> TensorProto {
+pub(crate) fn output_shell(dtype: i32, shape: &[i64]) -> TensorProto {
     TensorProto {
         dtype,
         tensor_shape: Some(TensorShapeProto {

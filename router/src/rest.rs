@@ -1426,21 +1426,7 @@ mod tests {
 
     #[test]
     fn an_answers_json_arrays_are_counted_from_its_shape() {
-        let shaped = |dims: &[i64]| TensorProto {
-            tensor_shape: Some(TensorShapeProto {
-                dim: dims
-                    .iter()
-                    .map(
-                        |&size| crate::proto::mpspool::tfs::tensor_shape_proto::Dim {
-                            size,
-                            name: String::new(),
-                        },
-                    )
-                    .collect(),
-                unknown_rank: false,
-            }),
-            ..Default::default()
-        };
+        let shaped = |dims: &[i64]| crate::codec::output_shell(crate::codec::DT_FLOAT, dims);
         assert_eq!(json_arrays(&shaped(&[])), 0);
         assert_eq!(json_arrays(&shaped(&[5])), 1);
         assert_eq!(json_arrays(&shaped(&[2, 3, 4])), 1 + 2 + 6);
