@@ -334,6 +334,23 @@ def test_an_unreadable_base_path_is_a_load_error_naming_it(tmp_path: Path) -> No
     assert "Permission denied" in said
 
 
+def test_a_base_path_with_glob_characters_loads(
+    tmp_path: Path, model_dir: Path, runtime: ModelRuntime
+) -> None:
+    """TensorFlow reads a checkpoint through a glob of its prefix: "/models/g[1]" failed
+    every load without shared weights ("Failed to find any matching files"; found by a
+    hunt). It is read through a private link now."""
+    version = tmp_path / "g[1]*?" / "1"
+    shutil.copytree(model_dir, version)
+    work = tmp_path / "work"
+    loaded = load_saved_model(str(version), "demo", 1, work_dir=str(work))
+    inputs = demo_inputs(3, ROWS, seed=4)
+    got = loaded.run(SIG, inputs, ["score"])["score"]
+    np.testing.assert_array_equal(got, runtime.run(SIG, inputs, ["score"])["score"])
+    [link] = work.glob("model-*/version")
+    assert link.resolve() == version.resolve()
+
+
 def test_directory_without_saved_model_is_a_load_error(tmp_path: Path, model_dir: Path) -> None:
     shutil.copytree(model_dir / "variables", tmp_path / "variables")  # weights but no graph
     with pytest.raises(ModelLoadError, match=r"no saved_model\.pb") as info:

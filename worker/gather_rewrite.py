@@ -74,10 +74,7 @@ def rewrite_saved_model(model_dir: Path, work_dir: Path) -> Rewritten | None:
                 gathers[function.signature.name] = gathers.get(function.signature.name, 0) + n
     if not gathers:
         return None
-    work_dir.mkdir(parents=True, exist_ok=True)
-    remove_copies_of_ended_processes(work_dir)
-    # 0700; the pid in its name says whose it is.
-    private = Path(tempfile.mkdtemp(prefix=f"{_PRIVATE_PREFIX}{os.getpid()}-", dir=work_dir))
+    private = new_private_dir(work_dir)
     target = private / model_dir.name
     try:
         target.mkdir()
@@ -89,6 +86,21 @@ def rewrite_saved_model(model_dir: Path, work_dir: Path) -> Rewritten | None:
         shutil.rmtree(private, ignore_errors=True)
         raise
     return Rewritten(target, gathers)
+
+
+# The work dirs this process has cleaned (remove_copies_of_ended_processes): only before
+# its first private dir there, since that removes this pid's too (a dead worker's, reused).
+_cleaned: set[Path] = set()
+
+
+def new_private_dir(work_dir: Path) -> Path:
+    """A new directory of this process's in ``work_dir`` (0700; the pid in its name says
+    whose it is), those of processes that ended removed before the first."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if work_dir not in _cleaned:
+        remove_copies_of_ended_processes(work_dir)
+        _cleaned.add(work_dir)
+    return Path(tempfile.mkdtemp(prefix=f"{_PRIVATE_PREFIX}{os.getpid()}-", dir=work_dir))
 
 
 def remove_copies_of_ended_processes(work_dir: Path) -> list[Path]:

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import logging
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -150,9 +151,12 @@ def load_saved_model(
 
     _set_threads(tf, intra_op_threads, inter_op_threads, where)
     options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=bool(weights_segment))
-    load_from, rewritten = path, None
+    private = Path(work_dir or tempfile.gettempdir())
+    # Where TensorFlow reads the version: its checkpoint's reader takes the path as a glob.
+    path_read = _without_glob(path, private, where)
+    load_from, rewritten = path_read, None
     if weights_segment:
-        rewritten = _rewrite_gathers(path, Path(work_dir or tempfile.gettempdir()), where)
+        rewritten = _rewrite_gathers(path, private, where)
         if rewritten is not None:
             load_from = rewritten.model_dir
     try:
@@ -163,7 +167,7 @@ def load_saved_model(
         raise ModelLoadError(
             f"cannot load {where}: {_first_line(exc)}", load_failure_code(exc)
         ) from exc
-    checkpoint = str(path / "variables" / "variables")
+    checkpoint = str(path_read / "variables" / "variables")
     shared = (
         _attach_weights(tf, loaded, weights_segment, checkpoint, where, digest)
         if weights_segment
@@ -198,6 +202,34 @@ def load_saved_model(
             views = {key: segment.view(entry) for key, (_, entry) in bound.items()}
             runtime.build_session_calls(views, intra_op_threads, inter_op_threads)
     return runtime
+
+
+# What TensorFlow's checkpoint reader takes for a glob in a path (tsl's GetMatchingPaths).
+_GLOB_CHARACTERS = frozenset("*?[\\")
+
+
+def _without_glob(path: Path, work_dir: Path, where: str) -> Path:
+    """``path``, or a private link to it when it holds a glob character: TensorFlow reads a
+    checkpoint's files through a glob of their prefix, so a base path such as "/models/g[1]"
+    failed every load ("Failed to find any matching files"; found by a hunt). The link
+    lives in a private directory (gather_rewrite's kind, removed as its copies are) as long
+    as this process."""
+    if not _GLOB_CHARACTERS & set(str(path)):
+        return path
+    from mpspool.worker.gather_rewrite import new_private_dir
+
+    try:
+        private = new_private_dir(work_dir)
+        link = private / "version"
+        link.symlink_to(path, target_is_directory=True)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot load {where}: a link to it without glob characters cannot be made in "
+            f"{work_dir}: {exc}",
+            code_of_os_error(exc),
+        ) from exc
+    atexit.register(shutil.rmtree, private, True)
+    return link
 
 
 def _rewrite_gathers(path: Path, work_dir: Path, where: str) -> Any:
