@@ -369,6 +369,11 @@ def test_a_pool_replays_the_records_and_a_failing_warm_up_never_serves(
         assert samples[f":tensorflow:serving:model_warmup_records_read{{{labels}}}"] == 4, page
         assert samples[f":tensorflow:serving:model_warmup_latency_count{{{labels}}}"] == 2, page
         assert samples[f":tensorflow:serving:model_warmup_latency_sum{{{labels}}}"] > 0
+        # TensorFlow's SavedModel load metrics beside them: each worker's load, its µs.
+        path_label = f'model_path="{base / "1"}"'
+        load = f':tensorflow:cc:saved_model:load_attempt_count{{{path_label},status="success"}}'
+        assert samples[load] == 2, page
+        assert samples[f":tensorflow:cc:saved_model:load_latency{{{path_label}}}"] > 0, page
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []

@@ -188,10 +188,12 @@ class Worker:
         runtime: Any,
         weights: dict[str, Any] | None = None,
         warmup: list[Any] | None = None,
+        load: list[Any] | None = None,
     ) -> None:
         self.config = config
         self.weights = weights  # where this worker's variables live (shared_weights.verify)
         self.warmup = warmup  # READY's: [version dir, µs, records] of a replayed warm-up file
+        self.load = load  # READY's: [version dir, µs] of its SavedModel's load
         self.slot = slot
         self.runtime = runtime
         self.pid = os.getpid()
@@ -220,6 +222,7 @@ class Worker:
             version=self.runtime.version,
             weights=self.weights,
             **({} if self.warmup is None else {"warmup": self.warmup}),
+            **({} if self.load is None else {"load": self.load}),
         )
         return [header, self.runtime.signature_defs]
 
@@ -535,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         load_saved_model,
     )
 
+    load_started = time.monotonic()
     try:
         runtime = load_saved_model(
             config.version_path(version),
@@ -546,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             work_dir=str(Path(config.run_dir) / rundir.MODELS_DIR),
             tags=config.saved_model_tags.split(","),
         )
+        # TensorFlow's load_latency: the SavedModel's load, not the warm-up after it.
+        load_us = round((time.monotonic() - load_started) * 1e6)
         runtime.warm_up(copies_allowed=config.allow_copied_weights)
         replayed = _replay_warmup(runtime, config, version) if config.model_warmup else None
         # A recorded request's check of its fast call, before the weights are looked at: a
@@ -599,7 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup = None
     if replayed is not None:  # for TF Serving's warm-up metrics, which the front door keeps
         warmup = [config.version_path(version), round(replayed.seconds * 1e6), replayed.records]
-    worker = Worker(config, key, runtime, weights, warmup)
+    # For TensorFlow's load metrics, which the front door keeps.
+    load = [config.version_path(version), load_us]
+    worker = Worker(config, key, runtime, weights, warmup, load)
     _freeze_loaded_objects()
     signal.signal(signal.SIGTERM, worker.request_stop)
     log.info("serving %s version %d (pid %d)", config.model_name, version, worker.pid)

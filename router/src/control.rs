@@ -213,6 +213,7 @@ fn op<P>(
                         matches!(field(request, "starting"), Some(Value::Boolean(true)));
                     let listed = table.versions.keys().copied().collect();
                     pool.state.warmup.keep_versions_of(current.id, &listed);
+                    pool.state.loads.keep_versions_of(current.id, &listed);
                     let mut models = Models::clone(&models);
                     models.replace(table);
                     pool.versions.send_replace(Arc::new(models));

@@ -1320,6 +1320,7 @@ impl Actor {
                 version,
                 weights,
                 warmup,
+                load,
             } => {
                 if self.table.declared_dead.get(&slot) == Some(&pid) {
                     return; // declared dead and about to be replaced: it does not come back
@@ -1337,10 +1338,13 @@ impl Actor {
                 let weights = weights.unwrap_or(rmpv::Value::Nil);
                 // Once per worker process: READY comes again on each reconnection and
                 // REREGISTER, from a warm-up that ran once.
-                if let (Some((path, micros, records)), None) =
-                    (warmup, self.table.get_mut(&identity))
-                {
-                    self.state.warmup.record(servable, &path, micros, records);
+                if self.table.get_mut(&identity).is_none() {
+                    if let Some((path, micros, records)) = warmup {
+                        self.state.warmup.record(servable, &path, micros, records);
+                    }
+                    if let Some((path, micros)) = load {
+                        self.state.loads.record(servable, &path, micros);
+                    }
                 }
                 let joined = self
                     .table

@@ -234,6 +234,7 @@ impl Metrics {
         let mut page = self.tf_serving.render();
         self.state.batching.render(&mut page);
         self.state.warmup.render(&mut page);
+        self.state.loads.render(&mut page);
         page
     }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use crate::metrics::Histogram;
-use crate::tfs_metrics::{BatchingMetrics, WarmupMetrics};
+use crate::tfs_metrics::{BatchingMetrics, LoadMetrics, WarmupMetrics};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -67,6 +67,8 @@ pub struct RouterState {
     pub batching: BatchingMetrics,
     /// TF Serving's model warm-up metrics, from the workers' READY (the dispatcher records).
     pub warmup: WarmupMetrics,
+    /// TensorFlow's SavedModel load metrics, from the workers' READY (the dispatcher records).
+    pub loads: LoadMetrics,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
     /// Every worker slot's state and restarts as the controller last told them (the
@@ -98,6 +100,7 @@ impl RouterState {
                 reply: Histogram::default(),
                 batching: BatchingMetrics::default(),
                 warmup: WarmupMetrics::default(),
+                loads: LoadMetrics::default(),
                 gpus: Mutex::new(Vec::new()),
                 slots: Mutex::new(Vec::new()),
                 drain,

@@ -532,6 +532,67 @@ impl WarmupMetrics {
     }
 }
 
+/// TensorFlow's SavedModel load metrics (`tensorflow/cc/saved_model/loader.cc`), which TF
+/// Serving's page carries as every TensorFlow metric:
+/// `:tensorflow:cc:saved_model:load_attempt_count{model_path,status}` (loads of the version
+/// folder; "success" only: a worker whose load failed sends no READY, and its failure is in
+/// GetModelStatus and `mpspool status`) and `:tensorflow:cc:saved_model:load_latency
+/// {model_path}` (their µs, summed). Recorded once per worker process, as each loads the
+/// version (TF Serving's one process: once per load), from its READY; kept while the
+/// controller lists the version, as the warm-up metrics are.
+#[derive(Default)]
+pub struct LoadMetrics {
+    by_path: std::sync::Mutex<std::collections::BTreeMap<String, Loaded>>,
+}
+
+struct Loaded {
+    servable: Servable,
+    successes: u64,
+    micros: u64,
+}
+
+impl LoadMetrics {
+    /// A worker of `servable` loaded the SavedModel at `path` in `micros`.
+    pub fn record(&self, servable: Servable, path: &str, micros: u64) {
+        let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = by_path.entry(path.to_string()).or_insert(Loaded {
+            servable,
+            successes: 0,
+            micros: 0,
+        });
+        entry.successes += 1;
+        entry.micros = entry.micros.saturating_add(micros);
+    }
+
+    /// `model`'s versions are now `listed`: the series of its other versions go.
+    pub fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
+        let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
+        by_path.retain(|_, l| l.servable.model != model || listed.contains(&l.servable.version));
+    }
+
+    /// Their part of TF Serving's page (both families typed from the start, as TensorFlow
+    /// registers them).
+    pub fn render(&self, out: &mut String) {
+        let by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
+        let name = ":tensorflow:cc:saved_model:load_attempt_count";
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (path, loaded) in by_path.iter() {
+            let labels = format!("model_path=\"{}\",status=\"success\"", escape(path));
+            let _ = writeln!(out, "{name}{{{labels}}} {}", loaded.successes);
+        }
+        let name = ":tensorflow:cc:saved_model:load_latency";
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (path, loaded) in by_path.iter() {
+            let _ = writeln!(
+                out,
+                "{name}{{model_path=\"{}\"}} {}",
+                escape(path),
+                loaded.micros
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -622,6 +683,37 @@ mod tests {
         )));
         assert!(!page.contains("execution_batch_size=\"12\""));
         assert_eq!(page.matches(&format!("# TYPE {padding} ")).count(), 1);
+    }
+
+    #[test]
+    fn loads_are_counted_per_version_folder_and_dropped_with_the_version() {
+        let loads = LoadMetrics::default();
+        let mut page = String::new();
+        loads.render(&mut page);
+        assert_eq!(
+            page,
+            "# TYPE :tensorflow:cc:saved_model:load_attempt_count counter\n\
+             # TYPE :tensorflow:cc:saved_model:load_latency counter\n"
+        );
+        let v1 = Servable {
+            model: 0,
+            version: 1,
+        };
+        loads.record(v1, "/models/a/1", 2_000_000);
+        loads.record(v1, "/models/a/1", 1_500_000); // a second worker of that version
+        let mut page = String::new();
+        loads.render(&mut page);
+        assert!(page.contains(
+            ":tensorflow:cc:saved_model:load_attempt_count{model_path=\"/models/a/1\",\
+             status=\"success\"} 2\n"
+        ));
+        assert!(page.contains(
+            ":tensorflow:cc:saved_model:load_latency{model_path=\"/models/a/1\"} 3500000\n"
+        ));
+        loads.keep_versions_of(0, &BTreeSet::from([2]));
+        let mut page = String::new();
+        loads.render(&mut page);
+        assert!(!page.contains("/models/a/1"));
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub enum WorkerMessage {
         /// (or with warm-up off).
         #[serde(default)]
         warmup: Option<(String, u64, u64)>,
+        /// `[version dir, µs]` of its SavedModel's load (none from a worker before these).
+        #[serde(default)]
+        load: Option<(String, u64)>,
     },
     /// weights: READY's, sent again when serving copied a variable out of the segment.
     #[serde(rename = "hb")]
@@ -319,12 +322,15 @@ mod tests {
                 WorkerMessage::Ready {
                     ref slot,
                     ref warmup,
+                    ref load,
                     ..
                 } => {
-                    // The third READY says its warm-up, the others none.
+                    // The third READY says its warm-up and its load, the others neither.
                     let want =
                         (slot == "cpu-2").then(|| ("/models/demo/3".to_string(), 250_000, 2));
                     assert_eq!(*warmup, want);
+                    let want = (slot == "cpu-2").then(|| ("/models/demo/3".to_string(), 1_750_000));
+                    assert_eq!(*load, want);
                     "ready"
                 }
                 WorkerMessage::Heartbeat {

@@ -253,6 +253,7 @@ def wire_vectors() -> dict[str, Any]:
                     version=3,
                     weights=None,
                     warmup=["/models/demo/3", 250_000, 2],
+                    load=["/models/demo/3", 1_750_000],
                 ).hex(),
             },
             {
