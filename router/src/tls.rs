@@ -38,6 +38,15 @@ fn certificates(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, S
 /// The acceptor for `config`, or what is wrong with it (one line).
 pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
+    if config.server_key.contains("ENCRYPTED") {
+        // PKCS#8's "ENCRYPTED PRIVATE KEY", or a traditional key's "Proc-Type: 4,ENCRYPTED":
+        // read as any other PEM they were "no items found" or a base64 error.
+        return Err(
+            "server_key is encrypted: give it unencrypted (no passphrase), as \
+                    TF Serving's gRPC takes it"
+                .to_string(),
+        );
+    }
     let chain = certificates(&config.server_cert, "server_cert")?;
     let key = PrivateKeyDer::from_pem_slice(config.server_key.as_bytes())
         .map_err(|e| format!("server_key: not a PEM private key: {e}"))?;
@@ -60,14 +69,61 @@ pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
     };
     let mut server = builder
         .with_single_cert(chain, key)
-        .map_err(|e| format!("server_key and server_cert do not go together: {e}"))?;
+        .map_err(|e| unusable_pair(&e.to_string()))?;
     server.alpn_protocols = vec![b"h2".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(server)))
+}
+
+/// What is wrong with the key and certificate rustls refused, said in a user's terms (every
+/// refusal read "do not go together", a v1 certificate's and an unsupported key's too;
+/// found by a hunt).
+fn unusable_pair(error: &str) -> String {
+    if error.contains("UnsupportedCertVersion") {
+        format!(
+            "server_cert is an X.509 v1 certificate, which the front door's TLS (rustls) does \
+             not take: make a v3 one (openssl x509 -req ... -extfile with a subjectAltName) \
+             ({error})"
+        )
+    } else if error.contains("failed to parse private key") {
+        format!(
+            "server_key is of a type the front door's TLS (rustls on ring) cannot sign with: \
+             use RSA of 2048 bits or more, ECDSA P-256 or P-384, or Ed25519 ({error})"
+        )
+    } else {
+        format!("server_key and server_cert do not go together: {error}")
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_encrypted_key_and_the_pairs_rustls_refuses_are_said_as_such() {
+        for key in [
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
+            "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\n\nMIIB\n-----END RSA PRIVATE KEY-----\n",
+        ] {
+            let config = TlsConfig {
+                server_key: key.into(),
+                server_cert: "nope".into(),
+                custom_ca: String::new(),
+                client_verify: false,
+            };
+            let error = acceptor(&config).err().unwrap_or_default();
+            assert!(error.starts_with("server_key is encrypted"), "{error}");
+        }
+        assert!(unusable_pair(
+            "invalid peer certificate: Other(OtherError(UnsupportedCertVersion))"
+        )
+        .starts_with("server_cert is an X.509 v1 certificate"));
+        assert!(unusable_pair(
+            "unexpected error: failed to parse private key as RSA, ECDSA, or EdDSA"
+        )
+        .starts_with("server_key is of a type"));
+        assert!(unusable_pair("keys do not match")
+            .starts_with("server_key and server_cert do not go together"));
+    }
 
     #[test]
     fn bad_pem_is_refused_with_the_field_named() {
