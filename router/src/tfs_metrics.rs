@@ -485,13 +485,11 @@ impl BatchingMetrics {
 /// ever loaded grew the page by 37 lines a deploy, for ever (found by a hunt).
 #[derive(Default)]
 pub struct WarmupMetrics {
-    /// model_path → the version it is, its latency histogram and records read (status "OK":
-    /// the only one recorded).
-    by_path: std::sync::Mutex<std::collections::BTreeMap<String, WarmedUp>>,
+    /// Its latency histogram and records read (status "OK": the only one recorded).
+    by_path: ByVersionFolder<WarmedUp>,
 }
 
 struct WarmedUp {
-    servable: Servable,
     latency: Exponential,
     read: u64,
 }
@@ -499,34 +497,33 @@ struct WarmedUp {
 impl WarmupMetrics {
     /// A worker of `servable` replayed `path`'s warm-up file, `records` records in `micros`.
     pub fn record(&self, servable: Servable, path: &str, micros: u64, records: u64) {
-        let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = by_path.entry(path.to_string()).or_insert_with(|| WarmedUp {
-            servable,
+        let new = || WarmedUp {
             latency: latency_histogram(),
             read: 0,
+        };
+        self.by_path.update(servable, path, new, |warmed| {
+            warmed.latency.observe(micros);
+            warmed.read += records;
         });
-        entry.latency.observe(micros);
-        entry.read += records;
     }
 
     /// `model`'s versions are now `listed`: the series of its other versions go.
     pub fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
-        let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
-        by_path.retain(|_, w| w.servable.model != model || listed.contains(&w.servable.version));
+        self.by_path.keep_versions_of(model, listed);
     }
 
     /// Their part of TF Serving's page.
     pub fn render(&self, out: &mut String) {
-        let by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
+        let by_path = self.by_path.lock();
         let labels = |path: &str| format!("model_path=\"{}\",status=\"OK\"", escape(path));
         let name = ":tensorflow:serving:model_warmup_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for (path, warmed) in by_path.iter() {
+        for (path, (_, warmed)) in by_path.iter() {
             warmed.latency.render(out, name, &labels(path));
         }
         let name = ":tensorflow:serving:model_warmup_records_read";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (path, warmed) in by_path.iter() {
+        for (path, (_, warmed)) in by_path.iter() {
             let _ = writeln!(out, "{name}{{{}}} {}", labels(path), warmed.read);
         }
     }
@@ -542,11 +539,11 @@ impl WarmupMetrics {
 /// controller lists the version, as the warm-up metrics are.
 #[derive(Default)]
 pub struct LoadMetrics {
-    by_path: std::sync::Mutex<std::collections::BTreeMap<String, Loaded>>,
+    by_path: ByVersionFolder<Loaded>,
 }
 
+#[derive(Default)]
 struct Loaded {
-    servable: Servable,
     successes: u64,
     micros: u64,
 }
@@ -554,42 +551,76 @@ struct Loaded {
 impl LoadMetrics {
     /// A worker of `servable` loaded the SavedModel at `path` in `micros`.
     pub fn record(&self, servable: Servable, path: &str, micros: u64) {
-        let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = by_path.entry(path.to_string()).or_insert(Loaded {
-            servable,
-            successes: 0,
-            micros: 0,
-        });
-        entry.successes += 1;
-        entry.micros = entry.micros.saturating_add(micros);
+        self.by_path
+            .update(servable, path, Loaded::default, |loaded| {
+                loaded.successes += 1;
+                loaded.micros = loaded.micros.saturating_add(micros);
+            });
     }
 
     /// `model`'s versions are now `listed`: the series of its other versions go.
     pub fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
-        let mut by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
-        by_path.retain(|_, l| l.servable.model != model || listed.contains(&l.servable.version));
+        self.by_path.keep_versions_of(model, listed);
     }
 
     /// Their part of TF Serving's page (both families typed from the start, as TensorFlow
     /// registers them).
     pub fn render(&self, out: &mut String) {
-        let by_path = self.by_path.lock().unwrap_or_else(PoisonError::into_inner);
+        let by_path = self.by_path.lock();
         let name = ":tensorflow:cc:saved_model:load_attempt_count";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (path, loaded) in by_path.iter() {
+        for (path, (_, loaded)) in by_path.iter() {
             let labels = format!("model_path=\"{}\",status=\"success\"", escape(path));
             let _ = writeln!(out, "{name}{{{labels}}} {}", loaded.successes);
         }
         let name = ":tensorflow:cc:saved_model:load_latency";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (path, loaded) in by_path.iter() {
-            let _ = writeln!(
-                out,
-                "{name}{{model_path=\"{}\"}} {}",
-                escape(path),
-                loaded.micros
-            );
+        for (path, (_, loaded)) in by_path.iter() {
+            let path = escape(path);
+            let _ = writeln!(out, "{name}{{model_path=\"{path}\"}} {}", loaded.micros);
         }
+    }
+}
+
+/// Series kept per version folder (`model_path`), each with the version it is, dropped once
+/// the controller no longer lists that version: one set per version ever loaded grew the
+/// page by dozens of lines a deploy, for ever (found by a hunt).
+struct ByVersionFolder<T> {
+    series: std::sync::Mutex<std::collections::BTreeMap<String, (Servable, T)>>,
+}
+
+impl<T> Default for ByVersionFolder<T> {
+    fn default() -> Self {
+        ByVersionFolder {
+            series: Default::default(),
+        }
+    }
+}
+
+impl<T> ByVersionFolder<T> {
+    /// `update` the series of `path` (a version folder of `servable`), made by `new` first.
+    fn update(
+        &self,
+        servable: Servable,
+        path: &str,
+        new: impl FnOnce() -> T,
+        update: impl FnOnce(&mut T),
+    ) {
+        let mut series = self.lock();
+        let (_, value) = series
+            .entry(path.to_string())
+            .or_insert_with(|| (servable, new()));
+        update(value);
+    }
+
+    /// `model`'s versions are now `listed`: the series of its other versions go.
+    fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
+        self.lock()
+            .retain(|_, (s, _)| s.model != model || listed.contains(&s.version));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, (Servable, T)>> {
+        self.series.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
