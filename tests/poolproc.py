@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,6 +210,12 @@ class Pool:
                 psutil.Process(pid).kill()
             except psutil.Error:
                 pass
+        # What a pool whose controller was killed could not remove itself: its run dir (one
+        # per test under /tmp, so a test that SIGKILLs the controller left one behind at every
+        # run) and its segments. Tests that check for leftovers do so before this.
+        for segment in self.segments():
+            segment.unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def output(self) -> str:
         return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
