@@ -1014,7 +1014,11 @@ class Controller:
             self.forget(slot, why, blameless=True)
         for slot in going:
             self.rpc("stopProcess", slot.program, True)
-            if slot.state is not WorkerState.BACKOFF:
+            if slot.state is WorkerState.DRAINING:
+                # Its version is retiring (or the pool stopping): it does not come back, and
+                # what it held was lost with the GPU. Its version ends once none runs.
+                slot.change_state(WorkerState.STOPPED, f"GPU {gpu}: {why}")
+            elif slot.state is not WorkerState.BACKOFF:
                 slot.change_state(WorkerState.STARTING, f"GPU {gpu}: {why}")
         self._bring_back_gpu(gpu)
 

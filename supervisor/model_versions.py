@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import xmlrpc.client
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -154,8 +155,7 @@ class ModelVersions:
             return group.batching_error
         if not self.config.share_weights:
             return ""
-        group.publisher = publisher = self._start_publisher(group.version)
-        group.publish_started = time.monotonic()
+        publisher = self._start_publisher(group)
         final = Path(group.segment)
         partial = final.with_name(final.name + ".partial")
         # Claimed within tens of ms (the checkpoint's index is read first, no TensorFlow);
@@ -177,7 +177,7 @@ class ModelVersions:
         log, or the reason it failed."""
         group.publisher = None
         if code != 0:
-            return f"publishing the weights failed: {self._publish_failure(group.version, code)}"
+            return f"publishing the weights failed: {self._publish_failure(group, code)}"
         try:
             group.hold_segment()
             size = Path(group.segment).stat().st_size
@@ -192,14 +192,19 @@ class ModelVersions:
         )
         return ""
 
-    def _start_publisher(self, version: int) -> subprocess.Popen[bytes]:
+    def _start_publisher(self, group: VersionGroup) -> subprocess.Popen[bytes]:
         """The one-shot child that publishes a version's weights (it needs TensorFlow, which
-        the controller never loads); its output goes to `_publish_log_path`."""
+        the controller never loads), now ``group.publisher``; its output is appended to
+        `_publish_log_path`, from ``group.publish_log_from`` on."""
+        version = group.version
         path = self._publish_log_path(version)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Private, as every log of the pool (supervisor/supervisord.py: its umask).
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
-            return subprocess.Popen(
+            # What earlier tries and runs wrote stays (the log of the first version is the
+            # same file across pool runs): this try's reason is read from here on only.
+            group.publish_log_from = os.fstat(out.fileno()).st_size
+            group.publisher = subprocess.Popen(
                 # Reading and checksumming a checkpoint leaves the cores to the workers that
                 # serve (one-shot: it never needs its priority back).
                 process.at_loading_priority(
@@ -223,6 +228,8 @@ class ModelVersions:
                 stderr=subprocess.STDOUT,
                 preexec_fn=process.die_with_parent_sigterm,
             )
+        group.publish_started = time.monotonic()
+        return group.publisher
 
     def _publish_log_path(self, version: int) -> Path:
         # "publish-v2.log", "publish@ranker@v2.log": '@' is in no model name, so no two
@@ -232,9 +239,17 @@ class ModelVersions:
         sep = "@" if self.prefix else "-"
         return self.pool.log_dir / (f"{name}.log" if first else f"{name}{sep}v{version}.log")
 
-    def _publish_failure(self, version: int, code: int) -> str:
-        path = self._publish_log_path(version)
-        reason = process.fatal_reason(path.read_text(errors="replace"))
+    def _publish_failure(self, group: VersionGroup, code: int) -> str:
+        """Why ``group``'s publisher ended with ``code``: its own fatal line in what this try
+        wrote to its log (an earlier try's, or an earlier run's, said the wrong reason for a
+        publisher killed since; found by a review), else how it ended."""
+        path = self._publish_log_path(group.version)
+        try:
+            with open(path, "rb") as log_file:
+                log_file.seek(group.publish_log_from)
+                reason = process.fatal_reason(log_file.read().decode(errors="replace"))
+        except OSError as exc:  # unreadable now: how it ended is still known
+            reason, path = "", f"{path} (unreadable: {exc.strerror or exc})"
         if reason:
             return reason
         if code < 0:  # killed: SIGBUS is a page of /dev/shm it could not get
@@ -371,14 +386,12 @@ class ModelVersions:
         """One load try: publish its weights (a child process, polled by `_advance`), or
         start its workers at once when weights are not shared."""
         if not self.config.share_weights:
-            self.start_workers(group, f"version {group.version} loading")
+            self._start_workers_or_fail(group, now)
             return
         try:
-            group.publisher = self._start_publisher(group.version)
+            self._start_publisher(group)
         except OSError as exc:  # its log cannot be opened: the version fails, said as such
             self._fail_version(group, f"publishing the weights failed: {exc}", now, publishing=True)
-            return
-        group.publish_started = time.monotonic()
 
     def start_workers(self, group: VersionGroup, why: str, sync: bool = True) -> None:
         """Its program group started in supervisord, its slots STARTING. ``sync``: add the
@@ -392,6 +405,17 @@ class ModelVersions:
         for slot in group.slots.values():
             slot.start_pending = True
             slot.change_state(WorkerState.STARTING, why)
+
+    def _start_workers_or_fail(self, group: VersionGroup, now: float) -> None:
+        """`start_workers` for a load try, whose failure (supervisord slow to answer, or gone
+        for a moment; its configuration not written) is that try's: tried again later as a
+        failed load. It escaped before, with the publisher already forgotten, and the
+        version stayed LOADING for ever with nothing left to move it (found by a review)."""
+        try:
+            self.start_workers(group, f"version {group.version} loading")
+        except (OSError, xmlrpc.client.Error) as exc:
+            reason = f"starting its workers failed: {exc}"
+            self._fail_version(group, reason, now, publishing=True)
 
     def _advance(self, group: VersionGroup, now: float, snap: dict[str, Any]) -> None:
         if group.state is VersionState.LOADING:
@@ -450,7 +474,7 @@ class ModelVersions:
                 self._fail_version(group, failed, now, publishing=True)
                 return
             if not group.workers_started:
-                self.start_workers(group, f"version {group.version} loading")
+                self._start_workers_or_fail(group, now)
                 return
         slots = list(group.slots.values())
         ready = [s for s in slots if s.state is WorkerState.READY]
@@ -491,7 +515,7 @@ class ModelVersions:
     ) -> None:
         """A load try of ``group`` failed: tried again later while tries are left (``retry``),
         else it ends (END, with ``reason``). ``publishing``: its weights could not be
-        published (no worker of it ran)."""
+        published, or its workers not started (no worker of it ran)."""
         if retry and self._may_retry(group, publishing):
             self._retry_later(group, reason, now)
             return
@@ -592,9 +616,17 @@ class ModelVersions:
                 slot.change_state(WorkerState.STOPPED, why)
         group.change_state(VersionState.END, now, why)
         del self.groups[group.version]
-        if group.in_supervisord:
-            self.pool.sync_supervisord()
+        # Its segment first: a failed sync below escaped before it, and the segment (the
+        # model's size in /dev/shm) outlived the pool, no group left to name it (found by a
+        # review).
         group.unlink_segment()
+        if group.in_supervisord:
+            try:
+                self.pool.sync_supervisord()
+            except (OSError, xmlrpc.client.Error) as exc:
+                # Its program group, stopped, stays in supervisord until the next sync (any
+                # later change) writes the programs again without it.
+                log.warning("removing %s from supervisord failed: %s", group.group, exc)
 
     def _remember_ended(self, version: int, error: str) -> None:
         """List ``version`` END from now on (the last RETIRED_SHOWN such versions)."""

@@ -109,6 +109,7 @@ class VersionGroup:
     publisher: subprocess.Popen[bytes] | None = None  # publishing its weights, while running
     since: float = 0.0  # monotonic time of the last state change
     publish_started: float = 0.0  # monotonic time its publisher was started
+    publish_log_from: int = 0  # where its publisher's output starts in its log
     in_supervisord: bool = False  # its program group was added to supervisord
     workers_started: bool = False  # its program group was started (its slots STARTING)
     model: str = ""  # its model's prefix (Slot.model): "" for the pool's first model

@@ -1079,8 +1079,19 @@ def test_a_publisher_that_left_no_reason_is_described_by_how_it_ended(
     model = pool.controller.model
     log_path = model._publish_log_path(1)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text("")
-    assert said in model._publish_failure(1, code)
+    # What an earlier try (or an earlier run of the pool: the first version's log is one
+    # file) said is not this try's reason: it named a reason the killed publisher never gave
+    # (found by a review).
+    log_path.write_text("MPSPOOL-FATAL: shared memory too small, an earlier try\n")
+    group = model.groups[1]
+    group.publish_log_from = log_path.stat().st_size
+    assert said in model._publish_failure(group, code)
+    with open(log_path, "a") as out:
+        out.write("MPSPOOL-FATAL: this try's own reason\n")
+    assert model._publish_failure(group, code) == "this try's own reason"
+    log_path.unlink()
+    log_path.mkdir()  # a log that cannot be read (root reads a mode-0 file all the same)
+    assert f"{said}, see {log_path} (unreadable: " in model._publish_failure(group, code)
 
 
 def test_supervisords_own_backoff_is_waited_out(pool: Pool):
@@ -1695,6 +1706,69 @@ def test_every_version_folder_removed_leaves_the_last_version_serving(
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
 
 
+def test_a_new_versions_workers_that_supervisord_could_not_start_are_tried_again(
+    make_pool: Callable[..., Pool],
+):
+    """supervisord did not take the new version's programs (its reloadConfig timed out):
+    that load try failed, and the next one starts them. The error escaped the version's
+    step before, after its publisher was forgotten, and the version stayed LOADING for ever,
+    nothing left to move it on (found by a review)."""
+    pool, base = versioned_pool(make_pool, [1], start_retries=1, load_retry_interval_s=2.0)
+    real_update = pool.sd.update
+    fails = [TimeoutError("timed out")]
+
+    def update(text: str) -> tuple[list[str], list[str], list[str]]:
+        if fails:
+            raise fails.pop()
+        return real_update(text)
+
+    pool.sd.update = update  # type: ignore[method-assign]
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)  # polled: version 2's try fails at supervisord
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert ("startProcessGroup", "v2") not in pool.sd.calls
+    (row,) = [r for r in pool.controller.model.status_table() if r["version"] == 2]
+    assert row["error"].endswith("starting its workers failed: timed out"), row
+    pool.tick(after_s=2.5)  # its retry is due
+    assert ("startProcessGroup", "v2") in pool.sd.calls
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "END", 2: "AVAILABLE"}
+
+
+def test_a_retired_version_whose_removal_supervisord_did_not_take_still_ends(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """Its segment is unlinked and it is listed END even when supervisord does not take the
+    new configuration; its stopped programs leave at the next change. The error escaped
+    before the unlink, and the segment outlived the pool (found by a review)."""
+    unlinked: list[int] = []
+    monkeypatch.setattr(VersionGroup, "unlink_segment", lambda g: unlinked.append(g.version))
+    pool, base = versioned_pool(make_pool, [1])
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    real_update = pool.sd.update
+
+    def refused(text: str) -> tuple[list[str], list[str], list[str]]:
+        raise ConnectionRefusedError(111, "Connection refused")  # supervisord restarting
+
+    pool.sd.update = refused  # type: ignore[method-assign]
+    pool.tick()  # version 2 serves, version 1 retires and ends at once (nothing held)
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "END", 2: "AVAILABLE"}
+    assert unlinked == [1]
+    assert any(info["group"] == "v1" for info in pool.sd.programs.values())
+    pool.sd.update = real_update  # type: ignore[method-assign]
+    pool.controller.sync_supervisord()  # the next change
+    assert not any(info["group"] == "v1" for info in pool.sd.programs.values())
+
+
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
     make_pool: Callable[..., Pool],
 ):
@@ -1812,17 +1886,20 @@ def fake_publisher(
     segments: list[str] = []
 
     def arm(code: int, claim: bool = True) -> Path:
-        def start(self: ModelVersions, version: int) -> subprocess.Popen[bytes]:
-            segment = self.config.segment_for(version)
+        def start(self: ModelVersions, group: VersionGroup) -> subprocess.Popen[bytes]:
+            segment = self.config.segment_for(group.version)
             segments.append(segment)
-            log_path = self._publish_log_path(version)
+            log_path = self._publish_log_path(group.version)
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as out:
+                group.publish_log_from = out.tell()
                 command = [
                     sys.executable, "-c", FAKE_PUBLISHER, segment, str(go), str(code),
                     str(int(claim)),
                 ]  # fmt: skip
-                return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+                group.publisher = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            group.publish_started = time.monotonic()
+            return group.publisher
 
         monkeypatch.setattr(ModelVersions, "_start_publisher", start)
         return go

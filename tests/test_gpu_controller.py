@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_controller import Pool, attempts, make_pool  # noqa: F401 - fixtures
+from test_controller import Pool, attempts, make_pool, told  # noqa: F401 - fixtures
 
 from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.mps.gpus import EXCLUSIVE_PROCESS, FakeGpuBackend, GpuInfo
@@ -222,3 +222,46 @@ def test_gpu_usage_is_sent_to_the_front_door_every_interval(
     assert len(pool.router.gpu_samples) == 1, "once per interval"
     pool.tick(1.0)
     assert len(pool.router.gpu_samples) == 2
+
+
+def test_a_fault_while_a_retired_version_drains_stops_its_workers_and_restarts_the_new(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU fault while a retired version's workers drain: they stop (their version is
+    going; what they held was lost with the GPU), the serving version's workers restart, and
+    the retired version ends. They were moved DRAINING -> STARTING, a transition the slot
+    refuses, and the controller ended, taking every model down (found by a review)."""
+    fake = FakeGpuBackend([GpuInfo(0, U0, "Fake", 16 << 30, EXCLUSIVE_PROCESS)])
+    monkeypatch.setattr(controller_module, "_gpu_backend", lambda config: fake)
+    pool = make_pool(
+        gpus=(0,), gpu_uuids=(U0,), gpu_memory=(16 << 30,), contexts_per_gpu=2, mps=False,
+        share_weights=False, start_retries=0,
+    )  # fmt: skip
+    base = Path(pool.controller.config.model_base_path)
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    pool.start()
+    pool.make_ready("gpu0-0")
+    pool.make_ready("gpu0-1")
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)  # polled: version 2 loads
+    for name in ("gpu0-0", "gpu0-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.router.workers["gpu0-0@1"]["inflight"] = 1  # version 1 still holds a request
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+    assert pool.slot("gpu0-0@1").state is WorkerState.DRAINING
+    pool.sd.calls.clear()
+
+    fake.queue_xid(U0, 79)
+    pool.tick()
+    for name in ("gpu0-0@1", "gpu0-1@1"):
+        assert pool.slot(name).state is WorkerState.STOPPED
+    for name in ("gpu0-0@2", "gpu0-1@2"):
+        assert pool.slot(name).state is WorkerState.STARTING
+    started = [c[1] for c in pool.sd.calls if c[0] == "startProcess"]
+    assert started == ["v2:worker-gpu0-0-v2", "v2:worker-gpu0-1-v2"]
+    pool.tick(after_s=0.2)  # nothing of version 1 is running any more: it ends
+    assert told(pool)[1] == "END"
+    assert ("removeProcessGroup", "v1") in pool.sd.calls
