@@ -23,6 +23,7 @@ OK = 0
 UNKNOWN = 2
 INVALID_ARGUMENT = 3
 FAILED_PRECONDITION = 9
+UNAVAILABLE = 14
 
 
 def label_may_wait_for(label: str, version: int, told: dict[str, int], allowed: bool) -> bool:

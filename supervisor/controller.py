@@ -107,6 +107,10 @@ def _router_down_for_good(info: dict[str, Any]) -> str:
     return ""
 
 
+class ConfigNotSaved(Exception):
+    """A new model configuration that pool.json could not take: nothing of it was applied."""
+
+
 class RouterLink:
     """The controller's end of the control channel; None answers mean "router not up"."""
 
@@ -410,18 +414,22 @@ class Controller:
             self.fail_pool(f"the router {router_down}: {why or 'it said nothing'}")
             return
         if snap.get("port") and self.port is None:
-            self.port = int(snap["port"])
-            self.metrics_port = int(snap.get("metrics_port") or 0)
-            self.rest_port = int(snap.get("rest_port") or 0)
+            port = int(snap["port"])
+            metrics_port = int(snap.get("metrics_port") or 0)
+            rest_port = int(snap.get("rest_port") or 0)
             if 0 in (self.config.port, self.config.metrics_port, self.config.rest_api_port):
                 # Pin the ports the OS picked, so a restarted router binds the same ones.
-                self.config = dataclasses.replace(
+                # Saved first: one that failed was never tried again once the ports were
+                # known, and a restarted router took other ports (found by a review).
+                config = dataclasses.replace(
                     self.config,
-                    port=self.port,
-                    metrics_port=self.metrics_port or self.config.metrics_port,
-                    rest_api_port=self.rest_port or self.config.rest_api_port,
+                    port=port,
+                    metrics_port=metrics_port or self.config.metrics_port,
+                    rest_api_port=rest_port or self.config.rest_api_port,
                 )
-                self.config.save(self.run_dir)
+                config.save(self.run_dir)
+                self.config = config
+            self.port, self.metrics_port, self.rest_port = port, metrics_port, rest_port
         for gpu, why in self.gpu.faults(self.supervisord, infos).items():
             self._restart_gpu(gpu, why)
             infos = self.supervisord.process_info()
@@ -632,7 +640,10 @@ class Controller:
             # Requests queued before this change are older: TF Serving's file poll takes the
             # lock they wait on, so the file lands after them. Applied at a later read.
             return
-        refused = self._apply_model_entries(entries, now, self.config.model_config_file)
+        try:
+            refused = self._apply_model_entries(entries, now, self.config.model_config_file)
+        except ConfigNotSaved as exc:
+            refused = str(exc)  # the file is read again at the next poll
         if refused:
             self._say_once_of_config_file(refused)
             return
@@ -693,22 +704,31 @@ class Controller:
                     log.warning("%s: %s", source, warning)
             except (ConfigError, OSError) as exc:
                 return f"{source}: {exc}"
-        self.config = config
+        changed = []
         for entry in entries:
-            model_config = self.config.for_model(entry.name)
+            model_config = config.for_model(entry.name)
             if entry.name in served and (entry.version_policy, entry.labels) != (
                 model_config.version_policy, model_config.version_labels,
             ):  # fmt: skip
-                log.info(
-                    "%s: model %s: version policy %s, labels %s",
-                    source, entry.name, entry.version_policy, entry.labels or "none",
-                )  # fmt: skip
-                self.config = self.config.with_versions(
-                    entry.name, entry.version_policy, entry.labels
-                )
-                # The base path read again under the new policy, now.
-                self.models[entry.name].set_policy(VersionPolicy.parse(entry.version_policy), now)
-        self.config.save(self.run_dir)
+                config = config.with_versions(entry.name, entry.version_policy, entry.labels)
+                changed.append(entry)
+        # Saved before anything changes: a save that failed (a full disk) after the new
+        # configuration was taken in left a model listed that no ModelVersions served, and
+        # the next tick's lookup of it ended the controller (found by a review).
+        try:
+            config.save(self.run_dir)
+        except OSError as exc:
+            raise ConfigNotSaved(
+                f"{source}: the pool's configuration cannot be saved: {exc}"
+            ) from exc
+        self.config = config
+        for entry in changed:
+            log.info(
+                "%s: model %s: version policy %s, labels %s",
+                source, entry.name, entry.version_policy, entry.labels or "none",
+            )  # fmt: skip
+            # The base path read again under the new policy, now.
+            self.models[entry.name].set_policy(VersionPolicy.parse(entry.version_policy), now)
         for entry in added:
             log.info("%s: model %s added from %s", source, entry.name, entry.base_path)
             model = ModelVersions(self, entry.name, required=False)
@@ -767,12 +787,14 @@ class Controller:
             log.warning("the front door refused the slots' states: %s", answer.get("error"))
 
     def _forget_removed_models(self) -> None:
-        """A removed model whose versions have all ended leaves the pool's configuration."""
+        """A removed model whose versions have all ended leaves the pool's configuration
+        (tried again next tick when that cannot be saved)."""
         for name in [n for n, m in self.models.items() if m.removed and not m.groups]:
-            del self.models[name]
             models = tuple(m for m in self.config.served_models() if m.name != name)
-            self.config = dataclasses.replace(self.config, models=models)
-            self.config.save(self.run_dir)
+            config = dataclasses.replace(self.config, models=models)
+            config.save(self.run_dir)
+            self.config = config
+            del self.models[name]
             log.info("model %s removed: its versions have ended", name)
 
     def _take_reload_requests(self, listed: list[Any], now: float) -> None:
@@ -844,7 +866,11 @@ class Controller:
         failing = {name: model.failing_versions() for name, model in self.models.items()}
         labels_now = {m.name: dict(m.version_labels) for m in self.config.served_models()}
         held = [dataclasses.replace(e, labels=labels_now.get(e.name, {})) for e in entries]
-        refused = self._apply_model_entries(held, now, source)
+        try:
+            refused = self._apply_model_entries(held, now, source)
+        except ConfigNotSaved as exc:  # nothing changed; asking again may succeed
+            self._tell_reload(request_id, config_reload.UNAVAILABLE, str(exc))
+            return
         if refused:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
             return

@@ -2971,6 +2971,70 @@ def test_an_added_model_whose_publisher_cannot_start_fails_and_is_answered(
     assert pool.controller.phase is PoolPhase.SERVING
 
 
+def test_a_model_added_when_the_pools_configuration_cannot_be_saved_changes_nothing(
+    make_pool: Callable[..., Pool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """pool.json cannot be written (a full disk): the reload adding a model is answered
+    UNAVAILABLE with nothing applied, the pool serves on, and the same request asked again
+    later adds it. The new configuration was taken in before the save failed: the model was
+    listed with nothing serving it, and the controller's next look ended the pool (found by
+    a review)."""
+    pool = make_pool(start_retries=0)
+    base, other = two_model_folders(pool, tmp_path)
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    real_save = PoolConfig.save
+
+    def full(self: PoolConfig, run_dir: Path) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PoolConfig, "save", full)
+    pool.router.reload_requests[1] = models_request(("demo", base, []), ("other", other, []))
+    pool.tick()
+    for _ in range(3):
+        pool.tick(after_s=0.2)
+    code, message = pool.router.reload_done[-1][1:]
+    assert code == 14, message  # UNAVAILABLE: nothing wrong with the request
+    assert message.endswith(
+        "the pool's configuration cannot be saved: [Errno 28] No space left on device"
+    )
+    assert [m.name for m in pool.controller.config.served_models()] == ["demo"]
+    assert list(pool.controller.models) == ["demo"]
+    assert pool.controller.phase is PoolPhase.SERVING
+    monkeypatch.setattr(PoolConfig, "save", real_save)
+    pool.router.reload_requests[2] = models_request(("demo", base, []), ("other", other, []))
+    pool.tick()
+    assert list(pool.controller.models) == ["demo", "other"]
+    assert [m.name for m in PoolConfig.load(pool.controller.run_dir).served_models()] == [
+        "demo",
+        "other",
+    ]
+
+
+def test_ports_the_os_picked_are_pinned_once_they_can_be_saved(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """A restarted front door binds the ports the first one got (port 0 asked): they are
+    written to pool.json, and a write that failed is tried again at the next look. It was
+    never tried again (found by a review)."""
+    pool = make_pool(port=0, metrics_port=0)
+    real_save = PoolConfig.save
+    fails = [OSError(28, "No space left on device")]
+
+    def save(self: PoolConfig, run_dir: Path) -> Path:
+        if fails:
+            raise fails.pop()
+        return real_save(self, run_dir)
+
+    monkeypatch.setattr(PoolConfig, "save", save)
+    with pytest.raises(OSError, match="No space left"):
+        pool.start()  # its first look: a failed one, which the run loop counts
+    assert pool.controller.port is None and pool.controller.config.port == 0
+    pool.tick(after_s=0.2)
+    assert pool.controller.port == 8500
+    assert PoolConfig.load(pool.controller.run_dir).port == 8500
+
+
 def test_the_banners_lines_paste_whatever_the_model_is_named(
     make_pool: Callable[..., Pool], capsys: pytest.CaptureFixture[str]
 ):
