@@ -222,6 +222,11 @@ class Controller:
         self._router_restart_at: float | None = None
         self._supervisord_config = ""  # the rendered configuration, to start it again
         self._supervisord_deaths: list[float] = []  # monotonic times it died
+        # Programs whose command supervisord refused to spawn (NO_FILE, NOT_EXECUTABLE), with
+        # its words: such a program stays STOPPED or EXITED as it was, which read as "exit
+        # status 0" and counted as a failed load until the pool failed saying that (found by
+        # a review).
+        self._spawn_refused: dict[str, str] = {}
 
     # -- programs -----------------------------------------------------------------
     def programs(self) -> list[sd.Program]:
@@ -557,6 +562,18 @@ class Controller:
             # Only a spawn error gets here (startsecs=0): the command itself cannot run.
             self.forget(slot, "supervisord gave up")
             slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
+            self._make_fatal(slot, now)
+            return
+        refused = self._spawn_refused.pop(slot.program, "")
+        if refused and state in (sd.EXITED, sd.STOPPED) and slot.start_pending and not slot.pid:
+            # Never spawned: its command cannot run (its interpreter replaced by a redeploy,
+            # chrt missing). Not a load failure; FATAL at once, tried again after its
+            # cool-down, when the command may be back.
+            self.forget(slot, "supervisord cannot start it")
+            slot.start_pending = False
+            slot.refused = True
+            slot.load_failures = self.config.start_retries + 1
+            slot.reason = f"supervisord cannot start its command: {refused}"
             self._make_fatal(slot, now)
             return
         if state in (sd.EXITED, sd.STOPPED) and (slot.pid or slot.start_pending):
@@ -1080,8 +1097,17 @@ class Controller:
         try:
             return getattr(self.supervisord.rpc(), method)(*args)
         except xmlrpc.client.Fault as fault:
-            log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
+            if method == "startProcess" and fault.faultCode in sd.SPAWN_REFUSALS:
+                self.note_spawn_refused(str(args[0]), fault.faultString)
+            else:
+                log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
             return None
+
+    def note_spawn_refused(self, program: str, why: str) -> None:
+        """supervisord refused to spawn ``program``'s command: its slot says so when next
+        looked at (`_observe`)."""
+        log.error("supervisord cannot start %s: %s", program, why)
+        self._spawn_refused[program] = why
 
     def stop_groups(self, groups: list[str]) -> None:
         """Their workers stop, all at once; back when none runs."""

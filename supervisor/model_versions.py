@@ -29,7 +29,7 @@ from mpspool.errors import Code, status_text
 from mpspool.supervisor import config_reload
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
-from mpspool.supervisor.supervisord import program_logs
+from mpspool.supervisor.supervisord import SPAWN_REFUSALS, program_logs
 from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
@@ -65,6 +65,8 @@ class Pool(Protocol):
     def forget(self, slot: Slot, why: str, tell_router: bool = True) -> None: ...
 
     def fail_pool(self, reason: str) -> None: ...
+
+    def note_spawn_refused(self, program: str, why: str) -> None: ...
 
 
 class ModelVersions:
@@ -401,7 +403,12 @@ class ModelVersions:
             self.pool.sync_supervisord()
         group.in_supervisord = True
         group.workers_started = True
-        self.pool.rpc("startProcessGroup", group.group, False)
+        for result in self.pool.rpc("startProcessGroup", group.group, False) or []:
+            code = result.get("status")
+            if code in SPAWN_REFUSALS:  # its slot says so (`_observe`)
+                program = f"{result.get('group')}:{result.get('name')}"
+                why = f"{SPAWN_REFUSALS[code]}: {result.get('description')}"
+                self.pool.note_spawn_refused(program, why)
         for slot in group.slots.values():
             slot.start_pending = True
             slot.change_state(WorkerState.STARTING, why)

@@ -107,11 +107,22 @@ class FakeRPC:
         return True
 
     def startProcessGroup(self, group: str, wait: bool = True) -> list[Any]:
+        """As supervisord's: a program it refuses to spawn is a result, not a Fault."""
         self._sd.calls.append(("startProcessGroup", group))
-        for name, info in self._sd.programs.items():
+        results = []
+        for name, info in list(self._sd.programs.items()):
             if info["group"] == group:
+                try:
+                    self._sd.meanwhile("startProcessGroup", name)
+                except xmlrpc.client.Fault as fault:
+                    text = fault.faultString.split(": ", 1)[-1]
+                    results.append(
+                        {"name": info["name"], "group": group, "status": fault.faultCode,
+                         "description": text}
+                    )  # fmt: skip
+                    continue
                 self._sd.set(name, sd.STARTING, pid=next(self._sd.pids))
-        return []
+        return results
 
     def addProcessGroup(self, group: str) -> bool:
         self._sd.calls.append(("addProcessGroup", group))
@@ -1767,6 +1778,42 @@ def test_a_retired_version_whose_removal_supervisord_did_not_take_still_ends(
     pool.sd.update = real_update  # type: ignore[method-assign]
     pool.controller.sync_supervisord()  # the next change
     assert not any(info["group"] == "v1" for info in pool.sd.programs.values())
+
+
+def test_a_command_supervisord_cannot_spawn_makes_its_slot_fatal_saying_why(
+    make_pool: Callable[..., Pool],
+):
+    """supervisord refuses to spawn a command that is gone (NO_FILE) or cannot run
+    (NOT_EXECUTABLE): the program stays as it was, so the slot says supervisord's words and
+    is FATAL at once, tried again after the cool-down. The refusal was dropped, the program
+    read as "exit status 0", and the pool failed saying that (found by a review)."""
+    pool, base = versioned_pool(make_pool, [1], fatal_retry_s=30.0)
+
+    def gone(method: str, program: str) -> None:
+        if method.startswith("startProcess") and program.endswith("-v2"):
+            raise xmlrpc.client.Fault(20, "NO_FILE: /venv/bin/python")
+        if method == "startProcess" and program == program_of("cpu-0@1"):
+            raise xmlrpc.client.Fault(21, "NOT_EXECUTABLE: /venv/bin/python")
+
+    pool.sd.before_call = gone
+    pool.sd.exit("cpu-0@1", -1)  # a crash: restarted at once, and refused
+    pool.tick()
+    pool.tick(after_s=0.2)
+    slot = pool.slot("cpu-0@1")
+    assert slot.state is S.FATAL
+    assert slot.reason == "supervisord cannot start its command: NOT_EXECUTABLE: /venv/bin/python"
+    assert pool.controller.phase is PoolPhase.SERVING  # cpu-1 serves on
+    # A new version whose programs supervisord refuses: its try fails saying so.
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    pool.tick(after_s=0.2)
+    (row,) = [r for r in pool.controller.model.version_table() if r["version"] == 2]
+    assert row["state"] == "END"
+    assert "supervisord cannot start its command: NO_FILE: /venv/bin/python" in row["error"]
+    pool.sd.before_call = None
+    pool.tick(after_s=31.0)  # the cool-down: tried again, and spawned
+    assert slot.state is S.STARTING
 
 
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
