@@ -128,7 +128,12 @@ class RouterLink:
 
     def ask(self, op: str, timeout_s: float = 0.5, **fields: Any) -> dict[str, Any] | None:
         self._seq += 1
-        self._socket.send_multipart([b"", wire.pack(op=op, n=self._seq, **fields)])
+        try:
+            message = [b"", wire.pack(op=op, n=self._seq, **fields)]
+            self._socket.send_multipart(message, flags=zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: a front door that does not read
+            self._reconnect()
+            return None
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not self._socket.poll(int(left * 1000) + 1):
@@ -136,7 +141,16 @@ class RouterLink:
             reply = wire.unpack(self._socket.recv_multipart()[-1])
             if reply.get("n") == self._seq:  # older replies (after a timeout) are dropped
                 return reply
+        # Unanswered: what is still queued for it goes (a fresh socket, LINGER 0). A front
+        # door alive but not reading (stopped, wedged) let a blocking send fill the queue in
+        # about 25 minutes of ticks, then hang the controller for good: no tick, no stop, no
+        # cleanup (found by a review).
+        self._reconnect()
         return None
+
+    def _reconnect(self) -> None:
+        self._socket.close()
+        self._socket = self._connect()
 
     def close(self) -> None:
         self._socket.close()

@@ -3099,3 +3099,51 @@ def test_the_banners_lines_paste_whatever_the_model_is_named(
     rest = pool.controller.status()["pool"]["rest"]
     assert rest == "http://127.0.0.1:8501/v1/models/my%20model%20%C3%A9"
     assert controller_module.rest_url("::1", 8501, "m") == "http://[::1]:8501/v1/models/m"
+
+
+def test_asking_a_front_door_that_does_not_read_never_blocks(tmp_path: Path) -> None:
+    """A front door alive but not reading its control socket (stopped, wedged): each ask
+    times out, and none blocks. The asks queued up until the socket's queue was full
+    (about 25 minutes of ticks), and the next send then hung the controller for good."""
+    import threading
+
+    import zmq
+
+    from mpspool import wire
+    from mpspool.supervisor.controller import RouterLink
+
+    context = zmq.Context()
+    deaf = context.socket(zmq.ROUTER)  # bound, never read
+    deaf.setsockopt(zmq.LINGER, 0)
+    deaf.bind(wire.endpoint(str(tmp_path), wire.CONTROL_ENDPOINT))
+    link = RouterLink(context, str(tmp_path))
+    answers: list[Any] = []
+
+    def ask_many() -> None:
+        for _ in range(2500):  # past the queue's 1,000 (and a reader's 2,000)
+            answers.append(link.ask("snapshot", timeout_s=0.001))
+
+    asker = threading.Thread(target=ask_many, daemon=True)
+    asker.start()
+    asker.join(120)
+    try:
+        assert not asker.is_alive(), f"blocked after {len(answers)} asks"
+        assert answers == [None] * 2500
+        # A front door that reads again is answered at once.
+        answer_thread = threading.Thread(
+            target=lambda: answers.append(link.ask("snapshot", timeout_s=10)), daemon=True
+        )
+        answer_thread.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if deaf.poll(100):
+                peer, empty, body = deaf.recv_multipart()
+                if wire.unpack(body).get("n") == 2501:
+                    deaf.send_multipart([peer, empty, wire.pack(n=2501, ok=True)])
+                    break
+        answer_thread.join(10)
+        assert answers[-1] is not None and answers[-1]["ok"] is True
+    finally:
+        link.close()
+        deaf.close()
+        context.term()
