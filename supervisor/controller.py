@@ -1117,6 +1117,10 @@ class Controller:
                 log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
             return None
 
+    def stop_asked(self) -> bool:
+        """Whether a signal to stop is waiting to be dispatched."""
+        return any(e in ("SIGTERM", "SIGINT", "SIGHUP") for e in self.events)
+
     def note_spawn_refused(self, program: str, why: str) -> None:
         """supervisord refused to spawn ``program``'s command: its slot says so when next
         looked at (`_observe`)."""
@@ -1476,7 +1480,7 @@ class Controller:
         deadline = time.monotonic() + self.config.shutdown_delay_s + self.config.drain_timeout_s + 2
         while time.monotonic() < deadline:
             self._serve_admin(TICK_S)
-            if any(e in ("SIGTERM", "SIGINT", "SIGHUP") for e in self.events):
+            if self.stop_asked():
                 log.warning("second stop request: not waiting for in-flight requests")
                 # The front door too: what is left of its delay and grace ends now.
                 self.router.ask("drain", delay=0.0, grace=0.0)

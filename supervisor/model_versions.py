@@ -68,6 +68,8 @@ class Pool(Protocol):
 
     def note_spawn_refused(self, program: str, why: str) -> None: ...
 
+    def stop_asked(self) -> bool: ...
+
 
 class ModelVersions:
     def __init__(self, pool: Pool, name: str, required: bool = True) -> None:
@@ -163,6 +165,10 @@ class ModelVersions:
         # Claimed within tens of ms (the checkpoint's index is read first, no TensorFlow);
         # a worker started before the claim would find no segment at all.
         while publisher.poll() is None and not (partial.exists() or final.exists()):
+            if self.pool.stop_asked():
+                # The pool's stop goes first (its step ends the publisher): a publisher
+                # stuck before its claim (a hung model mount) held the start, deaf to it.
+                return ""
             time.sleep(CLAIM_POLL_S)
         try:
             # Held from its claim (the rename keeps the file, and the hold with it), not

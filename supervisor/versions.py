@@ -29,6 +29,9 @@ from mpspool.supervisor.slots import Slot, group_name
 
 log = logging.getLogger("mpspool.controller")
 
+# How long a publisher asked to end (SIGTERM, then SIGKILL) is waited for, each.
+PUBLISHER_STOP_S = 5.0
+
 
 class VersionState(enum.Enum):
     START = "START"  # wanted by the policy; nothing done yet
@@ -144,11 +147,25 @@ class VersionGroup:
         )
 
     def stop_publisher(self) -> None:
-        """End the child publishing its weights, if it still runs."""
-        if self.publisher is not None:
-            self.publisher.terminate()
-            self.publisher.wait()
-            self.publisher = None
+        """End the child publishing its weights, if it still runs. Waited for a bounded time:
+        one in uninterruptible I/O (a hung model mount) takes no signal until that I/O
+        returns, and waiting for it without end left the controller deaf to its own stop
+        (found by a review); it is left to end on its own (its segment is one a later
+        pool's start takes for a dead pool's)."""
+        publisher, self.publisher = self.publisher, None
+        if publisher is None:
+            return
+        for end in (publisher.terminate, publisher.kill):
+            end()
+            try:
+                publisher.wait(PUBLISHER_STOP_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        log.warning(
+            "the publisher of %s (pid %d) does not end (uninterruptible I/O?): left behind",
+            self.label, publisher.pid,
+        )  # fmt: skip
 
     def hold_segment(self, path: Path | None = None) -> None:
         """Hold its segment (at ``path``: its ".partial" while it is written; by default the

@@ -24,6 +24,7 @@ import logging
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -1966,6 +1967,55 @@ def start_first_version(pool: Pool) -> VersionGroup:
     assert model.prepare_first() == ""
     model.start_workers(group, "spawned", False)
     return group
+
+
+def test_a_publisher_that_does_not_claim_or_end_holds_neither_start_nor_stop(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
+):
+    """A publisher stuck before it claims its segment (reading a hung model mount) does not
+    hold the pool's start once a stop is asked, and one that ignores SIGTERM, or does not
+    end at all (uninterruptible I/O), does not hold its stop: both waited for without end
+    before, deaf to the pool's own stop (found by a review)."""
+    from mpspool.supervisor import versions
+    from mpspool.supervisor.model_versions import ModelVersions
+
+    monkeypatch.setattr(versions, "PUBLISHER_STOP_S", 0.5)
+    stuck = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('deaf', flush=True); time.sleep(60)"
+    )
+
+    def start(self: ModelVersions, group: VersionGroup) -> subprocess.Popen[bytes]:
+        group.publisher = subprocess.Popen([sys.executable, "-c", stuck], stdout=subprocess.PIPE)
+        return group.publisher
+
+    monkeypatch.setattr(ModelVersions, "_start_publisher", start)
+    pool = make_pool()
+    group = pool.controller.model.groups[1]
+    pool.controller.events.append("SIGTERM")
+    assert pool.controller.model.prepare_first() == ""  # returned, not claimed
+    publisher = group.publisher
+    assert publisher is not None and publisher.poll() is None
+    assert publisher.stdout is not None and publisher.stdout.readline() == b"deaf\n"
+    group.stop_publisher()  # SIGTERM ignored: SIGKILL
+    publisher.stdout.close()
+    assert publisher.returncode == -signal.SIGKILL and group.publisher is None
+
+    class Unkillable:  # a process in uninterruptible I/O: no signal takes effect
+        pid = 4242
+
+        def terminate(self) -> None: ...
+
+        def kill(self) -> None: ...
+
+        def wait(self, timeout: float) -> int:
+            raise subprocess.TimeoutExpired("publish", timeout)
+
+    group.publisher = Unkillable()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        group.stop_publisher()
+    assert group.publisher is None
+    assert "(pid 4242) does not end (uninterruptible I/O?): left behind" in caplog.text
 
 
 def test_the_first_versions_workers_start_beside_its_publisher(
