@@ -210,14 +210,19 @@ class SegmentWriter:
         self.total = manifest.data_offset + manifest.data_bytes
         check_space(self.total, path.parent)
         self._tmp = path.with_name(path.name + ".partial")
-        fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # taken (another publisher's, or a user's), or not allowed
+            raise SegmentError(f"cannot create weight segment {self._tmp}: {exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while it is written (see the module's doc)
             _allocate(fd, max(self.total, 1), path)
             self._map = mmap.mmap(fd, max(self.total, 1))
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             self._tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # mmap's ENOMEM (a ulimit -v), say
+                raise SegmentError(f"cannot map weight segment {self._tmp}: {exc}") from exc
             raise
         self._held = fd
         raw = manifest.to_json()
@@ -237,7 +242,10 @@ class SegmentWriter:
         self._entries.clear()
         self._map.flush()
         self._map.close()
-        os.rename(self._tmp, self.path)
+        try:
+            os.rename(self._tmp, self.path)
+        except OSError as exc:  # said as the segment's: it read as a checkpoint's before
+            raise SegmentError(f"cannot publish weight segment {self.path}: {exc}") from exc
         os.close(self._held)  # the controller holds it from now on (`hold`)
         return self.path
 
@@ -338,8 +346,14 @@ def read_manifest(path: Path) -> Manifest:
             magic, length = _HEADER.unpack(f.read(_HEADER.size))
             if magic != MAGIC:
                 raise SegmentError(f"{path} is not an mpspool weight segment")
+            if length > os.fstat(f.fileno()).st_size - _HEADER.size:
+                # Read as asked, a length of 2**63 raised OverflowError, which nothing
+                # caught: the controller's start (removing stale segments) failed on a
+                # stray file (found by a review).
+                raise SegmentError(f"{path}: its manifest's length runs past its end")
             return Manifest.from_json(f.read(length))
-    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+    except (OSError, struct.error, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser goes.
         raise SegmentError(f"cannot read weight segment {path}: {exc}") from None
 
 

@@ -617,6 +617,76 @@ def test_a_removed_segment_is_restored_from_its_hold(shm_subdir: Path) -> None:
         os.close(held)
 
 
+def test_a_segment_that_cannot_be_created_or_put_in_place_says_so_and_leaves_nothing(
+    shm_subdir: Path, demo_version: Path
+) -> None:
+    """Its name taken (another publisher's ".partial", a user's file), or its place taken
+    when it is renamed in: a SegmentError naming the segment. The first escaped as a bare
+    OSError (the publisher died with a traceback, "exit code 1"), the second read "cannot
+    read the checkpoint" (found by a review)."""
+    manifest = segment.plan("m", 1, *_owner(), [("w", dtypes.DT_FLOAT, (4,))])
+    path = shm_subdir / "mpspool-p-m-v1"
+    _partial(path).write_bytes(b"someone else's")
+    with pytest.raises(segment.SegmentError, match=r"cannot create weight segment .*\.partial"):
+        segment.SegmentWriter(path, manifest)
+    assert _partial(path).read_bytes() == b"someone else's"  # not theirs to remove
+    _partial(path).unlink()
+    (path / "in the way").mkdir(parents=True)  # a non-empty directory at its name
+    with pytest.raises(segment.SegmentError, match="cannot publish weight segment"):
+        _publish(demo_version, path)
+    assert sorted(p.name for p in shm_subdir.iterdir()) == [path.name], "its .partial went"
+
+
+def test_a_publisher_failing_in_a_way_no_check_foresaw_says_why_with_its_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An exception no check names (an IndexError from a SavedModel malformed in a new way)
+    ends the publisher with its fatal line, type and message (UNKNOWN): it ended in a
+    bare traceback, which the controller read as "exit code 1" (found by a review)."""
+    from mpspool.config import PoolConfig
+    from mpspool.worker import publish as publish_module
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    PoolConfig(
+        model_name="m", model_base_path=str(tmp_path / "m"), model_version=1,
+        run_dir=str(run_dir), log_dir=str(tmp_path / "logs"), workers=1,
+    ).save(run_dir)  # fmt: skip
+
+    def malformed(*args: Any) -> None:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(publish_module, "publish", malformed)
+    monkeypatch.setattr(process, "die_with_parent", lambda: None)
+    with pytest.raises(SystemExit) as ended:
+        publish_module.main(["--run-dir", str(run_dir)])
+    assert ended.value.code == process.EXIT_LOAD_FAILED
+    reason = process.fatal_reason(capsys.readouterr().err)
+    # UNKNOWN is left unsaid (errors.status_text): a reason without a code is UNKNOWN.
+    assert reason == (
+        "publishing the weights of model 'm' failed: IndexError: list index out of range"
+    )
+
+
+@pytest.mark.parametrize(
+    "manifest", [b"", b"[" * 100_000 + b"]" * 100_000], ids=["length past its end", "deep"]
+)
+def test_a_stray_file_with_a_segments_magic_is_refused_not_raised(
+    shm_subdir: Path, manifest: bytes
+) -> None:
+    """A file with the magic and a manifest length of 2**63, or a manifest nested deeper
+    than the JSON parser goes: read_manifest says it is no segment it can read, and
+    remove_stale goes on (it raised OverflowError or RecursionError, which the controller's
+    start did not catch: no pool could start; found by a review)."""
+    stray = shm_subdir / "mpspool-test-stray"
+    length = 2**63 if not manifest else len(manifest)
+    stray.write_bytes(segment.MAGIC + length.to_bytes(8, "little") + manifest)
+    with pytest.raises(segment.SegmentError, match=r"cannot read weight segment|runs past"):
+        segment.read_manifest(stray)
+    os.utime(stray, (0, 0))  # old: a file no manifest names an owner of is stale
+    assert segment.remove_stale(shm_subdir) == [stray]
+
+
 def test_remove_stale_removes_only_what_a_dead_owner_left(shm_subdir: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: its pid names no process (or, reused, one with another start time)

@@ -130,6 +130,7 @@ def publish(
         for key, _dt, _shape in shared:
             if key not in same_as:
                 _copy(bundle, prefix, key, writer.view(key))
+        # Its own errors are the segment's (SegmentError), not the checkpoint's.
         writer.commit()
     except OSError as exc:
         writer.abort()
@@ -429,6 +430,17 @@ def main(argv: list[str] | None = None) -> int:
         process.fail(process.EXIT_CONFIG_ERROR, str(exc))
     except PublishError as exc:
         process.fail(process.EXIT_LOAD_FAILED, status_text(exc.code, str(exc)))
+    except Exception as exc:  # a SavedModel malformed in a way no check foresaw, say
+        # Its reason in the fatal line, with its code (a traceback alone read "exit code 1").
+        log.exception("publishing failed")
+        process.fail(
+            process.EXIT_LOAD_FAILED,
+            status_text(
+                Code.UNKNOWN,
+                f"publishing the weights of model {config.model_name!r} failed: "
+                f"{type(exc).__name__}: {exc}",
+            ),
+        )
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     log.info(
         "published %d tensors, %.1f MiB, to %s in %.2f s (peak RSS %.0f MiB)%s",
