@@ -58,6 +58,22 @@ def status_text(code: Code | int, message: str) -> str:
     return message if code in (Code.OK, Code.UNKNOWN) else f"{code.name}: {message}"
 
 
+def split_status_text(text: str) -> tuple[Code, str]:
+    """`status_text` read back (the front door's split_status_text, router/src/status.rs): a
+    text that does not begin with a code's name is UNKNOWN, all of it the message."""
+    name, sep, message = text.partition(": ")
+    if sep and name in Code.__members__ and name != Code.OK.name:
+        return Code[name], message
+    return Code.UNKNOWN, text
+
+
+def in_context(context: str, text: str) -> str:
+    """A status text with ``context`` put before its message, its code kept first: put
+    before the code, it hid it, and the front door read UNKNOWN (found by a hunt)."""
+    code, message = split_status_text(text)
+    return status_text(code, f"{context}{message}")
+
+
 # TensorFlow's reading of an errno (tsl/platform/errors.cc, ErrnoToCode), for those a load meets.
 _CODE_OF_ERRNO = {
     errno.ENOENT: Code.NOT_FOUND,

@@ -42,6 +42,7 @@ import numpy as np
 import psutil
 
 from mpspool import dtypes, process
+from mpspool.errors import Code, code_of_os_error
 
 MAGIC = b"MPSPOOL-WEIGHTS1"
 _HEADER = struct.Struct("<16sQ")
@@ -52,7 +53,12 @@ PREFIX = "mpspool-"
 
 
 class SegmentError(RuntimeError):
-    """A segment that cannot be made or read; the message says what and where."""
+    """A segment that cannot be made or read; the message says what and where, ``code`` the
+    status it is reported with (GetModelStatus of a version whose weights it held back)."""
+
+    def __init__(self, message: str, code: Code = Code.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,8 @@ def check_space(need: int, shm_dir: Path = SHM_DIR) -> None:
     if need > free:
         raise SegmentError(
             f"shared memory too small: need {_mib(need)}, {shm_dir} has {_mib(free)} free "
-            "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)"
+            "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)",
+            Code.RESOURCE_EXHAUSTED,
         )
 
 
@@ -196,7 +203,8 @@ def _allocate(fd: int, size: int, path: Path) -> None:
         raise SegmentError(
             f"shared memory too small: need {_mib(size)} for {path.name}, {path.parent} has "
             f"{_mib(free)} free ({exc.strerror}; docker: --shm-size; Kubernetes: an emptyDir "
-            "with medium: Memory at /dev/shm)"
+            "with medium: Memory at /dev/shm)",
+            Code.RESOURCE_EXHAUSTED,
         ) from exc
 
 
@@ -213,7 +221,9 @@ class SegmentWriter:
         try:
             fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError as exc:  # taken (another publisher's, or a user's), or not allowed
-            raise SegmentError(f"cannot create weight segment {self._tmp}: {exc}") from exc
+            raise SegmentError(
+                f"cannot create weight segment {self._tmp}: {exc}", code_of_os_error(exc)
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while it is written (see the module's doc)
             _allocate(fd, max(self.total, 1), path)
@@ -222,7 +232,9 @@ class SegmentWriter:
             os.close(fd)
             self._tmp.unlink(missing_ok=True)
             if isinstance(exc, OSError):  # mmap's ENOMEM (a ulimit -v), say
-                raise SegmentError(f"cannot map weight segment {self._tmp}: {exc}") from exc
+                raise SegmentError(
+                    f"cannot map weight segment {self._tmp}: {exc}", code_of_os_error(exc)
+                ) from exc
             raise
         self._held = fd
         raw = manifest.to_json()
@@ -245,7 +257,9 @@ class SegmentWriter:
         try:
             os.rename(self._tmp, self.path)
         except OSError as exc:  # said as the segment's: it read as a checkpoint's before
-            raise SegmentError(f"cannot publish weight segment {self.path}: {exc}") from exc
+            raise SegmentError(
+                f"cannot publish weight segment {self.path}: {exc}", code_of_os_error(exc)
+            ) from exc
         os.close(self._held)  # the controller holds it from now on (`hold`)
         return self.path
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from mpspool import process
 from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
-from mpspool.errors import Code, status_text
+from mpspool.errors import Code, in_context, status_text
 from mpspool.supervisor import config_reload
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
@@ -185,7 +185,7 @@ class ModelVersions:
         log, or the reason it failed."""
         group.publisher = None
         if code != 0:
-            return f"publishing the weights failed: {self._publish_failure(group, code)}"
+            return in_context("publishing the weights failed: ", self._publish_failure(group, code))
         try:
             group.hold_segment()
             size = Path(group.segment).stat().st_size

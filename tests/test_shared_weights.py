@@ -28,7 +28,7 @@ import pytest
 
 from mpspool import dtypes, process, segment
 from mpspool.demo_model import demo_inputs
-from mpspool.errors import Code
+from mpspool.errors import Code, in_context, split_status_text
 from mpspool.worker import runtime, tensor_bundle
 from mpspool.worker.publish import OBJECT_GRAPH_KEY, PublishError, publish
 from mpspool.worker.runtime import ModelLoadError, ModelRefused, ModelRuntime, load_saved_model
@@ -546,6 +546,9 @@ def test_check_space_refuses_an_impossible_segment() -> None:
     with pytest.raises(segment.SegmentError, match="shared memory too small: need") as info:
         segment.check_space(1 << 62)
     assert "/dev/shm" in str(info.value)
+    # GetModelStatus says RESOURCE_EXHAUSTED for the version it held back (it said UNKNOWN;
+    # found by a hunt).
+    assert info.value.code is Code.RESOURCE_EXHAUSTED
 
 
 def test_a_segment_that_no_longer_fits_is_refused_before_it_is_written(
@@ -559,9 +562,27 @@ def test_a_segment_that_no_longer_fits_is_refused_before_it_is_written(
     floats = (shutil.disk_usage(shm_subdir).total + (1 << 30)) // 4
     manifest = segment.plan("m", 1, os.getpid(), time.time(), [("w", dtypes.DT_FLOAT, (floats,))])
     path = shm_subdir / "mpspool-p-m-v1"
-    with pytest.raises(segment.SegmentError, match="shared memory too small: need"):
+    with pytest.raises(segment.SegmentError, match="shared memory too small: need") as info:
         segment.SegmentWriter(path, manifest)
+    assert info.value.code is Code.RESOURCE_EXHAUSTED
     assert list(shm_subdir.iterdir()) == [], "nothing left behind"
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "message"),
+    [
+        ("DATA_LOSS: the shard ends in bias", Code.DATA_LOSS, "the shard ends in bias"),
+        ("checkpoint: no code", Code.UNKNOWN, "checkpoint: no code"),
+        ("OK: not a failure's code", Code.UNKNOWN, "OK: not a failure's code"),
+        ("NOT_FOUND:no space after", Code.UNKNOWN, "NOT_FOUND:no space after"),
+    ],
+)  # fmt: skip
+def test_a_reason_put_in_context_keeps_its_code_first(text: str, code: Code, message: str) -> None:
+    """ "publishing the weights failed: " put before "DATA_LOSS: ..." hid the code from the
+    front door, which read UNKNOWN (found by a hunt): the context goes after the code."""
+    assert split_status_text(text) == (code, message)
+    said = in_context("publishing the weights failed: ", text)
+    assert split_status_text(said) == (code, f"publishing the weights failed: {message}")
 
 
 @pytest.fixture

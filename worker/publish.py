@@ -426,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             int(owner.get("pid", os.getppid())),
             float(owner.get("started", 0.0)),
         )
-    except segment.SegmentError as exc:
-        process.fail(process.EXIT_CONFIG_ERROR, str(exc))
+    except segment.SegmentError as exc:  # RESOURCE_EXHAUSTED: /dev/shm too small, say
+        process.fail(process.EXIT_CONFIG_ERROR, status_text(exc.code, str(exc)))
     except PublishError as exc:
         process.fail(process.EXIT_LOAD_FAILED, status_text(exc.code, str(exc)))
     except Exception as exc:  # a SavedModel malformed in a way no check foresaw, say
