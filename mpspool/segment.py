@@ -96,6 +96,8 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("its manifest is no JSON object")
         tensors = tuple(
             TensorEntry(t["key"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
             for t in data.pop("tensors")
@@ -366,8 +368,11 @@ def read_manifest(path: Path) -> Manifest:
                 # stray file (found by a review).
                 raise SegmentError(f"{path}: its manifest's length runs past its end")
             return Manifest.from_json(f.read(length))
-    except (OSError, struct.error, ValueError, KeyError, TypeError, RecursionError) as exc:
-        # RecursionError: JSON nested deeper than the parser goes.
+    except (
+        OSError, struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+    ) as exc:  # fmt: skip
+        # A stray file's manifest of any shape; RecursionError: JSON nested deeper than the
+        # parser goes.
         raise SegmentError(f"cannot read weight segment {path}: {exc}") from None
 
 
@@ -412,8 +417,8 @@ def owner_alive(manifest: Manifest) -> bool:
     try:
         same = process.is_process_started_at(manifest.owner_pid, manifest.owner_started)
         return same and psutil.Process(manifest.owner_pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, OSError, ValueError, IndexError):
-        return False
+    except (psutil.Error, OSError, ValueError, IndexError, TypeError):
+        return False  # TypeError: a stray file's owner fields of another type
 
 
 def remove_stale(shm_dir: Path = SHM_DIR, min_age_s: float = STALE_MIN_AGE_S) -> list[Path]:

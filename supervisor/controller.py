@@ -241,6 +241,7 @@ class Controller:
         # status 0" and counted as a failed load until the pool failed saying that (found by
         # a review).
         self._spawn_refused: dict[str, str] = {}
+        self._config_unsaved = False  # pool.json is behind the configuration in force
 
     # -- programs -----------------------------------------------------------------
     def programs(self) -> list[sd.Program]:
@@ -361,6 +362,11 @@ class Controller:
                     model.first_publish_failed(failed, self.clock.monotonic())
                     if self.phase is not PoolPhase.STARTING:  # no try left: the pool failed
                         return self.exit_code
+            if self.stop_asked():
+                # Asked to stop while a first publisher ran (one stuck on a hung mount, say):
+                # nothing more is started, and what runs is ended below (stop_everything).
+                log.info("stopped before the pool started")
+                return self.exit_code
             self._supervisord_config = text
             self._place_self()
             self.supervisord.start(text)
@@ -414,6 +420,8 @@ class Controller:
             self._set_phase(PoolPhase.DRAINING, event)
 
     def tick(self) -> None:
+        if self._config_unsaved:
+            self._save_config()
         infos = self.supervisord.process_info()
         answer = self.router.ask("snapshot")
         # No answer (a router busy or restarting) is not "no workers registered": slots keep
@@ -436,19 +444,16 @@ class Controller:
             port = int(snap["port"])
             metrics_port = int(snap.get("metrics_port") or 0)
             rest_port = int(snap.get("rest_port") or 0)
+            self.port, self.metrics_port, self.rest_port = port, metrics_port, rest_port
             if 0 in (self.config.port, self.config.metrics_port, self.config.rest_api_port):
                 # Pin the ports the OS picked, so a restarted router binds the same ones.
-                # Saved first: one that failed was never tried again once the ports were
-                # known, and a restarted router took other ports (found by a review).
-                config = dataclasses.replace(
+                self.config = dataclasses.replace(
                     self.config,
                     port=port,
                     metrics_port=metrics_port or self.config.metrics_port,
                     rest_api_port=rest_port or self.config.rest_api_port,
                 )
-                config.save(self.run_dir)
-                self.config = config
-            self.port, self.metrics_port, self.rest_port = port, metrics_port, rest_port
+                self._save_config()
         for gpu, why in self.gpu.faults(self.supervisord, infos).items():
             self._restart_gpu(gpu, why)
             infos = self.supervisord.process_info()
@@ -578,14 +583,16 @@ class Controller:
             slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
             self._make_fatal(slot, now)
             return
-        refused = self._spawn_refused.pop(slot.program, "")
+        refused = self._spawn_refused.get(slot.program, "")
         if refused and state in (sd.EXITED, sd.STOPPED) and slot.start_pending and not slot.pid:
-            # Never spawned: its command cannot run (its interpreter replaced by a redeploy,
-            # chrt missing). Not a load failure; FATAL at once, tried again after its
-            # cool-down, when the command may be back.
+            # Never spawned: the first word of its command cannot run (the interpreter gone
+            # after a redeploy, with --loading-priority normal; chrt missing, with idle, where
+            # a missing interpreter is chrt's exit 127 instead). FATAL at once: its version's
+            # load try failed (tried again while tries are left), and the slot is tried again
+            # after its cool-down, when the command may be back.
+            del self._spawn_refused[slot.program]
             self.forget(slot, "supervisord cannot start it")
             slot.start_pending = False
-            slot.refused = True
             slot.load_failures = self.config.start_retries + 1
             slot.reason = f"supervisord cannot start its command: {refused}"
             self._make_fatal(slot, now)
@@ -690,7 +697,8 @@ class Controller:
         served added (their first version loads beside what serves), served models not
         listed removed (they drain, then end). The refusal ("" when applied), with nothing
         changed: a model at another base path, the pool's first model left out, a model
-        still being removed, a new model that cannot be served."""
+        still being removed, a new model that cannot be served. ConfigNotSaved, with nothing
+        changed: pool.json could not take it."""
         served = {m.name: m for m in self.config.served_models()}
         first = self.config.model_name
         named = {e.name for e in entries}
@@ -818,14 +826,12 @@ class Controller:
             log.warning("the front door refused the slots' states: %s", answer.get("error"))
 
     def _forget_removed_models(self) -> None:
-        """A removed model whose versions have all ended leaves the pool's configuration
-        (tried again next tick when that cannot be saved)."""
+        """A removed model whose versions have all ended leaves the pool's configuration."""
         for name in [n for n, m in self.models.items() if m.removed and not m.groups]:
             models = tuple(m for m in self.config.served_models() if m.name != name)
-            config = dataclasses.replace(self.config, models=models)
-            config.save(self.run_dir)
-            self.config = config
+            self.config = dataclasses.replace(self.config, models=models)
             del self.models[name]
+            self._save_config()
             log.info("model %s removed: its versions have ended", name)
 
     def _take_reload_requests(self, listed: list[Any], now: float) -> None:
@@ -987,8 +993,26 @@ class Controller:
                 )
                 changed = True
         if changed:
-            self.config.save(self.run_dir)
+            self._save_config()
         return all([model.tell_router_labels() for model in asked])
+
+    def _save_config(self) -> None:
+        """pool.json from the configuration in force, for what reads it later (a restarted
+        front door: its ports and labels). One that cannot be written now (a full disk) is
+        written at a later tick, said once: a failure here escaped each tick, and ended the
+        pool after ten seconds of them, or was never tried again (found by a review). An
+        added model's is saved before it is applied instead (`ConfigNotSaved`): its
+        workers read it from there."""
+        try:
+            self.config.save(self.run_dir)
+        except OSError as exc:
+            if not self._config_unsaved:
+                log.warning("cannot save the pool's configuration (tried again): %s", exc)
+            self._config_unsaved = True
+            return
+        if self._config_unsaved:
+            log.info("the pool's configuration is saved again")
+        self._config_unsaved = False
 
     def _forget_asked_labels(self) -> None:
         for model in self.models.values():
@@ -1072,8 +1096,8 @@ class Controller:
         for slot in going:
             self.rpc("stopProcess", slot.program, True)
             if slot.state is WorkerState.DRAINING:
-                # Its version is retiring (or the pool stopping): it does not come back, and
-                # what it held was lost with the GPU. Its version ends once none runs.
+                # Its version is retiring: it does not come back, and what it held was lost
+                # with the GPU. Its version ends once none runs.
                 slot.change_state(WorkerState.STOPPED, f"GPU {gpu}: {why}")
             elif slot.state is not WorkerState.BACKOFF:
                 slot.change_state(WorkerState.STARTING, f"GPU {gpu}: {why}")
@@ -1109,21 +1133,28 @@ class Controller:
         """A supervisord command whose refusal is news, not an error: between our look and
         our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
         try:
-            return getattr(self.supervisord.rpc(), method)(*args)
+            answer = getattr(self.supervisord.rpc(), method)(*args)
         except xmlrpc.client.Fault as fault:
             if method == "startProcess" and fault.faultCode in sd.SPAWN_REFUSALS:
                 self.note_spawn_refused(str(args[0]), fault.faultString)
             else:
                 log.info("supervisord refused %s%s: %s", method, args, fault.faultString)
             return None
+        if method == "startProcess":
+            self.note_spawn_refused(str(args[0]), "")
+        return answer
 
     def stop_asked(self) -> bool:
         """Whether a signal to stop is waiting to be dispatched."""
         return any(e in ("SIGTERM", "SIGINT", "SIGHUP") for e in self.events)
 
     def note_spawn_refused(self, program: str, why: str) -> None:
-        """supervisord refused to spawn ``program``'s command: its slot says so when next
-        looked at (`_observe`)."""
+        """supervisord refused to spawn ``program``'s command (``why``: its words): its slot
+        says so when next looked at (`_observe`); "": it took the last start asked, so an
+        older refusal says nothing of what comes next."""
+        if not why:
+            self._spawn_refused.pop(program, None)
+            return
         log.error("supervisord cannot start %s: %s", program, why)
         self._spawn_refused[program] = why
 

@@ -157,8 +157,8 @@ class ModelVersions:
         group = self.groups[self.config.model_version]
         if group.batching_error:
             return group.batching_error
-        if not self.config.share_weights:
-            return ""
+        if not self.config.share_weights or self.pool.stop_asked():
+            return ""  # (a stop asked: the pool's start ends before its workers start)
         publisher = self._start_publisher(group)
         final = Path(group.segment)
         partial = final.with_name(final.name + ".partial")
@@ -166,7 +166,7 @@ class ModelVersions:
         # a worker started before the claim would find no segment at all.
         while publisher.poll() is None and not (partial.exists() or final.exists()):
             if self.pool.stop_asked():
-                # The pool's stop goes first (its step ends the publisher): a publisher
+                # The pool's start ends here and its stop ends the publisher: a publisher
                 # stuck before its claim (a hung model mount) held the start, deaf to it.
                 return ""
             time.sleep(CLAIM_POLL_S)
@@ -252,12 +252,13 @@ class ModelVersions:
         wrote to its log (an earlier try's, or an earlier run's, said the wrong reason for a
         publisher killed since; found by a review), else how it ended."""
         path = self._publish_log_path(group.version)
+        see = str(path)
         try:
             with open(path, "rb") as log_file:
                 log_file.seek(group.publish_log_from)
                 reason = process.fatal_reason(log_file.read().decode(errors="replace"))
         except OSError as exc:  # unreadable now: how it ended is still known
-            reason, path = "", f"{path} (unreadable: {exc.strerror or exc})"
+            reason, see = "", f"{path} (unreadable: {exc.strerror or exc})"
         if reason:
             return reason
         if code < 0:  # killed: SIGBUS is a page of /dev/shm it could not get
@@ -265,8 +266,8 @@ class ModelVersions:
                 name = signal.Signals(-code).name
             except ValueError:  # a real-time signal has no name
                 name = f"signal {-code}"
-            return f"the publisher was killed by {name}, see {path}"
-        return f"exit code {code}, see {path}"
+            return f"the publisher was killed by {name}, see {see}"
+        return f"exit code {code}, see {see}"
 
     def start_added(self, now: float) -> None:
         """A model added while the pool serves: its first version loads as any new version
@@ -410,11 +411,12 @@ class ModelVersions:
         group.in_supervisord = True
         group.workers_started = True
         for result in self.pool.rpc("startProcessGroup", group.group, False) or []:
-            code = result.get("status")
-            if code in SPAWN_REFUSALS:  # its slot says so (`_observe`)
-                program = f"{result.get('group')}:{result.get('name')}"
-                why = f"{SPAWN_REFUSALS[code]}: {result.get('description')}"
-                self.pool.note_spawn_refused(program, why)
+            program = f"{result.get('group')}:{result.get('name')}"
+            if result.get("status") in SPAWN_REFUSALS:  # its slot says so (`_observe`)
+                # Its description is the fault's own text ("NO_FILE: /path").
+                self.pool.note_spawn_refused(program, str(result.get("description")))
+            else:
+                self.pool.note_spawn_refused(program, "")  # spawned: an older refusal is over
         for slot in group.slots.values():
             slot.start_pending = True
             slot.change_state(WorkerState.STARTING, why)

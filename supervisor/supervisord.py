@@ -33,9 +33,11 @@ PID_FILE = "supervisord.pid"
 STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL = 0, 10, 20, 30, 40, 100, 200
 # The states a stop ends (STOPPING: one under way).
 STOPPABLE_STATES = (STARTING, RUNNING, BACKOFF, STOPPING)
-# supervisord's refusals to spawn a program's command at all (xmlrpc.Faults): a program
-# refused so stays as it was, so the refusal is the only word of it.
-SPAWN_REFUSALS = {20: "NO_FILE", 21: "NOT_EXECUTABLE", 50: "SPAWN_ERROR"}
+# supervisord's refusals to spawn a program's command at all (xmlrpc.Faults NO_FILE and
+# NOT_EXECUTABLE, its checks of the command's first word before it forks): a program refused
+# so stays as it was, so the refusal is the only word of it. (A failed fork, SPAWN_ERROR, is
+# not one: supervisord retries it and reports it as BACKOFF, then FATAL with its spawnerr.)
+SPAWN_REFUSALS = frozenset({20, 21})
 
 # Each program's log keeps this many rotated files beside it (name.log.1, name.log.2).
 PROGRAM_LOG_BACKUPS = 2

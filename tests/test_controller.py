@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import xmlrpc.client
 from collections.abc import Callable, Iterator
@@ -116,13 +117,15 @@ class FakeRPC:
                 try:
                     self._sd.meanwhile("startProcessGroup", name)
                 except xmlrpc.client.Fault as fault:
-                    text = fault.faultString.split(": ", 1)[-1]
-                    results.append(
+                    results.append(  # its text, as make_allfunc's e.text: "NO_FILE: ..."
                         {"name": info["name"], "group": group, "status": fault.faultCode,
-                         "description": text}
+                         "description": fault.faultString}
                     )  # fmt: skip
                     continue
                 self._sd.set(name, sd.STARTING, pid=next(self._sd.pids))
+                results.append(
+                    {"name": info["name"], "group": group, "status": 80, "description": "OK"}
+                )
         return results
 
     def addProcessGroup(self, group: str) -> bool:
@@ -1786,9 +1789,12 @@ def test_a_command_supervisord_cannot_spawn_makes_its_slot_fatal_saying_why(
 ):
     """supervisord refuses to spawn a command that is gone (NO_FILE) or cannot run
     (NOT_EXECUTABLE): the program stays as it was, so the slot says supervisord's words and
-    is FATAL at once, tried again after the cool-down. The refusal was dropped, the program
-    read as "exit status 0", and the pool failed saying that (found by a review)."""
-    pool, base = versioned_pool(make_pool, [1], fatal_retry_s=30.0)
+    is FATAL at once, tried again after the cool-down; a new version's try fails saying so,
+    and is tried again. The refusal was dropped, the program read as "exit status 0", and the
+    pool failed saying that (found by a review)."""
+    pool, base = versioned_pool(
+        make_pool, [1], fatal_retry_s=30.0, start_retries=1, load_retry_interval_s=2.0
+    )
 
     def gone(method: str, program: str) -> None:
         if method.startswith("startProcess") and program.endswith("-v2"):
@@ -1809,10 +1815,13 @@ def test_a_command_supervisord_cannot_spawn_makes_its_slot_fatal_saying_why(
     (base / "2" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     pool.tick(after_s=0.2)
-    (row,) = [r for r in pool.controller.model.version_table() if r["version"] == 2]
-    assert row["state"] == "END"
-    assert "supervisord cannot start its command: NO_FILE: /venv/bin/python" in row["error"]
-    pool.sd.before_call = None
+    (row,) = [r for r in pool.controller.model.status_table() if r["version"] == 2]
+    assert row["state"] == "LOADING", row
+    assert row["error"].endswith("supervisord cannot start its command: NO_FILE: /venv/bin/python")
+    pool.sd.before_call = None  # the command is back
+    pool.tick(after_s=2.5)  # version 2's next try
+    assert pool.slot("cpu-0@2").state is S.STARTING
+    assert pool.controller._spawn_refused == {}, "a start taken ends what an older one said"
     pool.tick(after_s=31.0)  # the cool-down: tried again, and spawned
     assert slot.state is S.STARTING
 
@@ -1992,13 +2001,17 @@ def test_a_publisher_that_does_not_claim_or_end_holds_neither_start_nor_stop(
     monkeypatch.setattr(ModelVersions, "_start_publisher", start)
     pool = make_pool()
     group = pool.controller.model.groups[1]
-    pool.controller.events.append("SIGTERM")
+    stop = threading.Timer(0.3, lambda: pool.controller.events.append("SIGTERM"))
+    stop.start()  # asked while the start waits for the claim
     assert pool.controller.model.prepare_first() == ""  # returned, not claimed
+    stop.join()
     publisher = group.publisher
     assert publisher is not None and publisher.poll() is None
     assert publisher.stdout is not None and publisher.stdout.readline() == b"deaf\n"
     group.stop_publisher()  # SIGTERM ignored: SIGKILL
     publisher.stdout.close()
+    assert pool.controller.model.prepare_first() == ""  # a stop already asked: none started
+    assert group.publisher is None
     assert publisher.returncode == -signal.SIGKILL and group.publisher is None
 
     class Unkillable:  # a process in uninterruptible I/O: no signal takes effect
@@ -3116,11 +3129,12 @@ def test_ports_the_os_picked_are_pinned_once_they_can_be_saved(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
 ):
     """A restarted front door binds the ports the first one got (port 0 asked): they are
-    written to pool.json, and a write that failed is tried again at the next look. It was
-    never tried again (found by a review)."""
+    written to pool.json, and a write that failed is tried again at each look, which goes on
+    meanwhile (a crashed worker is replaced). It was never tried again; done first, it
+    failed every look, and the pool ended after ten seconds of them (found by reviews)."""
     pool = make_pool(port=0, metrics_port=0)
     real_save = PoolConfig.save
-    fails = [OSError(28, "No space left on device")]
+    fails = [OSError(28, "No space left on device")] * 3
 
     def save(self: PoolConfig, run_dir: Path) -> Path:
         if fails:
@@ -3128,11 +3142,15 @@ def test_ports_the_os_picked_are_pinned_once_they_can_be_saved(
         return real_save(self, run_dir)
 
     monkeypatch.setattr(PoolConfig, "save", save)
-    with pytest.raises(OSError, match="No space left"):
-        pool.start()  # its first look: a failed one, which the run loop counts
-    assert pool.controller.port is None and pool.controller.config.port == 0
+    pool.start()  # its first look: the ports are known, not saved
+    pool.make_ready("cpu-0")
+    assert pool.controller.port == 8500 and pool.controller.config.port == 8500
+    assert not (pool.controller.run_dir / "pool.json").exists()
+    pool.sd.exit("cpu-0@1", -1)
     pool.tick(after_s=0.2)
-    assert pool.controller.port == 8500
+    assert pool.slot("cpu-0").state is S.STARTING, "the look went on"
+    pool.tick(after_s=0.2)  # the third failure
+    pool.tick(after_s=0.2)
     assert PoolConfig.load(pool.controller.run_dir).port == 8500
 
 
@@ -3159,8 +3177,6 @@ def test_asking_a_front_door_that_does_not_read_never_blocks(tmp_path: Path) -> 
     """A front door alive but not reading its control socket (stopped, wedged): each ask
     times out, and none blocks. The asks queued up until the socket's queue was full
     (about 25 minutes of ticks), and the next send then hung the controller for good."""
-    import threading
-
     import zmq
 
     from mpspool import wire

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import re
 import secrets
@@ -690,7 +691,9 @@ def test_a_publisher_failing_in_a_way_no_check_foresaw_says_why_with_its_code(
 
 
 @pytest.mark.parametrize(
-    "manifest", [b"", b"[" * 100_000 + b"]" * 100_000], ids=["length past its end", "deep"]
+    "manifest",
+    [b"", b"[" * 100_000 + b"]" * 100_000, b"1", b'"x"', b"null", b'{"tensors": [{"key": 1}]}'],
+    ids=["length past its end", "deep", "a number", "a string", "null", "a tensor of no shape"],
 )
 def test_a_stray_file_with_a_segments_magic_is_refused_not_raised(
     shm_subdir: Path, manifest: bytes
@@ -705,6 +708,17 @@ def test_a_stray_file_with_a_segments_magic_is_refused_not_raised(
     with pytest.raises(segment.SegmentError, match=r"cannot read weight segment|runs past"):
         segment.read_manifest(stray)
     os.utime(stray, (0, 0))  # old: a file no manifest names an owner of is stale
+    assert segment.remove_stale(shm_subdir) == [stray]
+
+
+def test_a_stray_manifest_naming_its_owner_in_other_types_is_stale(shm_subdir: Path) -> None:
+    """A manifest that reads, its owner's start time a string: no live owner, not a
+    TypeError out of remove_stale (found by a review)."""
+    fields = json.loads(segment.plan("m", 1, os.getpid(), 0.0, []).to_json())
+    raw = json.dumps({**fields, "owner_started": "x"}).encode()
+    stray = shm_subdir / "mpspool-test-stray"
+    stray.write_bytes(segment.MAGIC + len(raw).to_bytes(8, "little") + raw)
+    os.utime(stray, (0, 0))
     assert segment.remove_stale(shm_subdir) == [stray]
 
 
