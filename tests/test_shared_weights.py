@@ -516,6 +516,43 @@ def test_a_gather_on_a_variable_stays_shared(
     assert np.array_equal(got["vectors"], want)
 
 
+@pytest.mark.parametrize("declared", [[None, 16], None], ids=["a dimension open", "no rank"])
+def test_a_variable_declared_with_an_open_shape_is_shared(
+    declared: list[int | None] | None, segments: Segments, tmp_path: Path
+) -> None:
+    """`tf.Variable(..., shape=[None, 16])` (a table that grows between exports) holds what
+    its checkpoint holds: bound to the segment, no copy, the plain load's answers. It was
+    refused ("float32[None, 16] but the checkpoint holds float[1000, 16]"), and one of no
+    rank crashed the load (found by a hunt)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(9)
+
+    class Table(tf.Module):
+        def __init__(self) -> None:
+            self.emb = tf.Variable(
+                rng.standard_normal((1000, 16)).astype(np.float32),
+                shape=tf.TensorShape(declared),
+                name="emb",
+            )
+            self.w = tf.Variable(rng.standard_normal((16, 2)).astype(np.float32), name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+            rows = tf.reshape(tf.gather(self.emb, ids % 1000), [-1, 16])
+            return {"out": rows @ self.w}
+
+    table = Table()
+    model_dir = tmp_path / "table"
+    tf.saved_model.save(table, str(model_dir), signatures={SIG: table.serve})
+    path = segments.new("open")
+    _publish(model_dir, path)
+    shared = _load_shared(model_dir, path)
+    assert shared.weights_report()["copied"] == {}
+    ids = {"ids": np.array([3, 999, 1000, 7], np.int64)}
+    _assert_identical(_run(shared, ids), _run(_load_plain(model_dir), ids))
+
+
 # 8. checkpoint keys to objects
 
 

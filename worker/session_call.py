@@ -116,7 +116,7 @@ def session_call(
         view = shared_views[id(variable)]
         if (
             view.ctypes.data % ALIGNMENT
-            or view.shape != tuple(variable.shape)
+            or not variable.shape.is_compatible_with(view.shape)  # one left open: any fits
             or view.dtype != variable.dtype.as_numpy_dtype
         ):
             log.debug("no session call for %s: the view of %s", spec.key, variable.name)

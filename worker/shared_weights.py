@@ -151,11 +151,17 @@ def attach(
         if not isinstance(variable, tf.Variable):
             continue  # not part of what was loaded (optimizer slots, say)
         view = segment.view(entry)
-        if tuple(variable.shape) != entry.shape or variable.dtype.as_datatype_enum != entry.dtype:
+        # Compatible, not equal: a variable declared with a dimension (or its rank) left
+        # open, `tf.Variable(..., shape=[None, 16])`, holds whatever the checkpoint does, as
+        # a plain load restores it (refused, or a crash for an unknown rank; found by a hunt).
+        if (
+            not variable.shape.is_compatible_with(entry.shape)
+            or variable.dtype.as_datatype_enum != entry.dtype
+        ):
             raise NotShareable(
-                f"variable {variable.name} is {variable.dtype.name}{list(variable.shape)} but "
-                f"the checkpoint holds {dtypes.dtype_name(entry.dtype)}{list(entry.shape)} "
-                f"under {entry.key}"
+                f"variable {variable.name} is {variable.dtype.name}{variable.shape} but the "
+                f"checkpoint holds {dtypes.dtype_name(entry.dtype)}{list(entry.shape)} under "
+                f"{entry.key}"
             )
         if entry.dtype == dtypes.DT_BFLOAT16:
             # numpy exports no bfloat16 through DLPack: hand over the bits and reinterpret
