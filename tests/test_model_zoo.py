@@ -32,12 +32,17 @@ import grpc
 import numpy as np
 import pytest
 
-from mpspool import segment
+from mpspool import process, segment
 from mpspool.errors import Code
 from mpspool.worker.publish import PublishError, publish
 from mpspool.worker.runtime import load_saved_model
 
 from poolproc import Pool, mpspool_cmd
+
+# The segments' owner as a pool's controller names itself: this process, by its start time.
+# A start time of 0 named no live process, so a pool started meanwhile on the machine (a
+# test beside these) took their segments for a dead pool's and removed them.
+OWNER = (os.getpid(), process.started_at(os.getpid()))
 
 SIG = "serving_default"
 ROWS, DIM = 50, 8
@@ -369,7 +374,7 @@ def test_worker_runtime_serves_each_style_without_copying(
     style: str, zoo, segment_path: Path, tmp_path: Path
 ) -> None:
     base, inputs = zoo[style]
-    manifest = publish(base / "1", style, 1, segment_path, os.getpid(), 0.0)
+    manifest = publish(base / "1", style, 1, segment_path, *OWNER)
     runtime = load_saved_model(
         str(base / "1"), style, 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
     )
@@ -399,7 +404,7 @@ def test_a_keras_export_publishes_what_its_signatures_read(zoo, segment_path: Pa
     load as two variables; the signatures capture one of each pair, so only those are in
     /dev/shm (the other list serves nothing)."""
     base, _ = zoo["keras_export"]
-    manifest = publish(base / "1", "k", 1, segment_path, os.getpid(), 0.0)
+    manifest = publish(base / "1", "k", 1, segment_path, *OWNER)
     keys = sorted(t.key for t in manifest.tensors)
     assert keys and all(k.startswith("variables/") for k in keys), keys
     assert [t.shape for t in manifest.tensors].count((ROWS, DIM)) == 1
@@ -418,7 +423,7 @@ def test_identical_tensors_are_published_once(tmp_path: Path, segment_path: Path
             return {"out": tf.gather(self.a, ids) - 2.0 * tf.gather(self.b, ids)}
 
     _save_module(Twins(), tmp_path / "1")
-    manifest = publish(tmp_path / "1", "t", 1, segment_path, os.getpid(), 0.0)
+    manifest = publish(tmp_path / "1", "t", 1, segment_path, *OWNER)
     a, b = (t for t in manifest.tensors if t.shape == (ROWS, DIM))
     assert a.offset == b.offset
     runtime = load_saved_model(
@@ -440,7 +445,7 @@ def test_a_checkpoint_without_its_index_is_refused_naming_it(
     shutil.copytree(base / "1", broken)
     (broken / "variables" / "variables.index").unlink()
     with pytest.raises(PublishError, match=r"variables\.index") as info:
-        publish(broken, "broken", 1, segment_path, os.getpid(), 0.0)
+        publish(broken, "broken", 1, segment_path, *OWNER)
     assert info.value.code == Code.NOT_FOUND  # the files that are not there
 
 
@@ -462,7 +467,7 @@ def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
         with v1.Session() as session:
             session.run([v1.global_variables_initializer(), insert])
             _save_tf1(session, version, {"words": words}, {"out": out})
-    manifest = publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    manifest = publish(version, "m", 1, segment_path, *OWNER)
     assert "table" in {t.key for t in manifest.tensors}
     with pytest.raises(Exception, match=r"tensor counts-keys is no variable of the TF1 graph"):
         load_saved_model(
@@ -502,7 +507,7 @@ def test_a_tf1_partitioned_variable_is_shared_part_by_part(
             session.run(v1.global_variables_initializer())
             session.run(fill)
             _save_tf1(session, version, {"ids": ids}, {"out": out})
-    manifest = publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    manifest = publish(version, "m", 1, segment_path, *OWNER)
     assert len(manifest.tensors) == 3
     assert all(t.key.startswith("emb@10 6 ") for t in manifest.tensors)
     runtime = load_saved_model(
@@ -529,7 +534,7 @@ def test_a_worker_loads_while_the_weights_are_still_being_published(
     finished = segment_path.with_name(segment_path.name + "-done")
     partial = segment_path.with_name(segment_path.name + ".partial")
     try:
-        publish(base / "1", "m", 1, finished, os.getpid(), 0.0)
+        publish(base / "1", "m", 1, finished, *OWNER)
         partial.write_bytes(b"")  # the publisher at work
 
         def publisher_finishes() -> None:
@@ -558,7 +563,7 @@ def test_an_out_of_range_id_keeps_tensorflows_error(zoo, segment_path: Path, tmp
     from mpspool.errors import ServingError
 
     base, _ = zoo["gather_on_variable"]
-    publish(base / "1", "g", 1, segment_path, os.getpid(), 0.0)
+    publish(base / "1", "g", 1, segment_path, *OWNER)
     runtime = load_saved_model(
         str(base / "1"), "g", 1, weights_segment=str(segment_path), work_dir=str(tmp_path)
     )
@@ -720,7 +725,7 @@ def test_what_may_copy_a_variable_is_said_at_start_with_its_name_and_op(
     read is neither."""
     version = tmp_path / "m" / "1"
     inputs = _branch_writing_model(version)
-    publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+    publish(version, "m", 1, segment_path, *OWNER)
     runtime = load_saved_model(
         str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
     )
@@ -959,7 +964,7 @@ def test_with_shared_weights_state_that_is_no_shared_variable_is_not_run_at_warm
     tf.saved_model.save(module, str(tmp_path / "1"), signatures=signatures)
     ids = {"ids": np.array([3, 4], np.int64)}
     first = tf.saved_model.load(str(tmp_path / "1")).signatures[SIG](**ids)["out"].numpy()
-    publish(tmp_path / "1", "s", 1, segment_path, os.getpid(), 0.0)
+    publish(tmp_path / "1", "s", 1, segment_path, *OWNER)
 
     def load(copies_allowed: bool) -> Any:
         runtime = load_saved_model(
@@ -1020,7 +1025,7 @@ def test_a_model_whose_other_signatures_cannot_run_zeros_or_be_called_loads(
     version = tmp_path / "m" / "1"
     _tf1_with_a_file_and_a_sparse_signature(version, tmp_path)
     if shared:
-        publish(version, "m", 1, segment_path, os.getpid(), 0.0)
+        publish(version, "m", 1, segment_path, *OWNER)
     runtime = load_saved_model(
         str(version),
         "m",

@@ -18,11 +18,16 @@ import numpy as np
 import pytest
 from three_outputs import THREE_INPUTS, build_three_outputs
 
-from mpspool import segment
+from mpspool import process, segment
 from mpspool.demo_model import build_demo_model
 from mpspool.errors import Code, ServingError
 from mpspool.worker.publish import publish
 from mpspool.worker.runtime import load_saved_model
+
+# The segments' owner as a pool's controller names itself: this process, by its start time.
+# A start time of 0 named no live process, so a pool started meanwhile on the machine (a
+# test beside these) took their segments for a dead pool's and removed them.
+OWNER = (os.getpid(), process.started_at(os.getpid()))
 
 ROWS = 1000
 SIG = "serving_default"
@@ -73,7 +78,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def shared(model_dir: Path) -> Iterator[Path]:
     path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-session"
-    publish(model_dir, "demo", 1, path, os.getpid(), 0.0)
+    publish(model_dir, "demo", 1, path, *OWNER)
     yield path
     path.unlink(missing_ok=True)
 
@@ -116,7 +121,7 @@ def three_output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def three_shared(three_output_dir: Path) -> Iterator[Path]:
     path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-three"
-    publish(three_output_dir, "three", 1, path, os.getpid(), 0.0)
+    publish(three_output_dir, "three", 1, path, *OWNER)
     yield path
     path.unlink(missing_ok=True)
 
@@ -170,7 +175,7 @@ def test_a_model_without_variables_gets_the_session_call(tmp_path: Path) -> None
     tf.saved_model.save(module, str(version), signatures={SIG: module.double})
     path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-plain"
     try:
-        publish(version, "plain", 1, path, os.getpid(), 0.0)
+        publish(version, "plain", 1, path, *OWNER)
         runtime = load_saved_model(
             str(version), "plain", 1, weights_segment=str(path), work_dir=str(tmp_path / "w")
         )
@@ -231,7 +236,7 @@ def _examples(*xs: tuple[float, float]) -> dict[str, np.ndarray]:
 @pytest.fixture
 def parsing_runtime(parsing_dir: Path, tmp_path: Path) -> Iterator[object]:
     path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-parse"
-    publish(parsing_dir, "parse", 1, path, os.getpid(), 0.0)
+    publish(parsing_dir, "parse", 1, path, *OWNER)
     try:
         runtime = load_saved_model(
             str(parsing_dir), "parse", 1, weights_segment=str(path), work_dir=str(tmp_path)
