@@ -434,6 +434,19 @@ class ModelVersions:
 
     def _advance(self, group: VersionGroup, now: float, snap: dict[str, Any]) -> None:
         if group.state is VersionState.LOADING:
+            if (
+                group.version not in self.aspired
+                and group.retry_at is None  # (one waiting to be tried again: its own rule)
+                and self.serving_version() is not None
+            ):
+                # The policy no longer wants it (a newer version came meanwhile): its load
+                # ends now, as TF Serving loads only the newest aspired version. Each version
+                # copied in while another loaded went on loading, all at once, and each took
+                # the traffic as it came up (found by a hunt). Only while another serves: the
+                # pool's first load is seen through.
+                self.end_group(group, now, "no longer wanted by the version policy")
+                self._remember_ended(group.version, "")
+                return
             self._advance_loading(group, now)
         elif group.state is VersionState.AVAILABLE:
             # Retired once a version the policy wants serves in its place: never before,

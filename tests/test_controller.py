@@ -1826,6 +1826,31 @@ def test_a_command_supervisord_cannot_spawn_makes_its_slot_fatal_saying_why(
     assert slot.state is S.STARTING
 
 
+def test_a_version_the_policy_drops_while_it_loads_stops_loading(
+    make_pool: Callable[..., Pool],
+):
+    """Versions copied in one after another while the pool serves (an rsync of a history):
+    with latest:1 only the newest loads; one that was loading when a newer came ends then,
+    its workers stopped, and is listed END. Each went on loading, all at once (16 workers for
+    a pool of 2), and each took the traffic as it came up (found by a hunt)."""
+    pool, base = versioned_pool(make_pool, [1])
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)  # polled: version 2 loads
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    (base / "3").mkdir()
+    (base / "3" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)  # polled: version 3 is the newest; version 2's load ends
+    assert told(pool) == {1: "AVAILABLE", 2: "END", 3: "LOADING"}
+    assert ("stopProcessGroup", "v2") in pool.sd.calls
+    assert not any(info["group"] == "v2" for info in pool.sd.programs.values())
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@3", pool.sd.pid_of(f"{name}@3"))
+    pool.tick()
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "END", 2: "END", 3: "AVAILABLE"}
+
+
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
     make_pool: Callable[..., Pool],
 ):

@@ -477,7 +477,7 @@ def test_a_tf1_checkpoint_tensor_that_is_no_variable_is_refused(
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_a_tf1_partitioned_variable_is_shared_part_by_part(
-    tmp_path: Path, segment_path: Path, axis: int
+    tmp_path: Path, segment_path: Path, axis: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A TF1 estimator's embedding split by a partitioner is saved whole under its own name
     ("emb", in slices), its graph variables are the parts ("emb/part_0", ...). Each part is
@@ -507,6 +507,14 @@ def test_a_tf1_partitioned_variable_is_shared_part_by_part(
             session.run(v1.global_variables_initializer())
             session.run(fill)
             _save_tf1(session, version, {"ids": ids}, {"out": out})
+    # Each part read from its shard as a slice, not assembled by TensorFlow's reader (which
+    # made the publisher import TensorFlow: 30 s at a busy start; found by a hunt).
+    from mpspool.worker import publish as publish_module
+
+    def no_tensorflow(*args: Any) -> None:
+        raise AssertionError("read through TensorFlow's reader")
+
+    monkeypatch.setattr(publish_module, "_read_through_tensorflow", no_tensorflow)
     manifest = publish(version, "m", 1, segment_path, *OWNER)
     assert len(manifest.tensors) == 3
     assert all(t.key.startswith("emb@10 6 ") for t in manifest.tensors)

@@ -230,7 +230,7 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
             timeout=60,
             what="version 3 failed",
         )
-        # No variables/ beside it: nothing to publish, and its workers say why it cannot load.
+        # A saved_model.pb that does not parse: its publish fails saying why, as its workers would.
         assert "unreadable saved model" in _versions(status)[3][1]
         assert _versions(status)[1] == ("AVAILABLE", "")
         seen = len(load.seen())

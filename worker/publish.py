@@ -61,6 +61,7 @@ def publish(
     stored in slices (a partitioned variable) is read through TensorFlow's reader."""
     prefix = str(Path(model_dir) / "variables" / "variables")
     variables = Path(model_dir) / "variables"
+    _check_graph_parses(Path(model_dir))
     if not Path(prefix + ".index").exists() and _declares_variables(Path(model_dir)):
         # Said as it is: a version copied in before its variables/ (`cp -r`, `gsutil cp -r`)
         # is incomplete, not a model whose weights cannot be shared.
@@ -125,11 +126,17 @@ def publish(
         same_as,
         _extra(Path(model_dir)),
     )
+    stored_slices: dict[tuple[str, tensor_bundle.Extents], Any] = {}
+    if any(e.slices for e in bundle[1].values()):
+        try:
+            stored_slices = tensor_bundle.read_slices(prefix)
+        except (OSError, tensor_bundle.BundleError):
+            pass  # read through TensorFlow's reader, which says what is wrong
     writer = segment.SegmentWriter(path, manifest)
     try:
         for key, _dt, _shape in shared:
             if key not in same_as:
-                _copy(bundle, prefix, key, writer.view(key))
+                _copy(bundle, prefix, key, writer.view(key), stored_slices)
         # Its own errors are the segment's (SegmentError), not the checkpoint's.
         writer.commit()
     except OSError as exc:
@@ -154,6 +161,28 @@ def graph_digest(graph: bytes) -> str:
     return hashlib.sha256(graph).hexdigest()
 
 
+def _check_graph_parses(model_dir: Path) -> None:
+    """A saved_model.pb that does not parse fails the publish as TensorFlow's loader fails
+    it (DATA_LOSS): a file still being copied in was published, its digest recorded, and
+    the workers that then read the whole file were refused as a re-push of the version
+    (found by a hunt)."""
+    from mpspool.protos import tensorflow_pb2 as pb
+
+    graph = model_dir / "saved_model.pb"
+    try:
+        pb.SavedModel.FromString(graph.read_bytes())
+    except FileNotFoundError:
+        return  # a .pbtxt, or none: TensorFlow's loader says which
+    except OSError as exc:
+        raise PublishError(f"cannot read {graph}: {exc}", code_of_os_error(exc)) from None
+    except DecodeError as exc:
+        raise PublishError(
+            f"unreadable saved model: cannot parse {graph} as binary proto (not completely "
+            f"copied yet?): {exc}",
+            Code.DATA_LOSS,
+        ) from None
+
+
 def _extra(model_dir: Path) -> dict[str, str]:
     """The graph's digest, for the manifest: a version's folder replaced under the same
     number (a Kubernetes ConfigMap's ..data swap, a re-push) gives a worker started later a
@@ -170,41 +199,101 @@ def _extra(model_dir: Path) -> dict[str, str]:
     return {}
 
 
-def _copy(bundle: tuple[int, dict[str, Any]], prefix: str, key: str, dest: np.ndarray) -> bool:
-    """One variable into its place in the segment. Straight from the data shard when the
-    index says where its bytes are (no copy in this process), through TensorFlow's reader
-    otherwise (a sliced or unusual entry). True when read directly."""
+def _copy(
+    bundle: tuple[int, dict[str, Any]],
+    prefix: str,
+    key: str,
+    dest: np.ndarray,
+    slices: dict[tuple[str, tensor_bundle.Extents], Any],
+) -> bool:
+    """One variable into its place in the segment. Straight from the data shards when the
+    index says where its bytes are, whole or slice by slice (``slices``:
+    tensor_bundle.read_slices), with no copy in this process; through TensorFlow's reader
+    otherwise (an unusual entry). True when read directly."""
     shards, entries = bundle
     if segment.SLICE_MARK in key and not key.endswith(VARIABLE_SUFFIX):  # TF1 names have no @
+        # One part of a TF1 partitioned variable: one slice of its entry.
         name, spec = key.split(segment.SLICE_MARK, 1)
-        dest[...] = _read_through_tensorflow(prefix, name, spec, dest.dtype)
-        return False
+        entry = entries.get(name)
+        pieces = zip(entry.slices, slice_specs(entry), strict=True) if entry else []
+        piece = next((p for p, (s, _shape) in pieces if s == spec), None)
+        stored = slices.get((name, _extents(piece))) if piece is not None else None
+        if stored is None or stored.size != dest.nbytes:
+            dest[...] = _read_through_tensorflow(prefix, name, spec, dest.dtype)
+            return False
+        _read_into(_bytes_of(dest), prefix, shards, stored, key)
+        return True
     entry = entries.get(key)
     if entry is not None and not entry.slices and entry.size == dest.nbytes:
-        target = memoryview(dest.reshape(-1).view(np.uint8))
-        with open(tensor_bundle.shard_path(prefix, entry.shard_id, shards), "rb") as shard:
-            shard.seek(entry.offset)
-            done = 0
-            crc = 0
-            while done < entry.size:
-                # bytes, not a view of the segment: google_crc32c takes read-only buffers only.
-                chunk = shard.read(min(READ_CHUNK, entry.size - done))
-                if not chunk:
-                    raise PublishError(f"checkpoint shard ends inside {key}", Code.DATA_LOSS)
-                target[done : done + len(chunk)] = chunk
-                crc = google_crc32c.extend(crc, chunk)
-                done += len(chunk)
-        if _masked(crc) != entry.crc32c:
-            # What TensorFlow's own reader checks: without it a corrupted checkpoint that a
-            # plain load refuses would be served with wrong weights.
-            raise PublishError(
-                f"checkpoint data of {key} in {shard.name} is corrupted: checksum does not "
-                f"match (stored {entry.crc32c:#010x}, computed {_masked(crc):#010x})",
-                Code.DATA_LOSS,
-            )
+        _read_into(_bytes_of(dest), prefix, shards, entry, key)
         return True
+    stored = [slices.get((key, _extents(p))) for p in entry.slices] if entry else []
+    if stored and all(s is not None for s in stored):
+        # Stored in slices (a TF2 checkpoint saved with a shard size policy): each into its
+        # region; TensorFlow's reader assembled a fresh copy of the whole variable, and the
+        # publisher imported TensorFlow for it (found by a hunt).
+        for piece, part in zip(entry.slices, stored, strict=True):
+            region = dest[_region(piece, dest.ndim)]
+            if part.size != region.nbytes:
+                break  # not what the index says it is: TensorFlow's reader says why
+            if region.flags.c_contiguous:
+                _read_into(_bytes_of(region), prefix, shards, part, key)
+            else:  # a slice of an inner dimension: one slice's bytes in this process
+                staged = np.empty(region.shape, region.dtype)
+                _read_into(_bytes_of(staged), prefix, shards, part, key)
+                region[...] = staged
+        else:
+            return True
     dest[...] = _read_through_tensorflow(prefix, key)
     return False
+
+
+def _extents(piece: Any) -> tensor_bundle.Extents:
+    """A TensorSliceProto as its stored slice's key names it: (start, length), -1 for a
+    whole dimension."""
+    return tuple(
+        (int(e.start), int(e.length) if e.HasField("length") else -1) for e in piece.extent
+    )
+
+
+def _region(piece: Any, ndim: int) -> tuple[slice, ...]:
+    """The part of the whole variable a TensorSliceProto is (dimensions it does not list,
+    and those without a length, whole)."""
+    region = [slice(None)] * ndim
+    for d, extent in enumerate(piece.extent):
+        if extent.HasField("length"):
+            region[d] = slice(int(extent.start), int(extent.start) + int(extent.length))
+    return tuple(region)
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, writable, not copied."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _read_into(target: memoryview, prefix: str, shards: int, entry: Any, key: str) -> None:
+    """``entry``'s bytes (a tensor, or one slice of one) from its data shard into ``target``,
+    checked against the index's checksum as TensorFlow's reader checks them."""
+    with open(tensor_bundle.shard_path(prefix, entry.shard_id, shards), "rb") as shard:
+        shard.seek(entry.offset)
+        done = 0
+        crc = 0
+        while done < entry.size:
+            # bytes, not a view of the segment: google_crc32c takes read-only buffers only.
+            chunk = shard.read(min(READ_CHUNK, entry.size - done))
+            if not chunk:
+                raise PublishError(f"checkpoint shard ends inside {key}", Code.DATA_LOSS)
+            target[done : done + len(chunk)] = chunk
+            crc = google_crc32c.extend(crc, chunk)
+            done += len(chunk)
+    if _masked(crc) != entry.crc32c:
+        # What TensorFlow's own reader checks: without it a corrupted checkpoint that a
+        # plain load refuses would be served with wrong weights.
+        raise PublishError(
+            f"checkpoint data of {key} in {shard.name} is corrupted: checksum does not "
+            f"match (stored {entry.crc32c:#010x}, computed {_masked(crc):#010x})",
+            Code.DATA_LOSS,
+        )
 
 
 def _read_through_tensorflow(
