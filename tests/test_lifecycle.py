@@ -407,7 +407,9 @@ def test_unreadable_weights_fail_the_start_cleanly(tmp_path: Path, demo_model_di
         code = pool.proc.wait(60)
         assert code == 1, pool.output()
         last = pool.output().strip().splitlines()[-1]
-        assert last.startswith("mpspool: publishing the weights failed:"), pool.output()
+        # Its code first (DATA_LOSS: a checkpoint shard that ends early), as GetModelStatus
+        # reads it.
+        assert last.startswith("mpspool: DATA_LOSS: publishing the weights failed:"), pool.output()
         assert "failed to load (try 1 of 2; tried again in 0.5 s)" in pool.output()
         assert not pool.run_dir.exists()
         pool_id = re.search(r"\(pool (\w+)\)", pool.output()).group(1)
