@@ -756,6 +756,7 @@ class Controller:
         # the next tick's lookup of it ended the controller (found by a review).
         try:
             config.save(self.run_dir)
+            self._config_unsaved = False  # whatever was behind is written with it
         except OSError as exc:
             raise ConfigNotSaved(
                 f"{source}: the pool's configuration cannot be saved: {exc}"

@@ -446,6 +446,7 @@ class ModelVersions:
                 # pool's first load is seen through.
                 self.end_group(group, now, "no longer wanted by the version policy")
                 self._remember_ended(group.version, "")
+                self._failed_when_asked.discard(group.version)  # wanted again: tried anew
                 return
             self._advance_loading(group, now)
         elif group.state is VersionState.AVAILABLE:
@@ -640,6 +641,7 @@ class ModelVersions:
             self.pool.stop_groups([group.group])
         for slot in group.slots.values():
             self.pool.forget(slot, why)
+            self.pool.note_spawn_refused(slot.program, "")  # a refusal no look will read
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, why)
         group.change_state(VersionState.END, now, why)

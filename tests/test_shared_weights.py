@@ -940,21 +940,48 @@ def test_publish_refuses_a_truncated_data_file(damaged_copy: Path, segments: Seg
     assert not _partial(path).exists()
 
 
+@pytest.mark.parametrize("kept", [0.5, 0.0], ids=["half of it", "created, nothing written"])
 def test_publish_refuses_a_saved_model_pb_still_being_copied(
-    damaged_copy: Path, segments: Segments
+    damaged_copy: Path, segments: Segments, kept: float
 ) -> None:
-    """Half a saved_model.pb (a copy in progress) is DATA_LOSS, as TensorFlow's loader says
-    of it, and no segment: it was published, its digest recorded, and the workers that read
-    the whole file later were refused as a re-push (found by a hunt)."""
+    """Half a saved_model.pb, or one created and not yet written (`cp` makes it first; an
+    empty file parses, with no graph), is DATA_LOSS, as TensorFlow's loader says of it, and
+    no segment: it was published, its digest recorded, and the workers that read the whole
+    file later were refused as a re-push (found by a hunt and a review)."""
     graph = damaged_copy / "saved_model.pb"
-    os.truncate(graph, graph.stat().st_size // 2)
+    os.truncate(graph, int(graph.stat().st_size * kept))
     path = segments.new("half-graph")
-    with pytest.raises(
-        PublishError, match=r"unreadable saved model: cannot parse .*saved_model\.pb"
-    ) as info:
+    with pytest.raises(PublishError, match=r"unreadable saved model .*saved_model\.pb") as info:
         _publish(damaged_copy, path)
     assert info.value.code == Code.DATA_LOSS
     assert not path.exists() and not _partial(path).exists()
+
+
+def test_slices_that_do_not_tile_their_variable_go_to_tensorflows_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slices read one by one must cover their variable once, within its bounds: a part no
+    slice covers was left zero and served (found by a review). Else TensorFlow's reader,
+    which refuses them, is asked."""
+    from mpspool.protos import tensorflow_pb2 as pb
+    from mpspool.worker import publish as publish_module
+
+    def piece(*extents: tuple[int, int] | None) -> Any:
+        proto = pb.TensorSliceProto()
+        for extent in extents:
+            added = proto.extent.add()
+            if extent is not None:
+                added.start, added.length = extent
+        return proto
+
+    tile = publish_module._tile
+    assert tile([piece((0, 5), None), piece((5, 5), None)], (10, 4))
+    assert tile([piece((0, 10), (0, 2)), piece((0, 10), (2, 2))], (10, 4))
+    assert not tile([piece((0, 5), None)], (10, 4)), "rows 5-9 covered by none"
+    assert not tile([piece((0, 6), None), piece((4, 6), None)], (10, 4)), "overlapping"
+    assert not tile([piece((-3, 1), None), piece((0, 9), None)], (10, 4)), "out of bounds"
+    assert not tile([piece((0, 10))], (10, 4)), "another rank"
+    assert not tile([piece((0, 5), None, None), piece((5, 5), None, None)], (10, 4))
 
 
 # Found by these tests and fixed: corrupt data, missing shards, odd object graphs, bfloat16,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import resource
 import sys
@@ -61,7 +62,7 @@ def publish(
     stored in slices (a partitioned variable) is read through TensorFlow's reader."""
     prefix = str(Path(model_dir) / "variables" / "variables")
     variables = Path(model_dir) / "variables"
-    _check_graph_parses(Path(model_dir))
+    graph = _read_graph(Path(model_dir))
     if not Path(prefix + ".index").exists() and _declares_variables(Path(model_dir)):
         # Said as it is: a version copied in before its variables/ (`cp -r`, `gsutil cp -r`)
         # is incomplete, not a model whose weights cannot be shared.
@@ -80,7 +81,14 @@ def publish(
         # the segment says so to the workers. Data shards without their index: the read
         # below says the index is missing.
         manifest = segment.plan(
-            model_name, version, owner_pid, owner_started, [], [], {}, _extra(Path(model_dir))
+            model_name,
+            version,
+            owner_pid,
+            owner_started,
+            [],
+            [],
+            {},
+            _extra(Path(model_dir), graph),
         )
         segment.SegmentWriter(path, manifest).commit()
         return manifest
@@ -124,7 +132,7 @@ def publish(
         shared,
         unshared,
         same_as,
-        _extra(Path(model_dir)),
+        _extra(Path(model_dir), graph),
     )
     stored_slices: dict[tuple[str, tensor_bundle.Extents], Any] = {}
     if any(e.slices for e in bundle[1].values()):
@@ -161,33 +169,43 @@ def graph_digest(graph: bytes) -> str:
     return hashlib.sha256(graph).hexdigest()
 
 
-def _check_graph_parses(model_dir: Path) -> None:
-    """A saved_model.pb that does not parse fails the publish as TensorFlow's loader fails
-    it (DATA_LOSS): a file still being copied in was published, its digest recorded, and
-    the workers that then read the whole file were refused as a re-push of the version
-    (found by a hunt)."""
+def _read_graph(model_dir: Path) -> bytes | None:
+    """saved_model.pb's bytes (None: there is none, a .pbtxt perhaps), once they parse as a
+    SavedModel with a graph. One that does not (a file still being copied in, or created
+    and not yet written) fails the publish as TensorFlow's loader fails it (DATA_LOSS): it
+    was published, its digest recorded, and the workers that then read the whole file were
+    refused as a re-push of the version (found by a hunt). The digest is taken of these
+    same bytes (`_extra`): read again, the file could have grown meanwhile."""
     from mpspool.protos import tensorflow_pb2 as pb
 
     graph = model_dir / "saved_model.pb"
     try:
-        pb.SavedModel.FromString(graph.read_bytes())
+        raw = graph.read_bytes()
+        meta_graphs = len(pb.SavedModel.FromString(raw).meta_graphs)
     except FileNotFoundError:
-        return  # a .pbtxt, or none: TensorFlow's loader says which
+        return None  # TensorFlow's loader says what is missing
     except OSError as exc:
         raise PublishError(f"cannot read {graph}: {exc}", code_of_os_error(exc)) from None
     except DecodeError as exc:
+        meta_graphs, why = 0, f"cannot parse it as binary proto: {exc}"
+    else:
+        why = "it holds no graph"  # an empty file parses, as one cut between two fields
+    if not meta_graphs:
         raise PublishError(
-            f"unreadable saved model: cannot parse {graph} as binary proto (not completely "
-            f"copied yet?): {exc}",
+            f"unreadable saved model {graph} (not completely copied yet?): {why}",
             Code.DATA_LOSS,
-        ) from None
+        )
+    return raw
 
 
-def _extra(model_dir: Path) -> dict[str, str]:
-    """The graph's digest, for the manifest: a version's folder replaced under the same
-    number (a Kubernetes ConfigMap's ..data swap, a re-push) gives a worker started later a
-    new graph beside the weights published from the old one."""
-    for name in ("saved_model.pb", "saved_model.pbtxt"):
+def _extra(model_dir: Path, graph: bytes | None) -> dict[str, str]:
+    """The graph's digest, for the manifest (of ``graph``, saved_model.pb's bytes as
+    `_read_graph` checked them, or else of saved_model.pbtxt): a version's folder replaced
+    under the same number (a Kubernetes ConfigMap's ..data swap, a re-push) gives a worker
+    started later a new graph beside the weights published from the old one."""
+    if graph is not None:
+        return {GRAPH_DIGEST_KEY: graph_digest(graph)}
+    for name in ("saved_model.pbtxt",):
         try:
             return {GRAPH_DIGEST_KEY: graph_digest((model_dir / name).read_bytes())}
         except FileNotFoundError:
@@ -228,7 +246,7 @@ def _copy(
         _read_into(_bytes_of(dest), prefix, shards, entry, key)
         return True
     stored = [slices.get((key, _extents(p))) for p in entry.slices] if entry else []
-    if stored and all(s is not None for s in stored):
+    if stored and all(s is not None for s in stored) and _tile(entry.slices, dest.shape):
         # Stored in slices (a TF2 checkpoint saved with a shard size policy): each into its
         # region; TensorFlow's reader assembled a fresh copy of the whole variable, and the
         # publisher imported TensorFlow for it (found by a hunt).
@@ -246,6 +264,31 @@ def _copy(
             return True
     dest[...] = _read_through_tensorflow(prefix, key)
     return False
+
+
+def _tile(pieces: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the slices lie within ``shape`` and cover it once, as TensorFlow's reader
+    requires ("Overlapping slices", "Does not have sufficient slices"): read slice by slice,
+    a part no slice covers would have been served as zeros. Else that reader says what is
+    wrong."""
+    boxes = []
+    for piece in pieces:
+        if len(piece.extent) != len(shape):
+            return False  # TensorFlow's "Mismatching ranks"
+        box = []
+        for extent, size in zip(piece.extent, shape, strict=True):
+            start = int(extent.start)
+            end = start + int(extent.length) if extent.HasField("length") else size
+            if (not extent.HasField("length") and start != 0) or not 0 <= start < end <= size:
+                return False
+            box.append((start, end))
+        boxes.append(box)
+    for i, box in enumerate(boxes):
+        for other in boxes[:i]:
+            if all(a < d and c < b for (a, b), (c, d) in zip(box, other, strict=True)):
+                return False  # they overlap
+    total = math.prod(shape)
+    return sum(math.prod(end - start for start, end in box) for box in boxes) == total
 
 
 def _extents(piece: Any) -> tensor_bundle.Extents:
