@@ -40,6 +40,7 @@ from mpspool.router import binary_path as router_binary
 from mpspool.router import runtime_threads as router_threads
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
+from mpspool.supervisor.background_read import BackgroundRead
 from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.model_versions import ModelVersions
 from mpspool.supervisor.slots import Slot, program_name
@@ -51,6 +52,10 @@ log = logging.getLogger("mpspool.controller")
 # How often the controller reconciles; also the longest a dead worker's in-flight requests
 # wait before the router hears of it (sends to a dead worker fail at once).
 TICK_S = 0.2
+# A read of --model_config_file is waited for this long in a look (one that answers is taken
+# at once); past CONFIG_READ_SLOW_S it is said to hang, and the pool serves on meanwhile.
+CONFIG_READ_WAIT_S = 1.0
+CONFIG_READ_SLOW_S = 5.0
 # How often GPU memory and utilisation (NVML) are sent to the front door for its metrics.
 GPU_METRICS_INTERVAL_S = 2.0
 # How long the controller tolerates failing to see supervisord or the router.
@@ -190,6 +195,12 @@ class Controller:
         config_wait = config.model_config_file_poll_wait_s if config.model_config_file else 0
         self._next_config_read = clock.monotonic() + config_wait if config_wait else math.inf
         self._config_file_said = ""  # the last complaint about the file, said once
+        # Each read of the file, on a thread of its own: one on storage that stopped
+        # answering (a FIFO stood in for it) held the loop, and with it every worker's
+        # replacement, status and stop (found by a hunt).
+        self._config_read: BackgroundRead[list[ModelEntry]] = BackgroundRead(
+            lambda: read_model_config(Path(self.config.model_config_file)), "config-read"
+        )
         # What the file said last: it is applied again only when it says something new (a
         # HandleReloadConfigRequest in between is not undone by an unchanged file).
         self._file_entries = [
@@ -656,7 +667,7 @@ class Controller:
     def _reconcile_versions(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
         policy wants, move each group along, and tell the front door when anything changed."""
-        if now >= self._next_config_read:
+        if now >= self._next_config_read or self._config_read.running_s():
             self._read_model_config(now)
         # The models first: a model's version table is only taken for a model it serves.
         self._tell_router_models(router_answered)
@@ -665,13 +676,26 @@ class Controller:
 
     def _read_model_config(self, now: float) -> None:
         """--model_config_file again: a new version policy or new labels apply at once. A file
-        that cannot be read, or that names other models, changes nothing (said once)."""
-        self._next_config_read = now + self.config.model_config_file_poll_wait_s
-        try:
-            entries = read_model_config(Path(self.config.model_config_file))
-        except ConfigError as exc:
-            self._say_once_of_config_file(f"{exc}; serving on as before")
+        that cannot be read, or that names other models, changes nothing (said once); one
+        whose read does not return goes on being waited for, the pool serving on."""
+        if not self._config_read.running_s():
+            self._next_config_read = now + self.config.model_config_file_poll_wait_s
+            self._config_read.start()
+        read = self._config_read.wait(CONFIG_READ_WAIT_S)
+        if read is None:
+            waited = self._config_read.running_s()
+            if waited >= CONFIG_READ_SLOW_S:
+                self._say_once_of_config_file(
+                    f"{self.config.model_config_file}: reading it has not returned (storage "
+                    "not answering?); serving on as before"
+                )
             return
+        if isinstance(read.error, ConfigError):
+            self._say_once_of_config_file(f"{read.error}; serving on as before")
+            return
+        if read.error is not None:
+            raise read.error  # not a file's fault: the loop's own handling says what
+        entries = read.value or []
         if entries == self._file_entries:
             return
         if self._reloads_waiting:

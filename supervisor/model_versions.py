@@ -27,6 +27,7 @@ from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.errors import Code, in_context, status_text
 from mpspool.supervisor import config_reload
+from mpspool.supervisor.background_read import BackgroundRead
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
 from mpspool.supervisor.supervisord import SPAWN_REFUSALS, program_logs
@@ -39,6 +40,10 @@ log = logging.getLogger("mpspool.controller")
 RETIRED_SHOWN = 5
 # How often the pool's start looks for the first publisher's claim on its segment.
 CLAIM_POLL_S = 0.005
+# A read of the base path is waited for this long in a look (one that answers is taken at
+# once); past DISK_READ_SLOW_S it is said to hang, and the pool serves on meanwhile.
+DISK_READ_WAIT_S = 1.0
+DISK_READ_SLOW_S = 5.0
 
 
 class RouterAsk(Protocol):
@@ -106,6 +111,12 @@ class ModelVersions:
         self.on_disk: set[int] = set()  # the versions under the base path, as last read
         self.next_poll = 0.0
         self._poll_error = ""  # the last failure to read the base path, said once
+        # Each read of the base path, on a thread of its own: one on storage that stopped
+        # answering held the controller's loop, every model's with it (as a hung config
+        # file's read did; found by a hunt).
+        self._disk_read: BackgroundRead[set[int]] = BackgroundRead(
+            lambda: versions_on_disk(self.config.model_base_path), f"poll-{name}"
+        )
         self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
         # The labels a HandleReloadConfigRequest waiting to take effect asks for (None: none
         # waits). Written by the controller; given as the config's labels once it succeeds.
@@ -302,7 +313,7 @@ class ModelVersions:
     def reconcile(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
         policy wants, move each group along, and tell the front door when anything changed."""
-        if now >= self.next_poll:
+        if now >= self.next_poll or self._disk_read.running_s():
             self._poll_versions(now)
         # Newest first: a version that became AVAILABLE retires the one it replaces in the
         # same tick.
@@ -360,15 +371,21 @@ class ModelVersions:
         return labels
 
     def _poll_versions(self, now: float) -> None:
-        wait = self.config.file_system_poll_wait_s
-        self.next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
-        try:
-            on_disk = versions_on_disk(self.config.model_base_path)
-        except OSError as exc:
-            if str(exc) != self._poll_error:  # said once, not every poll
-                log.warning("cannot read model %s's base path (serving on): %s", self.name, exc)
-            self._poll_error = str(exc)
+        if not self._disk_read.running_s():
+            wait = self.config.file_system_poll_wait_s
+            self.next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
+            self._disk_read.start()
+        read = self._disk_read.wait(DISK_READ_WAIT_S)
+        if read is None:
+            if self._disk_read.running_s() >= DISK_READ_SLOW_S:
+                self._say_poll_error("reading it has not returned (storage not answering?)")
             return
+        if isinstance(read.error, OSError):
+            self._say_poll_error(str(read.error))
+            return
+        if read.error is not None:
+            raise read.error
+        on_disk = read.value or set()
         self._poll_error = ""
         self.on_disk = on_disk
         for version in [v for v in self.failed if v not in on_disk]:
@@ -380,6 +397,11 @@ class ModelVersions:
             group = self.new_group(version)
             self.groups[version] = group
             self._load(group, now)
+
+    def _say_poll_error(self, what: str) -> None:
+        if what != self._poll_error:  # said once, not every poll
+            log.warning("cannot read model %s's base path (serving on): %s", self.name, what)
+        self._poll_error = what
 
     def _load(self, group: VersionGroup, now: float, why: str = "new on disk") -> None:
         """START -> LOADING, and its first load try."""

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -1851,6 +1852,39 @@ def test_a_version_the_policy_drops_while_it_loads_stops_loading(
     assert told(pool) == {1: "END", 2: "END", 3: "AVAILABLE"}
 
 
+def test_a_base_path_whose_read_hangs_holds_nothing_else(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
+):
+    """The base path on storage that stopped answering: each look waits for its listing a
+    moment, then goes on supervising (a crashed worker is replaced), and says once that the
+    read hangs; once it returns, what it found loads. It held the loop (found by a hunt)."""
+    from mpspool.supervisor import model_versions
+
+    monkeypatch.setattr(model_versions, "DISK_READ_WAIT_S", 0.05)
+    monkeypatch.setattr(model_versions, "DISK_READ_SLOW_S", 0.0)
+    pool, base = versioned_pool(make_pool, [1])
+    answer = threading.Event()
+    real = model_versions.versions_on_disk
+
+    def hung(path: str) -> set[int]:
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(model_versions, "versions_on_disk", hung)
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)  # the poll starts, and does not return
+        pool.sd.exit("cpu-0@1", -1)
+        pool.tick(after_s=1.0)
+    assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
+    assert caplog.text.count("reading it has not returned") == 1
+    assert told(pool) == {1: "AVAILABLE"}
+    answer.set()  # the storage answers at last
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+
+
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
     make_pool: Callable[..., Pool],
 ):
@@ -2248,6 +2282,35 @@ def test_a_label_whose_version_is_retired_stays_as_in_tf_serving(
     pool.tick(after_s=0.2)
     assert told(pool) == {1: "END", 2: "AVAILABLE"}
     assert pool.router.labels[-1] == {"stable": 1}
+
+
+def test_a_config_file_whose_read_hangs_holds_nothing_else(
+    make_pool: Callable[..., Pool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+):
+    """The model config file on storage that stopped answering (a FIFO nobody writes stands
+    in for it): each look waits for the read a moment, then goes on supervising (a crashed
+    worker is replaced), and says once that the read hangs; once it returns, what it read
+    applies. The read held the loop, and everything with it (found by a hunt)."""
+    monkeypatch.setattr(controller_module, "CONFIG_READ_WAIT_S", 0.05)
+    monkeypatch.setattr(controller_module, "CONFIG_READ_SLOW_S", 0.0)
+    pool, base, config_file = labelled_pool(make_pool, tmp_path, {})
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    config_file.unlink()
+    os.mkfifo(config_file)
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)  # the read starts, and does not return
+        pool.sd.exit("cpu-0@1", -1)
+        pool.tick(after_s=1.0)
+    assert pool.slot("cpu-0").state is S.STARTING, "the look went on"
+    assert caplog.text.count("reading it has not returned") == 1
+    assert told(pool) == {1: "AVAILABLE"}
+    text = f'model_config_list {{ config {{ name: "demo" base_path: "{base}" '
+    text += "model_version_policy { specific { versions: 2 } } } }"
+    with open(config_file, "w") as fifo:  # what the storage answers at last
+        fifo.write(text)
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
 
 
 def reload_request(base: Path, versions: list[int], labels: dict[str, int], name="demo") -> bytes:
