@@ -4,9 +4,10 @@ replaced, status answered, stop obeyed) while it waits. TF Serving polls its con
 thread of its own too.
 
 One read at a time: `start` begins one unless one is running; `wait` gives its outcome once
-it is done, waiting at most a moment for it, so that a read that answers at once is taken in
-the same look, as before. A read that never returns keeps its (daemon) thread; no other is
-started meanwhile.
+it is done. The look that starts a read waits a moment for it, so that a read that answers at
+once is taken in that look, as before; later looks only check (several reads on one hung
+mount, each waited for at every look, added up to a look of seconds). A read that never
+returns keeps its (daemon) thread; no other is started meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Outcome(Generic[T]):
 
     value: T | None = None
     error: BaseException | None = None
+    started: float = 0.0  # when the read began (time.monotonic)
 
 
 class BackgroundRead(Generic[T]):
@@ -45,9 +47,20 @@ class BackgroundRead(Generic[T]):
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
+    def running(self) -> bool:
+        """Whether a read was started and its outcome not yet taken."""
+        return self._thread is not None
+
     def running_s(self) -> float:
         """How long the running read has been waiting (0: none runs)."""
         return time.monotonic() - self._started if self._thread is not None else 0.0
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the running read to end, its outcome kept for `wait`; whether it did."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return thread is None or not thread.is_alive()
 
     def wait(self, timeout_s: float) -> Outcome[T] | None:
         """The read's outcome once it is done (at most ``timeout_s`` waited for it), taken
@@ -60,10 +73,13 @@ class BackgroundRead(Generic[T]):
             return None
         self._thread = None
         outcome, self._outcome = self._outcome, None
+        if outcome is None:  # its thread ended without a word: never expected
+            return Outcome(error=RuntimeError(f"{self._name}: the read left no outcome"))
         return outcome
 
     def _run(self) -> None:
+        started = self._started
         try:
-            self._outcome = Outcome(value=self._read())
+            self._outcome = Outcome(value=self._read(), started=started)
         except BaseException as exc:  # handed to the loop, which says what it was
-            self._outcome = Outcome(error=exc)
+            self._outcome = Outcome(error=exc, started=started)

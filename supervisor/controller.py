@@ -198,6 +198,7 @@ class Controller:
         # Each read of the file, on a thread of its own: one on storage that stopped
         # answering (a FIFO stood in for it) held the loop, and with it every worker's
         # replacement, status and stop (found by a hunt).
+        self._config_hung = False  # its read has not returned, and that was said
         self._config_read: BackgroundRead[list[ModelEntry]] = BackgroundRead(
             lambda: read_model_config(Path(self.config.model_config_file)), "config-read"
         )
@@ -667,7 +668,7 @@ class Controller:
     def _reconcile_versions(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
         policy wants, move each group along, and tell the front door when anything changed."""
-        if now >= self._next_config_read or self._config_read.running_s():
+        if now >= self._next_config_read or self._config_read.running():
             self._read_model_config(now)
         # The models first: a model's version table is only taken for a model it serves.
         self._tell_router_models(router_answered)
@@ -678,18 +679,22 @@ class Controller:
         """--model_config_file again: a new version policy or new labels apply at once. A file
         that cannot be read, or that names other models, changes nothing (said once); one
         whose read does not return goes on being waited for, the pool serving on."""
-        if not self._config_read.running_s():
+        started = not self._config_read.running()
+        if started:
             self._next_config_read = now + self.config.model_config_file_poll_wait_s
             self._config_read.start()
-        read = self._config_read.wait(CONFIG_READ_WAIT_S)
+        read = self._config_read.wait(CONFIG_READ_WAIT_S if started else 0.0)
         if read is None:
-            waited = self._config_read.running_s()
-            if waited >= CONFIG_READ_SLOW_S:
-                self._say_once_of_config_file(
-                    f"{self.config.model_config_file}: reading it has not returned (storage "
-                    "not answering?); serving on as before"
-                )
+            if self._config_read.running_s() >= CONFIG_READ_SLOW_S and not self._config_hung:
+                log.warning(
+                    "%s: reading it has not returned (storage not answering?); serving on "
+                    "as before", self.config.model_config_file,
+                )  # fmt: skip
+                self._config_hung = True
             return
+        if self._config_hung:
+            log.info("%s: read again", self.config.model_config_file)
+            self._config_hung = False
         if isinstance(read.error, ConfigError):
             self._say_once_of_config_file(f"{read.error}; serving on as before")
             return

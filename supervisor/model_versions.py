@@ -114,6 +114,7 @@ class ModelVersions:
         # Each read of the base path, on a thread of its own: one on storage that stopped
         # answering held the controller's loop, every model's with it (as a hung config
         # file's read did; found by a hunt).
+        self._policy_set_at = 0.0  # time.monotonic() of the last set_policy
         self._disk_read: BackgroundRead[set[int]] = BackgroundRead(
             lambda: versions_on_disk(self.config.model_base_path), f"poll-{name}"
         )
@@ -308,12 +309,13 @@ class ModelVersions:
         """A new version policy, in force from now: the base path is read again at once."""
         self.policy = policy
         self.next_poll = now
+        self._policy_set_at = time.monotonic()  # listings begun before it are read again
 
     # -- reconciling ---------------------------------------------------------------
     def reconcile(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
         """Poll the base path (`--file_system_poll_wait_seconds`), start the versions the
         policy wants, move each group along, and tell the front door when anything changed."""
-        if now >= self.next_poll or self._disk_read.running_s():
+        if not self.removed and (now >= self.next_poll or self._disk_read.running()):
             self._poll_versions(now)
         # Newest first: a version that became AVAILABLE retires the one it replaces in the
         # same tick.
@@ -371,11 +373,17 @@ class ModelVersions:
         return labels
 
     def _poll_versions(self, now: float) -> None:
-        if not self._disk_read.running_s():
+        started = not self._disk_read.running()
+        if started:
             wait = self.config.file_system_poll_wait_s
             self.next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
             self._disk_read.start()
-        read = self._disk_read.wait(DISK_READ_WAIT_S)
+        read = self._disk_read.wait(DISK_READ_WAIT_S if started else 0.0)
+        if read is not None and read.started < self._policy_set_at:
+            # A listing begun before the policy changed is not the policy's answer (a
+            # reload would be told no version fits): read again, now.
+            self._disk_read.start()
+            read = self._disk_read.wait(DISK_READ_WAIT_S)
         if read is None:
             if self._disk_read.running_s() >= DISK_READ_SLOW_S:
                 self._say_poll_error("reading it has not returned (storage not answering?)")
@@ -385,6 +393,8 @@ class ModelVersions:
             return
         if read.error is not None:
             raise read.error
+        if self.removed:
+            return  # removed while its read ran: nothing of it loads any more
         on_disk = read.value or set()
         self._poll_error = ""
         self.on_disk = on_disk

@@ -1880,9 +1880,51 @@ def test_a_base_path_whose_read_hangs_holds_nothing_else(
     assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
     assert caplog.text.count("reading it has not returned") == 1
     assert told(pool) == {1: "AVAILABLE"}
+    model = pool.controller.model
     answer.set()  # the storage answers at last
+    assert model._disk_read.join(30)
     pool.tick(after_s=0.2)
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    # A model removed while its read runs: what the read finds does not load.
+    answer.clear()
+    (base / "3").mkdir()
+    (base / "3" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    model.remove(pool.clock.now)
+    answer.set()
+    assert model._disk_read.join(30)
+    pool.tick(after_s=0.2)
+    assert 3 not in model.groups and model.aspired == set()
+
+
+def test_a_listing_begun_before_a_new_policy_is_read_again(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """A policy that changes while the base path is being read: the listing begun before it
+    is not taken as the policy's answer (a waiting reload would be told no version fits,
+    then the version loaded); the base path is read again (found by a review)."""
+    from mpspool.supervisor import model_versions
+    from mpspool.supervisor.versions import VersionPolicy
+
+    monkeypatch.setattr(model_versions, "DISK_READ_WAIT_S", 0.05)
+    pool, _ = versioned_pool(make_pool, [1])
+    answer = threading.Event()
+    reads: list[float] = []
+    real = model_versions.versions_on_disk
+
+    def slow(path: str) -> set[int]:
+        reads.append(time.monotonic())
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(model_versions, "versions_on_disk", slow)
+    model = pool.controller.model
+    pool.tick(after_s=1.0)  # a read begins
+    model.set_policy(VersionPolicy.parse("specific:1"), pool.clock.now)
+    answer.set()
+    assert model._disk_read.join(30)
+    pool.tick(after_s=0.2)
+    assert len(reads) == 2, "read again after the policy changed"
 
 
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
@@ -2307,8 +2349,10 @@ def test_a_config_file_whose_read_hangs_holds_nothing_else(
     assert told(pool) == {1: "AVAILABLE"}
     text = f'model_config_list {{ config {{ name: "demo" base_path: "{base}" '
     text += "model_version_policy { specific { versions: 2 } } } }"
-    with open(config_file, "w") as fifo:  # what the storage answers at last
+    # What the storage answers at last (ENXIO, not a hang, if no read were waiting on it).
+    with open(os.open(config_file, os.O_WRONLY | os.O_NONBLOCK), "w") as fifo:
         fifo.write(text)
+    assert pool.controller._config_read.join(30)
     pool.tick(after_s=0.2)
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
 
