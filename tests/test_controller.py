@@ -1852,6 +1852,18 @@ def test_a_version_the_policy_drops_while_it_loads_stops_loading(
     assert told(pool) == {1: "END", 2: "END", 3: "AVAILABLE"}
 
 
+def _looks_go_on_while_a_read_hangs(pool: Pool, caplog: Any) -> None:
+    """A read that does not return begins at the next look; a worker crashes meanwhile: the
+    looks go on (it is replaced), the hang is said once, and nothing else changes."""
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)  # the read starts, and does not return
+        pool.sd.exit("cpu-0@1", -1)
+        pool.tick(after_s=1.0)
+    assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
+    assert caplog.text.count("reading it has not returned") == 1
+    assert told(pool) == {1: "AVAILABLE"}
+
+
 def test_a_base_path_whose_read_hangs_holds_nothing_else(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ):
@@ -1873,13 +1885,7 @@ def test_a_base_path_whose_read_hangs_holds_nothing_else(
     monkeypatch.setattr(model_versions, "versions_on_disk", hung)
     (base / "2").mkdir()
     (base / "2" / "saved_model.pb").write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
-        pool.tick(after_s=1.0)  # the poll starts, and does not return
-        pool.sd.exit("cpu-0@1", -1)
-        pool.tick(after_s=1.0)
-    assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
-    assert caplog.text.count("reading it has not returned") == 1
-    assert told(pool) == {1: "AVAILABLE"}
+    _looks_go_on_while_a_read_hangs(pool, caplog)
     model = pool.controller.model
     answer.set()  # the storage answers at last
     assert model._disk_read.join(30)
@@ -2340,13 +2346,7 @@ def test_a_config_file_whose_read_hangs_holds_nothing_else(
     pool.make_ready("cpu-1")
     config_file.unlink()
     os.mkfifo(config_file)
-    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
-        pool.tick(after_s=1.0)  # the read starts, and does not return
-        pool.sd.exit("cpu-0@1", -1)
-        pool.tick(after_s=1.0)
-    assert pool.slot("cpu-0").state is S.STARTING, "the look went on"
-    assert caplog.text.count("reading it has not returned") == 1
-    assert told(pool) == {1: "AVAILABLE"}
+    _looks_go_on_while_a_read_hangs(pool, caplog)
     text = f'model_config_list {{ config {{ name: "demo" base_path: "{base}" '
     text += "model_version_policy { specific { versions: 2 } } } }"
     # What the storage answers at last (ENXIO, not a hang, if no read were waiting on it).
