@@ -20,6 +20,11 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+# The look that starts a read waits this long for it (one that answers is taken at once);
+# past SLOW_S a read is said to hang, and the pool serves on meanwhile.
+WAIT_S = 1.0
+SLOW_S = 5.0
+
 
 @dataclass(frozen=True)
 class Outcome(Generic[T]):
@@ -46,6 +51,17 @@ class BackgroundRead(Generic[T]):
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+
+    def look(self) -> Outcome[T] | None:
+        """A read begun unless one runs and waited for up to WAIT_S, or the running one
+        checked: its outcome, or None while it runs."""
+        started = self._thread is None
+        self.start()
+        return self.wait(WAIT_S if started else 0.0)
+
+    def hung(self) -> bool:
+        """Whether the running read has waited SLOW_S or more."""
+        return self.running() and self.running_s() >= SLOW_S
 
     def running(self) -> bool:
         """Whether a read was started and its outcome not yet taken."""

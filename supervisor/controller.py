@@ -52,10 +52,6 @@ log = logging.getLogger("mpspool.controller")
 # How often the controller reconciles; also the longest a dead worker's in-flight requests
 # wait before the router hears of it (sends to a dead worker fail at once).
 TICK_S = 0.2
-# A read of --model_config_file is waited for this long in a look (one that answers is taken
-# at once); past CONFIG_READ_SLOW_S it is said to hang, and the pool serves on meanwhile.
-CONFIG_READ_WAIT_S = 1.0
-CONFIG_READ_SLOW_S = 5.0
 # How often GPU memory and utilisation (NVML) are sent to the front door for its metrics.
 GPU_METRICS_INTERVAL_S = 2.0
 # How long the controller tolerates failing to see supervisord or the router.
@@ -679,13 +675,11 @@ class Controller:
         """--model_config_file again: a new version policy or new labels apply at once. A file
         that cannot be read, or that names other models, changes nothing (said once); one
         whose read does not return goes on being waited for, the pool serving on."""
-        started = not self._config_read.running()
-        if started:
+        if not self._config_read.running():
             self._next_config_read = now + self.config.model_config_file_poll_wait_s
-            self._config_read.start()
-        read = self._config_read.wait(CONFIG_READ_WAIT_S if started else 0.0)
+        read = self._config_read.look()
         if read is None:
-            if self._config_read.running_s() >= CONFIG_READ_SLOW_S and not self._config_hung:
+            if self._config_read.hung() and not self._config_hung:
                 log.warning(
                     "%s: reading it has not returned (storage not answering?); serving on "
                     "as before", self.config.model_config_file,

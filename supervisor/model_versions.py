@@ -40,10 +40,6 @@ log = logging.getLogger("mpspool.controller")
 RETIRED_SHOWN = 5
 # How often the pool's start looks for the first publisher's claim on its segment.
 CLAIM_POLL_S = 0.005
-# A read of the base path is waited for this long in a look (one that answers is taken at
-# once); past DISK_READ_SLOW_S it is said to hang, and the pool serves on meanwhile.
-DISK_READ_WAIT_S = 1.0
-DISK_READ_SLOW_S = 5.0
 
 
 class RouterAsk(Protocol):
@@ -113,11 +109,11 @@ class ModelVersions:
         self._poll_error = ""  # the last failure to read the base path, said once
         # Each read of the base path, on a thread of its own: one on storage that stopped
         # answering held the controller's loop, every model's with it (as a hung config
-        # file's read did; found by a hunt).
-        self._policy_set_at = 0.0  # time.monotonic() of the last set_policy
+        # file's read did; found by a hunt). `reconcile` polls only a model not removed.
         self._disk_read: BackgroundRead[set[int]] = BackgroundRead(
             lambda: versions_on_disk(self.config.model_base_path), f"poll-{name}"
         )
+        self._policy_set_at = 0.0  # time.monotonic() of the last set_policy
         self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
         # The labels a HandleReloadConfigRequest waiting to take effect asks for (None: none
         # waits). Written by the controller; given as the config's labels once it succeeds.
@@ -373,19 +369,16 @@ class ModelVersions:
         return labels
 
     def _poll_versions(self, now: float) -> None:
-        started = not self._disk_read.running()
-        if started:
+        if not self._disk_read.running():
             wait = self.config.file_system_poll_wait_s
             self.next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
-            self._disk_read.start()
-        read = self._disk_read.wait(DISK_READ_WAIT_S if started else 0.0)
+        read = self._disk_read.look()
         if read is not None and read.started < self._policy_set_at:
             # A listing begun before the policy changed is not the policy's answer (a
             # reload would be told no version fits): read again, now.
-            self._disk_read.start()
-            read = self._disk_read.wait(DISK_READ_WAIT_S)
+            read = self._disk_read.look()
         if read is None:
-            if self._disk_read.running_s() >= DISK_READ_SLOW_S:
+            if self._disk_read.hung():
                 self._say_poll_error("reading it has not returned (storage not answering?)")
             return
         if isinstance(read.error, OSError):
@@ -393,8 +386,6 @@ class ModelVersions:
             return
         if read.error is not None:
             raise read.error
-        if self.removed:
-            return  # removed while its read ran: nothing of it loads any more
         on_disk = read.value or set()
         self._poll_error = ""
         self.on_disk = on_disk

@@ -44,6 +44,7 @@ from mpspool import segment as segment_module
 from mpspool.cli import _labels_text
 from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.router import binary_path as router_binary
+from mpspool.supervisor import background_read
 from mpspool.supervisor import controller as controller_module
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.controller import ROUTER_PROGRAM, Controller, PoolPhase
@@ -1872,8 +1873,8 @@ def test_a_base_path_whose_read_hangs_holds_nothing_else(
     read hangs; once it returns, what it found loads. It held the loop (found by a hunt)."""
     from mpspool.supervisor import model_versions
 
-    monkeypatch.setattr(model_versions, "DISK_READ_WAIT_S", 0.05)
-    monkeypatch.setattr(model_versions, "DISK_READ_SLOW_S", 0.0)
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    monkeypatch.setattr(background_read, "SLOW_S", 0.0)
     pool, base = versioned_pool(make_pool, [1])
     answer = threading.Event()
     real = model_versions.versions_on_disk
@@ -1912,7 +1913,7 @@ def test_a_listing_begun_before_a_new_policy_is_read_again(
     from mpspool.supervisor import model_versions
     from mpspool.supervisor.versions import VersionPolicy
 
-    monkeypatch.setattr(model_versions, "DISK_READ_WAIT_S", 0.05)
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
     pool, _ = versioned_pool(make_pool, [1])
     answer = threading.Event()
     reads: list[float] = []
@@ -2339,8 +2340,8 @@ def test_a_config_file_whose_read_hangs_holds_nothing_else(
     in for it): each look waits for the read a moment, then goes on supervising (a crashed
     worker is replaced), and says once that the read hangs; once it returns, what it read
     applies. The read held the loop, and everything with it (found by a hunt)."""
-    monkeypatch.setattr(controller_module, "CONFIG_READ_WAIT_S", 0.05)
-    monkeypatch.setattr(controller_module, "CONFIG_READ_SLOW_S", 0.0)
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    monkeypatch.setattr(background_read, "SLOW_S", 0.0)
     pool, base, config_file = labelled_pool(make_pool, tmp_path, {})
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")

@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,13 @@ def publish(
     """Write `path` (a weight segment) from the SavedModel's checkpoint; its manifest back.
 
     The checkpoint's index says each tensor's dtype, shape and place in the data shards, so
-    no TensorFlow is needed (its import costs seconds at every pool start): only a tensor
-    stored in slices (a partitioned variable) is read through TensorFlow's reader."""
+    no TensorFlow is needed (its import costs seconds at every pool start): a variable
+    stored in slices is read slice by slice; only an entry the index does not lay out so is
+    read through TensorFlow's reader. saved_model.pb is read and parsed once, here."""
     prefix = str(Path(model_dir) / "variables" / "variables")
     variables = Path(model_dir) / "variables"
     graph = _read_graph(Path(model_dir))
-    if not Path(prefix + ".index").exists() and _declares_variables(Path(model_dir)):
+    if not Path(prefix + ".index").exists() and _declares_variables(graph):
         # Said as it is: a version copied in before its variables/ (`cp -r`, `gsutil cp -r`)
         # is incomplete, not a model whose weights cannot be shared.
         raise PublishError(
@@ -99,7 +101,7 @@ def publish(
             f"cannot read the checkpoint of model {model_name!r} at {prefix}: {exc}",
             code_of_os_error(exc) if isinstance(exc, OSError) else Code.DATA_LOSS,
         ) from None
-    served = served_keys(Path(model_dir), bundle, prefix)
+    served = served_keys(graph, bundle, prefix)
     # A TF1 Saver's checkpoint (no object graph) keys each variable by its name, not by an
     # object path: every numeric tensor is published, and the worker binds each to the graph
     # variable of that name or refuses the model (a lookup table's saved contents match none).
@@ -169,8 +171,16 @@ def graph_digest(graph: bytes) -> str:
     return hashlib.sha256(graph).hexdigest()
 
 
-def _read_graph(model_dir: Path) -> bytes | None:
-    """saved_model.pb's bytes (None: there is none, a .pbtxt perhaps), once they parse as a
+@dataclass(frozen=True)
+class SavedGraph:
+    """saved_model.pb as read once: its bytes (for the digest) and what they parse to."""
+
+    raw: bytes
+    saved: Any  # mpspool.protos.tensorflow_pb2.SavedModel
+
+
+def _read_graph(model_dir: Path) -> SavedGraph | None:
+    """saved_model.pb (None: there is none, a .pbtxt perhaps), once it parses as a
     SavedModel with a graph. One that does not (a file still being copied in, or created
     and not yet written) fails the publish as TensorFlow's loader fails it (DATA_LOSS): it
     was published, its digest recorded, and the workers that then read the whole file were
@@ -181,7 +191,8 @@ def _read_graph(model_dir: Path) -> bytes | None:
     graph = model_dir / "saved_model.pb"
     try:
         raw = graph.read_bytes()
-        meta_graphs = len(pb.SavedModel.FromString(raw).meta_graphs)
+        saved = pb.SavedModel.FromString(raw)
+        meta_graphs = len(saved.meta_graphs)
     except FileNotFoundError:
         return None  # TensorFlow's loader says what is missing
     except OSError as exc:
@@ -195,26 +206,23 @@ def _read_graph(model_dir: Path) -> bytes | None:
             f"unreadable saved model {graph} (not completely copied yet?): {why}",
             Code.DATA_LOSS,
         )
-    return raw
+    return SavedGraph(raw, saved)
 
 
-def _extra(model_dir: Path, graph: bytes | None) -> dict[str, str]:
-    """The graph's digest, for the manifest (of ``graph``, saved_model.pb's bytes as
-    `_read_graph` checked them, or else of saved_model.pbtxt): a version's folder replaced
-    under the same number (a Kubernetes ConfigMap's ..data swap, a re-push) gives a worker
-    started later a new graph beside the weights published from the old one."""
+def _extra(model_dir: Path, graph: SavedGraph | None) -> dict[str, str]:
+    """The graph's digest, for the manifest (of saved_model.pb's bytes as `_read_graph`
+    checked them, or else of saved_model.pbtxt): a version's folder replaced under the same
+    number (a Kubernetes ConfigMap's ..data swap, a re-push) gives a worker started later a
+    new graph beside the weights published from the old one."""
     if graph is not None:
-        return {GRAPH_DIGEST_KEY: graph_digest(graph)}
-    for name in ("saved_model.pbtxt",):
-        try:
-            return {GRAPH_DIGEST_KEY: graph_digest((model_dir / name).read_bytes())}
-        except FileNotFoundError:
-            continue
-        except OSError as exc:  # unreadable: said as a failed publish, not a traceback
-            raise PublishError(
-                f"cannot read {model_dir / name}: {exc}", code_of_os_error(exc)
-            ) from None
-    return {}
+        return {GRAPH_DIGEST_KEY: graph_digest(graph.raw)}
+    text = model_dir / "saved_model.pbtxt"
+    try:
+        return {GRAPH_DIGEST_KEY: graph_digest(text.read_bytes())}
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:  # unreadable: said as a failed publish, not a traceback
+        raise PublishError(f"cannot read {text}: {exc}", code_of_os_error(exc)) from None
 
 
 def _copy(
@@ -386,11 +394,11 @@ def slice_specs(entry: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def served_keys(
-    model_dir: Path, bundle: tuple[int, dict[str, Any]], prefix: str
+    graph: SavedGraph | None, bundle: tuple[int, dict[str, Any]], prefix: str
 ) -> set[str] | None:
     """The checkpoint keys of the variables the SavedModel's signatures capture, or None when
-    that cannot be told (a TF1 model without an object graph, anything unexpected): then
-    every variable is published.
+    that cannot be told (no saved_model.pb, a TF1 model without an object graph, anything
+    unexpected): then every variable is published.
 
     The signatures are children of the object graph's root ("signatures"); each names its
     concrete function, whose `bound_inputs` are the object-graph nodes it captures. A TF2
@@ -399,21 +407,22 @@ def served_keys(
     """
     from mpspool.protos import tensorflow_pb2 as pb
 
+    if graph is None:
+        return None
+    objects = graph.saved.meta_graphs[0].object_graph_def  # _read_graph: there is one
+    entry = bundle[1].get(OBJECT_GRAPH_KEY)
+    if not objects.nodes or entry is None:
+        return None
     try:
-        saved = pb.SavedModel.FromString((model_dir / "saved_model.pb").read_bytes())
-        graph = saved.meta_graphs[0].object_graph_def if saved.meta_graphs else None
-        entry = bundle[1].get(OBJECT_GRAPH_KEY)
-        if graph is None or not graph.nodes or entry is None:
-            return None
         checkpoint = pb.TrackableObjectGraph.FromString(_string_scalar(prefix, bundle[0], entry))
     except (OSError, DecodeError, ValueError):
         return None
-    signatures = [c.node_id for c in graph.nodes[0].children if c.local_name == "signatures"]
+    signatures = [c.node_id for c in objects.nodes[0].children if c.local_name == "signatures"]
     if not signatures:
         return None
     bound: set[int] = set()
-    for child in graph.nodes[signatures[0]].children:
-        node = graph.nodes[child.node_id]
+    for child in objects.nodes[signatures[0]].children:
+        node = objects.nodes[child.node_id]
         kind = node.WhichOneof("kind")
         if kind == "bare_concrete_function":
             names = [node.bare_concrete_function.concrete_function_name]
@@ -422,14 +431,14 @@ def served_keys(
         else:
             return None
         for name in names:
-            if name not in graph.concrete_functions:
+            if name not in objects.concrete_functions:
                 return None
-            bound.update(graph.concrete_functions[name].bound_inputs)
+            bound.update(objects.concrete_functions[name].bound_inputs)
     keys = set()
     for node_id in bound:
-        if node_id >= len(checkpoint.nodes) or node_id >= len(graph.nodes):
+        if node_id >= len(checkpoint.nodes) or node_id >= len(objects.nodes):
             return None
-        if graph.nodes[node_id].WhichOneof("kind") is not None:
+        if objects.nodes[node_id].WhichOneof("kind") is not None:
             continue  # a function or another captured object, not a variable
         for attribute in checkpoint.nodes[node_id].attributes:
             if attribute.checkpoint_key.endswith(VARIABLE_SUFFIX):
@@ -437,22 +446,18 @@ def served_keys(
     return keys
 
 
-def _declares_variables(model_dir: Path) -> bool:
+def _declares_variables(graph: SavedGraph | None) -> bool:
     """Whether the SavedModel's object graph (TF2) has a variable node, so that TensorFlow's
     loader needs its checkpoint. A TF1 graph is not looked into (without an index its loader
-    restores nothing), nor a saved_model.pb that cannot be read (the workers say why)."""
+    restores nothing), nor a model with no saved_model.pb (the workers say why)."""
     from google.protobuf import unknown_fields
 
-    from mpspool.protos import tensorflow_pb2 as pb
-
-    try:
-        saved = pb.SavedModel.FromString((model_dir / "saved_model.pb").read_bytes())
-    except (OSError, DecodeError):
+    if graph is None:
         return False
     # SavedObject.variable, which mpspool's trimmed proto does not name: an unknown field.
     return any(
         field.field_number == SAVED_OBJECT_VARIABLE
-        for meta in saved.meta_graphs
+        for meta in graph.saved.meta_graphs
         for node in meta.object_graph_def.nodes
         for field in unknown_fields.UnknownFieldSet(node)
     )
