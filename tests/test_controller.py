@@ -2867,7 +2867,10 @@ def test_a_publisher_that_fails_is_tried_again_and_the_version_serves(
     (base / "2" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     group = model.groups[2]
-    group.publisher.wait(timeout=30)  # type: ignore[union-attr]
+    # Ended already when the same look moved the version on (a publisher that fails at once
+    # can, under load): then seen there, publisher and all (a flake, found on rereading).
+    if group.publisher is not None:
+        group.publisher.wait(timeout=30)
     pool.tick()
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
     assert status_row(pool, 2)["error"].startswith(
