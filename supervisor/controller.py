@@ -32,15 +32,15 @@ from urllib.parse import quote
 import zmq
 
 from mpspool import cpusets, process, rundir, segment, wire
-from mpspool.config import ConfigError, PoolConfig, ServedModel
-from mpspool.demo_model import versions_on_disk
-from mpspool.model_config import ModelEntry, first_version, model_entries, read_model_config
+from mpspool.config import ConfigError, PoolConfig
+from mpspool.model_config import ModelEntry, model_entries, read_model_config
 from mpspool.router import THREADS_ENV as ROUTER_THREADS_ENV
 from mpspool.router import binary_path as router_binary
 from mpspool.router import runtime_threads as router_threads
 from mpspool.supervisor import config_reload
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.background_read import BackgroundRead
+from mpspool.supervisor.disk_view import DiskView, read_disk_view
 from mpspool.supervisor.gpu_watch import GpuWatch
 from mpspool.supervisor.model_versions import ModelVersions
 from mpspool.supervisor.slots import Slot, program_name
@@ -195,8 +195,8 @@ class Controller:
         # answering (a FIFO stood in for it) held the loop, and with it every worker's
         # replacement, status and stop (found by a hunt).
         self._config_hung = False  # its read has not returned, and that was said
-        self._config_read: BackgroundRead[list[ModelEntry]] = BackgroundRead(
-            lambda: read_model_config(Path(self.config.model_config_file)), "config-read"
+        self._config_read: BackgroundRead[tuple[list[ModelEntry], DiskView | None]] = (
+            BackgroundRead(self._read_config_file, "config-read")
         )
         # What the file said last: it is applied again only when it says something new (a
         # HandleReloadConfigRequest in between is not undone by an unchanged file).
@@ -208,6 +208,14 @@ class Controller:
         # Those that came while one was in effect: each waits for the one before to be
         # answered, as TF Serving's ReloadConfig holds its lock for the whole call.
         self._reloads_waiting: list[tuple[int, bytes]] = []
+        # Program → where its output log ended when its last process was started.
+        self._log_from: dict[str, int] = {}
+        # Program groups whose stop failed, stopped again at each look (`stop_groups`).
+        self._unstopped: set[str] = set()
+        # The first waiting request's reads of the disk (its DiskView), on a thread of their
+        # own, and whether their hang was said.
+        self._reload_read: tuple[int, BackgroundRead[DiskView]] | None = None
+        self._reload_hung_said = 0
         # (router pid, names) of the models last told to the front door.
         self._models_told: tuple[int, list[str]] | None = None
         # The slots' states and restarts as the front door last took them (its metrics).
@@ -445,7 +453,7 @@ class Controller:
         router_down = router_down or self._router_crash_loop(router_info, router_answered)
         if router_down:
             # Its last words; failing those, why supervisord could not spawn it at all.
-            why = self.supervisord.tail_reason(ROUTER_PROGRAM) or router_info.get("spawnerr", "")
+            why = self._tail_reason(ROUTER_PROGRAM) or router_info.get("spawnerr", "")
             self.fail_pool(f"the router {router_down}: {why or 'it said nothing'}")
             return
         if snap.get("port") and self.port is None:
@@ -469,6 +477,7 @@ class Controller:
             self._bring_back_gpu(gpu)
             infos = self.supervisord.process_info()
         self._publish_gpu_usage(router_answered)
+        self._stop_unstopped()
         for group in self.groups():
             said = group.restore_segment_if_removed()
             if said:
@@ -588,7 +597,7 @@ class Controller:
         if state == sd.FATAL:
             # Only a spawn error gets here (startsecs=0): the command itself cannot run.
             self.forget(slot, "supervisord gave up")
-            slot.reason = info.get("spawnerr") or self.supervisord.tail_reason(slot.program)
+            slot.reason = info.get("spawnerr") or self._tail_reason(slot.program)
             self._make_fatal(slot, now)
             return
         refused = self._spawn_refused.get(slot.program, "")
@@ -624,7 +633,7 @@ class Controller:
             # would serve it): backing off and trying again cannot change that.
             slot.refused = True
             slot.load_failures = self.config.start_retries + 1
-            slot.reason = self.supervisord.tail_reason(slot.program) or f"{who} {ended}"
+            slot.reason = self._tail_reason(slot.program) or f"{who} {ended}"
             self._make_fatal(slot, now)
             return
         if exitstatus == process.EXIT_LOAD_FAILED or not (was_ready or killed_by_us):
@@ -632,7 +641,7 @@ class Controller:
             # while loading): a start failure, backed off and counted toward FATAL. Its own
             # last words say why; failing those, how it ended.
             slot.load_failures += 1
-            last = self.supervisord.tail_reason(slot.program)
+            last = self._tail_reason(slot.program)
             slot.reason = (
                 last
                 if exitstatus == process.EXIT_LOAD_FAILED and last
@@ -694,15 +703,20 @@ class Controller:
             return
         if read.error is not None:
             raise read.error  # not a file's fault: the loop's own handling says what
-        entries = read.value or []
+        entries, view = read.value or ([], None)
         if entries == self._file_entries:
             return
         if self._reloads_waiting:
             # Requests queued before this change are older: TF Serving's file poll takes the
             # lock they wait on, so the file lands after them. Applied at a later read.
             return
+        if view is None or not self._view_is_current(view):
+            # Read for another configuration (a reload applied meanwhile, or the file said
+            # what was in force then): read again, now.
+            self._next_config_read = now
+            return
         try:
-            refused = self._apply_model_entries(entries, now, self.config.model_config_file)
+            refused = self._apply_model_entries(view, now, self.config.model_config_file)
         except ConfigNotSaved as exc:
             refused = str(exc)  # the file is read again at the next poll
         if refused:
@@ -715,20 +729,37 @@ class Controller:
         # on the labels now configured.
         self._forget_asked_labels()
 
-    def _apply_model_entries(self, entries: list[ModelEntry], now: float, source: str) -> str:
+    def _read_config_file(self) -> tuple[list[ModelEntry], DiskView | None]:
+        """On the config read's thread: the file's models and, when they are not what it
+        said last, what applying them needs of the disk. It reads only what the loop
+        replaces whole (its configuration, the file's last models), never changes it."""
+        config = self.config
+        entries = read_model_config(Path(config.model_config_file))
+        if entries == self._file_entries:
+            return entries, None
+        return entries, read_disk_view(config, entries, config.model_config_file)
+
+    def _view_is_current(self, view: DiskView) -> bool:
+        """Whether a view was read for the configuration in force (else it is read again:
+        a model added or removed, or a policy changed, while it read)."""
+        return view.based_on is self.config
+
+    def _apply_model_entries(self, view: DiskView, now: float, source: str) -> str:
         """A model config in force from now: each model's policy and labels, models not
         served added (their first version loads beside what serves), served models not
         listed removed (they drain, then end). The refusal ("" when applied), with nothing
         changed: a model at another base path, the pool's first model left out, a model
         still being removed, a new model that cannot be served. ConfigNotSaved, with nothing
-        changed: pool.json could not take it."""
+        changed: pool.json could not take it. What it needs of the disk was read off the
+        loop (`view`, read for the configuration in force now: `_view_is_current`)."""
+        entries = list(view.entries)
         served = {m.name: m for m in self.config.served_models()}
         first = self.config.model_name
         named = {e.name for e in entries}
         for entry in entries:
             model = served.get(entry.name)
             # The same folder however it is named (a link kept as given, or its target).
-            if model is not None and not _same_path(model.base_path, entry.base_path):
+            if model is not None and not view.same_folder(model.base_path, entry.base_path):
                 return (
                     f"{source} names model {entry.name!r} at {entry.base_path}; it is served "
                     f"from {model.base_path}: a model's base path is fixed while it is served "
@@ -744,27 +775,15 @@ class Controller:
         config = self.config
         added = [e for e in entries if e.name not in served]
         if added:
+            if view.refusal or view.added is None:
+                return view.refusal or f"{source}: the models it adds were not read"
+            config = view.added
             try:
-                models = list(config.served_models())
-                for entry in added:
-                    version = first_version(Path(entry.base_path), entry.version_policy, entry.name)
-                    models.append(
-                        ServedModel(
-                            entry.name,
-                            entry.base_path,
-                            version,
-                            entry.version_policy,
-                            dict(entry.labels),
-                        )
-                    )
-                config = dataclasses.replace(config, models=tuple(models))
-                for entry in added:
-                    config.validate_added(entry.name)
                 # Without MPS, more contexts per GPU than its compute mode admits (checked at
                 # start for the models then).
                 for warning in self.gpu.check_without_mps(config):
                     log.warning("%s: %s", source, warning)
-            except (ConfigError, OSError) as exc:
+            except ConfigError as exc:
                 return f"{source}: {exc}"
         changed = []
         for entry in entries:
@@ -880,12 +899,15 @@ class Controller:
         at once were both answered with the later one's outcome (the earlier said OK for a
         model the later removed before it ever served; found by an operator test)."""
         while self._reloads_waiting and not self._reloads:
-            request_id, body = self._reloads_waiting.pop(0)
-            self._reload_config_request(request_id, body, now)
+            request_id, body = self._reloads_waiting[0]
+            if not self._reload_config_request(request_id, body, now):
+                return  # its reads of the disk run on: looked at again at the next tick
+            self._reloads_waiting.pop(0)
 
-    def _reload_config_request(self, request_id: int, body: bytes, now: float) -> None:
+    def _reload_config_request(self, request_id: int, body: bytes, now: float) -> bool:
         """A HandleReloadConfigRequest the front door holds: applied now, answered when it
-        has taken effect (`_answer_reloads`), or refused at once."""
+        has taken effect (`_answer_reloads`), or refused at once; False while what it needs
+        of the disk is still being read (`_reload_disk_view`)."""
         from google.protobuf.message import DecodeError
 
         from mpspool.protos import server_config_pb2
@@ -895,7 +917,16 @@ class Controller:
             entries = model_entries(server_config_pb2.ModelServerConfig.FromString(body), source)
         except (DecodeError, ConfigError) as exc:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, str(exc))
-            return
+            return True
+        # Policies and models apply now, labels once the request has taken effect: TF Serving
+        # builds its whole label map from the new config and swaps it in only if every label
+        # is valid (ServerCore::UpdateModelVersionLabelMap), so a refused reload leaves every
+        # label where it was, and none moves while the request's versions load.
+        labels_now = {m.name: dict(m.version_labels) for m in self.config.served_models()}
+        held = [dataclasses.replace(e, labels=labels_now.get(e.name, {})) for e in entries]
+        view = self._reload_disk_view(request_id, held, source)
+        if view is None:
+            return False
         # A served model's new policy that wants none of its versions on disk is refused
         # before anything changes: applied, it went on to load a version copied in later,
         # though the caller was told its request failed (found by an operator's hunt).
@@ -903,45 +934,72 @@ class Controller:
             model = self.models.get(entry.name)
             if model is None or model.removed:
                 continue
-            if not _same_path(model.config.model_base_path, entry.base_path):
+            if not view.same_folder(model.config.model_base_path, entry.base_path):
                 continue  # refused below, for that
-            try:
-                on_disk = versions_on_disk(model.config.model_base_path)
-            except OSError:
+            on_disk = view.versions(entry.base_path)
+            if on_disk is None:
                 continue  # the reload's answer says what the policy found, once settled
             policy = VersionPolicy.parse(entry.version_policy)
             unfit = config_reload.no_version_fits(entry.name, policy, on_disk)
             if unfit:
                 self._tell_reload(request_id, config_reload.FAILED_PRECONDITION, unfit)
-                return
-        hopeless = self._label_without_version(entries)
+                return True
+        hopeless = self._label_without_version(entries, view)
         if hopeless:
             self._tell_reload(request_id, config_reload.FAILED_PRECONDITION, hopeless)
-            return
-        # Policies and models apply now, labels once the request has taken effect: TF Serving
-        # builds its whole label map from the new config and swaps it in only if every label
-        # is valid (ServerCore::UpdateModelVersionLabelMap), so a refused reload leaves every
-        # label where it was, and none moves while the request's versions load.
+            return True
         # Read before the request changes anything: a version that fails as it applies (an
         # added model's publisher cannot start) failed after it was asked.
         failing = {name: model.failing_versions() for name, model in self.models.items()}
-        labels_now = {m.name: dict(m.version_labels) for m in self.config.served_models()}
-        held = [dataclasses.replace(e, labels=labels_now.get(e.name, {})) for e in entries]
         try:
-            refused = self._apply_model_entries(held, now, source)
+            refused = self._apply_model_entries(view, now, source)
         except ConfigNotSaved as exc:  # nothing changed; asking again may succeed
             self._tell_reload(request_id, config_reload.UNAVAILABLE, str(exc))
-            return
+            return True
         if refused:
             self._tell_reload(request_id, config_reload.INVALID_ARGUMENT, refused)
-            return
+            return True
         for entry in entries:
             self.models[entry.name].labels_asked = dict(entry.labels)
         for name, model in self.models.items():
             model.note_reload_asked(failing.get(name, set()), first=not self._reloads)
         self._reloads.append(request_id)
+        return True
 
-    def _label_without_version(self, entries: list[ModelEntry]) -> str:
+    def _reload_disk_view(
+        self, request_id: int, entries: list[ModelEntry], source: str
+    ) -> DiskView | None:
+        """What a reload needs of the disk (its base paths listed and followed, its added
+        models' first versions), read on a thread of its own for the configuration in force
+        now; None while that runs (said once when it hangs), or when the configuration
+        changed meanwhile (read again at the next look). Other requests wait behind it, as
+        behind a request in effect."""
+        if self._reload_read is None or self._reload_read[0] != request_id:
+            config = self.config
+            read: BackgroundRead[DiskView] = BackgroundRead(
+                lambda: read_disk_view(config, entries, source), f"reload-{request_id}"
+            )
+            self._reload_read = (request_id, read)
+        read = self._reload_read[1]
+        outcome = read.look()
+        if outcome is None:
+            if read.hung() and self._reload_hung_said != request_id:
+                self._reload_hung_said = request_id
+                log.warning(
+                    "%s %d: reading its base paths has not returned (storage not "
+                    "answering?); it waits, and later requests wait behind it",
+                    source, request_id,
+                )  # fmt: skip
+            return None
+        self._reload_read = None
+        if outcome.error is not None:
+            raise outcome.error  # not the disk's answer (read_disk_view keeps those)
+        view = outcome.value
+        if view is None or not self._view_is_current(view):
+            return None  # read for a configuration no longer in force: again, now
+        return view
+
+    def _label_without_version(self, entries: list[ModelEntry], view: DiskView) -> str:
         """Why a label of the request can never take effect ("" when each can): it names a
         version the request's policy does not serve (one not on disk, or one the policy
         retires), and is not a label --allow_version_labels_for_unavailable_models lets point
@@ -957,10 +1015,7 @@ class Controller:
             served = model is not None and not model.removed
             told = model.labels_told() if served else {}
             failing = model.failing_versions() if served else set()
-            try:
-                on_disk = versions_on_disk(entry.base_path)
-            except OSError:
-                on_disk = set()
+            on_disk = view.versions(entry.base_path) or set()
             wanted = VersionPolicy.parse(entry.version_policy).aspired(on_disk, failing)
             for label, version in sorted(entry.labels.items()):
                 if version in wanted:
@@ -1064,6 +1119,8 @@ class Controller:
         self._supervisord_config = text
         added, _changed, removed = self.supervisord.update(text)
         for name in removed:
+            if name in self._unstopped:
+                continue  # removed at the sync after it has stopped (`_stop_unstopped`)
             self.rpc("removeProcessGroup", name)
         for name in added:
             self.rpc("addProcessGroup", name)
@@ -1156,6 +1213,8 @@ class Controller:
     def rpc(self, method: str, *args: Any) -> Any:
         """A supervisord command whose refusal is news, not an error: between our look and
         our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
+        if method in ("startProcess", "startProcessGroup"):
+            self._note_log_ends(method, str(args[0]))
         try:
             answer = getattr(self.supervisord.rpc(), method)(*args)
         except xmlrpc.client.Fault as fault:
@@ -1167,6 +1226,25 @@ class Controller:
         if method == "startProcess":
             self.note_spawn_refused(str(args[0]), "")
         return answer
+
+    def _note_log_ends(self, method: str, name: str) -> None:
+        """Where the logs of the programs about to start end: why each process stopped is
+        read from there on (`_tail_reason`)."""
+        programs = self._programs_of_group(name) if method == "startProcessGroup" else [name]
+        for program in programs:
+            end = self.supervisord.log_end(program)
+            if end is None:
+                self._log_from.pop(program, None)
+            else:
+                self._log_from[program] = end
+
+    def _programs_of_group(self, group: str) -> list[str]:
+        return [s.program for s in self.slots.values() if s.program.split(":")[0] == group]
+
+    def _tail_reason(self, program: str) -> str:
+        """Why a program's last process says it stopped (supervisord.tail_reason), from
+        what that process wrote."""
+        return self.supervisord.tail_reason(program, self._log_from.get(program))
 
     def stop_asked(self) -> bool:
         """Whether a signal to stop is waiting to be dispatched."""
@@ -1183,14 +1261,38 @@ class Controller:
         self._spawn_refused[program] = why
 
     def stop_groups(self, groups: list[str]) -> None:
-        """Their workers stop, all at once; back when none runs."""
+        """Their workers stop, all at once; back when none runs. A group whose stop failed
+        (supervisord slow to answer, or a process that outlived its SIGKILL) is stopped
+        again at each look until none of it runs (`_stop_unstopped`): it was forgotten, and
+        its workers ran on untracked until the pool's shutdown, each holding its memory
+        and its mapping of a segment already unlinked."""
         try:
             left = self.supervisord.stop_groups(groups)
         except (OSError, xmlrpc.client.Error) as exc:
-            log.warning("stopping %s failed: %s", ", ".join(groups), exc)
+            log.warning("stopping %s failed (stopped again at the next look): %s",
+                        ", ".join(groups), exc)  # fmt: skip
+            self._unstopped.update(groups)
             return
+        self._unstopped.difference_update(groups)
         if left:
             log.warning("still running after 60 s of stopping: %s", ", ".join(left))
+            self._unstopped.update(program.split(":")[0] for program in left)
+
+    def _stop_unstopped(self) -> None:
+        """The program groups whose stop failed, stopped again; once none runs, supervisord's
+        programs are synced (a group that left the pool is removed then: removing one still
+        running is refused, and that refusal ended the sync before any group was added)."""
+        # One started again since (a load try after the failed one) is that try's now.
+        self._unstopped -= {g.group for g in self.groups() if g.workers_started}
+        if not self._unstopped:
+            return
+        self.stop_groups(sorted(self._unstopped))
+        if self._unstopped:
+            return
+        try:
+            self.sync_supervisord()
+        except (OSError, xmlrpc.client.Error) as exc:
+            log.warning("syncing supervisord's programs failed: %s", exc)
 
     def _infos(self) -> dict[str, dict[str, Any]]:
         try:
@@ -1300,7 +1402,7 @@ class Controller:
             self._router_restart_at = now + wait
             log.warning(
                 "the front door could not start again (%s): trying again in %g s",
-                self.supervisord.tail_reason(ROUTER_PROGRAM) or "exit status 3",
+                self._tail_reason(ROUTER_PROGRAM) or "exit status 3",
                 wait,
             )
         elif now >= self._router_restart_at:
@@ -1497,6 +1599,7 @@ class Controller:
                 self._drain_router()
                 self.gpu.terminate_clients()
                 groups = [g.group for g in self.groups() if g.in_supervisord]
+                groups += sorted(self._unstopped - set(groups))  # those that left, unstopped
                 left = self.supervisord.stop_groups(groups)
                 if left:
                     log.warning("still running after 60 s of stopping: %s", ", ".join(left))
@@ -1552,8 +1655,3 @@ def _gpu_backend(config: PoolConfig) -> Any:
     from mpspool.mps.gpus import backend
 
     return backend()
-
-
-def _same_path(a: str, b: str) -> bool:
-    """Whether two paths name one folder: equal, or the same once their links are followed."""
-    return a == b or os.path.realpath(a) == os.path.realpath(b)

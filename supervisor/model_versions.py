@@ -113,6 +113,10 @@ class ModelVersions:
         self._disk_read: BackgroundRead[set[int]] = BackgroundRead(
             lambda: versions_on_disk(self.config.model_base_path), f"poll-{name}"
         )
+        # A load retry's look at its folder, just before it publishes it: on a thread too.
+        self._retry_read: BackgroundRead[set[int]] = BackgroundRead(
+            lambda: versions_on_disk(self.config.model_base_path), f"retry-{name}"
+        )
         self._policy_set_at = 0.0  # time.monotonic() of the last set_policy
         self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
         # The labels a HandleReloadConfigRequest waiting to take effect asks for (None: none
@@ -625,7 +629,10 @@ class ModelVersions:
         else tried again once its interval has passed."""
         if group.version in self.aspired and now < retry_at:
             return  # the base path's poll notices a folder removed meanwhile
-        if group.version not in self.aspired or not self._still_on_disk(group.version):
+        on_disk = self._still_on_disk(group.version) if group.version in self.aspired else False
+        if on_disk is None:
+            return  # its read has not returned: looked at again at the next tick
+        if not on_disk:
             self._failed_when_asked.discard(group.version)
             self.end_group(group, now, "no longer on disk or wanted: not tried again")
             # END with its last error, as TF Serving's loader ends a version whose retries
@@ -639,12 +646,19 @@ class ModelVersions:
         )  # fmt: skip
         self._start_try(group, now)
 
-    def _still_on_disk(self, version: int) -> bool:
-        """Read now, not at the last poll: a retry must not publish a folder just removed."""
-        try:
-            return version in versions_on_disk(self.config.model_base_path)
-        except OSError:
+    def _still_on_disk(self, version: int) -> bool | None:
+        """Read now, not at the last poll: a retry must not publish a folder just removed.
+        Read on a thread of its own (a hung mount held the loop here); None while it runs."""
+        read = self._retry_read.look()
+        if read is None:
+            if self._retry_read.hung():
+                self._say_poll_error("reading it has not returned (storage not answering?)")
+            return None
+        if isinstance(read.error, OSError):
             return True  # unreadable for a moment: the try says what is wrong, if anything
+        if read.error is not None:
+            raise read.error
+        return version in (read.value or set())
 
     def _retire(self, group: VersionGroup, now: float, why: str) -> None:
         """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);

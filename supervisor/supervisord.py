@@ -33,6 +33,8 @@ PID_FILE = "supervisord.pid"
 STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL = 0, 10, 20, 30, 40, 100, 200
 # The states a stop ends (STOPPING: one under way).
 STOPPABLE_STATES = (STARTING, RUNNING, BACKOFF, STOPPING)
+# How much of a program's output log is read for why it stopped.
+TAIL_BYTES = 8192
 # supervisord's refusals to spawn a program's command at all (xmlrpc.Faults NO_FILE and
 # NOT_EXECUTABLE, its checks of the command's first word before it forks): a program refused
 # so stays as it was, so the refusal is the only word of it. (A failed fork, SPAWN_ERROR, is
@@ -340,14 +342,35 @@ class Supervisord:
     def process_info(self) -> dict[str, dict[str, Any]]:
         return {f"{i['group']}:{i['name']}": i for i in self.rpc().getAllProcessInfo()}
 
-    def tail_reason(self, program: str) -> str:
+    def log_end(self, program: str) -> int | None:
+        """Where a program's output log ends now (its size in bytes; None: not known), so
+        that `tail_reason` reads only what its next process writes."""
+        try:
+            # A tail of one byte: supervisord's tailFile answers its end offset (with no
+            # length it answers one byte short).
+            _, end, _ = self.rpc().tailProcessStdoutLog(program, 0, 1)
+        except (OSError, xmlrpc.client.Error):
+            return None
+        return int(end)
+
+    def tail_reason(self, program: str, since: int | None = None) -> str:
         """Why a program says it stopped: its last FATAL_MARKER line, else the last line of
         its output that reads as an error (a Python exception, a fatal log line); "" when
-        there is none. Never an informational line (TensorFlow's start-up chatter)."""
+        there is none. Never an informational line (TensorFlow's start-up chatter).
+        ``since``: where the log ended when its last process was started (`log_end`); only
+        what that process wrote is read. Its log is appended to, so a process that died
+        without a word (SIGKILL) was given an earlier one's reason."""
         try:
-            text, _, _ = self.rpc().tailProcessStdoutLog(program, 0, 8192)
+            rpc = self.rpc()
+            text, end, _ = rpc.tailProcessStdoutLog(program, 0, TAIL_BYTES)
+            written = int(end) - since if since is not None else -1
+            if written == 0:
+                return ""
+            if 0 < written < TAIL_BYTES:
+                text = rpc.readProcessStdoutLog(program, since, written)
         except (OSError, xmlrpc.client.Error):
             return ""
+        # (written < 0: the log is shorter than it was, rotated or truncated: all of it new.)
         return process.fatal_reason(text) or last_error_line(text)
 
     def exit_description(self, program: str) -> str:

@@ -135,7 +135,13 @@ class FakeRPC:
         return True
 
     def removeProcessGroup(self, group: str) -> bool:
+        """As supervisord's: refused while a process of the group runs."""
         self._sd.calls.append(("removeProcessGroup", group))
+        programs = [p for p, i in self._sd.programs.items() if i["group"] == group]
+        if any(self._sd.programs[p]["state"] in sd.STOPPABLE_STATES for p in programs):
+            raise xmlrpc.client.Fault(91, f"STILL_RUNNING: {group}")
+        for program in programs:
+            del self._sd.programs[program]
         return True
 
     def stopProcessGroup(self, group: str, wait: bool = True) -> list[Any]:
@@ -238,9 +244,7 @@ class FakeSupervisord:
         for group in wanted.keys() - known:
             for name in wanted[group]:
                 self.set(f"{group}:{name}", sd.STOPPED)
-        for group in known - wanted.keys():
-            for program in [p for p, i in self.programs.items() if i["group"] == group]:
-                del self.programs[program]
+        # A group no longer wanted stays until removeProcessGroup, as in supervisord.
         return sorted(wanted.keys() - known), [], sorted(known - wanted.keys())
 
     def stop_groups(self, groups: list[str], timeout: float = 60.0) -> list[str]:
@@ -248,7 +252,10 @@ class FakeSupervisord:
             FakeRPC(self).stopProcessGroup(group, False)
         return []
 
-    def tail_reason(self, program: str) -> str:
+    def log_end(self, program: str) -> int | None:
+        return None  # what tail_reason finds is what the test put in `logs`
+
+    def tail_reason(self, program: str, since: int | None = None) -> str:
         self.tailed.append(program)
         return self.logs.get(program, "")
 
@@ -428,6 +435,10 @@ def make_pool(
     monkeypatch: pytest.MonkeyPatch, attempts: list[Attempt]
 ) -> Iterator[Callable[..., Pool]]:
     made: list[tuple[Controller, str]] = []
+    # A read that answers is taken within the look that starts it, however busy the machine
+    # (a listing that took over a second under load left a tick without its answer); the
+    # tests of hung reads lower it again.
+    monkeypatch.setattr(background_read, "WAIT_S", 30.0)
 
     def make(**overrides: Any) -> Pool:
         run_dir = tempfile.mkdtemp(prefix="mpsc-", dir="/tmp")  # short: unix socket paths
@@ -1565,6 +1576,54 @@ def test_supervisord_accepts_a_percent_in_paths_and_commands():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_why_a_process_stopped_is_read_from_what_it_wrote(tmp_path: Path):
+    """A real supervisord and a program whose first process ends with a fatal line and
+    whose second is killed without a word: the second's reason is not the first's (its log
+    is appended to, and the whole tail was read, so a worker killed by SIGKILL was given
+    its previous process's fatal line)."""
+    base = Path(tempfile.mkdtemp(prefix="mpsc-", dir="/tmp"))  # short: a socket path
+    runs = tmp_path / "runs"
+    script = (
+        f'echo run >> {runs}; if [ "$(wc -l < {runs})" -eq 1 ]; '
+        f'then echo "{process.FATAL_MARKER}the first one failed"; exit 4; fi; '
+        "echo loading; kill -9 $$"
+    )
+    program = sd.Program(
+        name="w",
+        group="g",
+        command=["sh", "-c", script],
+        startsecs=0,
+        autostart=False,
+        autorestart="false",  # as the pool's workers: only the controller starts them
+    )
+    text = sd.render_config(base, base / "logs", "mpspool-t4st", [program])
+    daemon = sd.Supervisord(base, base / "logs")
+
+    def run_once() -> None:
+        daemon.rpc().startProcess("g:w", False)
+        deadline = time.monotonic() + 30
+        while daemon.process_info()["g:w"]["state"] not in (sd.EXITED, sd.BACKOFF, sd.FATAL):
+            assert time.monotonic() < deadline, daemon.process_info()
+            time.sleep(0.05)
+
+    try:
+        daemon.start(text)
+        first = daemon.log_end("g:w")
+        assert first == 0
+        run_once()
+        assert daemon.tail_reason("g:w", first) == "the first one failed"
+        second = daemon.log_end("g:w")
+        assert second is not None and second > 0
+        run_once()
+        assert daemon.tail_reason("g:w", second) == "", "the second said nothing of why"
+        assert daemon.tail_reason("g:w") == "the first one failed", "the whole tail: the first's"
+        third = daemon.log_end("g:w")
+        assert daemon.tail_reason("g:w", third) == "", "nothing written since"
+    finally:
+        daemon.shutdown()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_a_real_supervisord_stops_several_groups_at_once(tmp_path: Path):
     """Each process takes a second to end after its SIGTERM: every group gets its signal
     before any has ended (stopProcessGroup with wait, group after group, cost a second per
@@ -1932,6 +1991,39 @@ def test_a_listing_begun_before_a_new_policy_is_read_again(
     assert model._disk_read.join(30)
     pool.tick(after_s=0.2)
     assert len(reads) == 2, "read again after the policy changed"
+
+
+def test_a_group_whose_stop_failed_is_stopped_again_then_removed(
+    make_pool: Callable[..., Pool],
+):
+    """A retired version whose stop fails (supervisord slow to answer): its group is
+    stopped again at the next look, and leaves supervisord once stopped. It was forgotten,
+    its workers running on untracked until the pool's shutdown; its removal, refused while
+    they ran, ended each later sync before the groups it added."""
+    pool, base = versioned_pool(make_pool, [1])
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    real_stop = pool.sd.stop_groups
+    stops: list[list[str]] = []
+
+    def slow_once(groups: list[str], timeout: float = 60.0) -> list[str]:
+        stops.append(list(groups))
+        if len(stops) == 1:
+            raise TimeoutError("timed out")
+        return real_stop(groups, timeout)
+
+    pool.sd.stop_groups = slow_once  # type: ignore[method-assign]
+    pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
+    pool.tick(after_s=0.2)
+    assert told(pool) == {2: "AVAILABLE"} or 1 not in pool.controller.model.groups
+    assert stops == [["v1"]] and pool.controller._unstopped == {"v1"}
+    assert ("removeProcessGroup", "v1") not in pool.sd.calls, "not while it may run"
+    pool.tick(after_s=0.2)  # stopped again, then removed
+    assert stops == [["v1"], ["v1"]] and pool.controller._unstopped == set()
+    assert ("removeProcessGroup", "v1") in pool.sd.calls
 
 
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
@@ -2366,6 +2458,108 @@ def reload_request(base: Path, versions: list[int], labels: dict[str, int], name
     model.model_version_policy.specific.versions.extend(versions)
     model.version_labels.update(labels)
     return config.SerializeToString()
+
+
+def test_a_reload_whose_base_path_read_hangs_holds_nothing_else(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
+):
+    """A HandleReloadConfigRequest whose base path is on storage that stopped answering:
+    its reads run on a thread of their own, the looks go on (a crashed worker is replaced),
+    the hang is said once, and the request applies once they return. They held the loop;
+    a view read for a configuration no longer in force (one that changed meanwhile) is read
+    again, not applied."""
+    from mpspool.supervisor import disk_view
+
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    monkeypatch.setattr(background_read, "SLOW_S", 0.0)
+    pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
+    answer = threading.Event()
+    reads: list[str] = []
+    real = disk_view.versions_on_disk
+
+    def hung(path: str) -> set[int]:
+        reads.append(path)
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(disk_view, "versions_on_disk", hung)
+    pool.router.reload_requests[7] = reload_request(base, [1, 2], {"canary": 2})
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick()  # its reads begin, and do not return
+        pool.sd.exit("cpu-0@1", -1)
+        pool.tick(after_s=1.0)
+        pool.tick(after_s=1.0)
+    assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
+    assert caplog.text.count("reading its base paths has not returned") == 1
+    assert told(pool) == {1: "AVAILABLE"} and pool.router.reload_done == []
+    # The pool's configuration changes while it reads (here only a new object, the same
+    # settings): what it read is not applied, it is read again.
+    controller = pool.controller
+    controller.config = dataclasses.replace(controller.config)
+    read = controller._reload_read
+    assert read is not None
+    answer.set()  # the storage answers at last
+    assert read[1].join(30)
+    pool.tick(after_s=0.2)  # not applied
+    assert told(pool) == {1: "AVAILABLE"}
+    pool.tick(after_s=0.2)  # read again, for the configuration in force
+    assert reads == [str(base), str(base)]
+    assert told(pool)[2] == "LOADING"
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert pool.router.reload_done == [(7, 0, "")]
+
+
+def test_a_load_retrys_look_at_its_folder_does_not_hold_the_loop(
+    make_pool: Callable[..., Pool],
+    fake_publisher: Callable[[int], Path],
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A load retry reads its folder just before it publishes it (a folder just removed is
+    not published): on a thread of its own, so that a hung read holds only the retry."""
+    from mpspool.supervisor import model_versions
+
+    go = fake_publisher(0)
+    go.touch()
+    pool = make_pool(start_retries=1, load_retry_interval_s=2.0)
+    base = Path(pool.controller.config.model_base_path)
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    start_first_version(pool)
+    model = pool.controller.models["demo"]
+    if model.groups[1].publisher is not None:  # (one that ended at once is taken already)
+        model.groups[1].publisher.wait(timeout=30)
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    fake_publisher(1)  # every publisher started from now on fails
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    group = model.groups[2]
+    if group.publisher is not None:
+        group.publisher.wait(timeout=30)
+    pool.tick()
+    assert group.retry_at is not None, "its first try failed; the next waits"
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    answer = threading.Event()
+    real = model_versions.versions_on_disk
+
+    def hung(path: str) -> set[int]:
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(model_versions, "versions_on_disk", hung)
+    fake_publisher(0)
+    pool.tick(after_s=2.0)  # the retry is due: its read begins, and does not return
+    pool.sd.exit("cpu-0@1", -1)
+    pool.tick(after_s=0.2)
+    assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
+    assert group.publisher is None and group.retry_at is not None, "the retry waits"
+    answer.set()
+    assert model._retry_read.join(30)
+    pool.tick(after_s=0.2)
+    assert group.publisher is not None, "tried again once the folder was read"
 
 
 def test_a_reload_config_request_is_answered_once_it_is_in_effect(
@@ -2858,7 +3052,8 @@ def test_a_publisher_that_fails_is_tried_again_and_the_version_serves(
     (base / "1" / "saved_model.pb").write_bytes(b"")
     start_first_version(pool)
     model = pool.controller.models["demo"]
-    model.groups[1].publisher.wait(timeout=30)  # type: ignore[union-attr]
+    if model.groups[1].publisher is not None:  # (one that ended at once is taken already)
+        model.groups[1].publisher.wait(timeout=30)
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
     assert told(pool) == {1: "AVAILABLE"}
