@@ -123,6 +123,8 @@ def local_base_path(path: str, where: str) -> str:
     ConfigError for another URI (gs://, s3://, hdfs://), which TF Serving reads through its
     file systems: made absolute it named a folder of the working directory that never came,
     and the pool waited for it for good."""
+    if "\0" in path:  # (every read of it raised ValueError: a reload's ended the controller)
+        raise ConfigError(f"{where}: base path {path!r} holds a NUL byte, which no path can")
     if path.startswith("file://"):
         path = path.removeprefix("file://")
     elif _URI.match(path):

@@ -21,7 +21,13 @@ EXIT_OK = 0
 EXIT_CONFIG_ERROR = 3  # bad configuration or environment: retrying cannot help
 EXIT_LOAD_FAILED = 4  # the model could not be loaded
 EXIT_CALL_TIMEOUT = 5  # a model call ran past --call-timeout: the worker is replaced
-RESERVED_EXIT_CODES = (EXIT_CONFIG_ERROR, EXIT_LOAD_FAILED, EXIT_CALL_TIMEOUT)
+# The SavedModel itself could not be loaded (what TensorFlow's LoadSavedModel counts as a
+# failed load attempt); EXIT_LOAD_FAILED: what came after it (warm-up) or around it failed.
+EXIT_SAVED_MODEL_FAILED = 6
+LOAD_FAILURES = (EXIT_LOAD_FAILED, EXIT_SAVED_MODEL_FAILED)
+RESERVED_EXIT_CODES = (
+    EXIT_CONFIG_ERROR, EXIT_LOAD_FAILED, EXIT_CALL_TIMEOUT, EXIT_SAVED_MODEL_FAILED
+)  # fmt: skip
 
 # A process that exits with a reserved code first writes one line starting with this to
 # stderr; the controller shows the rest of the line as the reason (`mpspool status`).

@@ -209,7 +209,7 @@ class Controller:
         # answered, as TF Serving's ReloadConfig holds its lock for the whole call.
         self._reloads_waiting: list[tuple[int, bytes]] = []
         # Program → where its output log ended when its last process was started.
-        self._log_from: dict[str, int] = {}
+        self._log_from: dict[str, sd.LogEnd] = {}
         # Program groups whose stop failed, stopped again at each look (`stop_groups`).
         self._unstopped: set[str] = set()
         # The first waiting request's reads of the disk (its DiskView), on a thread of their
@@ -317,7 +317,7 @@ class Controller:
                 # back-off and FATAL (one owner). startsecs=0: a process is RUNNING once
                 # spawned, so supervisord never counts a kill as a failed start of its own.
                 autorestart="false",
-                exitcodes=(0, process.EXIT_CONFIG_ERROR, process.EXIT_LOAD_FAILED),
+                exitcodes=(0, process.EXIT_CONFIG_ERROR, *process.LOAD_FAILURES),
                 startsecs=0,
                 startretries=0,
             )
@@ -385,6 +385,7 @@ class Controller:
                 return self.exit_code
             self._supervisord_config = text
             self._place_self()
+            self._note_router_log_end()
             self.supervisord.start(text)
             # Order: MPS daemons answer (with the pool's defaults) → workers. A worker that
             # started before its daemon would silently run without MPS.
@@ -477,7 +478,7 @@ class Controller:
             self._bring_back_gpu(gpu)
             infos = self.supervisord.process_info()
         self._publish_gpu_usage(router_answered)
-        self._stop_unstopped()
+        self._stop_unstopped(infos)
         for group in self.groups():
             said = group.restore_segment_if_removed()
             if said:
@@ -636,16 +637,17 @@ class Controller:
             slot.reason = self._tail_reason(slot.program) or f"{who} {ended}"
             self._make_fatal(slot, now)
             return
-        if exitstatus == process.EXIT_LOAD_FAILED or not (was_ready or killed_by_us):
+        if exitstatus == process.EXIT_SAVED_MODEL_FAILED:
+            self._model_of(slot).note_failed_load(slot.version)
+        load_failed = exitstatus in process.LOAD_FAILURES
+        if load_failed or not (was_ready or killed_by_us):
             # It could not load, or died before it was ever ready (a crash loop, or killed
             # while loading): a start failure, backed off and counted toward FATAL. Its own
             # last words say why; failing those, how it ended.
             slot.load_failures += 1
             last = self._tail_reason(slot.program)
             slot.reason = (
-                last
-                if exitstatus == process.EXIT_LOAD_FAILED and last
-                else (f"{who} {ended}" + (f": {last}" if last else ""))
+                last if load_failed and last else (f"{who} {ended}" + (f": {last}" if last else ""))
             )
             if slot.load_failures > self.config.start_retries:
                 self._make_fatal(slot, now)
@@ -659,6 +661,10 @@ class Controller:
         if exitstatus == process.EXIT_CALL_TIMEOUT:
             ended = f"{ended}: a model call ran past --call-timeout"
         self._start(slot, f"{who} {ended}; restarting")
+
+    def _model_of(self, slot: Slot) -> ModelVersions:
+        """The model whose version ``slot`` serves."""
+        return next(m for m in self.models.values() if slot.key in m.slots)
 
     def _start(self, slot: Slot, why: str) -> None:
         slot.start_pending = True
@@ -974,7 +980,16 @@ class Controller:
         now; None while that runs (said once when it hangs), or when the configuration
         changed meanwhile (read again at the next look). Other requests wait behind it, as
         behind a request in effect."""
-        if self._reload_read is None or self._reload_read[0] != request_id:
+        running = self._reload_read
+        if running is not None and running[0] != request_id:
+            # The reads of a request given up since still run: one read at a time (a client
+            # that gives up and asks again, on storage that stopped answering, piled up a
+            # thread per request). Its outcome, once it comes, is dropped.
+            if running[1].wait(0.0) is None and running[1].running():
+                self._say_reload_hung(running[1], request_id, source)
+                return None
+            self._reload_read = None
+        if self._reload_read is None:
             config = self.config
             read: BackgroundRead[DiskView] = BackgroundRead(
                 lambda: read_disk_view(config, entries, source), f"reload-{request_id}"
@@ -983,13 +998,7 @@ class Controller:
         read = self._reload_read[1]
         outcome = read.look()
         if outcome is None:
-            if read.hung() and self._reload_hung_said != request_id:
-                self._reload_hung_said = request_id
-                log.warning(
-                    "%s %d: reading its base paths has not returned (storage not "
-                    "answering?); it waits, and later requests wait behind it",
-                    source, request_id,
-                )  # fmt: skip
+            self._say_reload_hung(read, request_id, source)
             return None
         self._reload_read = None
         if outcome.error is not None:
@@ -998,6 +1007,17 @@ class Controller:
         if view is None or not self._view_is_current(view):
             return None  # read for a configuration no longer in force: again, now
         return view
+
+    def _say_reload_hung(
+        self, read: BackgroundRead[DiskView], request_id: int, source: str
+    ) -> None:
+        """Said once per request: the reads it waits for have not returned."""
+        if read.hung() and self._reload_hung_said != request_id:
+            self._reload_hung_said = request_id
+            log.warning(
+                "%s %d: reading its base paths has not returned (storage not answering?); "
+                "it waits, and later requests wait behind it", source, request_id,
+            )  # fmt: skip
 
     def _label_without_version(self, entries: list[ModelEntry], view: DiskView) -> str:
         """Why a label of the request can never take effect ("" when each can): it names a
@@ -1213,8 +1233,8 @@ class Controller:
     def rpc(self, method: str, *args: Any) -> Any:
         """A supervisord command whose refusal is news, not an error: between our look and
         our call supervisord may already have done it (ALREADY_STARTED, NOT_RUNNING)."""
-        if method in ("startProcess", "startProcessGroup"):
-            self._note_log_ends(method, str(args[0]))
+        starting = method in ("startProcess", "startProcessGroup")
+        ends = self._log_ends(method, str(args[0])) if starting else {}
         try:
             answer = getattr(self.supervisord.rpc(), method)(*args)
         except xmlrpc.client.Fault as fault:
@@ -1225,18 +1245,33 @@ class Controller:
             return None
         if method == "startProcess":
             self.note_spawn_refused(str(args[0]), "")
+        # Taken once the start is: a refused one (ALREADY_STARTED) would have skipped what
+        # the running process wrote.
+        self._log_from.update(ends)
         return answer
 
-    def _note_log_ends(self, method: str, name: str) -> None:
-        """Where the logs of the programs about to start end: why each process stopped is
-        read from there on (`_tail_reason`)."""
+    def _log_ends(self, method: str, name: str) -> dict[str, sd.LogEnd]:
+        """Where the logs of the programs about to start end (their files' sizes): why each
+        process stopped is read from there on (`_tail_reason`). Programs no longer the
+        pool's are forgotten here."""
         programs = self._programs_of_group(name) if method == "startProcessGroup" else [name]
+        known = {s.program for s in self.slots.values()} | {ROUTER_PROGRAM}
+        self._log_from = {p: end for p, end in self._log_from.items() if p in known}
+        ends = {}
         for program in programs:
             end = self.supervisord.log_end(program)
-            if end is None:
+            if end is None:  # not to be looked at: the whole tail is read, as before
                 self._log_from.pop(program, None)
             else:
-                self._log_from[program] = end
+                ends[program] = end
+        return ends
+
+    def _note_router_log_end(self) -> None:
+        """The front door's log as supervisord is started (it starts it): its reasons come
+        from this pool's front doors, not a previous pool's."""
+        end = self.supervisord.log_end(ROUTER_PROGRAM)
+        if end is not None:
+            self._log_from[ROUTER_PROGRAM] = end
 
     def _programs_of_group(self, group: str) -> list[str]:
         return [s.program for s in self.slots.values() if s.program.split(":")[0] == group]
@@ -1278,17 +1313,27 @@ class Controller:
             log.warning("still running after 60 s of stopping: %s", ", ".join(left))
             self._unstopped.update(program.split(":")[0] for program in left)
 
-    def _stop_unstopped(self) -> None:
-        """The program groups whose stop failed, stopped again; once none runs, supervisord's
-        programs are synced (a group that left the pool is removed then: removing one still
-        running is refused, and that refusal ended the sync before any group was added)."""
+    def _stop_unstopped(self, infos: dict[str, dict[str, Any]]) -> None:
+        """The program groups whose stop failed, told again without waiting (a look that
+        waited for them took a minute while a process sat in uninterruptible sleep); once
+        none of a group runs (`infos`: this look's), supervisord's programs are synced, and
+        a group that left the pool is removed then (removing one still running is refused,
+        and that refusal ended the sync before any group was added)."""
         # One started again since (a load try after the failed one) is that try's now.
         self._unstopped -= {g.group for g in self.groups() if g.workers_started}
         if not self._unstopped:
             return
-        self.stop_groups(sorted(self._unstopped))
-        if self._unstopped:
+        live = [i for i in infos.values() if i.get("group") in self._unstopped]
+        running = {i["group"] for i in live if i.get("state") in sd.STOPPABLE_STATES}
+        told = {i["group"] for i in live if i.get("state") in (sd.STARTING, sd.RUNNING, sd.BACKOFF)}
+        for group in sorted(told):  # (those STOPPING were told already)
+            try:
+                self.rpc("stopProcessGroup", group, False)
+            except (OSError, xmlrpc.client.Error) as exc:
+                log.warning("stopping %s failed (stopped again at the next look): %s", group, exc)
+        if not self._unstopped - running:
             return
+        self._unstopped &= running
         try:
             self.sync_supervisord()
         except (OSError, xmlrpc.client.Error) as exc:
@@ -1369,6 +1414,7 @@ class Controller:
         if self._router_pid:
             self._router_replaced += 1  # the next one seen is not counted as a replacement
         self._router_pid, self._router_answered = 0, False
+        self._note_router_log_end()
         self.supervisord.start(self._supervisord_config)
         # Each GPU's daemon as after a fault: its workers start once it answers, and one that
         # does not leaves its GPU down (tried again later), not the pool.

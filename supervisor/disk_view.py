@@ -25,8 +25,8 @@ from mpspool.model_config import ModelEntry, first_version
 class DiskView:
     based_on: PoolConfig  # the pool's configuration when the reads began
     entries: tuple[ModelEntry, ...]  # the config to apply, as given
-    # Each base path (the entries' and the served models') → its versions on disk (None: it
-    # could not be read) and where its links lead.
+    # Each base path (the entries', and those of the served models they keep) → its versions
+    # on disk (None: it could not be read) and where its links lead.
     listed: dict[str, frozenset[int] | None]
     real: dict[str, str]
     # `based_on` with the models the entries add (each at its first version), checked;
@@ -50,7 +50,12 @@ def read_disk_view(config: PoolConfig, entries: list[ModelEntry], source: str) -
     ConfigError and OSError of an added model become the view's refusal; other exceptions
     are the caller's."""
     served = {m.name: m for m in config.served_models()}
-    paths = {e.base_path for e in entries} | {m.base_path for m in served.values()}
+    named = {e.name for e in entries}
+    # Only what the config keeps or adds: a model it drops may be on the storage that
+    # stopped answering, and its removal would wait on it.
+    paths = {e.base_path for e in entries} | {
+        m.base_path for m in served.values() if m.name in named
+    }
     listed: dict[str, frozenset[int] | None] = {}
     real: dict[str, str] = {}
     for path in sorted(paths):

@@ -105,6 +105,10 @@ class ModelVersions:
         # still listed END, as TF Serving's state monitor keeps every version it ended.
         self.retired: dict[int, str] = {}
         self.on_disk: set[int] = set()  # the versions under the base path, as last read
+        # Version → its failed load attempts: a worker whose SavedModel did not load, or a
+        # publisher that could not read it (TensorFlow's load_attempt_count{status="fail"},
+        # on the front door's metrics page). Kept for the pool's life, as TensorFlow's.
+        self.failed_loads: dict[int, int] = {}
         self.next_poll = 0.0
         self._poll_error = ""  # the last failure to read the base path, said once
         # Each read of the base path, on a thread of its own: one on storage that stopped
@@ -196,6 +200,8 @@ class ModelVersions:
         """The publisher of ``group`` ended with ``code``: "" with the segment said in the
         log, or the reason it failed."""
         group.publisher = None
+        if code == process.EXIT_LOAD_FAILED:  # it could not read the SavedModel
+            self.note_failed_load(group.version)
         if code != 0:
             return in_context("publishing the weights failed: ", self._publish_failure(group, code))
         try:
@@ -629,7 +635,13 @@ class ModelVersions:
         else tried again once its interval has passed."""
         if group.version in self.aspired and now < retry_at:
             return  # the base path's poll notices a folder removed meanwhile
-        on_disk = self._still_on_disk(group.version) if group.version in self.aspired else False
+        if group.retry_due_since is None:
+            group.retry_due_since = time.monotonic()
+        on_disk = (
+            self._still_on_disk(group.version, group.retry_due_since)
+            if group.version in self.aspired
+            else False
+        )
         if on_disk is None:
             return  # its read has not returned: looked at again at the next tick
         if not on_disk:
@@ -639,17 +651,21 @@ class ModelVersions:
             # it cancels.
             self._remember_ended(group.version, group.last_error)
             return
-        group.retry_at = None
+        group.retry_at = group.retry_due_since = None
         log.info(
             "%s: load try %d of %d",
             group.label, group.failed_tries + 1, self.config.start_retries + 1,
         )  # fmt: skip
         self._start_try(group, now)
 
-    def _still_on_disk(self, version: int) -> bool | None:
+    def _still_on_disk(self, version: int, since: float) -> bool | None:
         """Read now, not at the last poll: a retry must not publish a folder just removed.
-        Read on a thread of its own (a hung mount held the loop here); None while it runs."""
+        Read on a thread of its own (a hung mount held the loop here); None while it runs.
+        A listing begun before ``since`` (when this retry came due) is another's, perhaps
+        made before this version was there: read again."""
         read = self._retry_read.look()
+        if read is not None and read.started < since:
+            read = self._retry_read.look()
         if read is None:
             if self._retry_read.hung():
                 self._say_poll_error("reading it has not returned (storage not answering?)")
@@ -723,9 +739,14 @@ class ModelVersions:
             except OSError as exc:  # the operator's directory: said, never fatal
                 log.warning("cannot remove the log of retired version %d: %s", version, exc)
 
+    def note_failed_load(self, version: int) -> None:
+        """A load attempt of ``version`` failed to read its SavedModel."""
+        self.failed_loads[version] = self.failed_loads.get(version, 0) + 1
+
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on
-        disk, the last retired ones (END)."""
+        disk, the last retired ones (END); with a version's failed load attempts, its folder
+        (the front door's `model_path` label)."""
         rows: dict[int, dict[str, Any]] = {}
         for version, why in self.retired.items():
             rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
@@ -733,6 +754,10 @@ class ModelVersions:
             rows[version] = {"version": version, "state": VersionState.END.value, "error": why}
         for group in self.groups.values():
             rows[group.version] = group.describe()
+        for version, row in rows.items():
+            if self.failed_loads.get(version):
+                row["failed_loads"] = self.failed_loads[version]
+                row["path"] = self.config.version_path(version)
         return [rows[v] for v in sorted(rows)]
 
     def status_table(self) -> list[dict[str, Any]]:

@@ -51,6 +51,14 @@ def program_logs(log_dir: Path, name: str) -> list[Path]:
     return [log, *(log.with_name(f"{log.name}.{n}") for n in range(1, PROGRAM_LOG_BACKUPS + 1))]
 
 
+@dataclass(frozen=True)
+class LogEnd:
+    """Where a program's output log ended: its file (inode; 0: none yet) and size."""
+
+    ino: int
+    size: int
+
+
 @dataclass
 class Program:
     name: str
@@ -342,36 +350,44 @@ class Supervisord:
     def process_info(self) -> dict[str, dict[str, Any]]:
         return {f"{i['group']}:{i['name']}": i for i in self.rpc().getAllProcessInfo()}
 
-    def log_end(self, program: str) -> int | None:
-        """Where a program's output log ends now (its size in bytes; None: not known), so
-        that `tail_reason` reads only what its next process writes."""
+    def log_end(self, program: str) -> LogEnd | None:
+        """Where a program's output log ends now (its file and size), so that `tail_reason`
+        reads only what its next process writes; None when it cannot be looked at."""
         try:
-            # A tail of one byte: supervisord's tailFile answers its end offset (with no
-            # length it answers one byte short).
-            _, end, _ = self.rpc().tailProcessStdoutLog(program, 0, 1)
-        except (OSError, xmlrpc.client.Error):
+            stat = os.stat(self._log_file(program))
+        except FileNotFoundError:
+            return LogEnd(0, 0)  # none yet: all it will hold is new
+        except OSError:
             return None
-        return int(end)
+        return LogEnd(stat.st_ino, stat.st_size)
 
-    def tail_reason(self, program: str, since: int | None = None) -> str:
+    def tail_reason(self, program: str, since: LogEnd | None = None) -> str:
         """Why a program says it stopped: its last FATAL_MARKER line, else the last line of
         its output that reads as an error (a Python exception, a fatal log line); "" when
         there is none. Never an informational line (TensorFlow's start-up chatter).
-        ``since``: where the log ended when its last process was started (`log_end`); only
+        ``since``: where its log ended when its last process was started (`log_end`): only
         what that process wrote is read. Its log is appended to, so a process that died
-        without a word (SIGKILL) was given an earlier one's reason."""
+        without a word (SIGKILL) was given an earlier one's reason, or an earlier pool's.
+        Read from the file, not through supervisord: its tail answers text decoded strictly,
+        and a byte cut from a character failed the call (no reason at all)."""
         try:
-            rpc = self.rpc()
-            text, end, _ = rpc.tailProcessStdoutLog(program, 0, TAIL_BYTES)
-            written = int(end) - since if since is not None else -1
-            if written == 0:
-                return ""
-            if 0 < written < TAIL_BYTES:
-                text = rpc.readProcessStdoutLog(program, since, written)
-        except (OSError, xmlrpc.client.Error):
+            with open(self._log_file(program), "rb") as log:
+                size = os.fstat(log.fileno()).st_size
+                start = max(0, size - TAIL_BYTES)
+                ino = os.fstat(log.fileno()).st_ino
+                if since is not None and since.ino == ino and since.size <= size:
+                    start = max(start, since.size)  # the same file, grown: what came since
+                # Another file (rotated since, or made since) or a shorter one (truncated):
+                # all of it is new.
+                log.seek(start)
+                text = log.read(size - start).decode("utf-8", errors="replace")
+        except OSError:
             return ""
-        # (written < 0: the log is shorter than it was, rotated or truncated: all of it new.)
         return process.fatal_reason(text) or last_error_line(text)
+
+    def _log_file(self, program: str) -> Path:
+        """The output log of ``program`` ("group:name"), as `Program.render` names it."""
+        return program_logs(self.log_dir, program.split(":", 1)[-1])[0]
 
     def exit_description(self, program: str) -> str:
         """How a program's last process ended, as supervisord logged it ("terminated by

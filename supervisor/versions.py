@@ -125,6 +125,8 @@ class VersionGroup:
     # starts and why the last one failed.
     failed_tries: int = 0
     retry_at: float | None = None
+    # When its retry came due (time.monotonic): its folder is read from then on.
+    retry_due_since: float | None = None
     last_error: str = ""
     # The controller's hold on its published segment (mpspool/segment.py, `hold`), if any.
     segment_hold: int | None = None

@@ -178,6 +178,8 @@ class FakeSupervisord:
         self.logs: dict[str, str] = {}  # program → what tail_reason finds
         self.exits: dict[str, str] = {}  # program → what exit_description finds
         self.tailed: list[str] = []
+        self.tailed_since: list[tuple[str, sd.LogEnd | None]] = []
+        self.log_ends = 0
         self.shut_down = False
         # What supervisord does on its own between the controller's look and its call.
         self.before_call: Callable[[str, str], None] | None = None
@@ -252,11 +254,15 @@ class FakeSupervisord:
             FakeRPC(self).stopProcessGroup(group, False)
         return []
 
-    def log_end(self, program: str) -> int | None:
-        return None  # what tail_reason finds is what the test put in `logs`
+    def log_end(self, program: str) -> sd.LogEnd | None:
+        # A new end at each look, so that a test can tell which start a reason was read from
+        # (what tail_reason finds is what the test put in `logs`).
+        self.log_ends += 1
+        return sd.LogEnd(1, self.log_ends)
 
-    def tail_reason(self, program: str, since: int | None = None) -> str:
+    def tail_reason(self, program: str, since: sd.LogEnd | None = None) -> str:
         self.tailed.append(program)
+        self.tailed_since.append((program, since))
         return self.logs.get(program, "")
 
     def exit_description(self, program: str) -> str:
@@ -910,6 +916,27 @@ def test_a_worker_that_dies_while_starting_backs_off_with_how_it_ended(pool: Poo
     pool.tick()
     assert slot.state is S.BACKOFF and slot.load_failures == 2
     assert slot.reason == f"pid {pid} exit status 1: ImportError: libcudart.so.12: cannot open"
+    # Read from where its log ended when that process was started, not from the whole tail
+    # (which held its previous process's words, or a previous pool's).
+    assert pool.sd.tailed_since[-1] == (program_of("cpu-0"), sd.LogEnd(1, pool.sd.log_ends))
+
+
+def test_a_failed_load_of_the_savedmodel_is_counted_for_the_front_doors_metrics(pool: Pool):
+    """TensorFlow's load_attempt_count{status="fail"}: each worker whose SavedModel did not
+    load (not one whose warm-up failed after it loaded) counts, sent with its version's row
+    and folder."""
+    pool.start()
+    pool.make_ready("cpu-1")
+    pool.sd.exit("cpu-0@1", process.EXIT_SAVED_MODEL_FAILED)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.BACKOFF, "a load failure as any other"
+    pool.tick(1.0)
+    pool.tick()
+    pool.sd.exit("cpu-0@1", process.EXIT_LOAD_FAILED)  # its warm-up failed: loaded, not counted
+    pool.tick()
+    [row] = pool.router.versions[-1]
+    path = pool.controller.config.version_path(1)
+    assert (row["failed_loads"], row["path"]) == (1, path)
 
 
 def test_a_crash_seen_as_exited_counts_as_a_restart(pool: Pool):
@@ -1380,7 +1407,9 @@ def test_render_config_for_the_pools_programs(pool: Pool):
             "1",
         ]
         # A load failure is an expected exit: supervisord leaves the retry to the controller.
-        assert worker["exitcodes"] == f"0,{process.EXIT_CONFIG_ERROR},{process.EXIT_LOAD_FAILED}"
+        assert worker["exitcodes"] == ",".join(
+            str(c) for c in (0, process.EXIT_CONFIG_ERROR, *process.LOAD_FAILURES)
+        )
         # supervisord's own shutdown (a killed controller) stops the front door first.
         assert int(router["priority"]) > int(worker["priority"]), "router stops first"
         assert worker["autostart"] == "false", "the controller starts workers after the router"
@@ -1609,16 +1638,28 @@ def test_why_a_process_stopped_is_read_from_what_it_wrote(tmp_path: Path):
     try:
         daemon.start(text)
         first = daemon.log_end("g:w")
-        assert first == 0
+        assert first == sd.LogEnd(0, 0), "no log yet"
         run_once()
         assert daemon.tail_reason("g:w", first) == "the first one failed"
         second = daemon.log_end("g:w")
-        assert second is not None and second > 0
+        assert second is not None and second.size > 0
         run_once()
         assert daemon.tail_reason("g:w", second) == "", "the second said nothing of why"
         assert daemon.tail_reason("g:w") == "the first one failed", "the whole tail: the first's"
         third = daemon.log_end("g:w")
         assert daemon.tail_reason("g:w", third) == "", "nothing written since"
+        # A log ending inside a character (a line cut off): read, the new part whole.
+        log = base / "logs" / "w.log"
+        with open(log, "ab") as out:
+            out.write("é".encode()[:1])
+        cut = daemon.log_end("g:w")
+        with open(log, "ab") as out:
+            out.write(f"{process.FATAL_MARKER}après\n".encode())
+        assert daemon.tail_reason("g:w", cut) == "après"
+        # Rotated (another file): all of the new one is the process's.
+        log.rename(log.with_name("w.log.1"))
+        log.write_text(f"{process.FATAL_MARKER}rotated\n")
+        assert daemon.tail_reason("g:w", cut) == "rotated"
     finally:
         daemon.shutdown()
         shutil.rmtree(base, ignore_errors=True)
@@ -1996,34 +2037,46 @@ def test_a_listing_begun_before_a_new_policy_is_read_again(
 def test_a_group_whose_stop_failed_is_stopped_again_then_removed(
     make_pool: Callable[..., Pool],
 ):
-    """A retired version whose stop fails (supervisord slow to answer): its group is
-    stopped again at the next look, and leaves supervisord once stopped. It was forgotten,
-    its workers running on untracked until the pool's shutdown; its removal, refused while
-    they ran, ended each later sync before the groups it added."""
+    """A retired version whose stop fails (supervisord slow to answer), then whose process
+    outlives its SIGKILL (uninterruptible sleep): its group is told to stop again at the
+    next looks, which do not wait for it, and leaves supervisord once none of it runs. It was
+    forgotten, its workers running on untracked until the pool's shutdown; its removal,
+    refused while they ran, ended each later sync before the groups it added."""
     pool, base = versioned_pool(make_pool, [1])
     (base / "2").mkdir()
     (base / "2" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     for name in ("cpu-0", "cpu-1"):
         pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
-    real_stop = pool.sd.stop_groups
     stops: list[list[str]] = []
 
     def slow_once(groups: list[str], timeout: float = 60.0) -> list[str]:
         stops.append(list(groups))
-        if len(stops) == 1:
-            raise TimeoutError("timed out")
-        return real_stop(groups, timeout)
+        raise TimeoutError("timed out")
 
     pool.sd.stop_groups = slow_once  # type: ignore[method-assign]
     pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
     pool.tick(after_s=0.2)
-    assert told(pool) == {2: "AVAILABLE"} or 1 not in pool.controller.model.groups
+    assert 1 not in pool.controller.model.groups
     assert stops == [["v1"]] and pool.controller._unstopped == {"v1"}
     assert ("removeProcessGroup", "v1") not in pool.sd.calls, "not while it may run"
-    pool.tick(after_s=0.2)  # stopped again, then removed
-    assert stops == [["v1"], ["v1"]] and pool.controller._unstopped == set()
+    # Told again without waiting; one of its processes does not end (STOPPING for as long
+    # as it sits in uninterruptible sleep): the looks go on, and it is not removed.
+    calls = len(pool.sd.rpc_calls("stopProcessGroup"))
+    pool.tick(after_s=0.2)
+    assert len(pool.sd.rpc_calls("stopProcessGroup")) == calls + 1
+    pool.sd.set("v1:cpu-0", sd.STOPPING, pid=101)
+    for _ in range(3):
+        pool.tick(after_s=0.2)
+    assert stops == [["v1"]], "no look waits for it"
+    assert len(pool.sd.rpc_calls("stopProcessGroup")) == calls + 1, "STOPPING: told already"
+    assert pool.controller._unstopped == {"v1"}
+    assert ("removeProcessGroup", "v1") not in pool.sd.calls
+    pool.sd.set("v1:cpu-0", sd.STOPPED)  # it ended at last
+    pool.tick(after_s=0.2)
+    assert pool.controller._unstopped == set()
     assert ("removeProcessGroup", "v1") in pool.sd.calls
+    assert not any(i["group"] == "v1" for i in pool.sd.programs.values())
 
 
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
@@ -2560,6 +2613,158 @@ def test_a_load_retrys_look_at_its_folder_does_not_hold_the_loop(
     assert model._retry_read.join(30)
     pool.tick(after_s=0.2)
     assert group.publisher is not None, "tried again once the folder was read"
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_retry_does_not_take_a_listing_read_for_an_earlier_retry(
+    slow: bool,
+    make_pool: Callable[..., Pool],
+    fake_publisher: Callable[[int], Path],
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Version 2's retry starts a read of the base path that is slow; version 2 goes
+    (its folder removed) before the read is taken. Version 3 arrives later, fails its first
+    try: its retry does not take the old, untaken listing (made before 3 existed, it ended
+    version 3 as no longer on disk; found by a review)."""
+    from mpspool.supervisor import model_versions
+
+    go = fake_publisher(0)
+    go.touch()
+    pool = make_pool(start_retries=3, load_retry_interval_s=2.0)
+    base = Path(pool.controller.config.model_base_path)
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    start_first_version(pool)
+    model = pool.controller.models["demo"]
+    if model.groups[1].publisher is not None:
+        model.groups[1].publisher.wait(timeout=30)
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    fake_publisher(1)  # every publisher from now on fails
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    group2 = model.groups[2]
+    if group2.publisher is not None:
+        group2.publisher.wait(timeout=30)
+    pool.tick()
+    assert group2.retry_at is not None
+
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    gate = threading.Event()
+    real = model_versions.versions_on_disk
+    gated: list[str] = []
+
+    def slow_retry_read(path: str) -> set[int]:
+        if slow and threading.current_thread().name.startswith("retry-") and not gated:
+            gated.append(path)
+            gate.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(model_versions, "versions_on_disk", slow_retry_read)
+    pool.tick(after_s=2.0)  # version 2's retry is due: its read begins, slow
+    assert not slow or (gated and model._retry_read.running())
+    shutil.rmtree(base / "2")
+    for _ in range(3):
+        pool.tick(after_s=1.0)  # the poll sees 2 gone: version 2 ends
+    assert 2 not in model.groups
+    gate.set()
+    assert model._retry_read.join(30)  # the listing ({1}) is left, untaken
+    (base / "3").mkdir()
+    (base / "3" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    group3 = model.groups[3]
+    if group3.publisher is not None:
+        group3.publisher.wait(timeout=30)
+    pool.tick()
+    assert group3.retry_at is not None, "its first try failed"
+    fake_publisher(0)
+    pool.tick(after_s=2.0)  # version 3's retry is due
+    assert 3 in model.groups, (
+        "version 3 is on disk: it must be tried again, not ended; retired: "
+        f"{model.retired}, on disk: {sorted(p.name for p in base.iterdir())}"
+    )
+
+
+def test_reload_reads_of_given_up_requests_do_not_pile_up_threads(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """Requests whose reads hang, each given up by its caller (a client deadline) and sent
+    again: one read at a time, the next request waiting for the hung one (a thread per
+    request grew with the retries, without bound; found by a review)."""
+    from mpspool.supervisor import disk_view
+
+    monkeypatch.setattr(background_read, "WAIT_S", 0.01)
+    pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
+    answer = threading.Event()
+    real = disk_view.versions_on_disk
+
+    def hung(path: str) -> set[int]:
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(disk_view, "versions_on_disk", hung)
+    try:
+        for request_id in range(10, 20):
+            pool.router.reload_requests.clear()  # the last one given up by its caller
+            pool.router.reload_requests[request_id] = reload_request(base, [1, 2], {})
+            pool.tick(after_s=1.0)
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("reload-")]
+        assert len(alive) <= 1, f"one hung read per request: {alive}"
+    finally:
+        answer.set()
+
+
+def test_a_reload_naming_a_base_path_with_a_nul_byte_does_not_end_the_controller(
+    make_pool: Callable[..., Pool],
+):
+    """A base path no file name can be (a NUL byte) is refused with INVALID_ARGUMENT: its
+    reads raised ValueError on the loop, and one request ended the pool (found by a
+    review)."""
+
+    pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
+    pool.router.reload_requests[7] = reload_request(Path(str(base) + "\0x"), [1], {})
+    pool.tick()
+    [(request_id, code, message)] = pool.router.reload_done
+    assert (request_id, code) == (7, 3) and "NUL byte" in message, message
+
+
+def test_a_reload_removing_a_model_on_dead_storage_does_not_read_that_storage(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """Model tower's storage stops answering; the operator removes tower with a
+    HandleReloadConfigRequest that lists demo only: tower's path is not read (a read of
+    every served model's path made the removal wait on the dead storage for ever, and every
+    later reload and config-file change with it; found by a review)."""
+    from mpspool.supervisor import disk_view
+
+    pool, base = versioned_pool(make_pool, [1])
+    tower = tmp_path / "tower"
+    (tower / "3").mkdir(parents=True)
+    (tower / "3" / "saved_model.pb").write_bytes(b"")
+    pool.router.reload_requests[1] = models_request(("demo", base, [1]), ("tower", tower, []))
+    pool.tick()
+    pool.router.register("tower/cpu-0@3", pool.sd.pid_of("tower/cpu-0@3"))
+    pool.tick()
+    assert pool.router.reload_done == [(1, 0, "")]
+
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    dead = threading.Event()
+    real = disk_view.versions_on_disk
+
+    def tower_hangs(path: str) -> set[int]:
+        if path.startswith(str(tower)):
+            dead.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(disk_view, "versions_on_disk", tower_hangs)
+    try:
+        pool.router.reload_requests[3] = models_request(("demo", base, [1]))
+        for _ in range(3):
+            pool.tick(after_s=1.0)
+        assert pool.router.reload_done[-1] == (3, 0, ""), "tower removed, answered"
+    finally:
+        dead.set()
 
 
 def test_a_reload_config_request_is_answered_once_it_is_in_effect(

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import requests
 import tensorflow as tf
 from google.protobuf import text_format
 from tensorflow.core.protobuf import error_codes_pb2
@@ -39,7 +40,7 @@ from mpspool.demo_model import build_demo_model, demo_inputs
 from mpspool.supervisor.versions import VersionPolicy
 
 from conftest import DEMO_ROWS
-from poolproc import Pool, mpspool_cmd
+from poolproc import Pool, mpspool_cmd, prometheus_samples
 
 ROWS = 2000
 
@@ -152,6 +153,8 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
     assert not np.allclose(want[1], want[2]), "the versions must answer differently"
 
     (tmp_path / "pool").mkdir()
+    monitoring = tmp_path / "monitoring.config"
+    monitoring.write_text('prometheus_config { enable: true, path: "/metrics" }')
     # No load retries: the broken version 3 below ends at its first failure (a retried load:
     # test_a_version_copied_in_before_its_variables_serves_on_a_load_retry).
     pool = Pool(
@@ -162,6 +165,8 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         "0.2",
         "--max_num_load_retries",
         "0",
+        "--monitoring_config_file",
+        str(monitoring),
     ).start()
     load = None
     try:
@@ -233,6 +238,14 @@ def test_new_versions_take_over_under_load_and_a_broken_one_never_serves(tmp_pat
         # A saved_model.pb that does not parse: its publish fails saying why, as its workers would.
         assert "unreadable saved model" in _versions(status)[3][1]
         assert _versions(status)[1] == ("AVAILABLE", "")
+        # TensorFlow's load metrics count it: one failed attempt (its publish, which read
+        # the SavedModel for every worker), and no success; version 1's loads succeeded.
+        page = requests.get(f"{pool.rest_url}/metrics", timeout=30).text
+        samples = prometheus_samples(page)
+        attempts = ":tensorflow:cc:saved_model:load_attempt_count"
+        assert samples[f'{attempts}{{model_path="{base / "3"}",status="fail"}}'] == 1, page
+        assert f'model_path="{base / "3"}",status="success"' not in page
+        assert samples[f'{attempts}{{model_path="{base / "1"}",status="success"}}'] >= 2, page
         seen = len(load.seen())
         time.sleep(1.0)
         assert set(load.seen()[seen:]) == {1}

@@ -539,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     load_started = time.monotonic()
+    # Until the SavedModel has loaded, a failure is a failed load attempt (TensorFlow's
+    # load_attempt_count{status="fail"}, counted by the controller from the exit code).
+    failed = process.EXIT_SAVED_MODEL_FAILED
     try:
         runtime = load_saved_model(
             config.version_path(version),
@@ -552,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         # TensorFlow's load_latency: the SavedModel's load, not the warm-up after it.
         load_us = round((time.monotonic() - load_started) * 1e6)
+        failed = process.EXIT_LOAD_FAILED
         runtime.warm_up(copies_allowed=config.allow_copied_weights)
         replayed = _replay_warmup(runtime, config, version) if config.model_warmup else None
         # A recorded request's check of its fast call, before the weights are looked at: a
@@ -565,14 +569,11 @@ def main(argv: list[str] | None = None) -> int:
             status_text(exc.code, f"cannot load model {config.model_name}: {exc}"),
         )
     except ModelLoadError as exc:
-        process.fail(
-            process.EXIT_LOAD_FAILED,
-            status_text(exc.code, f"cannot load model {config.model_name}: {exc}"),
-        )
+        process.fail(failed, status_text(exc.code, f"cannot load model {config.model_name}: {exc}"))
     except Exception as exc:  # a load or warm-up that fails: the model cannot serve either
         log.exception("loading or warming up the model failed")
         process.fail(
-            process.EXIT_LOAD_FAILED,
+            failed,
             status_text(
                 load_failure_code(exc),
                 f"model {config.model_name} failed to load or warm up: {type(exc).__name__}: {exc}",

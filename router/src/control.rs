@@ -23,7 +23,7 @@ use crate::config::ModelEntry;
 use crate::log_info;
 use crate::state::{DrainRequest, GpuSample, RouterState, SlotSample, SLOT_STATES};
 use crate::timeline::Timeline;
-use crate::versions::{ModelId, Models, VersionTable};
+use crate::versions::{ModelId, Models, Servable, VersionTable};
 use crate::wire;
 use crate::workers::{Departure, WorkerTable};
 
@@ -191,7 +191,7 @@ fn op<P>(
             vec![("ok", Value::from(true))]
         }
         "versions" => {
-            let Some(Value::Array(listed)) = field(request, "versions") else {
+            let Some(Value::Array(rows)) = field(request, "versions") else {
                 return error("versions needs a list of {version, state, error}".to_string());
             };
             let models = pool.versions.borrow().clone();
@@ -207,13 +207,20 @@ fn op<P>(
                 ));
             };
             let labels = field(request, "labels");
-            match VersionTable::from_control(current.id, &current.model, listed, labels) {
+            match VersionTable::from_control(current.id, &current.model, rows, labels) {
                 Ok(mut table) => {
                     table.starting =
                         matches!(field(request, "starting"), Some(Value::Boolean(true)));
                     let listed = table.versions.keys().copied().collect();
                     pool.state.warmup.keep_versions_of(current.id, &listed);
                     pool.state.loads.keep_versions_of(current.id, &listed);
+                    for (version, path, failures) in failed_loads(rows) {
+                        let servable = Servable {
+                            model: current.id,
+                            version,
+                        };
+                        pool.state.loads.record_failures(servable, path, failures);
+                    }
                     let mut models = Models::clone(&models);
                     models.replace(table);
                     pool.versions.send_replace(Arc::new(models));
@@ -284,6 +291,17 @@ fn map_field<'a>(value: &'a Value, name: &str) -> Option<&'a Value> {
         .iter()
         .find(|(k, _)| k.as_str() == Some(name))
         .map(|(_, v)| v)
+}
+
+/// The versions of a version table whose loads failed: (version, folder, failed attempts so
+/// far). A row without the three, or with a count of 0, has none to say.
+fn failed_loads(rows: &[Value]) -> impl Iterator<Item = (i64, &str, u64)> {
+    rows.iter().filter_map(|row| {
+        let version = map_field(row, "version")?.as_i64()?;
+        let failures = map_field(row, "failed_loads")?.as_u64()?;
+        let path = map_field(row, "path")?.as_str()?;
+        (failures > 0).then_some((version, path, failures))
+    })
 }
 
 fn model_entry(value: &Value) -> Option<ModelEntry> {

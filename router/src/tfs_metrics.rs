@@ -532,11 +532,12 @@ impl WarmupMetrics {
 /// TensorFlow's SavedModel load metrics (`tensorflow/cc/saved_model/loader.cc`), which TF
 /// Serving's page carries as every TensorFlow metric:
 /// `:tensorflow:cc:saved_model:load_attempt_count{model_path,status}` (loads of the version
-/// folder; "success" only: a worker whose load failed sends no READY, and its failure is in
-/// GetModelStatus and `mpspool status`) and `:tensorflow:cc:saved_model:load_latency
-/// {model_path}` (their µs, summed). Recorded once per worker process, as each loads the
-/// version (TF Serving's one process: once per load), from its READY; kept while the
-/// controller lists the version, as the warm-up metrics are.
+/// folder) and `:tensorflow:cc:saved_model:load_latency{model_path}` (the µs of those that
+/// succeeded, summed). A success is recorded once per worker process, as each loads the
+/// version (TF Serving's one process: once per load), from its READY; a failure (a worker
+/// whose SavedModel did not load, a publisher that could not read it) is counted by the
+/// controller, which sends its count with the version table. Kept while the controller lists
+/// the version, as the warm-up metrics are.
 #[derive(Default)]
 pub struct LoadMetrics {
     by_path: ByVersionFolder<Loaded>,
@@ -545,6 +546,7 @@ pub struct LoadMetrics {
 #[derive(Default)]
 struct Loaded {
     successes: u64,
+    failures: u64,
     micros: u64,
 }
 
@@ -558,20 +560,33 @@ impl LoadMetrics {
             });
     }
 
+    /// The controller counts `failures` load attempts of `servable` at `path` so far (a
+    /// counter: a smaller count, from a table sent before, changes nothing).
+    pub fn record_failures(&self, servable: Servable, path: &str, failures: u64) {
+        self.by_path
+            .update(servable, path, Loaded::default, |loaded| {
+                loaded.failures = loaded.failures.max(failures);
+            });
+    }
+
     /// `model`'s versions are now `listed`: the series of its other versions go.
     pub fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
         self.by_path.keep_versions_of(model, listed);
     }
 
     /// Their part of TF Serving's page (both families typed from the start, as TensorFlow
-    /// registers them).
+    /// registers them; a status's series once a load has had it).
     pub fn render(&self, out: &mut String) {
         let by_path = self.by_path.lock();
         let name = ":tensorflow:cc:saved_model:load_attempt_count";
         let _ = writeln!(out, "# TYPE {name} counter");
         for (path, (_, loaded)) in by_path.iter() {
-            let labels = format!("model_path=\"{}\",status=\"success\"", escape(path));
-            let _ = writeln!(out, "{name}{{{labels}}} {}", loaded.successes);
+            for (status, count) in [("success", loaded.successes), ("fail", loaded.failures)] {
+                if count > 0 {
+                    let labels = format!("model_path=\"{}\",status=\"{status}\"", escape(path));
+                    let _ = writeln!(out, "{name}{{{labels}}} {count}");
+                }
+            }
         }
         let name = ":tensorflow:cc:saved_model:load_latency";
         let _ = writeln!(out, "# TYPE {name} counter");
@@ -741,10 +756,28 @@ mod tests {
         assert!(page.contains(
             ":tensorflow:cc:saved_model:load_latency{model_path=\"/models/a/1\"} 3500000\n"
         ));
+        assert!(!page.contains("status=\"fail\""), "no failure: no series");
+        // Failed attempts, as the controller counts them: a version that never loaded has a
+        // fail series and no success series; a count sent again, or an older one, adds none.
+        let v2 = Servable {
+            model: 0,
+            version: 2,
+        };
+        loads.record_failures(v2, "/models/a/2", 2);
+        loads.record_failures(v2, "/models/a/2", 2);
+        loads.record_failures(v2, "/models/a/2", 1);
+        let mut page = String::new();
+        loads.render(&mut page);
+        assert!(page.contains(
+            ":tensorflow:cc:saved_model:load_attempt_count{model_path=\"/models/a/2\",\
+             status=\"fail\"} 2\n"
+        ));
+        assert!(!page.contains("model_path=\"/models/a/2\",status=\"success\""));
         loads.keep_versions_of(0, &BTreeSet::from([2]));
         let mut page = String::new();
         loads.render(&mut page);
         assert!(!page.contains("/models/a/1"));
+        assert!(page.contains("/models/a/2"));
     }
 
     #[test]
