@@ -608,6 +608,99 @@ def test_answers_a_client_does_not_take_count_and_its_connection_is_closed(
         pool.kill()
 
 
+def test_rest_connections_keep_their_answers_and_their_clocks_apart(tmp_path: Path) -> None:
+    """REST connections, as the clients that met each case: an error answered before its
+    body was read reaches Python's http.client whole (the connection was closed with the
+    body unread, the kernel reset it, and the client saw a broken pipe, not the 400); a
+    request whose head starts just before an idle connection's limit and ends after it is
+    answered (one clock served both, and it was dropped unanswered); an idle connection is
+    closed after 1.25 times the stall limit; a client that reads none of its answers has its
+    connection closed after the stall limit (it held them for ever); a body sent a byte per
+    chunk takes about its size in the front door, not 37 times it (found by a hunt)."""
+    import http.client
+
+    import psutil
+
+    stall_s = 3
+    args = ("--request-read-timeout", str(stall_s))
+    pool = Pool(tmp_path, build_big_answer_model(tmp_path / "big"), 1, *args)
+    sockets: list[socket.socket] = []
+    try:
+        pool.start().wait_ready(1)
+        [worker] = pool.worker_pids()
+        port = int(pool.rest_url.rsplit(":", 1)[1])
+
+        def connect() -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+            sockets.append(sock)
+            return sock
+
+        # An error before the body: its 1 MB is read and dropped until the client reads.
+        client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        client.request("POST", "/v1/models/demo:predictt", body=b" " * 1_000_000)
+        refused = client.getresponse()
+        assert refused.status == 400, refused.read()
+        assert b"Malformed request" in refused.read()
+        client.close()
+
+        # A head begun just before the idle limit would have lapsed under one clock.
+        asked = json.dumps({"instances": [3.0]}).encode()
+        head = (
+            f"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(asked)}\r\n"
+        ).encode()
+        sock = connect()
+        time.sleep(stall_s - 0.3)
+        sock.sendall(head)
+        time.sleep(0.6)  # past the stall limit since the connection went idle
+        sock.sendall(b"\r\n" + asked)
+        answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        # Idle, it is closed after 1.25 times the stall limit, not before.
+        began = time.monotonic()
+        assert _until_closed(sock, timeout=30) == b""
+        assert 1.25 * stall_s - 0.5 < time.monotonic() - began < 1.25 * stall_s + 3
+
+        # A client that reads none of its answers: closed once nothing moved for the limit.
+        front_door = psutil.Process(pool.status()["front_door"]["pid"])
+        unread = connect()
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        many = json.dumps({"instances": [2e6]}).encode()
+        request = (
+            f"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Length: {len(many)}\r\n\r\n"
+        ).encode() + many
+        unread.sendall(request * 4)
+        began = time.monotonic()
+        while any(c.status == psutil.CONN_ESTABLISHED and c.raddr and
+                  c.raddr[1] == unread.getsockname()[1]
+                  for c in front_door.net_connections("tcp")):  # fmt: skip
+            assert time.monotonic() - began < 60, "still open: its answer held for ever"
+            time.sleep(0.5)
+        assert time.monotonic() - began > stall_s - 1
+
+        # A body a byte per chunk: the front door holds about what the budget counts.
+        before = front_door.memory_info().rss
+        tiny = connect()
+        tiny.sendall(
+            b"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        piece = b"1\r\n \r\n" * 65536
+        for _ in range(32):  # 2 MiB of data in 1-byte chunks
+            tiny.sendall(piece)
+        _wait_for_memory(pool, 1.99, 2.01)
+        grew = (front_door.memory_info().rss - before) / 2**20
+        assert grew < 24, f"{grew:.0f} MiB for a 2 MiB body (it took 75 MiB)"
+
+        assert pool.worker_pids() == [worker], "no worker was replaced"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        for sock in sockets:
+            sock.close()
+        pool.kill()
+
+
 def _own_connection(pool: Pool) -> grpc.Channel:
     """A channel with a connection of its own (gRPC shares one between channels with the same
     target and options otherwise)."""

@@ -29,6 +29,7 @@ mod reload;
 mod request_body;
 mod request_budget;
 mod rest;
+mod rest_conn;
 mod server;
 mod signature;
 mod split;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::{Method as HttpMethod, Request, Response, StatusCode};
 use percent_encoding::percent_decode_str;
 use prost::Message;
@@ -69,6 +69,9 @@ impl From<Bytes> for ReadBody {
 /// the demo model is ~64 KiB, ~1 ms to parse) stay in place, where the hand-off to another
 /// thread and back would be a good part of the work.
 const BLOCKING_BODY_BYTES: usize = 256 * 1024;
+
+/// A body's buffer is first made this large, or as large as its declared length if less.
+const FIRST_BODY_BYTES: usize = 1 << 20;
 
 /// A body parsed in place whose document could cost at most this part of the budget reserves
 /// that without being read for it: 1/16 of the default 2 GiB (4 x 512 MiB messages) is every
@@ -668,10 +671,10 @@ impl Rest {
             .reading
             .body(request.into_body(), Framing::Whole)
             .waiting_for_room(room_by);
-        let error = match Limited::new(&mut body, limit).collect().await {
-            Ok(collected) => {
+        let error = match whole_body(&mut body, limit, declared).await {
+            Ok(Some(bytes)) => {
                 let read = ReadBody {
-                    bytes: collected.to_bytes(),
+                    bytes,
                     held: body.take_held(),
                 };
                 if !gzipped {
@@ -688,19 +691,16 @@ impl Rest {
                     Ok(Err(Gunzip::Refused(error))) | Err(error) => Err(error_response(&error)),
                 };
             }
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
-                return Err(too_large(None))
-            }
+            Ok(None) => return Err(too_large(None)),
             Err(error) => error,
         };
-        Err(match error.downcast::<ReadError>().map(|error| *error) {
-            Ok(ReadError::Refused(error)) => error_response(&error),
-            Ok(ReadError::Stalled(error)) => json_response(
+        Err(match error {
+            ReadError::Refused(error) => error_response(&error),
+            ReadError::Stalled(error) => json_response(
                 StatusCode::REQUEST_TIMEOUT,
                 json_tensor::error_body(&error.message),
             ),
-            Ok(ReadError::Body(error)) => read_failed(&error),
-            Err(error) => read_failed(&error),
+            ReadError::Body(error) => read_failed(&error),
         })
     }
 
@@ -1008,6 +1008,40 @@ fn write_shape(out: &mut String, shape: &TensorShapeProto) {
 }
 
 /// Serves one HTTP/1.1 connection (keep-alive) until it closes or the drain ends it.
+/// A body's data copied into one buffer as it arrives, each frame let go at once; None once
+/// it passes `limit` bytes. http-body-util's `collect` kept every frame until the end, each
+/// pinning the read buffer it was cut from: a body sent a byte per chunk (or per write) held
+/// about 37 times its size, where the budget counts its bytes (found by a hunt).
+async fn whole_body<B>(
+    body: &mut B,
+    limit: usize,
+    declared: Option<u64>,
+) -> Result<Option<Bytes>, B::Error>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+{
+    // Room for what the head declares, up to a first step: a length that is a lie takes no
+    // more than that before its bytes come (the budget counts what comes).
+    let first = declared.map_or(0, |n| n.min(FIRST_BODY_BYTES as u64) as usize);
+    let mut whole = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue; // trailers: nothing of the document
+        };
+        if data.len() > limit.saturating_sub(whole.len()) {
+            return Ok(None);
+        }
+        if whole.is_empty() && body.is_end_stream() {
+            return Ok(Some(data)); // the whole body in one frame (the usual case): not copied
+        }
+        if whole.capacity() == 0 {
+            whole.reserve(first.max(data.len()));
+        }
+        whole.extend_from_slice(&data);
+    }
+    Ok(Some(whole.freeze()))
+}
+
 pub async fn serve_connection(
     stream: tokio::net::TcpStream,
     rest: Arc<Rest>,
@@ -1018,16 +1052,22 @@ pub async fn serve_connection(
         crate::connection_limit::Admitted,
     ),
 ) {
+    use crate::rest_conn::{Clocks, WatchedStream};
     use crate::server::Ending;
-    let stall = rest.reading.stall;
+    // Its clocks (rest_conn.rs): idle between requests, a head's read from its first byte,
+    // an answer's write; a head that stalls ends its connection unanswered, as hyper's own
+    // header timeout did.
+    let clocks = Clocks::new(rest.reading.stall);
+    let watched = clocks.clone();
     let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
         let rest = rest.clone();
-        async move { Ok::<_, std::convert::Infallible>(rest.handle(request).await) }
+        let handling = watched.handling();
+        async move {
+            let _handling = handling;
+            Ok::<_, std::convert::Infallible>(rest.handle(request).await)
+        }
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
-    // A request whose header stalls is ended as one whose body does (request_body); so is a
-    // connection idle that long between requests (hyper starts the clock then too), as
-    // nginx's keepalive_timeout (75 s) ends them.
     // half_close: a client that shuts its sending side once its request is out (`nc -N`,
     // socat, scripts piping a request) still gets its answer, as libevent's server gives it
     // (TF Serving stops reading a connection whose request is complete); hyper's default
@@ -1036,12 +1076,17 @@ pub async fn serve_connection(
     // request runs on, held to --rest_api_timeout_in_ms if set).
     builder
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(stall)
+        .header_read_timeout(None) // the clocks' (its default would end heads after 30 s)
         .half_close(true);
-    let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    let io = hyper_util::rt::TokioIo::new(WatchedStream::new(stream, clocks.clone()));
+    let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
     let mut going_away = false;
     loop {
+        let look_again = match clocks.check(tokio::time::Instant::now()) {
+            Ok(next) => next,
+            Err(_) => return, // a clock ran out: the connection ends (its socket closed)
+        };
         tokio::select! {
             _ = &mut connection => return,
             changed = ending.changed() => {
@@ -1055,8 +1100,15 @@ pub async fn serve_connection(
                     Ending::Now => return,
                 }
             }
+            _ = tokio::time::sleep_until(look_again.unwrap_or_else(far_future)),
+                if look_again.is_some() => {}
         }
     }
+}
+
+/// A time no clock reaches (for a branch that is off).
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
 }
 
 #[cfg(test)]
