@@ -355,6 +355,16 @@ def test_cors_headers_with_tf_servings_flag_and_preflights_either_way(
         assert error.status_code == 400 and _cors(error.headers) == headers
     # Outside the REST API (TF Serving's metrics page, unknown paths) nothing changes.
     assert _cors(requests.get(f"{text.rest_url}/nothing", timeout=30).headers) == {}
+    # Methods TF Serving's HTTP server (libevent) does not take: 501 on any path, the
+    # metrics page's too (a 200 to CONNECT had the connection taken for a tunnel, closed).
+    port = int(demo.rest_url.rsplit(":", 1)[1])
+    for method in ("TRACE", "CONNECT"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(f"{method} /monitoring/metrics HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            said = sock.recv(4096)
+            assert said.startswith(b"HTTP/1.1 501"), (method, said)
+            sock.sendall(b"GET /v1/models/demo HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "the connection serves on"
 
 
 def test_the_cors_flag_reads_as_tf_servings_booleans() -> None:

@@ -536,7 +536,15 @@ impl Rest {
     pub async fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
         let method = request.method().clone();
         let path = request.uri().path().to_string();
-        // Any method, as TF Serving's HTTP server matches the page by its path alone (a HEAD
+        if method == HttpMethod::CONNECT || method == HttpMethod::TRACE {
+            // Methods libevent (TF Serving's HTTP server) does not take: 501 before any
+            // route. (A 200 to CONNECT, from the metrics page, had hyper take the connection
+            // for a tunnel and close it.)
+            let mut response = Response::new(Full::new(Bytes::new()));
+            *response.status_mut() = StatusCode::NOT_IMPLEMENTED;
+            return response;
+        }
+        // Any other method, as TF Serving's HTTP server matches the page by its path alone (a HEAD
         // gets the headers only: hyper leaves a HEAD answer's body out).
         if self.prometheus_path.as_deref() == Some(path.as_str()) {
             let mut response =
