@@ -210,6 +210,11 @@ class Controller:
         self._reloads_waiting: list[tuple[int, bytes]] = []
         # Program → where its output log ended when its last process was started.
         self._log_from: dict[str, sd.LogEnd] = {}
+        # Version folder → its failed load attempts (a worker whose SavedModel did not load,
+        # a publisher that could not read it): TensorFlow's load_attempt_count{status="fail"},
+        # counted per folder for the pool's life as TensorFlow counts per export dir (a model
+        # removed and added back, or two models on one folder, count on).
+        self._failed_loads: dict[str, int] = {}
         # Program groups whose stop failed, stopped again at each look (`stop_groups`).
         self._unstopped: set[str] = set()
         # The first waiting request's reads of the disk (its DiskView), on a thread of their
@@ -662,6 +667,12 @@ class Controller:
             ended = f"{ended}: a model call ran past --call-timeout"
         self._start(slot, f"{who} {ended}; restarting")
 
+    def note_failed_load(self, path: str) -> None:
+        self._failed_loads[path] = self._failed_loads.get(path, 0) + 1
+
+    def failed_loads_at(self, path: str) -> int:
+        return self._failed_loads.get(path, 0)
+
     def _model_of(self, slot: Slot) -> ModelVersions:
         """The model whose version ``slot`` serves."""
         return next(m for m in self.models.values() if slot.key in m.slots)
@@ -968,7 +979,7 @@ class Controller:
         for entry in entries:
             self.models[entry.name].labels_asked = dict(entry.labels)
         for name, model in self.models.items():
-            model.note_reload_asked(failing.get(name, set()), first=not self._reloads)
+            model.note_reload_asked(failing.get(name, set()), first=not self._reloads, now=now)
         self._reloads.append(request_id)
         return True
 
@@ -1048,6 +1059,8 @@ class Controller:
     def _answer_reloads(self) -> None:
         if not self._reloads:
             return
+        if not all(m.listed_since_asked() for m in self.models.values()):
+            return  # a base path read since the request came is still to be taken
         outcomes = [
             config_reload.outcome(
                 model.name,

@@ -71,6 +71,10 @@ class Pool(Protocol):
 
     def stop_asked(self) -> bool: ...
 
+    def note_failed_load(self, path: str) -> None: ...
+
+    def failed_loads_at(self, path: str) -> int: ...
+
 
 class ModelVersions:
     def __init__(self, pool: Pool, name: str, required: bool = True) -> None:
@@ -105,10 +109,6 @@ class ModelVersions:
         # still listed END, as TF Serving's state monitor keeps every version it ended.
         self.retired: dict[int, str] = {}
         self.on_disk: set[int] = set()  # the versions under the base path, as last read
-        # Version → its failed load attempts: a worker whose SavedModel did not load, or a
-        # publisher that could not read it (TensorFlow's load_attempt_count{status="fail"},
-        # on the front door's metrics page). Kept for the pool's life, as TensorFlow's.
-        self.failed_loads: dict[int, int] = {}
         self.next_poll = 0.0
         self._poll_error = ""  # the last failure to read the base path, said once
         # Each read of the base path, on a thread of its own: one on storage that stopped
@@ -121,7 +121,10 @@ class ModelVersions:
         self._retry_read: BackgroundRead[set[int]] = BackgroundRead(
             lambda: versions_on_disk(self.config.model_base_path), f"retry-{name}"
         )
-        self._policy_set_at = 0.0  # time.monotonic() of the last set_policy
+        # Listings begun before this (time.monotonic()) are read again: a new policy's, a
+        # reload's (`read_again`). When the last listing taken began.
+        self._read_from = 0.0
+        self._listed_at = 0.0
         self._labels_held: set[tuple[str, int]] = set()  # labels waiting for their version
         # The labels a HandleReloadConfigRequest waiting to take effect asks for (None: none
         # waits). Written by the controller; given as the config's labels once it succeeds.
@@ -314,8 +317,17 @@ class ModelVersions:
     def set_policy(self, policy: VersionPolicy, now: float) -> None:
         """A new version policy, in force from now: the base path is read again at once."""
         self.policy = policy
+        self.read_again(now)
+
+    def read_again(self, now: float) -> None:
+        """The base path read again at once; a listing begun before now is not taken."""
         self.next_poll = now
-        self._policy_set_at = time.monotonic()  # listings begun before it are read again
+        self._read_from = time.monotonic()
+
+    def listed_since_asked(self) -> bool:
+        """Whether the base path was read since `read_again` asked (a removed model is not
+        read: nothing to wait for)."""
+        return self.removed or self._listed_at >= self._read_from
 
     # -- reconciling ---------------------------------------------------------------
     def reconcile(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:
@@ -383,7 +395,7 @@ class ModelVersions:
             wait = self.config.file_system_poll_wait_s
             self.next_poll = now + wait if wait > 0 else math.inf  # 0: once, at start
         read = self._disk_read.look()
-        if read is not None and read.started < self._policy_set_at:
+        if read is not None and read.started < self._read_from:
             # A listing begun before the policy changed is not the policy's answer (a
             # reload would be told no version fits): read again, now.
             read = self._disk_read.look()
@@ -391,6 +403,7 @@ class ModelVersions:
             if self._disk_read.hung():
                 self._say_poll_error("reading it has not returned (storage not answering?)")
             return
+        self._listed_at = read.started
         if isinstance(read.error, OSError):
             self._say_poll_error(str(read.error))
             return
@@ -740,8 +753,9 @@ class ModelVersions:
                 log.warning("cannot remove the log of retired version %d: %s", version, exc)
 
     def note_failed_load(self, version: int) -> None:
-        """A load attempt of ``version`` failed to read its SavedModel."""
-        self.failed_loads[version] = self.failed_loads.get(version, 0) + 1
+        """A load attempt of ``version`` failed to read its SavedModel (counted by its
+        folder, by the pool: TensorFlow's load_attempt_count{status="fail"})."""
+        self.pool.note_failed_load(self.config.version_path(version))
 
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on
@@ -755,9 +769,10 @@ class ModelVersions:
         for group in self.groups.values():
             rows[group.version] = group.describe()
         for version, row in rows.items():
-            if self.failed_loads.get(version):
-                row["failed_loads"] = self.failed_loads[version]
-                row["path"] = self.config.version_path(version)
+            path = self.config.version_path(version)
+            failed = self.pool.failed_loads_at(path)
+            if failed:
+                row["failed_loads"], row["path"] = failed, path
         return [rows[v] for v in sorted(rows)]
 
     def status_table(self) -> list[dict[str, Any]]:
@@ -780,11 +795,15 @@ class ModelVersions:
         """The versions that failed (END) or wait to be tried again."""
         return set(self.failed) | {v for v, g in self.groups.items() if g.retry_at is not None}
 
-    def note_reload_asked(self, failing: set[int], first: bool) -> None:
+    def note_reload_asked(self, failing: set[int], first: bool, now: float) -> None:
         """A HandleReloadConfigRequest was taken (``first``: none was waiting) when
         ``failing`` (`failing_versions`, read before the request changed anything) had
-        failed: those had failed before every waiting request was asked, if before all."""
+        failed: those had failed before every waiting request was asked, if before all.
+        The base path is read again before it is answered: a version copied in since the
+        last poll was refused a label, or waited for, as the poll's timing fell (found by a
+        hunt)."""
         self._failed_when_asked = failing if first else self._failed_when_asked & failing
+        self.read_again(now)
 
     def failed_before_reload(self) -> set[int]:
         """The versions that had failed before the waiting reloads were asked and do not

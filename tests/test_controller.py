@@ -2513,6 +2513,27 @@ def reload_request(base: Path, versions: list[int], labels: dict[str, int], name
     return config.SerializeToString()
 
 
+def test_a_label_on_a_version_just_copied_in_is_waited_for_whatever_the_polls_timing(
+    make_pool: Callable[..., Pool],
+):
+    """A version copied in just before a reload that labels it, the policy unchanged: the
+    base path is read again before the reload is answered, so the label is waited for (the
+    version loads), as when the reload also changes the policy. It was refused with
+    FAILED_PRECONDITION when the last poll came before the copy (found by a hunt)."""
+    pool, base = versioned_pool(make_pool, [1], version_policy="specific:1,3")
+    (base / "3").mkdir()
+    (base / "3" / "saved_model.pb").write_bytes(b"")
+    pool.router.reload_requests[7] = reload_request(base, [1, 3], {"canary": 3})
+    pool.tick()  # taken before any poll saw version 3
+    assert pool.router.reload_done == [], "not refused: version 3 is on disk"
+    assert told(pool).get(3) == "LOADING"
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@3", pool.sd.pid_of(f"{name}@3"))
+    pool.tick()
+    assert pool.router.reload_done == [(7, 0, "")]
+    assert pool.router.labels[-1] == {"canary": 3}
+
+
 def test_a_reload_whose_base_path_read_hangs_holds_nothing_else(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ):

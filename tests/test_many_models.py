@@ -11,6 +11,7 @@ TensorFlow call of the version it names; the official client, `curl` for REST.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -289,4 +290,58 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
     finally:
         stop.set()
         assert pool.stop() == 0
+    assert pool.leftovers() == []
+
+
+def test_a_reload_waiting_when_the_pool_stops_is_answered_at_once(tmp_path: Path) -> None:
+    """A HandleReloadConfigRequest in effect (a model it adds still loading) when the pool is
+    told to stop: answered UNAVAILABLE at once, and the stop does not wait for it. The
+    controller takes no request once it stops, and the call held the front door's drain for
+    its whole grace (10 s), then was cut by the GOAWAY (found by a hunt); a request sent
+    during the drain is answered so at once too. A model added while the pool serves is
+    NOT_FOUND until its first version loads, never UNAVAILABLE (it was, for a moment)."""
+    from tensorflow_serving.apis import model_management_pb2
+    from tensorflow_serving.config import model_server_config_pb2
+
+    wdl, ranker = tmp_path / "wdl", tmp_path / "ranker"
+    build_demo_model(wdl, embedding_rows=ROWS, version=1, seed=1)
+    build_demo_model(ranker, embedding_rows=ROWS, version=1, seed=2)
+    wdl_inputs = demo_inputs(3, ROWS, seed=7)
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", wdl, 1, "--shutdown-delay", "2").start()
+    try:
+        pool.wait_ready(1)
+        two = model_server_config_pb2.ModelServerConfig()
+        two.model_config_list.config.add(name="demo", base_path=str(wdl))
+        two.model_config_list.config.add(name="ranker", base_path=str(ranker))
+        request = model_management_pb2.ReloadConfigRequest()
+        request.config.CopyFrom(two)
+        with pool.channel() as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            waiting = stub.HandleReloadConfigRequest.future(request, timeout=120)
+            pool.wait_for(
+                lambda s: "ranker" in _states(s),
+                timeout=60,
+                what="ranker added, loading",
+            )
+            with pytest.raises(grpc.RpcError) as loading:
+                _predict(channel, "ranker", wdl_inputs)
+            assert loading.value.code() == grpc.StatusCode.NOT_FOUND, loading.value.details()
+            assert not waiting.done(), "in effect until ranker serves"
+            began = time.monotonic()
+            pool.signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as stopping:
+                waiting.result(timeout=30)
+            took = time.monotonic() - began
+            assert stopping.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the pool is stopping" in stopping.value.details()
+            assert took < 5, f"answered after {took:.1f} s"
+            # During the drain's delay: a new request is answered at once as well.
+            with pytest.raises(grpc.RpcError) as later:
+                stub.HandleReloadConfigRequest(request, timeout=30)
+            assert later.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert pool.proc is not None and pool.proc.wait(timeout=30) == 0
+        assert time.monotonic() - began < 9, "the stop did not wait the drain's grace"
+    finally:
+        pool.kill()
     assert pool.leftovers() == []

@@ -47,6 +47,11 @@ class ModelLoadError(Exception):
         self.code = code
 
 
+class WeightsUnavailable(ModelLoadError):
+    """The shared weights could not be had (their publish failed, the segment went): not a
+    failure of the SavedModel, which the publisher's own failure counts once."""
+
+
 class ModelRefused(ModelLoadError):
     """A model the pool's own settings refuse (weights it cannot share): no load retry can
     change that, only other flags (--no-share-weights) can."""
@@ -277,7 +282,7 @@ def _attach_weights(
             )
         bound = attach(tf, loaded, segment, checkpoint)
     except SegmentError as exc:  # another try may get past it
-        raise ModelLoadError(f"cannot share the weights of {where}: {exc}") from exc
+        raise WeightsUnavailable(f"cannot share the weights of {where}: {exc}") from exc
     except CheckpointUnreadable as exc:  # as TensorFlow's restore of that value would fail
         raise ModelLoadError(
             f"cannot share the weights of {where}: {exc}", code_of(exc.code)

@@ -534,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpspool.worker.runtime import (
         ModelLoadError,
         ModelRefused,
+        WeightsUnavailable,
         load_failure_code,
         load_saved_model,
     )
@@ -569,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             status_text(exc.code, f"cannot load model {config.model_name}: {exc}"),
         )
     except ModelLoadError as exc:
+        if isinstance(exc, WeightsUnavailable):  # the publisher's failure, counted there
+            failed = process.EXIT_LOAD_FAILED
         process.fail(failed, status_text(exc.code, f"cannot load model {config.model_name}: {exc}"))
     except Exception as exc:  # a load or warm-up that fails: the model cannot serve either
         log.exception("loading or warming up the model failed")

@@ -241,6 +241,10 @@ fn op<P>(
                 Ok(changed) => {
                     if !changed.is_empty() {
                         log_info!("models: {}", changed.join(", "));
+                        // A removed model's series go: they stayed on the page for good.
+                        let served = models.iter().map(|t| t.id).collect();
+                        pool.state.warmup.keep_models(&served);
+                        pool.state.loads.keep_models(&served);
                         pool.versions.send_replace(Arc::new(models));
                     }
                     vec![("ok", Value::from(true))]

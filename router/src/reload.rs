@@ -27,6 +27,8 @@ pub struct Reloads {
 struct Inner {
     next_id: u64,
     waiting: BTreeMap<u64, Waiting>,
+    /// The front door drains: every call is answered this at once (`close`).
+    closed: Option<Outcome>,
 }
 
 impl Default for Reloads {
@@ -48,6 +50,7 @@ impl Reloads {
             inner: Mutex::new(Inner {
                 next_id: first,
                 waiting: BTreeMap::new(),
+                closed: None,
             }),
         }
     }
@@ -57,6 +60,10 @@ impl Reloads {
     pub fn submit(&self, config: Vec<u8>) -> oneshot::Receiver<Outcome> {
         let (answer, receiver) = oneshot::channel();
         if let Ok(mut inner) = self.inner.lock() {
+            if let Some(outcome) = &inner.closed {
+                let _ = answer.send(outcome.clone());
+                return receiver;
+            }
             // Calls whose client went away (deadline, cancel) leave with the next submit.
             inner.waiting.retain(|_, w| !w.answer.is_closed());
             inner.next_id += 1;
@@ -81,6 +88,23 @@ impl Reloads {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// The front door drains (the pool stops): the calls waiting, and every call from now
+    /// on, are answered `outcome` at once. The controller takes no call once it stops, and
+    /// one left waiting held the drain for its whole grace (10 s by default, a minute or
+    /// more where a pod's grace period is long), then was cut by the GOAWAY (found by a hunt).
+    pub fn close(&self, outcome: Outcome) {
+        let waiting = match self.inner.lock() {
+            Ok(mut inner) => {
+                inner.closed = Some(outcome.clone());
+                std::mem::take(&mut inner.waiting)
+            }
+            Err(_) => return,
+        };
+        for (_, call) in waiting {
+            let _ = call.answer.send(outcome.clone());
+        }
     }
 
     /// The controller's answer to call `id`; false when no such call waits (answered
@@ -129,6 +153,18 @@ mod tests {
         let _later = reloads.submit(b"later".to_vec());
         assert!(!reloads.answer(2, (0, String::new())));
         drop(kept);
+    }
+
+    #[test]
+    fn a_draining_front_door_answers_every_call_at_once() {
+        let reloads = Reloads::starting_at(0);
+        let mut waiting = reloads.submit(b"one".to_vec());
+        reloads.close((14, "stopping".to_string()));
+        assert_eq!(waiting.try_recv().ok(), Some((14, "stopping".to_string())));
+        assert!(reloads.listed().is_empty(), "the controller is given none");
+        let mut later = reloads.submit(b"two".to_vec());
+        assert_eq!(later.try_recv().ok(), Some((14, "stopping".to_string())));
+        assert!(reloads.listed().is_empty());
     }
 
     #[test]

@@ -31,6 +31,7 @@ use crate::proto::mpspool::tfs::{
 use crate::proto::tensorflow::serving::{ClassificationRequest, Input, RegressionRequest};
 use crate::request_body::{Framing, ReadError, Reading};
 use crate::request_budget::{self, Held, RequestBudget};
+use crate::rest_conn::WatchedBody;
 use crate::status::{Code, ServingError};
 
 /// What the REST handlers share.
@@ -533,7 +534,7 @@ impl Rest {
     }
 
     /// One HTTP request: never fails (errors are JSON answers).
-    pub async fn handle(&self, request: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    pub async fn handle(&self, request: Request<WatchedBody>) -> Response<Full<Bytes>> {
         let method = request.method().clone();
         let path = request.uri().path().to_string();
         if method == HttpMethod::CONNECT || method == HttpMethod::TRACE {
@@ -573,7 +574,7 @@ impl Rest {
 
     async fn answer(
         &self,
-        request: Request<hyper::body::Incoming>,
+        request: Request<WatchedBody>,
         method: HttpMethod,
         path: String,
         // Under /v1/ (TF Serving's REST dispatcher), worked out once by `handle`.
@@ -651,7 +652,7 @@ impl Rest {
     /// arriving.
     async fn read_body(
         &self,
-        request: Request<hyper::body::Incoming>,
+        request: Request<WatchedBody>,
         room_by: Option<Instant>,
     ) -> Result<ReadBody, Response<Full<Bytes>>> {
         let limit = self.max_body_bytes;
@@ -1028,10 +1029,11 @@ async fn whole_body<B>(
 where
     B: hyper::body::Body<Data = Bytes> + Unpin,
 {
-    // Room for what the head declares, up to a first step: a length that is a lie takes no
-    // more than that before its bytes come (the budget counts what comes).
-    let first = declared.map_or(0, |n| n.min(FIRST_BODY_BYTES as u64) as usize);
-    let mut whole = bytes::BytesMut::new();
+    // Grown by doubling from a first step (a length that is a lie takes no more than that
+    // before its bytes come: the budget counts what comes), never past the declared length:
+    // a body of 257 MiB took a 512 MiB buffer.
+    let declared = declared.and_then(|n| usize::try_from(n).ok());
+    let mut whole: Vec<u8> = Vec::new();
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame?.into_data() else {
             continue; // trailers: nothing of the document
@@ -1042,12 +1044,24 @@ where
         if whole.is_empty() && body.is_end_stream() {
             return Ok(Some(data)); // the whole body in one frame (the usual case): not copied
         }
-        if whole.capacity() == 0 {
-            whole.reserve(first.max(data.len()));
+        let needed = whole.len() + data.len();
+        if needed > whole.capacity() {
+            whole.reserve_exact(body_capacity(whole.capacity(), needed, declared) - whole.len());
         }
         whole.extend_from_slice(&data);
     }
-    Ok(Some(whole.freeze()))
+    Ok(Some(Bytes::from(whole)))
+}
+
+/// The capacity a body's buffer grows to when `needed` bytes pass its `capacity`: double,
+/// at least a first step (or the declared length, if less), never past the declared length.
+fn body_capacity(capacity: usize, needed: usize, declared: Option<usize>) -> usize {
+    let mut target = needed.max(capacity.saturating_mul(2));
+    target = target.max(declared.unwrap_or(0).min(FIRST_BODY_BYTES));
+    match declared {
+        Some(declared) if needed <= declared => target.min(declared),
+        _ => target,
+    }
 }
 
 pub async fn serve_connection(
@@ -1060,8 +1074,9 @@ pub async fn serve_connection(
         crate::connection_limit::Admitted,
     ),
 ) {
-    use crate::rest_conn::{Clocks, WatchedStream};
+    use crate::rest_conn::{Clocks, WatchedBody, WatchedStream};
     use crate::server::Ending;
+    use hyper::body::Body as _;
     // Its clocks (rest_conn.rs): idle between requests, a head's read from its first byte,
     // an answer's write; a head that stalls ends its connection unanswered, as hyper's own
     // header timeout did.
@@ -1069,7 +1084,9 @@ pub async fn serve_connection(
     let watched = clocks.clone();
     let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
         let rest = rest.clone();
-        let handling = watched.handling();
+        let (head, body) = request.into_parts();
+        let handling = watched.handling(body.is_end_stream(), body.size_hint().exact());
+        let request = Request::from_parts(head, WatchedBody::new(body, watched.clone()));
         async move {
             let _handling = handling;
             Ok::<_, std::convert::Infallible>(rest.handle(request).await)
@@ -1120,8 +1137,120 @@ fn far_future() -> tokio::time::Instant {
 }
 
 #[cfg(test)]
+mod whole_body_tests {
+    use super::*;
+    use hyper::body::Frame;
+    use std::collections::VecDeque;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// Frames handed out in order; is_end_stream true once they are all out.
+    struct Frames(VecDeque<Frame<Bytes>>);
+
+    impl hyper::body::Body for Frames {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.get_mut().0.pop_front().map(Ok))
+        }
+        fn is_end_stream(&self) -> bool {
+            self.0.is_empty()
+        }
+    }
+
+    fn frames(parts: &[&[u8]], trailers: bool) -> Frames {
+        let mut out: VecDeque<_> = parts
+            .iter()
+            .map(|p| Frame::data(Bytes::copy_from_slice(p)))
+            .collect();
+        if trailers {
+            out.push_back(Frame::trailers(hyper::HeaderMap::new()));
+        }
+        Frames(out)
+    }
+
+    fn run<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn a_body_is_limited_as_http_body_utils_limited_limited_it() {
+        run(async {
+            // Exactly the limit, in one frame and in several: taken.
+            let got = whole_body(&mut frames(&[b"abcd"], false), 4, Some(4))
+                .await
+                .unwrap();
+            assert_eq!(got.as_deref(), Some(&b"abcd"[..]));
+            let got = whole_body(&mut frames(&[b"ab", b"", b"cd"], true), 4, None)
+                .await
+                .unwrap();
+            assert_eq!(got.as_deref(), Some(&b"abcd"[..]));
+            // One byte over: None, whichever frame passes it.
+            assert!(whole_body(&mut frames(&[b"abcde"], false), 4, None)
+                .await
+                .unwrap()
+                .is_none());
+            assert!(whole_body(&mut frames(&[b"ab", b"cde"], false), 4, None)
+                .await
+                .unwrap()
+                .is_none());
+            // Empty bodies, trailers only, a limit of 0.
+            assert_eq!(
+                whole_body(&mut frames(&[], false), 4, None)
+                    .await
+                    .unwrap()
+                    .as_deref(),
+                Some(&b""[..])
+            );
+            assert_eq!(
+                whole_body(&mut frames(&[], true), 0, None)
+                    .await
+                    .unwrap()
+                    .as_deref(),
+                Some(&b""[..])
+            );
+            assert_eq!(
+                whole_body(&mut frames(&[b""], false), 0, Some(0))
+                    .await
+                    .unwrap()
+                    .as_deref(),
+                Some(&b""[..])
+            );
+            // Data after an empty first frame with the end at once.
+            let got = whole_body(&mut frames(&[b"", b"xy"], false), 4, Some(2))
+                .await
+                .unwrap();
+            assert_eq!(got.as_deref(), Some(&b"xy"[..]));
+        });
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_buffer_grows_by_doubling_and_never_past_its_declared_length() {
+        let mib = 1 << 20;
+        // A declared 3 MiB + 1: 1 MiB first, then 2, then exactly the declared length (it
+        // took 4 MiB, and a 257 MiB body 512).
+        let declared = Some(3 * mib + 1);
+        assert_eq!(body_capacity(0, 64 << 10, declared), mib);
+        assert_eq!(body_capacity(mib, mib + 1, declared), 2 * mib);
+        assert_eq!(body_capacity(2 * mib, 2 * mib + 1, declared), 3 * mib + 1);
+        // A small declared length is taken at once; no length: doubling from what came.
+        assert_eq!(body_capacity(0, 10, Some(5000)), 5000);
+        assert_eq!(body_capacity(0, 10, None), 10);
+        assert_eq!(body_capacity(10, 11, None), 20);
+        // More than declared (a chunked body has none; a lie is refused by hyper): doubling.
+        assert_eq!(body_capacity(100, 101, Some(100)), 200);
+    }
 
     fn gzip(members: &[&[u8]]) -> Bytes {
         use std::io::Write as _;

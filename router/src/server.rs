@@ -35,6 +35,7 @@ use crate::log::Throttle;
 use crate::preface::{self, Rewound};
 use crate::proto::tensorflow::serving::model_service_server::ModelServiceServer;
 use crate::proto::tensorflow::serving::prediction_service_server::PredictionServiceServer;
+use crate::status::Code;
 use crate::uds_authority::AuthorityFix;
 
 /// The names grpc.health.v1 answers for: the server as a whole, and TF Serving's services by
@@ -243,6 +244,14 @@ impl Server {
             drain.grace
         );
         set_phase(&state, Phase::Draining);
+        // The controller takes no HandleReloadConfigRequest now: answered at once, not held
+        // (a call left waiting held the drain for its whole grace).
+        state.reloads.close((
+            Code::Unavailable as i32,
+            "the pool is stopping: its configuration changes no more (ask the pool that \
+             replaces it)"
+                .to_string(),
+        ));
         // A second stop request (a second Ctrl-C through the controller's drain of 0 and 0,
         // or a signal here) shortens what is left: the delay, then the grace.
         let mut grace = drain.grace;

@@ -512,6 +512,12 @@ impl WarmupMetrics {
         self.by_path.keep_versions_of(model, listed);
     }
 
+    /// The pool serves only `served` now: a removed model's series go (a model added back
+    /// is told its counts again with its version table).
+    pub fn keep_models(&self, served: &BTreeSet<ModelId>) {
+        self.by_path.keep_models(served);
+    }
+
     /// Their part of TF Serving's page.
     pub fn render(&self, out: &mut String) {
         let by_path = self.by_path.lock();
@@ -574,6 +580,12 @@ impl LoadMetrics {
         self.by_path.keep_versions_of(model, listed);
     }
 
+    /// The pool serves only `served` now: a removed model's series go (a model added back
+    /// is told its counts again with its version table).
+    pub fn keep_models(&self, served: &BTreeSet<ModelId>) {
+        self.by_path.keep_models(served);
+    }
+
     /// Their part of TF Serving's page (both families typed from the start, as TensorFlow
     /// registers them; a status's series once a load has had it).
     pub fn render(&self, out: &mut String) {
@@ -632,6 +644,10 @@ impl<T> ByVersionFolder<T> {
     fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
         self.lock()
             .retain(|_, (s, _)| s.model != model || listed.contains(&s.version));
+    }
+
+    fn keep_models(&self, served: &BTreeSet<ModelId>) {
+        self.lock().retain(|_, (s, _)| served.contains(&s.model));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, (Servable, T)>> {

@@ -136,6 +136,17 @@ impl VersionTable {
         }
     }
 
+    /// The table of a model added while the pool serves, until the controller's own comes:
+    /// its first version LOADING, so that its requests get NOT_FOUND as in TF Serving (as
+    /// AVAILABLE they reached no worker and got UNAVAILABLE "still loading"; found by a hunt).
+    pub fn added(id: ModelId, model: &str, version: i64) -> VersionTable {
+        let mut table = VersionTable::configured(id, model, version);
+        for entry in table.versions.values_mut() {
+            entry.state = VersionState::Loading;
+        }
+        table
+    }
+
     /// The newest AVAILABLE version.
     pub fn latest(&self) -> Option<i64> {
         self.versions
@@ -513,7 +524,7 @@ impl Models {
                 Some(at) => {
                     let id = self.tables[at].id;
                     if self.removed.remove(&id) {
-                        self.tables[at] = VersionTable::configured(id, &entry.name, entry.version);
+                        self.tables[at] = VersionTable::added(id, &entry.name, entry.version);
                         changed.push(format!("{} served again", entry.name));
                     }
                 }
@@ -521,7 +532,7 @@ impl Models {
                     let Ok(id) = ModelId::try_from(self.tables.len()) else {
                         return Err(format!("a pool serves at most {} models", ModelId::MAX));
                     };
-                    let table = VersionTable::configured(id, &entry.name, entry.version);
+                    let table = VersionTable::added(id, &entry.name, entry.version);
                     self.tables.push(table);
                     changed.push(format!("{} added", entry.name));
                 }
@@ -902,6 +913,10 @@ mod tests {
             "the same list again: no change"
         );
         let ranker = Some(&spec("ranker", None));
+        assert!(
+            models.replace(VersionTable::configured(1, "ranker", 1)),
+            "its table came"
+        );
         assert_eq!(
             models.resolve(ranker).map(|t| (t.model, t.version)),
             Ok((1, 1))
@@ -956,6 +971,20 @@ mod tests {
                 "tower added".to_string()
             ])
         );
+        // LOADING until the controller's table comes: NOT_FOUND, as TF Serving answers a
+        // model added while it serves (AVAILABLE, its requests found no worker).
+        let loading = model_version_status::State::Loading as i32;
+        assert_eq!(
+            states(&models, &spec("ranker", None)),
+            Ok(vec![(2, loading)])
+        );
+        let tower = Some(&spec("tower", None));
+        for added in [ranker, tower] {
+            let refused = models.resolve(added).map(|t| (t.model, t.version));
+            assert_eq!(refused.map_err(|e| e.code), Err(Code::NotFound));
+        }
+        assert!(models.replace(VersionTable::configured(1, "ranker", 2)));
+        assert!(models.replace(VersionTable::configured(2, "tower", 5)));
         assert_eq!(
             models.resolve(ranker).map(|t| (t.model, t.version)),
             Ok((1, 2))
@@ -965,7 +994,6 @@ mod tests {
             states(&models, &spec("ranker", None)),
             Ok(vec![(2, available)])
         );
-        let tower = Some(&spec("tower", None));
         assert_eq!(
             models.resolve(tower).map(|t| (t.model, t.version)),
             Ok((2, 5))
