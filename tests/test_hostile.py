@@ -222,6 +222,52 @@ def test_good_requests_still_get_their_answer(pool: Pool) -> None:
     np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
 
 
+def test_a_calls_deadline_runs_from_its_start_not_from_its_last_byte(pool: Pool) -> None:
+    """A call with grpc-timeout 1S whose client sends its message and keeps its stream open
+    (raw HTTP/2): its answer, trailers that end the stream, comes at about a second. Its
+    deadline ran from when the body was whole, so it was answered only once the client ended
+    the stream, however long after (found by a hunt)."""
+    message = _good().SerializeToString()
+
+    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, no indexing, no Huffman
+        return b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    head = b"".join(
+        literal(name, value)
+        for name, value in [
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", PREDICT.encode()),
+            (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"), (b"grpc-timeout", b"1S"),
+        ]
+    )  # fmt: skip
+    with socket.create_connection(("127.0.0.1", pool.port), timeout=30) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b""))
+        began = time.monotonic()
+        body = b"\0" + len(message).to_bytes(4, "big") + message
+        # HEADERS (END_HEADERS), then the whole message without END_STREAM.
+        sock.sendall(_h2_frame(1, 4, 1, head) + _h2_frame(0, 0, 1, body))
+        received = b""
+        ended = None
+        while ended is None:
+            assert time.monotonic() - began < 10, "not answered while the stream stays open"
+            sock.settimeout(max(0.1, 10 - (time.monotonic() - began)))
+            chunk = sock.recv(65536)
+            assert chunk, "closed"
+            received += chunk
+            while len(received) >= 9:
+                length = int.from_bytes(received[:3], "big")
+                if len(received) < 9 + length:
+                    break
+                kind, flags = received[3], received[4]
+                stream = int.from_bytes(received[5:9], "big") & 0x7FFFFFFF
+                received = received[9 + length :]
+                if stream == 1 and kind == 1 and flags & 1:  # HEADERS with END_STREAM
+                    ended = time.monotonic() - began
+                    break  # (then a RST_STREAM NO_ERROR: the client's side still open)
+                assert not (stream == 1 and kind == 3), "reset, not answered"
+    assert 0.8 < ended < 5, f"answered after {ended:.1f} s"
+
+
 def _metric(pool: Pool, name: str) -> float:
     """One unlabelled metric of the front door's Prometheus page."""
     page = urllib.request.urlopen(pool.status()["pool"]["metrics"], timeout=10).read().decode()

@@ -430,12 +430,32 @@ impl Api {
     }
 }
 
+/// When a call began: set as its headers arrive (server.rs), before its body is read; its
+/// deadline runs from then, as gRPC defines it.
+#[derive(Clone, Copy, Debug)]
+pub struct CallStarted(pub Instant);
+
+/// The deadline of a call: from its `grpc-timeout`, counted from when it began.
+fn call_deadline<T>(request: &Request<T>) -> Option<Instant> {
+    let started = request
+        .extensions()
+        .get::<CallStarted>()
+        .map_or_else(Instant::now, |started| started.0);
+    deadline_of(request.metadata(), started)
+}
+
 /// The client's deadline from the `grpc-timeout` header ("<digits><unit>", unit one of
 /// H M S m u n), as gRPC's HTTP/2 protocol defines it; None when absent or malformed.
 pub fn deadline_of(metadata: &tonic::metadata::MetadataMap, now: Instant) -> Option<Instant> {
-    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    deadline_in(metadata.as_ref(), now)
+}
+
+/// `deadline_of` from a call's HTTP headers.
+pub fn deadline_in(headers: &http::HeaderMap, now: Instant) -> Option<Instant> {
+    let value = headers.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 {
+    // At most 8 ASCII digits (u64's parse also took a sign: "+5S").
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     let n: u64 = digits.parse().ok()?;
@@ -477,7 +497,7 @@ impl PredictionService for Api {
         if let Some(model) = self.model_of(request.get_ref().model_spec.as_ref()) {
             guard.tf_serving(model, TfApi::Predict, Entrypoint::Grpc);
         }
-        let deadline = deadline_of(request.metadata(), Instant::now());
+        let deadline = call_deadline(&request);
         let result = self
             .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
             .await
@@ -504,7 +524,7 @@ impl PredictionService for Api {
         if let Some(model) = self.model_of(request.get_ref().model_spec.as_ref()) {
             guard.tf_serving(model, TfApi::Classify, Entrypoint::Grpc);
         }
-        let deadline = deadline_of(request.metadata(), Instant::now());
+        let deadline = call_deadline(&request);
         let result = self.classify_checked(request.into_inner(), deadline).await;
         finish(result, &mut guard)
     }
@@ -517,7 +537,7 @@ impl PredictionService for Api {
         if let Some(model) = self.model_of(request.get_ref().model_spec.as_ref()) {
             guard.tf_serving(model, TfApi::Regress, Entrypoint::Grpc);
         }
-        let deadline = deadline_of(request.metadata(), Instant::now());
+        let deadline = call_deadline(&request);
         let result = self.regress_checked(request.into_inner(), deadline).await;
         finish(result, &mut guard)
     }
@@ -529,7 +549,7 @@ impl PredictionService for Api {
         // Not in TF Serving's request_count or request_latency: its MultiInference does not
         // record them (prediction_service_impl.cc); its examples are counted once run.
         let mut guard = self.metrics.start(Method::MultiInference);
-        let deadline = deadline_of(request.metadata(), Instant::now());
+        let deadline = call_deadline(&request);
         let result = self
             .multi_inference_checked(request.into_inner(), deadline)
             .await;
@@ -724,5 +744,8 @@ mod tests {
         assert_eq!(deadline_of(&metadata, now), None, "more than 8 digits");
         metadata.insert("grpc-timeout", "5x".parse().unwrap());
         assert_eq!(deadline_of(&metadata, now), None);
+        // Digits only: u64's parse took a sign.
+        metadata.insert("grpc-timeout", "+5S".parse().unwrap());
+        assert_eq!(deadline_of(&metadata, now), None, "a sign is no digit");
     }
 }

@@ -116,6 +116,7 @@ impl Reading {
             messages: Messages::default(),
             read: 0,
             timer: None,
+            deadline: None,
             moved: false,
         }
     }
@@ -139,6 +140,9 @@ pub struct ReadingBody<B> {
     /// Bytes of the body read in all (the stall's message says how far it came).
     read: usize,
     timer: Option<Pin<Box<Sleep>>>,
+    /// The call's deadline (gRPC's grpc-timeout, from the call's start): a body still
+    /// arriving then ends the call with DEADLINE_EXCEEDED.
+    deadline: Option<Pin<Box<Sleep>>>,
     /// Data came since the timer was last set: set it again before waiting on it.
     moved: bool,
 }
@@ -153,6 +157,14 @@ enum Room {
 impl<B> ReadingBody<B> {
     /// Waits for room when the budget has none, first come first served, until `deadline`
     /// (None: for as long as it takes) instead of being refused (REST).
+    /// Ends the body with DEADLINE_EXCEEDED if it is still arriving at `deadline` (a gRPC
+    /// call's: it ran from when the body was whole, and a call whose client kept its stream
+    /// open past its deadline was answered long after; found by a hunt).
+    pub fn until(mut self, deadline: Option<Instant>) -> Self {
+        self.deadline = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
+        self
+    }
+
     pub fn waiting_for_room(mut self, deadline: Option<Instant>) -> Self {
         self.room_by = Some(deadline);
         self
@@ -296,10 +308,22 @@ where
             }
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(ReadError::Body(error.into())))),
             Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => match this.poll_stalled(cx) {
-                Some(error) => Poll::Ready(Some(Err(error))),
-                None => Poll::Pending,
-            },
+            Poll::Pending => {
+                let past_deadline = this
+                    .deadline
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if past_deadline {
+                    return Poll::Ready(Some(Err(ReadError::Stalled(ServingError::new(
+                        Code::DeadlineExceeded,
+                        "Deadline Exceeded",
+                    )))));
+                }
+                match this.poll_stalled(cx) {
+                    Some(error) => Poll::Ready(Some(Err(error))),
+                    None => Poll::Pending,
+                }
+            }
         }
     }
 
