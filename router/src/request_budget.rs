@@ -11,6 +11,7 @@
 //! budget has not enough free at once (and while a REST body waits, since the semaphore is
 //! fair: what is given back goes to the first in line).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -44,7 +45,14 @@ pub struct RequestBudget {
     bytes: usize,
     /// Whole KiB the semaphore was made with (the budget, unless that passes its maximum).
     units: usize,
+    /// What bodies under UNCOUNTED_BYTES being gathered hold now, uncounted, and the most
+    /// they may (request_body.rs): past it they count as any.
+    small: AtomicUsize,
+    small_most: usize,
 }
+
+/// The most small bodies being gathered hold uncounted, in all.
+const SMALL_GATHERING_BYTES: usize = 32 << 20;
 
 impl RequestBudget {
     pub fn new(bytes: usize) -> Self {
@@ -53,7 +61,38 @@ impl RequestBudget {
             permits: Arc::new(Semaphore::new(units)),
             bytes,
             units,
+            small: AtomicUsize::new(0),
+            small_most: SMALL_GATHERING_BYTES,
         }
+    }
+
+    /// The most small bodies being gathered may hold uncounted (tests).
+    #[cfg(test)]
+    pub fn with_small_most(mut self, bytes: usize) -> Self {
+        self.small_most = bytes;
+        self
+    }
+
+    /// Takes `more` bytes of a small body being gathered uncounted, unless small bodies
+    /// would then hold more than they may in all (the body's bytes count then).
+    pub fn gather_small(&self, more: usize) -> bool {
+        self.small
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+                now.checked_add(more)
+                    .filter(|&total| total <= self.small_most)
+            })
+            .is_ok()
+    }
+
+    /// Gives back `less` bytes taken by `gather_small`.
+    pub fn release_small(&self, less: usize) {
+        self.small.fetch_sub(less, Ordering::AcqRel);
+    }
+
+    /// What small bodies being gathered hold now, uncounted.
+    #[cfg(test)]
+    pub fn small_gathering(&self) -> usize {
+        self.small.load(Ordering::Acquire)
     }
 
     /// The whole budget, in bytes.

@@ -54,7 +54,11 @@ use crate::{log_info, log_warn};
 
 const STREAM_WINDOW: u32 = 4 << 20;
 const CONNECTION_WINDOW: u32 = 16 << 20;
-pub const MAX_FRAME: u32 = 1 << 20;
+/// The largest HTTP/2 frame a client may send: h2 holds a frame whole until it has all of
+/// it, so a connection that stalls partway through one held a megabyte outside the memory
+/// budget (1,024 connections: a gigabyte; found by a hunt). At least 64 KiB + 64: the UNIX
+/// socket's rewrite writes a header block in one frame (uds_authority.rs).
+pub const MAX_FRAME: u32 = 128 << 10;
 /// The largest header list a call may have (each field's name and value plus 32, as HTTP/2
 /// counts them); h2 answers a larger one with 431 and REFUSED_STREAM, that call only. Hyper's
 /// default, set here so that the UNIX socket's rewrite (uds_authority.rs) knows it.
