@@ -326,8 +326,10 @@ class ModelVersions:
 
     def listed_since_asked(self) -> bool:
         """Whether the base path was read since `read_again` asked (a removed model is not
-        read: nothing to wait for)."""
-        return self.removed or self._listed_at >= self._read_from
+        read: nothing to wait for), or its read hangs: then the last listing stands, as the
+        pool serves on from it (a reload waiting on one hung mount held every reload, those
+        of other models too; found by a review)."""
+        return self.removed or self._listed_at >= self._read_from or self._disk_read.hung()
 
     # -- reconciling ---------------------------------------------------------------
     def reconcile(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:

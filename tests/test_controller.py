@@ -2534,6 +2534,36 @@ def test_a_label_on_a_version_just_copied_in_is_waited_for_whatever_the_polls_ti
     assert pool.router.labels[-1] == {"canary": 3}
 
 
+def test_a_reload_is_answered_from_the_last_listing_while_a_base_paths_read_hangs(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """A reload reads each base path again before it is answered, unless that read hangs:
+    then the last listing stands, as the pool serves on from it (waiting held this reload
+    and every later one; found by a review)."""
+    from mpspool.supervisor import model_versions
+
+    pool, base = versioned_pool(make_pool, [1], version_policy="specific:1")
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    answer = threading.Event()
+    real = model_versions.versions_on_disk
+
+    def hung(path: str) -> set[int]:
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(model_versions, "versions_on_disk", hung)
+    try:
+        pool.router.reload_requests[7] = reload_request(base, [1], {"stable": 1})
+        pool.tick(after_s=0.2)
+        assert pool.router.reload_done == [], "its listing is waited for a while"
+        monkeypatch.setattr(background_read, "SLOW_S", 0.0)  # the read counts as hung now
+        pool.tick(after_s=0.2)
+        assert pool.router.reload_done == [(7, 0, "")]
+        assert pool.router.labels[-1] == {"stable": 1}
+    finally:
+        answer.set()
+
+
 def test_a_reload_whose_base_path_read_hangs_holds_nothing_else(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ):

@@ -119,6 +119,7 @@ impl Reading {
             messages: Messages::default(),
             read: 0,
             timer: None,
+            deadline_at: None,
             deadline: None,
             small: 0,
             moved: false,
@@ -147,7 +148,9 @@ pub struct ReadingBody<B> {
     /// Its share of the small bodies being gathered uncounted (RequestBudget::gather_small).
     small: usize,
     /// The call's deadline (gRPC's grpc-timeout, from the call's start): a body still
-    /// arriving then ends the call with DEADLINE_EXCEEDED.
+    /// arriving then ends the call with DEADLINE_EXCEEDED. Its timer is made the first time
+    /// the body is waited on (most bodies come whole in one poll).
+    deadline_at: Option<Instant>,
     deadline: Option<Pin<Box<Sleep>>>,
     /// Data came since the timer was last set: set it again before waiting on it.
     moved: bool,
@@ -167,7 +170,7 @@ impl<B> ReadingBody<B> {
     /// call's: it ran from when the body was whole, and a call whose client kept its stream
     /// open past its deadline was answered long after; found by a hunt).
     pub fn until(mut self, deadline: Option<Instant>) -> Self {
-        self.deadline = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
+        self.deadline_at = deadline;
         self
     }
 
@@ -349,10 +352,12 @@ where
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(ReadError::Body(error.into())))),
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => {
-                let past_deadline = this
-                    .deadline
-                    .as_mut()
-                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                let past_deadline = this.deadline_at.is_some_and(|at| {
+                    let timer = this
+                        .deadline
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                    timer.as_mut().poll(cx).is_ready()
+                });
                 if past_deadline {
                     return Poll::Ready(Some(Err(ReadError::Stalled(ServingError::new(
                         Code::DeadlineExceeded,

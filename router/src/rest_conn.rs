@@ -66,11 +66,13 @@ struct State {
     /// What the service has not read of the body of the request it handles.
     body_left: BodyLeft,
     /// What the service left unread of the last request's body, which hyper reads and drops
-    /// after the answer when it is there (Unknown: until the serving loop's next look).
-    /// Those bytes are no request head: they start no head clock.
+    /// in the turn that finishes the answer (Unknown: as much as it reads then; `polled`
+    /// ends it). Those bytes are no request head: they start no head clock.
     draining: BodyLeft,
     /// The last request's body was left unread: its connection's close lingers.
     unread: bool,
+    /// hyper's turns ended since the last request was answered with its body unread.
+    turns_since_answer: u8,
     /// When bytes of a request head began to come (read while no request was handled).
     head_since: Option<Instant>,
     /// When a write last found the socket full, while it still is.
@@ -95,6 +97,7 @@ impl Clocks {
                 body_left: BodyLeft::Done,
                 draining: BodyLeft::Done,
                 unread: false,
+                turns_since_answer: 0,
                 head_since: None,
                 write_blocked_since: None,
                 last_moved: Instant::now(),
@@ -129,7 +132,31 @@ impl Clocks {
     /// still being handled (nginx lingers only then).
     fn lingers(&self) -> bool {
         let state = self.lock();
-        state.unread || state.handling > 0
+        // A head in progress too: hyper's own answer to one it refuses (400, 431) is written
+        // with the rest of it unread.
+        state.unread || state.handling > 0 || state.head_since.is_some()
+    }
+
+    /// hyper's turn over the connection ended with the connection still open. With no
+    /// request handled and the answer written, hyper drops what is left of the last request's
+    /// body in the turn the service let it go or the next (woken by that): once two such
+    /// turns have ended with the connection open, it was read to its end (nothing to linger
+    /// on) and what hyper reads next is a head. (A body it had whole already lends its count
+    /// to the next head's first read, one turn's worth at most.)
+    pub fn polled(&self) {
+        let mut state = self.lock();
+        if state.handling > 0 || state.write_blocked_since.is_some() {
+            return;
+        }
+        if state.draining == BodyLeft::Done {
+            state.unread = false;
+            return;
+        }
+        state.turns_since_answer = state.turns_since_answer.saturating_add(1);
+        if state.turns_since_answer >= 2 {
+            state.draining = BodyLeft::Done;
+            state.unread = false;
+        }
     }
 
     fn body_read(&self, bytes: usize, ended: bool) {
@@ -150,10 +177,7 @@ impl Clocks {
         let Some(stall) = self.stall else {
             return Ok(None);
         };
-        let mut state = self.lock();
-        if state.draining == BodyLeft::Unknown && state.handling == 0 {
-            state.draining = BodyLeft::Done; // hyper dropped what it could in its last turn
-        }
+        let state = self.lock();
         let mut next = now + stall;
         if let Some(since) = state.write_blocked_since {
             let at = since + stall;
@@ -233,6 +257,7 @@ impl Drop for Handling {
         if state.body_left != BodyLeft::Done {
             state.draining = state.body_left;
             state.unread = true;
+            state.turns_since_answer = 0;
             state.body_left = BodyLeft::Done;
         }
     }
@@ -476,6 +501,21 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_close_lingers_only_with_something_of_a_request_unread() {
+        let clocks = Clocks::new(Some(STALL));
+        assert!(!clocks.lingers(), "idle: nothing unread");
+        clocks.read(10); // a head in progress (hyper may refuse it: 400, 431)
+        assert!(clocks.lingers());
+        let handling = clocks.handling(false, Some(100));
+        drop(handling); // answered with its body unread
+        assert!(clocks.lingers());
+        clocks.polled(); // the turn that answered
+        assert!(clocks.lingers());
+        clocks.polled(); // and the next, which dropped the body: the connection was kept
+        assert!(!clocks.lingers());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn no_clock_runs_without_a_stall_limit() {
         let clocks = Clocks::new(None);
         clocks.read(1);
@@ -539,7 +579,13 @@ mod connection_tests {
                 Err(Lapsed::Answer) => return "answer",
             };
             tokio::select! {
-                _ = &mut connection => return "closed",
+                _ = std::future::poll_fn(|cx| {
+                    let turn = std::future::Future::poll(connection.as_mut(), cx);
+                    if turn.is_pending() {
+                        clocks.polled();
+                    }
+                    turn
+                }) => return "closed",
                 _ = going.changed() => if !going_away {
                     going_away = true;
                     connection.as_mut().graceful_shutdown();
@@ -614,6 +660,40 @@ mod connection_tests {
              and was ended as {ended:?} {:?} after its answer, under the idle limit {:?}",
             answered.elapsed(),
             stall.mul_f64(1.25)
+        );
+    }
+
+    /// A body hyper had whole in its first read, dropped without a socket read after the
+    /// answer: the next head's bytes start its clock (they were taken for the body's, and a
+    /// head trickled a byte a minute held its connection for days; found by a review).
+    #[tokio::test]
+    async fn a_body_read_with_its_head_leaves_the_next_heads_clock_to_run() {
+        let stall = Duration::from_millis(800);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            serve(stream, Clocks::new(Some(stall)), Duration::ZERO, rx).await
+        });
+        let mut client = TcpStream::connect(address).await.unwrap();
+        let mut request =
+            b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\n\r\n".to_vec();
+        request.extend_from_slice(&[b'x'; 4000]);
+        client.write_all(&request).await.unwrap();
+        read_answer(&mut client).await;
+        // A head trickled: its first read may still be taken for the body's (one turn), the
+        // next starts its clock.
+        client.write_all(b"GET /again").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let began = Instant::now();
+        client.write_all(b" HTTP/1.1\r\n").await.unwrap();
+        let how = server.await.unwrap();
+        assert_eq!(how, "head", "the head's clock ran");
+        assert!(
+            began.elapsed() < stall.mul_f64(1.2),
+            "{:?}",
+            began.elapsed()
         );
     }
 

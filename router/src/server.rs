@@ -252,8 +252,8 @@ impl Server {
         // (a call left waiting held the drain for its whole grace).
         state.reloads.close((
             Code::Unavailable as i32,
-            "the pool is stopping: its configuration changes no more (ask the pool that \
-             replaces it)"
+            "the pool is stopping: its configuration changes no more, and what this call \
+             asked may have been applied in part (ask the pool that replaces it)"
                 .to_string(),
         ));
         // A second stop request (a second Ctrl-C through the controller's drain of 0 and 0,
