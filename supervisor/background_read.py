@@ -60,8 +60,10 @@ class BackgroundRead(Generic[T]):
         return self.wait(WAIT_S if started else 0.0)
 
     def hung(self) -> bool:
-        """Whether the running read has waited SLOW_S or more."""
-        return self.running() and self.running_s() >= SLOW_S
+        """Whether the running read has waited SLOW_S or more and still runs (one done
+        whose outcome is not yet taken is not hung)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and self.running_s() >= SLOW_S
 
     def running(self) -> bool:
         """Whether a read was started and its outcome not yet taken."""

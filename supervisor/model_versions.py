@@ -26,7 +26,7 @@ from mpspool import process
 from mpspool.config import ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.errors import Code, in_context, status_text
-from mpspool.supervisor import config_reload
+from mpspool.supervisor import background_read, config_reload
 from mpspool.supervisor.background_read import BackgroundRead
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
@@ -328,8 +328,13 @@ class ModelVersions:
         """Whether the base path was read since `read_again` asked (a removed model is not
         read: nothing to wait for), or its read hangs: then the last listing stands, as the
         pool serves on from it (a reload waiting on one hung mount held every reload, those
-        of other models too; found by a review)."""
-        return self.removed or self._listed_at >= self._read_from or self._disk_read.hung()
+        of other models too; found by a review) — once there is one, and once the ask has
+        waited SLOW_S itself (a slow listing begun before it is no answer to it)."""
+        if self.removed or self._listed_at >= self._read_from:
+            return True
+        asked_s = time.monotonic() - self._read_from
+        slow_s = background_read.SLOW_S
+        return self._listed_at > 0 and asked_s >= slow_s and self._disk_read.hung()
 
     # -- reconciling ---------------------------------------------------------------
     def reconcile(self, now: float, snap: dict[str, Any], router_answered: bool) -> None:

@@ -2534,6 +2534,22 @@ def test_a_label_on_a_version_just_copied_in_is_waited_for_whatever_the_polls_ti
     assert pool.router.labels[-1] == {"canary": 3}
 
 
+def test_a_read_done_but_not_yet_taken_is_not_hung(monkeypatch: pytest.MonkeyPatch):
+    """hung() is a read still running past SLOW_S: one that returned, its outcome not yet
+    taken, is not (a reload was answered from an older listing while a fresh one sat there
+    done; found by a review)."""
+    monkeypatch.setattr(background_read, "SLOW_S", 0.0)
+    go = threading.Event()
+    read = background_read.BackgroundRead(lambda: go.wait(30), "test-read")
+    read.start()
+    assert read.hung(), "running past SLOW_S"
+    go.set()
+    assert read.join(30)
+    assert read.running() and not read.hung(), "done, its outcome not yet taken"
+    outcome = read.wait(0)
+    assert outcome is not None and outcome.value is True
+
+
 def test_a_reload_is_answered_from_the_last_listing_while_a_base_paths_read_hangs(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
 ):

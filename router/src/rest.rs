@@ -1115,8 +1115,8 @@ pub async fn serve_connection(
         tokio::select! {
             _ = std::future::poll_fn(|cx| {
                 let turn = std::future::Future::poll(connection.as_mut(), cx);
-                if turn.is_pending() {
-                    clocks.polled();
+                if turn.is_pending() && clocks.polled() {
+                    cx.waker().wake_by_ref();
                 }
                 turn
             }) => return,

@@ -139,24 +139,27 @@ impl Clocks {
 
     /// hyper's turn over the connection ended with the connection still open. With no
     /// request handled and the answer written, hyper drops what is left of the last request's
-    /// body in the turn the service let it go or the next (woken by that): once two such
-    /// turns have ended with the connection open, it was read to its end (nothing to linger
-    /// on) and what hyper reads next is a head. (A body it had whole already lends its count
-    /// to the next head's first read, one turn's worth at most.)
-    pub fn polled(&self) {
+    /// body in the turn the service let it go or the next: once two such turns have ended
+    /// with the connection open, it was read to its end (nothing to linger on) and what hyper
+    /// reads next is a head. True when the caller is to give hyper that next turn at once
+    /// (wake the connection): a body hyper had whole wakes nothing when it is let go, and
+    /// the state stayed until the client's next bytes (a graceful drain then lingered).
+    pub fn polled(&self) -> bool {
         let mut state = self.lock();
         if state.handling > 0 || state.write_blocked_since.is_some() {
-            return;
+            return false;
         }
         if state.draining == BodyLeft::Done {
             state.unread = false;
-            return;
+            return false;
         }
         state.turns_since_answer = state.turns_since_answer.saturating_add(1);
         if state.turns_since_answer >= 2 {
             state.draining = BodyLeft::Done;
             state.unread = false;
+            return false;
         }
+        true
     }
 
     fn body_read(&self, bytes: usize, ended: bool) {
@@ -509,9 +512,15 @@ mod tests {
         let handling = clocks.handling(false, Some(100));
         drop(handling); // answered with its body unread
         assert!(clocks.lingers());
-        clocks.polled(); // the turn that answered
+        assert!(
+            clocks.polled(),
+            "the turn that answered: the next wanted at once"
+        );
         assert!(clocks.lingers());
-        clocks.polled(); // and the next, which dropped the body: the connection was kept
+        assert!(
+            !clocks.polled(),
+            "the next, which dropped the body: the connection kept"
+        );
         assert!(!clocks.lingers());
     }
 
@@ -581,8 +590,8 @@ mod connection_tests {
             tokio::select! {
                 _ = std::future::poll_fn(|cx| {
                     let turn = std::future::Future::poll(connection.as_mut(), cx);
-                    if turn.is_pending() {
-                        clocks.polled();
+                    if turn.is_pending() && clocks.polled() {
+                        cx.waker().wake_by_ref();
                     }
                     turn
                 }) => return "closed",
@@ -695,6 +704,37 @@ mod connection_tests {
             "{:?}",
             began.elapsed()
         );
+    }
+
+    /// A small body hyper had whole, answered without being read (a 404): a graceful drain
+    /// closes the connection at once. Nothing woke hyper's next turn, which drops the body,
+    /// so the close still took it for unread and lingered (found by a review).
+    #[tokio::test]
+    async fn a_small_unread_body_does_not_make_a_drain_linger() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let clocks = Clocks::new(Some(Duration::from_secs(60)));
+            serve(stream, clocks, Duration::ZERO, rx).await
+        });
+        let mut client = TcpStream::connect(address).await.unwrap();
+        client
+            .write_all(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789")
+            .await
+            .unwrap();
+        read_answer(&mut client).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let began = Instant::now();
+        tx.send(true).unwrap();
+        let how = server.await.unwrap();
+        let took = began.elapsed();
+        assert!(
+            took < Duration::from_millis(500),
+            "its close took {took:?} ({how})"
+        );
+        drop(client);
     }
 
     /// A graceful drain closes an idle keep-alive connection at once: nothing of a request is
