@@ -48,6 +48,7 @@ from mpspool.supervisor import background_read
 from mpspool.supervisor import controller as controller_module
 from mpspool.supervisor import supervisord as sd
 from mpspool.supervisor.controller import ROUTER_PROGRAM, Controller, PoolPhase
+from mpspool.supervisor.model_versions import ModelVersions
 from mpspool.supervisor.slots import Slot, group_name, program_name
 from mpspool.supervisor.states import ALLOWED, IllegalTransition, WorkerState
 from mpspool.supervisor.versions import VersionGroup, VersionState
@@ -1953,6 +1954,20 @@ def test_a_version_the_policy_drops_while_it_loads_stops_loading(
     assert told(pool) == {1: "END", 2: "END", 3: "AVAILABLE"}
 
 
+def hang_listings(monkeypatch: pytest.MonkeyPatch, module: Any) -> threading.Event:
+    """`module`'s listings of base paths (versions_on_disk) wait until the event is set:
+    storage that stopped answering."""
+    answer = threading.Event()
+    real = module.versions_on_disk
+
+    def hung(path: str) -> set[int]:
+        answer.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(module, "versions_on_disk", hung)
+    return answer
+
+
 def _looks_go_on_while_a_read_hangs(pool: Pool, caplog: Any) -> None:
     """A read that does not return begins at the next look; a worker crashes meanwhile: the
     looks go on (it is replaced), the hang is said once, and nothing else changes."""
@@ -1976,14 +1991,7 @@ def test_a_base_path_whose_read_hangs_holds_nothing_else(
     monkeypatch.setattr(background_read, "WAIT_S", 0.05)
     monkeypatch.setattr(background_read, "SLOW_S", 0.0)
     pool, base = versioned_pool(make_pool, [1])
-    answer = threading.Event()
-    real = model_versions.versions_on_disk
-
-    def hung(path: str) -> set[int]:
-        answer.wait(30)
-        return real(path)
-
-    monkeypatch.setattr(model_versions, "versions_on_disk", hung)
+    answer = hang_listings(monkeypatch, model_versions)
     (base / "2").mkdir()
     (base / "2" / "saved_model.pb").write_bytes(b"")
     _looks_go_on_while_a_read_hangs(pool, caplog)
@@ -2560,14 +2568,7 @@ def test_a_reload_is_answered_from_the_last_listing_while_a_base_paths_read_hang
 
     pool, base = versioned_pool(make_pool, [1], version_policy="specific:1")
     monkeypatch.setattr(background_read, "WAIT_S", 0.05)
-    answer = threading.Event()
-    real = model_versions.versions_on_disk
-
-    def hung(path: str) -> set[int]:
-        answer.wait(30)
-        return real(path)
-
-    monkeypatch.setattr(model_versions, "versions_on_disk", hung)
+    answer = hang_listings(monkeypatch, model_versions)
     try:
         pool.router.reload_requests[7] = reload_request(base, [1], {"stable": 1})
         pool.tick(after_s=0.2)
@@ -2631,18 +2632,15 @@ def test_a_reload_whose_base_path_read_hangs_holds_nothing_else(
     assert pool.router.reload_done == [(7, 0, "")]
 
 
-def test_a_load_retrys_look_at_its_folder_does_not_hold_the_loop(
-    make_pool: Callable[..., Pool],
-    fake_publisher: Callable[[int], Path],
-    monkeypatch: pytest.MonkeyPatch,
-):
-    """A load retry reads its folder just before it publishes it (a folder just removed is
-    not published): on a thread of its own, so that a hung read holds only the retry."""
-    from mpspool.supervisor import model_versions
-
+def version_2_waiting_for_its_retry(
+    make_pool: Callable[..., Pool], fake_publisher: Callable[[int], Path], start_retries: int
+) -> tuple[Pool, Path, ModelVersions, VersionGroup]:
+    """A pool with shared weights serving version 1, whose version 2 was copied in and failed
+    its first try (every publisher started from now on fails): its model and its group,
+    waiting to be tried again in 2 s."""
     go = fake_publisher(0)
     go.touch()
-    pool = make_pool(start_retries=1, load_retry_interval_s=2.0)
+    pool = make_pool(start_retries=start_retries, load_retry_interval_s=2.0)
     base = Path(pool.controller.config.model_base_path)
     (base / "1").mkdir(parents=True)
     (base / "1" / "saved_model.pb").write_bytes(b"")
@@ -2652,24 +2650,33 @@ def test_a_load_retrys_look_at_its_folder_does_not_hold_the_loop(
         model.groups[1].publisher.wait(timeout=30)
     pool.make_ready("cpu-0")
     pool.make_ready("cpu-1")
+    assert told(pool) == {1: "AVAILABLE"}
     fake_publisher(1)  # every publisher started from now on fails
     (base / "2").mkdir()
     (base / "2" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     group = model.groups[2]
+    # Ended already when the same look moved the version on (a publisher that fails at once
+    # can, under load): then seen there, publisher and all (a flake, found on rereading).
     if group.publisher is not None:
         group.publisher.wait(timeout=30)
     pool.tick()
     assert group.retry_at is not None, "its first try failed; the next waits"
+    return pool, base, model, group
+
+
+def test_a_load_retrys_look_at_its_folder_does_not_hold_the_loop(
+    make_pool: Callable[..., Pool],
+    fake_publisher: Callable[[int], Path],
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A load retry reads its folder just before it publishes it (a folder just removed is
+    not published): on a thread of its own, so that a hung read holds only the retry."""
+    from mpspool.supervisor import model_versions
+
+    pool, _, model, group = version_2_waiting_for_its_retry(make_pool, fake_publisher, 1)
     monkeypatch.setattr(background_read, "WAIT_S", 0.05)
-    answer = threading.Event()
-    real = model_versions.versions_on_disk
-
-    def hung(path: str) -> set[int]:
-        answer.wait(30)
-        return real(path)
-
-    monkeypatch.setattr(model_versions, "versions_on_disk", hung)
+    answer = hang_listings(monkeypatch, model_versions)
     fake_publisher(0)
     pool.tick(after_s=2.0)  # the retry is due: its read begins, and does not return
     pool.sd.exit("cpu-0@1", -1)
@@ -2695,27 +2702,7 @@ def test_a_retry_does_not_take_a_listing_read_for_an_earlier_retry(
     version 3 as no longer on disk; found by a review)."""
     from mpspool.supervisor import model_versions
 
-    go = fake_publisher(0)
-    go.touch()
-    pool = make_pool(start_retries=3, load_retry_interval_s=2.0)
-    base = Path(pool.controller.config.model_base_path)
-    (base / "1").mkdir(parents=True)
-    (base / "1" / "saved_model.pb").write_bytes(b"")
-    start_first_version(pool)
-    model = pool.controller.models["demo"]
-    if model.groups[1].publisher is not None:
-        model.groups[1].publisher.wait(timeout=30)
-    pool.make_ready("cpu-0")
-    pool.make_ready("cpu-1")
-    fake_publisher(1)  # every publisher from now on fails
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    group2 = model.groups[2]
-    if group2.publisher is not None:
-        group2.publisher.wait(timeout=30)
-    pool.tick()
-    assert group2.retry_at is not None
+    pool, base, model, _ = version_2_waiting_for_its_retry(make_pool, fake_publisher, 3)
 
     monkeypatch.setattr(background_read, "WAIT_S", 0.05)
     gate = threading.Event()
@@ -2763,14 +2750,7 @@ def test_reload_reads_of_given_up_requests_do_not_pile_up_threads(
 
     monkeypatch.setattr(background_read, "WAIT_S", 0.01)
     pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
-    answer = threading.Event()
-    real = disk_view.versions_on_disk
-
-    def hung(path: str) -> set[int]:
-        answer.wait(30)
-        return real(path)
-
-    monkeypatch.setattr(disk_view, "versions_on_disk", hung)
+    answer = hang_listings(monkeypatch, disk_view)
     try:
         for request_id in range(10, 20):
             pool.router.reload_requests.clear()  # the last one given up by its caller
@@ -3316,29 +3296,7 @@ def test_a_publisher_that_fails_is_tried_again_and_the_version_serves(
 ):
     """With shared weights a try is publishing, then the workers: a failed publish is tried
     again, its half-written segment gone meanwhile."""
-    go = fake_publisher(0)
-    go.touch()
-    pool = make_pool(start_retries=1, load_retry_interval_s=2.0)
-    base = Path(pool.controller.config.model_base_path)
-    (base / "1").mkdir(parents=True)
-    (base / "1" / "saved_model.pb").write_bytes(b"")
-    start_first_version(pool)
-    model = pool.controller.models["demo"]
-    if model.groups[1].publisher is not None:  # (one that ended at once is taken already)
-        model.groups[1].publisher.wait(timeout=30)
-    pool.make_ready("cpu-0")
-    pool.make_ready("cpu-1")
-    assert told(pool) == {1: "AVAILABLE"}
-    fake_publisher(1)  # every publisher started from now on fails
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    group = model.groups[2]
-    # Ended already when the same look moved the version on (a publisher that fails at once
-    # can, under load): then seen there, publisher and all (a flake, found on rereading).
-    if group.publisher is not None:
-        group.publisher.wait(timeout=30)
-    pool.tick()
+    pool, _, _, group = version_2_waiting_for_its_retry(make_pool, fake_publisher, 1)
     assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
     assert status_row(pool, 2)["error"].startswith(
         "load try 1 of 2 failed, tried again 2 s after: DATA_LOSS: publishing the weights failed:"

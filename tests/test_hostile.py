@@ -228,18 +228,7 @@ def test_a_calls_deadline_runs_from_its_start_not_from_its_last_byte(pool: Pool)
     deadline ran from when the body was whole, so it was answered only once the client ended
     the stream, however long after (found by a hunt)."""
     message = _good().SerializeToString()
-
-    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, no indexing, no Huffman
-        return b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value
-
-    head = b"".join(
-        literal(name, value)
-        for name, value in [
-            (b":method", b"POST"), (b":scheme", b"http"), (b":path", PREDICT.encode()),
-            (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"), (b"grpc-timeout", b"1S"),
-        ]
-    )  # fmt: skip
+    head = _h2_call_head((b"grpc-timeout", b"1S"))
     with socket.create_connection(("127.0.0.1", pool.port), timeout=30) as sock:
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b""))
         began = time.monotonic()
@@ -580,21 +569,27 @@ def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
     )
 
 
-def _h2_unread_predicts(port: int, message: bytes, count: int) -> socket.socket:
-    """A raw HTTP/2 connection that grants no window for answers (SETTINGS_INITIAL_WINDOW_SIZE
-    0) and sends `count` Predicts of `message` on it; the caller never reads it."""
+def _h2_call_head(*extra: tuple[bytes, bytes]) -> bytes:
+    """A Predict call's header block (HPACK literals: no indexing, no Huffman), and `extra`."""
 
-    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, no indexing, no Huffman
+    def literal(name: bytes, value: bytes) -> bytes:
         return b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value
 
-    head = b"".join(
+    return b"".join(
         literal(name, value)
         for name, value in [
             (b":method", b"POST"), (b":scheme", b"http"), (b":path", PREDICT.encode()),
             (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"),
+            (b"te", b"trailers"), *extra,
         ]
     )  # fmt: skip
+
+
+def _h2_unread_predicts(port: int, message: bytes, count: int) -> socket.socket:
+    """A raw HTTP/2 connection that grants no window for answers (SETTINGS_INITIAL_WINDOW_SIZE
+    0) and sends `count` Predicts of `message` on it; the caller never reads it."""
+
+    head = _h2_call_head()
     body = b"\0" + len(message).to_bytes(4, "big") + message
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     sock.sendall(

@@ -1113,13 +1113,7 @@ pub async fn serve_connection(
             Err(_) => return, // a clock ran out: the connection ends (its socket closed)
         };
         tokio::select! {
-            _ = std::future::poll_fn(|cx| {
-                let turn = std::future::Future::poll(connection.as_mut(), cx);
-                if turn.is_pending() && clocks.polled() {
-                    cx.waker().wake_by_ref();
-                }
-                turn
-            }) => return,
+            _ = std::future::poll_fn(|cx| crate::rest_conn::turn(connection.as_mut(), &clocks, cx)) => return,
             changed = ending.changed() => {
                 let now = if changed.is_err() { Ending::Now } else { *ending.borrow_and_update() };
                 match now {

@@ -249,6 +249,20 @@ impl Clocks {
     }
 }
 
+/// One turn of hyper's connection future, told to the clocks (`Clocks::polled`), the next
+/// given at once when they ask for it.
+pub fn turn<F: std::future::Future>(
+    connection: Pin<&mut F>,
+    clocks: &Clocks,
+    cx: &mut Context<'_>,
+) -> Poll<F::Output> {
+    let turn = connection.poll(cx);
+    if turn.is_pending() && clocks.polled() {
+        cx.waker().wake_by_ref();
+    }
+    turn
+}
+
 /// A request in the service: the connection is not idle meanwhile.
 pub struct Handling(Clocks);
 
@@ -588,13 +602,7 @@ mod connection_tests {
                 Err(Lapsed::Answer) => return "answer",
             };
             tokio::select! {
-                _ = std::future::poll_fn(|cx| {
-                    let turn = std::future::Future::poll(connection.as_mut(), cx);
-                    if turn.is_pending() && clocks.polled() {
-                        cx.waker().wake_by_ref();
-                    }
-                    turn
-                }) => return "closed",
+                _ = std::future::poll_fn(|cx| turn(connection.as_mut(), &clocks, cx)) => return "closed",
                 _ = going.changed() => if !going_away {
                     going_away = true;
                     connection.as_mut().graceful_shutdown();
