@@ -372,10 +372,10 @@ class Supervisord:
         and a byte cut from a character failed the call (no reason at all)."""
         try:
             with open(self._log_file(program), "rb") as log:
-                size = os.fstat(log.fileno()).st_size
+                stat = os.fstat(log.fileno())
+                size = stat.st_size
                 start = max(0, size - TAIL_BYTES)
-                ino = os.fstat(log.fileno()).st_ino
-                if since is not None and since.ino == ino and since.size <= size:
+                if since is not None and since.ino == stat.st_ino and since.size <= size:
                     start = max(start, since.size)  # the same file, grown: what came since
                 # Another file (rotated since, or made since) or a shorter one (truncated):
                 # all of it is new.

@@ -430,18 +430,18 @@ impl Api {
     }
 }
 
-/// When a call began: set as its headers arrive (server.rs), before its body is read; its
-/// deadline runs from then, as gRPC defines it.
+/// A call's deadline, from its `grpc-timeout` counted from when its headers came: set then
+/// (server.rs), before its body is read, as gRPC defines it.
 #[derive(Clone, Copy, Debug)]
-pub struct CallStarted(pub Instant);
+pub struct CallDeadline(pub Instant);
 
-/// The deadline of a call: from its `grpc-timeout`, counted from when it began.
+/// The deadline of a call: the one set as its headers came; one without (a call with no
+/// `grpc-timeout`, or one not come through server.rs) is read from its metadata now.
 fn call_deadline<T>(request: &Request<T>) -> Option<Instant> {
-    let started = request
-        .extensions()
-        .get::<CallStarted>()
-        .map_or_else(Instant::now, |started| started.0);
-    deadline_of(request.metadata(), started)
+    match request.extensions().get::<CallDeadline>() {
+        Some(deadline) => Some(deadline.0),
+        None => deadline_of(request.metadata(), Instant::now()),
+    }
 }
 
 /// The client's deadline from the `grpc-timeout` header ("<digits><unit>", unit one of

@@ -216,10 +216,12 @@ impl<B> ReadingBody<B> {
     /// their bound.
     fn gather_uncounted(&mut self) -> bool {
         if self.gathered <= self.small {
-            self.reading
-                .budget
-                .release_small(self.small - self.gathered);
-            self.small = self.gathered;
+            if self.gathered < self.small {
+                self.reading
+                    .budget
+                    .release_small(self.small - self.gathered);
+                self.small = self.gathered;
+            }
             return true;
         }
         if self.reading.budget.gather_small(self.gathered - self.small) {
@@ -231,9 +233,10 @@ impl<B> ReadingBody<B> {
 
     /// Its share of the small bodies' given back (its message counts now, or it ended).
     fn release_small(&mut self) {
-        self.reading
-            .budget
-            .release_small(std::mem::take(&mut self.small));
+        let small = std::mem::take(&mut self.small);
+        if small > 0 {
+            self.reading.budget.release_small(small);
+        }
     }
 
     /// `frame`, with the budget holding `short` more bytes of the body for it; refused when it

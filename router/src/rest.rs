@@ -1074,9 +1074,8 @@ pub async fn serve_connection(
         crate::connection_limit::Admitted,
     ),
 ) {
-    use crate::rest_conn::{Clocks, WatchedBody, WatchedStream};
+    use crate::rest_conn::{Clocks, WatchedStream};
     use crate::server::Ending;
-    use hyper::body::Body as _;
     // Its clocks (rest_conn.rs): idle between requests, a head's read from its first byte,
     // an answer's write; a head that stalls ends its connection unanswered, as hyper's own
     // header timeout did.
@@ -1085,8 +1084,8 @@ pub async fn serve_connection(
     let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
         let rest = rest.clone();
         let (head, body) = request.into_parts();
-        let handling = watched.handling(body.is_end_stream(), body.size_hint().exact());
-        let request = Request::from_parts(head, WatchedBody::new(body, watched.clone()));
+        let (handling, body) = watched.watch(body);
+        let request = Request::from_parts(head, body);
         async move {
             let _handling = handling;
             Ok::<_, std::convert::Infallible>(rest.handle(request).await)
@@ -1125,15 +1124,17 @@ pub async fn serve_connection(
                     Ending::Now => return,
                 }
             }
-            _ = tokio::time::sleep_until(look_again.unwrap_or_else(far_future)),
-                if look_again.is_some() => {}
+            _ = sleep_until_if(look_again) => {}
         }
     }
 }
 
-/// A time no clock reaches (for a branch that is off).
-fn far_future() -> tokio::time::Instant {
-    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
+/// Sleeps until `at`; for ever without one (no clock runs).
+async fn sleep_until_if(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@
 //! sending side is shut first now, and what the client still sends is read and dropped
 //! until it closes, pauses, or a bound passes: nginx's lingering close.
 
+use std::future::Future as _;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -288,9 +289,17 @@ pub struct WatchedBody {
     clocks: Clocks,
 }
 
-impl WatchedBody {
-    pub fn new(inner: hyper::body::Incoming, clocks: Clocks) -> Self {
-        WatchedBody { inner, clocks }
+impl Clocks {
+    /// A request's body handed to the service: the request counted as handled until
+    /// `Handling` drops, and its body followed as the service reads it.
+    pub fn watch(&self, body: hyper::body::Incoming) -> (Handling, WatchedBody) {
+        use hyper::body::Body as _;
+        let handling = self.handling(body.is_end_stream(), body.size_hint().exact());
+        let body = WatchedBody {
+            inner: body,
+            clocks: self.clone(),
+        };
+        (handling, body)
     }
 }
 
@@ -371,8 +380,6 @@ impl WatchedStream {
         }
     }
 }
-
-use std::future::Future as _;
 
 impl AsyncRead for WatchedStream {
     fn poll_read(
@@ -557,7 +564,6 @@ mod connection_tests {
     use super::*;
     use bytes::Bytes;
     use http_body_util::Full;
-    use hyper::body::Body as _;
     use hyper::{Request, Response, StatusCode};
     use std::convert::Infallible;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -574,8 +580,7 @@ mod connection_tests {
         let watched = clocks.clone();
         let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
             let (_, body) = request.into_parts();
-            let handling = watched.handling(body.is_end_stream(), body.size_hint().exact());
-            let body = WatchedBody::new(body, watched.clone());
+            let (handling, body) = watched.watch(body);
             async move {
                 let _handling = handling;
                 tokio::time::sleep(delay).await;

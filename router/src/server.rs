@@ -714,17 +714,18 @@ fn prepare_call(
 ) -> impl Fn(http::Request<hyper::body::Incoming>) -> http::Request<CallBody> + Clone {
     move |request| {
         let into_grpc: fn(ReadError) -> _ = ReadError::into_grpc;
-        let started = tokio::time::Instant::now();
-        let deadline = crate::grpc::deadline_in(request.headers(), started);
+        let deadline = crate::grpc::deadline_in(request.headers(), tokio::time::Instant::now());
         let mut request = request.map(|body| {
             reading
                 .body(body, Framing::Grpc)
                 .until(deadline)
                 .map_err(into_grpc)
         });
-        request
-            .extensions_mut()
-            .insert(crate::grpc::CallStarted(started));
+        if let Some(deadline) = deadline {
+            request
+                .extensions_mut()
+                .insert(crate::grpc::CallDeadline(deadline));
+        }
         if let Some(peer) = peer {
             request.extensions_mut().insert(peer);
         }
