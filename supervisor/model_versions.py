@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mpspool import process
-from mpspool.config import ConfigError, PoolConfig, version_batching
+from mpspool.config import VERSION_BATCHING_FILE, ConfigError, PoolConfig, version_batching
 from mpspool.demo_model import versions_on_disk
 from mpspool.errors import Code, in_context, status_text
 from mpspool.supervisor import background_read, config_reload
@@ -151,14 +151,38 @@ class ModelVersions:
             slots[slot.key] = slot
         group = VersionGroup(version, slots, config.segment_for(version), model=self.prefix)
         if config.batching and config.per_model_batching:
-            # Read once, as TF Serving reads it when it loads the version.
-            try:
-                group.batching = version_batching(Path(config.version_path(version)))
-            except ConfigError as exc:
-                group.batching_error = status_text(
-                    Code.INVALID_ARGUMENT, f"cannot batch as its directory asks: {exc}"
-                )
+            # Read once, as TF Serving reads it when it loads the version (`_batching_known`).
+            directory = Path(config.version_path(version))
+            group.batching_read = BackgroundRead(
+                lambda: version_batching(directory), f"batching-{self.name}@{version}"
+            )
         return group
+
+    def _batching_known(self, group: VersionGroup) -> bool:
+        """Whether the version's batching file has been read (or needs no reading), its
+        outcome kept on the group; False while the read runs (begun here if need be)."""
+        read = group.batching_read
+        if read is None:
+            return True
+        outcome = read.look()
+        if outcome is None:
+            if read.hung() and not group.batching_said:
+                group.batching_said = True
+                log.warning(
+                    "%s: reading its %s has not returned (storage not answering?)",
+                    group.label, VERSION_BATCHING_FILE,
+                )  # fmt: skip
+            return False
+        group.batching_read = None
+        if isinstance(outcome.error, ConfigError):
+            group.batching_error = status_text(
+                Code.INVALID_ARGUMENT, f"cannot batch as its directory asks: {outcome.error}"
+            )
+        elif outcome.error is not None:
+            raise outcome.error
+        else:
+            group.batching = outcome.value
+        return True
 
     # -- publishing ---------------------------------------------------------------
     def prepare_first(self) -> str:
@@ -174,6 +198,11 @@ class ModelVersions:
         imports overlap. `_advance_loading` sees the publisher end. Later versions, loaded
         while others serve, publish first and start their workers after (`_load`)."""
         group = self.groups[self.config.model_version]
+        while not self._batching_known(group):
+            if self.pool.stop_asked():
+                return ""  # (as below: the pool's start ends, and with it this wait)
+            if group.batching_read is not None:
+                group.batching_read.join(CLAIM_POLL_S)
         if group.batching_error:
             return group.batching_error
         if not self.config.share_weights or self.pool.stop_asked():
@@ -437,9 +466,16 @@ class ModelVersions:
     def _load(self, group: VersionGroup, now: float, why: str = "new on disk") -> None:
         """START -> LOADING, and its first load try."""
         group.change_state(VersionState.LOADING, now, why)
+        self._first_try(group, now)
+
+    def _first_try(self, group: VersionGroup, now: float) -> None:
+        """Its first load try, once its batching file is read (`_advance_loading` comes back
+        here while the read runs)."""
+        if not self._batching_known(group):
+            return
         if group.batching_error:
-            # Its file is read once, when the group is made: trying again would read the
-            # same refusal (README: at once, without the load retries).
+            # Its file is read once: trying again would read the same refusal (README: at
+            # once, without the load retries).
             self._fail_version(group, group.batching_error, now, retry=False)
             return
         self._start_try(group, now)
@@ -544,6 +580,9 @@ class ModelVersions:
         return self.config.drain_timeout_s + call_timeout if call_timeout > 0 else math.inf
 
     def _advance_loading(self, group: VersionGroup, now: float) -> None:
+        if group.batching_read is not None:
+            self._first_try(group, now)
+            return
         if group.retry_at is not None:
             self._retry_when_due(group, group.retry_at, now)
             return

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mpspool import segment as weight_segment
+from mpspool.supervisor.background_read import BackgroundRead
 from mpspool.supervisor.slots import Slot, group_name
 
 log = logging.getLogger("mpspool.controller")
@@ -117,9 +118,13 @@ class VersionGroup:
     workers_started: bool = False  # its program group was started (its slots STARTING)
     model: str = ""  # its model's prefix (Slot.model): "" for the pool's first model
     # With per-model batching: its batching_params.pbtxt as the front door takes it (None:
-    # not batched), read when the group is made; why that file cannot be used ("": it can).
+    # not batched), read once when its load begins; why that file cannot be used ("": it
+    # can). The read runs on a thread of its own (`batching_read`, until its outcome is
+    # taken): a version's file on storage that stopped answering held the controller's loop.
     batching: dict[str, Any] | None = None
     batching_error: str = ""
+    batching_read: BackgroundRead[dict[str, Any] | None] | None = None
+    batching_said: bool = False  # that its read hangs, said once
     # Its load tries that failed, and while it waits to be tried again (still LOADING, as
     # TF Serving's LoaderHarness stays kLoading between its retries) when the next one
     # starts and why the last one failed.

@@ -3469,6 +3469,45 @@ def test_per_model_batching_tells_each_versions_own_parameters_and_a_bad_file_fa
     assert "batching" not in plain.controller.models["demo"].version_table()[0]
 
 
+def test_a_versions_batching_file_whose_read_hangs_holds_nothing_else(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
+):
+    """A new version's batching_params.pbtxt on storage that stopped answering: the looks go
+    on (a crashed worker is replaced), the hang is said once, and the version loads once the
+    read returns, with what it read. It was read on the controller's loop, which it held."""
+    from mpspool.supervisor import model_versions
+
+    monkeypatch.setattr(background_read, "WAIT_S", 0.05)
+    monkeypatch.setattr(background_read, "SLOW_S", 0.0)
+    pool, base = versioned_pool(make_pool, [1], batching=True, per_model_batching=True)
+    answer = threading.Event()
+    real = model_versions.version_batching
+
+    def hung(directory: Path) -> dict[str, Any] | None:
+        answer.wait(30)
+        return real(directory)
+
+    monkeypatch.setattr(model_versions, "version_batching", hung)
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    (base / "2" / "batching_params.pbtxt").write_text("max_batch_size { value: 8 }\n")
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)  # version 2 found; its file's read starts, and does not return
+        pool.sd.exit("cpu-0@1", -1)
+        pool.tick(after_s=1.0)
+        pool.tick(after_s=1.0)
+    assert pool.slot("cpu-0@1").state is S.STARTING, "the look went on"
+    assert caplog.text.count("reading its batching_params.pbtxt has not returned") == 1
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    assert ("startProcessGroup", "v2") not in pool.sd.calls, "not before its file is read"
+    answer.set()
+    group = pool.controller.model.groups[2]
+    assert group.batching_read is not None and group.batching_read.join(30)
+    pool.tick(after_s=0.2)
+    assert ("startProcessGroup", "v2") in pool.sd.calls
+    assert pool.router.versions[-1][1]["batching"]["max_batch_size"] == 8
+
+
 def test_a_first_version_whose_batching_file_breaks_the_rules_fails_the_start(
     make_pool: Callable[..., Pool], tmp_path: Path
 ):
