@@ -265,3 +265,64 @@ def test_a_fault_while_a_retired_version_drains_stops_its_workers_and_restarts_t
     pool.tick(after_s=0.2)  # nothing of version 1 is running any more: it ends
     assert told(pool)[1] == "END"
     assert ("removeProcessGroup", "v1") in pool.sd.calls
+
+
+def test_a_gpu_worker_whose_tensorflow_cannot_use_its_gpu_refuses_to_serve(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """The real worker process, in the slot of a GPU this TensorFlow cannot use: the
+    tensorflow-cpu installed here is what a GPU host with a CPU-only build runs. It would have
+    loaded the model on the CPU and served, its GPU idle; it refuses before loading, saying
+    why, with the code that tells the controller not to try again."""
+    import os
+    import subprocess
+    import sys
+
+    from mpspool import process
+
+    config = PoolConfig(
+        model_name="demo", model_base_path=str(demo_model_dir), model_version=1,
+        run_dir=str(tmp_path), log_dir=str(tmp_path), workers=1, gpus=(0,), gpu_uuids=(U0,),
+        gpu_memory=(16 << 30,), contexts_per_gpu=1, mps=False, share_weights=False,
+    )  # fmt: skip
+    config.save(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "MPSPOOL_FAKE_GPUS"}
+    env["CUDA_VISIBLE_DEVICES"] = U0  # as the controller starts a GPU worker
+    worker = subprocess.run(
+        [sys.executable, "-m", "mpspool.worker", "--run-dir", str(tmp_path), "--slot", "gpu0-0"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert worker.returncode == process.EXIT_CONFIG_ERROR, worker.stderr
+    assert "FAILED_PRECONDITION: this TensorFlow (" in worker.stderr, worker.stderr
+    assert "is built without CUDA, so a GPU worker would run its model on the CPU" in worker.stderr
+
+
+def test_a_gpu_worker_whose_cuda_build_sees_no_gpu_refuses_and_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TensorFlow built with CUDA that finds no GPU (its CUDA libraries missing, the MPS
+    server refusing a 49th client): the worker refuses as a failed load, which the controller
+    tries again. Only the build is faked here (no CUDA build runs on this machine); the
+    listing of GPUs is tensorflow-cpu's own (none)."""
+    import tensorflow as tf
+
+    from mpspool import process
+    from mpspool.worker import serve
+
+    config = PoolConfig(
+        model_name="demo", model_base_path="/m", model_version=1, run_dir=str(tmp_path),
+        log_dir=str(tmp_path), workers=1, gpus=(0,), gpu_uuids=(U0,), gpu_memory=(1 << 30,),
+        contexts_per_gpu=1, mps=False,
+    )  # fmt: skip
+    monkeypatch.delenv("MPSPOOL_FAKE_GPUS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", U0)
+    monkeypatch.setattr(tf.test, "is_built_with_cuda", lambda: True)
+    with pytest.raises(SystemExit) as ended:
+        serve._require_gpu(config, "gpu0-0")
+    assert ended.value.code == process.EXIT_LOAD_FAILED
+    said = capsys.readouterr().err
+    assert f"UNAVAILABLE: TensorFlow sees no GPU (CUDA_VISIBLE_DEVICES={U0})" in said, said
+    # A CPU slot, and a GPU faked for tests, are not asked.
+    serve._require_gpu(config, "cpu-0")
+    monkeypatch.setenv("MPSPOOL_FAKE_GPUS", "[]")
+    serve._require_gpu(config, "gpu0-0")

@@ -437,6 +437,44 @@ def _require_mps_daemon(timeout_s: float = 20.0) -> None:
         )
 
 
+def _require_gpu(config: PoolConfig, slot: str) -> None:
+    """A GPU worker must run its model on its GPU. TensorFlow that cannot use it (a build
+    without CUDA; `pip install tensorflow` without its CUDA libraries; CUDA failing to start in
+    this process, as when the GPU's MPS server already has the 48 clients it takes) runs the
+    model on the CPU instead, saying so only in warnings TF_CPP_MIN_LOG_LEVEL hides: a GPU
+    pool served at CPU speed, its workers fighting over the host's cores. Refused instead,
+    before the model loads. GPUs faked for tests (MPSPOOL_FAKE_GPUS) have no CUDA to ask."""
+    from mpspool.mps.gpus import FAKE_GPUS_ENV, VISIBLE_DEVICES_ENV
+
+    if config.slot_gpu(slot) is None or os.environ.get(FAKE_GPUS_ENV, "").strip():
+        return
+    import tensorflow as tf
+
+    if not tf.test.is_built_with_cuda():
+        process.fail(
+            process.EXIT_CONFIG_ERROR,  # every try would find the same build
+            status_text(
+                Code.FAILED_PRECONDITION,
+                f"this TensorFlow ({tf.__version__}) is built without CUDA, so a GPU worker "
+                "would run its model on the CPU: install TensorFlow's GPU build (pip install "
+                "'tensorflow[and-cuda]', or the tensorflow/tensorflow:*-gpu image), or start "
+                "the pool without --gpus",
+            ),
+        )
+    if not tf.config.list_physical_devices("GPU"):
+        process.fail(
+            process.EXIT_LOAD_FAILED,  # tried again: the GPU's clients may have ended
+            status_text(
+                Code.UNAVAILABLE,
+                f"TensorFlow sees no GPU ({VISIBLE_DEVICES_ENV}="
+                f"{os.environ.get(VISIBLE_DEVICES_ENV, '')}), so this worker would run its "
+                "model on the CPU: CUDA did not start here (its libraries missing: pip install "
+                "'tensorflow[and-cuda]'; a driver too old for them; or the GPU's MPS server "
+                "refusing more clients than its 48)",
+            ),
+        )
+
+
 def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> Any:
     """The version's recorded warm-up requests (worker/warmup.py), after the synthetic
     warm-up (which also checks the fast call path); a record that fails is a load failure.
@@ -531,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not the terminal
 
     _require_mps_daemon()
+    _require_gpu(config, args.slot)
     from mpspool.worker.runtime import (
         ModelLoadError,
         ModelRefused,
