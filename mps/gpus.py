@@ -273,6 +273,23 @@ def without_mps_warnings(selected: Sequence[GpuInfo], contexts_per_gpu: int) -> 
     return warnings
 
 
+def with_mps_warnings(contexts_per_gpu: int, max_clients: int) -> list[str]:
+    """For an MPS pool, given its CUDA contexts per GPU (every model's workers): what will
+    not work. A new model version's workers start beside the serving ones, each an MPS client
+    of its own, so while it loads the GPU has twice the pool's contexts; past the MPS server's
+    `max_clients` the new workers it refuses see no GPU and fail to load (worker/serve.py), and
+    the version never replaces the one serving."""
+    if 2 * contexts_per_gpu <= max_clients:
+        return []
+    return [
+        f"{contexts_per_gpu} contexts per GPU: a new model version's workers start beside the "
+        f"serving ones, {2 * contexts_per_gpu} MPS clients per GPU, more than the "
+        f"{max_clients} an MPS server takes, so a new version cannot load while the pool "
+        f"serves (its workers past {max_clients} fail); at most {max_clients // 2} contexts "
+        "per GPU let versions change while serving"
+    ]
+
+
 # --- Backends ---------------------------------------------------------------------------------
 
 

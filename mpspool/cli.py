@@ -874,6 +874,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     config = make_config(first)
     if selected_gpus and not config.mps:
         _check_without_mps(config, selected_gpus)
+    elif selected_gpus:
+        from mpspool.mps import gpus
+        from mpspool.mps.control import MAX_CLIENTS_PER_GPU
+
+        for warning in gpus.with_mps_warnings(config.contexts_on_gpu(), MAX_CLIENTS_PER_GPU):
+            print(f"mpspool: warning: {warning}", file=sys.stderr)
     # The directories after every other check (a start refused by a flag makes neither),
     # and before the note below, so that a refusal is its one line.
     _make_log_dir(Path(config.log_dir), run_dir)

@@ -25,6 +25,7 @@ from mpspool.mps.gpus import (
     compute_mode_warnings,
     parse_gpus,
     select,
+    with_mps_warnings,
     without_mps_warnings,
 )
 
@@ -171,6 +172,16 @@ def test_without_mps_shared_gpus_are_warned_of_time_slicing() -> None:
     assert "time-slicing" in warning and "\n" not in warning
     # The compute-mode advice is MPS's: without MPS, DEFAULT is what several contexts need.
     assert "EXCLUSIVE_PROCESS" not in warning
+
+
+def test_with_mps_more_contexts_than_a_roll_fits_are_warned_of() -> None:
+    """A new version's workers start beside the serving ones: at 25 contexts per GPU and
+    above, the 48 clients an MPS server takes cannot hold both (a roll never completes)."""
+    assert with_mps_warnings(24, 48) == []
+    (warning,) = with_mps_warnings(25, 48)
+    assert warning.startswith("25 contexts per GPU: a new model version's workers start")
+    assert "50 MPS clients per GPU, more than the 48 an MPS server takes" in warning
+    assert "at most 24 contexts per GPU let versions change while serving" in warning
 
 
 # --- FakeGpuBackend ---------------------------------------------------------------------------
