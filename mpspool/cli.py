@@ -1387,15 +1387,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _weights(report: dict[str, Any] | None) -> str:
     """Short form of where a worker's variables live, for the status table: COPIED (what
-    TensorFlow copied into it) or shared, and how many variables still shared a served
-    function may yet copy (its worker watches them while it serves; `--json` names them and
-    why)."""
+    TensorFlow copied into it) or shared, what it holds on its GPU, and how many variables
+    still shared a served function may yet copy (its worker watches them while it serves;
+    `--json` names them and why)."""
     if not report:
         return "-"
     if report["copied"]:
         where = f"COPIED {_size(sum(report['copied'].values()))}"
     else:
         where = f"shared {_size(report['shared_bytes'])}"
+    if report.get("on_device"):  # a GPU worker's own copy in device memory
+        where += f", GPU {_size(sum(report['on_device'].values()))}"
     at_risk = len(set(report.get("at_risk") or {}) - set(report["copied"]))
     return f"{where}, {at_risk} at risk" if at_risk else where
 

@@ -476,7 +476,7 @@ class Controller:
                     rest_api_port=rest_port or self.config.rest_api_port,
                 )
                 self._save_config()
-        for gpu, why in self.gpu.faults(self.supervisord, infos).items():
+        for gpu, why in self.gpu.faults(self.supervisord, infos, self.clock.monotonic()).items():
             self._restart_gpu(gpu, why)
             infos = self.supervisord.process_info()
         for gpu in self.gpu.due(self.clock.monotonic()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import xmlrpc.client
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,16 @@ from typing import Any
 from mpspool.config import ConfigError, PoolConfig
 from mpspool.mps.control import DaemonHung, MpsDaemon, MpsError, fault_lines
 from mpspool.supervisor import supervisord as sd
+
+# Xids NVML reports that leave the GPU and every other context as they were: row remapping
+# and page retirement recorded (63, 64), a high single-bit ECC rate (92).
+INFORMATIONAL_XIDS = frozenset({63, 64, 92})
+# Xids that end one process's context: NVIDIA's device plugin keeps a GPU healthy through
+# 13, 31, 43, 45 and 68 ("application errors"); 94 is an ECC error contained to the process
+# it hit (docs.nvidia.com/deploy/xid-errors).
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 94})
+# After a GPU's workers are restarted for a fault, its Xids for this long are that fault's.
+XID_SETTLE_S = 10.0
 
 log = logging.getLogger("mpspool.controller")
 
@@ -67,6 +78,9 @@ class GpuWatch:
         self._log_offset: dict[int, int] = {}
         self.defaults: dict[int, dict[str, str]] = {}
         self.down: dict[int, GpuDown] = {}
+        # When each GPU's last fault was found (monotonic): the Xids its teardown causes
+        # (45, 43) come after, and are not a second fault.
+        self._fault_at: dict[int, float] = {}
 
     # -- configuration ------------------------------------------------------------
     def check_without_mps(self, config: PoolConfig) -> list[str]:
@@ -148,8 +162,11 @@ class GpuWatch:
         log.info("%s ready: %s", daemon.program, self.defaults[gpu])
 
     # -- watching -----------------------------------------------------------------
-    def faults(self, supervisor: Any, infos: dict[str, dict[str, Any]]) -> dict[int, str]:
-        """GPU → why its workers must restart, for what happened since the last look."""
+    def faults(
+        self, supervisor: Any, infos: dict[str, dict[str, Any]], now: float
+    ) -> dict[int, str]:
+        """GPU → why its workers must restart, for what happened since the last look
+        (``now``: the controller's monotonic clock)."""
         found: dict[int, str] = {}
         for gpu, daemon in self.daemons.items():
             if gpu in self.down:
@@ -168,9 +185,34 @@ class GpuWatch:
             uuids = {self.config.gpu_uuid(g): g for g in self.config.gpus}
             for uuid, xid in self.backend.xid_events():
                 # A down GPU's workers are already stopped; its next try keeps its back-off.
-                if uuid in uuids and uuids[uuid] not in self.down:
-                    found[uuids[uuid]] = f"NVML Xid {xid}"
+                if uuid not in uuids or uuids[uuid] in self.down:
+                    continue
+                gpu = uuids[uuid]
+                ignored = self._xid_ignored(xid, now - self._fault_at.get(gpu, -math.inf))
+                if ignored:
+                    log.info("GPU %d: NVML Xid %d, its workers kept: %s", gpu, xid, ignored)
+                else:
+                    found[gpu] = f"NVML Xid {xid}"
+        for gpu in found:
+            self._fault_at[gpu] = now
         return found
+
+    def _xid_ignored(self, xid: int, since_fault_s: float) -> str:
+        """Why an Xid on one of the pool's GPUs does not restart its workers ("": it does).
+        NVML reports nearly every Xid as critical; NVIDIA's device plugin keeps a GPU healthy
+        through the application ones, and some only record or count. Restarting every worker
+        of the GPU at each of them took a pod's only GPU down for an ECC record, and one fault
+        restarted the workers again for the Xids its teardown causes."""
+        if xid in INFORMATIONAL_XIDS:
+            return "it records an event, the GPU and its contexts are unharmed"
+        if xid in APPLICATION_XIDS and self.config.mps:
+            # Under MPS a fault of one of the pool's clients faults its server, which its
+            # daemon says (`fault_lines`); another process's is not the pool's. Without MPS
+            # the faulted context may be a worker's: restarted.
+            return "one process's fault, and the pool's MPS server reported none"
+        if since_fault_s < XID_SETTLE_S:
+            return f"within {XID_SETTLE_S:.0f} s of the fault its workers were restarted for"
+        return ""
 
     def _new_output(self, supervisor: Any, gpu: int, daemon: MpsDaemon) -> list[str]:
         try:

@@ -30,7 +30,7 @@ from mpspool.supervisor import background_read, config_reload
 from mpspool.supervisor.background_read import BackgroundRead
 from mpspool.supervisor.slots import Slot, program_name
 from mpspool.supervisor.states import FINAL_STATES, WorkerState
-from mpspool.supervisor.supervisord import SPAWN_REFUSALS, program_logs
+from mpspool.supervisor.supervisord import SPAWN_REFUSALS, program_logs, publisher_environment
 from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
@@ -280,7 +280,7 @@ class ModelVersions:
                     self.config.loading_priority,
                 ),
                 cwd=self.pool.run_dir,  # not a source checkout (see supervisord.py)
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                env=publisher_environment(os.environ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

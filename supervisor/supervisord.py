@@ -238,6 +238,15 @@ def pool_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith("CUDA_MPS_")}
 
 
+def publisher_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a weight publisher runs with: the pool's environment, and no GPU. It reads a
+    checkpoint on the CPU, but a TensorFlow with CUDA, at its first eager op (a checkpoint
+    only its reader takes), would open every visible GPU outside MPS and map nearly all of
+    its memory while the pool's workers load or serve there (or, in EXCLUSIVE_PROCESS mode,
+    be refused the GPU the MPS server holds, or hold it from the server)."""
+    return {**pool_environment(environ), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
 class Supervisord:
     """A supervisord child process and its XML-RPC interface."""
 

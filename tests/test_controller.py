@@ -3817,3 +3817,28 @@ def test_asking_a_front_door_that_does_not_read_never_blocks(tmp_path: Path) -> 
         link.close()
         deaf.close()
         context.term()
+
+
+def test_the_publisher_is_started_without_a_gpu_or_the_operators_mps_settings(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """The controller's own start of a publisher (not the tests' fake): its environment is the
+    pool's with CUDA_VISIBLE_DEVICES empty, so a TensorFlow with CUDA reading the checkpoint
+    leaves the pool's GPUs alone."""
+    from mpspool.supervisor import model_versions
+
+    started: list[dict[str, str]] = []
+
+    class Started:
+        def __init__(self, command: list[str], **options: Any) -> None:
+            started.append(options["env"])
+
+    monkeypatch.setattr(model_versions.subprocess, "Popen", Started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/elsewhere")
+    pool = make_pool()
+    model = pool.controller.models["demo"]
+    model._start_publisher(model.groups[1])
+    [env] = started
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_MPS_PIPE_DIRECTORY" not in env
+    assert env["PATH"] == os.environ["PATH"]

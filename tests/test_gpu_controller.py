@@ -192,17 +192,50 @@ def test_daemon_output_and_daemon_death_are_faults_of_their_gpu(tmp_path: Path) 
     }
     watch._daemon_pid = {0: 50, 1: 51}
     supervisor.log.append("[t Control 50] Starting control daemon\n")
-    assert watch.faults(supervisor, infos) == {}  # the first look only sets the offset
+    assert watch.faults(supervisor, infos, 0.0) == {}  # the first look only sets the offset
     supervisor.log.append("[t Control 50] Server encountered a fatal exception. Shutting down\n")
-    faults = watch.faults(supervisor, infos)
+    faults = watch.faults(supervisor, infos, 0.0)
     assert set(faults) == {0, 1}  # both tail the same fake log here
     assert all("MPS server fault" in why for why in faults.values())
-    assert watch.faults(supervisor, infos) == {}  # reported once
+    assert watch.faults(supervisor, infos, 0.0) == {}  # reported once
 
     infos["mps:mps-gpu1"] = {"state": sd.RUNNING, "statename": "RUNNING", "pid": 77}
-    assert list(watch.faults(supervisor, infos)) == [1]  # a new daemon pid: it died
+    assert list(watch.faults(supervisor, infos, 0.0)) == [1]  # a new daemon pid: it died
     infos["mps:mps-gpu0"] = {"state": sd.BACKOFF, "statename": "BACKOFF", "pid": 0}
-    assert 0 in watch.faults(supervisor, infos)
+    assert 0 in watch.faults(supervisor, infos, 0.0)
+
+
+def test_xids_that_leave_the_gpu_working_or_repeat_a_fault_restart_nothing(
+    tmp_path: Path,
+) -> None:
+    """NVML reports nearly every Xid as critical. An ECC record (63, 64), a high single-bit
+    rate (92), and under MPS one process's fault (13, 31, 43, 45, 68, 94: the pool's own
+    client's faults its server, which the daemon says) keep the workers; without MPS such a
+    context may be a worker's, restarted; and Xids within 10 s of a restart for a fault are
+    that fault's (its teardown's 45 and 43), not a second one."""
+    backend = FakeGpuBackend([GpuInfo(0, U0, "Fake", 16 << 30, EXCLUSIVE_PROCESS)])
+    config = PoolConfig(
+        model_name="demo", model_base_path="/m", model_version=1, run_dir=str(tmp_path),
+        log_dir=str(tmp_path / "logs"), workers=1, gpus=(0,), gpu_uuids=(U0,),
+        gpu_memory=(16 << 30,), contexts_per_gpu=1, mps=True, mps_control="/bin/false",
+    )  # fmt: skip
+    supervisor = _TailSupervisor()
+    infos = {"mps:mps-gpu0": {"state": sd.RUNNING, "statename": "RUNNING", "pid": 50}}
+
+    def faults(watch: GpuWatch, xids: list[int], now: float) -> dict[int, str]:
+        for xid in xids:
+            backend.queue_xid(U0, xid)
+        return watch.faults(supervisor, infos, now)
+
+    watch = GpuWatch(config, tmp_path, backend)
+    watch._daemon_pid = {0: 50}
+    assert faults(watch, [63, 64, 92, 13, 31, 43, 45, 68, 94], 100.0) == {}
+    assert faults(watch, [79], 101.0) == {0: "NVML Xid 79"}  # fallen off the bus
+    assert faults(watch, [48, 45], 105.0) == {}  # within 10 s: the same fault's
+    assert faults(watch, [48], 111.5) == {0: "NVML Xid 48"}  # a new one
+    plain = GpuWatch(dataclasses.replace(config, mps=False), tmp_path, backend)
+    assert faults(plain, [63], 200.0) == {}
+    assert faults(plain, [13], 201.0) == {0: "NVML Xid 13"}  # may be a worker's context
 
 
 def test_gpu_usage_is_sent_to_the_front_door_every_interval(

@@ -128,7 +128,7 @@ def test_the_operators_mps_variables_stay_out_of_the_pool(
     workers to whatever daemon listened there, and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE capped
     each worker below what status showed. A relative --mps-control path is made absolute
     (supervisord starts the daemon from the run directory, where it did not resolve)."""
-    from mpspool.supervisor.supervisord import pool_environment
+    from mpspool.supervisor.supervisord import pool_environment, publisher_environment
 
     env = {
         "PATH": "/usr/bin",
@@ -137,6 +137,11 @@ def test_the_operators_mps_variables_stay_out_of_the_pool(
         "CUDA_VISIBLE_DEVICES": "0",
     }
     assert pool_environment(env) == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0"}
+    # A weight publisher reads on the CPU: a TensorFlow with CUDA would open the GPU outside
+    # MPS and map most of its memory beside the workers.
+    assert publisher_environment(env) == {
+        "PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+    }  # fmt: skip
     control = tmp_path / "nvidia-cuda-mps-control"
     control.write_text("#!/bin/sh\n")
     control.chmod(0o755)

@@ -242,8 +242,40 @@ def test_shared_load_reports_every_variable_shared(
         "segment": str(path),
         "shared_bytes": sum(t.nbytes for t in manifest.tensors),
         "copied": {},
+        "on_device": {},
         "at_risk": {},
     }
+
+
+def test_variables_a_gpu_holds_are_its_own_copies_not_refused_ones(
+    shared_demo: ModelRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, TensorFlow places variables in device memory: binding one to the segment
+    copies it there (MPS clients share no memory), which verify() called COPIED, and every
+    GPU worker refused to serve (found by a review of the GPU paths). Such a variable is
+    reported on the device and is no refusal. Only the DLPack device type is faked here
+    (kDLCUDA, 2): no GPU TensorFlow runs on this machine; the host reading is the real one."""
+    from mpspool.worker import shared_weights
+
+    before = shared_demo.weights_report()
+    real = shared_weights._buffer
+    table = next(v for v, _ in shared_demo.shared[1].values() if v.shape.rank == 2)
+
+    def on_gpu(tf: Any, variable: Any) -> tuple[int, int]:
+        address, device = real(tf, variable)
+        assert device == shared_weights.DLPACK_CPU  # what the real reading says here
+        return (address, 2) if variable is table else (address, device)
+
+    monkeypatch.setattr(shared_weights, "_buffer", on_gpu)
+    report = shared_demo.weights_report()
+    nbytes = table.shape.num_elements() * table.dtype.size
+    assert report["on_device"] == {table.name: nbytes}
+    assert report["copied"] == {}
+    assert report["shared_bytes"] == before["shared_bytes"] - nbytes
+    from mpspool import cli
+
+    shared, on_gpu_size = cli._size(report["shared_bytes"]), cli._size(nbytes)
+    assert cli._weights(report) == f"shared {shared}, GPU {on_gpu_size}"  # the status column
 
 
 def test_plain_load_has_no_weights_report(plain_demo: ModelRuntime) -> None:

@@ -469,8 +469,9 @@ def _require_gpu(config: PoolConfig, slot: str) -> None:
                 f"TensorFlow sees no GPU ({VISIBLE_DEVICES_ENV}="
                 f"{os.environ.get(VISIBLE_DEVICES_ENV, '')}), so this worker would run its "
                 "model on the CPU: CUDA did not start here (its libraries missing: pip install "
-                "'tensorflow[and-cuda]'; a driver too old for them; or the GPU's MPS server "
-                "refusing more clients than its 48)",
+                "'tensorflow[and-cuda]'; a driver too old for them; the GPU's MPS server not "
+                "ready, starting or recovering from a fault; or it refusing more clients than "
+                "its 48)",
             ),
         )
 
@@ -641,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     elif weights:
         log.info(
             "weights: %.1f MiB shared from %s", weights["shared_bytes"] / 2**20, weights["segment"]
+        )
+    if weights and weights.get("on_device"):
+        # TensorFlow places variables on the GPU: loaded from the segment, not the checkpoint.
+        log.info(
+            "weights: %.1f MiB on the GPU (this worker's own, as MPS clients share no memory)",
+            sum(weights["on_device"].values()) / 2**20,
         )
     # Known to the front door by placement and version (and model, but the first's): two
     # versions share a placement while one replaces the other.

@@ -53,6 +53,10 @@ class WeightsReport:
     segment: str
     shared_bytes: int = 0
     copied: dict[str, int] = field(default_factory=dict)  # variable name → bytes copied
+    # variable name → bytes TensorFlow holds in device (GPU) memory: on a GPU it places
+    # variables there, one copy per worker (MPS gives each client memory of its own), loaded
+    # from the segment instead of from the checkpoint. Expected, not a copy refused.
+    on_device: dict[str, int] = field(default_factory=dict)
     # variable name → why a served function may yet copy it (audit(): an op on a path that
     # warm-up did not take, say); not counted in `copied` until it happens.
     at_risk: dict[str, str] = field(default_factory=dict)
@@ -62,11 +66,14 @@ class WeightsReport:
             "segment": self.segment,
             "shared_bytes": self.shared_bytes,
             "copied": self.copied,
+            "on_device": self.on_device,
             "at_risk": self.at_risk,
         }
 
     def summary(self) -> str:
         text = f"shared {self.shared_bytes / 2**20:.1f} MiB"
+        if self.on_device:
+            text += f"; on the GPU {sum(self.on_device.values()) / 2**20:.1f} MiB"
         if self.copied:
             names = ", ".join(f"{k} ({v / 2**20:.1f} MiB)" for k, v in self.copied.items())
             text += f"; COPIED: {names}"
@@ -271,10 +278,15 @@ def verify(
     segment: AttachedSegment,
     at_risk: dict[str, str] | None = None,
 ) -> WeightsReport:
-    """Which variables still read from the segment, and which TensorFlow copied."""
+    """Which variables still read from the segment, which TensorFlow copied into host
+    memory, and which it holds on a GPU (where it places variables when it has one)."""
     report = WeightsReport(segment=str(segment.path), at_risk=dict(at_risk or {}))
     for variable, entry in bound.values():
-        if segment.contains(_buffer_address(tf, variable)):
+        address, device = _buffer(tf, variable)
+        if device != DLPACK_CPU:
+            report.on_device[variable.name] = entry.nbytes
+            report.at_risk.pop(variable.name, None)  # no host copy to watch for
+        elif segment.contains(address):
             report.shared_bytes += entry.nbytes
         else:
             report.copied[variable.name] = entry.nbytes
@@ -286,16 +298,24 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def _buffer_address(tf: Any, variable: Any) -> int:
-    """Where the variable's current buffer lives. Through DLPack of its value, because
-    `variable.numpy()` would itself make a copy."""
+# DLPack's device type of host memory (dlpack.h, DLDeviceType kDLCPU); a GPU's is kDLCUDA (2).
+DLPACK_CPU = 1
+
+
+def _buffer(tf: Any, variable: Any) -> tuple[int, int]:
+    """Where the variable's current buffer lives: its address, and the DLPack device type of
+    the memory it is in. Through DLPack of its value, because `variable.numpy()` would itself
+    make a copy."""
     # Not variable.value(): once a variable is in copy-on-read mode a ReadVariableOp copies
     # the whole buffer, and the check itself would make the copy it looks for.
     value = variable.read_value_no_copy() if hasattr(variable, "read_value_no_copy") else None
     capsule = tf.experimental.dlpack.to_dlpack(value if value is not None else variable.value())
     dl_tensor = _capsule_pointer(capsule, b"dltensor")
-    # DLTensor starts with `void* data`; byte_offset (after 3 more fields) is 0 for TF.
-    return ctypes.cast(dl_tensor, ctypes.POINTER(ctypes.c_void_p))[0]
+    # DLTensor starts with `void* data`, then `DLDevice device` (int32 device_type, int32
+    # device_id); byte_offset (after 3 more fields) is 0 for TF.
+    address = ctypes.cast(dl_tensor, ctypes.POINTER(ctypes.c_void_p))[0]
+    device = ctypes.cast(dl_tensor + ctypes.sizeof(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32))
+    return address or 0, device[0]
 
 
 # -- what the served functions do with each shared variable's handle ---------------------
