@@ -524,12 +524,12 @@ impl WarmupMetrics {
         let labels = |path: &str| format!("model_path=\"{}\",status=\"OK\"", escape(path));
         let name = ":tensorflow:serving:model_warmup_latency";
         let _ = writeln!(out, "# TYPE {name} histogram");
-        for (path, (_, warmed)) in by_path.iter() {
+        for (path, Folder { value: warmed, .. }) in by_path.iter() {
             warmed.latency.render(out, name, &labels(path));
         }
         let name = ":tensorflow:serving:model_warmup_records_read";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (path, (_, warmed)) in by_path.iter() {
+        for (path, Folder { value: warmed, .. }) in by_path.iter() {
             let _ = writeln!(out, "{name}{{{}}} {}", labels(path), warmed.read);
         }
     }
@@ -592,7 +592,7 @@ impl LoadMetrics {
         let by_path = self.by_path.lock();
         let name = ":tensorflow:cc:saved_model:load_attempt_count";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (path, (_, loaded)) in by_path.iter() {
+        for (path, Folder { value: loaded, .. }) in by_path.iter() {
             for (status, count) in [("success", loaded.successes), ("fail", loaded.failures)] {
                 if count > 0 {
                     let labels = format!("model_path=\"{}\",status=\"{status}\"", escape(path));
@@ -602,18 +602,26 @@ impl LoadMetrics {
         }
         let name = ":tensorflow:cc:saved_model:load_latency";
         let _ = writeln!(out, "# TYPE {name} counter");
-        for (path, (_, loaded)) in by_path.iter() {
+        for (path, Folder { value: loaded, .. }) in by_path.iter() {
             let path = escape(path);
             let _ = writeln!(out, "{name}{{model_path=\"{path}\"}} {}", loaded.micros);
         }
     }
 }
 
-/// Series kept per version folder (`model_path`), each with the version it is, dropped once
-/// the controller no longer lists that version: one set per version ever loaded grew the
-/// page by dozens of lines a deploy, for ever (found by a hunt).
+/// Series kept per version folder (`model_path`), each with the versions it is, dropped once
+/// the controller lists none of them: one set per version ever loaded grew the page by dozens
+/// of lines a deploy, for ever (found by a hunt). A folder may be a version of two models
+/// (two names on one base path, as TF Serving allows): its series, one as TF Serving's are
+/// keyed by the path alone, stay while either model lists it.
 struct ByVersionFolder<T> {
-    series: std::sync::Mutex<std::collections::BTreeMap<String, (Servable, T)>>,
+    series: std::sync::Mutex<std::collections::BTreeMap<String, Folder<T>>>,
+}
+
+struct Folder<T> {
+    /// The versions this folder is (one per model that loaded it).
+    of: BTreeSet<Servable>,
+    value: T,
 }
 
 impl<T> Default for ByVersionFolder<T> {
@@ -634,23 +642,33 @@ impl<T> ByVersionFolder<T> {
         update: impl FnOnce(&mut T),
     ) {
         let mut series = self.lock();
-        let (_, value) = series
-            .entry(path.to_string())
-            .or_insert_with(|| (servable, new()));
-        update(value);
+        let folder = series.entry(path.to_string()).or_insert_with(|| Folder {
+            of: BTreeSet::new(),
+            value: new(),
+        });
+        folder.of.insert(servable);
+        update(&mut folder.value);
     }
 
-    /// `model`'s versions are now `listed`: the series of its other versions go.
+    /// `model`'s versions are now `listed`: its other versions' folders go, unless another
+    /// model's version is the same folder.
     fn keep_versions_of(&self, model: ModelId, listed: &BTreeSet<i64>) {
-        self.lock()
-            .retain(|_, (s, _)| s.model != model || listed.contains(&s.version));
+        self.keep(|s| s.model != model || listed.contains(&s.version));
     }
 
     fn keep_models(&self, served: &BTreeSet<ModelId>) {
-        self.lock().retain(|_, (s, _)| served.contains(&s.model));
+        self.keep(|s| served.contains(&s.model));
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, (Servable, T)>> {
+    /// Each folder keeps the versions `kept` keeps, and goes with its last.
+    fn keep(&self, kept: impl Fn(&Servable) -> bool) {
+        self.lock().retain(|_, folder| {
+            folder.of.retain(|servable| kept(servable));
+            !folder.of.is_empty()
+        });
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Folder<T>>> {
         self.series.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -794,6 +812,37 @@ mod tests {
         loads.render(&mut page);
         assert!(!page.contains("/models/a/1"));
         assert!(page.contains("/models/a/2"));
+    }
+
+    #[test]
+    fn a_folder_two_models_load_keeps_its_series_while_either_lists_it() {
+        let loads = LoadMetrics::default();
+        let a = Servable {
+            model: 0,
+            version: 1,
+        };
+        let b = Servable {
+            model: 1,
+            version: 1,
+        };
+        loads.record(a, "/models/shared/1", 10);
+        loads.record(b, "/models/shared/1", 20);
+        let page = || {
+            let mut page = String::new();
+            loads.render(&mut page);
+            page
+        };
+        let latency =
+            ":tensorflow:cc:saved_model:load_latency{model_path=\"/models/shared/1\"} 30\n";
+        assert!(page().contains(latency), "{}", page());
+        // The model that made the series removed, then its version retired: the other
+        // model still lists the folder, and its counts stay.
+        loads.keep_models(&BTreeSet::from([1]));
+        assert!(page().contains(latency), "{}", page());
+        loads.keep_versions_of(0, &BTreeSet::new());
+        assert!(page().contains(latency), "{}", page());
+        loads.keep_versions_of(1, &BTreeSet::from([2]));
+        assert!(!page().contains("/models/shared/1"), "{}", page());
     }
 
     #[test]
