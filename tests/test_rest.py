@@ -358,7 +358,7 @@ def test_cors_headers_with_tf_servings_flag_and_preflights_either_way(
     # Methods TF Serving's HTTP server (libevent) does not take: 501 on any path, the
     # metrics page's too (a 200 to CONNECT had the connection taken for a tunnel, closed).
     port = int(demo.rest_url.rsplit(":", 1)[1])
-    for method in ("TRACE", "CONNECT"):
+    for method in ("TRACE", "CONNECT", "PROPFIND", "FOO"):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(f"{method} /monitoring/metrics HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             said = sock.recv(4096)
@@ -498,6 +498,13 @@ def test_rest_status_and_metadata_equal_grpcs(demo: Pool) -> None:
         # The demo's predict signature has two inputs: not something Classify can run.
         ("demo:classify", {"examples": [{}]}, 400, "Expected one input Tensor."),
         ("demo:explain", {}, 400, "Malformed request: POST /v1/models/demo:explain"),
+        # TF Serving matches the path with its query: a query string is no predict there.
+        (
+            "demo:predict?verbose=1",
+            {},
+            400,
+            "Malformed request: POST /v1/models/demo:predict?verbose=1",
+        ),
     ],
 )
 def test_rest_errors_are_tf_servings(
@@ -517,6 +524,11 @@ def test_rest_status_errors(demo: Pool) -> None:
     assert (answer.status_code, answer.json()) == (400, {"error": "Missing model name in request."})
     answer = requests.get(f"{demo.rest_url}/metrics", timeout=30)
     assert answer.status_code == 404
+    # The query is part of the name TF Serving's pattern ([^/:]+) reads.
+    answer = requests.get(f"{demo.rest_url}/v1/models/demo?x=1", timeout=30)
+    assert answer.json() == {"error": "Could not find any versions of model demo?x=1"}
+    answer = requests.get(f"{demo.rest_url}/v1/models/demo/versions/1?x=1", timeout=30)
+    assert answer.json() == {"error": "Malformed request: GET /v1/models/demo/versions/1?x=1"}
 
 
 def test_a_worker_error_and_huge_bodies_lose_nothing(demo: Pool) -> None:
@@ -578,6 +590,13 @@ def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
     page = requests.get(f"{demo.rest_url}/monitoring/prometheus/metrics", timeout=30)
     assert page.status_code == 200
     assert page.headers["Content-Type"].startswith("text/plain")
+    # TF Serving finds the page by its path, then refuses a query (ProcessPrometheusRequest).
+    queried = requests.get(f"{demo.rest_url}/monitoring/prometheus/metrics?a=1", timeout=30)
+    assert (queried.status_code, queried.text) == (
+        400,
+        "Unexpected path: /monitoring/prometheus/metrics?a=1. "
+        "Should be /monitoring/prometheus/metrics",
+    )
     tfs = prometheus_samples(page.text)
     assert tfs[':tensorflow:serving:request_count{model_name="demo",status="OK"}'] >= 6
     assert (

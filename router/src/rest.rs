@@ -239,6 +239,21 @@ fn decode(text: &str, what: &str) -> Result<String, ServingError> {
         .map_err(|_| ServingError::invalid_argument(format!("Failed to decode {what}:{text}")))
 }
 
+/// The methods TF Serving's HTTP server lets through (evhttp_server.cc sets them with
+/// evhttp_set_allowed_methods); libevent answers any other, an unknown token too, with 501.
+fn libevent_takes(method: &HttpMethod) -> bool {
+    [
+        HttpMethod::GET,
+        HttpMethod::POST,
+        HttpMethod::HEAD,
+        HttpMethod::PUT,
+        HttpMethod::DELETE,
+        HttpMethod::OPTIONS,
+        HttpMethod::PATCH,
+    ]
+    .contains(method)
+}
+
 fn is_name(segment: &str) -> bool {
     !segment.is_empty() && !segment.contains(':')
 }
@@ -536,23 +551,40 @@ impl Rest {
     /// One HTTP request: never fails (errors are JSON answers).
     pub async fn handle(&self, request: Request<WatchedBody>) -> Response<Full<Bytes>> {
         let method = request.method().clone();
-        let path = request.uri().path().to_string();
-        if method == HttpMethod::CONNECT || method == HttpMethod::TRACE {
-            // Methods libevent (TF Serving's HTTP server) does not take: 501 before any
-            // route. (A 200 to CONNECT, from the metrics page, had hyper take the connection
-            // for a tunnel and close it.)
+        if !libevent_takes(&method) {
+            // 501 before any route, as libevent (TF Serving's HTTP server) answers a method
+            // it was not told to take. (A 200 to CONNECT, from the metrics page, had hyper
+            // take the connection for a tunnel and close it.)
             let mut response = Response::new(Full::new(Bytes::new()));
             *response.status_mut() = StatusCode::NOT_IMPLEMENTED;
             return response;
         }
-        // Any other method, as TF Serving's HTTP server matches the page by its path alone (a HEAD
-        // gets the headers only: hyper leaves a HEAD answer's body out).
-        if self.prometheus_path.as_deref() == Some(path.as_str()) {
-            let mut response =
-                Response::new(Full::new(Bytes::from(self.api.metrics.render_tf_serving())));
+        // TF Serving's handlers read the path with its query (EvHTTPRequest::uri_path is
+        // path_and_query): `:predict?x=1` is a malformed request there, not a predict.
+        let path = request.uri().path_and_query().map_or_else(
+            || request.uri().path().to_string(),
+            |p| p.as_str().to_string(),
+        );
+        // Any other method, as TF Serving's HTTP server finds the page by its path alone (a
+        // HEAD gets the headers only: hyper leaves a HEAD answer's body out); its handler
+        // then refuses a query (ProcessPrometheusRequest: 400, "Unexpected path").
+        if let Some(page) = self
+            .prometheus_path
+            .as_deref()
+            .filter(|page| *page == request.uri().path())
+        {
+            let (status, body, kind) = if path == page {
+                let page = self.api.metrics.render_tf_serving();
+                (StatusCode::OK, page, "text/plain; version=0.0.4")
+            } else {
+                let said = format!("Unexpected path: {path}. Should be {page}");
+                (StatusCode::BAD_REQUEST, said, "text/plain")
+            };
+            let mut response = Response::new(Full::new(Bytes::from(body)));
+            *response.status_mut() = status;
             response.headers_mut().insert(
                 hyper::header::CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+                hyper::header::HeaderValue::from_static(kind),
             );
             return response;
         }
@@ -1467,6 +1499,14 @@ mod tests {
         );
         assert_eq!(post("/v1/models/demo/versions/x:predict"), None);
         assert_eq!(post("/v1/models/demo:explain"), None);
+        // The path comes with its query, as TF Serving's handler reads it: a query after the
+        // method matches nothing, one before it is part of the name ([^/:]+).
+        assert_eq!(post("/v1/models/demo:predict?verbose=1"), None);
+        assert_eq!(get("/v1/models/demo/versions/1?x=1"), None);
+        assert_eq!(
+            post("/v1/models/demo?x=a:predict"),
+            call("demo?x=a", Version::Latest, "predict")
+        );
         assert_eq!(post("/v1/models/demo"), None);
         assert_eq!(post("/v1/models/:predict"), None);
         assert_eq!(
@@ -1545,6 +1585,16 @@ mod tests {
             huge.unwrap_err().message,
             "Failed to convert version: 99999999999999999999 to numeric."
         );
+    }
+
+    #[test]
+    fn methods_outside_libevents_allowed_set_are_not_taken() {
+        for method in ["GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"] {
+            assert!(libevent_takes(&method.parse().unwrap()), "{method}");
+        }
+        for method in ["TRACE", "CONNECT", "PROPFIND", "FOO", "get"] {
+            assert!(!libevent_takes(&method.parse().unwrap()), "{method}");
+        }
     }
 
     #[test]
