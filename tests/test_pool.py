@@ -8,6 +8,7 @@ import json
 import stat
 import subprocess
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -308,6 +309,44 @@ def test_workers_serve_without_loading_matplotlib(pool: Pool) -> None:
         maps = Path(f"/proc/{pid}/maps").read_text()
         assert "tensorflow" in maps, "a worker with TensorFlow loaded"
         assert "/matplotlib/" not in maps, f"worker {pid} loaded matplotlib"
+
+
+def test_calls_the_c_core_refuses_by_their_headers_are_refused_alike(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """As gRPC's C core (TF Serving's server) refuses them before any method runs: a GET
+    (the front door routed by path alone, and curl's GET ran a Predict) and a POST without
+    `te: trailers`, each UNKNOWN in the C core's words. The content type is not checked, as
+    the C core does not check it: a proper call with another one is answered."""
+    body = make_request(demo_inputs(1, DEMO_ROWS)).SerializeToString()
+    framed = tmp_path / "framed"
+    framed.write_bytes(b"\0" + len(body).to_bytes(4, "big") + body)
+    answer = tmp_path / "answer"
+    url = f"http://127.0.0.1:{pool.port}/tensorflow.serving.PredictionService/Predict"
+
+    def call(*args: str) -> dict[str, str]:
+        head = subprocess.run(
+            ["curl", "-sS", "--http2-prior-knowledge", "-D", "-", "-o", str(answer), *args, url],
+            capture_output=True, check=True, timeout=30, text=True,
+        ).stdout  # fmt: skip
+        lines = (line.partition(":") for line in head.splitlines()[1:])
+        got = {name.strip().lower(): value.strip() for name, _, value in lines if name}
+        if "grpc-message" in got:  # percent-encoded, as gRPC clients decode it
+            got["grpc-message"] = urllib.parse.unquote(got["grpc-message"])
+        return got
+
+    got = call()
+    assert (got["grpc-status"], got["grpc-message"]) == ("2", "Bad method header"), got
+    post = ["--data-binary", f"@{framed}"]
+    got = call(*post, "-H", "content-type: application/grpc")
+    assert (got["grpc-status"], got["grpc-message"]) == ("2", "Missing :te header"), got
+    answer.unlink()
+    got = call(*post, "-H", "content-type: application/octet-stream", "-H", "te: trailers")
+    assert "grpc-message" not in got, got
+    answered = answer.read_bytes()
+    response = predict_pb2.PredictResponse.FromString(answered[5:])
+    assert int.from_bytes(answered[1:5], "big") == len(answered) - 5
+    assert response.model_spec.name == "demo" and response.outputs, response
 
 
 def test_error_codes_match_tf_serving(pool: Pool, stub) -> None:

@@ -14,6 +14,7 @@ mod control;
 mod decode_budget;
 mod dispatch;
 mod grpc;
+mod grpc_headers;
 mod hpack;
 mod inference;
 mod json_nonfinite;

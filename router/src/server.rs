@@ -668,7 +668,8 @@ impl Peer {
     }
 }
 
-/// One connection's gRPC service: each call tagged with the peer, its body read as
+/// One connection's gRPC service: calls the C core refuses by their headers refused
+/// (grpc_headers), each other call tagged with the peer, its body read as
 /// `reading` says (request_body), holding its request's share of the request budget until it
 /// ends (decode_budget), and its answer's until the answer is handed over, the answers
 /// watched by `watch` (answer_body).
@@ -691,8 +692,7 @@ fn connection_service(
 > {
     let answers = watch.answers.clone();
     TowerToHyperService::new(
-        routes
-            .clone()
+        crate::grpc_headers::WellFormed(routes.clone())
             .map_request(prepare_call(reading.clone(), peer))
             .map_future(move |call| {
                 answering(
