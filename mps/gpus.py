@@ -273,20 +273,23 @@ def without_mps_warnings(selected: Sequence[GpuInfo], contexts_per_gpu: int) -> 
     return warnings
 
 
-def with_mps_warnings(contexts_per_gpu: int, max_clients: int) -> list[str]:
-    """For an MPS pool, given its CUDA contexts per GPU (every model's workers): what will
-    not work. A new model version's workers start beside the serving ones, each an MPS client
-    of its own, so while it loads the GPU has twice the pool's contexts; past the MPS server's
-    `max_clients` the new workers it refuses see no GPU and fail to load (worker/serve.py), and
-    the version never replaces the one serving."""
-    if 2 * contexts_per_gpu <= max_clients:
+def with_mps_warnings(groups: Sequence[tuple[int, int]], max_clients: int) -> list[str]:
+    """For an MPS pool, given each model's (contexts per GPU, versions its policy serves at
+    once): what will not work. Each version serves on contexts of its own, and a new version's
+    workers start beside the serving ones, each an MPS client; past the MPS server's
+    `max_clients` the workers it refuses see no GPU and fail to load (worker/serve.py), and
+    that version never serves."""
+    serving = sum(contexts * versions for contexts, versions in groups)
+    loading = serving + max((contexts for contexts, _ in groups), default=0)
+    if loading <= max_clients:
         return []
     return [
-        f"{contexts_per_gpu} contexts per GPU: a new model version's workers start beside the "
-        f"serving ones, {2 * contexts_per_gpu} MPS clients per GPU, more than the "
-        f"{max_clients} an MPS server takes, so a new version cannot load while the pool "
-        f"serves (its workers past {max_clients} fail); at most {max_clients // 2} contexts "
-        "per GPU let versions change while serving"
+        f"{serving} MPS clients per GPU while serving (each model's contexts, for each version "
+        f"its policy serves) and {loading} while a model loads a new version beside those: "
+        f"more than the {max_clients} an MPS server takes, so "
+        + ("versions cannot all serve" if serving > max_clients else "a new version cannot load")
+        + f" (the workers past {max_clients} fail); fewer contexts per GPU, or versions served "
+        "at once, let versions change while serving"
     ]
 
 

@@ -878,7 +878,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         from mpspool.mps import gpus
         from mpspool.mps.control import MAX_CLIENTS_PER_GPU
 
-        for warning in gpus.with_mps_warnings(config.contexts_on_gpu(), MAX_CLIENTS_PER_GPU):
+        for warning in gpus.with_mps_warnings(_mps_clients(config), MAX_CLIENTS_PER_GPU):
             print(f"mpspool: warning: {warning}", file=sys.stderr)
     # The directories after every other check (a start refused by a flag makes neither),
     # and before the note below, so that a refusal is its one line.
@@ -1221,6 +1221,19 @@ def _resolve_gpus(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
         "mps_control": binary,
     }
     return fields, selected
+
+
+def _mps_clients(config: PoolConfig) -> list[tuple[int, int]]:
+    """Each model's (contexts per GPU, versions its policy serves at once): `all` counts
+    one, as the versions on disk later are not known now."""
+    from mpspool.supervisor.versions import VersionPolicy
+
+    groups = []
+    for model in config.served_models():
+        policy = VersionPolicy.parse(model.version_policy)
+        versions = len(policy.specific) if policy.specific else 1 if policy.all else policy.latest
+        groups.append((config.workers_of(model.name), versions))
+    return groups
 
 
 def _check_without_mps(config: PoolConfig, selected: list[Any]) -> None:

@@ -28,12 +28,14 @@ from mpspool.supervisor import supervisord as sd
 # Xids NVML reports that leave the GPU and every other context as they were: row remapping
 # and page retirement recorded (63, 64), a high single-bit ECC rate (92).
 INFORMATIONAL_XIDS = frozenset({63, 64, 92})
-# Xids that end one process's context: NVIDIA's device plugin keeps a GPU healthy through
-# 13, 31, 43, 45 and 68 ("application errors"); 94 is an ECC error contained to the process
-# it hit (docs.nvidia.com/deploy/xid-errors).
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 94})
-# After a GPU's workers are restarted for a fault, its Xids for this long are that fault's.
-XID_SETTLE_S = 10.0
+# Xids of one process's context, faulted or ended: NVIDIA's device plugin keeps a GPU
+# healthy through 13, 31, 43, 45 and 68 ("application errors"); 94 is an ECC error contained
+# to the process it hit (docs.nvidia.com/deploy/xid-errors). 45 ("preemptive cleanup") comes
+# when a context's process ends, the pool's own restarts too.
+CONTEXT_XIDS = frozenset({13, 31, 43, 45, 68, 94})
+# After a GPU's workers are restarted for a fault, the context Xids for this long are that
+# fault's (its workers' stop wait is 10 s, then SIGKILL).
+XID_SETTLE_S = 30.0
 
 log = logging.getLogger("mpspool.controller")
 
@@ -199,19 +201,18 @@ class GpuWatch:
 
     def _xid_ignored(self, xid: int, since_fault_s: float) -> str:
         """Why an Xid on one of the pool's GPUs does not restart its workers ("": it does).
-        NVML reports nearly every Xid as critical; NVIDIA's device plugin keeps a GPU healthy
-        through the application ones, and some only record or count. Restarting every worker
-        of the GPU at each of them took a pod's only GPU down for an ECC record, and one fault
-        restarted the workers again for the Xids its teardown causes."""
+        NVML reports nearly every Xid as critical, some of which only record or count:
+        restarting every worker of the GPU for them took a pod's only GPU down for an ECC
+        record. And one fault's teardown (its workers stopped, or killed after their stop
+        wait) brings the Xids of ended contexts (45, 43, ...): those that come within
+        XID_SETTLE_S of a restart are that fault's, not a second one. Any other, a context's
+        fault included, restarts the GPU's workers: the faulted context may be a worker's (its
+        MPS server's fault is not always said in its daemon's output), and a pool's GPU has
+        no other tenants to be restarted for."""
         if xid in INFORMATIONAL_XIDS:
             return "it records an event, the GPU and its contexts are unharmed"
-        if xid in APPLICATION_XIDS and self.config.mps:
-            # Under MPS a fault of one of the pool's clients faults its server, which its
-            # daemon says (`fault_lines`); another process's is not the pool's. Without MPS
-            # the faulted context may be a worker's: restarted.
-            return "one process's fault, and the pool's MPS server reported none"
-        if since_fault_s < XID_SETTLE_S:
-            return f"within {XID_SETTLE_S:.0f} s of the fault its workers were restarted for"
+        if xid in CONTEXT_XIDS and since_fault_s < XID_SETTLE_S:
+            return f"a context ended within {XID_SETTLE_S:.0f} s of the fault the GPU restarted for"
         return ""
 
     def _new_output(self, supervisor: Any, gpu: int, daemon: MpsDaemon) -> list[str]:

@@ -40,6 +40,9 @@ log = logging.getLogger("mpspool.controller")
 RETIRED_SHOWN = 5
 # How often the pool's start looks for the first publisher's claim on its segment.
 CLAIM_POLL_S = 0.005
+# A version's batching file whose read failed to reach it (storage failing) is read again
+# this much later.
+BATCHING_RETRY_S = 1.0
 
 
 class RouterAsk(Protocol):
@@ -158,12 +161,16 @@ class ModelVersions:
             )
         return group
 
-    def _batching_known(self, group: VersionGroup) -> bool:
+    def _batching_known(self, group: VersionGroup, now: float) -> bool:
         """Whether the version's batching file has been read (or needs no reading), its
-        outcome kept on the group; False while the read runs (begun here if need be)."""
+        outcome kept on the group; False while the read runs (begun here if need be), and
+        while one that failed to reach the file (storage failing: EIO, ESTALE) waits to be
+        read again, BATCHING_RETRY_S later (``now``: the controller's clock)."""
         read = group.batching_read
         if read is None:
             return True
+        if now < group.batching_retry_at:
+            return False
         outcome = read.look()
         if outcome is None:
             if read.hung() and not group.batching_said:
@@ -171,6 +178,17 @@ class ModelVersions:
                 log.warning(
                     "%s: reading its %s has not returned (storage not answering?)",
                     group.label, VERSION_BATCHING_FILE,
+                )  # fmt: skip
+            return False
+        if isinstance(outcome.error, OSError):
+            # Not the file's answer: read again (a version stuck LOADING for ever, its read
+            # given up, when the error ended the look; found by a review).
+            group.batching_retry_at = now + BATCHING_RETRY_S
+            if str(outcome.error) != group.batching_said_error:
+                group.batching_said_error = str(outcome.error)
+                log.warning(
+                    "%s: cannot read its %s (read again): %s",
+                    group.label, VERSION_BATCHING_FILE, outcome.error,
                 )  # fmt: skip
             return False
         group.batching_read = None
@@ -198,11 +216,10 @@ class ModelVersions:
         imports overlap. `_advance_loading` sees the publisher end. Later versions, loaded
         while others serve, publish first and start their workers after (`_load`)."""
         group = self.groups[self.config.model_version]
-        while not self._batching_known(group):
+        while not self._batching_known(group, time.monotonic()):
             if self.pool.stop_asked():
                 return ""  # (as below: the pool's start ends, and with it this wait)
-            if group.batching_read is not None:
-                group.batching_read.join(CLAIM_POLL_S)
+            time.sleep(CLAIM_POLL_S)
         if group.batching_error:
             return group.batching_error
         if not self.config.share_weights or self.pool.stop_asked():
@@ -471,7 +488,7 @@ class ModelVersions:
     def _first_try(self, group: VersionGroup, now: float) -> None:
         """Its first load try, once its batching file is read (`_advance_loading` comes back
         here while the read runs)."""
-        if not self._batching_known(group):
+        if not self._batching_known(group, now):
             return
         if group.batching_error:
             # Its file is read once: trying again would read the same refusal (README: at

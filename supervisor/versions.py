@@ -125,6 +125,8 @@ class VersionGroup:
     batching_error: str = ""
     batching_read: BackgroundRead[dict[str, Any] | None] | None = None
     batching_said: bool = False  # that its read hangs, said once
+    batching_retry_at: float = 0.0  # a read that failed to reach the file: read again then
+    batching_said_error: str = ""  # the last such failure, said once
     # Its load tries that failed, and while it waits to be tried again (still LOADING, as
     # TF Serving's LoaderHarness stays kLoading between its retries) when the next one
     # starts and why the last one failed.

@@ -3508,6 +3508,44 @@ def test_a_versions_batching_file_whose_read_hangs_holds_nothing_else(
     assert pool.router.versions[-1][1]["batching"]["max_batch_size"] == 8
 
 
+def test_a_versions_batching_file_that_storage_fails_to_reach_is_read_again(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
+):
+    """A read of the batching file that fails with an OSError (EIO, ESTALE: its storage
+    failing, not the file refused) is not the file's answer: read again a second later, said
+    once, and the version loads once it is read. The version stayed LOADING for ever, its
+    read given up (found by a review)."""
+    from mpspool.supervisor import model_versions
+
+    pool, base = versioned_pool(make_pool, [1], batching=True, per_model_batching=True)
+    failing = [True]
+    real = model_versions.version_batching
+    reads: list[Path] = []
+
+    def flaky(directory: Path) -> dict[str, Any] | None:
+        reads.append(directory)
+        if failing[0]:
+            raise OSError(5, "Input/output error")
+        return real(directory)
+
+    monkeypatch.setattr(model_versions, "version_batching", flaky)
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    (base / "2" / "batching_params.pbtxt").write_text("max_batch_size { value: 8 }\n")
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)
+        pool.tick(after_s=0.2)  # not yet due: not read again
+        assert len(reads) == 1
+        pool.tick(after_s=1.0)
+    assert len(reads) == 2
+    assert caplog.text.count("cannot read its batching_params.pbtxt (read again)") == 1
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    failing[0] = False
+    pool.tick(after_s=1.0)
+    assert ("startProcessGroup", "v2") in pool.sd.calls
+    assert pool.router.versions[-1][1]["batching"]["max_batch_size"] == 8
+
+
 def test_a_first_version_whose_batching_file_breaks_the_rules_fails_the_start(
     make_pool: Callable[..., Pool], tmp_path: Path
 ):

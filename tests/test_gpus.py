@@ -174,14 +174,21 @@ def test_without_mps_shared_gpus_are_warned_of_time_slicing() -> None:
     assert "EXCLUSIVE_PROCESS" not in warning
 
 
-def test_with_mps_more_contexts_than_a_roll_fits_are_warned_of() -> None:
-    """A new version's workers start beside the serving ones: at 25 contexts per GPU and
-    above, the 48 clients an MPS server takes cannot hold both (a roll never completes)."""
-    assert with_mps_warnings(24, 48) == []
-    (warning,) = with_mps_warnings(25, 48)
-    assert warning.startswith("25 contexts per GPU: a new model version's workers start")
-    assert "50 MPS clients per GPU, more than the 48 an MPS server takes" in warning
-    assert "at most 24 contexts per GPU let versions change while serving" in warning
+def test_with_mps_more_clients_than_a_version_change_fits_are_warned_of() -> None:
+    """Each version serves on contexts of its own, and a new one's start beside them: past
+    the 48 clients an MPS server takes, a version change (or the versions a policy serves at
+    once) cannot fit. One model rolls at a time: the largest one's contexts are what a roll
+    adds."""
+    assert with_mps_warnings([(24, 1)], 48) == []
+    assert with_mps_warnings([(5, 1)] * 5, 48) == []  # 25 serving, 30 while one rolls
+    (warning,) = with_mps_warnings([(25, 1)], 48)
+    assert warning.startswith("25 MPS clients per GPU while serving (each model's contexts")
+    assert "and 50 while a model loads a new version beside those: more than the 48" in warning
+    assert "so a new version cannot load (the workers past 48 fail)" in warning
+    (warning,) = with_mps_warnings([(20, 2)], 48)  # latest:2
+    assert warning.startswith("40 MPS clients per GPU while serving") and "and 60 while" in warning
+    (warning,) = with_mps_warnings([(20, 3)], 48)
+    assert "so versions cannot all serve" in warning
 
 
 # --- FakeGpuBackend ---------------------------------------------------------------------------
