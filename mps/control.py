@@ -194,13 +194,24 @@ class MpsDaemon:
     def clients(self, server: int, timeout_s: float = 5.0) -> list[int]:
         return [int(x) for x in self.query(f"get_client_list {server}", timeout_s).split()]
 
-    def terminate_clients(self) -> list[tuple[int, int]]:
+    def terminate_clients(self, budget_s: float = 5.0) -> list[tuple[int, int]]:
         """Ask the server to end each client's GPU work before the client is signalled: a
-        client killed with work in flight can otherwise wedge the server."""
+        client killed with work in flight can otherwise wedge the server. Within `budget_s`
+        in all, as a pod's stop budgets it (deploy/README.md): each query gets what is left,
+        so a daemon slow to answer each of several clients cannot take 5 s per client.
+        DaemonHung once the budget is spent."""
+        deadline = time.monotonic() + budget_s
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DaemonHung(f"{self.program}: terminate_client not done in {budget_s:g} s")
+            return remaining
+
         done = []
-        for server in self.servers():
-            for client in self.clients(server):
-                self.query(f"terminate_client {server} {client}")
+        for server in self.servers(left()):
+            for client in self.clients(server, left()):
+                self.query(f"terminate_client {server} {client}", left())
                 done.append((server, client))
         return done
 

@@ -23,7 +23,14 @@ import psutil
 import pytest
 
 from mpspool.mps.claim import GpuClaimed, GpuClaims, claim_path
-from mpspool.mps.control import DaemonDown, MpsDaemon, MpsError, fault_lines, find_control_binary
+from mpspool.mps.control import (
+    DaemonDown,
+    DaemonHung,
+    MpsDaemon,
+    MpsError,
+    fault_lines,
+    find_control_binary,
+)
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, mpspool_cmd
@@ -65,6 +72,25 @@ def spawn(daemon: MpsDaemon) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def test_terminating_clients_keeps_to_one_budget_however_many_clients(tmp_path: Path) -> None:
+    """A daemon slow to answer, with many clients: the stop's terminate_client pass gives up
+    once its budget is spent (a pod's stop budgets it: deploy/README.md), where each query
+    had 5 s of its own. The stand-in control client answers as the real one does, slowly."""
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(
+        "#!/bin/sh\nread command\nsleep 0.4\n"
+        'case "$command" in\n'
+        "  get_server_list) echo 100 ;;\n"
+        '  get_client_list*) echo "11 12 13 14 15 16 17 18" ;;\n'
+        "esac\n"
+    )
+    control.chmod(0o755)
+    daemon = MpsDaemon(0, "GPU-x", str(control), tmp_path / "pipe", tmp_path / "log")
+    with pytest.raises(DaemonHung):  # the budget spent: by a query cut short, or before one
+        daemon.terminate_clients(budget_s=1.0)
+    assert daemon.terminate_clients(budget_s=30.0) == [(100, c) for c in range(11, 19)]
 
 
 def test_control_daemon_readiness_defaults_and_quit(daemon: MpsDaemon) -> None:
