@@ -62,6 +62,8 @@ class GpuInfo:
     name: str
     memory_total: int  # bytes
     compute_mode: str  # one of COMPUTE_MODES, or UNKNOWN where NVML cannot tell
+    # MIG mode on: CUDA enumerates the GPU's MIG instances, never the GPU by its own UUID.
+    mig: bool = False
 
     def describe(self) -> str:
         """`0 (NVIDIA A10, GPU-aaa)`: how messages name a GPU so a user can find it."""
@@ -187,6 +189,15 @@ def select(
         which = ", ".join(str(i) for i in missing)
         visible = _describe_visible(devices, env.get(VISIBLE_DEVICES_ENV))
         raise GpuError(f"{flag}: no such GPU {which}; {visible}")
+    for i in wanted:
+        if by_index[i].mig:
+            # Its workers, given its UUID, would see no GPU at all (worker/serve.py).
+            raise GpuError(
+                f"{flag}: GPU {by_index[i].describe()} has MIG mode on, so CUDA sees only its "
+                "MIG instances, which mpspool does not place workers on (it shares whole GPUs "
+                f"through MPS); turn MIG off (nvidia-smi -i {by_index[i].uuid} -mig 0, as an "
+                "administrator) or give the pool another GPU"
+            )
     return [by_index[i] for i in wanted]
 
 
@@ -396,7 +407,7 @@ def _fake_gpu(position: int, entry: Any) -> GpuInfo:
     where = f"{FAKE_GPUS_ENV}[{position}]"
     if not isinstance(entry, dict):
         raise GpuError(f'{where}: expected an object such as {{"uuid": "GPU-aaa"}}')
-    unknown = sorted(set(entry) - {"uuid", "name", "memory_total", "compute_mode"})
+    unknown = sorted(set(entry) - {"uuid", "name", "memory_total", "compute_mode", "mig"})
     if unknown:
         raise GpuError(f"{where}: unknown keys {unknown}")
     uuid = entry.get("uuid")
@@ -414,7 +425,10 @@ def _fake_gpu(position: int, entry: Any) -> GpuInfo:
             f'{where}: "compute_mode" must be one of {", ".join(COMPUTE_MODES)}, '
             f"got {compute_mode!r}"
         )
-    return GpuInfo(position, uuid, name, memory_total, compute_mode)
+    mig = entry.get("mig", False)
+    if not isinstance(mig, bool):
+        raise GpuError(f'{where}: "mig" must be true or false, got {mig!r}')
+    return GpuInfo(position, uuid, name, memory_total, compute_mode, mig)
 
 
 class NvmlBackend:
@@ -546,7 +560,11 @@ class NvmlBackend:
                 mode = _NVML_COMPUTE_MODES.get(nvml.nvmlDeviceGetComputeMode(handle), UNKNOWN)
             except nvml.NVMLError:
                 mode = UNKNOWN  # e.g. NotSupported; only used for a warning
-            found.append((GpuInfo(len(found), uuid, name, memory_total, mode), handle))
+            try:
+                mig = nvml.nvmlDeviceGetMigMode(handle)[0] == 1  # (current, pending)
+            except nvml.NVMLError:
+                mig = False  # NotSupported: a GPU without MIG
+            found.append((GpuInfo(len(found), uuid, name, memory_total, mode, mig), handle))
         return found
 
     def _register_xid_events(self) -> Any:

@@ -349,6 +349,7 @@ class StubNvml(types.ModuleType):
             103: (b"GPU-bbbb3333-0000", "NVIDIA L4", 3),
         }
         self.count = count
+        self.mig: set[int] = set()  # handles with MIG mode on
         self.pending: list[types.SimpleNamespace] = []
         self.registered: list[int] = []
         self.shutdowns = 0
@@ -362,6 +363,11 @@ class StubNvml(types.ModuleType):
 
     def nvmlDeviceGetCount(self) -> int:
         return self.count
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> tuple[int, int]:
+        if handle == 101:
+            raise self.NVMLError_NotSupported("Not Supported")  # an A10 has no MIG
+        return (1, 1) if handle in self.mig else (0, 0)
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return 101 + i
@@ -427,6 +433,24 @@ def test_nvml_enumerates_and_applies_cuda_visible_devices(
     assert stub.shutdowns == 1
     with pytest.raises(GpuError, match="closed"):
         nvml.devices()
+
+
+def test_a_gpu_with_mig_mode_on_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA sees a MIG-enabled GPU's instances, not the GPU by its UUID: its workers would
+    all see no GPU. NVML tells (nvmlDeviceGetMigMode); `--gpus` refuses it at start."""
+    stub = StubNvml()
+    stub.mig = {103}
+    monkeypatch.setitem(sys.modules, "pynvml", stub)
+    with NvmlBackend(environ={}) as nvml:
+        devices = nvml.devices()
+    assert [g.mig for g in devices] == [False, False, True]
+    assert select(devices, [0, 1]) == devices[:2]
+    refused = r"^--gpus 2: GPU 2 \(NVIDIA L4, GPU-bbbb3333-0000\) has MIG mode on"
+    with pytest.raises(GpuError, match=refused):
+        select(devices, [2])
+    fake = FakeGpuBackend.from_json('[{"uuid": "GPU-m", "mig": true}]', environ={})
+    with pytest.raises(GpuError, match="has MIG mode on, so CUDA sees only its MIG instances"):
+        select(fake.devices(), [0])
 
 
 def test_nvml_xid_events_drain_without_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
