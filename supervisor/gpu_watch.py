@@ -16,13 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import xmlrpc.client
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mpspool.config import ConfigError, PoolConfig
+from mpspool.mps import server_start
 from mpspool.mps.control import DaemonHung, MpsDaemon, MpsError, fault_lines
+from mpspool.mps.gpus import FAKE_GPUS_ENV
 from mpspool.supervisor import supervisord as sd
 
 # Xids NVML reports that leave the GPU and every other context as they were: row remapping
@@ -36,6 +39,9 @@ CONTEXT_XIDS = frozenset({13, 31, 43, 45, 68, 94})
 # After a GPU's workers are restarted for a fault, the context Xids for this long are that
 # fault's (its workers' stop wait is 10 s, then SIGKILL).
 XID_SETTLE_S = 30.0
+# How long a GPU's MPS server is waited for before its workers start (mps/server_start.py),
+# at most: a recovering GPU's wait is its daemon's (the controller's loop waits meanwhile).
+SERVER_START_S = 15.0
 
 log = logging.getLogger("mpspool.controller")
 
@@ -162,6 +168,22 @@ class GpuWatch:
             self.config.active_thread_percentage, self.config.pinned_limit_mib(gpu)
         )
         log.info("%s ready: %s", daemon.program, self.defaults[gpu])
+        self._start_server(daemon, min(SERVER_START_S, timeout_s))
+
+    def _start_server(self, daemon: MpsDaemon, timeout_s: float) -> None:
+        """Its MPS server started before its workers connect: workers that connected while
+        it initialised were refused, saw no GPU and failed their load (mps/server_start.py).
+        Not for GPUs faked for tests, which have no CUDA; one that cannot be started ahead
+        is said, and the workers start anyway (they start it, as before)."""
+        if os.environ.get(FAKE_GPUS_ENV, "").strip():
+            return
+        env = {**sd.pool_environment(os.environ), **daemon.environment()}
+        why = server_start.start_server(env, timeout_s)
+        if why:
+            log.warning(
+                "%s: its MPS server was not started ahead of the workers (%s); they start it",
+                daemon.program, why,
+            )  # fmt: skip
 
     # -- watching -----------------------------------------------------------------
     def faults(

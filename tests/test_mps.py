@@ -605,3 +605,52 @@ def test_split_active_thread_percentage_divides_the_gpu() -> None:
     assert _thread_percentage("60", 4) == 60.0
     with pytest.raises(ConfigError, match="'split'"):
         _thread_percentage("half", 4)
+
+
+def test_a_gpus_mps_server_is_started_before_its_workers_and_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients that connect while an MPS server initialises are refused (NOT_READY), and a
+    process cannot initialise CUDA twice: workers started together failed their load. The
+    controller runs mps/server_start.py first, again while it is refused, within a bound.
+    Here the start itself (no CUDA driver on this machine) and stand-ins for a driver that
+    refuses twice, then takes it; one that fails otherwise; one refused past the bound."""
+    from mpspool.mps import server_start
+    from mpspool.supervisor import gpu_watch
+
+    said = server_start.start_server({}, 10)  # the real module: no libcuda here
+    assert said.startswith("no CUDA driver to start it with (libcuda.so.1: "), said
+
+    runs = tmp_path / "runs"
+    refusing = tmp_path / "refusing"
+    refusing.write_text(
+        f"#!/bin/sh\necho x >> {runs}\n"
+        f'[ "$(wc -l < {runs})" -ge 3 ] && exit 0\n'
+        "echo 'cuInit: CUDA_ERROR_MPS_SERVER_NOT_READY'\nexit 75\n"
+    )
+    refusing.chmod(0o755)
+    assert server_start.start_server({}, 10, [str(refusing)]) == ""
+    assert runs.read_text().count("x") == 3
+    runs.write_text("")
+    said = server_start.start_server({}, 0.8, [str(refusing)])
+    assert said == "cuInit: CUDA_ERROR_MPS_SERVER_NOT_READY for 1 s", said
+    failing = tmp_path / "failing"
+    failing.write_text("#!/bin/sh\necho 'cuInit: CUDA_ERROR_NO_DEVICE'\nexit 1\n")
+    failing.chmod(0o755)
+    assert server_start.start_server({}, 10, [str(failing)]) == "cuInit: CUDA_ERROR_NO_DEVICE"
+
+    # The controller's wiring: each GPU's daemon's environment; none for faked GPUs.
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(
+        server_start, "start_server", lambda env, timeout_s: started.append(dict(env)) or ""
+    )
+    daemon = MpsDaemon(0, "GPU-x", "/bin/false", tmp_path / "pipe", tmp_path / "log")
+    watch = gpu_watch.GpuWatch.__new__(gpu_watch.GpuWatch)
+    monkeypatch.delenv("MPSPOOL_FAKE_GPUS", raising=False)
+    watch._start_server(daemon, 5.0)
+    [env] = started
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-x"
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
+    monkeypatch.setenv("MPSPOOL_FAKE_GPUS", "[]")
+    watch._start_server(daemon, 5.0)
+    assert len(started) == 1
