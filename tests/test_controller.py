@@ -3469,6 +3469,13 @@ def test_per_model_batching_tells_each_versions_own_parameters_and_a_bad_file_fa
     assert "batching" not in plain.controller.models["demo"].version_table()[0]
 
 
+def _version_2_batched_by_8(base: Path) -> None:
+    """Version 2 copied in, with a batching_params.pbtxt of max_batch_size 8."""
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    (base / "2" / "batching_params.pbtxt").write_text("max_batch_size { value: 8 }\n")
+
+
 def test_a_versions_batching_file_whose_read_hangs_holds_nothing_else(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ):
@@ -3488,9 +3495,7 @@ def test_a_versions_batching_file_whose_read_hangs_holds_nothing_else(
         return real(directory)
 
     monkeypatch.setattr(model_versions, "version_batching", hung)
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    (base / "2" / "batching_params.pbtxt").write_text("max_batch_size { value: 8 }\n")
+    _version_2_batched_by_8(base)
     with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
         pool.tick(after_s=1.0)  # version 2 found; its file's read starts, and does not return
         pool.sd.exit("cpu-0@1", -1)
@@ -3529,9 +3534,7 @@ def test_a_versions_batching_file_that_storage_fails_to_reach_is_read_again(
         return real(directory)
 
     monkeypatch.setattr(model_versions, "version_batching", flaky)
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    (base / "2" / "batching_params.pbtxt").write_text("max_batch_size { value: 8 }\n")
+    _version_2_batched_by_8(base)
     with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
         pool.tick(after_s=1.0)
         pool.tick(after_s=0.2)  # not yet due: not read again

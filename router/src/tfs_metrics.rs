@@ -677,6 +677,10 @@ impl<T> ByVersionFolder<T> {
 mod tests {
     use super::*;
 
+    fn servable(model: ModelId, version: i64) -> Servable {
+        Servable { model, version }
+    }
+
     #[test]
     fn pages_have_tf_servings_names_labels_and_buckets() {
         let metrics = TfServingMetrics::new(&["de\"mo".to_string()]);
@@ -775,10 +779,7 @@ mod tests {
             "# TYPE :tensorflow:cc:saved_model:load_attempt_count counter\n\
              # TYPE :tensorflow:cc:saved_model:load_latency counter\n"
         );
-        let v1 = Servable {
-            model: 0,
-            version: 1,
-        };
+        let v1 = servable(0, 1);
         loads.record(v1, "/models/a/1", 2_000_000);
         loads.record(v1, "/models/a/1", 1_500_000); // a second worker of that version
         let mut page = String::new();
@@ -793,10 +794,7 @@ mod tests {
         assert!(!page.contains("status=\"fail\""), "no failure: no series");
         // Failed attempts, as the controller counts them: a version that never loaded has a
         // fail series and no success series; a count sent again, or an older one, adds none.
-        let v2 = Servable {
-            model: 0,
-            version: 2,
-        };
+        let v2 = servable(0, 2);
         loads.record_failures(v2, "/models/a/2", 2);
         loads.record_failures(v2, "/models/a/2", 2);
         loads.record_failures(v2, "/models/a/2", 1);
@@ -817,14 +815,8 @@ mod tests {
     #[test]
     fn a_folder_two_models_load_keeps_its_series_while_either_lists_it() {
         let loads = LoadMetrics::default();
-        let a = Servable {
-            model: 0,
-            version: 1,
-        };
-        let b = Servable {
-            model: 1,
-            version: 1,
-        };
+        let a = servable(0, 1);
+        let b = servable(1, 1);
         loads.record(a, "/models/shared/1", 10);
         loads.record(b, "/models/shared/1", 20);
         let page = || {
@@ -855,14 +847,8 @@ mod tests {
             "# TYPE :tensorflow:serving:model_warmup_latency histogram\n\
              # TYPE :tensorflow:serving:model_warmup_records_read counter\n"
         );
-        let a1 = Servable {
-            model: 0,
-            version: 1,
-        };
-        let b2 = Servable {
-            model: 1,
-            version: 2,
-        };
+        let a1 = servable(0, 1);
+        let b2 = servable(1, 2);
         warmup.record(a1, "/models/a/1", 250_000, 3);
         warmup.record(a1, "/models/a/1", 20, 3); // a second worker of that version
         warmup.record(b2, "/models/\"b\"/2", 5, 1);
