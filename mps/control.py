@@ -184,10 +184,12 @@ class MpsDaemon:
         }
 
     def servers(self, timeout_s: float = 5.0) -> list[int]:
+        """The daemon's MPS servers, within ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
         answer = self.query("get_server_list", timeout_s)
         # An empty list is also what the client prints when the daemon hangs up (ready()):
         # "no servers" only from a daemon that still answers.
-        if not answer and not self.ready(timeout_s):
+        if not answer and not self.ready(max(0.1, deadline - time.monotonic())):
             raise DaemonDown(f"{self.program}: the control daemon hung up")
         return [int(x) for x in answer.split()]
 

@@ -551,19 +551,26 @@ class NvmlBackend:
             except nvml.NVMLError as e:
                 raise GpuError(f"NVML GPU {i}: cannot open it ({_nvml_text(e)})") from None
             try:
+                mig = nvml.nvmlDeviceGetMigMode(handle)[0] == 1  # (current, pending)
+            except nvml.NVMLError:
+                mig = False  # NotSupported: a GPU without MIG
+            try:
                 uuid = _text(nvml.nvmlDeviceGetUUID(handle))
                 name = _text(nvml.nvmlDeviceGetName(handle))
                 memory_total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+            except nvml.NVMLError_NoPermission as e:
+                if not mig:
+                    raise GpuError(f"NVML GPU {i}: cannot read it ({_nvml_text(e)})") from None
+                # NVML tells a MIG GPU's memory only to privileged callers (a container given
+                # one of its instances is not): it is refused for its MIG mode (select), which
+                # says more than this would.
+                memory_total = 0
             except nvml.NVMLError as e:
                 raise GpuError(f"NVML GPU {i}: cannot read it ({_nvml_text(e)})") from None
             try:
                 mode = _NVML_COMPUTE_MODES.get(nvml.nvmlDeviceGetComputeMode(handle), UNKNOWN)
             except nvml.NVMLError:
                 mode = UNKNOWN  # e.g. NotSupported; only used for a warning
-            try:
-                mig = nvml.nvmlDeviceGetMigMode(handle)[0] == 1  # (current, pending)
-            except nvml.NVMLError:
-                mig = False  # NotSupported: a GPU without MIG
             found.append((GpuInfo(len(found), uuid, name, memory_total, mode, mig), handle))
         return found
 

@@ -18,6 +18,7 @@ Refused while a server initialises or recovers, it exits with NOT_READY_EXIT, an
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import subprocess
 import sys
@@ -43,20 +44,30 @@ def start_server(env: Mapping[str, str], timeout_s: float, command: Sequence[str
     took it; "" then, else why not (refused past ``timeout_s``, or another failure)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = deadline - time.monotonic()
+        left = max(0.1, min(RUN_TIMEOUT_S, deadline - time.monotonic()))
         try:
-            run = subprocess.run(
+            run = subprocess.Popen(
                 list(command),
                 env=dict(env),
-                capture_output=True,
-                text=True,
-                timeout=max(0.1, min(RUN_TIMEOUT_S, left)),
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
+        except OSError as exc:
+            return f"cannot run {command[0]}: {exc}"
+        try:
+            out, _ = run.communicate(timeout=left)
         except subprocess.TimeoutExpired:
-            return f"starting it took more than {min(RUN_TIMEOUT_S, left):.0f} s"
-        said = (run.stdout + run.stderr).strip().splitlines()
-        reason = said[-1] if said else f"exit status {run.returncode}"
+            run.kill()
+            # One stuck in the driver (a wedged GPU) may not even die: not waited for long.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.communicate(timeout=1.0)
+            return f"starting it took more than {left:.0f} s"
+        lines = out.strip().splitlines()
+        # What this module says is its last line; a library's warnings may come before.
+        said = [line for line in lines if line.startswith(("cu", "no CUDA driver"))]
+        reason = (said or lines or [f"exit status {run.returncode}"])[-1]
         if run.returncode == 0:
             return ""
         if run.returncode != NOT_READY_EXIT:
@@ -90,7 +101,8 @@ def main() -> int:
     # The primary context, as the CUDA runtime (and TensorFlow) makes it: its creation is
     # what connects this client to the server, started for it.
     _call(cuda, "cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
-    _call(cuda, "cuDevicePrimaryCtxRelease_v2", device)
+    # The server took this client: done. Its context goes with the process either way.
+    cuda.cuDevicePrimaryCtxRelease_v2(device)
     return 0
 
 

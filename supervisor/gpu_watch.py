@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import xmlrpc.client
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,18 +158,28 @@ class GpuWatch:
 
     # -- start --------------------------------------------------------------------
     def start(self, infos: dict[str, dict[str, Any]]) -> None:
-        """Wait for every daemon to answer, then apply the pool's defaults to it."""
+        """Wait for every daemon to answer, then apply the pool's defaults to it; then start
+        each GPU's MPS server, all at once (each may take seconds)."""
         for gpu, daemon in self.daemons.items():
-            self._ready(gpu, daemon)
+            self._ready(gpu, daemon, start_server=False)
             self._daemon_pid[gpu] = int(infos.get(f"mps:{daemon.program}", {}).get("pid") or 0)
+        if self.daemons:
+            with ThreadPoolExecutor(len(self.daemons)) as starting:
+                for daemon in self.daemons.values():
+                    starting.submit(self._start_server, daemon, SERVER_START_S)
 
-    def _ready(self, gpu: int, daemon: MpsDaemon, timeout_s: float = 15.0) -> None:
+    def _ready(
+        self, gpu: int, daemon: MpsDaemon, timeout_s: float = 15.0, start_server: bool = True
+    ) -> None:
         daemon.wait_ready(timeout_s)
         self.defaults[gpu] = daemon.apply_defaults(
             self.config.active_thread_percentage, self.config.pinned_limit_mib(gpu)
         )
         log.info("%s ready: %s", daemon.program, self.defaults[gpu])
-        self._start_server(daemon, min(SERVER_START_S, timeout_s))
+        if start_server:
+            # A GPU coming back while the pool serves: within the daemon's own wait, which
+            # the controller's loop waits for.
+            self._start_server(daemon, min(SERVER_START_S, timeout_s))
 
     def _start_server(self, daemon: MpsDaemon, timeout_s: float) -> None:
         """Its MPS server started before its workers connect: workers that connected while
@@ -179,6 +190,13 @@ class GpuWatch:
             return
         env = {**sd.pool_environment(os.environ), **daemon.environment()}
         why = server_start.start_server(env, timeout_s)
+        if not why:
+            try:
+                if not daemon.servers(2.0):
+                    # CUDA runs without MPS when it cannot reach the daemon (its man page).
+                    why = "its client ran, but the daemon lists no server: it ran without MPS"
+            except MpsError as exc:
+                why = str(exc)
         if why:
             log.warning(
                 "%s: its MPS server was not started ahead of the workers (%s); they start it",

@@ -382,6 +382,9 @@ class StubNvml(types.ModuleType):
         return self.gpus[handle][2]
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> types.SimpleNamespace:
+        if handle in self.mig:
+            # NVML tells a MIG GPU's memory only to privileged callers (a container's is not).
+            raise self.NVMLError_NoPermission("Insufficient Permissions")
         return types.SimpleNamespace(total=handle * 2**30, used=handle)
 
     def nvmlDeviceGetHandleByUUID(self, uuid: bytes) -> int:

@@ -4,7 +4,9 @@ interface): daemons, supervisord, router and workers are real."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -91,6 +93,16 @@ def test_terminating_clients_keeps_to_one_budget_however_many_clients(tmp_path: 
     with pytest.raises(DaemonHung):  # the budget spent: by a query cut short, or before one
         daemon.terminate_clients(budget_s=1.0)
     assert daemon.terminate_clients(budget_s=30.0) == [(100, c) for c in range(11, 19)]
+    # No server: the empty list is told from a hang-up by a second query, in the same budget.
+    control.write_text(
+        "#!/bin/sh\nread command\nsleep 0.7\n"
+        'case "$command" in\n'
+        "  get_default_active_thread_percentage) echo 100.0 ;;\n"
+        "esac\n"
+    )
+    with pytest.raises(DaemonHung):
+        daemon.terminate_clients(budget_s=1.0)
+    assert daemon.terminate_clients(budget_s=30.0) == []
 
 
 def test_control_daemon_readiness_defaults_and_quit(daemon: MpsDaemon) -> None:
@@ -608,7 +620,7 @@ def test_split_active_thread_percentage_divides_the_gpu() -> None:
 
 
 def test_a_gpus_mps_server_is_started_before_its_workers_and_waited_for(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Clients that connect while an MPS server initialises are refused (NOT_READY), and a
     process cannot initialise CUDA twice: workers started together failed their load. The
@@ -618,8 +630,11 @@ def test_a_gpus_mps_server_is_started_before_its_workers_and_waited_for(
     from mpspool.mps import server_start
     from mpspool.supervisor import gpu_watch
 
-    said = server_start.start_server({}, 10)  # the real module: no libcuda here
-    assert said.startswith("no CUDA driver to start it with (libcuda.so.1: "), said
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:  # as here: the real module finds no driver, and says so
+        said = server_start.start_server({}, 10)
+        assert said.startswith("no CUDA driver to start it with (libcuda.so.1: "), said
 
     runs = tmp_path / "runs"
     refusing = tmp_path / "refusing"
@@ -639,18 +654,28 @@ def test_a_gpus_mps_server_is_started_before_its_workers_and_waited_for(
     failing.chmod(0o755)
     assert server_start.start_server({}, 10, [str(failing)]) == "cuInit: CUDA_ERROR_NO_DEVICE"
 
-    # The controller's wiring: each GPU's daemon's environment; none for faked GPUs.
+    # The controller's wiring: each GPU's daemon's environment, and then the daemon asked
+    # whether it started a server (CUDA runs without MPS when it cannot reach the daemon);
+    # nothing for faked GPUs.
     started: list[dict[str, str]] = []
     monkeypatch.setattr(
         server_start, "start_server", lambda env, timeout_s: started.append(dict(env)) or ""
     )
-    daemon = MpsDaemon(0, "GPU-x", "/bin/false", tmp_path / "pipe", tmp_path / "log")
+    control = tmp_path / "no-server"
+    control.write_text(
+        "#!/bin/sh\nread command\n"
+        '[ "$command" = get_default_active_thread_percentage ] && echo 100.0\nexit 0\n'
+    )
+    control.chmod(0o755)
+    daemon = MpsDaemon(0, "GPU-x", str(control), tmp_path / "pipe", tmp_path / "log")
     watch = gpu_watch.GpuWatch.__new__(gpu_watch.GpuWatch)
     monkeypatch.delenv("MPSPOOL_FAKE_GPUS", raising=False)
-    watch._start_server(daemon, 5.0)
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        watch._start_server(daemon, 5.0)
     [env] = started
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-x"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
+    assert "the daemon lists no server: it ran without MPS" in caplog.text
     monkeypatch.setenv("MPSPOOL_FAKE_GPUS", "[]")
     watch._start_server(daemon, 5.0)
     assert len(started) == 1
