@@ -101,8 +101,13 @@ def main() -> int:
     # The primary context, as the CUDA runtime (and TensorFlow) makes it: its creation is
     # what connects this client to the server, started for it.
     _call(cuda, "cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
-    # The server took this client: done. Its context goes with the process either way.
-    cuda.cuDevicePrimaryCtxRelease_v2(device)
+    # The server took this client: done. Its context goes with the process either way
+    # (the _v2 name since CUDA 11; the older one before).
+    release = getattr(cuda, "cuDevicePrimaryCtxRelease_v2", None) or getattr(
+        cuda, "cuDevicePrimaryCtxRelease", None
+    )
+    if release is not None:
+        release(device)
     return 0
 
 
