@@ -724,6 +724,57 @@ def _request_writing_model(path: Path) -> None:
     _save_module(M(), path)
 
 
+def test_variables_of_one_name_are_reported_apart(tmp_path: Path, segment_path: Path) -> None:
+    """Every unnamed tf.Variable is "Variable:0": two such tables, each written by its own
+    signature only for ids past 40 (warm-up's zeros never are), are at risk apart and copied
+    apart. Keyed by the bare name they were one entry, and once one was copied the other was
+    no longer looked at: its copy went unreported (found by a hunt)."""
+    tf = _tf()
+
+    class M(tf.Module):
+        def __init__(self) -> None:
+            self.a = tf.Variable(_table(21))
+            self.b = tf.Variable(_table(22))
+
+        def _write(self, table: Any, ids: Any) -> Any:
+            def write() -> Any:
+                table.scatter_add(tf.IndexedSlices(tf.ones([1, DIM]), [0]))
+                return tf.constant(1)
+
+            tf.cond(tf.reduce_sum(ids) > 40, write, lambda: tf.constant(0))
+            return {"out": tf.gather(self.a, ids) + tf.gather(self.b, ids)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def write_a(self, ids):
+            return self._write(self.a, ids)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def write_b(self, ids):
+            return self._write(self.b, ids)
+
+    module = M()
+    version = tmp_path / "m" / "1"
+    tf.saved_model.save(
+        module, str(version), signatures={"write_a": module.write_a, "write_b": module.write_b}
+    )
+    publish(version, "m", 1, segment_path, *OWNER)
+    runtime = load_saved_model(
+        str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+    )
+    runtime.warm_up()
+    a, b = "Variable:0 (a)", "Variable:0 (b)"
+    report = runtime.weights_report()
+    assert set(report["at_risk"]) == {a, b} and report["copied"] == {}, report
+    past = {"ids": np.array([ROWS - 1], np.int64)}
+    runtime.run("write_a", past, ["out"])
+    report = runtime.weights_rechecked(report)
+    assert set(report["copied"]) == {a}, report
+    runtime.run("write_b", past, ["out"])
+    report = runtime.weights_rechecked(report)
+    assert set(report["copied"]) == {a, b}, report
+    assert report == runtime.weights_report()
+
+
 def test_what_may_copy_a_variable_is_said_at_start_with_its_name_and_op(
     tmp_path: Path, segment_path: Path
 ) -> None:

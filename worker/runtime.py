@@ -455,12 +455,13 @@ class SavedModelRuntime:
         every variable would cost a model of hundreds a few eager calls each."""
         import tensorflow as tf
 
-        from mpspool.worker.shared_weights import verify
+        from mpspool.worker.shared_weights import verify, weight_names
 
         segment, bound = self.shared
+        names = weight_names(bound)
         suspects = set(before["at_risk"]) - set(before["copied"])
         again = verify(
-            tf, {k: vb for k, vb in bound.items() if vb[0].name in suspects}, segment
+            tf, {k: vb for k, vb in bound.items() if names[k] in suspects}, segment, names=names
         ).copied
         return {
             **before,

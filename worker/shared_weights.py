@@ -272,24 +272,44 @@ def _tf1_variables(tf: Any, loaded: Any) -> dict[str, Any] | None:
     return named
 
 
+def weight_names(bound: dict[int, tuple[Any, TensorEntry]]) -> dict[int, str]:
+    """How reports name each bound variable: its name, unless another bound variable has it
+    too (every unnamed tf.Variable is "Variable:0", Keras names many "kernel"), then its name
+    and the object path its checkpoint key gives. Reports keyed by the bare name merged two
+    such variables: the second one's copy went unreported (found by a hunt)."""
+    counts: dict[str, int] = {}
+    for variable, _ in bound.values():
+        counts[variable.name] = counts.get(variable.name, 0) + 1
+    return {
+        key: variable.name
+        if counts[variable.name] == 1
+        else f"{variable.name} ({entry.key.split('/.ATTRIBUTES/')[0]})"
+        for key, (variable, entry) in bound.items()
+    }
+
+
 def verify(
     tf: Any,
     bound: dict[int, tuple[Any, TensorEntry]],
     segment: AttachedSegment,
     at_risk: dict[str, str] | None = None,
+    names: dict[int, str] | None = None,
 ) -> WeightsReport:
     """Which variables still read from the segment, which TensorFlow copied into host
-    memory, and which it holds on a GPU (where it places variables when it has one)."""
+    memory, and which it holds on a GPU (where it places variables when it has one).
+    ``names``: `weight_names` of every bound variable, where ``bound`` is only some."""
+    names = weight_names(bound) if names is None else names
     report = WeightsReport(segment=str(segment.path), at_risk=dict(at_risk or {}))
-    for variable, entry in bound.values():
+    for key, (variable, entry) in bound.items():
         address, device = _buffer(tf, variable)
+        name = names[key]
         if device != DLPACK_CPU:
-            report.on_device[variable.name] = entry.nbytes
-            report.at_risk.pop(variable.name, None)  # no host copy to watch for
+            report.on_device[name] = entry.nbytes
+            report.at_risk.pop(name, None)  # no host copy to watch for
         elif segment.contains(address):
             report.shared_bytes += entry.nbytes
         else:
-            report.copied[variable.name] = entry.nbytes
+            report.copied[name] = entry.nbytes
     return report
 
 
@@ -378,7 +398,8 @@ def audit(loaded: Any, bound: dict[int, tuple[Any, TensorEntry]]) -> dict[str, s
     the variable's handle reaches in the signature's graph, through calls, conditionals and
     loops, that is not a known read. Static, so it also sees what warm-up does not run (a
     write in a branch that zeros never take); `verify()` says what was copied."""
-    handles = {id(variable.handle): variable for variable, _ in bound.values()}
+    names = weight_names(bound)
+    handles = {id(variable.handle): names[key] for key, (variable, _) in bound.items()}
     risks: dict[str, str] = {}
     for key in sorted(loaded.signatures.keys()):
         function = loaded.signatures[key]
@@ -388,7 +409,7 @@ def audit(loaded: Any, bound: dict[int, tuple[Any, TensorEntry]]) -> dict[str, s
         except Exception:  # a function TensorFlow cannot describe; verify() still checks it
             continue
         starts = [
-            (internal.op.name, handles[id(external)].name)
+            (internal.op.name, handles[id(external)])
             for external, internal in captures
             if id(external) in handles
         ]
