@@ -35,7 +35,7 @@ import pytest
 from mpspool import process, segment
 from mpspool.errors import Code
 from mpspool.worker.publish import PublishError, publish
-from mpspool.worker.runtime import load_saved_model
+from mpspool.worker.runtime import ModelRefused, load_saved_model
 
 from poolproc import Pool, mpspool_cmd
 
@@ -408,6 +408,67 @@ def test_a_keras_export_publishes_what_its_signatures_read(zoo, segment_path: Pa
     keys = sorted(t.key for t in manifest.tensors)
     assert keys and all(k.startswith("variables/") for k in keys), keys
     assert [t.shape for t in manifest.tensors].count((ROWS, DIM)) == 1
+
+
+def test_state_no_signature_reads_is_left_out_not_refused(
+    tmp_path: Path, segment_path: Path
+) -> None:
+    """An adapted Keras lookup layer keeps its adapt state (token counts) in a mutable table
+    that the checkpoint saves and no serving signature reads; a tf.Module may keep such a
+    table too. Both were refused as state that would be lost (found by a hunt of model
+    exports); they are left out as unread optimizer state is, and serve as TensorFlow does.
+    A mutable table a signature does read is still refused, by name."""
+    import keras
+
+    tf = _tf()
+    lookup = keras.layers.StringLookup()
+    lookup.adapt(np.array(["red", "green", "blue", "red"]))
+    color = keras.Input(shape=(), dtype="string", name="color")
+    out = keras.layers.Dense(1)(keras.layers.Embedding(lookup.vocabulary_size(), 2)(lookup(color)))
+    adapted = tmp_path / "adapted" / "1"
+    keras.Model(color, out).export(str(adapted), verbose=False)
+    inputs = {"color": np.array([b"red", b"blue", b"purple"], object)}
+
+    class Unread(tf.Module):
+        def __init__(self) -> None:
+            self.table = tf.Variable(_table(23), name="table")
+            self.seen = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+            self.seen.insert(tf.constant([1, 2], tf.int64), tf.constant([5, 6], tf.int64))
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": tf.gather(self.table, ids)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def read(self, ids):
+            return {"out": self.seen.lookup(ids)}
+
+    unread = Unread()
+    unread_dir = tmp_path / "unread" / "1"
+    tf.saved_model.save(unread, str(unread_dir), signatures={SIG: unread.serve})
+    read_dir = tmp_path / "read" / "1"
+    tf.saved_model.save(unread, str(read_dir), signatures={SIG: unread.read})
+    for n, (version, example) in enumerate(
+        [(adapted, inputs), (unread_dir, {"ids": np.array([1, 2], np.int64)})]
+    ):
+        segment = segment_path.with_name(f"{segment_path.name}-{n}")
+        try:
+            publish(version, "m", 1, segment, *OWNER)
+            runtime = load_saved_model(
+                str(version), "m", 1, weights_segment=str(segment), work_dir=str(tmp_path / "w")
+            )
+            runtime.warm_up()
+            got = runtime.run(SIG, example, list(_direct(version, example)))
+            for alias, want in _direct(version, example).items():
+                _same(got[alias], want, alias)
+            assert runtime.weights_report()["copied"] == {}
+        finally:
+            segment.unlink(missing_ok=True)
+    publish(read_dir, "m", 1, segment_path, *OWNER)
+    with pytest.raises(ModelRefused, match="checkpointed state other than variables"):
+        load_saved_model(
+            str(read_dir), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+        )
 
 
 def test_identical_tensors_are_published_once(tmp_path: Path, segment_path: Path) -> None:

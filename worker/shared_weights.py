@@ -98,10 +98,15 @@ def resolve(root: Any, key: str) -> Any | None:
     """The object a checkpoint key's path names in the loaded object graph, or None."""
     if not key.endswith(VARIABLE_SUFFIX):
         return None
+    return _object_at(root, key[: -len(VARIABLE_SUFFIX)])
+
+
+def _object_at(root: Any, path: str) -> Any | None:
+    """The object at an object-graph path ("a/b/0"), or None."""
     import tensorflow as tf
 
     obj = root
-    for raw in key[: -len(VARIABLE_SUFFIX)].split("/"):
+    for raw in path.split("/"):
         # The checkpoint's own child names, not Python attributes: a dict key "items" or a
         # list index past the end must not resolve to a method or raise.
         obj = tf.train.TrackableView(obj).children(obj).get(unescape_name(raw))
@@ -119,6 +124,10 @@ def attach(
     manifest = segment.manifest
     tf1 = _tf1_variables(tf, loaded)
     restored, lost = _restore_unshared(tf, loaded, tf1, manifest.unshared, checkpoint)
+    captured = {
+        id(t) for signature in loaded.signatures.values() for t in signature.captured_inputs
+    }
+    lost = [key for key in lost if _may_be_read(loaded, key, captured)]
     if lost:
         objects = sorted({k.split("/.ATTRIBUTES/")[0] for k in lost})
         raise NotShareable(
@@ -181,9 +190,6 @@ def attach(
         bound[id(variable)] = (variable, entry)
     # Every variable a serving signature captures must read from the segment; others (the
     # publisher leaves them out: optimizer state, Keras' second reference list) serve nothing.
-    captured = {
-        id(t) for signature in loaded.signatures.values() for t in signature.captured_inputs
-    }
     unbound = [
         t.name
         for t in tf.train.TrackableView(loaded).descendants()
@@ -198,6 +204,17 @@ def attach(
             "(their checkpoint keys could not be matched); serve this model with --no-share-weights"
         )
     return bound
+
+
+def _may_be_read(loaded: Any, key: str, captured: set[int]) -> bool:
+    """Whether the object whose saved state `key` is (a mutable table's keys or values) may
+    be read by a serving signature: unless it is a resource no signature captures. An
+    adapted Keras lookup layer keeps its adapt state (token counts) in such a table, which
+    training fills and serving never reads: refused as state that would be lost, every
+    such model needed --no-share-weights (found by a hunt of model exports)."""
+    obj = _object_at(loaded, key.split("/.ATTRIBUTES/")[0])
+    handle = getattr(obj, "resource_handle", None) if obj is not None else None
+    return handle is None or id(handle) in captured
 
 
 def _restore_unshared(
