@@ -22,6 +22,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -468,6 +469,33 @@ def test_state_no_signature_reads_is_left_out_not_refused(
     with pytest.raises(ModelRefused, match="checkpointed state other than variables"):
         load_saved_model(
             str(read_dir), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
+        )
+
+
+def test_a_tf1_model_of_reference_variables_is_refused_saying_so(
+    tmp_path: Path, segment_path: Path
+) -> None:
+    """TF1's default variables (VariableV2, without use_resource) cannot read from shared
+    memory: refused naming them, where the reason given was a lookup table's contents or a
+    renamed Saver (found by a hunt of model exports). Built in a process of its own: TF1
+    behaviour is switched on for a whole process."""
+    version = tmp_path / "ref" / "1"
+    build = f"""
+import numpy as np, tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+tf.compat.v1.disable_resource_variables()
+with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+    w = tf.compat.v1.get_variable("W", initializer=tf.ones([3, 2]))
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        tf.compat.v1.saved_model.simple_save(session, {str(version)!r}, {{"x": x}}, {{"y": x @ w}})
+"""
+    subprocess.run([sys.executable, "-c", build], check=True, capture_output=True, timeout=120)
+    publish(version, "m", 1, segment_path, *OWNER)
+    with pytest.raises(ModelRefused, match=r"variable W is a reference variable \(VariableV2"):
+        load_saved_model(
+            str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
         )
 
 

@@ -158,6 +158,16 @@ def attach(
                 )
         else:
             variable = tf1.get(entry.key)
+            if variable is None and _reference_variable(loaded, entry.key):
+                # TF1's default variable (tf.compat.v1 without use_resource, estimators):
+                # its buffer lives in the graph's own op, which nothing can point at the
+                # segment, and the loader lists none of them (found by a hunt).
+                raise NotShareable(
+                    f"the TF1 graph's variable {entry.key} is a reference variable "
+                    "(VariableV2, TF1's default without use_resource=True), whose value "
+                    "cannot be read from shared memory; serve this model with "
+                    "--no-share-weights, or export it with resource variables"
+                )
             if variable is None:
                 raise NotShareable(
                     f"the checkpoint's tensor {entry.key} is no variable of the TF1 graph (a "
@@ -204,6 +214,14 @@ def attach(
             "(their checkpoint keys could not be matched); serve this model with --no-share-weights"
         )
     return bound
+
+
+def _reference_variable(loaded: Any, name: str) -> bool:
+    """Whether a TF1 graph's op of that name is a reference variable (VariableV2)."""
+    try:
+        return loaded.graph.get_operation_by_name(name).type in ("VariableV2", "Variable")
+    except (KeyError, ValueError, AttributeError):
+        return False
 
 
 def _may_be_read(loaded: Any, key: str, captured: set[int]) -> bool:
