@@ -470,15 +470,55 @@ def test_state_no_signature_reads_is_left_out_not_refused(
         load_saved_model(
             str(read_dir), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
         )
+    # Read as the model loads: a static table filled from the mutable one by its initializer,
+    # which no signature captures (it was left out, and the model answered -1 for every id).
+    from tensorflow.python.ops import lookup_ops
+
+    class FromMutable(lookup_ops.TableInitializerBase):
+        def __init__(self, source: Any) -> None:
+            self.source = source
+            super().__init__(tf.int64, tf.int64)
+
+        def initialize(self, table: Any) -> Any:
+            keys, values = self.source.export()
+            # With a fixed entry: importing nothing is an error, which would end the load
+            # before the choice tested here.
+            keys = tf.concat([tf.constant([0], tf.int64), keys], 0)
+            values = tf.concat([tf.constant([0], tf.int64), values], 0)
+            return lookup_ops.gen_lookup_ops.lookup_table_import_v2(
+                table.resource_handle, keys, values
+            )
+
+    class Initialized(tf.Module):
+        def __init__(self) -> None:
+            self.seen = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+            self.seen.insert(tf.constant([1, 2], tf.int64), tf.constant([5, 6], tf.int64))
+            self.static = tf.lookup.StaticHashTable(FromMutable(self.seen), -1)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids):
+            return {"out": self.static.lookup(ids)}
+
+    initialized = Initialized()
+    initialized_dir = tmp_path / "initialized" / "1"
+    tf.saved_model.save(initialized, str(initialized_dir), signatures={SIG: initialized.serve})
+    segment_path.unlink(missing_ok=True)
+    publish(initialized_dir, "m", 1, segment_path, *OWNER)
+    with pytest.raises(ModelRefused, match=r"silently lost\): seen \(seen/"):
+        load_saved_model(
+            str(initialized_dir), "m", 1, weights_segment=str(segment_path),
+            work_dir=str(tmp_path / "w"),
+        )  # fmt: skip
 
 
 def test_a_tf1_model_of_reference_variables_is_refused_saying_so(
     tmp_path: Path, segment_path: Path
 ) -> None:
     """TF1's default variables (VariableV2, without use_resource) cannot read from shared
-    memory: refused naming them, where the reason given was a lookup table's contents or a
-    renamed Saver (found by a hunt of model exports). Built in a process of its own: TF1
-    behaviour is switched on for a whole process."""
+    memory: refused naming them, a partitioned one's parts too, where the reason given was a
+    lookup table's contents, a renamed Saver or a slice of no variable (found by a hunt of
+    model exports and a review). Built in a process of its own: TF1 behaviour is switched on
+    for a whole process."""
     version = tmp_path / "ref" / "1"
     build = f"""
 import numpy as np, tensorflow as tf
@@ -487,13 +527,19 @@ tf.compat.v1.disable_resource_variables()
 with tf.Graph().as_default():
     x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
     w = tf.compat.v1.get_variable("W", initializer=tf.ones([3, 2]))
+    e = tf.compat.v1.get_variable(
+        "E", shape=[10, 2], initializer=tf.compat.v1.ones_initializer(),
+        partitioner=tf.compat.v1.fixed_size_partitioner(2),
+    )
+    y = x @ w + tf.reduce_sum(tf.nn.embedding_lookup(e, [1, 7]))
     with tf.compat.v1.Session() as session:
         session.run(tf.compat.v1.global_variables_initializer())
-        tf.compat.v1.saved_model.simple_save(session, {str(version)!r}, {{"x": x}}, {{"y": x @ w}})
+        tf.compat.v1.saved_model.simple_save(session, {str(version)!r}, {{"x": x}}, {{"y": y}})
 """
     subprocess.run([sys.executable, "-c", build], check=True, capture_output=True, timeout=120)
     publish(version, "m", 1, segment_path, *OWNER)
-    with pytest.raises(ModelRefused, match=r"variable W is a reference variable \(VariableV2"):
+    refused = r"variables E/part_0, E/part_1, W are reference variables \(VariableV2"
+    with pytest.raises(ModelRefused, match=refused):
         load_saved_model(
             str(version), "m", 1, weights_segment=str(segment_path), work_dir=str(tmp_path / "w")
         )

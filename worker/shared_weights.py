@@ -123,11 +123,16 @@ def attach(
     restored from the checkpoint at `checkpoint` (its prefix) into this worker instead."""
     manifest = segment.manifest
     tf1 = _tf1_variables(tf, loaded)
+    if tf1 is not None:
+        _refuse_reference_variables(loaded, manifest, checkpoint)
     restored, lost = _restore_unshared(tf, loaded, tf1, manifest.unshared, checkpoint)
     captured = {
         id(t) for signature in loaded.signatures.values() for t in signature.captured_inputs
     }
-    lost = [key for key in lost if _may_be_read(loaded, key, captured)]
+    # What serving reads: the signatures' captures, and those of every resource's
+    # initializer (a table filled from another one as the model loads).
+    read = captured | _initializer_captures(tf, loaded)
+    lost = [key for key in lost if _may_be_read(loaded, key, read)]
     if lost:
         objects = sorted({k.split("/.ATTRIBUTES/")[0] for k in lost})
         raise NotShareable(
@@ -158,16 +163,6 @@ def attach(
                 )
         else:
             variable = tf1.get(entry.key)
-            if variable is None and _reference_variable(loaded, entry.key):
-                # TF1's default variable (tf.compat.v1 without use_resource, estimators):
-                # its buffer lives in the graph's own op, which nothing can point at the
-                # segment, and the loader lists none of them (found by a hunt).
-                raise NotShareable(
-                    f"the TF1 graph's variable {entry.key} is a reference variable "
-                    "(VariableV2, TF1's default without use_resource=True), whose value "
-                    "cannot be read from shared memory; serve this model with "
-                    "--no-share-weights, or export it with resource variables"
-                )
             if variable is None:
                 raise NotShareable(
                     f"the checkpoint's tensor {entry.key} is no variable of the TF1 graph (a "
@@ -216,6 +211,28 @@ def attach(
     return bound
 
 
+def _refuse_reference_variables(loaded: Any, manifest: Any, checkpoint: str) -> None:
+    """NotShareable naming the TF1 graph's reference variables (VariableV2: TF1's default
+    without use_resource=True, estimators') whose values the checkpoint holds, whole or in
+    parts, in the segment or not: such a variable's buffer lives in the graph's own op,
+    which nothing can point at the segment, and the loader lists none of them. Said before
+    anything else is tried, which gave other reasons (a lookup table's contents, a slice of
+    no variable; found by a hunt and a review)."""
+    keys = [*(t.key for t in manifest.tensors), *manifest.unshared]
+    names = {key.split(SLICE_MARK)[0] for key in keys}
+    if any(SLICE_MARK in key for key in keys):
+        names |= set(_tf1_slices(None, Path(checkpoint).parent.parent).values())
+    refs = sorted(name for name in names if _reference_variable(loaded, name))
+    if refs:
+        listed = ", ".join(refs[:5]) + (f" and {len(refs) - 5} more" if len(refs) > 5 else "")
+        raise NotShareable(
+            f"the TF1 graph's variables {listed} are reference variables (VariableV2, TF1's "
+            "default without use_resource=True), whose values cannot be read from shared "
+            "memory; serve this model with --no-share-weights, or export it with resource "
+            "variables"
+        )
+
+
 def _reference_variable(loaded: Any, name: str) -> bool:
     """Whether a TF1 graph's op of that name is a reference variable (VariableV2)."""
     try:
@@ -224,9 +241,24 @@ def _reference_variable(loaded: Any, name: str) -> bool:
         return False
 
 
+def _initializer_captures(tf: Any, loaded: Any) -> set[int]:
+    """The ids of what each loaded resource's creation and initialization functions capture:
+    a StaticHashTable whose initializer reads a MutableHashTable reads it as the model loads,
+    before its state is restored (left out, it filled the static table from an empty one and
+    the model answered wrongly; found by a review)."""
+    ids: set[int] = set()
+    for obj in tf.train.TrackableView(loaded).descendants():
+        for name in ("_create_resource", "_initialize"):
+            concrete = getattr(getattr(obj, name, None), "concrete_functions", None)
+            if isinstance(concrete, list):
+                ids.update(id(t) for function in concrete for t in function.captured_inputs)
+    return ids
+
+
 def _may_be_read(loaded: Any, key: str, captured: set[int]) -> bool:
     """Whether the object whose saved state `key` is (a mutable table's keys or values) may
-    be read by a serving signature: unless it is a resource no signature captures. An
+    be read while serving: unless it is a resource that neither a signature nor another
+    resource's initializer captures (`_initializer_captures`). An
     adapted Keras lookup layer keeps its adapt state (token counts) in such a table, which
     training fills and serving never reads: refused as state that would be lost, every
     such model needed --no-share-weights (found by a hunt of model exports)."""
