@@ -11,6 +11,7 @@ the controller's reconciling, which reads them through `groups`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -43,6 +44,12 @@ CLAIM_POLL_S = 0.005
 # A version's batching file whose read failed to reach it (storage failing) is read again
 # this much later.
 BATCHING_RETRY_S = 1.0
+# Errors that are the file's answer, the same at every read: its version fails at once (a
+# version directory the pool's user may not enter was read again every second, for ever;
+# found by a review). Any other OSError (EIO, ESTALE, ETIMEDOUT: storage failing) is retried.
+FILE_ANSWERS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG}
+)
 
 
 class RouterAsk(Protocol):
@@ -180,7 +187,7 @@ class ModelVersions:
                     group.label, VERSION_BATCHING_FILE,
                 )  # fmt: skip
             return False
-        if isinstance(outcome.error, OSError):
+        if isinstance(outcome.error, OSError) and outcome.error.errno not in FILE_ANSWERS:
             # Not the file's answer: read again (a version stuck LOADING for ever, its read
             # given up, when the error ended the look; found by a review).
             group.batching_retry_at = now + BATCHING_RETRY_S
@@ -192,7 +199,7 @@ class ModelVersions:
                 )  # fmt: skip
             return False
         group.batching_read = None
-        if isinstance(outcome.error, ConfigError):
+        if isinstance(outcome.error, (ConfigError, OSError)):  # OSError: one of FILE_ANSWERS
             group.batching_error = status_text(
                 Code.INVALID_ARGUMENT, f"cannot batch as its directory asks: {outcome.error}"
             )

@@ -3547,6 +3547,21 @@ def test_a_versions_batching_file_that_storage_fails_to_reach_is_read_again(
     pool.tick(after_s=1.0)
     assert ("startProcessGroup", "v2") in pool.sd.calls
     assert pool.router.versions[-1][1]["batching"]["max_batch_size"] == 8
+    # A file the pool's user may not read is its answer, the same at every read: the version
+    # fails at once (it was read again every second, for ever; found by a review).
+    (base / "3").mkdir()
+    (base / "3" / "saved_model.pb").write_bytes(b"")
+    monkeypatch.setattr(
+        model_versions,
+        "version_batching",
+        lambda directory: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+    )
+    pool.tick(after_s=1.0)
+    assert told(pool)[3] == "END"
+    assert (
+        "cannot batch as its directory asks: [Errno 13] Permission denied"
+        in (pool.router.versions[-1][2]["error"])
+    )
 
 
 def test_a_first_version_whose_batching_file_breaks_the_rules_fails_the_start(
