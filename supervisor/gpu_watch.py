@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 import xmlrpc.client
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ XID_SETTLE_S = 30.0
 # How long a GPU's MPS server is waited for before its workers start (mps/server_start.py),
 # at most: a recovering GPU's wait is its daemon's (the controller's loop waits meanwhile).
 SERVER_START_S = 15.0
+SERVER_START_MIN_S = 2.0
 
 log = logging.getLogger("mpspool.controller")
 
@@ -171,28 +173,38 @@ class GpuWatch:
     def _ready(
         self, gpu: int, daemon: MpsDaemon, timeout_s: float = 15.0, start_server: bool = True
     ) -> None:
+        deadline = time.monotonic() + timeout_s
         daemon.wait_ready(timeout_s)
         self.defaults[gpu] = daemon.apply_defaults(
             self.config.active_thread_percentage, self.config.pinned_limit_mib(gpu)
         )
         log.info("%s ready: %s", daemon.program, self.defaults[gpu])
         if start_server:
-            # A GPU coming back while the pool serves: within the daemon's own wait, which
-            # the controller's loop waits for.
-            self._start_server(daemon, min(SERVER_START_S, timeout_s))
+            # A GPU coming back while the pool serves: within what is left of the daemon's
+            # wait, which the controller's loop waits for (a review measured 13-15 s where
+            # the wait is 5 s, when they were bounded apart).
+            self._start_server(daemon, min(SERVER_START_S, deadline - time.monotonic()))
 
     def _start_server(self, daemon: MpsDaemon, timeout_s: float) -> None:
         """Its MPS server started before its workers connect: workers that connected while
         it initialised were refused, saw no GPU and failed their load (mps/server_start.py).
-        Not for GPUs faked for tests, which have no CUDA; one that cannot be started ahead
-        is said, and the workers start anyway (they start it, as before)."""
+        Within ``timeout_s`` in all, and not tried with less than SERVER_START_MIN_S (a
+        start cut short gains nothing). Not for GPUs faked for tests, which have no CUDA;
+        one that cannot be started ahead is said, and the workers start anyway (they start
+        it, as before)."""
         if os.environ.get(FAKE_GPUS_ENV, "").strip():
             return
+        if timeout_s < SERVER_START_MIN_S:
+            log.info(
+                "%s: no time left to start its MPS server ahead of the workers", daemon.program
+            )
+            return
+        deadline = time.monotonic() + timeout_s
         env = {**sd.pool_environment(os.environ), **daemon.environment()}
-        why = server_start.start_server(env, timeout_s)
+        why = server_start.start_server(env, timeout_s - 0.5)  # (the check below: the rest)
         if not why:
             try:
-                if not daemon.servers(2.0):
+                if not daemon.servers(max(0.2, deadline - time.monotonic())):
                     # CUDA runs without MPS when it cannot reach the daemon (its man page).
                     why = "its client ran, but the daemon lists no server: it ran without MPS"
             except MpsError as exc:

@@ -676,6 +676,9 @@ def test_a_gpus_mps_server_is_started_before_its_workers_and_waited_for(
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-x"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
     assert "the daemon lists no server: it ran without MPS" in caplog.text
+    # A GPU coming back: within what is left of its daemon's wait, and not cut short.
+    watch._start_server(daemon, 1.0)
+    assert len(started) == 1
     monkeypatch.setenv("MPSPOOL_FAKE_GPUS", "[]")
     watch._start_server(daemon, 5.0)
     assert len(started) == 1
