@@ -632,6 +632,37 @@ mod connection_tests {
         String::from_utf8_lossy(&got).into_owned()
     }
 
+    /// `serve` on the first connection to a fresh listener, with `clocks` and no delay: the
+    /// client's end, the serving task (how it ended), and the drain's sender (true: graceful).
+    async fn serving(
+        clocks: Clocks,
+    ) -> (
+        TcpStream,
+        tokio::task::JoinHandle<&'static str>,
+        tokio::sync::watch::Sender<bool>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (drain, going) = tokio::sync::watch::channel(false);
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            serve(stream, clocks, Duration::ZERO, going).await
+        });
+        (TcpStream::connect(address).await.unwrap(), server, drain)
+    }
+
+    /// A graceful drain of a connection whose request was answered: how long its close took,
+    /// and how it ended.
+    async fn drained(
+        server: tokio::task::JoinHandle<&'static str>,
+        drain: tokio::sync::watch::Sender<bool>,
+    ) -> (Duration, &'static str) {
+        let began = Instant::now();
+        drain.send(true).unwrap();
+        let how = server.await.unwrap();
+        (began.elapsed(), how)
+    }
+
     /// A body hyper drains after the service answered (its reads come while `handling` is 0)
     /// starts no head clock on a connection kept alive: it started one, and the idle
     /// connection was ended as a stalled head after the stall limit, not the idle limit (a
@@ -639,16 +670,8 @@ mod connection_tests {
     #[tokio::test]
     async fn a_drained_body_starts_no_head_clock_on_an_idle_connection() {
         let stall = Duration::from_millis(800);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
         let clocks = Clocks::new(Some(stall));
-        let server_clocks = clocks.clone();
-        let (_tx, rx) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            serve(stream, server_clocks, Duration::ZERO, rx).await
-        });
-        let mut client = TcpStream::connect(address).await.unwrap();
+        let (mut client, server, _drain) = serving(clocks.clone()).await;
         // One write: head and a 12 000-byte body (a POST to a misspelled path: 404 or 400
         // before the body is read). hyper's first read takes 8 KiB; the rest is drained
         // after the answer, in one read, while `handling` is 0.
@@ -691,14 +714,7 @@ mod connection_tests {
     #[tokio::test]
     async fn a_body_read_with_its_head_leaves_the_next_heads_clock_to_run() {
         let stall = Duration::from_millis(800);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        let (_tx, rx) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            serve(stream, Clocks::new(Some(stall)), Duration::ZERO, rx).await
-        });
-        let mut client = TcpStream::connect(address).await.unwrap();
+        let (mut client, server, _drain) = serving(Clocks::new(Some(stall))).await;
         let mut request =
             b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\n\r\n".to_vec();
         request.extend_from_slice(&[b'x'; 4000]);
@@ -724,25 +740,15 @@ mod connection_tests {
     /// so the close still took it for unread and lingered (found by a review).
     #[tokio::test]
     async fn a_small_unread_body_does_not_make_a_drain_linger() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            let clocks = Clocks::new(Some(Duration::from_secs(60)));
-            serve(stream, clocks, Duration::ZERO, rx).await
-        });
-        let mut client = TcpStream::connect(address).await.unwrap();
+        let clocks = Clocks::new(Some(Duration::from_secs(60)));
+        let (mut client, server, drain) = serving(clocks).await;
         client
             .write_all(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789")
             .await
             .unwrap();
         read_answer(&mut client).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let began = Instant::now();
-        tx.send(true).unwrap();
-        let how = server.await.unwrap();
-        let took = began.elapsed();
+        let (took, how) = drained(server, drain).await;
         assert!(
             took < Duration::from_millis(500),
             "its close took {took:?} ({how})"
@@ -755,30 +761,15 @@ mod connection_tests {
     /// look at its idle socket, requests.Session or urllib3: every drain was 2 s longer).
     #[tokio::test]
     async fn a_graceful_drain_does_not_linger_on_idle_keep_alive_connections() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            serve(
-                stream,
-                Clocks::new(Some(Duration::from_secs(60))),
-                Duration::ZERO,
-                rx,
-            )
-            .await
-        });
-        let mut client = TcpStream::connect(address).await.unwrap();
+        let clocks = Clocks::new(Some(Duration::from_secs(60)));
+        let (mut client, server, drain) = serving(clocks).await;
         client
             .write_all(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
             .unwrap();
         read_answer(&mut client).await;
         // The client keeps its idle connection in its pool, unread.
-        let began = Instant::now();
-        tx.send(true).unwrap();
-        let how = server.await.unwrap();
-        let took = began.elapsed();
+        let (took, how) = drained(server, drain).await;
         assert!(
             took < Duration::from_millis(500),
             "an idle connection's graceful close took {took:?} ({how})"
