@@ -8,6 +8,11 @@
 //! client cannot spell one without the key, so such a string is the token and nothing else.
 //! The document's readers ask `number` where a number may stand, and `restore` writes the
 //! tokens back into the text of an error.
+//!
+//! One more token is rewritten: rapidjson reads `-0` (no fraction, no exponent) as the
+//! integer 0, where serde_json reads the float -0.0, which an integer input refuses ("is not
+//! of expected type: int64") and a `:classify` feature takes as a float. It becomes ` 0`, the
+//! same length, so that no position moves.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -50,15 +55,27 @@ pub fn most_added_bytes() -> usize {
     markers().quoted.iter().map(String::len).max().unwrap_or(0)
 }
 
-/// `body` with every non-finite token outside strings written as its marker; borrowed as it
-/// is when it has none. Anything else (`Infi`, `NaNx`) is left for the parser to refuse.
+/// The `which` of a `-0` token, after the three markers'.
+const MINUS_ZERO: usize = 3;
+
+/// What a token becomes in the rewritten text.
+fn replacement(which: usize) -> &'static [u8] {
+    match which {
+        MINUS_ZERO => b" 0",
+        _ => markers().quoted[which].as_bytes(),
+    }
+}
+
+/// `body` with every non-finite token outside strings written as its marker, and every
+/// `-0` as ` 0`; borrowed as it is when it has none. Anything else (`Infi`, `NaNx`) is left
+/// for the parser to refuse.
 pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
     let mut out: Option<Vec<u8>> = None;
     let mut copied = 0; // body[..copied] is in `out`
     for (start, len, which) in Tokens::new(body) {
         let out = out.get_or_insert_with(|| Vec::with_capacity(body.len() + 64));
         out.extend_from_slice(&body[copied..start]);
-        out.extend_from_slice(markers().quoted[which].as_bytes());
+        out.extend_from_slice(replacement(which));
         copied = start + len;
     }
     match out {
@@ -76,7 +93,7 @@ pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
 pub fn original_offset(body: &[u8], offset: usize) -> usize {
     let mut added = 0; // what the markers before `offset` added to the text
     for (start, len, which) in Tokens::new(body) {
-        let marker = markers().quoted[which].len();
+        let marker = replacement(which).len();
         let at = start + added;
         if offset < at {
             break;
@@ -89,22 +106,41 @@ pub fn original_offset(body: &[u8], offset: usize) -> usize {
     offset - added
 }
 
-/// The non-finite tokens outside strings of a body, in order: (start, length, which marker).
+/// The tokens outside strings of a body, in order: (start, length, which marker, or
+/// `MINUS_ZERO`).
 struct Tokens<'a> {
     body: &'a [u8],
     at: usize,
+    /// Whether the body has a `-0` anywhere: then minus signs are stops of the walk too.
+    minus_zero: bool,
 }
 
 impl<'a> Tokens<'a> {
     fn new(body: &'a [u8]) -> Tokens<'a> {
-        // Outside strings JSON has no N or I: a body of numbers has none at all, and is not
-        // walked.
-        let at = if memchr::memchr2(b'N', b'I', body).is_none() {
+        // Outside strings JSON has no N or I, and a body of numbers rarely a `-0`: such a body
+        // is not walked.
+        let minus_zero = memchr::memmem::find(body, b"-0").is_some();
+        let at = if !minus_zero && memchr::memchr2(b'N', b'I', body).is_none() {
             body.len()
         } else {
             0
         };
-        Tokens { body, at }
+        Tokens {
+            body,
+            at,
+            minus_zero,
+        }
+    }
+
+    /// Where the next byte that matters outside strings is in `text`: a quote, a token's
+    /// letter, and a minus sign where one may start a `-0`.
+    fn next_stop(&self, text: &[u8]) -> Option<usize> {
+        if self.minus_zero {
+            text.iter()
+                .position(|byte| matches!(byte, b'"' | b'N' | b'I' | b'-'))
+        } else {
+            memchr::memchr3(b'"', b'N', b'I', text)
+        }
     }
 }
 
@@ -115,7 +151,7 @@ impl Iterator for Tokens<'_> {
     /// letter, inside them a quote or a backslash (which escapes the byte after it).
     fn next(&mut self) -> Option<(usize, usize, usize)> {
         let body = self.body;
-        while let Some(found) = memchr::memchr3(b'"', b'N', b'I', &body[self.at..]) {
+        while let Some(found) = self.next_stop(&body[self.at..]) {
             let here = self.at + found;
             if body[here] == b'"' {
                 self.at = here + 1;
@@ -131,6 +167,14 @@ impl Iterator for Tokens<'_> {
                     self.at = (self.at + 1).min(body.len()); // the escaped byte
                 }
                 continue;
+            }
+            if body[here] == b'-' {
+                self.at = here + 1;
+                if is_minus_zero(&body[here..]) {
+                    self.at = here + 2;
+                    return Some((here, 2, MINUS_ZERO));
+                }
+                continue; // a minus before another number, or before a token's letter
             }
             let start = if here > 0 && body[here - 1] == b'-' {
                 here - 1
@@ -162,6 +206,12 @@ fn token(text: &[u8]) -> Option<(usize, usize)> {
         return None;
     };
     Some((minus + len, which))
+}
+
+/// Whether `text` starts with the number `-0`: no more digits, no fraction, no exponent
+/// (rapidjson's integer 0; `-0.0` and `-0e1` are doubles there too).
+fn is_minus_zero(text: &[u8]) -> bool {
+    text.starts_with(b"-0") && !matches!(text.get(2), Some(b'0'..=b'9' | b'.' | b'e' | b'E'))
 }
 
 /// The number a marker stands for; None for any other value.
@@ -295,6 +345,27 @@ mod tests {
         assert_eq!(original_offset(body, marker + 5), find(body, b"-Infinity"));
         assert_eq!(original_offset(body, text.len()), body.len());
         assert_eq!(original_offset(b"[1, 2]", 4), 4);
+    }
+
+    #[test]
+    fn minus_zero_is_the_integer_zero_as_rapidjson_reads_it() {
+        let value = parse(r#"{"a": [-0, -0.0, -0e1, -0E1, -0.5, 0], "b": "-0"}"#);
+        assert_eq!(value["a"][0], serde_json::json!(0));
+        assert!(value["a"][0].is_i64() || value["a"][0].is_u64());
+        for at in 1..4 {
+            let number = value["a"][at].as_f64().unwrap();
+            assert!(value["a"][at].is_f64() && number == 0.0 && number.is_sign_negative());
+        }
+        assert_eq!(value["a"][4], serde_json::json!(-0.5));
+        assert_eq!(value["b"], "-0", "strings are left as they are");
+        // `-05` and `-01` are not numbers: left for the parser to refuse.
+        assert!(serde_json::from_slice::<Value>(&rewrite(b"[-05]")).is_err());
+        // The text keeps its length: positions do not move.
+        let body = br#"[-0, NaN, -0 x]"#;
+        let text = rewrite(body);
+        let x = text.iter().position(|&b| b == b'x').unwrap();
+        assert_eq!(original_offset(body, x), 13);
+        assert!(matches!(rewrite(b"[-1.5, -20]"), Cow::Borrowed(_)));
     }
 
     #[test]

@@ -1503,6 +1503,32 @@ mod tests {
     }
 
     #[test]
+    fn minus_zero_is_an_integer_as_tf_servings_parser_reads_it() {
+        // rapidjson reads `-0` as the integer 0 (found by a hunt: an int64 input refused it).
+        let (tensors, _) = parse(r#"{"inputs": [-0, -1]}"#, &[("x", codec::DT_INT64)]).unwrap();
+        assert_eq!(tensors["x"].int64_val, vec![0, -1]);
+        let (tensors, _) =
+            parse(r#"{"instances": [-0, -0.0]}"#, &[("x", codec::DT_FLOAT)]).unwrap();
+        let x = &tensors["x"].float_val;
+        assert!(x[0] == 0.0 && x[0].is_sign_positive(), "{x:?}");
+        assert!(x[1] == 0.0 && x[1].is_sign_negative(), "{x:?}");
+        assert_eq!(
+            message(parse(r#"{"inputs": [-0.0]}"#, &[("x", codec::DT_INT64)])),
+            "JSON Value: -0.0 Type: Number is not of expected type: int64"
+        );
+        // In an Example, an integer: an int64 feature.
+        let (_, input) = parse_examples(br#"{"examples": [{"f": [-0, 1]}]}"#).unwrap();
+        let Some(input::Kind::ExampleList(list)) = input.kind else {
+            panic!("{input:?}")
+        };
+        let example = Example::decode(list.examples[0].clone()).unwrap();
+        assert_eq!(
+            example.features.unwrap().feature["f"].kind,
+            Some(feature::Kind::Int64List(Int64List { value: vec![0, 1] }))
+        );
+    }
+
+    #[test]
     fn floats_take_any_number_rounded_as_tf_serving_does() {
         let float = |body: &str, dtype| parse(body, &[("x", dtype)]);
         let body = r#"{"inputs": [16777217, 1435774380, -16777217, 1e-50, 3.4028235e38, 1e39,
