@@ -34,7 +34,9 @@ from poolproc import Pool, memory_mib, mpspool_cmd
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Pool]:
-    pool = Pool(tmp_path_factory.mktemp("pool"), demo_model_dir, 2).start()
+    # A wildcard host, as in a container: its clients on 127.0.0.1 reach a dual-stack
+    # socket as ::ffff:127.0.0.1, which must still count as local (admin calls).
+    pool = Pool(tmp_path_factory.mktemp("pool"), demo_model_dir, 2, "--host", "0.0.0.0").start()
     try:
         pool.wait_ready(2)
         yield pool
@@ -199,6 +201,40 @@ def test_get_model_status_and_health(pool: Pool) -> None:
         with pytest.raises(grpc.RpcError) as info:
             pool.health(channel, "tensorflow.serving.Nope")
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_a_wildcard_host_serves_ipv4_and_ipv6_clients(pool: Pool) -> None:
+    """`--host 0.0.0.0` listens on both families, as TF Serving's wildcard does (gRPC's C
+    core opens a dual-stack socket for it, its REST server binds ::): on an IPv6 cluster the
+    kubelet's probes, the Service and Prometheus dial the pod's IPv6 address."""
+    status = pool.status()["pool"]
+    assert status["listen"] == f"0.0.0.0:{pool.port}"
+    metrics_port = urllib.parse.urlsplit(status["metrics"]).port
+    rest_port = urllib.parse.urlsplit(pool.rest_url).port
+    hosts = ["127.0.0.1"] + (["[::1]"] if _has_ipv6_loopback() else [])
+    for host in hosts:
+        with grpc.insecure_channel(f"{host}:{pool.port}") as channel:
+            assert pool.health(channel) == health_pb2.HealthCheckResponse.SERVING, host
+        for url in (
+            f"http://{host}:{rest_port}/v1/models/demo",
+            f"http://{host}:{metrics_port}/metrics",
+        ):
+            answer = subprocess.run(
+                ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", url],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert answer.stdout == "200", (url, answer.stderr)
 
 
 @pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])

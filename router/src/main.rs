@@ -20,6 +20,7 @@ mod inference;
 mod json_nonfinite;
 mod json_tensor;
 mod lifespan;
+mod listen;
 mod log;
 mod metrics;
 mod peer_uid;
@@ -201,7 +202,7 @@ async fn serve(config: Config) -> ExitCode {
         Ok(dispatcher) => dispatcher,
         Err(error) => return fail(error),
     };
-    let listener = match tokio::net::TcpListener::bind((config.host.as_str(), config.port)).await {
+    let listener = match listen::bind(&config.host, config.port).await {
         Ok(listener) => listener,
         Err(error) => {
             return fail(format!(
@@ -265,16 +266,15 @@ async fn serve(config: Config) -> ExitCode {
     let rest = match u16::try_from(config.rest_api_port) {
         Err(_) => None, // -1: off
         Ok(rest_port) => {
-            let listener =
-                match tokio::net::TcpListener::bind((config.host.as_str(), rest_port)).await {
-                    Ok(listener) => listener,
-                    Err(error) => {
-                        return fail(format!(
-                            "cannot listen on {}:{rest_port} (REST API): {error}",
-                            config.host
-                        ))
-                    }
-                };
+            let listener = match listen::bind(&config.host, rest_port).await {
+                Ok(listener) => listener,
+                Err(error) => {
+                    return fail(format!(
+                        "cannot listen on {}:{rest_port} (REST API): {error}",
+                        config.host
+                    ))
+                }
+            };
             let bound = listener.local_addr().map(|a| a.port()).unwrap_or(rest_port);
             state.rest_port.store(bound, Ordering::Relaxed);
             log_info!("REST API on http://{}:{bound}/v1/models", config.host);

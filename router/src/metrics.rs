@@ -451,7 +451,7 @@ const METRICS_CONNECTION_LIFE: Duration = Duration::from_secs(120);
 /// Serve /metrics on `host:port` (0: any free port); the port it got, 0 if it could not:
 /// metrics are for watching the pool, and losing them must not stop it serving.
 pub async fn serve(metrics: Arc<Metrics>, host: &str, port: u16) -> u16 {
-    let listener = match TcpListener::bind((host, port)).await {
+    let listener = match crate::listen::bind(host, port).await {
         Ok(listener) => listener,
         Err(error) => {
             log_error!("metrics endpoint {host}:{port} unavailable: {error}");
