@@ -901,6 +901,20 @@ class Controller:
         self._reload_answers = {k: v for k, v in self._reload_answers.items() if k in ids}
         # One no longer listed was given up by its caller (or its front door): not applied.
         self._reloads_waiting = [(i, body) for i, body in self._reloads_waiting if i in ids]
+        gone = [i for i in self._reloads if i not in ids]
+        if gone:
+            # One in effect no longer holds the requests behind it, nor the model config
+            # file: a version it wants that keeps failing held them through every load
+            # retry, minutes, while a caller with a deadline asked again and again (found
+            # by a hunt). What it applied stays, as TF Serving's call runs on when its
+            # caller leaves; its labels do not move, as a call answered OK alone moves them.
+            self._reloads = [i for i in self._reloads if i in ids]
+            log.info(
+                "HandleReloadConfigRequest %s: its caller gave up; what it applied stays, "
+                "its labels do not move", ", ".join(map(str, gone)),
+            )  # fmt: skip
+            if not self._reloads:
+                self._forget_asked_labels()
         waiting = {i for i, _ in self._reloads_waiting}
         for request_id, body in listed:
             request_id = int(request_id)

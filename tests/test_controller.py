@@ -2916,6 +2916,31 @@ def test_reload_config_requests_at_once_are_applied_and_answered_one_after_the_o
     assert pool.controller.status()["pool"]["version_policy"] == "specific:1,2"
 
 
+def test_a_reload_in_effect_whose_caller_gave_up_no_longer_holds_the_next(
+    make_pool: Callable[..., Pool],
+):
+    """A request in effect waits for the versions it wants; once its caller has given up
+    (a deadline), the requests behind it go ahead: one wanting a version that kept failing
+    held every later request, and the model config file, through all its load retries,
+    minutes (found by a hunt). What it applied stays; its labels never move."""
+    pool, base = versioned_pool(make_pool, [1, 2], version_policy="specific:1")
+    pool.router.reload_requests[21] = reload_request(base, [1, 2], {"canary": 2})
+    pool.tick()
+    assert told(pool) == {1: "AVAILABLE", 2: "LOADING"}
+    pool.router.reload_requests[22] = reload_request(base, [1], {"stable": 1})
+    pool.tick(after_s=0.5)
+    assert pool.router.reload_done == [], "22 waits behind 21"
+    assert pool.controller.status()["pool"]["version_policy"] == "specific:1,2"
+
+    del pool.router.reload_requests[21]  # its caller's deadline passed
+    pool.tick()
+    pool.tick()
+    assert pool.router.reload_done == [(22, 0, "")], "22 applied without waiting for 2"
+    assert pool.controller.status()["pool"]["version_policy"] == "specific:1"
+    assert pool.router.labels[-1] == {"stable": 1}, "21's canary never moved"
+    assert pool.controller.status()["pool"]["version_labels"] == {"stable": 1}
+
+
 def test_with_labels_for_unavailable_models_a_new_label_points_ahead_and_a_used_one_waits(
     make_pool: Callable[..., Pool],
 ):
