@@ -155,10 +155,43 @@ def test_the_demo_init_container_may_run_again() -> None:
     assert str(args.out) == start_args().model_base_path
 
 
+def test_the_demo_init_container_gets_no_gpu() -> None:
+    """It asks for none; a base image's NVIDIA_VISIBLE_DEVICES=all would still have the
+    NVIDIA runtime mount every GPU of the node into it, and TensorFlow map them."""
+    (init,) = deployment()["spec"]["template"]["spec"]["initContainers"]
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "nvidia.com/gpu" not in init["resources"].get("limits", {})
+
+
 def test_the_build_context_leaves_out_the_crates_build_folder() -> None:
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
     # After `!router/`: the last matching line wins in a .dockerignore.
     assert ignore.index("router/target") > ignore.index("!router/")
+
+
+def test_every_path_the_build_copies_is_in_the_build_context() -> None:
+    """Each COPY from the context names a path of the checkout that the ignore file lets
+    through (it ignores everything, `**`, then lets each path back in): a path left out
+    fails the build at its COPY."""
+    ignore = [
+        line.strip()
+        for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ignore[0] == "**"
+    let_in = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    root = DEPLOY.parent
+    sources = []
+    for line in dockerfile()["COPY"]:
+        words = line.split()
+        if any(w.startswith("--from") for w in words):
+            continue  # from another stage, not the context
+        sources += words[:-1]
+    assert sources
+    for source in sources:
+        assert (root / source).exists(), source
+        assert source.rstrip("/") in let_in, f"{source} is left out of the build context"
 
 
 def test_dev_shm_is_memory_backed_and_counted_in_the_memory_limit() -> None:
@@ -167,11 +200,12 @@ def test_dev_shm_is_memory_backed_and_counted_in_the_memory_limit() -> None:
     limit = quantity(container(deployment())["resources"]["limits"]["memory"])
     # tmpfs pages count against the container's memory limit: leave room for the processes.
     assert 64 * 2**20 < quantity(shm["sizeLimit"]) < limit
-    # deploy/README.md's formula: /dev/shm + contexts x 1.5 Gi a GPU worker + 0.5 Gi for the
-    # rest + the front door's request budget (4 x --max-message-bytes, at least 256 MiB).
+    # deploy/README.md's formula: /dev/shm + 2 x contexts x 1.5 Gi a GPU worker (a new
+    # version loads on workers of its own beside the serving ones) + 0.5 Gi for the rest +
+    # the front door's request budget (4 x --max-message-bytes, at least 256 MiB).
     args = start_args()
     budget = max(4 * args.max_message_bytes, 256 * 2**20)
-    workers = args.contexts_per_gpu * len(args.gpus.split(","))
+    workers = 2 * args.contexts_per_gpu * len(args.gpus.split(","))
     need = quantity(shm["sizeLimit"]) + workers * 1.5 * 2**30 + 0.5 * 2**30 + budget
     assert need <= limit, (need / 2**30, limit / 2**30)
 
@@ -255,7 +289,16 @@ def test_pdb_and_hpa_target_the_deployment() -> None:
 
 def test_dockerfile_builds_a_nonroot_gpu_image_running_mpspool_start() -> None:
     df = dockerfile()
-    assert any(re.search(r"tensorflow/tensorflow:\S*gpu", f) for f in df["FROM"])
+    # Every stage on the GPU build of TensorFlow: the image is the last stage, and the wheel's
+    # stage links the front door against the glibc the image runs with.
+    assert all(re.match(r"tensorflow/tensorflow:\S*-gpu\b", f) for f in df["FROM"]), df["FROM"]
+    # mpspool without its `tf` extra: that would install tensorflow-cpu beside the GPU build.
+    installs = [r for r in df["RUN"] if "pip install" in r]
+    assert installs and not any("[tf" in r for r in installs), installs
+    # tini is PID 1 (SIGTERM forwarded to `mpspool start`, orphans reaped), and installed.
+    argv = entrypoint()
+    assert argv[0] == "/usr/bin/tini" and argv[1] == "--", argv
+    assert any(re.search(r"apt-get install .*\btini\b", r) for r in df["RUN"])
     # Numeric UID:GID, not root, and the one the pod's securityContext runs as.
     (user,) = df["USER"]
     uid, _, gid = user.partition(":")
@@ -263,6 +306,14 @@ def test_dockerfile_builds_a_nonroot_gpu_image_running_mpspool_start() -> None:
     pod_security = deployment()["spec"]["template"]["spec"]["securityContext"]
     assert (pod_security["runAsUser"], pod_security["runAsGroup"]) == (int(uid), int(gid))
     assert pod_security["runAsNonRoot"] is True
+    # A container's own securityContext overrides the pod's: none may run as another user
+    # (root beside runAsNonRoot is refused by the kubelet; another UID is not MPS's user).
+    spec = deployment()["spec"]["template"]["spec"]
+    for ctr in spec["containers"] + spec.get("initContainers", []):
+        own = ctr.get("securityContext", {})
+        assert own.get("runAsUser", int(uid)) == int(uid), ctr["name"]
+        assert own.get("runAsGroup", int(gid)) == int(gid), ctr["name"]
+        assert own.get("runAsNonRoot", True) is True, ctr["name"]
 
     env: dict[str, str] = {}
     for line in df.get("ENV", []):
@@ -276,7 +327,6 @@ def test_dockerfile_builds_a_nonroot_gpu_image_running_mpspool_start() -> None:
     # The LD_PRELOAD the pod sets is the file the image build checks exists.
     assert f"test -e {pod_env['LD_PRELOAD']}" in run
 
-    argv = entrypoint()
     (cmd,) = df["CMD"]
     default = build_parser().parse_args(argv[argv.index("mpspool") + 1 :] + json.loads(cmd))
     assert default.host == "0.0.0.0" and default.gpus == "0"
