@@ -415,6 +415,21 @@ def test_rest_strings_binary_and_several_outputs(text: Pool) -> None:
         "scores": [[3.5, 14.0]],
         "upper": ["A"],
     }
+    # Strings that are not UTF-8 are their bytes, as TF Serving's parser (which does not
+    # check the encoding) takes them: Latin-1 text, and a byte Python's json.dumps wrote as
+    # a lone surrogate (surrogateescape) is its three bytes there. The request was refused.
+    body = b'{"inputs": {"words": ["a", "b"], "raw": ["caf\xe9", "x\\udc80"], "k": [0, 0]}}'
+    answer = rest(text, "demo:predict", raw=body)
+    assert answer.status_code == 200, answer.text
+    outputs = answer.json()["outputs"]
+    assert [base64.b64decode(b["b64"]) for b in outputs["raw_bytes"]] == [
+        b"caf\xe9",
+        b"x\xed\xb2\x80",
+    ]
+    assert outputs["length"] == [4, 4]
+    # A member's name is not a string value: one that is not UTF-8 is still refused.
+    answer = rest(text, "demo:predict", raw=b'{"inputs": {"w\xe9rds": ["a"]}}')
+    assert answer.status_code == 400 and "JSON Parse error" in answer.json()["error"]
 
 
 def test_rest_status_and_metadata_equal_grpcs(demo: Pool) -> None:

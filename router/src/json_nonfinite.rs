@@ -13,6 +13,14 @@
 //! integer 0, where serde_json reads the float -0.0, which an integer input refuses ("is not
 //! of expected type: int64") and a `:classify` feature takes as a float. It becomes ` 0`, the
 //! same length, so that no position moves.
+//!
+//! And one kind of string: TF Serving parses without `kParseValidateEncodingFlag`, so a
+//! string value's bytes are taken as they are, UTF-8 or not (Latin-1 text, bytes a C client
+//! wrote into JSON), and an escaped low surrogate alone (`"\udc80"`, what Python's
+//! `json.dumps` writes for a byte it decoded with `surrogateescape`) is written out as its
+//! three UTF-8-like bytes. serde_json refuses both, and a `String` cannot hold them. Such a
+//! string value (not a member's name) becomes `"\u0000raw:<key>:<hex of its bytes>"`;
+//! `string_bytes` gives a reader its bytes, `restore` writes it back into an error's text.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -28,6 +36,9 @@ const WRITTEN: [&str; 3] = ["NaN", "Infinity", "-Infinity"];
 struct Markers {
     parsed: [String; 3],
     quoted: [String; 3],
+    /// A raw string's marker up to its hex, as parsed and as written (quoted).
+    raw_parsed: String,
+    raw_quoted: String,
 }
 
 fn markers() -> &'static Markers {
@@ -45,6 +56,8 @@ fn markers() -> &'static Markers {
         Markers {
             parsed: names.clone().map(|name| format!("\u{0}{name}")),
             quoted: names.map(|name| format!("\"\\u0000{name}\"")),
+            raw_parsed: format!("\u{0}raw:{key}:"),
+            raw_quoted: format!("\"\\u0000raw:{key}:"),
         }
     })
 }
@@ -55,27 +68,51 @@ pub fn most_added_bytes() -> usize {
     markers().quoted.iter().map(String::len).max().unwrap_or(0)
 }
 
-/// The `which` of a `-0` token, after the three markers'.
-const MINUS_ZERO: usize = 3;
-
 /// What a token becomes in the rewritten text.
-fn replacement(which: usize) -> &'static [u8] {
-    match which {
-        MINUS_ZERO => b" 0",
-        _ => markers().quoted[which].as_bytes(),
+enum Replacement {
+    /// A non-finite number: its marker (0 NaN, 1 +∞, 2 −∞).
+    Number(usize),
+    /// `-0`: ` 0`.
+    MinusZero,
+    /// A string value serde_json refuses and rapidjson reads: its marker, quoted.
+    Raw(Vec<u8>),
+}
+
+impl Replacement {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Replacement::Number(which) => markers().quoted[*which].as_bytes(),
+            Replacement::MinusZero => b" 0",
+            Replacement::Raw(quoted) => quoted,
+        }
     }
 }
 
-/// `body` with every non-finite token outside strings written as its marker, and every
-/// `-0` as ` 0`; borrowed as it is when it has none. Anything else (`Infi`, `NaNx`) is left
-/// for the parser to refuse.
+/// What a raw string's marker adds to a body at most beyond twice the string's length:
+/// `json_tensor::parse_cost` charges it for each string of a body that may hold one.
+pub fn raw_added_bytes() -> usize {
+    markers().raw_quoted.len() + 1
+}
+
+/// Whether a body may hold a string serde_json refuses and rapidjson reads (bytes that are
+/// not UTF-8, or an escaped surrogate); most bodies hold none, and are not walked for them.
+pub fn may_hold_raw_strings(body: &[u8]) -> bool {
+    std::str::from_utf8(body).is_err()
+        || memchr::memmem::find(body, b"\\ud").is_some()
+        || memchr::memmem::find(body, b"\\uD").is_some()
+}
+
+/// `body` with every non-finite token outside strings written as its marker, every `-0`
+/// as ` 0`, and every string value serde_json refuses but rapidjson reads as its marker;
+/// borrowed as it is when it has none. Anything else (`Infi`, `NaNx`, a control character
+/// in a string) is left for the parser to refuse.
 pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
     let mut out: Option<Vec<u8>> = None;
     let mut copied = 0; // body[..copied] is in `out`
-    for (start, len, which) in Tokens::new(body) {
+    for (start, len, replacement) in Tokens::new(body) {
         let out = out.get_or_insert_with(|| Vec::with_capacity(body.len() + 64));
         out.extend_from_slice(&body[copied..start]);
-        out.extend_from_slice(replacement(which));
+        out.extend_from_slice(replacement.bytes());
         copied = start + len;
     }
     match out {
@@ -91,19 +128,21 @@ pub fn rewrite(body: &[u8]) -> Cow<'_, [u8]> {
 /// as the client wrote it (TF Serving's parser reads the tokens in place). A position inside
 /// a marker is its token's start.
 pub fn original_offset(body: &[u8], offset: usize) -> usize {
-    let mut added = 0; // what the markers before `offset` added to the text
-    for (start, len, which) in Tokens::new(body) {
-        let marker = replacement(which).len();
-        let at = start + added;
+    // What the markers before `offset` added to the text (a raw string's marker may be
+    // shorter than the string: then less than nothing).
+    let mut added: isize = 0;
+    for (start, len, replacement) in Tokens::new(body) {
+        let marker = replacement.bytes().len();
+        let at = start.saturating_add_signed(added);
         if offset < at {
             break;
         }
         if offset < at + marker {
             return start;
         }
-        added += marker - len;
+        added += marker as isize - len as isize;
     }
-    offset - added
+    offset.saturating_add_signed(-added)
 }
 
 /// The tokens outside strings of a body, in order: (start, length, which marker, or
@@ -113,14 +152,17 @@ struct Tokens<'a> {
     at: usize,
     /// Whether the body has a `-0` anywhere: then minus signs are stops of the walk too.
     minus_zero: bool,
+    /// Whether its strings are each looked at (`may_hold_raw_strings`).
+    raw_strings: bool,
 }
 
 impl<'a> Tokens<'a> {
     fn new(body: &'a [u8]) -> Tokens<'a> {
-        // Outside strings JSON has no N or I, and a body of numbers rarely a `-0`: such a body
-        // is not walked.
+        // Outside strings JSON has no N or I, a body of numbers rarely a `-0`, and most
+        // bodies no string serde_json refuses: such a body is not walked.
         let minus_zero = memchr::memmem::find(body, b"-0").is_some();
-        let at = if !minus_zero && memchr::memchr2(b'N', b'I', body).is_none() {
+        let raw_strings = may_hold_raw_strings(body);
+        let at = if !minus_zero && !raw_strings && memchr::memchr2(b'N', b'I', body).is_none() {
             body.len()
         } else {
             0
@@ -129,6 +171,7 @@ impl<'a> Tokens<'a> {
             body,
             at,
             minus_zero,
+            raw_strings,
         }
     }
 
@@ -145,16 +188,17 @@ impl<'a> Tokens<'a> {
 }
 
 impl Iterator for Tokens<'_> {
-    type Item = (usize, usize, usize);
+    type Item = (usize, usize, Replacement);
 
     /// Jumps from one byte that matters to the next: outside strings a quote or a token's
     /// letter, inside them a quote or a backslash (which escapes the byte after it).
-    fn next(&mut self) -> Option<(usize, usize, usize)> {
+    fn next(&mut self) -> Option<(usize, usize, Replacement)> {
         let body = self.body;
         while let Some(found) = self.next_stop(&body[self.at..]) {
             let here = self.at + found;
             if body[here] == b'"' {
                 self.at = here + 1;
+                let mut closed = false;
                 loop {
                     let Some(next) = memchr::memchr2(b'"', b'\\', &body[self.at..]) else {
                         self.at = body.len(); // an unterminated string: the parser says so
@@ -162,9 +206,16 @@ impl Iterator for Tokens<'_> {
                     };
                     self.at += next + 1;
                     if body[self.at - 1] == b'"' {
+                        closed = true;
                         break;
                     }
                     self.at = (self.at + 1).min(body.len()); // the escaped byte
+                }
+                if closed && self.raw_strings {
+                    if let Some(marker) = raw_marker(&body[here + 1..self.at - 1], &body[self.at..])
+                    {
+                        return Some((here, self.at - here, Replacement::Raw(marker)));
+                    }
                 }
                 continue;
             }
@@ -172,7 +223,7 @@ impl Iterator for Tokens<'_> {
                 self.at = here + 1;
                 if is_minus_zero(&body[here..]) {
                     self.at = here + 2;
-                    return Some((here, 2, MINUS_ZERO));
+                    return Some((here, 2, Replacement::MinusZero));
                 }
                 continue; // a minus before another number, or before a token's letter
             }
@@ -184,11 +235,119 @@ impl Iterator for Tokens<'_> {
             self.at = here + 1;
             if let Some((len, which)) = token(&body[start..]) {
                 self.at = start + len;
-                return Some((start, len, which));
+                return Some((start, len, Replacement::Number(which)));
             }
         }
         self.at = body.len();
         None
+    }
+}
+
+/// The marker (quoted) of a string whose content, between its quotes, is `content` and
+/// which `after` follows: only for a string value serde_json refuses and rapidjson reads.
+/// A member's name (a colon follows) is left for serde_json to refuse, as before.
+fn raw_marker(content: &[u8], after: &[u8]) -> Option<Vec<u8>> {
+    let next = after
+        .iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+    if next == Some(&b':') {
+        return None;
+    }
+    let (bytes, serde_refuses) = rapidjson_string(content)?;
+    if !serde_refuses {
+        return None;
+    }
+    let mut marker = markers().raw_quoted.as_bytes().to_vec();
+    marker.reserve(2 * bytes.len() + 1);
+    for byte in bytes {
+        marker.extend_from_slice(format!("{byte:02x}").as_bytes());
+    }
+    marker.push(b'"');
+    Some(marker)
+}
+
+/// A string's content read as rapidjson 1.1.0 reads it without validating its encoding
+/// (`ParseStringToStream`): other bytes copied as they are, escapes decoded, a surrogate
+/// pair joined, a low surrogate alone written as its three bytes; None where rapidjson
+/// refuses it (a control character, a bad escape, a high surrogate without its low one).
+/// With it, whether serde_json refuses the same content (not UTF-8, or a lone surrogate).
+fn rapidjson_string(content: &[u8]) -> Option<(Vec<u8>, bool)> {
+    let mut out = Vec::with_capacity(content.len());
+    let mut lone_surrogate = false;
+    let mut at = 0;
+    while let Some(&byte) = content.get(at) {
+        match byte {
+            b'\\' => {
+                let escape = *content.get(at + 1)?;
+                at += 2;
+                let plain = match escape {
+                    b'"' | b'\\' | b'/' => escape,
+                    b'b' => 0x08,
+                    b'f' => 0x0c,
+                    b'n' => b'\n',
+                    b'r' => b'\r',
+                    b't' => b'\t',
+                    b'u' => {
+                        let mut point = hex4(content.get(at..at + 4)?)?;
+                        at += 4;
+                        if (0xD800..=0xDBFF).contains(&point) {
+                            if content.get(at..at + 2) != Some(b"\\u") {
+                                return None;
+                            }
+                            let low = hex4(content.get(at + 2..at + 6)?)?;
+                            if !(0xDC00..=0xDFFF).contains(&low) {
+                                return None;
+                            }
+                            at += 6;
+                            point = (((point - 0xD800) << 10) | (low - 0xDC00)) + 0x10000;
+                        } else if (0xDC00..=0xDFFF).contains(&point) {
+                            lone_surrogate = true;
+                        }
+                        encode_utf8(point, &mut out);
+                        continue;
+                    }
+                    _ => return None,
+                };
+                out.push(plain);
+            }
+            0x00..=0x1f => return None,
+            _ => {
+                out.push(byte);
+                at += 1;
+            }
+        }
+    }
+    let serde_refuses = lone_surrogate || std::str::from_utf8(&out).is_err();
+    Some((out, serde_refuses))
+}
+
+/// Four hex digits, either case, as rapidjson's `ParseHex4`.
+fn hex4(digits: &[u8]) -> Option<u32> {
+    digits.iter().try_fold(0u32, |value, &digit| {
+        let nibble = (digit as char).to_digit(16)?;
+        Some(value << 4 | nibble)
+    })
+}
+
+/// A code point in UTF-8's encoding, surrogates too (rapidjson's `UTF8::Encode`).
+fn encode_utf8(point: u32, out: &mut Vec<u8>) {
+    if point < 0x80 {
+        out.push(point as u8);
+    } else if point < 0x800 {
+        out.extend_from_slice(&[0xC0 | (point >> 6) as u8, 0x80 | (point & 0x3F) as u8]);
+    } else if point < 0x10000 {
+        out.extend_from_slice(&[
+            0xE0 | (point >> 12) as u8,
+            0x80 | ((point >> 6) & 0x3F) as u8,
+            0x80 | (point & 0x3F) as u8,
+        ]);
+    } else {
+        out.extend_from_slice(&[
+            0xF0 | (point >> 18) as u8,
+            0x80 | ((point >> 12) & 0x3F) as u8,
+            0x80 | ((point >> 6) & 0x3F) as u8,
+            0x80 | (point & 0x3F) as u8,
+        ]);
     }
 }
 
@@ -226,18 +385,80 @@ pub fn number(value: &Value) -> Option<f64> {
     Some(NUMBERS[which])
 }
 
-/// JSON text serde_json wrote, with each marker written as TF Serving writes the number.
+/// A string value's bytes: a raw string's own (`rewrite`), else its text's. None for any
+/// other value, and for a non-finite number's marker.
+pub fn string_bytes(value: &Value) -> Option<Cow<'_, [u8]>> {
+    let Value::String(text) = value else {
+        return None;
+    };
+    if !text.starts_with('\u{0}') {
+        return Some(Cow::Borrowed(text.as_bytes()));
+    }
+    if let Some(hex) = text.strip_prefix(markers().raw_parsed.as_str()) {
+        return Some(Cow::Owned(from_hex(hex)));
+    }
+    number(value)
+        .is_none()
+        .then_some(Cow::Borrowed(text.as_bytes()))
+}
+
+/// A string value's text: a raw string's bytes where they are not UTF-8 replaced (an error
+/// message, a name to look up that no name can match).
+pub fn string_text(value: &Value) -> Option<Cow<'_, str>> {
+    match string_bytes(value)? {
+        Cow::Borrowed(bytes) => std::str::from_utf8(bytes).ok().map(Cow::Borrowed),
+        Cow::Owned(bytes) => Some(Cow::Owned(String::from_utf8_lossy(&bytes).into_owned())),
+    }
+}
+
+/// The bytes of hex digit pairs (a trailing half pair, where an error's text was cut, left).
+fn from_hex(hex: &str) -> Vec<u8> {
+    hex.as_bytes()
+        .chunks_exact(2)
+        .filter_map(|pair| u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok())
+        .collect()
+}
+
+/// JSON text serde_json wrote, with each marker written as TF Serving writes the number,
+/// and each raw string as a string of its text (bytes that are not UTF-8 replaced). A raw
+/// string's marker cut short (an error's text is cut) is written as far as it goes.
 pub fn restore(text: String) -> String {
     if !text.contains("\"\\u0000") {
         return text;
     }
-    markers()
+    let text = markers()
         .quoted
         .iter()
         .zip(WRITTEN)
         .fold(text, |text, (quoted, written)| {
             text.replace(quoted, written)
-        })
+        });
+    let prefix = markers().raw_quoted.as_str();
+    if !text.contains(prefix) {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find(prefix) {
+        out.push_str(&rest[..at]);
+        rest = &rest[at + prefix.len()..];
+        let hex_len = rest
+            .bytes()
+            .position(|b| !b.is_ascii_hexdigit())
+            .unwrap_or(rest.len());
+        let bytes = from_hex(&rest[..hex_len]);
+        let closed = rest[hex_len..].starts_with('"');
+        rest = &rest[hex_len + usize::from(closed)..];
+        let written = serde_json::to_string(&String::from_utf8_lossy(&bytes)).unwrap_or_default();
+        // Unclosed: the text was cut inside it, and stays cut (no closing quote).
+        out.push_str(if closed {
+            &written
+        } else {
+            written.trim_end_matches('"')
+        });
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -366,6 +587,77 @@ mod tests {
         let x = text.iter().position(|&b| b == b'x').unwrap();
         assert_eq!(original_offset(body, x), 13);
         assert!(matches!(rewrite(b"[-1.5, -20]"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn string_values_rapidjson_reads_and_serde_json_refuses_keep_their_bytes() {
+        // The bytes TF Serving's parser (rapidjson 1.1.0, no encoding check) gives for each,
+        // measured by a hunt that ran TF Serving's own parse call.
+        let body =
+            b"{\"a\": [\"caf\xe9\", \"a\\udc00b\", \"\\ud83d\\ude00\\u00e9\\n\xff\", \"ok\"]}";
+        let text = rewrite(body);
+        let value: Value = serde_json::from_slice(&text).unwrap();
+        let bytes: Vec<Vec<u8>> = value["a"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| string_bytes(v).unwrap().into_owned())
+            .collect();
+        assert_eq!(bytes[0], b"caf\xe9");
+        assert_eq!(bytes[1], b"a\xed\xb0\x80b");
+        assert_eq!(
+            bytes[2],
+            "\u{1F600}\u{e9}\n"
+                .bytes()
+                .chain([0xff])
+                .collect::<Vec<u8>>()
+        );
+        assert_eq!(bytes[3], b"ok");
+        assert_eq!(
+            value["a"][3], "ok",
+            "a string serde_json reads is left as it is"
+        );
+        assert_eq!(string_text(&value["a"][0]).unwrap(), "caf\u{FFFD}");
+        // Written back into an error's text as text, the marker's key never shown.
+        assert_eq!(
+            restore(value.to_string()),
+            "{\"a\":[\"caf\u{FFFD}\",\"a\u{FFFD}\u{FFFD}\u{FFFD}b\",\"\u{1F600}\u{e9}\\n\u{FFFD}\",\"ok\"]}"
+        );
+        let cut = value["a"][0].to_string();
+        assert_eq!(restore(cut[..cut.len() - 3].to_string()), "\"caf");
+    }
+
+    #[test]
+    fn strings_rapidjson_refuses_or_names_are_left_for_the_parser() {
+        for body in [
+            &b"[\"a\\ud800\"]"[..],   // a high surrogate alone
+            b"[\"a\\ud800\\u0041\"]", // ... before another escape
+            b"[\"\xe9\x01\"]",        // a control character
+            b"[\"\xe9\\q\"]",         // a bad escape
+            b"{\"caf\xe9\": 1}",      // a member's name
+            b"{\"caf\xe9\" \n : 1}",
+        ] {
+            assert!(
+                serde_json::from_slice::<Value>(&rewrite(body)).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // UTF-8 and escaped pairs only: nothing to rewrite, and the body is not walked.
+        let plain = "[\"caf\u{e9}\", \"\\ud83d\\ude00\"]".as_bytes();
+        assert!(!may_hold_raw_strings(b"[\"caf\xc3\xa9\", 1]"));
+        assert!(matches!(rewrite(plain), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn a_position_after_a_raw_string_maps_back_to_the_clients() {
+        let body = b"[\"\xe9\", \"abc\xe9\xe9\xe9\xe9\", x]";
+        let text = rewrite(body);
+        let x = text.iter().position(|&b| b == b'x').unwrap();
+        assert_eq!(
+            original_offset(body, x),
+            body.iter().position(|&b| b == b'x').unwrap()
+        );
     }
 
     #[test]

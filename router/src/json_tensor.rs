@@ -204,6 +204,7 @@ pub fn parse_cost(body: &[u8]) -> ParseCost {
     let (mut in_string, mut escaped) = (false, false);
     // Outside strings only a non-finite token has an N or an I; its marker is a string.
     let mut markers = 0usize;
+    let mut strings = 0usize;
     for &byte in body {
         if in_string {
             if escaped {
@@ -216,17 +217,28 @@ pub fn parse_cost(body: &[u8]) -> ParseCost {
             continue;
         }
         match byte {
-            b'"' => in_string = true,
+            b'"' => {
+                in_string = true;
+                strings += 1;
+            }
             b'{' => objects += 1,
             b',' | b'[' => values += 1,
             b'N' | b'I' => markers += 1,
             _ => {}
         }
     }
+    // A raw string's marker holds its bytes in hex: at most twice the string, and more.
+    let raw = if json_nonfinite::may_hold_raw_strings(body) {
+        body.len()
+            .saturating_add(strings.saturating_mul(json_nonfinite::raw_added_bytes()))
+    } else {
+        0
+    };
     ParseCost {
         body_bytes: body
             .len()
-            .saturating_add(markers.saturating_mul(json_nonfinite::most_added_bytes())),
+            .saturating_add(markers.saturating_mul(json_nonfinite::most_added_bytes()))
+            .saturating_add(raw),
         values,
         objects,
     }
@@ -243,7 +255,11 @@ fn parse_body(body: &[u8], place: Place) -> Result<PredictBody, ServingError> {
     let document = parse_object(body, place)?;
     let signature_name = match document.get("signature_name") {
         None => String::new(),
-        Some(name @ Value::String(text)) if json_nonfinite::number(name).is_none() => text.clone(),
+        Some(name @ Value::String(_)) if json_nonfinite::number(name).is_none() => {
+            json_nonfinite::string_text(name)
+                .unwrap_or_default()
+                .into_owned()
+        }
         Some(_) => {
             return Err(format_error(
                 &document,
@@ -606,11 +622,9 @@ impl Filling {
                 let v = value.as_i64().and_then(|v| i32::try_from(v).ok());
                 p.int_val.push(v.ok_or_else(wrong)?);
             }
-            codec::DT_STRING => match value {
-                Value::String(text) if json_nonfinite::number(value).is_none() => {
-                    p.string_val.push(Bytes::from(text.clone().into_bytes()))
-                }
-                _ => return Err(wrong()),
+            codec::DT_STRING => match json_nonfinite::string_bytes(value) {
+                Some(bytes) => p.string_val.push(Bytes::from(bytes.into_owned())),
+                None => return Err(wrong()),
             },
             codec::DT_INT64 => p.int64_val.push(value.as_i64().ok_or_else(wrong)?),
             codec::DT_BOOL => p.bool_val.push(value.as_bool().ok_or_else(wrong)?),
@@ -951,8 +965,11 @@ fn add_to_feature(value: &Value, name: &str, feature: &mut Feature) -> Result<()
                 base64_unescape(encoded).ok_or_else(|| invalid("Unable to base64 decode"))?;
             push_bytes(feature, Bytes::from(decoded)).ok_or_else(|| incompatible(feature))
         }
-        Value::String(text) => push_bytes(feature, Bytes::from(text.clone().into_bytes()))
-            .ok_or_else(|| incompatible(feature)),
+        Value::String(_) => {
+            let bytes = json_nonfinite::string_bytes(value).unwrap_or_default();
+            push_bytes(feature, Bytes::from(bytes.into_owned()))
+                .ok_or_else(|| incompatible(feature))
+        }
         Value::Number(number) => {
             if number.is_f64() {
                 let v = number.as_f64().unwrap_or_default() as f32;
@@ -1435,6 +1452,13 @@ mod tests {
         parse_predict(body.as_bytes())?.tensors(&specs(inputs))
     }
 
+    fn parse_bytes(
+        body: &[u8],
+        inputs: &[(&str, i32)],
+    ) -> Result<(BTreeMap<String, TensorProto>, Format), ServingError> {
+        parse_predict(body)?.tensors(&specs(inputs))
+    }
+
     fn message(result: Result<impl std::fmt::Debug, ServingError>) -> String {
         result.unwrap_err().message
     }
@@ -1500,6 +1524,48 @@ mod tests {
             cost.body_bytes >= json_nonfinite::rewrite(b"[NaN]").len(),
             "{cost:?}"
         );
+    }
+
+    #[test]
+    fn string_bytes_that_are_not_utf8_are_taken_as_tf_servings_parser_takes_them() {
+        // TF Serving parses without checking the encoding: a Latin-1 string, or a byte
+        // Python escaped as a lone surrogate, is taken as its bytes (found by a hunt: the
+        // whole request was refused with "invalid unicode code point").
+        let body = b"{\"inputs\": [\"caf\xe9\", \"a\\udc80\"]}";
+        let (tensors, _) = parse_bytes(body, &[("x", codec::DT_STRING)]).unwrap();
+        assert_eq!(
+            tensors["x"].string_val,
+            vec![
+                Bytes::from_static(b"caf\xe9"),
+                Bytes::from_static(b"a\xed\xb2\x80")
+            ]
+        );
+        let (_, input) = parse_examples(b"{\"examples\": [{\"f\": [\"\xff\", \"b\"]}]}").unwrap();
+        let Some(input::Kind::ExampleList(list)) = input.kind else {
+            panic!("{input:?}")
+        };
+        let example = Example::decode(list.examples[0].clone()).unwrap();
+        assert_eq!(
+            example.features.unwrap().feature["f"].kind,
+            Some(feature::Kind::BytesList(BytesList {
+                value: vec![Bytes::from_static(b"\xff"), Bytes::from_static(b"b")]
+            }))
+        );
+        // Where such a string is not wanted, the error shows its text, not its marker.
+        let refused = message(parse_bytes(
+            b"{\"inputs\": [\"\xe9\"]}",
+            &[("x", codec::DT_INT64)],
+        ));
+        assert_eq!(
+            refused,
+            "JSON Value: \"\u{FFFD}\" Type: String is not of expected type: int64"
+        );
+        let body = b"{\"signature_name\": \"s\xe9\", \"inputs\": [1]}";
+        assert_eq!(parse_predict(body).unwrap().signature_name, "s\u{FFFD}");
+        // Counted by the parse budget: never less than what parsing takes.
+        for body in [&b"[\"\xe9\"]"[..], b"[\"\", \"\xe9\\udc80\", \"\"]"] {
+            assert!(parse_cost(body).body_bytes >= json_nonfinite::rewrite(body).len());
+        }
     }
 
     #[test]
