@@ -7,6 +7,7 @@ that died is recognised (its controller pid is gone) and cleaned before reuse.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -27,10 +28,15 @@ class PoolRunning(ConfigError):
 
 
 def read_controller(run_dir: Path) -> dict | None:
+    """What the controller file of ``run_dir`` says; None when there is none (or it was
+    cut short). ConfigError when the directory cannot be read (not a directory, another
+    user's): `status`, `stop` and `timeline` said so with a traceback."""
     try:
         return json.loads((run_dir / CONTROLLER_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    except OSError as exc:
+        raise ConfigError(f"run dir {run_dir}: {exc.strerror or exc}") from None
 
 
 def controller_alive(info: dict | None) -> bool:
@@ -100,6 +106,7 @@ def prepare(run_dir: Path) -> bool:
             f"run dir {run_dir} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private: "
             f"chmod 700 {run_dir}, or pass another --run-dir"
         )
+    _hold(run_dir)
     info = read_controller(run_dir)
     if controller_alive(info):
         raise PoolRunning(
@@ -112,6 +119,51 @@ def prepare(run_dir: Path) -> bool:
         _wait_for_dead_pools_processes(run_dir)
     clean(run_dir)  # whatever a dead pool left behind
     return created
+
+
+# Held (flock) by the start that prepared the run directory, for its process's life: two
+# starts at once both found no live controller there (its file is written after `prepare`,
+# and both waited for the same dead pool's processes), and each cleaned the other's files
+# (found by a hunt). Not one of POOL_FILES: a start's clean must not remove its own.
+LOCK_FILE = ".mpspool-lock"
+_held: tuple[Path, int] | None = None
+
+
+def _hold(run_dir: Path) -> None:
+    """Lock ``run_dir`` for this process: PoolRunning when another holds it."""
+    global _held
+    if _held is not None and _held[0] == run_dir:
+        return
+    path = run_dir / LOCK_FILE
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PoolRunning(
+                f"a pool is already running or starting in {run_dir}; stop it with "
+                f"`mpspool stop --run-dir {run_dir}` or pass another --run-dir"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            _held = (run_dir, fd)
+            return
+        os.close(fd)  # a pool leaving removed that file meanwhile: lock the one there now
+    raise PoolRunning(f"the run dir {run_dir} is being taken and left: try again")
+
+
+def release(run_dir: Path) -> None:
+    """At the pool's exit, before its run directory is removed: the lock file goes, then
+    the lock (a start that opened the file meanwhile sees it gone, and takes the next)."""
+    global _held
+    (run_dir / LOCK_FILE).unlink(missing_ok=True)
+    if _held is not None and _held[0] == run_dir:
+        os.close(_held[1])
+        _held = None
 
 
 # Set in the environment of a pool's supervisord, and so of every program it runs (front door,

@@ -52,6 +52,8 @@ log = logging.getLogger("mpspool.controller")
 # How often the controller reconciles; also the longest a dead worker's in-flight requests
 # wait before the router hears of it (sends to a dead worker fail at once).
 TICK_S = 0.2
+# The signals that stop the pool with a drain (`run`); a second one cuts the drain short.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # How often GPU memory and utilisation (NVML) are sent to the front door for its metrics.
 GPU_METRICS_INTERVAL_S = 2.0
 # How long the controller tolerates failing to see supervisord or the router.
@@ -361,8 +363,10 @@ class Controller:
     def run(self) -> int:
         # SIGHUP too (the terminal of a foreground `mpspool start` closing), as a stop: by
         # default it ended the pool without a drain or a word. Not where it is ignored
-        # (`nohup mpspool start`): the pool is meant to outlive its terminal there.
-        stops = [signal.SIGTERM, signal.SIGINT]
+        # (`nohup mpspool start`): the pool is meant to outlive its terminal there. SIGQUIT
+        # (Ctrl-\) as supervisord takes it, an exit request: by default it ended the
+        # controller as kill -9 does, its run dir and segments left (found by a hunt).
+        stops = [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT]
         if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
             stops.append(signal.SIGHUP)
         for sig in stops:
@@ -437,7 +441,7 @@ class Controller:
             cpusets.pin(os.getpid(), placement.reserved)
 
     def _dispatch(self, event: str) -> None:
-        if event in ("SIGTERM", "SIGINT", "SIGHUP", "stop"):
+        if event in (*STOP_SIGNALS, "stop"):
             log.info("%s: shutting down", event)
             self._set_phase(PoolPhase.DRAINING, event)
 
@@ -1310,7 +1314,7 @@ class Controller:
 
     def stop_asked(self) -> bool:
         """Whether a signal to stop is waiting to be dispatched."""
-        return any(e in ("SIGTERM", "SIGINT", "SIGHUP") for e in self.events)
+        return any(e in STOP_SIGNALS for e in self.events)
 
     def note_spawn_refused(self, program: str, why: str) -> None:
         """supervisord refused to spawn ``program``'s command (``why``: its words): its slot
@@ -1692,6 +1696,7 @@ class Controller:
         self._admin.close()
         self._zmq.term()
         rundir.clean(self.run_dir)
+        rundir.release(self.run_dir)
         if self.created_run_dir:
             try:
                 self.run_dir.rmdir()

@@ -224,6 +224,51 @@ def test_a_log_dir_another_running_pool_writes_to_is_refused(
         os.close(fd)
 
 
+def test_a_run_dir_another_start_holds_is_refused_before_its_controller_file_exists(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Two starts at once on one run dir (a restart loop's, after a controller was killed)
+    both found no live controller there, as its file is written only after the run dir is
+    prepared, and each cleaned the other's files and segments (found by a hunt). The first
+    to prepare it holds it for its life."""
+    run_dir = tmp_path / "run"
+    # The path in its environment, not its command line (run_start looks for processes
+    # naming it there).
+    holder = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import os, time; from pathlib import Path; from mpspool import rundir; "
+            "rundir.prepare(Path(os.environ['HELD'])); print('held', flush=True); "
+            "time.sleep(60)",
+        ],
+        cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "HELD": str(run_dir.resolve())},
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert not (run_dir / "controller.json").exists()
+        code, err = run_start(tmp_path, demo_model_dir, run_dir)
+        assert code == 2, err
+        assert_one_line(err, f"a pool is already running or starting in {run_dir.resolve()}")
+        assert run_dir.is_dir(), "the holder's run dir is left as it is"
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "timeline"])
+def test_a_run_dir_that_cannot_be_read_is_one_line(tmp_path: Path, command: str) -> None:
+    """A run dir that is a file (or another user's): a traceback, exit 1, before."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = subprocess.run(
+        mpspool_cmd(command, "--run-dir", str(not_a_dir)),
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert_one_line(result.stderr, f"run dir {not_a_dir}: Not a directory")
+
+
 @pytest.mark.parametrize("metrics_port", [-1, 0, 1, 65535])
 def test_metrics_ports_still_accepted(
     tmp_path: Path, demo_model_dir: Path, metrics_port: int

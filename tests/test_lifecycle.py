@@ -55,7 +55,8 @@ def supervisord_of(pool: Pool) -> psutil.Process:
 
 
 # SIGHUP: the terminal of a foreground `start` closing; it ended the pool with no drain.
-@pytest.mark.parametrize("how", ["mpspool stop", "SIGTERM", "Ctrl-C", "SIGHUP"])
+# SIGQUIT (Ctrl-\), an exit request to supervisord: it ended the controller as kill -9 does.
+@pytest.mark.parametrize("how", ["mpspool stop", "SIGTERM", "Ctrl-C", "SIGHUP", "SIGQUIT"])
 def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str) -> None:
     pool = Pool(tmp_path, demo_model_dir, 1, "--shutdown-delay", "1.5")
     # A pool started where SIGHUP is ignored (nohup; a CI runner may run the tests so) keeps
@@ -84,7 +85,7 @@ def test_graceful_stop_under_load(tmp_path: Path, demo_model_dir: Path, how: str
         try:
             streamer.wait_for_successes(30)
             signalled_at = time.monotonic()
-            if how in ("SIGTERM", "SIGHUP"):
+            if how in ("SIGTERM", "SIGHUP", "SIGQUIT"):
                 pool.signal(getattr(signal, how))
                 code = pool.proc.wait(60)
             elif how == "Ctrl-C":
