@@ -146,26 +146,22 @@ def version_dir(base_path: str | Path, version: int) -> Path:
     return base / names[-1] if names else plain
 
 
-def version_folders(base_path: str | Path) -> dict[int, bool]:
-    """Each numeric subdirectory of ``base_path``: its version → whether it holds a
-    SavedModel (saved_model.pb or saved_model.pbtxt). Non-numeric entries (staging
-    directories, README files) and numbers past MAX_VERSION (the controller crashed telling
-    the front door of one) are ignored. OSError when the base path cannot be read."""
+def versions_on_disk(base_path: str | Path) -> set[int]:
+    """The numeric subdirectories of ``base_path`` holding a SavedModel (TF Serving's rule).
+
+    Non-numeric entries (staging directories, README files), numbers past MAX_VERSION (the
+    controller crashed telling the front door of one) and numeric directories without
+    saved_model.pb / saved_model.pbtxt (a copy still in progress) are ignored. OSError when
+    the base path cannot be read.
+    """
     found = ((entry, _version_number(entry.name)) for entry in Path(base_path).iterdir())
     return {
-        number: any((entry / name).is_file() for name in SAVED_MODEL_FILES)
+        number
         for entry, number in found
-        if number is not None and entry.is_dir()
+        if number is not None
+        and entry.is_dir()
+        and any((entry / name).is_file() for name in SAVED_MODEL_FILES)
     }
-
-
-def versions_on_disk(base_path: str | Path) -> set[int]:
-    """The numeric subdirectories of ``base_path`` holding a SavedModel (`version_folders`):
-    the versions a pool may start to load. A folder without one is a copy still in
-    progress, which TF Serving would try to load and fail; a version already loading or
-    serving stays while its folder does (supervisor/model_versions.py), as TF Serving lists
-    versions by their folders' names alone. OSError when the base path cannot be read."""
-    return {number for number, holds in version_folders(base_path).items() if holds}
 
 
 def latest_version(base_path: str | Path) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from mpspool import process
 from mpspool.config import VERSION_BATCHING_FILE, ConfigError, PoolConfig, version_batching
-from mpspool.demo_model import version_folders
+from mpspool.demo_model import versions_on_disk
 from mpspool.errors import Code, in_context, status_text
 from mpspool.supervisor import background_read, config_reload
 from mpspool.supervisor.background_read import BackgroundRead
@@ -124,12 +124,12 @@ class ModelVersions:
         # Each read of the base path, on a thread of its own: one on storage that stopped
         # answering held the controller's loop, every model's with it (as a hung config
         # file's read did; found by a hunt). `reconcile` polls only a model not removed.
-        self._disk_read: BackgroundRead[dict[int, bool]] = BackgroundRead(
-            lambda: version_folders(self.config.model_base_path), f"poll-{name}"
+        self._disk_read: BackgroundRead[set[int]] = BackgroundRead(
+            lambda: versions_on_disk(self.config.model_base_path), f"poll-{name}"
         )
         # A load retry's look at its folder, just before it publishes it: on a thread too.
-        self._retry_read: BackgroundRead[dict[int, bool]] = BackgroundRead(
-            lambda: version_folders(self.config.model_base_path), f"retry-{name}"
+        self._retry_read: BackgroundRead[set[int]] = BackgroundRead(
+            lambda: versions_on_disk(self.config.model_base_path), f"retry-{name}"
         )
         # Listings begun before this (time.monotonic()) are read again: a new policy's, a
         # reload's (`read_again`). When the last listing taken began.
@@ -469,7 +469,7 @@ class ModelVersions:
             return
         if read.error is not None:
             raise read.error
-        on_disk = self._versions_in(read.value or {})
+        on_disk = read.value or set()
         self._poll_error = ""
         self.on_disk = on_disk
         for version in [v for v in self.failed if v not in on_disk]:
@@ -481,14 +481,6 @@ class ModelVersions:
             group = self.new_group(version)
             self.groups[version] = group
             self._load(group, now)
-
-    def _versions_in(self, folders: dict[int, bool]) -> set[int]:
-        """The versions of a listing (`version_folders`): those holding a SavedModel, and
-        those this model already has while their folders stay. A version whose
-        saved_model.pb was gone for a moment (a push that removes, then copies) was retired
-        and an older one served in its place, requests pinned to it failing (found by a
-        hunt); TF Serving lists versions by their folders' names alone."""
-        return {v for v, holds in folders.items() if holds or v in self.groups}
 
     def _say_poll_error(self, what: str) -> None:
         if what != self._poll_error:  # said once, not every poll
@@ -765,7 +757,7 @@ class ModelVersions:
             return True  # unreadable for a moment: the try says what is wrong, if anything
         if read.error is not None:
             raise read.error
-        return version in self._versions_in(read.value or {})
+        return version in (read.value or set())
 
     def _retire(self, group: VersionGroup, now: float, why: str) -> None:
         """AVAILABLE -> UNLOADING: the front door sends it nothing new (told at once);

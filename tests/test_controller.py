@@ -1756,35 +1756,6 @@ def test_a_retired_version_waits_for_its_running_calls_past_the_drain_timeout(
     assert told(pool) == {1: "END", 2: "AVAILABLE"}
 
 
-def test_a_serving_versions_folder_without_its_saved_model_for_a_moment_keeps_serving(
-    make_pool: Callable[..., Pool],
-):
-    """TF Serving lists versions by their folders' names alone: a push that removes a
-    version's files, then copies them (rm, then cp; a sync deleting first) retired the
-    serving version and loaded the older one in its place, requests pinned to it failing
-    (found by a hunt). A new folder without a SavedModel is still a copy in progress."""
-    pool, base = versioned_pool(make_pool, [1])
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
-    pool.tick()
-    pool.tick(after_s=0.2)
-    assert told(pool) == {1: "END", 2: "AVAILABLE"}
-
-    (base / "2" / "saved_model.pb").unlink()
-    (base / "3").mkdir()  # a copy begun, its saved_model.pb not there yet
-    for _ in range(3):
-        pool.tick(after_s=1.0)
-    assert told(pool) == {1: "END", 2: "AVAILABLE"}, "neither 1 nor 3 loads"
-
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    (base / "3" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    assert told(pool)[3] == "LOADING"
-
-
 def test_a_version_no_longer_shown_takes_its_logs_along(make_pool: Callable[..., Pool]):
     """Status lists the last five retired versions; older ones' worker logs (with
     supervisord's rotated backups) and publisher logs are removed, so a pool rolling versions
@@ -1984,18 +1955,16 @@ def test_a_version_the_policy_drops_while_it_loads_stops_loading(
 
 
 def hang_listings(monkeypatch: pytest.MonkeyPatch, module: Any) -> threading.Event:
-    """`module`'s listings of base paths (version_folders in model_versions,
-    versions_on_disk in disk_view) wait until the event is set: storage that stopped
-    answering."""
+    """`module`'s listings of base paths (versions_on_disk) wait until the event is set:
+    storage that stopped answering."""
     answer = threading.Event()
-    name = "version_folders" if hasattr(module, "version_folders") else "versions_on_disk"
-    real = getattr(module, name)
+    real = module.versions_on_disk
 
-    def hung(path: str) -> Any:
+    def hung(path: str) -> set[int]:
         answer.wait(30)
         return real(path)
 
-    monkeypatch.setattr(module, name, hung)
+    monkeypatch.setattr(module, "versions_on_disk", hung)
     return answer
 
 
@@ -2056,14 +2025,14 @@ def test_a_listing_begun_before_a_new_policy_is_read_again(
     pool, _ = versioned_pool(make_pool, [1])
     answer = threading.Event()
     reads: list[float] = []
-    real = model_versions.version_folders
+    real = model_versions.versions_on_disk
 
-    def slow(path: str) -> dict[int, bool]:
+    def slow(path: str) -> set[int]:
         reads.append(time.monotonic())
         answer.wait(30)
         return real(path)
 
-    monkeypatch.setattr(model_versions, "version_folders", slow)
+    monkeypatch.setattr(model_versions, "versions_on_disk", slow)
     model = pool.controller.model
     pool.tick(after_s=1.0)  # a read begins
     model.set_policy(VersionPolicy.parse("specific:1"), pool.clock.now)
@@ -2737,16 +2706,16 @@ def test_a_retry_does_not_take_a_listing_read_for_an_earlier_retry(
 
     monkeypatch.setattr(background_read, "WAIT_S", 0.05)
     gate = threading.Event()
-    real = model_versions.version_folders
+    real = model_versions.versions_on_disk
     gated: list[str] = []
 
-    def slow_retry_read(path: str) -> dict[int, bool]:
+    def slow_retry_read(path: str) -> set[int]:
         if slow and threading.current_thread().name.startswith("retry-") and not gated:
             gated.append(path)
             gate.wait(30)
         return real(path)
 
-    monkeypatch.setattr(model_versions, "version_folders", slow_retry_read)
+    monkeypatch.setattr(model_versions, "versions_on_disk", slow_retry_read)
     pool.tick(after_s=2.0)  # version 2's retry is due: its read begins, slow
     assert not slow or (gated and model._retry_read.running())
     shutil.rmtree(base / "2")
