@@ -221,7 +221,9 @@ impl Iterator for Tokens<'_> {
             }
             if body[here] == b'-' {
                 self.at = here + 1;
-                if is_minus_zero(&body[here..]) {
+                // An exponent's sign (`1e-0`) is inside a number, not the start of one.
+                let exponent = here > 0 && matches!(body[here - 1], b'e' | b'E');
+                if !exponent && is_minus_zero(&body[here..]) {
                     self.at = here + 2;
                     return Some((here, 2, Replacement::MinusZero));
                 }
@@ -579,6 +581,9 @@ mod tests {
         }
         assert_eq!(value["a"][4], serde_json::json!(-0.5));
         assert_eq!(value["b"], "-0", "strings are left as they are");
+        // An exponent of -0 is a number's part (found by a review: `1e-0` became `1e 0`).
+        let exponents = parse("[1e-0, 2.5E-0, -0e-0, 1e-00]");
+        assert_eq!(exponents, serde_json::json!([1.0, 2.5, -0.0, 1.0]));
         // `-05` and `-01` are not numbers: left for the parser to refuse.
         assert!(serde_json::from_slice::<Value>(&rewrite(b"[-05]")).is_err());
         // The text keeps its length: positions do not move.
