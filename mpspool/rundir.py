@@ -106,7 +106,7 @@ def prepare(run_dir: Path) -> bool:
             f"run dir {run_dir} has mode {stat.S_IMODE(st.st_mode):04o}; it must be private: "
             f"chmod 700 {run_dir}, or pass another --run-dir"
         )
-    _hold(run_dir)
+    _hold(run_dir, created)
     info = read_controller(run_dir)
     if controller_alive(info):
         raise PoolRunning(
@@ -129,7 +129,13 @@ LOCK_FILE = ".mpspool-lock"
 _held: tuple[Path, int] | None = None
 
 
-def _hold(run_dir: Path) -> None:
+# What a start refused by the lock writes in the lock file when it made the run dir: the
+# start that holds it then removes the directory at its exit, as its maker would have (the
+# lock, not the mkdir, decides which start runs: a review found the empty directory left).
+MADE_BY_A_REFUSED_START = b"made"
+
+
+def _hold(run_dir: Path, created: bool) -> None:
     """Lock ``run_dir`` for this process: PoolRunning when another holds it."""
     global _held
     if _held is not None and _held[0] == run_dir:
@@ -140,6 +146,8 @@ def _hold(run_dir: Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if created:
+                os.pwrite(fd, MADE_BY_A_REFUSED_START, 0)
             os.close(fd)
             raise PoolRunning(
                 f"a pool is already running or starting in {run_dir}; stop it with "
@@ -156,14 +164,19 @@ def _hold(run_dir: Path) -> None:
     raise PoolRunning(f"the run dir {run_dir} is being taken and left: try again")
 
 
-def release(run_dir: Path) -> None:
+def release(run_dir: Path) -> bool:
     """At the pool's exit, before its run directory is removed: the lock file goes, then
-    the lock (a start that opened the file meanwhile sees it gone, and takes the next)."""
+    the lock (a start that opened the file meanwhile sees it gone, and takes the next).
+    Whether a start this pool's lock refused had made the directory (`_hold`)."""
     global _held
+    made = False
+    if _held is not None and _held[0] == run_dir:
+        made = os.pread(_held[1], len(MADE_BY_A_REFUSED_START), 0) == MADE_BY_A_REFUSED_START
     (run_dir / LOCK_FILE).unlink(missing_ok=True)
     if _held is not None and _held[0] == run_dir:
         os.close(_held[1])
         _held = None
+    return made
 
 
 # Set in the environment of a pool's supervisord, and so of every program it runs (front door,

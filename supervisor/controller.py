@@ -1696,8 +1696,8 @@ class Controller:
         self._admin.close()
         self._zmq.term()
         rundir.clean(self.run_dir)
-        rundir.release(self.run_dir)
-        if self.created_run_dir:
+        made_by_another_start = rundir.release(self.run_dir)
+        if self.created_run_dir or made_by_another_start:
             try:
                 self.run_dir.rmdir()
             except OSError:

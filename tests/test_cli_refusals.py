@@ -256,6 +256,34 @@ def test_a_run_dir_another_start_holds_is_refused_before_its_controller_file_exi
         holder.wait(timeout=30)
 
 
+def test_the_start_holding_a_run_dir_another_start_made_removes_it_at_exit(
+    tmp_path: Path,
+) -> None:
+    """Two starts at once on a fresh run dir: the lock, not the mkdir, decides which runs;
+    when the one refused had made the directory, the one that runs removes it at its exit
+    (an empty directory was left: found by a review)."""
+    from mpspool import rundir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    rundir._hold(run_dir, created=False)  # this process: the start that runs
+    try:
+        refused = subprocess.run(
+            [
+                sys.executable, "-c",
+                "import os; from pathlib import Path; from mpspool import rundir\n"
+                "try:\n    rundir._hold(Path(os.environ['RUN']), created=True)\n"
+                "except rundir.PoolRunning:\n    print('refused')",
+            ],
+            env={**os.environ, "RUN": str(run_dir)}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.stdout == "refused\n", refused.stderr
+    finally:
+        made = rundir.release(run_dir)
+    assert made, "the refused start made the run dir: the one that ran removes it"
+    assert not (run_dir / rundir.LOCK_FILE).exists()
+
+
 @pytest.mark.parametrize("command", ["status", "stop", "timeline"])
 def test_a_run_dir_that_cannot_be_read_is_one_line(tmp_path: Path, command: str) -> None:
     """A run dir that is a file (or another user's): a traceback, exit 1, before."""
