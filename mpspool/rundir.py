@@ -169,12 +169,13 @@ def release(run_dir: Path) -> bool:
     the lock (a start that opened the file meanwhile sees it gone, and takes the next).
     Whether a start this pool's lock refused had made the directory (`_hold`)."""
     global _held
-    made = False
-    if _held is not None and _held[0] == run_dir:
-        made = os.pread(_held[1], len(MADE_BY_A_REFUSED_START), 0) == MADE_BY_A_REFUSED_START
+    fd = _held[1] if _held is not None and _held[0] == run_dir else None
+    made = fd is not None and os.pread(fd, len(MADE_BY_A_REFUSED_START), 0) == (
+        MADE_BY_A_REFUSED_START
+    )
     (run_dir / LOCK_FILE).unlink(missing_ok=True)
-    if _held is not None and _held[0] == run_dir:
-        os.close(_held[1])
+    if fd is not None:
+        os.close(fd)
         _held = None
     return made
 

@@ -366,9 +366,9 @@ class Controller:
         # (`nohup mpspool start`): the pool is meant to outlive its terminal there. SIGQUIT
         # (Ctrl-\) as supervisord takes it, an exit request: by default it ended the
         # controller as kill -9 does, its run dir and segments left (found by a hunt).
-        stops = [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT]
-        if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
-            stops.append(signal.SIGHUP)
+        stops = [signal.Signals[name] for name in STOP_SIGNALS]
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_DFL:
+            stops.remove(signal.SIGHUP)
         for sig in stops:
             signal.signal(
                 sig, lambda signum, _frame: self.events.append(signal.Signals(signum).name)

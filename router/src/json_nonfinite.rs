@@ -169,8 +169,7 @@ pub fn original_offset(body: &[u8], offset: usize) -> usize {
     offset.saturating_add_signed(-added)
 }
 
-/// The tokens outside strings of a body, in order: (start, length, which marker, or
-/// `MINUS_ZERO`).
+/// What a body's parse needs rewritten, in order: (start, length, what it becomes).
 struct Tokens<'a> {
     body: &'a [u8],
     at: usize,
@@ -286,10 +285,11 @@ fn raw_marker(content: &[u8], after: &[u8]) -> Option<Vec<u8>> {
     if !serde_refuses {
         return None;
     }
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut marker = markers().raw_quoted.as_bytes().to_vec();
     marker.reserve(2 * bytes.len() + 1);
     for byte in bytes {
-        marker.extend_from_slice(format!("{byte:02x}").as_bytes());
+        marker.extend_from_slice(&[HEX[usize::from(byte >> 4)], HEX[usize::from(byte & 0xf)]]);
     }
     marker.push(b'"');
     Some(marker)
