@@ -134,6 +134,11 @@ def batching_parameters_from(
             f"{path}: pad_variable_length_inputs is not supported: requests merge only when "
             "their inputs agree on every dimension but the first"
         )
+    if params.HasField("num_batch_threads") and params.num_batch_threads.value < 1:
+        # TF Serving's server does not start (SharedBatchScheduler::Create's words).
+        raise ConfigError(
+            f"{path}: num_batch_threads must be positive; was {params.num_batch_threads.value}"
+        )
     if params.HasField("num_batch_threads"):
         log.info(
             "%s: num_batch_threads %d has no use here: each worker runs one merged call at a "
@@ -983,6 +988,14 @@ class PoolConfig:
             self.batch_timeout_micros,
             self.allowed_batch_sizes,
         )
+        if self.batching and self.split_rows > self.max_batch_size:
+            # Its pieces would be calls above max_batch_size, which bounds every batched call
+            # (the file's enable_large_batch_splitting has the same rule, in its words).
+            raise ConfigError(
+                f"--split-rows {self.split_rows} is above max_batch_size "
+                f"{self.max_batch_size}: with batching, a request is cut into pieces of at "
+                "most max_batch_size rows"
+            )
         if not self.per_model_batching:
             return
         if not self.batching:

@@ -95,6 +95,10 @@ def test_batching_parameters_files_are_read_as_tf_serving_reads_them(tmp_path: P
     path.write_text("pad_variable_length_inputs: true\n")
     with pytest.raises(ConfigError, match="pad_variable_length_inputs is not supported"):
         batching_parameters_from(path)
+    for threads in (0, -2):  # TF Serving's server does not start, in its words
+        path.write_text(f"num_batch_threads {{ value: {threads} }}\n")
+        with pytest.raises(ConfigError, match=f"num_batch_threads must be positive; was {threads}"):
+            batching_parameters_from(path)
     path.write_text("max_batch_size: 12\n")  # a wrapper, not a number
     with pytest.raises(ConfigError, match="is not a BatchingParameters"):
         batching_parameters_from(path)
@@ -127,6 +131,14 @@ def test_scheduling_flags_are_checked(tmp_path: Path) -> None:
     )
     config._validate_batching()
     assert config.max_batch_size == 8
+    # Pieces of a split request are batched calls: none may be above max_batch_size (the
+    # pieces of 3 rows reached a model sized for 2).
+    config = start_args("--enable_batching", "--max-batch-size", "2", "--split-rows", "3")
+    with pytest.raises(ConfigError, match="--split-rows 3 is above max_batch_size 2"):
+        config._validate_batching()
+    start_args(
+        "--enable_batching", "--max-batch-size", "2", "--split-rows", "2"
+    )._validate_batching()
     # TF Serving's enable_large_batch_splitting is --split-rows: the same number, or one of them.
     splitting = tmp_path / "split.txt"
     splitting.write_text(

@@ -40,6 +40,21 @@ pub fn too_large(rows: u64, batching: &Batching) -> ServingError {
     ServingError::new(Code::InvalidArgument, message)
 }
 
+/// TF Serving's refusal of a request a batched call cannot take: no input, a scalar input,
+/// or inputs whose first dimensions differ (batching_util.h, ComputeTensorBatchSize).
+pub fn unbatchable(request: &WorkRequest) -> Option<ServingError> {
+    let message = if request.tensors.is_empty() {
+        "Batching Run() must have at least one input tensor"
+    } else if (request.tensors.iter()).any(|(_, _, shape)| shape.is_empty()) {
+        "Batching Run() input tensors must have at least one dimension"
+    } else if !request.one_first_dimension() {
+        "Batching Run() input tensors must have equal 0th-dimension size"
+    } else {
+        return None;
+    };
+    Some(ServingError::new(Code::InvalidArgument, message))
+}
+
 /// TF Serving's message when its batch queue is full (shared_batch_scheduler.h).
 pub const QUEUE_FULL: &str = "The batch scheduling queue to which this task was submitted is full";
 

@@ -130,9 +130,14 @@ enum Outcome {
         orderly: bool,
         /// It shared that call with other requests: any of them may be what ended the worker.
         merged: bool,
+        /// It already runs by itself (a merged call it was in failed before).
+        alone: bool,
     },
-    /// No worker is routable right now.
-    NoWorker,
+    /// No worker is routable right now. `alone`: the request must run by itself when sent
+    /// again (a merged call it was in failed), not merge or pad with others.
+    NoWorker {
+        alone: bool,
+    },
 }
 
 /// Which send of a request a `Command::Send` is.
@@ -470,9 +475,10 @@ impl Dispatcher {
                     why,
                     orderly,
                     merged,
+                    alone,
                 }) => {
                     lost += u32::from(!orderly);
-                    if merged && !orderly {
+                    if (merged && !orderly) || alone {
                         sending = Sending::AgainAlone;
                     }
                     if lost >= MAX_SENDS {
@@ -490,7 +496,10 @@ impl Dispatcher {
                         last_loss = why;
                     }
                 }
-                Ok(Outcome::NoWorker) => {
+                Ok(Outcome::NoWorker { alone }) => {
+                    if alone {
+                        sending = Sending::AgainAlone;
+                    }
                     if let Err(error) = self.wait_for_worker(request.target, deadline).await {
                         return Err(given_up_without_workers(error, lost, &last_loss));
                     }
@@ -597,9 +606,25 @@ struct Queued {
     /// it runs by itself — batching is off, its inputs cannot merge, or the merged call it
     /// was part of failed and alone it says whose fault that was.
     merge_key: Option<batch::MergeKey>,
+    /// A merged call it was in failed: from then on it runs by itself, whatever version it
+    /// moves to and however often it is sent again.
+    alone: bool,
     /// The batching its model version has (the pool's, or with per-model batching the
     /// version's own), taken on arrival; None: not batched.
     batching: Option<Arc<Batching>>,
+}
+
+/// The rows waiting in one of a model version's batch queues (`Actor::queued_rows`).
+struct QueuedRows {
+    signature: String,
+    outputs: Vec<String>,
+    rows: u64,
+}
+
+impl QueuedRows {
+    fn holds(&self, request: &WorkRequest) -> bool {
+        self.signature == request.signature && self.outputs == request.outputs
+    }
 }
 
 /// A call sent to a worker and not answered yet: one request, or several merged into one.
@@ -625,13 +650,17 @@ impl Pending {
 }
 
 /// What the queue's head leaves with: itself alone or with the requests that share its call,
-/// padded to `padded` rows; or nothing yet, the batch waiting to fill until `Wait`'s instant.
+/// padded to `padded` rows; or nothing yet, the batch (`members`) waiting to fill until
+/// `until`.
 enum Gathered {
     Send {
         members: Vec<(u64, Queued)>,
         padded: u64,
     },
-    Wait(std::time::Instant),
+    Wait {
+        until: std::time::Instant,
+        members: Vec<(u64, Queued)>,
+    },
 }
 
 /// The deadline of a call: its request's, or for a merged call the last of its members' (it
@@ -680,9 +709,10 @@ struct Actor {
     requests: HashMap<u64, Vec<u8>>,
     /// Requests waiting for a worker with room (only with a `worker_inflight` limit).
     queue: Box<dyn Order<Queued>>,
-    /// Rows waiting in `queue`, by model version: each version's requests have a batch queue
-    /// of their own, bounded by its `max_enqueued_batches`, as in TF Serving.
-    queued_rows: HashMap<Servable, u64>,
+    /// Rows of batched requests waiting in `queue`, by batch queue: as in TF Serving, each
+    /// signature (with the outputs asked for) of each model version has a queue of its own,
+    /// bounded by its `max_enqueued_batches`.
+    queued_rows: HashMap<Servable, Vec<QueuedRows>>,
     /// Requests waiting in `queue`, by model (what the controller's retiring waits for).
     queued_by_model: BTreeMap<ModelId, u64>,
     worker_inflight: usize,
@@ -793,8 +823,9 @@ impl Actor {
         deadline: Option<Instant>,
         sending: Sending,
     ) {
+        let alone = sending == Sending::AgainAlone;
         let Some(servable) = self.routable.borrow().route(request.target) else {
-            let _ = answer.send(Outcome::NoWorker);
+            let _ = answer.send(Outcome::NoWorker { alone });
             return;
         };
         let rows = request.rows();
@@ -806,6 +837,12 @@ impl Actor {
                 let first_dimensions = (request.tensors.iter())
                     .map(|(_, _, shape)| shape.first().map_or(0, |rows| rows.unsigned_abs()));
                 self.state.batching.record_input(first_dimensions);
+            }
+            // A batched call's inputs are cut along one first dimension: TF Serving's batching
+            // session refuses one without (batching_util.h, ComputeTensorBatchSize).
+            if let Some(error) = batch::unbatchable(&request) {
+                let _ = answer.send(Outcome::Error(error));
+                return;
             }
             // TF Serving's scheduler refuses it (shared_batch_scheduler.h): max_batch_size is
             // what an operator sizes a call's memory by. With splitting (--split-rows,
@@ -821,13 +858,15 @@ impl Actor {
                 return;
             }
             let key = batch::merge_key(&request).map(|(key, _)| key);
-            let queued_rows = self.queued_rows.get(&servable).copied().unwrap_or(0);
+            let queued_rows = (self.queued_rows.get(&servable))
+                .and_then(|queues| queues.iter().find(|q| q.holds(&request)))
+                .map_or(0, |q| q.rows);
             if queued_rows.saturating_add(rows) > batching.queue_rows() {
                 let full = ServingError::new(Code::Unavailable, batch::QUEUE_FULL);
                 let _ = answer.send(Outcome::Error(full));
                 return;
             }
-            merge_key = key.filter(|_| sending != Sending::AgainAlone);
+            merge_key = key.filter(|_| !alone);
         }
         let cost = self
             .costs
@@ -841,6 +880,7 @@ impl Actor {
             servable,
             cost,
             merge_key,
+            alone,
             batching,
         };
         self.queue_push(id, queued);
@@ -855,10 +895,10 @@ impl Actor {
         let batching = self.batching_of(servable);
         queued.merge_key = match (&queued.batching, &batching) {
             (_, None) => None,
-            // Keep what it had: None after a merged call it was in failed.
             (Some(_), Some(_)) => queued.merge_key.take(),
             (None, Some(_)) => batch::merge_key(&queued.request).map(|(key, _)| key),
         }
+        .filter(|_| !queued.alone)
         .filter(|_| {
             batching
                 .as_ref()
@@ -879,7 +919,18 @@ impl Actor {
     }
 
     fn queue_push(&mut self, id: u64, queued: Queued) {
-        *self.queued_rows.entry(queued.servable).or_default() += queued.request.rows();
+        if queued.batching.is_some() {
+            let queues = self.queued_rows.entry(queued.servable).or_default();
+            let request = &queued.request;
+            match queues.iter_mut().find(|q| q.holds(request)) {
+                Some(queue) => queue.rows += request.rows(),
+                None => queues.push(QueuedRows {
+                    signature: request.signature.clone(),
+                    outputs: request.outputs.clone(),
+                    rows: request.rows(),
+                }),
+            }
+        }
         *self
             .queued_by_model
             .entry(queued.servable.model)
@@ -901,9 +952,15 @@ impl Actor {
     }
 
     fn left_queue(&mut self, queued: &Queued) {
-        if let Some(rows) = self.queued_rows.get_mut(&queued.servable) {
-            *rows = rows.saturating_sub(queued.request.rows());
-            if *rows == 0 {
+        if let (Some(queues), Some(_)) =
+            (self.queued_rows.get_mut(&queued.servable), &queued.batching)
+        {
+            let request = &queued.request;
+            if let Some(queue) = queues.iter_mut().find(|q| q.holds(request)) {
+                queue.rows = queue.rows.saturating_sub(request.rows());
+            }
+            queues.retain(|q| q.rows > 0);
+            if queues.is_empty() {
                 self.queued_rows.remove(&queued.servable);
             }
         }
@@ -922,6 +979,11 @@ impl Actor {
         // (arrival and cost) and go back when this round ends, while requests for other
         // models (or versions) behind them go on to their own workers.
         let mut held: Vec<(u64, Queued)> = Vec::new();
+        // Batches short of full waiting out their `batch_timeout_micros`: they go back too,
+        // while what is behind them (other signatures, versions or models, a full batch) goes
+        // on, as each of TF Serving's batch queues is a queue of its own.
+        let mut filling: Vec<(u64, Queued)> = Vec::new();
+        let mut wake: Option<std::time::Instant> = None;
         // Every worker full (the common case under load): leave the queue as it is.
         while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
             let now = std::time::Instant::now();
@@ -929,11 +991,20 @@ impl Actor {
                 break;
             };
             let Some(servable) = self.routable.borrow().route(head.request.target) else {
-                let _ = head.answer.send(Outcome::NoWorker); // its caller waits for one
+                let alone = head.alone;
+                let _ = head.answer.send(Outcome::NoWorker { alone }); // its caller waits for one
                 continue;
             };
             if servable != head.servable {
                 self.moved(&mut head, servable);
+            }
+            // One behind a batch that fills (beyond the requests it looked at) joins it later.
+            let joins_filling = head.merge_key.is_some()
+                && (filling.iter())
+                    .any(|(_, m)| m.servable == servable && m.merge_key == head.merge_key);
+            if joins_filling {
+                held.push((id, head));
+                continue;
             }
             let Some(handle) = self.table.pick(self.worker_inflight, servable) else {
                 held.push((id, head));
@@ -949,14 +1020,17 @@ impl Actor {
                     }
                     self.transmit(identity, members, padded);
                 }
-                Gathered::Wait(until) => {
-                    self.wake_at = Some(until);
-                    break;
+                Gathered::Wait { until, members } => {
+                    wake = Some(wake.map_or(until, |w| w.min(until)));
+                    filling.extend(members);
                 }
             }
         }
-        for (id, queued) in held {
+        for (id, queued) in held.into_iter().chain(filling) {
             self.queue_push(id, queued);
+        }
+        if wake.is_some() {
+            self.wake_at = wake;
         }
         self.publish_queue();
     }
@@ -964,7 +1038,8 @@ impl Actor {
     /// Without batching, the head alone. With it, the head and the waiting requests (in the
     /// queue's order) that can share its call, up to `max_batch_size` rows; while that is
     /// short of full and the oldest of them has waited less than `batch_timeout_micros`,
-    /// they all wait on.
+    /// they all wait on, unless a request that could share it did not fit (TF Serving then
+    /// closes the batch and starts the next: the closed one leaves at once).
     fn gather(&mut self, id: u64, head: Queued, now: std::time::Instant) -> Gathered {
         let rows = head.request.rows();
         let (Some(batching), Some(_)) = (head.batching.clone(), &head.merge_key) else {
@@ -977,6 +1052,7 @@ impl Actor {
         let mut total = rows;
         let mut members = vec![(id, head)];
         let mut passed_over = Vec::new();
+        let mut closed = false;
         for _ in 0..GATHER_SCAN {
             if total >= max {
                 break;
@@ -984,10 +1060,11 @@ impl Actor {
             let Some((other_id, other)) = self.queue_pop(now) else {
                 break;
             };
-            let fits = other.merge_key.is_some()
+            let shares = other.merge_key.is_some()
                 && other.servable == members[0].1.servable
-                && other.merge_key == members[0].1.merge_key
-                && total + other.request.rows() <= max;
+                && other.merge_key == members[0].1.merge_key;
+            let fits = shares && total + other.request.rows() <= max;
+            closed |= shares && !fits;
             if fits {
                 total += other.request.rows();
                 members.push((other_id, other));
@@ -999,11 +1076,11 @@ impl Actor {
             self.queue_push(other_id, other);
         }
         let oldest = members.iter().map(|(_, m)| m.arrived).min().unwrap_or(now);
-        if total < max && now < oldest + timeout {
-            for (member_id, member) in members {
-                self.queue_push(member_id, member);
-            }
-            return Gathered::Wait(oldest + timeout);
+        if total < max && !closed && now < oldest + timeout {
+            return Gathered::Wait {
+                until: oldest + timeout,
+                members,
+            };
         }
         let padded = batching.padded(total);
         Gathered::Send { members, padded }
@@ -1031,6 +1108,7 @@ impl Actor {
                 continue;
             }
             member.merge_key = None;
+            member.alone = true;
             member.enqueued = std::time::Instant::now();
             self.queue_push(id, member);
         }
@@ -1124,11 +1202,14 @@ impl Actor {
         for pending in departure.pending {
             self.requests.remove(&pending.id);
             let merged = pending.members.len() > 1;
-            pending.tell_all(|| Outcome::Lost {
-                why: why.clone(),
-                orderly: departure.orderly,
-                merged,
-            });
+            for (_, member) in pending.members {
+                let _ = member.answer.send(Outcome::Lost {
+                    why: why.clone(),
+                    orderly: departure.orderly,
+                    merged,
+                    alone: member.alone,
+                });
+            }
         }
         self.publish_ready();
         if !self.queue.is_empty() {
@@ -1156,7 +1237,8 @@ impl Actor {
         {
             self.queue_push(id, queued);
         } else {
-            let _ = queued.answer.send(Outcome::NoWorker);
+            let alone = queued.alone;
+            let _ = queued.answer.send(Outcome::NoWorker { alone });
         }
     }
 
@@ -1291,7 +1373,10 @@ impl Actor {
                 }
                 self.requests.remove(&id);
                 if let Some(pending) = self.table.resolve(&identity, id) {
-                    if pending.merged {
+                    // Whose request failed a call of several is not known: each runs again
+                    // by itself. A lone request's error is its own, padded or not (TF
+                    // Serving answers a padded batch's error too).
+                    if pending.members.len() > 1 {
                         self.rerun_alone(pending.members);
                     } else {
                         let error = ServingError::new(Code::of_error(code), message);

@@ -27,6 +27,11 @@ enum Behaviour {
     RefuseAbove(i64),
     /// Echo after 20 ms, but die (as DieMidRequest) on a call of more rows than this.
     DieAbove(i64),
+    /// ERROR (DEADLINE_EXCEEDED) then BYE, and stop: a worker whose call ran past
+    /// --call-timeout.
+    TimeOutThenLeave,
+    /// Echo after 100 ms a call of at most this many rows, TimeOutThenLeave on a larger one.
+    TimeOutThenLeaveAbove(i64),
 }
 
 struct FakeWorker {
@@ -122,6 +127,19 @@ impl FakeWorker {
                         break;
                     }
                     Behaviour::DieMidRequest => break,
+                    Behaviour::TimeOutThenLeaveAbove(most) if rows <= most => {
+                        thread::sleep(Duration::from_millis(100));
+                        serde_json::json!({"v": 1, "k": "reply", "id": id, "tensors": header["tensors"], "t": [0, 100_000]})
+                    }
+                    Behaviour::TimeOutThenLeave | Behaviour::TimeOutThenLeaveAbove(_) => {
+                        let error = serde_json::json!({"v": 1, "k": "error", "id": id, "code": 4, "message": "the model call ran too long"});
+                        let bye = serde_json::json!({"v": 1, "k": "bye", "slot": slot, "pid": pid});
+                        for message in [error, bye] {
+                            let message = rmp_serde::to_vec_named(&message).unwrap();
+                            socket.send(message, 0).unwrap();
+                        }
+                        break;
+                    }
                     Behaviour::DieAbove(most) if rows > most => break,
                     Behaviour::GoSilent => continue,
                     Behaviour::RefuseAbove(most) if rows > most => {
@@ -1501,6 +1519,132 @@ async fn beyond_max_enqueued_batches_requests_are_refused_as_tf_serving_does() {
     dispatcher.shutdown();
 }
 
+/// A request of `rows` rows for signature `signature`.
+fn signature_request(signature: &str, rows: usize) -> WorkRequest {
+    WorkRequest {
+        signature: signature.into(),
+        ..rows_request(rows)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_enqueued_batches_bounds_each_signatures_queue_on_its_own() {
+    // TF Serving's batching session has a batch queue per signature (and output filter):
+    // one signature's full queue refuses only its own requests.
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(2, 0, vec![], 1));
+    let _worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(300));
+    ready(&dispatcher, 1).await;
+    let mut waiting = Vec::new();
+    for request in [
+        signature_request("a", 1), // computing
+        signature_request("a", 2), // signature a's queue: its one batch
+        signature_request("b", 2), // signature b's
+        WorkRequest {
+            outputs: vec!["y".into()], // a with another output filter: a queue of its own
+            ..signature_request("a", 2)
+        },
+    ] {
+        let d = dispatcher.clone();
+        waiting.push(tokio::spawn(async move { d.call(request, None).await }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let error = dispatcher.call(signature_request("a", 1), None).await;
+    let full = ServingError::new(Code::Unavailable, batch::QUEUE_FULL);
+    assert_eq!(error.unwrap_err(), full);
+    for call in waiting {
+        assert!(call.await.unwrap().is_ok());
+    }
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_filling_up_holds_back_no_other_signatures_request() {
+    // A batch short of full waits out its timeout; a full batch of another signature behind
+    // it has a queue of its own in TF Serving and leaves at once (it waited the whole
+    // timeout behind the other, found by a hunt).
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 3_000, vec![], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    let d = dispatcher.clone();
+    let filling = tokio::spawn(async move { d.call(signature_request("a", 1), None).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(dispatcher
+        .call(signature_request("b", 4), None)
+        .await
+        .is_ok());
+    assert!(!filling.is_finished(), "the batch of a still fills");
+    assert_eq!(worker.rows_seen(), [4]);
+    // So does one of the same signature that does not fit the batch: TF Serving closes the
+    // batch then, and it leaves without waiting out its timeout.
+    let d = dispatcher.clone();
+    let closing = tokio::spawn(async move { d.call(signature_request("a", 4), None).await });
+    assert!(filling.await.unwrap().is_ok());
+    assert_eq!(worker.rows_seen()[..2], [4, 1]);
+    assert!(closing.await.unwrap().is_ok());
+    assert_eq!(worker.rows_seen(), [4, 1, 4]);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_padded_requests_error_is_its_own_and_it_runs_once() {
+    // Padded to an allowed batch size, a lone request's call failing is not a merged call's
+    // failure: the error goes to its caller (TF Serving answers a padded batch's error) and
+    // the model is not run again for it.
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 0, vec![2, 4], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Refuse);
+    ready(&dispatcher, 1).await;
+    let error = dispatcher.call(rows_request(1), None).await.unwrap_err();
+    assert_eq!(error, ServingError::new(Code::InvalidArgument, "bad id"));
+    assert_eq!(worker.rows_seen(), [2]);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_padded_call_that_timed_out_answers_its_caller_deadline_exceeded() {
+    // A worker ends a call past --call-timeout with DEADLINE_EXCEEDED, then leaves. Padded,
+    // the request was taken for a merged call's member and run alone again; with no worker
+    // left it was merged and padded again on the next, each time, and its caller got
+    // UNAVAILABLE after killing a second worker (found by a hunt).
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 0, vec![2, 4], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::TimeOutThenLeave);
+    ready(&dispatcher, 1).await;
+    let error = dispatcher.call(rows_request(1), None).await.unwrap_err();
+    let expected = ServingError::new(Code::DeadlineExceeded, "the model call ran too long");
+    assert_eq!(error, expected);
+    assert_eq!(worker.rows_seen(), [2]);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_requests_of_a_failed_merged_call_stay_alone_while_they_wait_for_a_worker() {
+    // A merged call fails and its worker leaves with it: its requests wait for another
+    // worker and must still run one by one there (sent again after the wait they were
+    // merged again, found by a hunt).
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 0, vec![], 10));
+    let leaves = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::TimeOutThenLeaveAbove(1));
+    ready(&dispatcher, 1).await;
+    // The first alone (the worker was idle), then the other three merged: the call fails.
+    // On the next worker one runs while two wait behind it: those two would merge.
+    let calls = marked_calls(&dispatcher, &[1, 1, 1, 1], Some(Duration::from_secs(20))).await;
+    for _ in 0..200 {
+        if leaves.rows_seen().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(leaves.rows_seen(), [1, 3]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let next = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::RefuseAbove(1));
+    each_gets_its_own_rows(calls).await;
+    assert_eq!(next.rows_seen(), [1, 1, 1], "never merged again");
+    dispatcher.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_above_max_batch_size_is_refused_as_tf_serving_does() {
     // It ran alone before, as one call larger than the operator sized calls for.
@@ -1517,12 +1661,21 @@ async fn a_request_above_max_batch_size_is_refused_as_tf_serving_does() {
         )
     );
     assert!(dispatcher.call(rows_request(4), None).await.is_ok());
-    // Inputs of two first dimensions have no one size: it runs alone, as before.
-    let mut uneven = rows_request(5);
+    // Inputs of two first dimensions, or a scalar, have no one size: a batched call cannot
+    // take them, as TF Serving's batching session says (they ran alone, unchecked, before).
+    let mut uneven = rows_request(2);
     uneven.tensors.push(("scale".into(), 1, vec![1]));
     uneven.frames.push(Bytes::from(vec![0u8; 4]));
-    assert!(dispatcher.call(uneven, None).await.is_ok());
-    assert_eq!(worker.rows_seen(), [4, 5]);
+    let error = dispatcher.call(uneven, None).await.unwrap_err();
+    let expected = "Batching Run() input tensors must have equal 0th-dimension size";
+    assert_eq!(error, ServingError::new(Code::InvalidArgument, expected));
+    let mut scalar = rows_request(2);
+    scalar.tensors.push(("scale".into(), 1, vec![]));
+    scalar.frames.push(Bytes::from(vec![0u8; 4]));
+    let error = dispatcher.call(scalar, None).await.unwrap_err();
+    let expected = "Batching Run() input tensors must have at least one dimension";
+    assert_eq!(error, ServingError::new(Code::InvalidArgument, expected));
+    assert_eq!(worker.rows_seen(), [4]);
     dispatcher.shutdown();
 }
 
