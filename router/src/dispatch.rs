@@ -990,6 +990,9 @@ impl Actor {
             let Some((id, mut head)) = self.queue_pop(now) else {
                 break;
             };
+            if head.answer.is_closed() {
+                continue; // its caller went away (cancelled): nobody would read the answer
+            }
             let Some(servable) = self.routable.borrow().route(head.request.target) else {
                 let alone = head.alone;
                 let _ = head.answer.send(Outcome::NoWorker { alone }); // its caller waits for one
@@ -1060,6 +1063,9 @@ impl Actor {
             let Some((other_id, other)) = self.queue_pop(now) else {
                 break;
             };
+            if other.answer.is_closed() {
+                continue; // cancelled by its caller
+            }
             let shares = other.merge_key.is_some()
                 && other.servable == members[0].1.servable
                 && other.merge_key == members[0].1.merge_key;

@@ -498,6 +498,7 @@ impl PredictionService for Api {
             guard.tf_serving(model, TfApi::Predict, Entrypoint::Grpc);
         }
         let deadline = call_deadline(&request);
+        guard.expires(deadline);
         let result = self
             .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
             .await
@@ -525,6 +526,7 @@ impl PredictionService for Api {
             guard.tf_serving(model, TfApi::Classify, Entrypoint::Grpc);
         }
         let deadline = call_deadline(&request);
+        guard.expires(deadline);
         let result = self.classify_checked(request.into_inner(), deadline).await;
         finish(result, &mut guard)
     }
@@ -538,6 +540,7 @@ impl PredictionService for Api {
             guard.tf_serving(model, TfApi::Regress, Entrypoint::Grpc);
         }
         let deadline = call_deadline(&request);
+        guard.expires(deadline);
         let result = self.regress_checked(request.into_inner(), deadline).await;
         finish(result, &mut guard)
     }
@@ -550,6 +553,7 @@ impl PredictionService for Api {
         // record them (prediction_service_impl.cc); its examples are counted once run.
         let mut guard = self.metrics.start(Method::MultiInference);
         let deadline = call_deadline(&request);
+        guard.expires(deadline);
         let result = self
             .multi_inference_checked(request.into_inner(), deadline)
             .await;

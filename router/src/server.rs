@@ -780,8 +780,9 @@ async fn serve_accepted<I, S>(
         }
         Ok(Err(error)) => {
             if let Some(count) = TLS_FAILURES.note(std::time::Instant::now()) {
+                let hint = crate::tls::client_certificate_hint(&error.to_string());
                 log_warn!(
-                    "TLS handshake with {peer} failed ({count} since the last line): {error}"
+                    "TLS handshake with {peer} failed ({count} since the last line): {error}{hint}"
                 );
             }
         }

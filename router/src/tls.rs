@@ -47,6 +47,16 @@ pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
                 .to_string(),
         );
     }
+    // Read whenever given, as TF Serving hands it to gRPC whenever it is not empty (and its
+    // server does not start on one that is not PEM certificates), client_verify or not.
+    let mut roots = RootCertStore::empty();
+    if config.client_verify || !config.custom_ca.is_empty() {
+        for cert in certificates(&config.custom_ca, "custom_ca")? {
+            roots
+                .add(cert)
+                .map_err(|e| format!("custom_ca: unusable certificate: {e}"))?;
+        }
+    }
     let chain = certificates(&config.server_cert, "server_cert")?;
     let key = PrivateKeyDer::from_pem_slice(config.server_key.as_bytes())
         .map_err(|e| format!("server_key: not a PEM private key: {e}"))?;
@@ -54,12 +64,6 @@ pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("TLS: {e}"))?;
     let builder = if config.client_verify {
-        let mut roots = RootCertStore::empty();
-        for cert in certificates(&config.custom_ca, "custom_ca")? {
-            roots
-                .add(cert)
-                .map_err(|e| format!("custom_ca: unusable certificate: {e}"))?;
-        }
         let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
             .build()
             .map_err(|e| format!("custom_ca: {e}"))?;
@@ -72,6 +76,27 @@ pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
         .map_err(|e| unusable_pair(&e.to_string()))?;
     server.alpn_protocols = vec![b"h2".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(server)))
+}
+
+/// What a handshake's error means where rustls (webpki) is stricter with client
+/// certificates than TF Serving's gRPC (BoringSSL), which takes all of these; appended to
+/// the handshake's warning. Empty for other errors.
+pub fn client_certificate_hint(error: &str) -> &'static str {
+    if error.contains("UnsupportedCertVersion") {
+        " (the client's certificate is X.509 v1, which rustls does not take: make a v3 one, \
+         openssl x509 -req ... -extfile with extendedKeyUsage=clientAuth)"
+    } else if error.contains("CaUsedAsEndEntity") {
+        " (the client's certificate is a CA's, CA:TRUE, as openssl req -x509 makes: rustls \
+         takes a client certificate that custom_ca signed, not one trusted by itself)"
+    } else if error.contains("UnknownIssuer") {
+        " (no certificate of custom_ca signed the client's; a client certificate put in \
+         custom_ca itself is not trusted by rustls)"
+    } else if error.contains("BadSignature") || error.contains("UnsupportedSignatureAlgorithm") {
+        " (the client's certificate is signed with a key or algorithm rustls does not take: \
+         RSA below 2048 bits, SHA-1)"
+    } else {
+        ""
+    }
 }
 
 /// What is wrong with the key and certificate rustls refused, said in a user's terms (every
@@ -140,5 +165,29 @@ mod tests {
             ..config
         };
         assert!(acceptor(&verify).is_err());
+    }
+
+    #[test]
+    fn client_certificates_rustls_refuses_where_grpc_takes_them_are_explained() {
+        let error = "invalid peer certificate: Other(OtherError(CaUsedAsEndEntity))";
+        assert!(client_certificate_hint(error).contains("CA:TRUE"));
+        let error = "invalid peer certificate: UnknownIssuer";
+        assert!(client_certificate_hint(error).contains("not trusted by rustls"));
+        let error = "invalid peer certificate: Other(OtherError(UnsupportedCertVersion))";
+        assert!(client_certificate_hint(error).contains("X.509 v1"));
+        assert_eq!(client_certificate_hint("peer sent no certificates"), "");
+    }
+
+    #[test]
+    fn a_custom_ca_that_is_not_pem_is_refused_without_client_verify_too() {
+        // TF Serving gives it to gRPC whenever it is set, and its server does not start.
+        let config = TlsConfig {
+            server_key: "nope".into(),
+            server_cert: "nope".into(),
+            custom_ca: "not a pem".into(),
+            client_verify: false,
+        };
+        let error = acceptor(&config).err().unwrap_or_default();
+        assert!(error.starts_with("custom_ca: "), "{error}");
     }
 }

@@ -1646,6 +1646,31 @@ async fn the_requests_of_a_failed_merged_call_stay_alone_while_they_wait_for_a_w
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_its_caller_cancelled_is_not_sent() {
+    // A client that cancels (RST_STREAM) drops its call: what it left in the queue must not
+    // reach a worker (the worker ran 251 of 300 cancelled requests, found by a hunt).
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &scheduling("fcfs", 500));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(200));
+    ready(&dispatcher, 1).await;
+    let spawn = |rows: usize| {
+        let d = dispatcher.clone();
+        tokio::spawn(async move { d.call(rows_request(rows), None).await })
+    };
+    let computing = spawn(1);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let cancelled = spawn(2);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let waiting = spawn(3);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    cancelled.abort();
+    assert!(computing.await.unwrap().is_ok());
+    assert!(waiting.await.unwrap().is_ok());
+    assert_eq!(worker.rows_seen(), [1, 3]);
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_above_max_batch_size_is_refused_as_tf_serving_does() {
     // It ran alone before, as one call larger than the operator sized calls for.
     let (_dir, dir) = run_dir();
