@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -788,6 +789,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             run_dir=str(run_dir),
             log_dir=str(args.log_dir.resolve()),
             workers=args.workers,
+            model_workers=workers,
             host=args.host,
             port=args.port,
             metrics_port=args.metrics_port,
@@ -999,7 +1001,8 @@ def _model_workers(given: list[str], models: list[str]) -> dict[str, int]:
     workers: dict[str, int] = {}
     for text in given:
         name, sep, count = text.partition("=")
-        if not sep or not count.strip().isdigit() or int(count) < 1:
+        # ASCII digits: str.isdigit() takes '²', which int() refuses (a traceback).
+        if not sep or not re.fullmatch(r"[0-9]+", count.strip()) or int(count) < 1:
             raise ConfigError(f"--model-workers takes NAME=N with N >= 1, got {text!r}")
         if name not in models:
             served = ", ".join(repr(m) for m in models)

@@ -279,6 +279,10 @@ def _usable_cpus() -> tuple[int, ...]:
 # A model name that is also safe in supervisord program and group names, log file names and
 # shared-memory segment names (every model of a pool that serves several has its own).
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MODEL_NAME_RULE = (
+    "a pool of several models needs names of letters, digits, '_', '.' and '-' that begin "
+    "with a letter or digit (they name its processes and files)"
+)
 # A model's name is part of file names (its weight segment, /dev/shm/mpspool-<pool>-<name>-v<N>
 # and its ".partial"; its publisher's log; its workers' supervisord programs and logs), which
 # Linux caps at 255 bytes: with room for the rest of each, a name is at most this long.
@@ -442,6 +446,9 @@ class PoolConfig:
     # version_labels of TF Serving's model config: label ("stable", "canary") → version.
     # The front door resolves a label only while its version is AVAILABLE.
     version_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    # --model-workers as given (model name → workers): a model of that name added while the
+    # pool serves (again, after a reload removed it) gets them too.
+    model_workers: dict[str, int] = dataclasses.field(default_factory=dict)
     # TF Serving's --grpc_socket_path: gRPC on this UNIX socket too (absolute; "": none).
     grpc_socket_path: str = ""
     # TF Serving's --saved_model_tags: the tag set of the MetaGraphDef the workers load,
@@ -925,11 +932,10 @@ class PoolConfig:
         seen: set[str] = set()
         for model in self.models:
             check_model_name_length(model.name)
-            if not MODEL_NAME.fullmatch(model.name):
-                raise ConfigError(
-                    f"model name {model.name!r}: a pool of several models needs names of "
-                    "letters, digits, '_', '.' and '-' (they name its processes and files)"
-                )
+            # The first model's name is in no process or file name (its slots are cpu-N,
+            # as a pool of one model's, whose name may be anything): only the others'.
+            if model is not first and not MODEL_NAME.fullmatch(model.name):
+                raise ConfigError(f"model name {model.name!r}: {MODEL_NAME_RULE}")
             if model.name in seen:
                 raise ConfigError(f"model {model.name!r} is listed twice")
             seen.add(model.name)
@@ -943,10 +949,7 @@ class PoolConfig:
         SavedModel at its first version, and room for its contexts on each GPU."""
         check_model_name_length(name)
         if not MODEL_NAME.fullmatch(name):
-            raise ConfigError(
-                f"model name {name!r}: a pool of several models needs names of letters, "
-                "digits, '_', '.' and '-' (they name its processes and files)"
-            )
+            raise ConfigError(f"model name {name!r}: {MODEL_NAME_RULE}")
         from mpspool.segment import segment_path
 
         for model in self.served_models():

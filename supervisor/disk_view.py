@@ -81,9 +81,15 @@ def _with_added(config: PoolConfig, added: list[ModelEntry]) -> PoolConfig:
     models = list(config.served_models())
     for entry in added:
         version = first_version(Path(entry.base_path), entry.version_policy, entry.name)
+        workers = config.model_workers.get(entry.name, 0)
         models.append(
             ServedModel(
-                entry.name, entry.base_path, version, entry.version_policy, dict(entry.labels)
+                entry.name,
+                entry.base_path,
+                version,
+                entry.version_policy,
+                dict(entry.labels),
+                workers,
             )
         )
     config = dataclasses.replace(config, models=tuple(models))

@@ -4,6 +4,7 @@ as written refused with a one-line reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,10 @@ import pytest
 from google.protobuf import text_format, unknown_fields
 from tensorflow_serving.config import model_server_config_pb2 as official
 
-from mpspool.config import ConfigError
+from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.model_config import ModelEntry, read_model_config
 from mpspool.protos import server_config_pb2
+from mpspool.supervisor.disk_view import read_disk_view
 
 
 def official_config(**policy: object) -> official.ModelServerConfig:
@@ -233,6 +235,8 @@ def test_start_ignores_a_model_name_and_base_path_beside_the_file_as_tf_serving(
             "--model-workers 'ranker=2': the config file lists 'wdl'",
         ),
         (["--model-workers", "wdl=1", "--model-workers", "wdl=2"], "names 'wdl' twice"),
+        # str.isdigit() takes a superscript two, int() does not: a traceback before.
+        (["--model-workers", "wdl=\u00b2"], "--model-workers takes NAME=N with N >= 1"),
     ],
 )
 def test_start_refuses_model_workers_for_models_the_file_does_not_list(
@@ -256,3 +260,45 @@ def test_model_workers_needs_a_config_file(tmp_path: Path):
     )  # fmt: skip
     assert out.returncode == 2
     assert "--model-workers names models of --model_config_file" in out.stderr
+
+
+def _saved_models(root: Path, *names: str) -> dict[str, str]:
+    """A version 1 folder with a saved_model.pb (empty: only its presence is read) for each
+    name; name → base path."""
+    for name in names:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "saved_model.pb").write_bytes(b"")
+    return {name: str(root / name) for name in names}
+
+
+def test_a_model_added_while_serving_gets_the_workers_model_workers_gave_it(tmp_path: Path):
+    """A model --model-workers sized, removed by a reload and added back, came back with
+    --workers (found by a hunt: capacity halved without a word)."""
+    paths = _saved_models(tmp_path, "a", "b")
+    config = PoolConfig(
+        model_name="a", model_base_path=paths["a"], model_version=1, run_dir="/r",
+        log_dir="/l", workers=1, model_workers={"b": 2},
+    )  # fmt: skip
+    entries = [ModelEntry("a", paths["a"], "latest:1"), ModelEntry("b", paths["b"], "latest:1")]
+    view = read_disk_view(config, entries, "the test")
+    assert view.refusal == "" and view.added is not None
+    assert (view.added.workers_of("a"), view.added.workers_of("b")) == (1, 2)
+
+
+def test_the_first_models_name_is_free_as_a_pool_of_one_models_is(tmp_path: Path):
+    """It names no process or file (its slots are cpu-N): a name a reload could add to a pool
+    that started with it alone was refused at start beside a second model."""
+    paths = _saved_models(tmp_path, "my model", "b")
+    config = PoolConfig(
+        model_name="my model", model_base_path=paths["my model"], model_version=1,
+        run_dir="/r", log_dir="/l", workers=1, models=(
+            ServedModel("my model", paths["my model"], 1, "latest:1", {}),
+            ServedModel("b", paths["b"], 1, "latest:1", {}),
+        ),
+    )  # fmt: skip
+    config._validate_models()
+    named = dataclasses.replace(
+        config, models=(config.models[0], ServedModel("_b", paths["b"], 1, "latest:1", {}))
+    )
+    with pytest.raises(ConfigError, match="that begin with a letter or digit"):
+        named._validate_models()
