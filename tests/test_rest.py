@@ -640,6 +640,10 @@ def test_tf_servings_metrics_and_the_queue_compute_split(demo: Pool) -> None:
     assert tfs[f":tensorflow:serving:runtime_latency_sum{{{runtime}}}"] == pytest.approx(
         compute * 1e6, rel=0.01
     )
+    # TensorFlow's graph runs, which TF Serving's page carries (the Grafana mixin's "Graph
+    # Runs" and "Graph Run Time" panels): one per worker call here, no request merged.
+    assert tfs[":tensorflow:core:graph_runs{}"] == calls
+    assert tfs[":tensorflow:core:graph_run_time_usecs{}"] == pytest.approx(compute * 1e6, rel=0.01)
 
 
 def test_monitoring_config_files_are_read_as_tf_serving_reads_them(tmp_path: Path) -> None:

@@ -1357,6 +1357,9 @@ impl Actor {
                         self.state.handoff.observe(Duration::from_micros(handoff));
                         self.state.reply.observe(Duration::from_micros(back));
                     }
+                    self.state
+                        .graph_runs
+                        .record(u64::try_from(end - start).unwrap_or(0));
                     let micros = end.saturating_sub(start) as f64;
                     let sent = &pending.sent;
                     let model = servable.model;

@@ -258,6 +258,7 @@ impl Metrics {
         self.state.batching.render(&mut page);
         self.state.warmup.render(&mut page);
         self.state.loads.render(&mut page);
+        self.state.graph_runs.render(&mut page);
         page
     }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use crate::metrics::Histogram;
-use crate::tfs_metrics::{BatchingMetrics, LoadMetrics, WarmupMetrics};
+use crate::tfs_metrics::{BatchingMetrics, GraphRunMetrics, LoadMetrics, WarmupMetrics};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -69,6 +69,8 @@ pub struct RouterState {
     pub warmup: WarmupMetrics,
     /// TensorFlow's SavedModel load metrics, from the workers' READY (the dispatcher records).
     pub loads: LoadMetrics,
+    /// TensorFlow's graph run metrics, from the workers' answers (the dispatcher records).
+    pub graph_runs: GraphRunMetrics,
     /// The controller's latest NVML sample of each GPU (empty for CPU pools).
     gpus: Mutex<Vec<GpuSample>>,
     /// Every worker slot's state and restarts as the controller last told them (the
@@ -101,6 +103,7 @@ impl RouterState {
                 batching: BatchingMetrics::default(),
                 warmup: WarmupMetrics::default(),
                 loads: LoadMetrics::default(),
+                graph_runs: GraphRunMetrics::default(),
                 gpus: Mutex::new(Vec::new()),
                 slots: Mutex::new(Vec::new()),
                 drain,

@@ -17,7 +17,10 @@
 //! - with `--enable-batching`, the batching session's (`batching/batching_session.cc`,
 //!   `batching/batching_util.h`), one set for the process as there: `queuing_latency`,
 //!   `wrapped_run_count`, `input_batch_size`, `processed_batch_size`, `padding_size`
-//!   (`BatchingMetrics`).
+//!   (`BatchingMetrics`);
+//! - TensorFlow's own `:tensorflow:core:graph_runs` and `graph_run_time_usecs`
+//!   (`GraphRunMetrics`), which TF Serving's page carries as it exports every metric the
+//!   process registered.
 //!
 //! Histograms have TF Serving's buckets (×1.8 from 10 µs, 33 of them; ×2 from 1 example, 15).
 //! Only requests that name a served model are counted, each under its model: a client cannot
@@ -390,6 +393,41 @@ impl Default for BatchingMetrics {
     }
 }
 
+/// TensorFlow's `/tensorflow/core/graph_runs` and `/tensorflow/core/graph_run_time_usecs`
+/// (core/framework/metrics.cc): graph executions, and the µs they took, which a session
+/// adds to on each run that succeeds. Here the model calls the workers answered requests
+/// with (a merged call once, its rerun members each), timed by the workers' spans; their
+/// warm-up runs are not counted. What the Grafana TF Serving mixin's "Graph Runs" and
+/// "Graph Run Time" panels read.
+#[derive(Default)]
+pub struct GraphRunMetrics {
+    runs: AtomicU64,
+    run_time_us: AtomicU64,
+}
+
+impl GraphRunMetrics {
+    /// One model call a worker answered, `micros` long.
+    pub fn record(&self, micros: u64) {
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        self.run_time_us.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    /// Their part of TF Serving's page: typed from the start (TensorFlow registers them when
+    /// it loads), a value once a graph ran (its cell is made then).
+    pub fn render(&self, out: &mut String) {
+        // The time first: read after it, the count is never below the runs the time holds.
+        let micros = self.run_time_us.load(Ordering::Relaxed);
+        let runs = self.runs.load(Ordering::Relaxed);
+        for (family, value) in [("graph_runs", runs), ("graph_run_time_usecs", micros)] {
+            let name = format!(":tensorflow:core:{family}");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            if runs > 0 {
+                let _ = writeln!(out, "{name}{{}} {value}");
+            }
+        }
+    }
+}
+
 /// "Exponential buckets [1*2^0, ..., 1*2^13, DBL_MAX]."
 fn batch_size_histogram() -> Exponential {
     Exponential::new(1.0, 2.0, 14)
@@ -720,6 +758,27 @@ mod tests {
         assert!(metrics.render().contains(
             ":tensorflow:serving:request_latency_count{model_name=\"de\\\"mo\",API=\"\",entrypoint=\"REST\"} 1\n"
         ));
+    }
+
+    #[test]
+    fn graph_runs_are_typed_from_the_start_and_counted_with_their_time() {
+        let graph = GraphRunMetrics::default();
+        let mut page = String::new();
+        graph.render(&mut page);
+        assert_eq!(
+            page,
+            "# TYPE :tensorflow:core:graph_runs counter\n\
+             # TYPE :tensorflow:core:graph_run_time_usecs counter\n"
+        );
+        graph.record(250);
+        graph.record(40);
+        let mut page = String::new();
+        graph.render(&mut page);
+        assert!(page.contains(":tensorflow:core:graph_runs{} 2\n"), "{page}");
+        assert!(
+            page.contains(":tensorflow:core:graph_run_time_usecs{} 290\n"),
+            "{page}"
+        );
     }
 
     #[test]
