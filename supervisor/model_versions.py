@@ -103,6 +103,8 @@ class ModelVersions:
         self.prefix = pool.config.model_prefix(name)
         config = self.config
         self.policy = VersionPolicy.parse(config.version_policy)
+        # Slot key → the restarts its slots had when their versions ended (`new_group`).
+        self._restarts_ended: dict[str, int] = {}
         # Model version → its group of workers; the first, the version found at start.
         self.groups: dict[int, VersionGroup] = {}
         first = self.new_group(config.model_version)
@@ -158,6 +160,7 @@ class ModelVersions:
         slots = {}
         for name in config.slots:
             slot = Slot(name, version, self.prefix)
+            slot.restarts_before = self._restarts_ended.get(slot.key, 0)
             slots[slot.key] = slot
         group = VersionGroup(version, slots, config.segment_for(version), model=self.prefix)
         if config.batching and config.per_model_batching:
@@ -781,6 +784,8 @@ class ModelVersions:
             if slot.state is not WorkerState.STOPPED:
                 slot.change_state(WorkerState.STOPPED, why)
         group.change_state(VersionState.END, now, why)
+        for key, slot in group.slots.items():
+            self._restarts_ended[key] = slot.restarts
         del self.groups[group.version]
         # Its segment first: a failed sync below escaped before it, and the segment (the
         # model's size in /dev/shm) outlived the pool, no group left to name it (found by a

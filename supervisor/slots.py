@@ -23,6 +23,9 @@ class Slot:
     pid: int = 0  # the incarnation we have accounted for; 0 when none
     started_at: float = 0.0  # wall-clock start of the current incarnation
     incarnations: int = 0  # processes this slot has had
+    # Restarts of the earlier slots of its key (its version served, retired, and serves
+    # again): what the metrics' restarts counter showed must not go back.
+    restarts_before: int = 0
     load_failures: int = 0
     # Its last process was refused by the pool's own settings (exit EXIT_CONFIG_ERROR:
     # weights that cannot be shared): FATAL at once, and its version is not tried again.
@@ -44,7 +47,7 @@ class Slot:
 
     @property
     def restarts(self) -> int:
-        return max(0, self.incarnations - 1)
+        return self.restarts_before + max(0, self.incarnations - 1)
 
     @property
     def key(self) -> str:

@@ -1756,6 +1756,34 @@ def test_a_retired_version_waits_for_its_running_calls_past_the_drain_timeout(
     assert told(pool) == {1: "END", 2: "AVAILABLE"}
 
 
+def test_a_slots_restarts_count_on_when_its_version_serves_again(make_pool: Callable[..., Pool]):
+    """mpspool_worker_restarts_total{slot="cpu-0@1"} went back to 0 when version 2 was
+    removed and version 1 served again: its slots were new ones (found by a hunt)."""
+    pool, base = versioned_pool(make_pool, [1], drain_timeout_s=1.0)
+    pool.sd.exit("cpu-0@1", -1)  # kill -9
+    pool.tick()
+    pool.tick()
+    pool.router.register("cpu-0@1", pool.sd.pid_of("cpu-0"))
+    pool.tick()
+    assert pool.controller.model.slots["cpu-0@1"].restarts == 1
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    pool.tick(after_s=0.2)
+    assert told(pool) == {1: "END", 2: "AVAILABLE"}
+    shutil.rmtree(base / "2")
+    for _ in range(3):
+        pool.tick(after_s=1.0)
+    slots = pool.controller.model.slots
+    assert 1 in pool.controller.model.groups, told(pool)
+    assert (slots["cpu-0@1"].restarts, slots["cpu-1@1"].restarts) == (1, 0)
+    sent = {row["slot"]: row["restarts"] for row in pool.router.slot_samples[-1]}
+    assert sent["cpu-0@1"] == 1, sent
+
+
 def test_a_version_no_longer_shown_takes_its_logs_along(make_pool: Callable[..., Pool]):
     """Status lists the last five retired versions; older ones' worker logs (with
     supervisord's rotated backups) and publisher logs are removed, so a pool rolling versions
