@@ -30,6 +30,7 @@ from mpspool.config import (
     PoolConfig,
     ServedModel,
     batching_parameters_from,
+    check_num_batch_threads,
     default_cache_dir,
     default_log_dir,
     default_run_dir,
@@ -1062,12 +1063,14 @@ def _per_model_batching_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.batching_parameters_file is not None:
         from mpspool.protos import server_config_pb2
 
-        read_text_proto(
+        params = read_text_proto(
             args.batching_parameters_file,
             "--batching_parameters_file",
             server_config_pb2.BatchingParameters(),
             "a",
         )
+        # TF Serving's server still makes its batch thread pool from it.
+        check_num_batch_threads(args.batching_parameters_file, params)
         print(
             f"mpspool: {args.batching_parameters_file}: its batching parameters are not used "
             f"with --enable_per_model_batching_parameters (each version's "

@@ -121,8 +121,18 @@ DISPATCH_POLICIES = ("round-robin", "least-loaded", "power-of-two", "packed")
 QUEUE_ORDERS = ("fcfs", "sjf")
 
 
+def check_num_batch_threads(path: Path, params: Any) -> None:
+    """The server-level file's batch threads: TF Serving's server does not start on fewer
+    than one (SharedBatchScheduler::Create's words). A version's own file's are never read
+    there, so not here either."""
+    if params.HasField("num_batch_threads") and params.num_batch_threads.value < 1:
+        raise ConfigError(
+            f"{path}: num_batch_threads must be positive; was {params.num_batch_threads.value}"
+        )
+
+
 def batching_parameters_from(
-    path: Path, flag: str = "--batching_parameters_file"
+    path: Path, flag: str = "--batching_parameters_file", server_level: bool = True
 ) -> dict[str, Any]:
     """TF Serving's BatchingParameters file (text format) as PoolConfig fields; what has no
     meaning here is refused (pad_variable_length_inputs) or logged (num_batch_threads)."""
@@ -134,11 +144,8 @@ def batching_parameters_from(
             f"{path}: pad_variable_length_inputs is not supported: requests merge only when "
             "their inputs agree on every dimension but the first"
         )
-    if params.HasField("num_batch_threads") and params.num_batch_threads.value < 1:
-        # TF Serving's server does not start (SharedBatchScheduler::Create's words).
-        raise ConfigError(
-            f"{path}: num_batch_threads must be positive; was {params.num_batch_threads.value}"
-        )
+    if server_level:
+        check_num_batch_threads(path, params)
     if params.HasField("num_batch_threads"):
         log.info(
             "%s: num_batch_threads %d has no use here: each worker runs one merged call at a "
@@ -220,7 +227,9 @@ def version_batching(version_dir: Path) -> dict[str, Any] | None:
         "max_enqueued_batches": MAX_ENQUEUED_BATCHES,
         "split_rows": 0,
     }
-    fields.update(batching_parameters_from(path, "the version's batching parameters"))
+    fields.update(
+        batching_parameters_from(path, "the version's batching parameters", server_level=False)
+    )
     try:
         check_batching(
             fields["max_batch_size"],

@@ -201,6 +201,13 @@ def test_per_model_batching_reads_each_versions_own_file_as_tf_serving(
     params.write_text("max_batch_size: 3\n")
     with pytest.raises(ConfigError, match="is not a BatchingParameters"):
         config(*per_model, f"--batching_parameters_file={params}")
+    # Its batch threads still make TF Serving's thread pool, so fewer than one is refused; a
+    # version's own num_batch_threads is never read there, so it is no matter.
+    params.write_text("num_batch_threads { value: 0 }\n")
+    with pytest.raises(ConfigError, match="num_batch_threads must be positive; was 0"):
+        config(*per_model, f"--batching_parameters_file={params}")
+    (version / "batching_params.pbtxt").write_text("num_batch_threads { value: 0 }\n")
+    assert version_batching(version) is not None
     with pytest.raises(ConfigError, match="needs --enable_batching"):
         config("--enable_per_model_batching_parameters", f"--batching_parameters_file={params}")
     for flag in ("--max-batch-size=8", "--split-rows=4"):

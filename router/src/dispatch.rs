@@ -676,6 +676,8 @@ fn call_deadline(members: &[(u64, Queued)]) -> Option<Instant> {
 
 /// Requests looked at past the head for a batch, so a pump's work stays bounded.
 const GATHER_SCAN: usize = 256;
+/// Requests the batches of one pump look at, together (`Actor::pump`).
+const PUMP_SCAN: usize = 2 * GATHER_SCAN;
 /// Merged calls get ids of their own, apart from the callers' (which count up from 1).
 const FIRST_BATCH_ID: u64 = 1 << 62;
 
@@ -984,6 +986,11 @@ impl Actor {
         // on, as each of TF Serving's batch queues is a queue of its own.
         let mut filling: Vec<(u64, Queued)> = Vec::new();
         let mut wake: Option<std::time::Instant> = None;
+        // Requests the batches looked at, together: past `PUMP_SCAN`, the requests behind a
+        // filling batch wait for the next pump, so that many batches filling at once (inputs
+        // of many lengths, each a batch of its own) do not make each pump scan the queue
+        // once per batch (found by a review: 15× the front door's CPU with 200 filling).
+        let mut scanned = 0;
         // Every worker full (the common case under load): leave the queue as it is.
         while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
             let now = std::time::Instant::now();
@@ -1014,7 +1021,7 @@ impl Actor {
                 continue;
             };
             let identity = handle.identity.clone();
-            match self.gather(id, head, now) {
+            match self.gather(id, head, now, &mut scanned) {
                 Gathered::Send { members, padded } => {
                     for (_, member) in &members {
                         let waited = now.saturating_duration_since(member.arrived);
@@ -1026,6 +1033,9 @@ impl Actor {
                 Gathered::Wait { until, members } => {
                     wake = Some(wake.map_or(until, |w| w.min(until)));
                     filling.extend(members);
+                    if scanned >= PUMP_SCAN {
+                        break;
+                    }
                 }
             }
         }
@@ -1043,7 +1053,13 @@ impl Actor {
     /// short of full and the oldest of them has waited less than `batch_timeout_micros`,
     /// they all wait on, unless a request that could share it did not fit (TF Serving then
     /// closes the batch and starts the next: the closed one leaves at once).
-    fn gather(&mut self, id: u64, head: Queued, now: std::time::Instant) -> Gathered {
+    fn gather(
+        &mut self,
+        id: u64,
+        head: Queued,
+        now: std::time::Instant,
+        scanned: &mut usize,
+    ) -> Gathered {
         let rows = head.request.rows();
         let (Some(batching), Some(_)) = (head.batching.clone(), &head.merge_key) else {
             return Gathered::Send {
@@ -1063,6 +1079,7 @@ impl Actor {
             let Some((other_id, other)) = self.queue_pop(now) else {
                 break;
             };
+            *scanned += 1;
             if other.answer.is_closed() {
                 continue; // cancelled by its caller
             }
