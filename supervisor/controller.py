@@ -223,8 +223,8 @@ class Controller:
         # own, and whether their hang was said.
         self._reload_read: tuple[int, BackgroundRead[DiskView]] | None = None
         self._reload_hung_said = 0
-        # (router pid, names) of the models last told to the front door.
-        self._models_told: tuple[int, list[str]] | None = None
+        # (router pid, names, names being removed) of the models last told to the front door.
+        self._models_told: tuple[int, list[str], list[str]] | None = None
         # The slots' states and restarts as the front door last took them (its metrics).
         self._slots_told: tuple[int, list[tuple[str, str, int, str, int]]] | None = None
         # Answers given to calls the front door still lists (a lost reply is sent again).
@@ -843,8 +843,10 @@ class Controller:
         return ""
 
     def _tell_router_models(self, router_answered: bool) -> None:
-        """The models to serve (all but those being removed), to the front door when that
-        changed or the front door is a new one (which starts with pool.json's list)."""
+        """The models to serve (all but those being removed), and those being removed whose
+        workers still drain (UNLOADING in GetModelStatus until they end, then END), to the
+        front door when that changed or the front door is a new one (which starts with
+        pool.json's list)."""
         if not router_answered:
             return
         listed = [
@@ -852,10 +854,11 @@ class Controller:
             for m in self.config.served_models()
             if not self.models[m.name].removed
         ]
-        told = (self._router_pid, [m["name"] for m in listed])
+        removing = sorted(name for name, m in self.models.items() if m.removed)
+        told = (self._router_pid, [m["name"] for m in listed], removing)
         if told == self._models_told:
             return
-        answer = self.router.ask("models", models=listed)
+        answer = self.router.ask("models", models=listed, removing=removing)
         if answer is not None and answer.get("ok"):
             self._models_told = told
         elif answer is not None:

@@ -292,6 +292,7 @@ class FakeRouter:
         self.labels: list[dict[str, int]] = []  # and its labels
         self.versions_of: list[str] = []  # and the model it names ("": none named)
         self.models: list[list[str]] = []  # each "models" op's names
+        self.removing: list[list[str]] = []  # and its models being removed (draining)
         self.queued_by_model: dict[str, int] = {}  # requests waiting for a worker
         # HandleReloadConfigRequests held: id → config bytes, listed until answered.
         self.reload_requests: dict[int, bytes] = {}
@@ -359,6 +360,7 @@ class FakeRouter:
             return {"ok": self.reload_requests.pop(request_id, None) is not None}
         if op == "models":
             self.models.append([m["name"] for m in fields["models"]])
+            self.removing.append(fields["removing"])
             return {"ok": True}
         if op == "versions" and self.models and fields.get("model") not in self.models[-1]:
             # As the front door: a table is only taken for a model it serves.
@@ -679,6 +681,9 @@ def test_models_are_added_and_removed_while_the_pool_serves(
     assert pool.router.models[-1] == ["demo"]
     assert "broken" not in controller.models, "nothing of it left to drain"
     assert pool.slot("tower/cpu-0@3").state is S.DRAINING
+    # The front door says UNLOADING for tower's versions while they drain, as TF Serving
+    # does before it unloads (it said END at once, found by a hunt).
+    assert "tower" in pool.router.removing[-1]
     pool.router.queued_by_model = {"demo": 3, "tower": 1}
     pool.tick()
     assert list(controller.models) == ["demo", "tower"], "its own waiting request holds it"
@@ -690,6 +695,8 @@ def test_models_are_added_and_removed_while_the_pool_serves(
     assert list(controller.models) == ["demo"]
     assert [m.name for m in PoolConfig.load(controller.run_dir).served_models()] == ["demo"]
     assert list(controller.slots) == ["cpu-0@1", "cpu-1@1"]
+    pool.tick()
+    assert pool.router.removing[-1] == [], "ended: END"
 
     # Refused, nothing changed: the pool's first model left out; a model with no version.
     pool.router.reload_requests[4] = models_request(("tower", tower, []))

@@ -268,18 +268,27 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
             with pytest.raises(grpc.RpcError) as refused:
                 _predict(channel, "ranker", ranker_inputs)
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-            # Its status stays known, END, as TF Serving's state monitor keeps it.
+            # Its status stays known: UNLOADING while its workers drain, then END, as TF
+            # Serving's state monitor says them.
             request = get_model_status_pb2.GetModelStatusRequest()
             request.model_spec.name = "ranker"
-            ended = model_service_pb2_grpc.ModelServiceStub(channel).GetModelStatus(request)
-            assert [(v.version, v.state) for v in ended.model_version_status] == [
-                (1, get_model_status_pb2.ModelVersionStatus.END)
-            ]
+            states = get_model_status_pb2.ModelVersionStatus
+            leaving = model_service_pb2_grpc.ModelServiceStub(channel).GetModelStatus(request)
+            assert [v.version for v in leaving.model_version_status] == [1]
+            assert leaving.model_version_status[0].state in (states.UNLOADING, states.END)
         status = pool.wait_for(
             lambda s: [m["name"] for m in s["models"]] == ["wdl"] and len(s["slots"]) == 1,
             timeout=60,
             what="ranker's workers ended",
         )
+        with pool.channel() as channel:
+            stub = model_service_pb2_grpc.ModelServiceStub(channel)
+            for _ in range(50):  # told at the controller's next tick
+                ended = stub.GetModelStatus(request)
+                if ended.model_version_status[0].state == states.END:
+                    break
+                time.sleep(0.1)
+            assert [(v.version, v.state) for v in ended.model_version_status] == [(1, states.END)]
         assert not Path(segment).exists(), "its weight segment unlinked"
         time.sleep(1.0)  # five reads of the file, which still lists ranker
         assert [m["name"] for m in pool.status()["models"]] == ["wdl"]

@@ -236,9 +236,18 @@ fn op<P>(
             let Some(entries) = listed.iter().map(model_entry).collect::<Option<Vec<_>>>() else {
                 return error("each model needs a name and a version".to_string());
             };
+            // The removed models whose workers still drain (UNLOADING); absent: none.
+            let draining: Vec<String> = match field(request, "removing") {
+                Some(Value::Array(names)) => names
+                    .iter()
+                    .filter_map(|n| n.as_str().map(str::to_string))
+                    .collect(),
+                _ => Vec::new(),
+            };
             let mut models = Models::clone(&pool.versions.borrow());
             match models.serve(&entries) {
-                Ok(changed) => {
+                Ok(mut changed) => {
+                    changed.extend(models.ended(&draining));
                     if !changed.is_empty() {
                         log_info!("models: {}", changed.join(", "));
                         // A removed model's series go: they stayed on the page for good.

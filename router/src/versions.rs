@@ -541,13 +541,34 @@ impl Models {
         for table in &mut self.tables {
             if !self.removed.contains(&table.id) && !listed.iter().any(|m| m.name == table.model) {
                 self.removed.insert(table.id);
+                // UNLOADING while its workers drain, as TF Serving's state monitor says
+                // before it unloads; END once the controller says they ended (`ended`).
                 for entry in table.versions.values_mut() {
-                    entry.state = VersionState::End;
+                    if entry.state != VersionState::End {
+                        entry.state = VersionState::Unloading;
+                    }
                 }
                 changed.push(format!("{} removed", table.model));
             }
         }
         Ok(changed)
+    }
+
+    /// The removed models not `draining` (their workers, as the controller last said, have
+    /// all ended): their versions END. What changed.
+    pub fn ended(&mut self, draining: &[String]) -> Vec<String> {
+        let mut changed = Vec::new();
+        for table in &mut self.tables {
+            let removed = self.removed.contains(&table.id);
+            let unloading = (table.versions.values()).any(|v| v.state != VersionState::End);
+            if removed && unloading && !draining.contains(&table.model) {
+                for entry in table.versions.values_mut() {
+                    entry.state = VersionState::End;
+                }
+                changed.push(format!("{} ended", table.model));
+            }
+        }
+        changed
     }
 
     /// The table a spec is answered from: its model's, or — for a name the pool does not
@@ -937,12 +958,25 @@ mod tests {
         );
         assert!(!models.is_served(1) && models.get(1).is_some_and(|t| t.model == "ranker"));
         assert_eq!(models.latest(), BTreeMap::from([(0, 3)]));
-        // GetModelStatus still knows it: its versions END, as TF Serving's state monitor.
+        // GetModelStatus still knows it: its versions UNLOADING while its workers drain,
+        // then END, as TF Serving's state monitor (END at once made a script that waits for
+        // END and adds the model back find it still being removed; found by a hunt).
         let states = |models: &Models, spec: &ModelSpec| {
             models
                 .status(Some(spec), |_| true)
                 .map(|all| all.iter().map(|s| (s.version, s.state)).collect::<Vec<_>>())
         };
+        let unloading = model_version_status::State::Unloading as i32;
+        assert_eq!(
+            states(&models, &spec("ranker", None)),
+            Ok(vec![(1, unloading)])
+        );
+        assert!(
+            models.ended(&["ranker".to_string()]).is_empty(),
+            "still draining"
+        );
+        assert_eq!(models.ended(&[]), vec!["ranker ended".to_string()]);
+        assert!(models.ended(&[]).is_empty());
         let end = model_version_status::State::End as i32;
         assert_eq!(states(&models, &spec("ranker", None)), Ok(vec![(1, end)]));
         let one = spec("ranker", Some(VersionChoice::Version(1)));
