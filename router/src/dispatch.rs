@@ -803,7 +803,13 @@ impl Actor {
                 sending,
             } => self.enqueue(id, request, answer, arrived, deadline, sending),
             Command::Cancel { id } => {
-                if self.queue_remove(id).is_some() {
+                if let Some(queued) = self.queue_remove(id) {
+                    if queued.batching.is_some() {
+                        // The longest waits are what the queuing latency alert is for.
+                        let waited = queued.enqueued.elapsed().as_micros();
+                        let waited = u64::try_from(waited).unwrap_or(u64::MAX);
+                        self.state.batching.record_expired(waited);
+                    }
                     self.publish_queue();
                 } else if let Some(identity) = self.requests.remove(&id) {
                     if let Some(handle) = self.table.get_mut(&identity) {

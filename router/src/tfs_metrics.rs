@@ -441,6 +441,13 @@ impl BatchingMetrics {
         }
     }
 
+    /// A request left the batch queue without its batch: its deadline passed there. TF
+    /// Serving records its wait too (every task of a batch it takes from the queue, those
+    /// whose deadline passed included), then fails it.
+    pub fn record_expired(&self, waited_us: u64) {
+        self.queuing_latency.observe(waited_us);
+    }
+
     /// A batch left for a worker: `rows` of its requests padded to `padded`, after each
     /// request waited `waited_us`; `max_batch_size` bounds the padding series' labels.
     pub fn record_batch(

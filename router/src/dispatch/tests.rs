@@ -1646,6 +1646,28 @@ async fn the_requests_of_a_failed_merged_call_stay_alone_while_they_wait_for_a_w
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_deadline_passes_in_the_batch_queue_has_its_wait_recorded() {
+    // The longest waits left no sample in TF Serving's queuing_latency, which the Grafana
+    // mixin's high batch queuing latency alert reads (found by a hunt).
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start_scheduled(&dir, &batching(4, 5_000, vec![], 10));
+    let _worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
+    ready(&dispatcher, 1).await;
+    let deadline = Instant::now() + Duration::from_millis(100);
+    let error = dispatcher.call(rows_request(1), Some(deadline)).await;
+    assert_eq!(error.unwrap_err().code, Code::DeadlineExceeded);
+    let count = ":tensorflow:serving:batching_session:queuing_latency_count{thread_pool_name=\"\"}";
+    for _ in 0..100 {
+        if batching_page(&state).get(count) == Some(&1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(batching_page(&state).get(count), Some(&1));
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_request_its_caller_cancelled_is_not_sent() {
     // A client that cancels (RST_STREAM) drops its call: what it left in the queue must not
     // reach a worker (the worker ran 251 of 300 cancelled requests, found by a hunt).
