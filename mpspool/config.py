@@ -961,7 +961,11 @@ class PoolConfig:
             raise ConfigError(f"model name {name!r}: {MODEL_NAME_RULE}")
         from mpspool.segment import segment_path
 
-        for model in self.served_models():
+        # A pool's segment names end in a keyed digest of the model's own name, so names that
+        # read alike once made safe for a file name (the first model's "my model" and an
+        # added "my_model") do not share one; only a pool begun before the key existed
+        # (pool.json without one) names them by the safe name alone.
+        for model in [] if self.segment_key else self.served_models():
             if model.name != name and segment_path("", model.name, 0) == segment_path("", name, 0):
                 raise ConfigError(
                     f"model name {name!r} is too like {model.name!r}'s: their weight segments "

@@ -3702,14 +3702,29 @@ def two_model_folders(pool: Pool, tmp_path: Path) -> tuple[Path, Path]:
     return base, other
 
 
+@pytest.mark.parametrize("keyed", [True, False])
 def test_an_added_model_whose_segment_name_is_taken_is_refused(
-    make_pool: Callable[..., Pool], tmp_path: Path
+    make_pool: Callable[..., Pool], tmp_path: Path, keyed: bool
 ):
-    pool = make_pool(model_name="my model", share_weights=False, start_retries=0)
+    """Only where segment names are the safe names alone (a pool begun before segment names
+    had a keyed digest of the model's name): with the digest, "my model" and "my_model"
+    name two segments (a pool started with both could not add "my_model" back once a reload
+    removed it; found by a review)."""
+    key = {} if keyed else {"segment_key": ""}
+    pool = make_pool(model_name="my model", share_weights=False, start_retries=0, **key)
     base, other = two_model_folders(pool, tmp_path)
     pool.make_ready("cpu-0")
     pool.router.reload_requests[1] = models_request(("my model", base, []), ("my_model", other, []))
     pool.tick()
+    if keyed:
+        assert list(pool.controller.models) == ["my model", "my_model"]
+        from mpspool.segment import segment_path
+
+        config = pool.controller.config
+        names = ("my model", "my_model")
+        segments = {segment_path(config.pool_id, n, 1, config.segment_key) for n in names}
+        assert len(segments) == 2, segments
+        return
     code, message = pool.router.reload_done[-1][1:]
     assert code == 3 and "'my_model' is too like 'my model''s" in message
     assert list(pool.controller.models) == ["my model"]

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import (
     classification_pb2,
     inference_pb2,
+    predict_pb2,
     prediction_service_pb2_grpc,
     regression_pb2,
 )
@@ -28,10 +29,11 @@ LABELS = [b"low", b"mid", b"high"]
 WEIGHTS = [[1.0, -1.0, 0.5], [0.5, 2.0, -1.0]]
 
 
-def build_example_model(base: Path) -> Path:
+def build_example_model(base: Path, custom_method: str = "") -> Path:
     """serving_default: classify (classes + scores); "regress": regress; "predict": predict.
     Features: "x" (2 floats, required), "country" (bytes, default ""): +10 to the regression
-    for "fr", so a context feature shows in the answer."""
+    for "fr", so a context feature shows in the answer. With `custom_method`, a "custom"
+    signature (the predict one's tensors) of that method name too."""
     v1 = tf.compat.v1
     with tf.Graph().as_default():
         serialized = v1.placeholder(tf.string, [None], name="tf_example")
@@ -67,6 +69,17 @@ def build_example_model(base: Path) -> Path:
                         {"inputs": v1.saved_model.utils.build_tensor_info(floats)},
                         {"outputs": v1.saved_model.utils.build_tensor_info(floats[:, :1])},
                         v1.saved_model.signature_constants.REGRESS_METHOD_NAME,
+                    ),
+                    **(
+                        {
+                            "custom": sigs.build_signature_def(
+                                {"inputs": v1.saved_model.utils.build_tensor_info(serialized)},
+                                {"s": v1.saved_model.utils.build_tensor_info(scores)},
+                                custom_method,
+                            )
+                        }
+                        if custom_method
+                        else {}
                     ),
                 },
             )
@@ -340,7 +353,8 @@ def test_rest_classify_and_regress(pool: Pool, direct) -> None:
     assert answer.json() == {"error": "Feature: x has element with unexpected JSON type: Null"}
 
 
-def test_method_name_check_flag(tmp_path: Path, model: Path) -> None:
+def test_method_name_check_flag(tmp_path: Path) -> None:
+    model = build_example_model(tmp_path / "ctr", custom_method="custom/method")
     pool = Pool(tmp_path, model, 1, "--enable-signature-method-name-check")
     try:
         pool.start().wait_ready(1)
@@ -359,6 +373,25 @@ def test_method_name_check_flag(tmp_path: Path, model: Path) -> None:
             )
             request.model_spec.signature_name = "regress"
             assert len(stub.Regress(request, timeout=30).result.regressions) == 1
+            # Predict takes a signature of any of the three methods, and refuses another
+            # with INTERNAL, TF Serving's VerifySignature (it was answered; found by a hunt).
+            predict = predict_pb2.PredictRequest()
+            predict.model_spec.name = "demo"
+            predict.inputs["inputs"].CopyFrom(
+                tf.make_tensor_proto([example([1.0, 2.0]).SerializeToString()])
+            )
+            for signature in ("predict", "regress"):
+                predict.model_spec.signature_name = signature
+                stub.Predict(predict, timeout=30)
+            predict.model_spec.signature_name = "custom"
+            expect(
+                stub.Predict,
+                predict,
+                grpc.StatusCode.INTERNAL,
+                "Expected prediction signature method_name to be one of "
+                "{tensorflow/serving/predict, tensorflow/serving/classify, "
+                "tensorflow/serving/regress}. Was: custom/method",
+            )
         assert pool.stop() == 0
     finally:
         pool.kill()

@@ -27,7 +27,9 @@ from test_inference import build_example_model, example
 
 from mpspool import cli
 from mpspool.config import ConfigError, PoolConfig
+from mpspool.dtypes import DT_FLOAT
 from mpspool.errors import Code
+from mpspool.signature import SignatureSpec, TensorSpec
 from mpspool.worker.runtime import load_saved_model
 from mpspool.worker.warmup import WarmupError, replay
 
@@ -275,6 +277,9 @@ REGRESS = "tensorflow/serving/regress"
         ("no method", "UNIMPLEMENTED: Unsupported signature method_name: "),
         # TF Serving looks the signature up before the method.
         ("no such signature, no method", "Requested signature not found in model graph: nope"),
+        # INVALID_ARGUMENT, GetClassificationSignatureDef's words (FAILED_PRECONDITION before,
+        # a Predict's; found by a hunt).
+        ("classify on no such signature", "No signature was found with the name: nope"),
         ("same signature twice", "Duplicate evaluation of signature: regress"),
         ("no model name", "Found ModelSpec with an empty model name."),
         ("two models", "must access the same model name"),
@@ -300,6 +305,13 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
         log = prediction_log_pb2.PredictionLog(
             regress_log=prediction_log_pb2.RegressLog(request=request)
         )
+    elif case == "classify on no such signature":
+        request = classification_pb2.ClassificationRequest()
+        request.model_spec.signature_name = "nope"
+        request.input.example_list.examples.extend([example([1.0, 2.0])])
+        log = prediction_log_pb2.PredictionLog(
+            classify_log=prediction_log_pb2.ClassifyLog(request=request)
+        )
     elif case == "no method":
         log = multi_inference_log(("ctr", "regress", ""))
     elif case == "no such signature, no method":
@@ -319,6 +331,64 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
         replay(tf, recording, served)
     assert message in str(raised.value)
     assert recording.calls == []
+    if case == "classify on no such signature":
+        assert raised.value.code is Code.INVALID_ARGUMENT
+
+
+def test_with_the_method_name_check_warm_up_checks_methods_as_served_calls_do(
+    examples_version: Path, tmp_path: Path
+) -> None:
+    """--enable_signature_method_name_check is on before TF Serving loads anything, so its
+    warm-up refuses what its served calls would (the version served instead; found by a
+    hunt): a Classify on a regression signature says so by its method, and a Predict on a
+    signature of none of the three methods (INTERNAL, predict_util.cc)."""
+    served = linked_version(examples_version, tmp_path / "1")
+    request = classification_pb2.ClassificationRequest()
+    request.model_spec.signature_name = "regress"
+    request.input.example_list.examples.extend([example([1.0, 2.0])])
+    classify = prediction_log_pb2.PredictionLog(
+        classify_log=prediction_log_pb2.ClassifyLog(request=request)
+    )
+    write_records(served, [classify])
+    recording = load(served, tmp_path / "work")
+    with pytest.raises(WarmupError) as raised:
+        replay(tf, recording, served, check_method_names=True)
+    assert raised.value.code is Code.INVALID_ARGUMENT
+    assert (
+        "Expected classification signature method_name to be tensorflow/serving/classify. "
+        "Was: tensorflow/serving/regress" in str(raised.value)
+    )
+
+    class CustomMethod:
+        """A runtime whose one signature has a method of its own."""
+
+        def __init__(self) -> None:
+            x, y = TensorSpec(DT_FLOAT, (-1,)), TensorSpec(DT_FLOAT, (-1,))
+            self.specs = {SIG: SignatureSpec(SIG, "custom/method", {"x": x}, {"y": y})}
+            self.runs = 0
+
+        def run(self, *_: Any) -> None:
+            self.runs += 1
+
+    custom = tmp_path / "custom" / "1"
+    write_records(custom, [predict_log({"x": np.zeros(2, np.float32)})])
+    runtime = CustomMethod()
+    with pytest.raises(WarmupError) as raised:
+        replay(tf, runtime, custom, check_method_names=True)
+    assert raised.value.code is Code.INTERNAL
+    assert "Expected prediction signature method_name to be one of {" in str(raised.value)
+    assert "Was: custom/method" in str(raised.value)
+    report = replay(tf, runtime, custom)  # the check off: as before
+    assert report is not None and runtime.runs == 1
+
+
+def test_a_record_of_no_kind_is_read_not_replayed(keras_version: Path, tmp_path: Path) -> None:
+    """TF Serving counts it in the records its warm-up read (model_warmup_records_read)."""
+    served = linked_version(keras_version, tmp_path / "1")
+    write_records(served, [prediction_log_pb2.PredictionLog(), predict_log(keras_inputs(1))])
+    recording = load(served, tmp_path / "work")
+    report = replay(tf, recording, served)
+    assert report is not None and (report.records, report.runs) == (2, 1)
 
 
 def test_warm_up_flags_are_tf_servings() -> None:

@@ -486,7 +486,13 @@ def _replay_warmup(runtime: Any, config: PoolConfig, version: int) -> Any:
     from mpspool.worker.warmup import WarmupError, replay
 
     try:
-        report = replay(tf, runtime, config.version_path(version), config.warmup_iterations)
+        report = replay(
+            tf,
+            runtime,
+            config.version_path(version),
+            config.warmup_iterations,
+            config.signature_method_name_check,
+        )
     except WarmupError as exc:
         raise ModelLoadError(
             f"warm-up of model {config.model_name!r} version {version} failed: {exc}", exc.code

@@ -33,7 +33,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from mpspool.dtypes import DT_STRING, dtype_name
 from mpspool.errors import Code, ServingError
 from mpspool.protos import prediction_log_pb2, tensorflow_pb2
-from mpspool.signature import check_inputs, check_output_filter
+from mpspool.signature import PREDICT_METHOD, check_inputs, check_output_filter
 
 log = logging.getLogger("mpspool.worker")
 
@@ -69,10 +69,17 @@ class WarmupReport:
 
 
 def replay(
-    tf: Any, runtime: Any, version_dir: str | Path, iterations: int = 1
+    tf: Any,
+    runtime: Any,
+    version_dir: str | Path,
+    iterations: int = 1,
+    check_method_names: bool = False,
 ) -> WarmupReport | None:
     """Run every record of the version's warm-up file `iterations` times; None when the
-    version has no such file (warm-up data is optional)."""
+    version has no such file (warm-up data is optional). `check_method_names`:
+    --enable_signature_method_name_check, which TF Serving turns on before anything loads,
+    so its warm-up's Predict, Classify and Regress check signatures' methods as served ones
+    do."""
     path = Path(version_dir) / WARMUP_FILE
     if not path.exists():
         return None
@@ -87,9 +94,11 @@ def replay(
             entry = prediction_log_pb2.PredictionLog.FromString(record)
         except Exception as exc:  # DecodeError: not a PredictionLog
             raise WarmupError(f"Failed to parse warmup record {index} from {path}: {exc}") from exc
-        calls = _calls(entry, runtime.specs)
+        calls = _calls(entry, runtime.specs, check_method_names)
         if calls is None:
+            # Read, as TF Serving counts a record of no kind it runs (saved_model_warmup_util).
             log.warning("warm-up record %d of %s: a kind not replayed; skipped", index, path)
+            records += 1
             continue
         for _ in range(max(1, iterations)):
             for signature, inputs, outputs in calls:
@@ -120,19 +129,19 @@ def _records(tf: Any, path: Path) -> Iterator[bytes]:
 Call = tuple[str, dict[str, np.ndarray], list[str]]
 
 
-def _calls(entry: Any, specs: Mapping[str, Any]) -> list[Call] | None:
-    """The model calls one record makes; None for a kind that is not replayed."""
+def _calls(entry: Any, specs: Mapping[str, Any], check: bool = False) -> list[Call] | None:
+    """The model calls one record makes; None for a kind that is not replayed. `check`: the
+    signatures' method names are checked (`replay`)."""
     kind = entry.WhichOneof("log_type")
     if kind == "predict_log":
-        return [_predict(entry.predict_log.request, specs)]
-    if kind == "classify_log":
-        request = entry.classify_log.request
-        return [_examples_call(request.model_spec.signature_name, CLASSIFY_METHOD, request, specs)]
-    if kind == "regress_log":
-        request = entry.regress_log.request
-        return [_examples_call(request.model_spec.signature_name, REGRESS_METHOD, request, specs)]
+        return [_predict(entry.predict_log.request, specs, check)]
+    if kind in ("classify_log", "regress_log"):
+        method = CLASSIFY_METHOD if kind == "classify_log" else REGRESS_METHOD
+        request = getattr(entry, kind).request
+        signature = request.model_spec.signature_name
+        return [_examples_call(signature, method, request, specs, check)]
     if kind == "multi_inference_log":
-        return _multi_inference(entry.multi_inference_log.request, specs)
+        return _multi_inference(entry.multi_inference_log.request, specs, check)
     if kind == "session_run_log":
         # TF Serving names the kind by its number (the log_type case), as for field 7 below.
         raise WarmupError(f"Unsupported log_type for warmup: {SESSION_RUN_LOG}", Code.UNIMPLEMENTED)
@@ -143,7 +152,7 @@ def _calls(entry: Any, specs: Mapping[str, Any]) -> list[Call] | None:
     return None
 
 
-def _multi_inference(request: Any, specs: Mapping[str, Any]) -> list[Call]:
+def _multi_inference(request: Any, specs: Mapping[str, Any], check: bool = False) -> list[Call]:
     """TF Serving's `TensorFlowMultiInferenceRunner::Infer` checks, in its order."""
     if not request.tasks:
         raise WarmupError("a MultiInference warm-up record has no tasks")
@@ -183,7 +192,7 @@ def _multi_inference(request: Any, specs: Mapping[str, Any]) -> list[Call]:
                 "UNIMPLEMENTED",
                 f"Unsupported signature method_name: {task.method_name}",
             )
-        calls.append(_examples_call(signature, task.method_name, request, specs))
+        calls.append(_examples_call(signature, task.method_name, request, specs, check))
     return calls
 
 
@@ -191,21 +200,34 @@ def _refuse(kind: str, code: str, message: str) -> NoReturn:
     raise WarmupError(f"a {kind} warm-up record is refused: {code}: {message}", Code[code])
 
 
-def _signature(name: str, specs: Mapping[str, Any]) -> Any:
+def _signature(name: str, specs: Mapping[str, Any], code: Code = Code.FAILED_PRECONDITION) -> Any:
+    """The record's signature. Missing: FAILED_PRECONDITION for a Predict (TF Serving's
+    "Serving signature key ... not found"), INVALID_ARGUMENT for a Classify or Regress (its
+    "No signature was found with the name")."""
     key = name or DEFAULT_SIGNATURE
     spec = specs.get(key)
     if spec is None:
+        has = f"it has {', '.join(sorted(specs)) or 'none'}"
+        if code is Code.INVALID_ARGUMENT:
+            raise WarmupError(f"No signature was found with the name: {key} ({has})", code)
         raise WarmupError(
-            f"a warm-up record names signature {key!r}, which the model does not have "
-            f"(it has {', '.join(sorted(specs)) or 'none'})",
-            Code.FAILED_PRECONDITION,  # TF Serving's "Serving signature key ... not found"
+            f"a warm-up record names signature {key!r}, which the model does not have ({has})",
+            code,
         )
     return spec
 
 
-def _predict(request: Any, specs: Mapping[str, Any]) -> Call:
+def _predict(request: Any, specs: Mapping[str, Any], check: bool = False) -> Call:
     """Checked as a served Predict is (the same messages), then converted."""
     spec = _signature(request.model_spec.signature_name, specs)
+    if check and spec.method_name not in (PREDICT_METHOD, CLASSIFY_METHOD, REGRESS_METHOD):
+        # predict_util.cc, VerifySignature
+        _refuse(
+            "Predict",
+            "INTERNAL",
+            "Expected prediction signature method_name to be one of {"
+            f"{PREDICT_METHOD}, {CLASSIFY_METHOD}, {REGRESS_METHOD}}}. Was: {spec.method_name}",
+        )
     inputs = {alias: _ndarray(request.inputs[alias], alias) for alias in sorted(request.inputs)}
     try:
         check_inputs(
@@ -222,11 +244,21 @@ def _predict(request: Any, specs: Mapping[str, Any]) -> Call:
     return spec.key, inputs, outputs
 
 
-def _examples_call(signature: str, method: str, request: Any, specs: Mapping[str, Any]) -> Call:
+def _examples_call(
+    signature: str, method: str, request: Any, specs: Mapping[str, Any], check: bool = False
+) -> Call:
     """A Classify or Regress (a MultiInference task) on the record's tf.Examples, asking for
     the outputs a served one asks for."""
-    spec = _signature(signature, specs)
+    spec = _signature(signature, specs, Code.INVALID_ARGUMENT)
     kind = "Classify" if method == CLASSIFY_METHOD else "Regress"
+    if check and spec.method_name != method:
+        # classifier.cc / regressor.cc, GetClassificationSignatureDef and its twin
+        noun = "classification" if method == CLASSIFY_METHOD else "regression"
+        _refuse(
+            kind,
+            "INVALID_ARGUMENT",
+            f"Expected {noun} signature method_name to be {method}. Was: {spec.method_name}",
+        )
     outputs = _preprocess(spec, method)
     if spec.inputs[INPUTS].dtype != DT_STRING:
         # TensorFlow's own refusal of the feed, as TF Serving passes it on.

@@ -141,6 +141,9 @@ impl Api {
             .as_ref()
             .map_or("", |s| s.signature_name.as_str());
         let spec = signatures.select(name)?;
+        if self.method_name_check {
+            inference::check_predict_method(spec)?;
+        }
         // In the aliases' order, not the map's (whose order differs from one request to the
         // next): requests that can share a call must list their inputs alike, as TF Serving's
         // batching keys on the set of names; and a request's rows are its first input's.

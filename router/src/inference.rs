@@ -20,12 +20,27 @@ use crate::proto::tensorflow::serving::{
     input::Kind, Class, ClassificationResult, Classifications, Input, Regression, RegressionResult,
 };
 use crate::signature::{shape_text, ModelSignatures, SignatureSpec, DEFAULT_SIGNATURE};
-use crate::status::ServingError;
+use crate::status::{Code, ServingError};
 use crate::versions::Target;
 use crate::wire;
 
 pub const CLASSIFY_METHOD: &str = "tensorflow/serving/classify";
 pub const REGRESS_METHOD: &str = "tensorflow/serving/regress";
+pub const PREDICT_METHOD: &str = "tensorflow/serving/predict";
+
+/// With `--enable_signature_method_name_check`, TF Serving's Predict takes a signature of any
+/// of its three methods and refuses others with INTERNAL (predict_util.cc, VerifySignature).
+pub fn check_predict_method(spec: &SignatureSpec) -> Result<(), ServingError> {
+    let method = spec.method_name.as_str();
+    if [PREDICT_METHOD, CLASSIFY_METHOD, REGRESS_METHOD].contains(&method) {
+        return Ok(());
+    }
+    let message = format!(
+        "Expected prediction signature method_name to be one of {{{PREDICT_METHOD}, \
+         {CLASSIFY_METHOD}, {REGRESS_METHOD}}}. Was: {method}"
+    );
+    Err(ServingError::new(Code::Internal, message))
+}
 const INPUTS: &str = "inputs";
 const CLASSES: &str = "classes";
 const SCORES: &str = "scores";
@@ -377,6 +392,23 @@ mod tests {
                 .collect(),
             output_names: outputs.iter().map(|(n, _)| n.to_string()).collect(),
         }
+    }
+
+    #[test]
+    fn predict_takes_a_signature_of_the_three_methods_when_they_are_checked() {
+        for method in [PREDICT_METHOD, CLASSIFY_METHOD, REGRESS_METHOD] {
+            assert!(check_predict_method(&spec(method, &["x"], &[])).is_ok());
+        }
+        let refused = check_predict_method(&spec("custom/method", &["x"], &[])).unwrap_err();
+        assert_eq!(
+            refused,
+            ServingError::new(
+                Code::Internal,
+                "Expected prediction signature method_name to be one of \
+                 {tensorflow/serving/predict, tensorflow/serving/classify, \
+                 tensorflow/serving/regress}. Was: custom/method"
+            )
+        );
     }
 
     fn signatures(specs: Vec<SignatureSpec>) -> ModelSignatures {

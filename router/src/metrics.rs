@@ -156,9 +156,11 @@ pub struct InFlight<'a> {
     deadline: Option<tokio::time::Instant>,
 }
 
-/// A handler dropped this close to its client's deadline, or after it, was dropped for the
-/// deadline: the client resets the stream when its deadline passes, and that reset can come
-/// a little before the front door's own deadline (taken from `grpc-timeout` on arrival).
+/// A handler dropped this close to its client's deadline (at most a tenth of its timeout),
+/// or after it, was dropped for the deadline: the client resets the stream when its
+/// deadline passes, and that reset can come a little before the front door's own deadline
+/// (taken from `grpc-timeout` on arrival). A client that cancels earlier, however short its
+/// timeout, cancelled.
 const DEADLINE_RESET_SLACK: Duration = Duration::from_millis(50);
 
 impl InFlight<'_> {
@@ -182,7 +184,10 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let took = self.started.elapsed();
         let now = tokio::time::Instant::now();
-        let expired = (self.deadline).is_some_and(|d| now + DEADLINE_RESET_SLACK >= d);
+        let expired = (self.deadline).is_some_and(|deadline| {
+            let timeout = deadline.into_std().saturating_duration_since(self.started);
+            now + DEADLINE_RESET_SLACK.min(timeout / 10) >= deadline
+        });
         if self.code == Code::Cancelled && expired {
             self.code = Code::DeadlineExceeded;
         }
@@ -641,15 +646,22 @@ mod tests {
         let metrics = metrics_of("m");
         let now = tokio::time::Instant::now();
         for deadline in [
-            Some(now + Duration::from_millis(10)),
+            Some(now + Duration::from_millis(10)), // 10 ms before a 60 s deadline
             Some(now - Duration::from_millis(1)),
         ] {
             let mut request = metrics.start(Method::Predict);
+            request.started -= Duration::from_secs(60);
             request.expires(deadline);
         }
-        for deadline in [None, Some(now + Duration::from_secs(60))] {
+        // Clients that went away well before their deadline: a short one's too (a client
+        // that hedges with a 45 ms timeout and cancels the slower copy; found by a review).
+        for deadline in [
+            None,
+            Some(now + Duration::from_secs(60)),
+            Some(now + Duration::from_millis(43)),
+        ] {
             let mut request = metrics.start(Method::Predict);
-            request.expires(deadline); // a client that went away well before its deadline
+            request.expires(deadline);
         }
         let text = metrics.render();
         let line = |code: &str, n: u32| {
@@ -658,7 +670,7 @@ mod tests {
             )
         };
         assert!(text.contains(&line("DEADLINE_EXCEEDED", 2)), "{text}");
-        assert!(text.contains(&line("CANCELLED", 2)), "{text}");
+        assert!(text.contains(&line("CANCELLED", 3)), "{text}");
     }
 
     #[test]
