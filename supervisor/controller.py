@@ -743,22 +743,12 @@ class Controller:
         if refused:
             self._say_once_of_config_file(refused)
             return
+        self._config_file_said = ""
+        self._file_entries = entries
         # Newer than a HandleReloadConfigRequest still waiting: its labels are not given (as
         # TF Serving applies the two one after the other, the later winning); it is answered
         # on the labels now configured.
         self._forget_asked_labels()
-        if view.waiting:
-            # The rest applied; these are added at a later read, once a version is there (the
-            # file is read again at each poll while they wait, as it differs from what is
-            # in force).
-            self._say_once_of_config_file(
-                "; ".join(
-                    f"model {name}: {why}; added once it has one" for name, why in view.waiting
-                )
-            )
-            return
-        self._config_file_said = ""
-        self._file_entries = entries
 
     def _read_config_file(self) -> tuple[list[ModelEntry], DiskView | None]:
         """On the config read's thread: the file's models and, when they are not what it
@@ -768,8 +758,7 @@ class Controller:
         entries = read_model_config(Path(config.model_config_file))
         if entries == self._file_entries:
             return entries, None
-        view = read_disk_view(config, entries, config.model_config_file, wait_for_versions=True)
-        return entries, view
+        return entries, read_disk_view(config, entries, config.model_config_file)
 
     def _view_is_current(self, view: DiskView) -> bool:
         """Whether a view was read for the configuration in force (else it is read again:
@@ -784,8 +773,7 @@ class Controller:
         still being removed, a new model that cannot be served. ConfigNotSaved, with nothing
         changed: pool.json could not take it. What it needs of the disk was read off the
         loop (`view`, read for the configuration in force now: `_view_is_current`)."""
-        waiting = {name for name, _ in view.waiting}
-        entries = [e for e in view.entries if e.name not in waiting]
+        entries = list(view.entries)
         served = {m.name: m for m in self.config.served_models()}
         first = self.config.model_name
         named = {e.name for e in entries}

@@ -3179,44 +3179,6 @@ def test_a_config_file_that_breaks_or_moves_the_model_changes_nothing(
     assert pool.router.labels[-1] == {"stable": 1}
 
 
-def test_a_model_the_file_adds_before_it_has_a_version_waits_while_the_rest_applies(
-    make_pool: Callable[..., Pool], tmp_path: Path, caplog: pytest.LogCaptureFixture
-):
-    """One edit changes demo's policy, adds tower (on disk) and late (its folder still being
-    copied): demo's policy and tower apply now, late once a version is there, as TF
-    Serving's file poll (nothing of the edit applied until late's version came; found by a
-    hunt)."""
-    config_file = tmp_path / "models.config"
-    pool = make_pool(
-        share_weights=False, model_config_file=str(config_file), model_config_file_poll_wait_s=1.0
-    )
-    base = Path(pool.controller.config.model_base_path)
-    tower, late = tmp_path / "tower", tmp_path / "late"
-    for path in (base / "1", base / "2", tower / "3"):
-        path.mkdir(parents=True)
-        (path / "saved_model.pb").write_bytes(b"")
-    write_model_config(config_file, base, "specific { versions: 1 }", {})
-    pool.start()
-    pool.make_ready("cpu-0")
-    pool.make_ready("cpu-1")
-    text = config_file.read_text().replace("specific { versions: 1 }", "all { }")
-    for name, path in (("tower", tower), ("late", late)):
-        text = text[: -len("}")] + f'config {{ name: "{name}" base_path: "{path}" }} }}'
-    config_file.write_text(text)
-    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
-        pool.tick(after_s=1.0)
-        pool.tick(after_s=1.0)
-    assert pool.controller.policy.describe() == "all"
-    assert list(pool.controller.models) == ["demo", "tower"]
-    said = [r.getMessage() for r in caplog.records if "model late" in r.getMessage()]
-    assert len(said) == 1 and "added once it has one" in said[0], said
-    (late / "5").mkdir(parents=True)
-    (late / "5" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    assert list(pool.controller.models) == ["demo", "tower", "late"]
-    assert "late/cpu-0@5" in pool.controller.slots
-
-
 def test_a_version_that_cannot_load_never_serves_and_is_not_retried(
     make_pool: Callable[..., Pool],
 ):
