@@ -676,7 +676,7 @@ fn call_deadline(members: &[(u64, Queued)]) -> Option<Instant> {
 
 /// Requests looked at past the head for a batch, so a pump's work stays bounded.
 const GATHER_SCAN: usize = 256;
-/// Requests the batches of one pump look at, together (`Actor::pump`).
+/// Requests the batches of one pump look at past their heads, together (`Actor::pump`).
 const PUMP_SCAN: usize = 2 * GATHER_SCAN;
 /// Merged calls get ids of their own, apart from the callers' (which count up from 1).
 const FIRST_BATCH_ID: u64 = 1 << 62;
@@ -992,11 +992,14 @@ impl Actor {
         // on, as each of TF Serving's batch queues is a queue of its own.
         let mut filling: Vec<(u64, Queued)> = Vec::new();
         let mut wake: Option<std::time::Instant> = None;
-        // Requests the batches looked at, together: past `PUMP_SCAN`, the requests behind a
-        // filling batch wait for the next pump, so that many batches filling at once (inputs
-        // of many lengths, each a batch of its own) do not make each pump scan the queue
-        // once per batch (found by a review: 15× the front door's CPU with 200 filling).
-        let mut scanned = 0;
+        // Requests the batches may look at past their heads, together: once spent, a head
+        // leaves or waits with no others gathered to it this round (they join at the next
+        // pump), so that many batches filling at once (inputs of many lengths, each a batch
+        // of its own) do not make each pump scan the queue once per batch (found by a
+        // review: 15× the front door's CPU with 200 filling), and the loop still reaches
+        // every request behind them (stopping there held another model's request with an
+        // idle worker until a filling batch's timeout; found by the next review).
+        let mut scan_left = PUMP_SCAN;
         // Every worker full (the common case under load): leave the queue as it is.
         while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
             let now = std::time::Instant::now();
@@ -1027,7 +1030,7 @@ impl Actor {
                 continue;
             };
             let identity = handle.identity.clone();
-            match self.gather(id, head, now, &mut scanned) {
+            match self.gather(id, head, now, &mut scan_left) {
                 Gathered::Send { members, padded } => {
                     for (_, member) in &members {
                         let waited = now.saturating_duration_since(member.arrived);
@@ -1039,9 +1042,6 @@ impl Actor {
                 Gathered::Wait { until, members } => {
                     wake = Some(wake.map_or(until, |w| w.min(until)));
                     filling.extend(members);
-                    if scanned >= PUMP_SCAN {
-                        break;
-                    }
                 }
             }
         }
@@ -1064,7 +1064,7 @@ impl Actor {
         id: u64,
         head: Queued,
         now: std::time::Instant,
-        scanned: &mut usize,
+        scan_left: &mut usize,
     ) -> Gathered {
         let rows = head.request.rows();
         let (Some(batching), Some(_)) = (head.batching.clone(), &head.merge_key) else {
@@ -1079,13 +1079,13 @@ impl Actor {
         let mut passed_over = Vec::new();
         let mut closed = false;
         for _ in 0..GATHER_SCAN {
-            if total >= max {
+            if total >= max || *scan_left == 0 {
                 break;
             }
             let Some((other_id, other)) = self.queue_pop(now) else {
                 break;
             };
-            *scanned += 1;
+            *scan_left -= 1;
             if other.answer.is_closed() {
                 continue; // cancelled by its caller
             }

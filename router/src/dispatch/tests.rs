@@ -1588,6 +1588,57 @@ async fn a_batch_filling_up_holds_back_no_other_signatures_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_filling_in_front_of_a_backlog_hold_back_no_other_models_request() {
+    // Two of model r's batches fill at the front; behind them 600 of model m's, whose worker
+    // is busy; then a full batch for r, whose worker is idle. The batches' scans of m's
+    // backlog spent the pump's budget and the pump stopped there: r's full batch waited
+    // for a filling batch's timeout (found by a review).
+    let (_dir, dir) = run_dir();
+    let (state, _drains) = RouterState::new();
+    let models = [ModelEntry::new("m", 1), ModelEntry::new("r", 4)];
+    let timeout = Duration::from_secs(3);
+    let scheduling = batching(4, 3_000, vec![], 10_000);
+    let dispatcher = Dispatcher::start(&dir, &models, timeout, &scheduling, Arc::new(state))
+        .expect("a dispatcher");
+    let _m = FakeWorker::of_model(&dir, "cpu-0@1", 100, "m", 1, Behaviour::SlowEcho(2_000));
+    let _r = FakeWorker::of_model(&dir, "r/cpu-0@4", 200, "r", 4, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let m = Target {
+        model: 0,
+        version: 1,
+        pinned: false,
+    };
+    let r = Target {
+        model: 1,
+        version: 4,
+        pinned: false,
+    };
+    let call = |target: Target, signature: &str, rows: usize| {
+        let d = dispatcher.clone();
+        let work = WorkRequest {
+            target,
+            ..signature_request(signature, rows)
+        };
+        tokio::spawn(async move { d.call(work, None).await })
+    };
+    let computing = call(m, "x", 4); // full: sent at once, m's worker busy for 2 s
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let filling = [call(r, "a", 1), call(r, "b", 1)];
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let backlog: Vec<_> = (0..600).map(|_| call(m, "x", 4)).collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let full = call(r, "c", 4);
+    let answered = tokio::time::timeout(Duration::from_millis(1_500), full).await;
+    assert!(
+        answered.is_ok(),
+        "r's full batch waited behind the filling ones"
+    );
+    assert!(filling.iter().all(|f| !f.is_finished()), "they still fill");
+    drop((computing, backlog));
+    dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_padded_requests_error_is_its_own_and_it_runs_once() {
     // Padded to an allowed batch size, a lone request's call failing is not a merged call's
     // failure: the error goes to its caller (TF Serving answers a padded batch's error) and
