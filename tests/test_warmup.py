@@ -261,6 +261,16 @@ CLASSIFY = "tensorflow/serving/classify"
 REGRESS = "tensorflow/serving/regress"
 
 
+def classify_log(signature: str) -> Any:
+    """A Classify record of one example on `signature`."""
+    request = classification_pb2.ClassificationRequest()
+    request.model_spec.signature_name = signature
+    request.input.example_list.examples.extend([example([1.0, 2.0])])
+    return prediction_log_pb2.PredictionLog(
+        classify_log=prediction_log_pb2.ClassifyLog(request=request)
+    )
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
@@ -293,12 +303,7 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
     it (classifier.cc, regressor.cc, multi_inference.cc, saved_model_warmup.cc)."""
     served = linked_version(examples_version, tmp_path / "1")
     if case == "classify on a regression signature":
-        request = classification_pb2.ClassificationRequest()
-        request.model_spec.signature_name = "regress"
-        request.input.example_list.examples.extend([example([1.0, 2.0])])
-        log = prediction_log_pb2.PredictionLog(
-            classify_log=prediction_log_pb2.ClassifyLog(request=request)
-        )
+        log = classify_log("regress")
     elif case == "regress on a classification signature":
         request = regression_pb2.RegressionRequest()
         request.input.example_list.examples.extend([example([1.0, 2.0])])
@@ -306,12 +311,7 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
             regress_log=prediction_log_pb2.RegressLog(request=request)
         )
     elif case == "classify on no such signature":
-        request = classification_pb2.ClassificationRequest()
-        request.model_spec.signature_name = "nope"
-        request.input.example_list.examples.extend([example([1.0, 2.0])])
-        log = prediction_log_pb2.PredictionLog(
-            classify_log=prediction_log_pb2.ClassifyLog(request=request)
-        )
+        log = classify_log("nope")
     elif case == "no method":
         log = multi_inference_log(("ctr", "regress", ""))
     elif case == "no such signature, no method":
@@ -343,13 +343,7 @@ def test_with_the_method_name_check_warm_up_checks_methods_as_served_calls_do(
     hunt): a Classify on a regression signature says so by its method, and a Predict on a
     signature of none of the three methods (INTERNAL, predict_util.cc)."""
     served = linked_version(examples_version, tmp_path / "1")
-    request = classification_pb2.ClassificationRequest()
-    request.model_spec.signature_name = "regress"
-    request.input.example_list.examples.extend([example([1.0, 2.0])])
-    classify = prediction_log_pb2.PredictionLog(
-        classify_log=prediction_log_pb2.ClassifyLog(request=request)
-    )
-    write_records(served, [classify])
+    write_records(served, [classify_log("regress")])
     recording = load(served, tmp_path / "work")
     with pytest.raises(WarmupError) as raised:
         replay(tf, recording, served, check_method_names=True)

@@ -804,12 +804,7 @@ impl Actor {
             } => self.enqueue(id, request, answer, arrived, deadline, sending),
             Command::Cancel { id } => {
                 if let Some(queued) = self.queue_remove(id) {
-                    if queued.batching.is_some() {
-                        // The longest waits are what the queuing latency alert is for.
-                        let waited = queued.enqueued.elapsed().as_micros();
-                        let waited = u64::try_from(waited).unwrap_or(u64::MAX);
-                        self.state.batching.record_expired(waited);
-                    }
+                    self.left_unanswered(&queued);
                     self.publish_queue();
                 } else if let Some(identity) = self.requests.remove(&id) {
                     if let Some(handle) = self.table.get_mut(&identity) {
@@ -1007,7 +1002,10 @@ impl Actor {
                 break;
             };
             if head.answer.is_closed() {
-                continue; // its caller went away (cancelled): nobody would read the answer
+                // Its caller went away (cancelled, or its deadline passed just before its
+                // Cancel comes): nobody would read the answer.
+                self.left_unanswered(&head);
+                continue;
             }
             let Some(servable) = self.routable.borrow().route(head.request.target) else {
                 let alone = head.alone;
@@ -1087,7 +1085,8 @@ impl Actor {
             };
             *scan_left -= 1;
             if other.answer.is_closed() {
-                continue; // cancelled by its caller
+                self.left_unanswered(&other); // cancelled by its caller
+                continue;
             }
             let shares = other.merge_key.is_some()
                 && other.servable == members[0].1.servable
@@ -1268,6 +1267,18 @@ impl Actor {
         } else {
             let alone = queued.alone;
             let _ = queued.answer.send(Outcome::NoWorker { alone });
+        }
+    }
+
+    /// A request that left the queue without being sent, its caller gone (a deadline, a
+    /// cancel): with batching, its wait is in TF Serving's queuing latency, as TF Serving
+    /// records every task it takes from a batch queue, those it then fails included (the
+    /// longest waits are what the queuing latency alert is for).
+    fn left_unanswered(&self, queued: &Queued) {
+        if queued.batching.is_some() {
+            let waited = queued.enqueued.elapsed().as_micros();
+            let waited = u64::try_from(waited).unwrap_or(u64::MAX);
+            self.state.batching.record_expired(waited);
         }
     }
 

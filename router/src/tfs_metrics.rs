@@ -441,9 +441,9 @@ impl BatchingMetrics {
         }
     }
 
-    /// A request left the batch queue without its batch: its deadline passed there. TF
-    /// Serving records its wait too (every task of a batch it takes from the queue, those
-    /// whose deadline passed included), then fails it.
+    /// A request left the batch queue without its batch: its deadline passed there, or its
+    /// caller cancelled. TF Serving records its wait too (every task of a batch it takes from
+    /// the queue, those whose deadline passed included), then fails it.
     pub fn record_expired(&self, waited_us: u64) {
         self.queuing_latency.observe(waited_us);
     }

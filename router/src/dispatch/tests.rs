@@ -1443,29 +1443,35 @@ async fn a_failed_merged_call_runs_its_requests_one_by_one() {
     assert_eq!(batching_page(&state)[runs], 5);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_requests_of_a_merged_call_whose_worker_died_run_alone_from_then_on() {
-    // A query of death merged with others: sent again merged, it would take them down with
-    // it on every worker it reaches. Here the merged call of three ends its worker; the
-    // next worker, which comes once they wait, gets the three one by one, though they
-    // queue behind each other there and batching would merge them.
+/// One request alone (the worker was idle), then three merged into one call, which fails
+/// on a worker that `behaviour` makes leave with it; the next worker, which comes once they
+/// wait, gets the three one by one, though they queue behind each other there and batching
+/// would merge them.
+async fn a_failed_merged_calls_requests_run_alone_on_the_next_worker(behaviour: Behaviour) {
     let (_dir, dir) = run_dir();
     let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 0, vec![], 10));
-    let dies = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::DieAbove(1));
+    let fails = FakeWorker::start(&dir, "cpu-0", 100, behaviour);
     ready(&dispatcher, 1).await;
     let calls = marked_calls(&dispatcher, &[1, 1, 1, 1], Some(Duration::from_secs(20))).await;
-    // The first alone (the worker was idle), then the other three merged: it dies on them.
     for _ in 0..200 {
-        if dies.rows_seen().len() == 2 {
+        if fails.rows_seen().len() == 2 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(dies.rows_seen(), [1, 3]);
+    assert_eq!(fails.rows_seen(), [1, 3]);
+    tokio::time::sleep(Duration::from_millis(100)).await; // they wait for a worker
     let next = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::RefuseAbove(1));
     each_gets_its_own_rows(calls).await;
     assert_eq!(next.rows_seen(), [1, 1, 1], "never merged again");
     dispatcher.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_requests_of_a_merged_call_whose_worker_died_run_alone_from_then_on() {
+    // A query of death merged with others: sent again merged, it would take them down with
+    // it on every worker it reaches.
+    a_failed_merged_calls_requests_run_alone_on_the_next_worker(Behaviour::DieAbove(1)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1589,18 +1595,18 @@ async fn a_batch_filling_up_holds_back_no_other_signatures_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_filling_in_front_of_a_backlog_hold_back_no_other_models_request() {
-    // Two of model r's batches fill at the front; behind them 600 of model m's, whose worker
+    // Two of model r's batches fill at the front; behind them 300 of model m's, whose worker
     // is busy; then a full batch for r, whose worker is idle. The batches' scans of m's
-    // backlog spent the pump's budget and the pump stopped there: r's full batch waited
-    // for a filling batch's timeout (found by a review).
+    // backlog (256 each) spent the pump's budget and the pump stopped there: r's full batch
+    // waited for a filling batch's timeout (found by a review).
     let (_dir, dir) = run_dir();
     let (state, _drains) = RouterState::new();
     let models = [ModelEntry::new("m", 1), ModelEntry::new("r", 4)];
     let timeout = Duration::from_secs(3);
-    let scheduling = batching(4, 3_000, vec![], 10_000);
+    let scheduling = batching(4, 8_000, vec![], 10_000);
     let dispatcher = Dispatcher::start(&dir, &models, timeout, &scheduling, Arc::new(state))
         .expect("a dispatcher");
-    let _m = FakeWorker::of_model(&dir, "cpu-0@1", 100, "m", 1, Behaviour::SlowEcho(2_000));
+    let _m = FakeWorker::of_model(&dir, "cpu-0@1", 100, "m", 1, Behaviour::SlowEcho(8_000));
     let _r = FakeWorker::of_model(&dir, "r/cpu-0@4", 200, "r", 4, Behaviour::Echo);
     ready(&dispatcher, 2).await;
     let m = Target {
@@ -1621,14 +1627,14 @@ async fn batches_filling_in_front_of_a_backlog_hold_back_no_other_models_request
         };
         tokio::spawn(async move { d.call(work, None).await })
     };
-    let computing = call(m, "x", 4); // full: sent at once, m's worker busy for 2 s
+    let computing = call(m, "x", 4); // full: sent at once, m's worker busy for 8 s
     tokio::time::sleep(Duration::from_millis(20)).await;
     let filling = [call(r, "a", 1), call(r, "b", 1)];
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let backlog: Vec<_> = (0..600).map(|_| call(m, "x", 4)).collect();
+    let backlog: Vec<_> = (0..300).map(|_| call(m, "x", 4)).collect();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let full = call(r, "c", 4);
-    let answered = tokio::time::timeout(Duration::from_millis(1_500), full).await;
+    let answered = tokio::time::timeout(Duration::from_secs(4), full).await;
     assert!(
         answered.is_ok(),
         "r's full batch waited behind the filling ones"
@@ -1672,28 +1678,10 @@ async fn a_padded_call_that_timed_out_answers_its_caller_deadline_exceeded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_requests_of_a_failed_merged_call_stay_alone_while_they_wait_for_a_worker() {
-    // A merged call fails and its worker leaves with it: its requests wait for another
-    // worker and must still run one by one there (sent again after the wait they were
-    // merged again, found by a hunt).
-    let (_dir, dir) = run_dir();
-    let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 0, vec![], 10));
-    let leaves = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::TimeOutThenLeaveAbove(1));
-    ready(&dispatcher, 1).await;
-    // The first alone (the worker was idle), then the other three merged: the call fails.
-    // On the next worker one runs while two wait behind it: those two would merge.
-    let calls = marked_calls(&dispatcher, &[1, 1, 1, 1], Some(Duration::from_secs(20))).await;
-    for _ in 0..200 {
-        if leaves.rows_seen().len() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(leaves.rows_seen(), [1, 3]);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let next = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::RefuseAbove(1));
-    each_gets_its_own_rows(calls).await;
-    assert_eq!(next.rows_seen(), [1, 1, 1], "never merged again");
-    dispatcher.shutdown();
+    // The merged call fails (DEADLINE_EXCEEDED) and its worker leaves with it: sent again
+    // after waiting for a worker, they were merged again (found by a hunt).
+    let behaviour = Behaviour::TimeOutThenLeaveAbove(1);
+    a_failed_merged_calls_requests_run_alone_on_the_next_worker(behaviour).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1704,17 +1692,25 @@ async fn a_request_whose_deadline_passes_in_the_batch_queue_has_its_wait_recorde
     let (dispatcher, state) = start_scheduled(&dir, &batching(4, 5_000, vec![], 10));
     let _worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Echo);
     ready(&dispatcher, 1).await;
+    // A full batch first, so that the worker is known to take calls: otherwise the request
+    // may wait for a worker (not in the batch queue) until its short deadline.
+    assert!(dispatcher.call(rows_request(4), None).await.is_ok());
+    let count = ":tensorflow:serving:batching_session:queuing_latency_count{thread_pool_name=\"\"}";
+    assert_eq!(
+        batching_page(&state).get(count),
+        Some(&1),
+        "the full batch's wait"
+    );
     let deadline = Instant::now() + Duration::from_millis(100);
     let error = dispatcher.call(rows_request(1), Some(deadline)).await;
     assert_eq!(error.unwrap_err().code, Code::DeadlineExceeded);
-    let count = ":tensorflow:serving:batching_session:queuing_latency_count{thread_pool_name=\"\"}";
     for _ in 0..100 {
-        if batching_page(&state).get(count) == Some(&1) {
+        if batching_page(&state).get(count) == Some(&2) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(batching_page(&state).get(count), Some(&1));
+    assert_eq!(batching_page(&state).get(count), Some(&2));
     dispatcher.shutdown();
 }
 
