@@ -850,13 +850,13 @@ impl Actor {
             // TF Serving's scheduler refuses it (shared_batch_scheduler.h): max_batch_size is
             // what an operator sizes a call's memory by. With splitting (--split-rows,
             // enable_large_batch_splitting), where max_batch_size is the chunks' size, one
-            // that could not be cut runs alone, as before; inputs of several first dimensions
-            // have no one size to say.
+            // that could not be cut runs alone, as before. (Its inputs share one first
+            // dimension: `unbatchable` refused any other.)
             let splits = || {
                 let models = self.versions.borrow();
                 split_rows_of(&models, self.per_model_batching, self.split_rows, servable) > 0
             };
-            if rows > batching.max_batch_size && request.one_first_dimension() && !splits() {
+            if rows > batching.max_batch_size && !splits() {
                 let _ = answer.send(Outcome::Error(batch::too_large(rows, batching)));
                 return;
             }

@@ -1644,19 +1644,26 @@ async fn batches_filling_in_front_of_a_backlog_hold_back_no_other_models_request
     dispatcher.shutdown();
 }
 
+/// A lone request of one row, padded to 2 by `allowed_batch_sizes`, on a worker that
+/// `behaviour` makes fail its call: its error, and the rows of each call the worker got.
+async fn a_padded_requests_failure(behaviour: Behaviour) -> (ServingError, Vec<i64>) {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 0, vec![2, 4], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, behaviour);
+    ready(&dispatcher, 1).await;
+    let error = dispatcher.call(rows_request(1), None).await.unwrap_err();
+    dispatcher.shutdown();
+    (error, worker.rows_seen())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_padded_requests_error_is_its_own_and_it_runs_once() {
     // Padded to an allowed batch size, a lone request's call failing is not a merged call's
     // failure: the error goes to its caller (TF Serving answers a padded batch's error) and
     // the model is not run again for it.
-    let (_dir, dir) = run_dir();
-    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 0, vec![2, 4], 10));
-    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::Refuse);
-    ready(&dispatcher, 1).await;
-    let error = dispatcher.call(rows_request(1), None).await.unwrap_err();
+    let (error, seen) = a_padded_requests_failure(Behaviour::Refuse).await;
     assert_eq!(error, ServingError::new(Code::InvalidArgument, "bad id"));
-    assert_eq!(worker.rows_seen(), [2]);
-    dispatcher.shutdown();
+    assert_eq!(seen, [2]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1665,15 +1672,10 @@ async fn a_padded_call_that_timed_out_answers_its_caller_deadline_exceeded() {
     // the request was taken for a merged call's member and run alone again; with no worker
     // left it was merged and padded again on the next, each time, and its caller got
     // UNAVAILABLE after killing a second worker (found by a hunt).
-    let (_dir, dir) = run_dir();
-    let (dispatcher, _state) = start_scheduled(&dir, &batching(4, 0, vec![2, 4], 10));
-    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::TimeOutThenLeave);
-    ready(&dispatcher, 1).await;
-    let error = dispatcher.call(rows_request(1), None).await.unwrap_err();
+    let (error, seen) = a_padded_requests_failure(Behaviour::TimeOutThenLeave).await;
     let expected = ServingError::new(Code::DeadlineExceeded, "the model call ran too long");
     assert_eq!(error, expected);
-    assert_eq!(worker.rows_seen(), [2]);
-    dispatcher.shutdown();
+    assert_eq!(seen, [2]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
