@@ -206,6 +206,11 @@ class Controller:
             ModelEntry(m.name, m.base_path, m.version_policy, dict(m.version_labels))
             for m in config.served_models()
         ]
+        # Models the file's last edit added that had no version yet: the rest of that edit
+        # applied, these are added alone over what is in force at the first read that finds
+        # a version (TF Serving's file poll adds such a model and serves it once a version
+        # is copied in). A HandleReloadConfigRequest applied meanwhile replaces them.
+        self._file_waiting: tuple[ModelEntry, ...] = ()
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
         # Those that came while one was in effect: each waits for the one before to be
         # answered, as TF Serving's ReloadConfig holds its lock for the whole call.
@@ -725,16 +730,21 @@ class Controller:
         if read.error is not None:
             raise read.error  # not a file's fault: the loop's own handling says what
         entries, view = read.value or ([], None)
-        if entries == self._file_entries:
+        unchanged = entries == self._file_entries
+        if unchanged and (view is None or not self._file_waiting):
             return
-        if self._reloads_waiting:
+        if self._reloads_waiting or (unchanged and self._reloads):
             # Requests queued before this change are older: TF Serving's file poll takes the
-            # lock they wait on, so the file lands after them. Applied at a later read.
+            # lock they wait on, so the file lands after them. Applied at a later read. (A
+            # model the file added waits for one in effect too: it may replace the models.)
             return
         if view is None or not self._view_is_current(view):
             # Read for another configuration (a reload applied meanwhile, or the file said
             # what was in force then): read again, now.
             self._next_config_read = now
+            return
+        if unchanged:
+            self._add_waiting_models(view, now)
             return
         try:
             refused = self._apply_model_entries(view, now, self.config.model_config_file)
@@ -745,10 +755,46 @@ class Controller:
             return
         self._config_file_said = ""
         self._file_entries = entries
+        self._file_waiting = view.waiting_entries()
+        self._say_waiting_models(view)
         # Newer than a HandleReloadConfigRequest still waiting: its labels are not given (as
         # TF Serving applies the two one after the other, the later winning); it is answered
         # on the labels now configured.
         self._forget_asked_labels()
+
+    def _add_waiting_models(self, view: DiskView, now: float) -> None:
+        """The models the file added that waited for a version, added alone over what is in
+        force now (`view` read for them beside the models served) once one has a version;
+        the file is not applied again (that undid a HandleReloadConfigRequest's labels and
+        models at every read while a model waited; found by a review)."""
+        if view.added is None and not view.refusal:
+            return  # none has a version yet (said when the file was applied)
+        # Models being removed drain on: listed, they would refuse the change.
+        kept = tuple(
+            e for e in view.entries if e.name not in self.models or not self.models[e.name].removed
+        )
+        try:
+            refused = self._apply_model_entries(
+                dataclasses.replace(view, entries=kept), now, self.config.model_config_file
+            )
+        except ConfigNotSaved as exc:
+            refused = str(exc)  # tried again at the next read
+        if refused:
+            self._say_once_of_config_file(refused)
+            return
+        self._config_file_said = ""
+        self._file_waiting = view.waiting_entries()
+        self._say_waiting_models(view)
+
+    def _say_waiting_models(self, view: DiskView) -> None:
+        """Once, the models a config file adds that wait for a version (its other changes
+        applied)."""
+        if view.waiting:
+            self._say_once_of_config_file(
+                "; ".join(
+                    f"model {name}: {why}; added once it has one" for name, why in view.waiting
+                )
+            )
 
     def _read_config_file(self) -> tuple[list[ModelEntry], DiskView | None]:
         """On the config read's thread: the file's models and, when they are not what it
@@ -756,9 +802,19 @@ class Controller:
         replaces whole (its configuration, the file's last models), never changes it."""
         config = self.config
         entries = read_model_config(Path(config.model_config_file))
-        if entries == self._file_entries:
+        source = config.model_config_file
+        if entries != self._file_entries:
+            return entries, read_disk_view(config, entries, source, wait_for_versions=True)
+        waiting = self._file_waiting
+        if not waiting:
             return entries, None
-        return entries, read_disk_view(config, entries, config.model_config_file)
+        # Only the models that waited for a version, beside those served (the loop leaves
+        # out any being removed).
+        served = [
+            ModelEntry(m.name, m.base_path, m.version_policy, dict(m.version_labels))
+            for m in config.served_models()
+        ]
+        return entries, read_disk_view(config, [*served, *waiting], source, wait_for_versions=True)
 
     def _view_is_current(self, view: DiskView) -> bool:
         """Whether a view was read for the configuration in force (else it is read again:
@@ -773,7 +829,8 @@ class Controller:
         still being removed, a new model that cannot be served. ConfigNotSaved, with nothing
         changed: pool.json could not take it. What it needs of the disk was read off the
         loop (`view`, read for the configuration in force now: `_view_is_current`)."""
-        entries = list(view.entries)
+        waiting = {name for name, _ in view.waiting}  # added later, once they have a version
+        entries = [e for e in view.entries if e.name not in waiting]
         served = {m.name: m for m in self.config.served_models()}
         first = self.config.model_name
         named = {e.name for e in entries}
@@ -1002,6 +1059,14 @@ class Controller:
         for name, model in self.models.items():
             model.note_reload_asked(failing.get(name, set()), first=not self._reloads, now=now)
         self._reloads.append(request_id)
+        if self._file_waiting:
+            # Newer than the file's edit: what the request says is the configuration now.
+            log.info(
+                "HandleReloadConfigRequest %d: %s no longer waited for (the file's edit that "
+                "added it is replaced)", request_id,
+                ", ".join(f"model {e.name}" for e in self._file_waiting),
+            )  # fmt: skip
+            self._file_waiting = ()
         return True
 
     def _reload_disk_view(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mpspool.config import ConfigError, PoolConfig, ServedModel
 from mpspool.demo_model import versions_on_disk
-from mpspool.model_config import ModelEntry, first_version
+from mpspool.model_config import ModelEntry, NoVersionYet, first_version
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,16 @@ class DiskView:
     # None when none is added or when they cannot be (`refusal` says why).
     added: PoolConfig | None
     refusal: str
+    # Models the config adds that have no version to serve yet, left out of `added` (only
+    # when the read was asked to wait for them: `read_disk_view`'s `wait_for_versions`),
+    # with why: TF Serving's file poll adds such a model and serves it once a version is
+    # copied in, and applies the rest of the file meanwhile.
+    waiting: tuple[tuple[str, str], ...] = ()
+
+    def waiting_entries(self) -> tuple[ModelEntry, ...]:
+        """The entries of the models in `waiting`."""
+        names = {name for name, _ in self.waiting}
+        return tuple(e for e in self.entries if e.name in names)
 
     def versions(self, base_path: str) -> set[int] | None:
         """The versions under a base path as read (None: unreadable)."""
@@ -45,10 +55,13 @@ class DiskView:
         return a == b or self.real.get(a, a) == self.real.get(b, b)
 
 
-def read_disk_view(config: PoolConfig, entries: list[ModelEntry], source: str) -> DiskView:
+def read_disk_view(
+    config: PoolConfig, entries: list[ModelEntry], source: str, wait_for_versions: bool = False
+) -> DiskView:
     """The reads (on a background thread: nothing here touches the controller's state).
     ConfigError and OSError of an added model become the view's refusal; other exceptions
-    are the caller's."""
+    are the caller's. With `wait_for_versions`, an added model with no version yet is left
+    out and named in `waiting` instead of refusing the whole view."""
     served = {m.name: m for m in config.served_models()}
     named = {e.name for e in entries}
     # Only what the config keeps or adds: a model it drops may be on the storage that
@@ -65,6 +78,17 @@ def read_disk_view(config: PoolConfig, entries: list[ModelEntry], source: str) -
             listed[path] = None
         real[path] = os.path.realpath(path)
     added_entries = [e for e in entries if e.name not in served]
+    waiting: list[tuple[str, str]] = []
+    if wait_for_versions:
+        for entry in added_entries:
+            try:
+                first_version(Path(entry.base_path), entry.version_policy, entry.name)
+            except NoVersionYet as exc:
+                waiting.append((entry.name, str(exc)))
+            except (ConfigError, OSError):
+                pass  # refused below, with the others' reasons
+        left_out = {name for name, _ in waiting}
+        added_entries = [e for e in added_entries if e.name not in left_out]
     added: PoolConfig | None = None
     refusal = ""
     if added_entries:
@@ -72,7 +96,7 @@ def read_disk_view(config: PoolConfig, entries: list[ModelEntry], source: str) -
             added = _with_added(config, added_entries)
         except (ConfigError, OSError) as exc:
             refusal = f"{source}: {exc}"
-    return DiskView(config, tuple(entries), listed, real, added, refusal)
+    return DiskView(config, tuple(entries), listed, real, added, refusal, tuple(waiting))
 
 
 def _with_added(config: PoolConfig, added: list[ModelEntry]) -> PoolConfig:
