@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use crate::batch::{self, Batching};
 use crate::config::ModelEntry;
 use crate::control;
-use crate::policies::{self, CostModel, Order, Scheduling};
+use crate::policies::{self, CostModel, Scheduling};
 use crate::signature::{self, ModelSignatures};
 use crate::split;
 use crate::state::RouterState;
@@ -251,9 +251,9 @@ impl Dispatcher {
         state: Arc<RouterState>,
     ) -> Result<Dispatcher, DispatchError> {
         scheduling.check().map_err(DispatchError::Scheduling)?;
-        let (Some(chooser), Some(queue)) = (
+        let (Some(chooser), Some(make_queue)) = (
             policies::chooser(&scheduling.dispatch),
-            policies::order(&scheduling.queue, scheduling.aging_bound),
+            policies::order_maker(&scheduling.queue, scheduling.aging_bound),
         ) else {
             return Err(DispatchError::Scheduling(format!("{scheduling:?}")));
         };
@@ -293,7 +293,8 @@ impl Dispatcher {
             control,
             table: WorkerTable::new(worker_timeout, chooser),
             requests: HashMap::new(),
-            queue,
+            queue: ServableQueues::new(make_queue),
+            reroute: false,
             queued_rows: HashMap::new(),
             queued_by_model: BTreeMap::new(),
             worker_inflight: scheduling.worker_inflight,
@@ -709,8 +710,11 @@ struct Actor {
     table: WorkerTable<Pending>,
     /// Request id → the worker it was sent to (for Cancel).
     requests: HashMap<u64, Vec<u8>>,
-    /// Requests waiting for a worker with room (only with a `worker_inflight` limit).
-    queue: Box<dyn Order<Queued>>,
+    /// Requests waiting for a worker with room (only with a `worker_inflight` limit), a queue
+    /// per model version.
+    queue: ServableQueues<Queued>,
+    /// What is routable changed since the queues were last sorted (`reroute_queued`).
+    reroute: bool,
     /// Rows of batched requests waiting in `queue`, by batch queue: as in TF Serving, each
     /// signature (with the outputs asked for) of each model version has a queue of its own,
     /// bounded by its `max_enqueued_batches`.
@@ -938,12 +942,14 @@ impl Actor {
             .queued_by_model
             .entry(queued.servable.model)
             .or_default() += 1;
-        let (arrived, cost) = (queued.arrived, queued.cost);
-        self.queue.push(id, queued, arrived, cost);
+        let (servable, arrived, cost) = (queued.servable, queued.arrived, queued.cost);
+        self.queue.push(servable, id, queued, arrived, cost);
     }
 
-    fn queue_pop(&mut self, now: std::time::Instant) -> Option<(u64, Queued)> {
-        let (id, queued) = self.queue.pop(now, self.table.ready())?;
+    /// The next of `servable`'s waiting requests.
+    fn queue_pop(&mut self, servable: Servable, now: std::time::Instant) -> Option<(u64, Queued)> {
+        let servers = self.table.ready_of(servable);
+        let (id, queued) = self.queue.pop(servable, now, servers)?;
         self.left_queue(&queued);
         Some((id, queued))
     }
@@ -976,29 +982,63 @@ impl Actor {
         }
     }
 
-    /// Send waiting requests, in the queue's order, while some worker has room.
+    /// Send waiting requests, each version's in its queue's order, while its workers have
+    /// room.
     fn pump(&mut self) {
-        // Requests whose own model version has no worker with room: they keep their place
-        // (arrival and cost) and go back when this round ends, while requests for other
-        // models (or versions) behind them go on to their own workers.
-        let mut held: Vec<(u64, Queued)> = Vec::new();
-        // Batches short of full waiting out their `batch_timeout_micros`: they go back too,
-        // while what is behind them (other signatures, versions or models, a full batch) goes
-        // on, as each of TF Serving's batch queues is a queue of its own.
-        let mut filling: Vec<(u64, Queued)> = Vec::new();
         let mut wake: Option<std::time::Instant> = None;
         // Requests the batches may look at past their heads, together: once spent, a head
         // leaves or waits with no others gathered to it this round (they join at the next
         // pump), so that many batches filling at once (inputs of many lengths, each a batch
         // of its own) do not make each pump scan the queue once per batch (found by a
         // review: 15× the front door's CPU with 200 filling), and the loop still reaches
-        // every request behind them (stopping there held another model's request with an
-        // idle worker until a filling batch's timeout; found by the next review).
+        // every version's requests.
         let mut scan_left = PUMP_SCAN;
-        // Every worker full (the common case under load): leave the queue as it is.
-        while !self.queue.is_empty() && self.table.has_room(self.worker_inflight) {
+        loop {
+            if std::mem::take(&mut self.reroute) {
+                self.reroute_queued();
+            }
+            for servable in self.queue.waiting() {
+                // Every worker full (the common case under load): leave the queues as they are.
+                if !self.table.has_room(self.worker_inflight) {
+                    break;
+                }
+                if let Some(until) = self.pump_version(servable, &mut scan_left) {
+                    wake = Some(wake.map_or(until, |w| w.min(until)));
+                }
+            }
+            // A worker that left while requests were sent: theirs go where they route now.
+            if !self.reroute {
+                break;
+            }
+        }
+        if wake.is_some() {
+            self.wake_at = wake;
+        }
+        self.publish_queue();
+    }
+
+    /// Send `servable`'s waiting requests while one of its workers has room; when a batch
+    /// left filling must leave, if one is.
+    fn pump_version(
+        &mut self,
+        servable: Servable,
+        scan_left: &mut usize,
+    ) -> Option<std::time::Instant> {
+        // Batches short of full waiting out their `batch_timeout_micros`: they go back, while
+        // what is behind them (other signatures, a full batch) goes on, as each of TF
+        // Serving's batch queues is a queue of its own.
+        let mut filling: Vec<(u64, Queued)> = Vec::new();
+        let mut held: Vec<(u64, Queued)> = Vec::new();
+        let mut wake: Option<std::time::Instant> = None;
+        // Picked only for a request there (the chooser moves on at each pick: round-robin
+        // picking once more per pump sent every request to the same worker).
+        while self.queue.holds(servable) {
+            let Some(handle) = self.table.pick(self.worker_inflight, servable) else {
+                break;
+            };
+            let identity = handle.identity.clone();
             let now = std::time::Instant::now();
-            let Some((id, mut head)) = self.queue_pop(now) else {
+            let Some((id, head)) = self.queue_pop(servable, now) else {
                 break;
             };
             if head.answer.is_closed() {
@@ -1007,28 +1047,14 @@ impl Actor {
                 self.left_unanswered(&head);
                 continue;
             }
-            let Some(servable) = self.routable.borrow().route(head.request.target) else {
-                let alone = head.alone;
-                let _ = head.answer.send(Outcome::NoWorker { alone }); // its caller waits for one
-                continue;
-            };
-            if servable != head.servable {
-                self.moved(&mut head, servable);
-            }
             // One behind a batch that fills (beyond the requests it looked at) joins it later.
             let joins_filling = head.merge_key.is_some()
-                && (filling.iter())
-                    .any(|(_, m)| m.servable == servable && m.merge_key == head.merge_key);
+                && (filling.iter()).any(|(_, m)| m.merge_key == head.merge_key);
             if joins_filling {
                 held.push((id, head));
                 continue;
             }
-            let Some(handle) = self.table.pick(self.worker_inflight, servable) else {
-                held.push((id, head));
-                continue;
-            };
-            let identity = handle.identity.clone();
-            match self.gather(id, head, now, &mut scan_left) {
+            match self.gather(id, head, now, scan_left) {
                 Gathered::Send { members, padded } => {
                     for (_, member) in &members {
                         let waited = now.saturating_duration_since(member.arrived);
@@ -1046,10 +1072,38 @@ impl Actor {
         for (id, queued) in held.into_iter().chain(filling) {
             self.queue_push(id, queued);
         }
-        if wake.is_some() {
-            self.wake_at = wake;
+        wake
+    }
+
+    /// What is routable changed (a worker came or left, a version retired): each waiting
+    /// request goes to the version it routes to now (one that named no version follows its
+    /// model's latest when its own has no worker left), or its caller is told there is no
+    /// worker (it waits for one).
+    fn reroute_queued(&mut self) {
+        let now = std::time::Instant::now();
+        for (id, mut queued) in self.queue.take_all(now) {
+            self.left_queue(&queued);
+            if queued.answer.is_closed() {
+                self.left_unanswered(&queued);
+                continue;
+            }
+            let route = self.routable.borrow().route(queued.request.target);
+            match route {
+                Some(servable) => {
+                    if servable != queued.servable {
+                        self.moved(&mut queued, servable);
+                    }
+                    self.queue_push(id, queued);
+                }
+                None => {
+                    let alone = queued.alone;
+                    let _ = queued.answer.send(Outcome::NoWorker { alone });
+                }
+            }
         }
-        self.publish_queue();
+        let ready = self.table.ready_by_servable();
+        self.queue
+            .retain_empty(|servable| ready.contains_key(servable));
     }
 
     /// Without batching, the head alone. With it, the head and the waiting requests (in the
@@ -1072,6 +1126,7 @@ impl Actor {
             };
         };
         let (max, timeout) = (batching.max_batch_size, batching.timeout);
+        let servable = head.servable;
         let mut total = rows;
         let mut members = vec![(id, head)];
         let mut passed_over = Vec::new();
@@ -1080,7 +1135,7 @@ impl Actor {
             if total >= max || *scan_left == 0 {
                 break;
             }
-            let Some((other_id, other)) = self.queue_pop(now) else {
+            let Some((other_id, other)) = self.queue_pop(servable, now) else {
                 break;
             };
             *scan_left -= 1;
@@ -1088,9 +1143,7 @@ impl Actor {
                 self.left_unanswered(&other); // cancelled by its caller
                 continue;
             }
-            let shares = other.merge_key.is_some()
-                && other.servable == members[0].1.servable
-                && other.merge_key == members[0].1.merge_key;
+            let shares = other.merge_key.is_some() && other.merge_key == members[0].1.merge_key;
             let fits = shares && total + other.request.rows() <= max;
             closed |= shares && !fits;
             if fits {
@@ -1239,34 +1292,27 @@ impl Actor {
                 });
             }
         }
+        // Requests no worker left here can take: their callers wait for one to come back
+        // (or they go to the latest version, if theirs retired), at the next pump.
         self.publish_ready();
-        if !self.queue.is_empty() {
-            // Requests no worker left here can take: their callers wait for one to come
-            // back (or for the latest version, if theirs retired).
-            let mut waiting = Vec::with_capacity(self.queue.len());
-            while let Some(entry) = self.queue_pop(std::time::Instant::now()) {
-                waiting.push(entry);
-            }
-            for (id, queued) in waiting {
-                self.requeue(id, queued);
-            }
-            self.publish_queue();
-        }
     }
 
-    /// Back to the queue if some worker can take it; NoWorker to its caller otherwise.
+    /// Back to the queue of the version it routes to if some worker can take it; NoWorker
+    /// to its caller otherwise.
     fn requeue(&mut self, id: u64, mut queued: Queued) {
         queued.enqueued = std::time::Instant::now();
-        if self
-            .routable
-            .borrow()
-            .route(queued.request.target)
-            .is_some()
-        {
-            self.queue_push(id, queued);
-        } else {
-            let alone = queued.alone;
-            let _ = queued.answer.send(Outcome::NoWorker { alone });
+        let route = self.routable.borrow().route(queued.request.target);
+        match route {
+            Some(servable) => {
+                if servable != queued.servable {
+                    self.moved(&mut queued, servable);
+                }
+                self.queue_push(id, queued);
+            }
+            None => {
+                let alone = queued.alone;
+                let _ = queued.answer.send(Outcome::NoWorker { alone });
+            }
         }
     }
 
@@ -1284,7 +1330,7 @@ impl Actor {
 
     /// Membership or versions changed: what is routable, the ready count and the
     /// copied-weights gauge follow.
-    fn publish_ready(&self) {
+    fn publish_ready(&mut self) {
         let models = self.versions.borrow().clone();
         let mut by_servable = self.table.ready_by_servable();
         if self.per_model_batching {
@@ -1305,8 +1351,10 @@ impl Actor {
             by_servable,
             latest: models.latest(),
         };
-        self.routable
-            .send_if_modified(|r| std::mem::replace(r, routable.clone()) != routable);
+        if (self.routable).send_if_modified(|r| std::mem::replace(r, routable.clone()) != routable)
+        {
+            self.reroute = true; // the waiting requests are sorted again at the next pump
+        }
         let copied = self.table.copied_bytes();
         self.copied
             .send_if_modified(|c| std::mem::replace(c, copied.clone()) != copied);
@@ -1629,3 +1677,6 @@ impl Actor {
 
 #[cfg(test)]
 mod tests;
+
+mod queues;
+use queues::ServableQueues;

@@ -443,7 +443,7 @@ impl Metrics {
             "mpspool_queue_wait_max_seconds {}\n",
             self.state.queue_wait_max_us.load(Ordering::Relaxed) as f64 / 1e6
         ));
-        out.push_str("# HELP mpspool_queue_aging_margin_seconds How much sooner than --aging-bound-ms the sjf queue turns requests urgent: the margin it learned from requests sent later than planned (0 for fcfs).\n");
+        out.push_str("# HELP mpspool_queue_aging_margin_seconds How much sooner than --aging-bound-ms the sjf queue turns requests urgent: the largest margin a model version's queue learned from requests sent later than planned (0 for fcfs).\n");
         out.push_str("# TYPE mpspool_queue_aging_margin_seconds gauge\n");
         out.push_str(&format!(
             "mpspool_queue_aging_margin_seconds {}\n",

@@ -216,6 +216,14 @@ impl<P> WorkerTable<P> {
         self.by_slot.len()
     }
 
+    /// Routable workers of one model version.
+    pub fn ready_of(&self, servable: Servable) -> usize {
+        (self.by_slot.values())
+            .filter_map(|identity| self.by_identity.get(identity))
+            .filter(|handle| handle.servable == servable)
+            .count()
+    }
+
     /// Routable workers per model version.
     pub fn ready_by_servable(&self) -> BTreeMap<Servable, usize> {
         let mut counts = BTreeMap::new();

@@ -72,6 +72,19 @@ pub fn order<T: Send + 'static>(name: &str, aging_bound: Duration) -> Option<Box
     }
 }
 
+/// Makes an empty queue in one order.
+pub type MakeOrder<T> = Box<dyn Fn() -> Box<dyn Order<T>> + Send>;
+
+/// A maker of empty queues in `name`'s order (one queue per model version: the dispatcher's
+/// `ServableQueues`).
+pub fn order_maker<T: Send + 'static>(name: &str, aging_bound: Duration) -> Option<MakeOrder<T>> {
+    order::<T>(name, aging_bound)?;
+    let name = name.to_owned();
+    Some(Box::new(move || {
+        order::<T>(&name, aging_bound).unwrap_or_else(|| Box::new(fcfs::Fcfs::default()))
+    }))
+}
+
 /// A seed that differs between processes (two front doors should not make the same choices);
 /// not security-sensitive.
 fn seed() -> u64 {
