@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-timeout",
         type=float,
         default=3.0,
-        help="seconds of silence before a worker is declared dead",
+        help="seconds of silence before a worker is declared dead (default %(default)s)",
     )
     start.add_argument(
         "--call-timeout",
@@ -341,13 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout",
         type=float,
         default=10.0,
-        help="seconds in-flight requests get at shutdown",
+        help="seconds in-flight requests get at shutdown (default %(default)s)",
     )
     start.add_argument(
         "--shutdown-delay",
         type=float,
         default=1.0,
-        help="seconds health says NOT_SERVING before the server stops accepting",
+        help="seconds health says NOT_SERVING before the server stops accepting "
+        "(default %(default)s)",
     )
     start.add_argument(
         "--start-retries",
@@ -613,9 +614,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     demo = sub.add_parser("demo-model", help="write the demo SavedModel (TF Serving layout)")
-    demo.add_argument("--out", type=Path, required=True)
-    demo.add_argument("--embedding-rows", type=int, default=None)
-    demo.add_argument("--version", dest="model_version", type=int, default=1)
+    demo.add_argument(
+        "--out", type=Path, required=True, help="the model's base path (versions go under it)"
+    )
+    demo.add_argument(
+        "--embedding-rows", type=int, default=None, help="embedding table rows (default 1000)"
+    )
+    demo.add_argument(
+        "--version",
+        dest="model_version",
+        type=int,
+        default=1,
+        help="the version folder to write (default %(default)s)",
+    )
     demo.add_argument(
         "--exist-ok",
         action="store_true",
@@ -1341,6 +1352,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"gRPC also on: {pool['grpc_socket']}")
     if pool.get("rest"):
         print(f"REST API: {pool['rest']}")
+    if pool.get("metrics"):
+        print(f"metrics: {pool['metrics']}")
     if pool.get("cpu_placement"):
         front = pool.get("router_cpus") or "-"
         print(f"CPUs: {pool['cpu_placement']} (front door now on {front})")

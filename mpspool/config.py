@@ -91,6 +91,13 @@ def prometheus_path_from(monitoring_config: Path) -> str:
     return config.prometheus_config.path or DEFAULT_PROMETHEUS_PATH
 
 
+# A PEM block of a certificate, and of a private key (PKCS#8, or a traditional RSA or EC one).
+_PEM_CERTIFICATE = re.compile(
+    r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----"
+)
+_PEM_KEY = re.compile(r"-----BEGIN (?:RSA |EC )?PRIVATE KEY-----[A-Za-z0-9+/=\s]+-----END")
+
+
 def tls_from(ssl_config: Path) -> dict[str, Any]:
     """TF Serving's SSLConfig file (text format) as the front door's TLS settings, checked
     for what TF Serving requires: a key and a certificate, and a CA to verify clients with."""
@@ -103,6 +110,20 @@ def tls_from(ssl_config: Path) -> dict[str, Any]:
         raise ConfigError(
             f"{ssl_config}: client_verify needs custom_ca, the CA that signs client certificates"
         )
+    # What the front door refuses too (router/src/tls.rs), refused here before anything
+    # starts: found there, a pool spawned its processes, drained and exited 1, not 2 with one
+    # line (found by a hunt).
+    if "ENCRYPTED" in config.server_key:
+        raise ConfigError(
+            f"{ssl_config}: server_key is encrypted: give it unencrypted (no passphrase), as "
+            "TF Serving's gRPC takes it"
+        )
+    if not _PEM_KEY.search(config.server_key):
+        raise ConfigError(f"{ssl_config}: server_key: no PEM private key in it")
+    for field in ("server_cert", "custom_ca"):
+        text = getattr(config, field)
+        if text and not _PEM_CERTIFICATE.search(text):
+            raise ConfigError(f"{ssl_config}: {field}: no PEM certificate in it")
     return {
         "server_key": config.server_key,
         "server_cert": config.server_cert,

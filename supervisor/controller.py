@@ -249,6 +249,9 @@ class Controller:
         self.router = RouterLink(self._zmq, config.run_dir)
         self.gpu = GpuWatch(config, self.run_dir, _gpu_backend(config))
         self.placement = config.placement()  # validated at start: cannot fail here
+        # The front door's runtime threads: the placement's, or MPSPOOL_ROUTER_THREADS's.
+        self._router_threads = router_threads(self.placement.front_door_threads)
+        self.placement_said = self._placement_in_effect()
         self._announced = False
         self._next_gpu_metrics = 0.0
         self._router_pid = 0  # the front door's incarnation seen last
@@ -286,7 +289,7 @@ class Controller:
             priority=30,
             environment={
                 **env,
-                ROUTER_THREADS_ENV: router_threads(self.placement.front_door_threads),
+                ROUTER_THREADS_ENV: self._router_threads,
             },
             autorestart="unexpected",
             exitcodes=ROUTER_EXIT_CODES,
@@ -441,7 +444,7 @@ class Controller:
         and before supervisord starts: supervisord inherits the affinity and hands it to the
         front door at each (re)start. Workers set their own cores before TensorFlow loads."""
         placement = self.placement
-        log.info("CPU placement: %s", placement.explanation)
+        log.info("CPU placement: %s", self.placement_said)
         if placement.reserved:
             cpusets.pin(os.getpid(), placement.reserved)
 
@@ -705,6 +708,20 @@ class Controller:
         self._tell_router_models(router_answered)
         for model in self.models.values():
             model.reconcile(now, snap, router_answered)
+
+    def _placement_in_effect(self) -> str:
+        """The placement's line, and the thread counts given instead of its own (the log and
+        status said the placement's while --intra-op-threads or MPSPOOL_ROUTER_THREADS
+        set others; found by a hunt)."""
+        given = []
+        if self.config.intra_op_threads > 0:
+            given.append(
+                f"workers: {self.config.intra_op_threads} thread(s) each (--intra-op-threads)"
+            )
+        if int(self._router_threads) != self.placement.front_door_threads:
+            given.append(f"front door: {self._router_threads} thread(s) ({ROUTER_THREADS_ENV})")
+        said = self.placement.explanation
+        return f"{said}; in effect instead: {', '.join(given)}" if given else said
 
     def _read_model_config(self, now: float) -> None:
         """--model_config_file again: a new version policy or new labels apply at once. A file
@@ -1611,8 +1628,8 @@ class Controller:
                 f"on {host}:{self.port} ({ready}/{len(slots)} workers ready)\n"
             )
         print(
-            serving + "  TF Serving gRPC API: PredictionService (Predict, GetModelMetadata), "
-            "ModelService, grpc.health.v1\n"
+            serving + "  TF Serving gRPC API: PredictionService (Predict, Classify, Regress, "
+            "MultiInference, GetModelMetadata), ModelService, grpc.health.v1\n"
             f"  query:  any TF Serving client at {host}:{self.port}, model_spec.name={model!r}\n"
             + (
                 f"  REST:   curl {rest_url(host, self.rest_port, model)}   "
@@ -1687,7 +1704,7 @@ class Controller:
                 "log_dir": str(self.log_dir),
                 "uptime_s": round(now - self.started, 1),
                 "exit_reason": self.exit_reason,
-                "cpu_placement": self.placement.explanation,
+                "cpu_placement": self.placement_said,
                 # Read back from the live processes, not from the config: what the OS applies.
                 "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
                 "router_pid": self._router_pid or None,

@@ -438,6 +438,21 @@ def test_status_of_a_starting_pool_prints_no_python_none(
     assert first == "pool p (pid 1) starting: model 'demo' version - on no port yet, up 1 s"
 
 
+def test_status_prints_where_the_pool_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The REST API and the metrics page, as `status --json` gives them (a port picked with
+    0 showed only there; found by a hunt)."""
+    from mpspool import cli
+
+    urls = {"rest": "http://127.0.0.1:5/v1/models/demo", "metrics": "http://127.0.0.1:6/metrics"}
+    answer = {**STATUS, "pool": {**STATUS["pool"], **urls}}
+    monkeypatch.setattr(cli, "_ask_pool", lambda *args, **kwargs: answer)
+    assert cli.main(["status", "--run-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == [f"REST API: {urls['rest']}", f"metrics: {urls['metrics']}"], lines
+
+
 def test_status_says_which_gpu_is_down_and_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

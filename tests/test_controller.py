@@ -4057,3 +4057,20 @@ def test_the_publisher_is_started_without_a_gpu_or_the_operators_mps_settings(
     [env] = started
     assert env["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_MPS_PIPE_DIRECTORY" not in env
     assert env["PATH"] == os.environ["PATH"]
+
+
+def test_status_says_the_thread_counts_given_instead_of_the_placements(
+    make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch
+):
+    """--intra-op-threads and MPSPOOL_ROUTER_THREADS are what the workers and the front door
+    get: status and the log say so (they said the placement's own counts; found by a hunt)."""
+    monkeypatch.setenv("MPSPOOL_ROUTER_THREADS", "3")
+    pool = make_pool(intra_op_threads=1)
+    said = pool.controller.status()["pool"]["cpu_placement"]
+    assert said.endswith(
+        "; in effect instead: workers: 1 thread(s) each (--intra-op-threads), "
+        "front door: 3 thread(s) (MPSPOOL_ROUTER_THREADS)"
+    ), said
+    monkeypatch.delenv("MPSPOOL_ROUTER_THREADS")
+    plain = make_pool().controller.status()["pool"]["cpu_placement"]
+    assert "in effect instead" not in plain, plain

@@ -168,3 +168,19 @@ def test_ssl_config_files_are_checked_as_tf_serving_needs_them(tmp_path: Path, c
     config.write_text("server_keys: 1")
     with pytest.raises(ConfigError, match="is not an SSLConfig"):
         tls_from(config)
+    # What the front door would refuse, refused before anything starts (exit 2, one line).
+    good = _ssl_config(certs, client_verify=True)
+    ca = (certs / "ca.pem").read_text()
+    for wrong, match in (
+        (
+            good.replace(ca.replace("\n", "\\n"), "not a certificate"),
+            "custom_ca: no PEM certificate",
+        ),
+        (good.replace("PRIVATE KEY-----", "ENCRYPTED PRIVATE KEY-----"), "server_key is encrypted"),
+    ):
+        config.write_text(wrong)
+        with pytest.raises(ConfigError, match=match):
+            tls_from(config)
+    config.write_text('server_key: "k"\nserver_cert: "c"\n')
+    with pytest.raises(ConfigError, match="server_key: no PEM private key in it"):
+        tls_from(config)

@@ -596,7 +596,7 @@ impl ModelService for Api {
             return Err(ServingError::new(
                 Code::PermissionDenied,
                 "HandleReloadConfigRequest changes the pool's configuration, an admin action: \
-                 it is taken only from this host",
+                 it is taken only over loopback (127.0.0.1, ::1) or the UNIX socket",
             )
             .into());
         }
