@@ -64,6 +64,14 @@ SUPERVISORD_DEATHS = 3
 SUPERVISORD_DEATHS_WINDOW_S = 300.0
 # Front doors in a row that die before they ever answer: a crash loop, and the pool fails.
 ROUTER_SILENT_DEATHS = 5
+# A front door that answered the control channel and then says nothing for this long (stopped,
+# or stuck: it answers within a tick while it serves, however busy) is killed and started
+# again, as a worker silent past --worker-timeout is: before, a SIGSTOPped front door failed
+# every request for as long as it stayed stopped, status said SERVING and nothing was logged
+# (found by a hunt).
+ROUTER_SILENT_S = 10.0
+# Silent this long, status says so (a tick or two of silence is a busy moment).
+ROUTER_QUIET_S = 2.0
 # The router's expected exit codes: supervisord restarts it after any other.
 ROUTER_EXIT_CODES = (process.EXIT_OK, process.EXIT_CONFIG_ERROR)
 
@@ -260,6 +268,11 @@ class Controller:
         self._router_silent_deaths = 0  # incarnations in a row that died before answering
         self._router_replaced = 0  # front doors that ended and were started again, in all
         self._router_since = 0.0  # wall-clock time the current one was first seen
+        # Monotonic time of the first ask the current one left unanswered since it last
+        # answered (None: it answered the last; counted from an ask, not from its last
+        # answer, so that a controller starved of CPU for a while does not take its own
+        # pause for the front door's silence).
+        self._router_silent_since: float | None = None
         self._router_running = False  # whether supervisord said last that one runs
         # Front doors started again after one could not bind the pool's ports once it had
         # served (_restart_router_later), since one last answered; and when the next is due.
@@ -1596,9 +1609,13 @@ class Controller:
                 self._router_replaced += 1
             self._router_pid, self._router_answered = pid, False
             self._router_since = self.clock.time()
+            self._router_silent_since = None
         if answered:
             self._router_answered = True
             self._router_silent_deaths = self._router_restarts = 0
+            self._router_silent_since = None
+        elif pid and self._router_answered:
+            self._kill_router_if_silent(pid)
         if self._router_silent_deaths >= ROUTER_SILENT_DEATHS:
             return f"keeps dying before it answers ({self._router_silent_deaths} in a row)"
         return ""
@@ -1729,11 +1746,37 @@ class Controller:
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
 
+    def _kill_router_if_silent(self, pid: int) -> None:
+        """A front door silent on the control channel for ROUTER_SILENT_S since it last
+        answered: killed, so that supervisord starts another (its replacement is told
+        apart by its pid, as any front door that died)."""
+        now = self.clock.monotonic()
+        if self._router_silent_since is None:
+            self._router_silent_since = now
+        silent = now - self._router_silent_since
+        if silent < ROUTER_SILENT_S:
+            return
+        log.warning(
+            "front door pid %d has not answered the control channel for %.0f s (stopped or "
+            "stuck): killed, to be started again", pid, silent,
+        )  # fmt: skip
+        self._router_silent_since = now  # once: its death is seen at a later tick
+        self.rpc("signalProcess", ROUTER_PROGRAM, "KILL")  # a refusal is logged there
+
     def _describe_front_door(self, now: float) -> dict[str, Any]:
         """The front door as a row beside the workers': SERVING once it answered the control
-        channel, STARTING before, DOWN while none runs; restarts since the pool started."""
+        channel, STARTING before, NOT ANSWERING once silent for ROUTER_QUIET_S after that (it
+        is replaced at ROUTER_SILENT_S), DOWN while none runs; restarts since the pool
+        started."""
         pid = self._router_pid if self._router_running else 0
         state = "SERVING" if pid and self._router_answered else "STARTING" if pid else "DOWN"
+        since = self._router_silent_since
+        if (
+            state == "SERVING"
+            and since is not None
+            and self.clock.monotonic() - since >= ROUTER_QUIET_S
+        ):
+            state = "NOT ANSWERING"
         return {
             "state": state,
             "pid": pid or None,

@@ -1281,6 +1281,38 @@ def test_a_front_door_that_keeps_dying_before_it_answers_fails_the_pool(pool: Po
     )
 
 
+def test_a_front_door_that_stops_answering_is_said_and_replaced(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+):
+    """Stopped (SIGSTOP) or stuck after it served: status says NOT ANSWERING, and after
+    ROUTER_SILENT_S it is killed for supervisord to start again, once (it was SERVING for as
+    long as it stayed stopped, never replaced, nothing logged; found by a hunt)."""
+    pool.start()
+    pool.tick()
+    front_door = lambda: pool.controller.status()["front_door"]  # noqa: E731
+    assert front_door()["state"] == "SERVING"
+    pool.router.answering = False
+    pool.tick(after_s=30.0)  # a controller paused as long does not count it as silence
+    assert front_door()["state"] == "SERVING"
+    pool.tick(after_s=controller_module.ROUTER_QUIET_S)
+    assert front_door()["state"] == "NOT ANSWERING"
+    assert ("signalProcess", ROUTER_PROGRAM, "KILL") not in pool.sd.calls
+    pool.tick(after_s=controller_module.ROUTER_SILENT_S)
+    kills = [c for c in pool.sd.calls if c == ("signalProcess", ROUTER_PROGRAM, "KILL")]
+    assert len(kills) == 1
+    said = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+    assert said and "front door pid 10 has not answered the control channel" in said[0], said
+    pool.tick(after_s=1.0)
+    assert len([c for c in pool.sd.calls if c[0] == "signalProcess"]) == 1, "not again at once"
+    # Its replacement answers: SERVING, and its silence counts from then.
+    pool.sd.set(ROUTER_PROGRAM, sd.RUNNING, pid=11)
+    pool.router.answering = True
+    pool.tick()
+    assert front_door()["state"] == "SERVING" and front_door()["restarts"] == 1
+    pool.tick(after_s=controller_module.ROUTER_SILENT_S)
+    assert len([c for c in pool.sd.calls if c[0] == "signalProcess"]) == 1
+
+
 def test_the_pool_fails_when_supervisord_gives_up_on_the_router(pool: Pool):
     pool.sd.logs[ROUTER_PROGRAM] = "thread 'main' panicked"
     pool.start()
@@ -1451,12 +1483,13 @@ def test_the_front_door_runs_as_many_threads_as_the_placement_says(
     pool = make_pool(workers=4, usable_cpus=tuple(range(16)), cpuset="auto")
     assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "1"
     # The environment of `mpspool start` wins.
+    auto = {"workers": 4, "usable_cpus": tuple(range(16)), "cpuset": "auto"}
     monkeypatch.setenv("MPSPOOL_ROUTER_THREADS", "3")
-    assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "3"
+    assert router_env(make_pool(**auto))["MPSPOOL_ROUTER_THREADS"] == "3"
     # One it cannot use is not passed on (the front door would fall back to one per core).
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("MPSPOOL_ROUTER_THREADS", bad)
-        assert router_env(pool)["MPSPOOL_ROUTER_THREADS"] == "1"
+        assert router_env(make_pool(**auto))["MPSPOOL_ROUTER_THREADS"] == "1"
 
 
 def test_render_config_quotes_arguments_and_escapes_percent(tmp_path: Path):

@@ -294,6 +294,39 @@ def _router_pid(pool: Pool) -> int:
     return 0
 
 
+def test_a_stopped_front_door_is_said_and_replaced(pool: Pool) -> None:
+    """SIGSTOP of the front door: status says NOT ANSWERING, and once it has been silent on
+    the control channel for 10 s the controller has it killed and supervisord starts another
+    on the same port (it stayed stopped, every request failing, while status said SERVING;
+    found by a hunt)."""
+    pid = _router_pid(pool)
+    assert pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pool.wait_for(lambda st: st["front_door"]["state"] == "NOT ANSWERING", 15, "NOT ANSWERING")
+        pool.wait_for(
+            lambda st: (
+                st["front_door"]["pid"] not in (None, pid)
+                and st["front_door"]["state"] == "SERVING"
+            ),
+            40,
+            "another front door",
+        )
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    pool.wait_ready(2)
+    streamer = Streamer(pool.port, DEMO_ROWS).start()
+    try:
+        streamer.wait_for_successes(5)
+    finally:
+        streamer.stop()
+    assert "has not answered the control channel" in pool.output()
+
+
 def test_twenty_kills_of_the_front_door_under_load_never_end_the_pool(
     tmp_path: Path, demo_model_dir: Path
 ) -> None:
