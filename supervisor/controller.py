@@ -220,6 +220,11 @@ class Controller:
         # is copied in). A HandleReloadConfigRequest applied meanwhile replaces them.
         self._file_waiting: tuple[ModelEntry, ...] = ()
         self._reloads: list[int] = []  # ids of HandleReloadConfigRequests not answered
+        # Models those added: while they load, a changed model config file waits, as TF
+        # Serving's ReloadConfig holds its lock until the models it adds are available (the
+        # file, applied meanwhile, removed such a model before it served and the request was
+        # answered OK).
+        self._reload_adds: set[str] = set()
         # Those that came while one was in effect: each waits for the one before to be
         # answered, as TF Serving's ReloadConfig holds its lock for the whole call.
         self._reloads_waiting: list[tuple[int, bytes]] = []
@@ -763,10 +768,13 @@ class Controller:
         unchanged = entries == self._file_entries
         if unchanged and (view is None or not self._file_waiting):
             return
-        if self._reloads_waiting or (unchanged and self._reloads):
+        if not self._reloads:
+            self._reload_adds = set()
+        if self._reloads_waiting or (self._reloads and (unchanged or self._reload_adds)):
             # Requests queued before this change are older: TF Serving's file poll takes the
-            # lock they wait on, so the file lands after them. Applied at a later read. (A
-            # model the file added waits for one in effect too: it may replace the models.)
+            # lock they wait on, so the file lands after them, and after one in effect that
+            # adds a model, which holds that lock until the model serves. Applied at a later
+            # read. (A model the file added waits for any in effect: it may replace them.)
             return
         if view is None or not self._view_is_current(view):
             # Read for another configuration (a reload applied meanwhile, or the file said
@@ -1076,6 +1084,7 @@ class Controller:
         # Read before the request changes anything: a version that fails as it applies (an
         # added model's publisher cannot start) failed after it was asked.
         failing = {name: model.failing_versions() for name, model in self.models.items()}
+        adds = {e.name for e in entries if e.name not in self.models}
         try:
             refused = self._apply_model_entries(view, now, source)
         except ConfigNotSaved as exc:  # nothing changed; asking again may succeed
@@ -1089,6 +1098,7 @@ class Controller:
         for name, model in self.models.items():
             model.note_reload_asked(failing.get(name, set()), first=not self._reloads, now=now)
         self._reloads.append(request_id)
+        self._reload_adds |= adds
         if self._file_waiting:
             # Newer than the file's edit: what the request says is the configuration now.
             log.info(

@@ -3110,6 +3110,35 @@ def test_a_config_file_changed_while_a_reload_waits_is_not_undone_by_it(
     assert pool.controller.status()["pool"]["version_labels"] == labels
 
 
+def test_a_config_file_changed_while_a_reload_adds_a_model_lands_once_it_serves(
+    make_pool: Callable[..., Pool], tmp_path: Path
+):
+    """TF Serving's ReloadConfig holds the lock its file poll takes until the models it adds
+    are available: a file edited meanwhile (without the added model) lands after the call is
+    answered, and then removes the model. Applied at once, it removed tower before it served
+    and the call was answered OK (found by a hunt)."""
+    pool, base, config_file = labelled_pool(make_pool, tmp_path, {})
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    tower = tmp_path / "tower"
+    (tower / "3").mkdir(parents=True)
+    (tower / "3" / "saved_model.pb").write_bytes(b"")
+    pool.router.reload_requests[7] = models_request(("demo", base, [1]), ("tower", tower, []))
+    pool.tick()
+    assert "tower/cpu-0@3" in pool.controller.slots
+    write_model_config(config_file, base, "specific { versions: 1 versions: 2 }", {})
+    pool.tick(after_s=1.0)
+    pool.tick(after_s=1.0)
+    assert pool.controller.policy.describe() == "specific:1", "the file waits for the call"
+    assert not pool.controller.models["tower"].removed
+    pool.router.register("tower/cpu-0@3", pool.sd.pid_of("tower/cpu-0@3"))
+    pool.tick()
+    assert pool.router.reload_done == [(7, 0, "")]
+    pool.tick(after_s=1.0)
+    assert pool.controller.policy.describe() == "specific:1,2"
+    assert "tower" not in pool.router.models[-1], "the file, newer, removes it"
+
+
 def test_a_config_file_changed_while_reloads_are_queued_lands_after_them(
     make_pool: Callable[..., Pool], tmp_path: Path
 ):
