@@ -172,6 +172,26 @@ def test_no_router_yet_then_one(context: zmq.Context, path: str) -> None:
     connect(d, r)
 
 
+def test_no_front_door_for_long_is_said_once(
+    context: zmq.Context,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A socket path nobody listens on (removed from the run directory) is said once, then
+    again after a connection came and went (it was retried in silence for ever)."""
+    monkeypatch.setattr(dealer_module, "UNREACHABLE_SAY_S", 0.2)
+    d = Dealer(path, b"w-1", HELLO)
+    with caplog.at_level("WARNING", logger="mpspool.worker"):
+        pump(d, until=0.6)
+    said = [
+        r.getMessage() for r in caplog.records if "no front door has listened" in r.getMessage()
+    ]
+    assert len(said) == 1 and path in said[0] and "No such file or directory" in said[0], said
+    connect(d, router(context, path))
+    assert d._unreachable_since is None and not d._unreachable_said
+
+
 def test_a_peer_that_is_not_a_router_is_refused(context: zmq.Context, path: str) -> None:
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)

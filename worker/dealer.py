@@ -59,6 +59,10 @@ IO_TIMEOUT_S = 5.0
 MAX_IOV = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 # How often a lost connection is tried again (libzmq's ZMQ_RECONNECT_IVL is 100 ms).
 RECONNECT_INTERVAL_S = 0.1
+# No front door listening for this long is said once (a restarted one listens within a second
+# or two; a worker whose socket path was removed retried in silence for ever, its log saying
+# it served; found by a hunt).
+UNREACHABLE_SAY_S = 10.0
 
 _LONG = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
@@ -228,6 +232,10 @@ class Dealer:
         self._frames: list[memoryview] = []  # the message being read: its frames so far
         self._messages: deque[list[memoryview]] = deque()  # whole messages not yet taken
         self._retry_at = 0.0
+        # Since when no front door listens (None: connected, or not tried yet), and whether
+        # that was said.
+        self._unreachable_since: float | None = None
+        self._unreachable_said = False
         self._wakeup = _signal_wakeup_fd() if wake_on_signals else None
         self._poller: select.poll | None = None  # what _wait polls: made once per connection
         self._polled: socket.socket | None = None
@@ -252,10 +260,13 @@ class Dealer:
             _send_all(sock, _message_buffers(self.hello))
         except (OSError, HandshakeError, MemoryError) as exc:
             sock.close()
-            if not isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
+            if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
+                self._note_unreachable(exc)
+            else:
                 log.warning("connecting to the front door at %s failed: %s", self.path, exc)
             self._retry_at = time.monotonic() + RECONNECT_INTERVAL_S
             return False
+        self._unreachable_since, self._unreachable_said = None, False
         with self._write_lock:
             self._sock, self._reader = sock, reader
         self._frames, self._messages = [], deque()
@@ -264,6 +275,18 @@ class Dealer:
             log.info("connected to the front door again (connection %d)", self.connections)
         self._parse()  # what came with the peer's READY is not left waiting for more bytes
         return True
+
+    def _note_unreachable(self, exc: OSError) -> None:
+        """No front door listens (yet): said once it has lasted UNREACHABLE_SAY_S."""
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        elif not self._unreachable_said and now - self._unreachable_since >= UNREACHABLE_SAY_S:
+            log.warning(
+                "no front door has listened at %s for %.0f s (%s); trying on",
+                self.path, now - self._unreachable_since, exc.strerror or exc,
+            )  # fmt: skip
+            self._unreachable_said = True
 
     def _handshake(self, sock: socket.socket, reader: _Reader) -> None:
         sock.sendall(greeting() + ready_command(b"DEALER", self.identity))
