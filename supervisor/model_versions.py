@@ -35,6 +35,9 @@ from mpspool.supervisor.supervisord import SPAWN_REFUSALS, program_logs, publish
 from mpspool.supervisor.versions import VersionGroup, VersionPolicy, VersionState
 
 log = logging.getLogger("mpspool.controller")
+# A saved_model.pb this large is mostly constants (a graph of ops alone is rarely over a few
+# MiB), which are not shared: said at publishing.
+GRAPH_WEIGHTS_SAID_BYTES = 32 * 2**20
 
 # Versions listed END in status and GetModelStatus once they are gone (retired, or failed and
 # their folder removed); TF Serving keeps them all, this keeps the last few.
@@ -275,7 +278,25 @@ class ModelVersions:
             size / 2**20,
             time.monotonic() - group.publish_started,
         )
+        self._say_graph_weights(group)
         return ""
+
+    def _say_graph_weights(self, group: VersionGroup) -> None:
+        """A large saved_model.pb holds weights as constants (a frozen graph, tensors a
+        function captured), which only variables' values are published beside: said, as
+        each worker loads its own copy of them (the pool said `shared 0B` and nothing else;
+        found by a hunt)."""
+        graph = Path(self.config.version_path(group.version)) / "saved_model.pb"
+        try:
+            graph_bytes = graph.stat().st_size
+        except OSError:
+            return  # a text SavedModel (saved_model.pbtxt), or gone: the load says so
+        if graph_bytes >= GRAPH_WEIGHTS_SAID_BYTES:
+            log.warning(
+                "%s: %s is %.1f MiB: what the graph holds (constants: a frozen graph, tensors "
+                "a function captured) is not shared; each worker loads its own copy (only "
+                "variables are shared)", group.label, graph, graph_bytes / 2**20,
+            )  # fmt: skip
 
     def _start_publisher(self, group: VersionGroup) -> subprocess.Popen[bytes]:
         """The one-shot child that publishes a version's weights (it needs TensorFlow, which

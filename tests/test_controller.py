@@ -2307,6 +2307,35 @@ def start_first_version(pool: Pool) -> VersionGroup:
     return group
 
 
+@pytest.mark.parametrize("graph_mib, said", [(40, True), (1, False)])
+def test_a_large_graph_is_said_not_shared_when_the_weights_are_published(
+    make_pool: Callable[..., Pool],
+    fake_publisher: Callable[[int], Path],
+    caplog: pytest.LogCaptureFixture,
+    graph_mib: int,
+    said: bool,
+):
+    """Constants in saved_model.pb (a frozen graph, tensors a function captured) are loaded
+    by each worker: said beside the published segment (the pool said `shared 0B` and
+    nothing else; found by a hunt)."""
+    go = fake_publisher(0)
+    pool = make_pool()
+    graph = Path(pool.controller.config.version_path(1)) / "saved_model.pb"
+    graph.parent.mkdir(parents=True, exist_ok=True)
+    with open(graph, "ab") as out:
+        out.truncate(graph_mib * 2**20)  # sparse: no disk spent
+    group = start_first_version(pool)
+    go.touch()
+    assert group.publisher is not None
+    group.publisher.wait(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick()
+    warned = [r.getMessage() for r in caplog.records if "is not shared" in r.getMessage()]
+    assert bool(warned) is said, warned
+    if said:
+        assert f"{graph} is {graph_mib:.1f} MiB" in warned[0], warned
+
+
 def test_a_publisher_that_does_not_claim_or_end_holds_neither_start_nor_stop(
     make_pool: Callable[..., Pool], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ):

@@ -1182,3 +1182,33 @@ def test_a_clock_step_does_not_make_a_live_owner_look_dead(
     assert rundir.controller_alive({**me, "started": epoch})
     assert segment.owner_alive(segment.plan("m", 1, me["pid"], epoch, []))
     assert not rundir.controller_alive({**me, "started": epoch - 5})
+
+
+def test_identical_variables_are_published_once_and_counted_once(
+    tmp_path: Path, segments: Segments
+) -> None:
+    """Two variables of the same values share one region of the segment: `shared_bytes`
+    counts it once (it said twice the segment's size; found by a hunt)."""
+    import tensorflow as tf
+
+    values = np.arange(24, dtype=np.float32).reshape(6, 4)
+
+    class Twins(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = tf.Variable(values, name="a")
+            self.b = tf.Variable(values.copy(), name="b")
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+        def serve(self, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"y": tf.gather(self.a, ids) - 2 * tf.gather(self.b, ids)}
+
+    model_dir = _save(Twins(), tmp_path / "twins" / "1")
+    path = segments.new("twins")
+    manifest = _publish(model_dir, path)
+    assert manifest.data_bytes == values.nbytes, "published once"
+    shared = _load_shared(model_dir, path)
+    ids = {"ids": np.array([5, 0], dtype=np.int64)}
+    _assert_identical(_run(shared, ids), _run(_load_plain(model_dir), ids))
+    report = shared.weights_report()
+    assert report["copied"] == {} and report["shared_bytes"] == values.nbytes, report

@@ -367,6 +367,9 @@ def verify(
     ``names``: `weight_names` of every bound variable, where ``bound`` is only some."""
     names = weight_names(bound) if names is None else names
     report = WeightsReport(segment=str(segment.path), at_risk=dict(at_risk or {}))
+    # Identical tensors are published once and bound to the same bytes: counted once (two
+    # 64 MiB twins said `shared 128MiB` over a 64 MiB segment; found by a hunt).
+    shared_at: set[int] = set()
     for key, (variable, entry) in bound.items():
         address, device = _buffer(tf, variable)
         name = names[key]
@@ -374,7 +377,9 @@ def verify(
             report.on_device[name] = entry.nbytes
             report.at_risk.pop(name, None)  # no host copy to watch for
         elif segment.contains(address):
-            report.shared_bytes += entry.nbytes
+            if address not in shared_at:
+                shared_at.add(address)
+                report.shared_bytes += entry.nbytes
         else:
             report.copied[name] = entry.nbytes
     return report
