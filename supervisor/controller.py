@@ -20,6 +20,7 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 import xmlrpc.client
@@ -448,7 +449,9 @@ class Controller:
                     failures += 1
                     log.warning("reconciling failed (%d in a row): %s", failures, exc)
                     if failures * TICK_S >= MAX_BLIND_S:
-                        raise
+                        if not self._kill_unreachable_supervisord(exc):
+                            raise
+                        failures = 0  # started again, with the pool's processes, next
         except Exception as exc:
             log.exception("controller failed")
             self.exit_code, self.exit_reason = 1, f"controller failed: {exc}"
@@ -1525,6 +1528,27 @@ class Controller:
         log.error("%s", reason)
         self.exit_code, self.exit_reason = 1, reason
         self._set_phase(PoolPhase.DRAINING, reason)
+
+    def _kill_unreachable_supervisord(self, exc: BaseException) -> bool:
+        """supervisord alive, its socket gone (removed from the run directory: nothing
+        answers at its path): killed, so that the loop starts it again with the pool's
+        processes, as one that died (the pool failed after MAX_BLIND_S, though every process
+        served; found by a hunt). False for any other failure, or a supervisord that ended."""
+        proc = self.supervisord.proc
+        if not isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
+            return False
+        if proc is None or proc.poll() is not None:
+            return False
+        log.warning(
+            "supervisord (pid %d) has not answered at its socket for %.0f s (%s): killing it, "
+            "to start it again with the pool's processes", proc.pid, MAX_BLIND_S, exc,
+        )  # fmt: skip
+        proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def _revive_supervisord(self) -> bool:
         """supervisord died (killed from outside); every process it ran went with it (their

@@ -427,3 +427,33 @@ def test_a_killed_supervisord_is_started_again_with_the_pool(
         assert pool.leftovers() == []
     finally:
         pool.kill()
+
+
+def test_a_supervisord_whose_socket_was_removed_is_started_again_with_the_pool(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """supervisord's socket removed from the run directory (a cleaner): once it has not
+    answered there for 10 s, the controller kills it and starts it again with the pool's
+    processes, as one that died (the pool failed, though every process served; found by a
+    hunt)."""
+    pool = Pool(tmp_path, demo_model_dir, 1).start()
+    try:
+        pool.wait_ready(1)
+        assert pool.proc is not None
+        old_workers = set(pool.worker_pids())
+        (pool.run_dir / "supervisord.sock").unlink()
+        pool.wait_for(
+            lambda st: (
+                st["pool"]["phase"] == "serving"
+                and bool(st["slots"])
+                and all(s["state"] == "READY" and s["pid"] not in old_workers for s in st["slots"])
+            ),
+            60,
+            "the pool serving on new workers",
+        )
+        assert pool.proc.poll() is None, pool.output()
+        assert "has not answered at its socket" in pool.output()
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
