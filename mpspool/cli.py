@@ -1354,6 +1354,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"REST API: {pool['rest']}")
     if pool.get("metrics"):
         print(f"metrics: {pool['metrics']}")
+    if pool.get("models_waiting"):
+        names = ", ".join(pool["models_waiting"])
+        print(f"waiting for a first version (model config file): {names}")
     if pool.get("cpu_placement"):
         front = pool.get("router_cpus") or "-"
         print(f"CPUs: {pool['cpu_placement']} (front door now on {front})")
@@ -1384,7 +1387,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"{'front-door':<10} {'-':>7} {front['state']:<9} {front['pid'] or '-':>7} "
             f"{uptime:>8} {front['restarts']:>8} {'-':>8} {'-':>9}  "
-            f"{front.get('cpus') or '-':<9} {'-':<25} "
+            f"{front.get('cpus') or '-':<9} {'-':<25} {front.get('reason') or ''}"
         )
     for s in status["slots"]:
         uptime = f"{s['uptime_s']:.0f}s" if s["uptime_s"] is not None else "-"

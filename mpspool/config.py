@@ -977,6 +977,17 @@ class PoolConfig:
     def validate_added(self, name: str) -> None:
         """A model added while the pool serves: a name safe in process and file names, a
         SavedModel at its first version, and room for its contexts on each GPU."""
+        self.check_added_name(name)
+        if self.gpus and self.contexts_on_gpu() > 48:
+            raise ConfigError(
+                f"model {name!r} would make {self.contexts_on_gpu()} contexts per GPU, more "
+                "than MPS's 48"
+            )
+        self.for_model(name)._validate_model()
+
+    def check_added_name(self, name: str) -> None:
+        """A name a model added while the pool serves may have (checked before its
+        versions: a model waiting for its first one is not promised a name it cannot have)."""
         check_model_name_length(name)
         if not MODEL_NAME.fullmatch(name):
             raise ConfigError(f"model name {name!r}: {MODEL_NAME_RULE}")
@@ -992,12 +1003,6 @@ class PoolConfig:
                     f"model name {name!r} is too like {model.name!r}'s: their weight segments "
                     "would share a name"
                 )
-        if self.gpus and self.contexts_on_gpu() > 48:
-            raise ConfigError(
-                f"model {name!r} would make {self.contexts_on_gpu()} contexts per GPU, more "
-                "than MPS's 48"
-            )
-        self.for_model(name)._validate_model()
 
     def _validate_model(self, models_on_disk: bool = True) -> None:
         """The settings each model has of its own."""

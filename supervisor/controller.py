@@ -279,6 +279,7 @@ class Controller:
         # answer, so that a controller starved of CPU for a while does not take its own
         # pause for the front door's silence).
         self._router_silent_since: float | None = None
+        self._router_killed = 0  # the pid of the silent one killed last
         self._router_running = False  # whether supervisord said last that one runs
         # Front doors started again after one could not bind the pool's ports once it had
         # served (_restart_router_later), since one last answered; and when the next is due.
@@ -1755,6 +1756,8 @@ class Controller:
                 "log_dir": str(self.log_dir),
                 "uptime_s": round(now - self.started, 1),
                 "exit_reason": self.exit_reason,
+                # Models the model config file added that wait for a first version.
+                "models_waiting": [e.name for e in self._file_waiting],
                 "cpu_placement": self.placement_said,
                 # Read back from the live processes, not from the config: what the OS applies.
                 "router_cpus": cpusets.affinity(self._router_pid) if self._router_pid else None,
@@ -1795,27 +1798,34 @@ class Controller:
             "stuck): killed, to be started again", pid, silent,
         )  # fmt: skip
         self._router_silent_since = now  # once: its death is seen at a later tick
+        self._router_killed = pid
         self.rpc("signalProcess", ROUTER_PROGRAM, "KILL")  # a refusal is logged there
 
     def _describe_front_door(self, now: float) -> dict[str, Any]:
         """The front door as a row beside the workers': SERVING once it answered the control
-        channel, STARTING before, NOT ANSWERING once silent for ROUTER_QUIET_S after that (it
-        is replaced at ROUTER_SILENT_S), DOWN while none runs; restarts since the pool
-        started."""
+        channel, STARTING before, SILENT once silent for ROUTER_QUIET_S after that (it is
+        replaced at ROUTER_SILENT_S; the reason says so), DOWN while none runs; restarts
+        since the pool started."""
         pid = self._router_pid if self._router_running else 0
         state = "SERVING" if pid and self._router_answered else "STARTING" if pid else "DOWN"
-        since = self._router_silent_since
-        if (
-            state == "SERVING"
-            and since is not None
-            and self.clock.monotonic() - since >= ROUTER_QUIET_S
-        ):
-            state = "NOT ANSWERING"
+        since, reason = self._router_silent_since, ""
+        silent = 0.0 if since is None else self.clock.monotonic() - since
+        killed = bool(pid) and self._router_killed == pid
+        if state == "SERVING" and (silent >= ROUTER_QUIET_S or killed):
+            state = "SILENT"
+            reason = (
+                f"killed after {ROUTER_SILENT_S:.0f} s without an answer; supervisord starts "
+                "another"
+                if killed
+                else f"no answer on the control channel for {silent:.0f} s (killed at "
+                f"{ROUTER_SILENT_S:.0f} s)"
+            )
         return {
             "state": state,
             "pid": pid or None,
             "uptime_s": round(now - self._router_since, 1) if pid else None,
             "restarts": self._router_replaced,
+            "reason": reason,
             "cpus": cpusets.affinity(pid) if pid else None,
         }
 

@@ -79,8 +79,17 @@ def read_disk_view(
         real[path] = os.path.realpath(path)
     added_entries = [e for e in entries if e.name not in served]
     waiting: list[tuple[str, str]] = []
+    refusal = ""
     if wait_for_versions:
         for entry in added_entries:
+            try:
+                # A name it cannot have is refused now, not promised "added once it has
+                # one" and refused then, holding back the others waiting with it (found by
+                # a review).
+                config.check_added_name(entry.name)
+            except ConfigError as exc:
+                refusal = f"{source}: {exc}"
+                break
             try:
                 first_version(Path(entry.base_path), entry.version_policy, entry.name)
             except NoVersionYet as exc:
@@ -90,7 +99,8 @@ def read_disk_view(
         left_out = {name for name, _ in waiting}
         added_entries = [e for e in added_entries if e.name not in left_out]
     added: PoolConfig | None = None
-    refusal = ""
+    if refusal:
+        return DiskView(config, tuple(entries), listed, real, None, refusal, tuple(waiting))
     if added_entries:
         try:
             added = _with_added(config, added_entries)

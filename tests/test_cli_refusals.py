@@ -446,11 +446,15 @@ def test_status_prints_where_the_pool_answers(
     from mpspool import cli
 
     urls = {"rest": "http://127.0.0.1:5/v1/models/demo", "metrics": "http://127.0.0.1:6/metrics"}
-    answer = {**STATUS, "pool": {**STATUS["pool"], **urls}}
+    answer = {**STATUS, "pool": {**STATUS["pool"], **urls, "models_waiting": ["late", "c"]}}
     monkeypatch.setattr(cli, "_ask_pool", lambda *args, **kwargs: answer)
     assert cli.main(["status", "--run-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1:3] == [f"REST API: {urls['rest']}", f"metrics: {urls['metrics']}"], lines
+    assert lines[1:4] == [
+        f"REST API: {urls['rest']}",
+        f"metrics: {urls['metrics']}",
+        "waiting for a first version (model config file): late, c",
+    ], lines
 
 
 def test_status_says_which_gpu_is_down_and_why(

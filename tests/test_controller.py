@@ -1284,7 +1284,7 @@ def test_a_front_door_that_keeps_dying_before_it_answers_fails_the_pool(pool: Po
 def test_a_front_door_that_stops_answering_is_said_and_replaced(
     pool: Pool, caplog: pytest.LogCaptureFixture
 ):
-    """Stopped (SIGSTOP) or stuck after it served: status says NOT ANSWERING, and after
+    """Stopped (SIGSTOP) or stuck after it served: status says SILENT, and after
     ROUTER_SILENT_S it is killed for supervisord to start again, once (it was SERVING for as
     long as it stayed stopped, never replaced, nothing logged; found by a hunt)."""
     pool.start()
@@ -1295,11 +1295,14 @@ def test_a_front_door_that_stops_answering_is_said_and_replaced(
     pool.tick(after_s=30.0)  # a controller paused as long does not count it as silence
     assert front_door()["state"] == "SERVING"
     pool.tick(after_s=controller_module.ROUTER_QUIET_S)
-    assert front_door()["state"] == "NOT ANSWERING"
+    assert front_door()["state"] == "SILENT"
+    assert front_door()["reason"] == "no answer on the control channel for 2 s (killed at 10 s)"
     assert ("signalProcess", ROUTER_PROGRAM, "KILL") not in pool.sd.calls
     pool.tick(after_s=controller_module.ROUTER_SILENT_S)
     kills = [c for c in pool.sd.calls if c == ("signalProcess", ROUTER_PROGRAM, "KILL")]
     assert len(kills) == 1
+    assert front_door()["state"] == "SILENT", "killed, not yet replaced"
+    assert front_door()["reason"].startswith("killed after 10 s without an answer")
     said = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
     assert said and "front door pid 10 has not answered the control channel" in said[0], said
     pool.tick(after_s=1.0)
@@ -3321,16 +3324,36 @@ def test_a_model_the_file_adds_before_it_has_a_version_waits_while_the_rest_appl
     said = [r.getMessage() for r in caplog.records if "model late" in r.getMessage()]
     assert len(said) == 1 and "added once it has one" in said[0], said
     assert (pool.controller.run_dir / "pool.json").stat().st_mtime_ns == saved
+    assert pool.controller.status()["pool"]["models_waiting"] == ["late"]
     (late / "5").mkdir(parents=True)
     (late / "5" / "saved_model.pb").write_bytes(b"")
     pool.tick(after_s=1.0)
     pool.tick()
     assert list(pool.controller.models) == ["demo", "tower", "late"], "tower drains on"
+    assert pool.controller.status()["pool"]["models_waiting"] == []
     assert "late/cpu-0@5" in pool.controller.slots
     assert pool.router.models[-1] == ["demo", "late"]
     saved_models = PoolConfig.load(pool.controller.run_dir).served_models()
     assert [m.name for m in saved_models] == ["demo", "tower", "late"]
     assert pool.controller.policy.describe() == "all"
+
+
+def test_a_model_the_file_adds_without_a_version_and_with_a_name_it_cannot_have_is_refused(
+    make_pool: Callable[..., Pool], tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Refused when the edit is read, in the name rule's words, not promised "added once it
+    has one", refused then and holding back a model that waited with it (found by a
+    review)."""
+    pool, _, _ = late_model_pool(make_pool, tmp_path)
+    config_file = Path(pool.controller.config.model_config_file)
+    config_file.write_text(config_file.read_text().replace('name: "late"', 'name: "h x"'))
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=1.0)
+        pool.tick(after_s=1.0)
+    said = [r.getMessage() for r in caplog.records if "h x" in r.getMessage()]
+    assert len(said) == 1 and "a pool of several models needs names" in said[0], said
+    assert pool.controller.policy.describe() == "specific:1", "nothing of the edit applied"
+    assert "h x" not in pool.controller.models
 
 
 def test_a_reload_after_the_file_added_a_model_without_a_version_replaces_it(

@@ -295,7 +295,7 @@ def _router_pid(pool: Pool) -> int:
 
 
 def test_a_stopped_front_door_is_said_and_replaced(pool: Pool) -> None:
-    """SIGSTOP of the front door: status says NOT ANSWERING, and once it has been silent on
+    """SIGSTOP of the front door: status says SILENT, and once it has been silent on
     the control channel for 10 s the controller has it killed and supervisord starts another
     on the same port (it stayed stopped, every request failing, while status said SERVING;
     found by a hunt)."""
@@ -303,7 +303,7 @@ def test_a_stopped_front_door_is_said_and_replaced(pool: Pool) -> None:
     assert pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        pool.wait_for(lambda st: st["front_door"]["state"] == "NOT ANSWERING", 15, "NOT ANSWERING")
+        pool.wait_for(lambda st: st["front_door"]["state"] == "SILENT", 15, "SILENT")
         pool.wait_for(
             lambda st: (
                 st["front_door"]["pid"] not in (None, pid)

@@ -1081,25 +1081,13 @@ impl Actor {
     /// worker (it waits for one).
     fn reroute_queued(&mut self) {
         let now = std::time::Instant::now();
-        for (id, mut queued) in self.queue.take_all(now) {
+        for (id, queued) in self.queue.take_all(now) {
             self.left_queue(&queued);
             if queued.answer.is_closed() {
                 self.left_unanswered(&queued);
                 continue;
             }
-            let route = self.routable.borrow().route(queued.request.target);
-            match route {
-                Some(servable) => {
-                    if servable != queued.servable {
-                        self.moved(&mut queued, servable);
-                    }
-                    self.queue_push(id, queued);
-                }
-                None => {
-                    let alone = queued.alone;
-                    let _ = queued.answer.send(Outcome::NoWorker { alone });
-                }
-            }
+            self.route_back(id, queued);
         }
         let ready = self.table.ready_by_servable();
         self.queue
@@ -1297,10 +1285,15 @@ impl Actor {
         self.publish_ready();
     }
 
-    /// Back to the queue of the version it routes to if some worker can take it; NoWorker
-    /// to its caller otherwise.
+    /// Back to the queue, as if it had just arrived.
     fn requeue(&mut self, id: u64, mut queued: Queued) {
         queued.enqueued = std::time::Instant::now();
+        self.route_back(id, queued);
+    }
+
+    /// Into the queue of the version it routes to now if some worker can take it; NoWorker
+    /// to its caller otherwise.
+    fn route_back(&mut self, id: u64, mut queued: Queued) {
         let route = self.routable.borrow().route(queued.request.target);
         match route {
             Some(servable) => {
