@@ -986,13 +986,6 @@ impl Actor {
     /// room.
     fn pump(&mut self) {
         let mut wake: Option<std::time::Instant> = None;
-        // Requests the batches may look at past their heads, together: once spent, a head
-        // leaves or waits with no others gathered to it this round (they join at the next
-        // pump), so that many batches filling at once (inputs of many lengths, each a batch
-        // of its own) do not make each pump scan the queue once per batch (found by a
-        // review: 15× the front door's CPU with 200 filling), and the loop still reaches
-        // every version's requests.
-        let mut scan_left = PUMP_SCAN;
         loop {
             if std::mem::take(&mut self.reroute) {
                 self.reroute_queued();
@@ -1002,6 +995,16 @@ impl Actor {
                 if !self.table.has_room(self.worker_inflight) {
                     break;
                 }
+                // Requests each version's batches may look at past their heads, together:
+                // once spent, a head leaves or waits with no others gathered to it this round
+                // (they join at the next pump), so that many batches filling at once (inputs
+                // of many lengths, each a batch of its own) do not make each pump scan the
+                // queue once per batch (found by a review: 15× the front door's CPU with 200
+                // filling), and the loop still reaches every request. Each version has a
+                // budget of its own, as each has queues of its own: one shared by all, the
+                // first versions' filling batches spent it and a later version's batch left
+                // with one row of its 20 (found by a review).
+                let mut scan_left = PUMP_SCAN;
                 if let Some(until) = self.pump_version(servable, &mut scan_left) {
                     wake = Some(wake.map_or(until, |w| w.min(until)));
                 }

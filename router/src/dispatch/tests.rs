@@ -2342,3 +2342,48 @@ async fn a_request_that_moves_to_another_version_takes_that_versions_batching() 
     );
     dispatcher.shutdown();
 }
+
+fn of_width(width: usize, version: i64) -> WorkRequest {
+    WorkRequest {
+        target: Target {
+            model: 0,
+            version,
+            pinned: true,
+        },
+        signature: "serving_default".into(),
+        tensors: vec![("x".into(), 1, vec![1, width as i64])],
+        frames: vec![Bytes::from(vec![0u8; 4 * width])],
+        outputs: vec!["x".into()],
+        row_wise: true,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_versions_filling_batches_do_not_cut_anothers_batch_short() {
+    // Version 2's 20 requests of one shape arrive first; then 700 for version 1, each of
+    // its own width (a batch of its own, all filling). With one scan budget for every
+    // version, version 1's batches spent it and version 2's left with 1 row, then 19
+    // (found by a review); each version's batches now look at its own queue on their own.
+    let (_dir, dir) = run_dir();
+    let (dispatcher, state) = start_scheduled(&dir, &batching(64, 1_000, vec![], 100_000));
+    let _one = FakeWorker::serving(&dir, "cpu-0@1", 100, 1, Behaviour::Echo);
+    let two = FakeWorker::serving(&dir, "cpu-0@2", 200, 2, Behaviour::Echo);
+    ready(&dispatcher, 2).await;
+    let call = |work: WorkRequest| {
+        let d = dispatcher.clone();
+        tokio::spawn(async move { d.call(work, None).await })
+    };
+    let mut calls = Vec::new();
+    for _ in 0..20 {
+        calls.push(call(of_width(2, 2)));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    calls.extend((0..700).map(|width| call(of_width(3 + width, 1))));
+    for answered in calls {
+        let answered = tokio::time::timeout(Duration::from_secs(20), answered).await;
+        assert!(answered.expect("answered in time").expect("joined").is_ok());
+    }
+    assert_eq!(two.rows_seen(), vec![20], "one call of all 20 rows");
+    assert_eq!(state.queued.load(Ordering::Relaxed), 0);
+    dispatcher.shutdown();
+}
