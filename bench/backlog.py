@@ -36,7 +36,7 @@ import numpy as np
 import psutil
 
 from bench import harness
-from bench.echo_worker import _wait_registered, serve, signature_defs
+from bench.echo_worker import _wait_registered, serve, signature_defs, stop_processes
 from mpspool import process
 from mpspool.config import PoolConfig, ServedModel
 from mpspool.router import binary_path
@@ -84,14 +84,7 @@ def two_model_pool(binary: str, delay_ms: float) -> Iterator[tuple[int, psutil.P
         port, _ = _wait_registered(run_dir, procs, 30.0)
         yield port, psutil.Process(procs[0].pid)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

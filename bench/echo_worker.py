@@ -158,15 +158,20 @@ def worker_pool(
             model=model,
         )
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each, then each waited for (10 s, then SIGKILL)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_registered(
