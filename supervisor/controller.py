@@ -65,10 +65,6 @@ SUPERVISORD_DEATHS = 3
 SUPERVISORD_DEATHS_WINDOW_S = 300.0
 # Front doors in a row that die before they ever answer: a crash loop, and the pool fails.
 ROUTER_SILENT_DEATHS = 5
-# How long a stop of workers while the pool serves (a version retired, a model removed, a
-# failed load try) is waited for before the loop goes on; what still runs then is looked at
-# each tick until it has stopped (supervisord SIGKILLs it after its stopwaitsecs).
-STOP_WAIT_S = 1.0
 # A front door that answered the control channel and then says nothing for this long (stopped,
 # or stuck: it answers within a tick while it serves, however busy) is killed and started
 # again, as a worker silent past --worker-timeout is: before, a SIGSTOPped front door failed
@@ -1443,16 +1439,13 @@ class Controller:
         self._spawn_refused[program] = why
 
     def stop_groups(self, groups: list[str]) -> None:
-        """Their workers stop, all at once; back when none runs, or after STOP_WAIT_S with
-        what still runs left to the later looks. A group whose stop failed (supervisord slow
-        to answer, or a process that outlived its SIGKILL) is stopped again at each look
-        until none of it runs (`_stop_unstopped`): it was forgotten, and its workers ran on
-        untracked until the pool's shutdown, each holding its memory and its mapping of a
-        segment already unlinked. Not waited for to the end: a worker that ignores SIGTERM
-        (stuck) held the loop until supervisord's SIGKILL 10 s later, and with it status,
-        restarts, reloads and the file's polls (found by a review)."""
+        """Their workers stop, all at once; back when none runs. A group whose stop failed
+        (supervisord slow to answer, or a process that outlived its SIGKILL) is stopped
+        again at each look until none of it runs (`_stop_unstopped`): it was forgotten, and
+        its workers ran on untracked until the pool's shutdown, each holding its memory
+        and its mapping of a segment already unlinked."""
         try:
-            left = self.supervisord.stop_groups(groups, timeout=STOP_WAIT_S)
+            left = self.supervisord.stop_groups(groups)
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("stopping %s failed (stopped again at the next look): %s",
                         ", ".join(groups), exc)  # fmt: skip
@@ -1460,10 +1453,7 @@ class Controller:
             return
         self._unstopped.difference_update(groups)
         if left:
-            log.info(
-                "still running %g s after their stop, looked at again at each tick: %s",
-                STOP_WAIT_S, ", ".join(left),
-            )  # fmt: skip
+            log.warning("still running after 60 s of stopping: %s", ", ".join(left))
             self._unstopped.update(program.split(":")[0] for program in left)
 
     def _stop_unstopped(self, infos: dict[str, dict[str, Any]]) -> None:
