@@ -4,6 +4,7 @@ can no longer load. Requests must not fail, slots must come back (or give up cle
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -294,37 +295,42 @@ def _router_pid(pool: Pool) -> int:
     return 0
 
 
-def test_a_stopped_front_door_is_said_and_replaced(pool: Pool) -> None:
-    """SIGSTOP of the front door: status says SILENT, and once it has been silent on
-    the control channel for 10 s the controller has it killed and supervisord starts another
+def test_a_stopped_front_door_is_said_and_replaced(tmp_path: Path, demo_model_dir: Path) -> None:
+    """SIGSTOP of the front door: status says SILENT, and once it has been silent on the
+    control channel for 10 s the controller has it killed and supervisord starts another
     on the same port (it stayed stopped, every request failing, while status said SERVING;
     found by a hunt)."""
-    pid = _router_pid(pool)
-    assert pid
-    os.kill(pid, signal.SIGSTOP)
+    pool = Pool(tmp_path, demo_model_dir, 1).start()
     try:
-        pool.wait_for(lambda st: st["front_door"]["state"] == "SILENT", 15, "SILENT")
-        pool.wait_for(
-            lambda st: (
-                st["front_door"]["pid"] not in (None, pid)
-                and st["front_door"]["state"] == "SERVING"
-            ),
-            40,
-            "another front door",
-        )
-    finally:
+        pool.wait_ready(1)
+        pid = _router_pid(pool)
+        assert pid
+        os.kill(pid, signal.SIGSTOP)
         try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    pool.wait_ready(2)
-    streamer = Streamer(pool.port, DEMO_ROWS).start()
-    try:
-        streamer.wait_for_successes(5)
+            pool.wait_for(lambda st: st["front_door"]["state"] == "SILENT", 15, "SILENT")
+            pool.wait_for(
+                lambda st: (
+                    st["front_door"]["pid"] not in (None, pid)
+                    and st["front_door"]["state"] == "SERVING"
+                ),
+                40,
+                "another front door",
+            )
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        pool.wait_ready(1)
+        streamer = Streamer(pool.port, DEMO_ROWS).start()
+        try:
+            streamer.wait_for_successes(5)
+        finally:
+            streamer.stop()
+        assert "has not answered the control channel" in pool.output()
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
     finally:
-        streamer.stop()
-    assert "has not answered the control channel" in pool.output()
+        pool.kill()
 
 
 def test_twenty_kills_of_the_front_door_under_load_never_end_the_pool(
