@@ -73,6 +73,8 @@ ROUTER_SILENT_DEATHS = 5
 ROUTER_SILENT_S = 10.0
 # Silent this long, status says so (a tick or two of silence is a busy moment).
 ROUTER_QUIET_S = 2.0
+# A worker not ready this long after it started is said (it goes on loading).
+LONG_LOAD_S = 120.0
 # The router's expected exit codes: supervisord restarts it after any other.
 ROUTER_EXIT_CODES = (process.EXIT_OK, process.EXIT_CONFIG_ERROR)
 
@@ -631,6 +633,8 @@ class Controller:
                 slot.change_state(
                     WorkerState.STARTING, "no longer registered with the router", logging.INFO
                 )
+            elif slot.state is WorkerState.STARTING:
+                self._say_long_load(slot, pid)
             return
         if state == sd.BACKOFF:
             return  # supervisord is retrying a process that died right after spawn
@@ -1782,6 +1786,21 @@ class Controller:
             "slots": [self._describe(slot, now) for slot in self.slots.values()],
             "gpus": self.gpu.status(self._infos()) if self.config.gpus else [],
         }
+
+    def _say_long_load(self, slot: Slot, pid: int) -> None:
+        """A worker not ready LONG_LOAD_S after it started: said once (log, and its reason
+        in status) for its process, which goes on loading (a large model, or a read that
+        hangs: a worker stuck reading a dead NFS mount was STARTING for ever, with no
+        reason anywhere; found by a hunt). TF Serving has no load timeout either."""
+        loading = self.clock.time() - slot.started_at
+        if slot.long_load_said == pid or not slot.started_at or loading < LONG_LOAD_S:
+            return
+        slot.long_load_said = pid
+        slot.reason = (
+            f"pid {pid} not ready {loading:.0f} s after it started: still loading (a large "
+            "model, or a read that hangs); its log says more"
+        )
+        log.warning("slot %s: %s", slot.key, slot.reason)
 
     def _kill_router_if_silent(self, pid: int) -> None:
         """A front door silent on the control channel for ROUTER_SILENT_S since it last

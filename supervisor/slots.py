@@ -44,6 +44,7 @@ class Slot:
     start_pending: bool = False  # a start was asked for and its process not yet seen
     weights: dict[str, Any] | None = None  # where the current process's variables live
     priority_restored: int = 0  # the pid moved to its serving policy after loading
+    long_load_said: int = 0  # the pid whose long load was said (Controller._say_long_load)
 
     @property
     def restarts(self) -> int:

@@ -4188,3 +4188,29 @@ def test_status_says_the_thread_counts_given_instead_of_the_placements(
     monkeypatch.delenv("MPSPOOL_ROUTER_THREADS")
     plain = make_pool().controller.status()["pool"]["cpu_placement"]
     assert "in effect instead" not in plain, plain
+
+
+def test_a_worker_still_loading_long_after_its_start_is_said_once(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+):
+    """Not ready LONG_LOAD_S after it started (a read of a dead NFS mount, stood in for by a
+    worker that never registers): said once, in the log and as its reason in status, and it
+    goes on loading; READY clears the reason (it was STARTING for ever, with no reason
+    anywhere; found by a hunt)."""
+    pool.start()
+    pid = pool.sd.pid_of("cpu-0")
+    pool.sd.run(key_of("cpu-0"), pid)
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        pool.tick(after_s=controller_module.LONG_LOAD_S - 1)
+        assert pool.slot("cpu-0").reason == ""
+        for _ in range(3):
+            pool.tick(after_s=1.0)
+    said = [m for r in caplog.records if "cpu-0@1: pid" in (m := r.getMessage())]
+    assert len(said) == 1 and said[0].startswith(f"slot cpu-0@1: pid {pid} not ready 12"), said
+    assert pool.slot("cpu-0").state is S.STARTING
+    assert pool.slot("cpu-0").reason.endswith(
+        "still loading (a large model, or a read that hangs); its log says more"
+    )
+    pool.router.register("cpu-0", pid)
+    pool.tick()
+    assert pool.slot("cpu-0").state is S.READY and pool.slot("cpu-0").reason == ""
