@@ -181,6 +181,14 @@ def rest_url(host: str, port: int, model: str) -> str:
     return f"http://{url_host(host)}:{port}/v1/models/{quote(model, safe='')}"
 
 
+def entries_in_force(config: PoolConfig) -> list[ModelEntry]:
+    """The models a configuration serves, as a model config file's entries say them."""
+    return [
+        ModelEntry(m.name, m.base_path, m.version_policy, dict(m.version_labels))
+        for m in config.served_models()
+    ]
+
+
 class Controller:
     def __init__(
         self,
@@ -213,10 +221,7 @@ class Controller:
         )
         # What the file said last: it is applied again only when it says something new (a
         # HandleReloadConfigRequest in between is not undone by an unchanged file).
-        self._file_entries = [
-            ModelEntry(m.name, m.base_path, m.version_policy, dict(m.version_labels))
-            for m in config.served_models()
-        ]
+        self._file_entries = entries_in_force(config)
         # Models the file's last edit added that had no version yet: the rest of that edit
         # applied, these are added alone over what is in force at the first read that finds
         # a version (TF Serving's file poll adds such a model and serves it once a version
@@ -776,8 +781,6 @@ class Controller:
         unchanged = entries == self._file_entries
         if unchanged and (view is None or not self._file_waiting):
             return
-        if not self._reloads:
-            self._reload_adds = set()
         if self._reloads_waiting or (self._reloads and (unchanged or self._reload_adds)):
             # Requests queued before this change are older: TF Serving's file poll takes the
             # lock they wait on, so the file lands after them, and after one in effect that
@@ -856,10 +859,7 @@ class Controller:
             return entries, None
         # Only the models that waited for a version, beside those served (the loop leaves
         # out any being removed).
-        served = [
-            ModelEntry(m.name, m.base_path, m.version_policy, dict(m.version_labels))
-            for m in config.served_models()
-        ]
+        served = entries_in_force(config)
         return entries, read_disk_view(config, [*served, *waiting], source, wait_for_versions=True)
 
     def _view_is_current(self, view: DiskView) -> bool:
@@ -1105,6 +1105,8 @@ class Controller:
             self.models[entry.name].labels_asked = dict(entry.labels)
         for name, model in self.models.items():
             model.note_reload_asked(failing.get(name, set()), first=not self._reloads, now=now)
+        if not self._reloads:
+            self._reload_adds = set()  # those answered before added theirs
         self._reloads.append(request_id)
         self._reload_adds |= adds
         if self._file_waiting:

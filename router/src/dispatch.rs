@@ -677,7 +677,7 @@ fn call_deadline(members: &[(u64, Queued)]) -> Option<Instant> {
 
 /// Requests looked at past the head for a batch, so a pump's work stays bounded.
 const GATHER_SCAN: usize = 256;
-/// Requests the batches of one pump look at past their heads, together (`Actor::pump`).
+/// Requests one version's batches look at past their heads in one pump (`Actor::pump_version`).
 const PUMP_SCAN: usize = 2 * GATHER_SCAN;
 /// Merged calls get ids of their own, apart from the callers' (which count up from 1).
 const FIRST_BATCH_ID: u64 = 1 << 62;
@@ -995,17 +995,7 @@ impl Actor {
                 if !self.table.has_room(self.worker_inflight) {
                     break;
                 }
-                // Requests each version's batches may look at past their heads, together:
-                // once spent, a head leaves or waits with no others gathered to it this round
-                // (they join at the next pump), so that many batches filling at once (inputs
-                // of many lengths, each a batch of its own) do not make each pump scan the
-                // queue once per batch (found by a review: 15× the front door's CPU with 200
-                // filling), and the loop still reaches every request. Each version has a
-                // budget of its own, as each has queues of its own: one shared by all, the
-                // first versions' filling batches spent it and a later version's batch left
-                // with one row of its 20 (found by a review).
-                let mut scan_left = PUMP_SCAN;
-                if let Some(until) = self.pump_version(servable, &mut scan_left) {
+                if let Some(until) = self.pump_version(servable) {
                     wake = Some(wake.map_or(until, |w| w.min(until)));
                 }
             }
@@ -1022,11 +1012,16 @@ impl Actor {
 
     /// Send `servable`'s waiting requests while one of its workers has room; when a batch
     /// left filling must leave, if one is.
-    fn pump_version(
-        &mut self,
-        servable: Servable,
-        scan_left: &mut usize,
-    ) -> Option<std::time::Instant> {
+    fn pump_version(&mut self, servable: Servable) -> Option<std::time::Instant> {
+        // Requests this version's batches may look at past their heads, together: once
+        // spent, a head leaves or waits with no others gathered to it this round (they join
+        // at the next pump), so that many batches filling at once (inputs of many lengths,
+        // each a batch of its own) do not make each pump scan the queue once per batch
+        // (found by a review: 15× the front door's CPU with 200 filling), and the loop still
+        // reaches every request. Each version has a budget of its own, as each has queues of
+        // its own: with one shared by all, the first versions' filling batches spent it and a
+        // later version's batch left with one row of its 20 (found by a review).
+        let mut scan_left = PUMP_SCAN;
         // Batches short of full waiting out their `batch_timeout_micros`: they go back, while
         // what is behind them (other signatures, a full batch) goes on, as each of TF
         // Serving's batch queues is a queue of its own.
@@ -1057,7 +1052,7 @@ impl Actor {
                 held.push((id, head));
                 continue;
             }
-            match self.gather(id, head, now, scan_left) {
+            match self.gather(id, head, now, &mut scan_left) {
                 Gathered::Send { members, padded } => {
                     for (_, member) in &members {
                         let waited = now.saturating_duration_since(member.arrived);
