@@ -65,6 +65,10 @@ SUPERVISORD_DEATHS = 3
 SUPERVISORD_DEATHS_WINDOW_S = 300.0
 # Front doors in a row that die before they ever answer: a crash loop, and the pool fails.
 ROUTER_SILENT_DEATHS = 5
+# How long a stop of workers while the pool serves (a version retired, a model removed, a
+# failed load try) is waited for before the loop goes on; what still runs then is looked at
+# each tick until it has stopped (supervisord SIGKILLs it after its stopwaitsecs).
+STOP_WAIT_S = 1.0
 # A front door that answered the control channel and then says nothing for this long (stopped,
 # or stuck: it answers within a tick while it serves, however busy) is killed and started
 # again, as a worker silent past --worker-timeout is: before, a SIGSTOPped front door failed
@@ -1445,13 +1449,16 @@ class Controller:
         self._spawn_refused[program] = why
 
     def stop_groups(self, groups: list[str]) -> None:
-        """Their workers stop, all at once; back when none runs. A group whose stop failed
-        (supervisord slow to answer, or a process that outlived its SIGKILL) is stopped
-        again at each look until none of it runs (`_stop_unstopped`): it was forgotten, and
-        its workers ran on untracked until the pool's shutdown, each holding its memory
-        and its mapping of a segment already unlinked."""
+        """Their workers stop, all at once; back when none runs, or after STOP_WAIT_S with
+        what still runs left to the later looks. A group whose stop failed (supervisord slow
+        to answer, or a process that outlived its SIGKILL) is stopped again at each look
+        until none of it runs (`_stop_unstopped`): it was forgotten, and its workers ran on
+        untracked until the pool's shutdown, each holding its memory and its mapping of a
+        segment already unlinked. Not waited for to the end: a worker that ignores SIGTERM
+        (stuck) held the loop until supervisord's SIGKILL 10 s later, and with it status,
+        restarts, reloads and the file's polls (found by a review)."""
         try:
-            left = self.supervisord.stop_groups(groups)
+            left = self.supervisord.stop_groups(groups, timeout=STOP_WAIT_S)
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("stopping %s failed (stopped again at the next look): %s",
                         ", ".join(groups), exc)  # fmt: skip
@@ -1459,8 +1466,16 @@ class Controller:
             return
         self._unstopped.difference_update(groups)
         if left:
-            log.warning("still running after 60 s of stopping: %s", ", ".join(left))
+            log.info(
+                "still running %g s after their stop, looked at again at each tick: %s",
+                STOP_WAIT_S, ", ".join(left),
+            )  # fmt: skip
             self._unstopped.update(program.split(":")[0] for program in left)
+
+    def still_stopping(self, group: str) -> bool:
+        """Whether processes of program group ``group`` were told to stop and may still run
+        (`stop_groups`): starting it meanwhile spawns nothing (supervisord runs it still)."""
+        return group in self._unstopped
 
     def _stop_unstopped(self, infos: dict[str, dict[str, Any]]) -> None:
         """The program groups whose stop failed, told again without waiting (a look that
@@ -1468,8 +1483,7 @@ class Controller:
         none of a group runs (`infos`: this look's), supervisord's programs are synced, and
         a group that left the pool is removed then (removing one still running is refused,
         and that refusal ended the sync before any group was added)."""
-        # One started again since (a load try after the failed one) is that try's now.
-        self._unstopped -= {g.group for g in self.groups() if g.workers_started}
+        # (None is started again meanwhile: a load's start waits for them, `still_stopping`.)
         if not self._unstopped:
             return
         live = [i for i in infos.values() if i.get("group") in self._unstopped]
@@ -1480,10 +1494,15 @@ class Controller:
                 self.rpc("stopProcessGroup", group, False)
             except (OSError, xmlrpc.client.Error) as exc:
                 log.warning("stopping %s failed (stopped again at the next look): %s", group, exc)
-        if not self._unstopped - running:
+        stopped = self._unstopped - running
+        if not stopped:
             return
         self._unstopped &= running
         try:
+            # Out of supervisord before the sync: one wanted again (a model added back) is
+            # then added as its programs read now, not kept as they were (another base path).
+            for group in sorted(stopped):
+                self.rpc("removeProcessGroup", group)  # (a refusal, BAD_NAME: gone already)
             self.sync_supervisord()
         except (OSError, xmlrpc.client.Error) as exc:
             log.warning("syncing supervisord's programs failed: %s", exc)

@@ -74,6 +74,8 @@ class Pool(Protocol):
 
     def stop_groups(self, groups: list[str]) -> None: ...
 
+    def still_stopping(self, group: str) -> bool: ...
+
     def sync_supervisord(self) -> None: ...
 
     def forget(self, slot: Slot, why: str, tell_router: bool = True) -> None: ...
@@ -562,7 +564,19 @@ class ModelVersions:
         """`start_workers` for a load try, whose failure (supervisord slow to answer, or gone
         for a moment; its configuration not written) is that try's: tried again later as a
         failed load. It escaped before, with the publisher already forgotten, and the
-        version stayed LOADING for ever with nothing left to move it (found by a review)."""
+        version stayed LOADING for ever with nothing left to move it (found by a review).
+        Not while processes of its program group still stop (`start_waits_for_stop`):
+        supervisord would spawn nothing for a group it still runs, and the old process's
+        end (its SIGKILL) failed the new load; `_advance_loading` comes back each tick."""
+        if self.pool.still_stopping(group.group):
+            if not group.start_waits_for_stop:
+                log.info(
+                    "%s: its workers start once the earlier processes of %s have stopped",
+                    group.label, group.group,
+                )  # fmt: skip
+            group.start_waits_for_stop = True
+            return
+        group.start_waits_for_stop = False
         try:
             self.start_workers(group, f"version {group.version} loading")
         except (OSError, xmlrpc.client.Error) as exc:
@@ -645,6 +659,9 @@ class ModelVersions:
             if not group.workers_started:
                 self._start_workers_or_fail(group, now)
                 return
+        elif group.start_waits_for_stop:
+            self._start_workers_or_fail(group, now)
+            return
         slots = list(group.slots.values())
         ready = [s for s in slots if s.state is WorkerState.READY]
         others = self.serving_version() is not None

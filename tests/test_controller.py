@@ -2158,6 +2158,59 @@ def test_a_group_whose_stop_failed_is_stopped_again_then_removed(
     assert not any(i["group"] == "v1" for i in pool.sd.programs.values())
 
 
+def test_a_version_rolled_back_to_starts_once_its_old_processes_have_stopped(
+    make_pool: Callable[..., Pool],
+):
+    """A retired version's worker that outlives the stop's wait (ignores SIGTERM until
+    supervisord's SIGKILL) holds nothing else: the controller goes on. A rollback to that
+    version meanwhile reuses its program group: its start waits until the old process has
+    stopped (supervisord spawned nothing for a group it still ran, and the old process's
+    SIGKILL then failed the load), and the group is added again as its programs read now."""
+    from mpspool.supervisor.versions import VersionPolicy
+
+    pool, base = versioned_pool(make_pool, [1])
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+
+    def one_ignores_its_stop(groups: list[str], timeout: float = 60.0) -> list[str]:
+        assert timeout <= 1.0, "the loop waits for a stop only briefly"
+        for group in groups:
+            FakeRPC(pool.sd).stopProcessGroup(group, False)
+        if groups == ["v1"]:
+            pool.sd.set("v1:cpu-0", sd.STOPPING, pid=101)
+            return ["v1:cpu-0"]
+        return []
+
+    pool.sd.stop_groups = one_ignores_its_stop  # type: ignore[method-assign]
+    pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
+    pool.tick(after_s=0.2)
+    model = pool.controller.model
+    assert 1 not in model.groups and pool.controller.still_stopping("v1")
+    model.set_policy(VersionPolicy.parse("specific:1"), pool.clock.now)
+    starts = len(pool.sd.rpc_calls("startProcessGroup"))
+    for _ in range(3):
+        pool.tick(after_s=0.2)
+    assert model.groups[1].state is VersionState.LOADING
+    assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "not while v1:cpu-0 runs"
+    assert model.groups[1].start_waits_for_stop
+    pool.sd.set("v1:cpu-0", sd.STOPPED)  # supervisord's SIGKILL
+    pool.tick(after_s=0.2)
+    assert not pool.controller.still_stopping("v1")
+    removed = pool.sd.calls.index(("removeProcessGroup", "v1"))
+    assert ("addProcessGroup", "v1") in pool.sd.calls[removed:], "added again as it reads now"
+    pool.tick(after_s=0.2)
+    assert pool.sd.rpc_calls("startProcessGroup")[starts:] == [("startProcessGroup", "v1")]
+    for name in ("cpu-0", "cpu-1"):
+        pid = pool.sd.pid_of(f"{name}@1")
+        assert pid not in (0, 101)
+        pool.router.register(f"{name}@1", pid)
+    pool.tick(after_s=0.2)
+    assert model.groups[1].state is VersionState.AVAILABLE
+
+
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
     make_pool: Callable[..., Pool],
 ):

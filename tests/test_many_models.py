@@ -10,7 +10,9 @@ TensorFlow call of the version it names; the official client, `curl` for REST.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -19,6 +21,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import tensorflow as tf
 from google.protobuf import text_format
@@ -353,4 +356,74 @@ def test_a_reload_waiting_when_the_pool_stops_is_answered_at_once(tmp_path: Path
         assert time.monotonic() - began < 9, "the stop did not wait the drain's grace"
     finally:
         pool.kill()
+    assert pool.leftovers() == []
+
+
+def test_removing_a_model_whose_worker_ignores_its_stop_holds_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """A removed model's worker that does not end at SIGTERM (stopped: SIGSTOP) is left to
+    supervisord's SIGKILL 10 s later while the controller goes on: status answers meanwhile
+    (the controller waited the 10 s out, deaf to status, restarts, reloads and the file's
+    polls; found by a review). The model added back meanwhile reuses that worker's program
+    group: it loads once the old process has ended (its start spawned nothing, and the old
+    process's SIGKILL then failed the load; found by a review), and serves."""
+    from tensorflow_serving.apis import model_management_pb2
+    from tensorflow_serving.config import model_server_config_pb2
+
+    wdl, ranker = tmp_path / "wdl", tmp_path / "ranker"
+    build_demo_model(wdl, embedding_rows=ROWS, version=1, seed=1)
+    build_demo_model(ranker, embedding_rows=ROWS, version=1, seed=2)
+    inputs = demo_inputs(3, ROWS, seed=7)
+    want = _direct(ranker / "1", inputs)
+    config_file = tmp_path / "models.config"
+    both = model_server_config_pb2.ModelServerConfig()
+    both.model_config_list.config.add(name="wdl", base_path=str(wdl))
+    both.model_config_list.config.add(name="ranker", base_path=str(ranker))
+    config_file.write_text(text_format.MessageToString(both))
+    (tmp_path / "pool").mkdir()
+    # No load retries: a load the old process's end failed is seen, not tried again.
+    pool = Pool(tmp_path / "pool", wdl, 1, "--max_num_load_retries", "0")
+    at = pool.args.index("--model-base-path")
+    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]
+    pool.start()
+    stopped = 0
+    try:
+        status = pool.wait_ready(2)
+        (stuck,) = [s for s in status["slots"] if s["model"] == "ranker"]
+        stopped = stuck["pid"]
+        os.kill(stopped, signal.SIGSTOP)
+        removed_at = time.monotonic()
+        wdl_only = model_management_pb2.ReloadConfigRequest()
+        wdl_only.config.model_config_list.config.add(name="wdl", base_path=str(wdl))
+        with pool.channel() as channel:
+            service = model_service_pb2_grpc.ModelServiceStub(channel)
+            answer = service.HandleReloadConfigRequest(wdl_only, timeout=60)
+            assert answer.status.error_code == 0, answer
+            # Each status answers (within the CLI's 5 s) while supervisord waits to SIGKILL it.
+            status = pool.wait_for(
+                lambda s: [m["name"] for m in s["models"]] == ["wdl"] and len(s["slots"]) == 1,
+                timeout=8,
+                what="ranker removed from the pool's models",
+            )
+            pool.status()
+            assert psutil.Process(stopped).status() == psutil.STATUS_STOPPED
+            assert time.monotonic() - removed_at < 9, "added back before its SIGKILL"
+            again = model_management_pb2.ReloadConfigRequest()
+            again.config.CopyFrom(both)
+            answer = service.HandleReloadConfigRequest(again, timeout=90)
+            assert answer.status.error_code == 0, answer
+            answer = _predict(channel, "ranker", inputs)
+            assert answer.model_spec.version.value == 1
+            _check(answer, want)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(stopped).status() == psutil.STATUS_ZOMBIE
+        status = pool.status()
+        (ranker_slot,) = [s for s in status["slots"] if s["model"] == "ranker"]
+        assert ranker_slot["pid"] != stopped and ranker_slot["state"] == "READY"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            if stopped:
+                os.kill(stopped, signal.SIGCONT)
+        assert pool.stop() == 0
     assert pool.leftovers() == []
