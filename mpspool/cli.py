@@ -1475,9 +1475,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     except PoolNotAnswering as exc:
         # SIGTERM is the same orderly stop (Kubernetes' way): taken as soon as the controller
         # runs again, where the request on its socket may wait behind whatever holds it.
+        # Then SIGCONT, as systemd and a shell's `kill` do: a controller stopped (SIGSTOP,
+        # or Ctrl-Z in its terminal) took the SIGTERM only once continued, and the stop
+        # waited out its --timeout and failed.
         print(f"mpspool: {exc}; sending it SIGTERM", file=sys.stderr)
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(info["pid"]), signal.SIGTERM)
+            os.kill(int(info["pid"]), signal.SIGCONT)
     deadline = time.monotonic() + args.timeout
     # Not psutil's wait(): the controller may be someone else's child, a zombie until reaped.
     while rundir.controller_alive(info):

@@ -404,8 +404,9 @@ def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
 ) -> None:
     """A controller that is alive but does not answer (stopped, wedged): `stop` gave up after
     5 s with the configuration error's exit status; it now sends the orderly stop's signal
-    (after STOP_ANSWER_WAIT_S)
-    and waits for the pool to end. Here a stand-in that holds no socket and ends on SIGTERM."""
+    (after STOP_ANSWER_WAIT_S), then SIGCONT, and waits for the pool to end. Here a
+    stand-in that holds no socket, stopped (SIGSTOP, as by Ctrl-Z), that ends on SIGTERM
+    (which a stopped process took only once continued: the stop waited out its timeout)."""
     from mpspool import cli, process, rundir
 
     run_dir = tmp_path / "run"
@@ -414,8 +415,9 @@ def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
     try:
         started = process.started_at(stand_in.pid)
         rundir.write_controller(run_dir, {"pid": stand_in.pid, "started": started})
+        stand_in.send_signal(signal.SIGSTOP)
         monkeypatch.setattr(cli, "STOP_ANSWER_WAIT_S", 1.0)
-        assert cli.main(["stop", "--run-dir", str(run_dir), "--timeout", "30"]) == 0
+        assert cli.main(["stop", "--run-dir", str(run_dir), "--timeout", "10"]) == 0
         assert stand_in.wait(5) == -signal.SIGTERM
         assert "did not answer within 1 s; sending it SIGTERM" in capsys.readouterr().err
     finally:
