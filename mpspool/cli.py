@@ -1316,9 +1316,13 @@ def _ask_pool(
         sock.connect(wire.endpoint(str(run_dir), endpoint))
         sock.send_multipart([b"", wire.pack(op=op, **fields)])
         if not sock.poll(int(timeout_s * 1000)):
-            raise PoolNotAnswering(
-                f"the pool in {run_dir} (pid {info['pid']}) did not answer within {timeout_s:.0f} s"
-            )
+            where = f"the pool in {run_dir} (pid {info['pid']})"
+            path = wire.socket_path(str(run_dir), endpoint)
+            if not os.path.exists(path):
+                # Removed by hand or by a cleaner of old files: nothing can reach the pool
+                # there, however long one waits (it said "did not answer", as if busy).
+                raise PoolNotAnswering(f"{where} cannot be reached: its socket {path} is gone")
+            raise PoolNotAnswering(f"{where} did not answer within {timeout_s:.0f} s")
         return wire.unpack(sock.recv_multipart()[-1])
     finally:
         sock.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from mpspool import wire
 from mpspool.config import ConfigError, PoolConfig
 
 from poolproc import Pool, mpspool_cmd
@@ -411,8 +412,18 @@ def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # Its admin socket is there (bound, never answering): the pool is unreachable only by
+    # not answering.
+    holds_socket = (
+        "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+        "s.listen(); print('bound', flush=True); time.sleep(120)"
+    )
+    admin = wire.socket_path(str(run_dir), wire.ADMIN_ENDPOINT)
+    stand_in = subprocess.Popen(
+        [sys.executable, "-c", holds_socket, admin], stdout=subprocess.PIPE, text=True
+    )
     try:
+        assert stand_in.stdout is not None and stand_in.stdout.readline() == "bound\n"
         started = process.started_at(stand_in.pid)
         rundir.write_controller(run_dir, {"pid": stand_in.pid, "started": started})
         stand_in.send_signal(signal.SIGSTOP)
@@ -420,6 +431,31 @@ def test_stop_sends_sigterm_to_a_controller_that_does_not_answer(
         assert cli.main(["stop", "--run-dir", str(run_dir), "--timeout", "10"]) == 0
         assert stand_in.wait(5) == -signal.SIGTERM
         assert "did not answer within 1 s; sending it SIGTERM" in capsys.readouterr().err
+    finally:
+        stand_in.kill()
+
+
+def test_a_pool_whose_socket_was_removed_is_said_unreachable_not_busy(
+    tmp_path: Path,
+) -> None:
+    """A live controller whose admin socket is gone (removed by hand, or by a cleaner of
+    old files) cannot be reached however long one waits: said so, where status said it
+    "did not answer", as of a busy pool."""
+    from mpspool import cli, process, rundir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = process.started_at(stand_in.pid)
+        rundir.write_controller(run_dir, {"pid": stand_in.pid, "started": started})
+        admin = wire.socket_path(str(run_dir), wire.ADMIN_ENDPOINT)
+        with pytest.raises(cli.PoolNotAnswering) as refused:
+            cli._ask_pool(run_dir, "status", timeout_s=0.2)
+        assert str(refused.value) == (
+            f"the pool in {run_dir} (pid {stand_in.pid}) cannot be reached: "
+            f"its socket {admin} is gone"
+        )
     finally:
         stand_in.kill()
 
