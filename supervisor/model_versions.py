@@ -47,6 +47,10 @@ CLAIM_POLL_S = 0.005
 # A version's batching file whose read failed to reach it (storage failing) is read again
 # this much later.
 BATCHING_RETRY_S = 1.0
+# How long a load try waits for the earlier processes of its program group to stop
+# (`_try_waits_for_stop`): supervisord SIGKILLs a worker 10 s after its stop (stopwaitsecs);
+# one still there long after sits in the kernel, and the try fails.
+STOP_WAIT_BOUND_S = 60.0
 # Errors that are the file's answer, the same at every read: its version fails at once (a
 # version directory the pool's user may not enter was read again every second, for ever;
 # found by a review). Any other OSError (EIO, ESTALE, ETIMEDOUT: storage failing) is retried.
@@ -532,7 +536,10 @@ class ModelVersions:
 
     def _start_try(self, group: VersionGroup, now: float) -> None:
         """One load try: publish its weights (a child process, polled by `_advance`), or
-        start its workers at once when weights are not shared."""
+        start its workers at once when weights are not shared; once its program group's
+        earlier processes have stopped (`_try_waits_for_stop`)."""
+        if self._try_waits_for_stop(group, now):
+            return
         if not self.config.share_weights:
             self._start_workers_or_fail(group, now)
             return
@@ -540,6 +547,33 @@ class ModelVersions:
             self._start_publisher(group)
         except OSError as exc:  # its log cannot be opened: the version fails, said as such
             self._fail_version(group, f"publishing the weights failed: {exc}", now, publishing=True)
+
+    def _try_waits_for_stop(self, group: VersionGroup, now: float) -> bool:
+        """Whether its try waits, processes of its program group (the earlier workers of a
+        model removed and added back, of a version rolled back to, of its failed try) still
+        stopping: supervisord would spawn nothing for a group it still runs, and the old
+        process's end (its SIGKILL) failed the new load; their memory (the segment they
+        still map) is not back either, so the weights are not published meanwhile (a
+        /dev/shm with room for the served versions refused the new copy). `_advance_loading`
+        comes back each tick. Past STOP_WAIT_BOUND_S (a process stuck in the kernel outlives
+        its SIGKILL) the try fails, said as such."""
+        if not self.pool.still_stopping(group.group):
+            group.waits_for_stop_since = None
+            return False
+        if group.waits_for_stop_since is None:
+            group.waits_for_stop_since = now
+            log.info(
+                "%s: its load starts once the earlier processes of %s have stopped",
+                group.label, group.group,
+            )  # fmt: skip
+        elif now - group.waits_for_stop_since >= STOP_WAIT_BOUND_S:
+            group.waits_for_stop_since = None
+            reason = (
+                f"the earlier processes of {group.group} have not stopped "
+                f"{STOP_WAIT_BOUND_S:g} s after their stop (stuck in the kernel?)"
+            )
+            self._fail_version(group, reason, now, publishing=True)  # (none of it ran)
+        return True
 
     def start_workers(self, group: VersionGroup, why: str, sync: bool = True) -> None:
         """Its program group started in supervisord, its slots STARTING. ``sync``: add the
@@ -564,19 +598,7 @@ class ModelVersions:
         """`start_workers` for a load try, whose failure (supervisord slow to answer, or gone
         for a moment; its configuration not written) is that try's: tried again later as a
         failed load. It escaped before, with the publisher already forgotten, and the
-        version stayed LOADING for ever with nothing left to move it (found by a review).
-        Not while processes of its program group still stop (`start_waits_for_stop`):
-        supervisord would spawn nothing for a group it still runs, and the old process's
-        end (its SIGKILL) failed the new load; `_advance_loading` comes back each tick."""
-        if self.pool.still_stopping(group.group):
-            if not group.start_waits_for_stop:
-                log.info(
-                    "%s: its workers start once the earlier processes of %s have stopped",
-                    group.label, group.group,
-                )  # fmt: skip
-            group.start_waits_for_stop = True
-            return
-        group.start_waits_for_stop = False
+        version stayed LOADING for ever with nothing left to move it (found by a review)."""
         try:
             self.start_workers(group, f"version {group.version} loading")
         except (OSError, xmlrpc.client.Error) as exc:
@@ -659,8 +681,8 @@ class ModelVersions:
             if not group.workers_started:
                 self._start_workers_or_fail(group, now)
                 return
-        elif group.start_waits_for_stop:
-            self._start_workers_or_fail(group, now)
+        elif group.waits_for_stop_since is not None:
+            self._start_try(group, now)
             return
         slots = list(group.slots.values())
         ready = [s for s in slots if s.state is WorkerState.READY]
@@ -807,7 +829,9 @@ class ModelVersions:
         for slot in group.slots.values():
             if slot.state in (WorkerState.READY, WorkerState.STARTING):
                 slot.change_state(WorkerState.DRAINING, f"version {group.version} retiring")
-            elif slot.state is WorkerState.BACKOFF:
+            elif slot.state in (WorkerState.BACKOFF, WorkerState.FATAL):
+                # Not tried again: a FATAL one was started after its cool-down while its
+                # version drained (found by a review).
                 slot.change_state(WorkerState.STOPPED, f"version {group.version} retiring")
 
     def end_group(self, group: VersionGroup, now: float, why: str) -> None:
@@ -900,6 +924,12 @@ class ModelVersions:
                     f"load try {group.failed_tries} of {self.config.start_retries + 1} failed, "
                     f"tried again {self.config.load_retry_interval_s:g} s after: "
                     f"{group.last_error}"
+                )
+            elif group is not None and group.waits_for_stop_since is not None:
+                # (It said nothing: LOADING, no error, its slots STOPPED; found by a review.)
+                row["error"] = (
+                    f"its load waits for the earlier processes of {group.group} to stop "
+                    "(supervisord SIGKILLs what ignores its stop 10 s after it)"
                 )
         return rows
 

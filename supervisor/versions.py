@@ -116,10 +116,11 @@ class VersionGroup:
     publish_log_from: int = 0  # where its publisher's output starts in its log
     in_supervisord: bool = False  # its program group was added to supervisord
     workers_started: bool = False  # its program group was started (its slots STARTING)
-    # Its start waits for the processes of its program group to stop (a model removed and
-    # added back, a version rolled back to, a load try after a failed one, while the earlier
-    # workers of the same group still stop): said once (`ModelVersions._start_workers_or_fail`).
-    start_waits_for_stop: bool = False
+    # Since when its load try waits for the processes of its program group to stop (a model
+    # removed and added back, a version rolled back to, a load try after a failed one, while
+    # the earlier workers of the same group still stop; `ModelVersions._try_waits_for_stop`);
+    # None: it does not.
+    waits_for_stop_since: float | None = None
     model: str = ""  # its model's prefix (Slot.model): "" for the pool's first model
     # With per-model batching: its batching_params.pbtxt as the front door takes it (None:
     # not batched), read once when its load begins; why that file cannot be used ("": it

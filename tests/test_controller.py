@@ -2195,7 +2195,9 @@ def test_a_version_rolled_back_to_starts_once_its_old_processes_have_stopped(
         pool.tick(after_s=0.2)
     assert model.groups[1].state is VersionState.LOADING
     assert len(pool.sd.rpc_calls("startProcessGroup")) == starts, "not while v1:cpu-0 runs"
-    assert model.groups[1].start_waits_for_stop
+    assert model.groups[1].waits_for_stop_since is not None
+    (row,) = [r for r in model.status_table() if r["version"] == 1]
+    assert row["error"].startswith("its load waits for the earlier processes of v1 to stop")
     pool.sd.set("v1:cpu-0", sd.STOPPED)  # supervisord's SIGKILL
     pool.tick(after_s=0.2)
     assert not pool.controller.still_stopping("v1")
@@ -2209,6 +2211,106 @@ def test_a_version_rolled_back_to_starts_once_its_old_processes_have_stopped(
         pool.router.register(f"{name}@1", pid)
     pool.tick(after_s=0.2)
     assert model.groups[1].state is VersionState.AVAILABLE
+
+
+def test_a_rolled_back_versions_weights_are_published_once_its_old_processes_have_stopped(
+    make_pool: Callable[..., Pool],
+    fake_publisher: Callable[[int], Path],
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """With shared weights, the whole try waits, its publish too: the old process still maps
+    the version's old segment (unlinked, its memory back only when the process ends), and a
+    publish meanwhile needed /dev/shm room for one copy more than the served versions (the
+    rollback was refused RESOURCE_EXHAUSTED; found by a review). A wait past
+    STOP_WAIT_BOUND_S (a process stuck in the kernel outlives its SIGKILL) fails the try,
+    said as such; the next try publishes once the old process has ended."""
+    from mpspool.supervisor import model_versions
+    from mpspool.supervisor.versions import VersionPolicy
+
+    monkeypatch.setattr(model_versions, "STOP_WAIT_BOUND_S", 5.0)
+    go = fake_publisher(0)
+    go.touch()
+    pool = make_pool(start_retries=1, load_retry_interval_s=1.0)
+    base = Path(pool.controller.config.model_base_path)
+    (base / "1").mkdir(parents=True)
+    (base / "1" / "saved_model.pb").write_bytes(b"")
+    start_first_version(pool)
+    model = pool.controller.models["demo"]
+    if model.groups[1].publisher is not None:
+        model.groups[1].publisher.wait(timeout=30)
+    pool.make_ready("cpu-0")
+    pool.make_ready("cpu-1")
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    deadline = time.monotonic() + 30
+    while not model.groups[2].workers_started and time.monotonic() < deadline:
+        time.sleep(0.01)
+        pool.tick()  # its publisher ends, then its workers start
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+
+    def one_ignores_its_stop(groups: list[str], timeout: float = 60.0) -> list[str]:
+        for group in groups:
+            FakeRPC(pool.sd).stopProcessGroup(group, False)
+        if groups == ["v1"]:
+            pool.sd.set("v1:cpu-0", sd.STOPPING, pid=101)
+            return ["v1:cpu-0"]
+        return []
+
+    pool.sd.stop_groups = one_ignores_its_stop  # type: ignore[method-assign]
+    pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
+    pool.tick(after_s=0.2)
+    assert 1 not in model.groups and pool.controller.still_stopping("v1")
+    published: list[int] = []
+    fake = ModelVersions._start_publisher
+
+    def counted(self: ModelVersions, group: VersionGroup) -> subprocess.Popen[bytes]:
+        published.append(group.version)
+        return fake(self, group)
+
+    monkeypatch.setattr(ModelVersions, "_start_publisher", counted)
+    model.set_policy(VersionPolicy.parse("specific:1"), pool.clock.now)
+    for _ in range(3):
+        pool.tick(after_s=1.0)
+    assert published == [], "nothing published while v1:cpu-0 still maps its segment"
+    (row,) = [r for r in model.status_table() if r["version"] == 1]
+    assert row["state"] == "LOADING" and "waits for the earlier processes of v1" in row["error"]
+    pool.tick(after_s=3.0)  # past the bound: this try fails, the next waits its interval
+    group = model.groups[1]
+    assert group.failed_tries == 1 and group.retry_at is not None
+    assert "the earlier processes of v1 have not stopped 5 s after their stop" in (group.last_error)
+    pool.sd.set("v1:cpu-0", sd.STOPPED)  # it ended at last
+    deadline = time.monotonic() + 30
+    while not published and time.monotonic() < deadline:
+        time.sleep(0.01)
+        pool.tick(after_s=0.5)  # (its folder is looked at again off the loop first)
+    assert published == [1]
+
+
+def test_a_fatal_worker_of_a_retiring_version_is_not_tried_again(
+    make_pool: Callable[..., Pool],
+):
+    """A version that drains (a long call on one worker) keeps its FATAL worker down: it
+    was started again after --fatal-retry-after, a worker of a version on its way out."""
+    pool, base = versioned_pool(make_pool, [1], fatal_retry_s=60.0, call_timeout_s=0.0)
+    pool.sd.exit("cpu-1@1", process.EXIT_LOAD_FAILED)
+    pool.tick()
+    assert pool.slot("cpu-1@1").state is S.FATAL
+    pool.router.workers["cpu-0@1"]["inflight"] = 1  # a long call: version 1 drains
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
+    assert pool.slot("cpu-1@1").state is S.STOPPED
+    starts = len(pool.sd.rpc_calls("startProcess"))
+    pool.tick(after_s=61.0)
+    pool.tick()
+    assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}, "still draining"
+    assert pool.sd.rpc_calls("startProcess")[starts:] == []
 
 
 def test_a_new_version_gets_its_own_workers_and_the_old_drains_then_stops(
