@@ -369,6 +369,48 @@ def test_requests_held_at_once_share_the_front_doors_memory_budget(tmp_path: Pat
         pool.kill()
 
 
+def test_a_few_bytes_asking_for_a_huge_tensor_count_what_they_would_build(
+    tmp_path: Path,
+) -> None:
+    """A value repeated to fill a declared shape is built whole for the worker: what that
+    takes counts against the request budget before it is built, and a request that would
+    pass it is refused with RESOURCE_EXHAUSTED. Before, an 81-byte Predict filling
+    [10000000, 13] built a 495 MiB frame (and a copy of it on its way to the worker) that
+    no budget counted: four at once took the front door to 4 GiB (found by a hunt)."""
+    args = ("--max-message-bytes", str(64 << 20))  # the budget is its floor, 256 MiB
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 1, *args)
+    try:
+        pool.start().wait_ready(1)
+        front_door = pool.status()["front_door"]["pid"]
+        fill = _good()
+        dense = fill.inputs["dense"]
+        dense.Clear()
+        dense.dtype = tf.float32.as_datatype_enum
+        dense.tensor_shape.dim.add(size=40_000_000)  # 305 MiB once built
+        dense.tensor_shape.dim.add(size=2)
+        dense.float_val.append(1.0)
+        body = fill.SerializeToString()
+        assert len(body) < 100
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}") as channel:
+            call = channel.unary_unary(PREDICT)
+            with pytest.raises(grpc.RpcError) as refused:
+                call(body, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = refused.value.details() or ""
+            assert "would take 306 MiB once built" in details, details
+            assert "256 MiB" in details, details
+            answer = predict_pb2.PredictResponse.FromString(
+                call(_good().SerializeToString(), timeout=30)
+            )
+        np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
+        _wait_for_memory(pool, 0, 0.001)
+        assert pool.status()["front_door"]["pid"] == front_door
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        pool.kill()
+
+
 def _rest_request(declared: int) -> bytes:
     """A REST Predict request's head, declaring a body of `declared` bytes."""
     return (

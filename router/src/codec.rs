@@ -330,16 +330,7 @@ fn materialize_strings(
     let last = values.last().unwrap_or(&empty);
     // The frame's exact size, the last value repeated to fill the shape, is bounded before
     // anything is allocated: a few bytes of request must not become gigabytes of frame.
-    let spelled = values
-        .iter()
-        .take(n.min(given) as usize)
-        .fold(0u64, |sum, v| sum.saturating_add(bin_size(v.len() as u64)));
-    let repeated = n
-        .saturating_sub(given)
-        .saturating_mul(bin_size(last.len() as u64));
-    let bytes = array_header_size(n)
-        .saturating_add(spelled)
-        .saturating_add(repeated);
+    let bytes = string_val_frame_size(values, n);
     if bytes > MAX_TENSOR_BYTES {
         return Err(too_big(name, DT_STRING, shape, bytes));
     }
@@ -350,6 +341,52 @@ fn materialize_strings(
     let out = wire::encode_strings_iter(n as u32, sent.chain(fill), bytes as usize);
     debug_assert_eq!(out.len() as u64, bytes);
     Ok(Bytes::from(out))
+}
+
+/// The size of the frame of `n` strings from `values`, the last one repeated to fill them.
+fn string_val_frame_size(values: &[Bytes], n: u64) -> u64 {
+    let given = values.len() as u64;
+    let spelled = values
+        .iter()
+        .take(n.min(given) as usize)
+        .fold(0u64, |sum, v| sum.saturating_add(bin_size(v.len() as u64)));
+    let last = values.last().map_or(0, |v| v.len() as u64);
+    let repeated = n.saturating_sub(given).saturating_mul(bin_size(last));
+    array_header_size(n)
+        .saturating_add(spelled)
+        .saturating_add(repeated)
+}
+
+/// What `materialize` allocates for a tensor declared as (`dtype`, `shape`): its values
+/// written out (given one by one, or a last value repeated to fill the shape: a few bytes of
+/// request may ask for gigabytes), or none for numbers in `tensor_content` (sent as they
+/// came). Read before anything is built, so that the request budget holds it first; 0 where
+/// `materialize` refuses the tensor.
+pub fn built_bytes(proto: &TensorProto, dtype: i32, shape: &[i64]) -> u64 {
+    let n = element_count(shape);
+    let bytes = if n == 0 {
+        0
+    } else if dtype == DT_STRING {
+        if proto.tensor_content.is_empty() {
+            string_val_frame_size(&proto.string_val, n)
+        } else {
+            let list = StringList {
+                content: &proto.tensor_content,
+                n,
+            };
+            list.frame_size().unwrap_or(0)
+        }
+    } else if proto.tensor_content.is_empty() {
+        itemsize(dtype).map_or(0, |size| n.saturating_mul(size as u64))
+    } else {
+        0
+    };
+    // One over the tensor limit is refused as such (INVALID_ARGUMENT, as TensorFlow's).
+    if bytes > MAX_TENSOR_BYTES {
+        0
+    } else {
+        bytes
+    }
 }
 
 /// A string tensor's `tensor_content` as TensorFlow encodes `n` strings there

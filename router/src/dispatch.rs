@@ -1202,10 +1202,11 @@ impl Actor {
         let deadline = call_deadline(&members).map(wire::deadline_micros);
         let header =
             wire::encode_request(id, &sent.signature, &sent.tensors, &sent.outputs, deadline);
-        // Header and tensor frames are copied once, into the bytes written to the worker.
-        let mut frames: Vec<&[u8]> = Vec::with_capacity(1 + sent.frames.len());
-        frames.push(&header);
-        frames.extend(sent.frames.iter().map(|f| &f[..]));
+        // Header and small tensor frames are copied once, into the bytes written to the
+        // worker; large ones are written from their own buffers (zmtp::SHARED_FRAME).
+        let mut frames: Vec<Bytes> = Vec::with_capacity(1 + sent.frames.len());
+        frames.push(Bytes::from(header));
+        frames.extend(sent.frames.iter().cloned());
         let sent_now = self.workers.send(&identity, &frames);
         // TF Serving's batching metrics, for a call that left: with batching on, every call is
         // a batch (of one request or more), its members' waits since they entered the queue.
@@ -1470,7 +1471,9 @@ impl Actor {
                 // A worker we do not know (this front door restarted, or it was declared
                 // dead and woke up): ask it to introduce itself again.
                 None => {
-                    let _ = self.workers.send(&identity, &[wire::encode_reregister()]);
+                    let _ = self
+                        .workers
+                        .send(&identity, &[Bytes::from(wire::encode_reregister())]);
                 }
                 // Serving copied a variable out of the segment: status and the gauge follow.
                 Some(handle) => {

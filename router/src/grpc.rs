@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::codec;
+use crate::decode_budget;
 use crate::dispatch::Dispatcher;
 use crate::dispatch::{WorkReply, WorkRequest};
 use crate::inference::{self, Task};
@@ -35,6 +36,10 @@ use crate::signature::{self, ModelSignatures, SignatureSpec};
 use crate::state::RouterState;
 use crate::status::{Code, ServingError};
 use crate::versions::{ModelId, Servable, Target};
+
+/// A request whose worker frames take at least this many bytes to build has them built on one
+/// of tokio's blocking threads, as REST's large bodies and answers are (`rest.rs`).
+const BLOCKING_BUILD_BYTES: u64 = 1 << 20;
 
 pub const SIGNATURE_DEF_MAP_URL: &str = "type.googleapis.com/tensorflow.serving.SignatureDefMap";
 
@@ -160,13 +165,35 @@ impl Api {
             .collect();
         signature::check_inputs(spec, &given)?;
         let outputs = signature::check_output_filter(spec, &request.output_filter)?;
-        let mut tensors = Vec::with_capacity(declared.len());
-        let mut frames = Vec::with_capacity(declared.len());
-        for (alias, dtype, shape) in declared {
-            let proto = &request.inputs[alias];
-            frames.push(codec::materialize(proto, alias, dtype, &shape)?);
-            tensors.push((alias.to_string(), dtype, shape));
-        }
+        // What the worker frames take is held first (until they are gone with this call),
+        // and large ones are built off the runtime's threads: filling [10000000, 13] from one
+        // value held every other request on this thread for 0.4 s (found by a hunt).
+        let built = declared
+            .iter()
+            .map(|(alias, dtype, shape)| codec::built_bytes(&request.inputs[*alias], *dtype, shape))
+            .fold(0u64, u64::saturating_add);
+        let _built_held =
+            decode_budget::budget().hold_built(built, decode_budget::UNCOUNTED_BYTES)?;
+        let declared: Vec<(String, i32, Vec<i64>)> = declared
+            .into_iter()
+            .map(|(alias, dtype, shape)| (alias.to_string(), dtype, shape))
+            .collect();
+        let mut inputs = request.inputs;
+        let (tensors, frames) = crate::rest::on_a_blocking_thread_if(
+            built >= BLOCKING_BUILD_BYTES,
+            "building the request's tensors",
+            move || {
+                let mut tensors = Vec::with_capacity(declared.len());
+                let mut frames = Vec::with_capacity(declared.len());
+                for (alias, dtype, shape) in declared {
+                    let proto = inputs.remove(&alias).unwrap_or_default();
+                    frames.push(codec::materialize(&proto, &alias, dtype, &shape)?);
+                    tensors.push((alias, dtype, shape));
+                }
+                Ok((tensors, frames))
+            },
+        )
+        .await?;
         let work = WorkRequest {
             target,
             signature: spec.key.clone(),

@@ -121,7 +121,7 @@ async fn off_the_serving_thread<T: Send + 'static>(
 
 /// `work`, on one of tokio's blocking threads when `large`, in place otherwise; INTERNAL,
 /// saying `what` failed, if its thread panicked.
-async fn on_a_blocking_thread_if<T: Send + 'static>(
+pub(crate) async fn on_a_blocking_thread_if<T: Send + 'static>(
     large: bool,
     what: &str,
     work: impl FnOnce() -> Result<T, ServingError> + Send + 'static,

@@ -204,35 +204,93 @@ pub fn encode_strings_iter<'a>(
 
 /// The byte strings of a DT_STRING frame (msgpack str or bin elements, as Python sends either).
 pub fn decode_strings(frame: &Bytes) -> Result<Vec<Bytes>, ProtocolError> {
-    let bad = |what: &str| ProtocolError::StringFrame(what.to_string());
-    let mut cursor: &[u8] = frame;
-    let total = frame.len();
-    let count = rmp::decode::read_array_len(&mut cursor).map_err(|e| bad(&e.to_string()))?;
-    // Each element takes at least one byte: a count beyond the frame is a lie, not an allocation.
-    if count as usize > cursor.len() {
-        return Err(bad(&format!("{count} elements in {} bytes", cursor.len())));
+    let mut values = StringValues::of(frame)?;
+    let mut decoded = Vec::with_capacity(values.len());
+    for value in values.by_ref() {
+        decoded.push(frame.slice_ref(value?));
     }
-    let mut values = Vec::with_capacity(count as usize);
-    for _ in 0..count {
-        let marker = rmp::decode::read_marker(&mut cursor).map_err(|_| bad("truncated"))?;
+    values.finish()?;
+    Ok(decoded)
+}
+
+/// The values of a DT_STRING frame one by one, each a slice of it, as they are asked for: no
+/// list of them (which takes 32 bytes a value, where an empty one takes 1 byte of frame).
+#[derive(Clone, Debug)]
+pub struct StringValues<'a> {
+    rest: &'a [u8],
+    left: u32,
+}
+
+fn string_frame_error(what: &str) -> ProtocolError {
+    ProtocolError::StringFrame(what.to_string())
+}
+
+impl<'a> StringValues<'a> {
+    /// The values of `frame`: its array's header read, its values not yet.
+    pub fn of(frame: &'a [u8]) -> Result<Self, ProtocolError> {
+        let mut rest = frame;
+        let count = rmp::decode::read_array_len(&mut rest)
+            .map_err(|e| string_frame_error(&e.to_string()))?;
+        // Each takes at least one byte: a count beyond the frame is a lie, not an allocation.
+        if count as usize > rest.len() {
+            return Err(string_frame_error(&format!(
+                "{count} elements in {} bytes",
+                rest.len()
+            )));
+        }
+        Ok(Self { rest, left: count })
+    }
+
+    /// How many values are left to read.
+    pub fn len(&self) -> usize {
+        self.left as usize
+    }
+
+    /// An error when bytes follow the last value (all read).
+    pub fn finish(&self) -> Result<(), ProtocolError> {
+        if self.rest.is_empty() {
+            Ok(())
+        } else {
+            Err(string_frame_error(&format!(
+                "{} bytes after the array",
+                self.rest.len()
+            )))
+        }
+    }
+
+    fn read(&mut self) -> Result<&'a [u8], ProtocolError> {
+        let marker = rmp::decode::read_marker(&mut self.rest)
+            .map_err(|_| string_frame_error("truncated"))?;
         let len = match marker {
             rmp::Marker::FixStr(n) => n as usize,
-            rmp::Marker::Str8 | rmp::Marker::Bin8 => read_len(&mut cursor, 1)?,
-            rmp::Marker::Str16 | rmp::Marker::Bin16 => read_len(&mut cursor, 2)?,
-            rmp::Marker::Str32 | rmp::Marker::Bin32 => read_len(&mut cursor, 4)?,
-            other => return Err(bad(&format!("element of type {other:?}"))),
+            rmp::Marker::Str8 | rmp::Marker::Bin8 => read_len(&mut self.rest, 1)?,
+            rmp::Marker::Str16 | rmp::Marker::Bin16 => read_len(&mut self.rest, 2)?,
+            rmp::Marker::Str32 | rmp::Marker::Bin32 => read_len(&mut self.rest, 4)?,
+            other => return Err(string_frame_error(&format!("element of type {other:?}"))),
         };
-        if len > cursor.len() {
-            return Err(bad("truncated"));
+        if len > self.rest.len() {
+            return Err(string_frame_error("truncated"));
         }
-        let start = total - cursor.len();
-        values.push(frame.slice(start..start + len));
-        cursor = &cursor[len..];
+        let (value, rest) = self.rest.split_at(len);
+        self.rest = rest;
+        Ok(value)
     }
-    if !cursor.is_empty() {
-        return Err(bad(&format!("{} bytes after the array", cursor.len())));
+}
+
+impl<'a> Iterator for StringValues<'a> {
+    type Item = Result<&'a [u8], ProtocolError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        let value = self.read();
+        if value.is_err() {
+            self.left = 0; // nothing after a bad value can be read
+        }
+        Some(value)
     }
-    Ok(values)
 }
 
 fn read_len(cursor: &mut &[u8], width: usize) -> Result<usize, ProtocolError> {

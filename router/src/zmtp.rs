@@ -37,6 +37,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const SEND_HIGH_WATER: usize = 1000;
 /// Bytes queued for one peer between flushes past which they are written at once.
 const CORK_LIMIT: usize = 64 * 1024;
+/// A frame at least this long is written from its own buffer, not copied in behind its
+/// header: a tensor of hundreds of MiB was copied whole on its way to its worker, its
+/// request holding twice its size meanwhile, the copy counted by no budget (found by a hunt).
+const SHARED_FRAME: usize = CORK_LIMIT;
 /// A frame larger than this closes the connection (a peer that is not speaking ZMTP).
 const MAX_FRAME: u64 = 1 << 32;
 
@@ -179,8 +183,9 @@ impl RouterSocket {
     }
 
     /// Queue `frames` for the peer `identity` as one multipart message; they leave at the
-    /// next `flush` (or at once past `CORK_LIMIT` bytes). Never waits.
-    pub fn send<F: AsRef<[u8]>>(&mut self, identity: &[u8], frames: &[F]) -> Result<(), SendError> {
+    /// next `flush` (or at once past `CORK_LIMIT` bytes, or with a frame of `SHARED_FRAME` or
+    /// more, which is written from its own buffer after what was queued before). Never waits.
+    pub fn send(&mut self, identity: &[u8], frames: &[Bytes]) -> Result<(), SendError> {
         let Some((_, out)) = self.peers.get(identity) else {
             return Err(SendError::Unreachable);
         };
@@ -197,11 +202,29 @@ impl RouterSocket {
             }
         };
         let (_, corked, messages) = &mut self.corked[at];
-        let size: usize = frames.iter().map(|f| 9 + f.as_ref().len()).sum();
+        let flags = |i: usize| if i + 1 < frames.len() { FLAG_MORE } else { 0 };
+        if frames.iter().any(|f| f.len() >= SHARED_FRAME) {
+            // What was queued before, in order, then this message: its small frames and
+            // every header copied, its large frames as they are.
+            let mut parts = Vec::with_capacity(2 * frames.len() + 1);
+            let mut copied = corked.split();
+            for (i, frame) in frames.iter().enumerate() {
+                if frame.len() >= SHARED_FRAME {
+                    put_header(&mut copied, flags(i), frame.len());
+                    parts.push(copied.split().freeze());
+                    parts.push(frame.clone());
+                } else {
+                    put_frame(&mut copied, flags(i), frame);
+                }
+            }
+            parts.push(copied.freeze());
+            let queued = std::mem::take(messages);
+            return out.write_parts(parts, queued + 1);
+        }
+        let size: usize = frames.iter().map(|f| 9 + f.len()).sum();
         corked.reserve(size);
         for (i, frame) in frames.iter().enumerate() {
-            let more = i + 1 < frames.len();
-            put_frame(corked, if more { FLAG_MORE } else { 0 }, frame.as_ref());
+            put_frame(corked, flags(i), frame);
         }
         *messages += 1;
         if corked.len() >= CORK_LIMIT {
@@ -234,14 +257,19 @@ impl Drop for RouterSocket {
 }
 
 fn put_frame(buf: &mut BytesMut, flags: u8, body: &[u8]) {
-    if body.len() > 255 {
+    put_header(buf, flags, body.len());
+    buf.put_slice(body);
+}
+
+/// A frame's header: its flags and its length, short or long.
+fn put_header(buf: &mut BytesMut, flags: u8, len: usize) {
+    if len > 255 {
         buf.put_u8(flags | FLAG_LONG);
-        buf.put_u64(body.len() as u64);
+        buf.put_u64(len as u64);
     } else {
         buf.put_u8(flags);
-        buf.put_u8(body.len() as u8);
+        buf.put_u8(len as u8);
     }
-    buf.put_slice(body);
 }
 
 /// A peer's sending side: written directly while the kernel takes everything; what it does
@@ -284,26 +312,51 @@ impl PeerOut {
     }
 
     /// Writes `data` (`messages` whole messages) now, or queues what the kernel did not take.
-    fn write(&self, mut data: Bytes, messages: usize) -> Result<(), SendError> {
+    fn write(&self, data: Bytes, messages: usize) -> Result<(), SendError> {
+        self.write_parts([data], messages)
+    }
+
+    /// Writes `parts` one after another (`messages` whole messages in all) now, or queues
+    /// what the kernel did not take: all of them or none, so a message is never cut.
+    fn write_parts(
+        &self,
+        parts: impl IntoIterator<Item = Bytes>,
+        messages: usize,
+    ) -> Result<(), SendError> {
         let Ok(mut backlog) = self.backlog.lock() else {
             return Err(SendError::Unreachable);
         };
         backlog.can_take()?;
-        if backlog.queue.is_empty() {
-            // The lock is held across the write so the writer task cannot slip data in
-            // between: bytes leave in the order they were sent.
-            match self.stream.try_write(&data) {
-                Ok(n) if n == data.len() => return Ok(()),
-                Ok(n) => data.advance(n),
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(_) => {
-                    drop(backlog);
-                    self.close();
-                    return Err(SendError::Unreachable);
+        // The lock is held across the writes so the writer task cannot slip data in between:
+        // bytes leave in the order they were sent.
+        let mut direct = backlog.queue.is_empty();
+        let mut queued = false;
+        for mut data in parts {
+            if direct {
+                match self.stream.try_write(&data) {
+                    Ok(n) if n == data.len() => continue,
+                    Ok(n) => data.advance(n),
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => {
+                        drop(backlog);
+                        self.close();
+                        return Err(SendError::Unreachable);
+                    }
                 }
+                direct = false;
+            }
+            if !data.is_empty() {
+                backlog.queue.push_back((data, 0));
+                queued = true;
             }
         }
-        backlog.queue.push_back((data, messages));
+        if !queued {
+            return Ok(());
+        }
+        // Counted with the last piece: they are written in order.
+        if let Some((_, count)) = backlog.queue.back_mut() {
+            *count += messages;
+        }
         backlog.messages += messages;
         drop(backlog);
         self.wake_writer.notify_one();

@@ -67,8 +67,9 @@ impl Fixture {
 
     /// `send` then `flush`, as the dispatcher does at the end of a round.
     fn send_now<F: AsRef<[u8]>>(&mut self, identity: &[u8], frames: &[F]) -> Result<(), SendError> {
+        let frames = owned(frames);
         let socket = self.socket();
-        let sent = socket.send(identity, frames);
+        let sent = socket.send(identity, &frames);
         socket.flush();
         sent
     }
@@ -99,6 +100,14 @@ impl Fixture {
             .block_on(async { tokio::time::timeout(wait, socket.recv()).await })
             .is_err()
     }
+}
+
+/// Frames as the dispatcher sends them.
+fn owned<F: AsRef<[u8]>>(frames: &[F]) -> Vec<Bytes> {
+    frames
+        .iter()
+        .map(|f| Bytes::copy_from_slice(f.as_ref()))
+        .collect()
 }
 
 fn dealer(context: &zmq::Context, endpoint: &str, identity: Option<&[u8]>) -> zmq::Socket {
@@ -152,7 +161,7 @@ fn a_libzmq_dealer_and_the_router_exchange_multipart_messages_of_every_size() {
         assert_eq!(frames_of(&fixture.recv()), vec![i.to_be_bytes().to_vec()]);
         fixture
             .socket()
-            .send(b"cpu-0:41", &[i.to_be_bytes()])
+            .send(b"cpu-0:41", &owned(&[i.to_be_bytes()]))
             .unwrap();
     }
     fixture.socket().flush(); // all 500 leave in one write
@@ -181,7 +190,7 @@ fn a_peer_without_an_identity_gets_one_made_up_and_can_be_answered() {
 fn sending_to_an_unknown_or_departed_peer_fails_at_once() {
     let mut fixture = Fixture::new();
     assert_eq!(
-        fixture.socket().send(b"nobody", &[b"x".as_slice()]),
+        fixture.socket().send(b"nobody", &owned(&[b"x"])),
         Err(SendError::Unreachable)
     );
     let context = zmq::Context::new();
@@ -195,7 +204,7 @@ fn sending_to_an_unknown_or_departed_peer_fails_at_once() {
         Incoming::Message(_) => panic!("a message instead of the departure"),
     }
     assert_eq!(
-        fixture.socket().send(b"cpu-1:7", &[b"x".as_slice()]),
+        fixture.socket().send(b"cpu-1:7", &owned(&[b"x"])),
         Err(SendError::Unreachable)
     );
     // The identity is free again: the worker's next incarnation reconnects with it.
@@ -332,6 +341,50 @@ fn a_stalled_peer_takes_sends_up_to_the_high_water_mark_and_loses_none() {
     // Room again.
     fixture.send_now(b"slow", &[b"after"]).unwrap();
     assert_eq!(peer.frame().1, b"after");
+}
+
+#[test]
+fn a_large_frame_is_written_from_its_own_buffer_in_order_with_what_was_queued() {
+    let mut fixture = Fixture::new();
+    let mut peer = RawPeer::handshake(&fixture.path, b"big");
+    peer.send_frame(0, b"here");
+    assert_eq!(fixture.recv().identity, b"big"[..]);
+    // The peer reads nothing yet: what the kernel does not take waits in the backlog.
+    let large = Bytes::from(vec![0xCD_u8; 8 << 20]);
+    let socket = fixture.socket();
+    socket.send(b"big", &owned(&[b"before"])).unwrap(); // corked
+    let message = [
+        Bytes::from_static(b"header"),
+        large.clone(),
+        Bytes::from_static(b"tail"),
+    ];
+    socket.send(b"big", &message).unwrap();
+    socket.send(b"big", &owned(&[b"after"])).unwrap();
+    {
+        let (_, out) = &socket.peers[&b"big"[..]];
+        let backlog = out.backlog.lock().unwrap();
+        // Not copied: the backlog holds the frame's own bytes (what the kernel left of them).
+        let end = large.as_ptr() as usize + large.len();
+        assert!(
+            backlog
+                .queue
+                .iter()
+                .any(|(part, _)| part.as_ptr() as usize + part.len() == end),
+            "the large frame was copied"
+        );
+        assert_eq!(
+            backlog.messages, 2,
+            "'before' and the large message wait whole"
+        );
+    }
+    socket.flush();
+    assert_eq!(peer.frame(), (0, b"before".to_vec()));
+    assert_eq!(peer.frame(), (FLAG_MORE, b"header".to_vec()));
+    let (flags, frame) = peer.frame();
+    assert_eq!(flags, FLAG_MORE | FLAG_LONG);
+    assert!(frame == large[..], "the large frame arrives whole");
+    assert_eq!(peer.frame(), (0, b"tail".to_vec()));
+    assert_eq!(peer.frame(), (0, b"after".to_vec()));
 }
 
 #[test]
