@@ -1342,6 +1342,11 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     status = _ask_pool(args.run_dir.resolve(), "status")
+    if "error" in status:
+        # The controller's refusal, said as such: it failed with a traceback (KeyError) where
+        # a status could not be made (found by a hunt).
+        print(f"mpspool: the pool could not give its status: {status['error']}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(status, indent=2))
         return 0

@@ -129,21 +129,44 @@ def version_dir(base_path: str | Path, version: int) -> Path:
     Serving takes the last in listing order). ``<base>/<version>`` when nothing matches."""
     base = Path(base_path)
     plain = base / str(version)
-
-    def holds_model(folder: Path) -> bool:
-        return any((folder / name).is_file() for name in SAVED_MODEL_FILES)
-
-    if holds_model(plain):
+    # One that cannot be looked into is the version's still (its load says why it fails).
+    if _holds_saved_model(plain) is not False:
         return plain  # the common case
     try:
         names = sorted(
             entry.name
             for entry in os.scandir(base)
-            if _version_number(entry.name) == version and holds_model(base / entry.name)
+            if _version_number(entry.name) == version and _holds_saved_model(base / entry.name)
         )
     except OSError:
         return plain
     return base / names[-1] if names else plain
+
+
+def _holds_saved_model(folder: Path) -> bool | None:
+    """Whether ``folder`` holds a SavedModel; None when it cannot be looked into (no
+    permission, a mount failing: EACCES, EIO, ESTALE, which Path.is_file raises). That
+    escaped every look at a pool's versions: a served version's folder made unreadable
+    (chmod 000) failed each tick of the controller, which gave up after 10 s and ended the
+    pool (found by a hunt)."""
+    try:
+        return any((folder / name).is_file() for name in SAVED_MODEL_FILES)
+    except OSError:
+        return None
+
+
+def _is_version_folder(entry: Path) -> bool:
+    """Whether a numeric entry of a base path is a version on disk: a folder holding a
+    SavedModel, or one that cannot be looked into, listed by its name alone as TF Serving
+    lists them all (its load fails and says why: PERMISSION_DENIED). One such folder failed
+    the whole listing, and every version beside it went unseen, a newer one never loaded,
+    with nothing but a log line said (found by a hunt)."""
+    try:
+        if not entry.is_dir():
+            return False
+    except OSError:
+        return True
+    return _holds_saved_model(entry) is not False
 
 
 def versions_on_disk(base_path: str | Path) -> set[int]:
@@ -155,13 +178,7 @@ def versions_on_disk(base_path: str | Path) -> set[int]:
     the base path cannot be read.
     """
     found = ((entry, _version_number(entry.name)) for entry in Path(base_path).iterdir())
-    return {
-        number
-        for entry, number in found
-        if number is not None
-        and entry.is_dir()
-        and any((entry / name).is_file() for name in SAVED_MODEL_FILES)
-    }
+    return {number for entry, number in found if number is not None and _is_version_folder(entry)}
 
 
 def latest_version(base_path: str | Path) -> int:

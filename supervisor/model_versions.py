@@ -122,6 +122,9 @@ class ModelVersions:
         self.groups[first.version] = first
         self.aspired = {config.model_version}  # what the policy wants, as last polled
         self.failed: dict[int, str] = {}  # version → why it could not serve (while on disk)
+        # Version → the folder its failed loads were counted by (`note_failed_load`), so that
+        # the version table, made at every tick, looks at no disk (a hung mount held it).
+        self._failed_load_paths: dict[int, str] = {}
         # The versions that had failed (END, or waiting to be tried again) when the
         # HandleReloadConfigRequests now waiting were asked: those do not hold them up
         # (`failed_before_reload`).
@@ -892,7 +895,8 @@ class ModelVersions:
     def note_failed_load(self, version: int) -> None:
         """A load attempt of ``version`` failed to read its SavedModel (counted by its
         folder, by the pool: TensorFlow's load_attempt_count{status="fail"})."""
-        self.pool.note_failed_load(self.config.version_path(version))
+        path = self._failed_load_paths.setdefault(version, self.config.version_path(version))
+        self.pool.note_failed_load(path)
 
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on
@@ -906,8 +910,8 @@ class ModelVersions:
         for group in self.groups.values():
             rows[group.version] = group.describe()
         for version, row in rows.items():
-            path = self.config.version_path(version)
-            failed = self.pool.failed_loads_at(path)
+            path = self._failed_load_paths.get(version)
+            failed = self.pool.failed_loads_at(path) if path is not None else 0
             if failed:
                 row["failed_loads"], row["path"] = failed, path
         return [rows[v] for v in sorted(rows)]

@@ -51,8 +51,11 @@ class Pool:
         *extra: str,
         run_dir: Path | None = None,
         open_files: int | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tmp
+        # A command the pool runs under (setpriv dropping capabilities, say).
+        self.prefix = prefix
         # The pool's limit on open files (soft and hard, so no process of it can raise it), as
         # a container's would be; None: this process's.
         self.open_files = open_files
@@ -102,7 +105,7 @@ class Pool:
         # prlimit (util-linux) rather than a preexec_fn: this process has gRPC's threads.
         limit = [] if self.open_files is None else ["prlimit", f"--nofile={self.open_files}", "--"]
         self.proc = subprocess.Popen(
-            [*limit, *mpspool_cmd(*self.args)],
+            [*self.prefix, *limit, *mpspool_cmd(*self.args)],
             cwd=self.tmp,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -460,6 +460,23 @@ def test_a_pool_whose_socket_was_removed_is_said_unreachable_not_busy(
         stand_in.kill()
 
 
+def test_status_says_a_pool_that_could_not_make_its_status_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The controller's refusal to make a status is said as such (it was a KeyError)."""
+    from mpspool import cli
+
+    refusal = {"error": "the controller could not answer: OSError: [Errno 5] I/O error"}
+    monkeypatch.setattr(cli, "_ask_pool", lambda *args, **kwargs: refusal)
+    assert cli.main(["status", "--run-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "mpspool: the pool could not give its status: the controller could not answer: "
+        "OSError: [Errno 5] I/O error\n"
+    )
+
+
 def test_status_of_a_starting_pool_prints_no_python_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

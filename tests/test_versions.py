@@ -9,6 +9,7 @@ the version its `model_spec.version` names, and no request may fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -526,6 +527,64 @@ def test_labels_from_a_model_config_file_route_and_move_while_serving(tmp_path: 
     finally:
         assert pool.stop() == 0
     assert pool.leftovers() == []
+
+
+# Root without the capabilities that pass over file permissions: a folder made unreadable
+# (chmod 000) is unreadable to the pool, as to any other user.
+WITHOUT_DAC_OVERRIDE = (
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+)
+
+
+def test_an_unreadable_version_folder_fails_its_own_load_and_hides_nothing(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """A version folder that cannot be looked into (chmod 000, a mount failing) is listed by
+    its name, as TF Serving lists them, and its load fails saying why: a newer one beside it
+    loads, and the served version's folder made unreadable leaves it serving. Before, the
+    first failed every tick of the controller, which gave up after 10 s and ended the pool;
+    the second failed the whole listing, so that a newer version never loaded (found by a
+    hunt)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop the capability to read any file")
+    base = tmp_path / "m"
+    shutil.copytree(demo_model_dir / "1", base / "1")
+    (tmp_path / "pool").mkdir()
+    pool = Pool(
+        tmp_path / "pool", base, 1, "--file_system_poll_wait_seconds", "0.2",
+        prefix=WITHOUT_DAC_OVERRIDE,
+    )  # fmt: skip
+    try:
+        pool.start().wait_ready(1)
+        shutil.copytree(demo_model_dir / "1", base / "2")
+        os.chmod(base / "2", 0)
+        shutil.copytree(demo_model_dir / "1", base / "3")
+        pool.wait_for(
+            lambda s: _versions(s).get(3, ("",))[0] == "AVAILABLE",
+            timeout=90,
+            what="version 3 serving past the unreadable version 2",
+        )
+        os.chmod(base / "3", 0)  # the one it serves
+        time.sleep(12)  # longer than the 10 s after which a failing controller gave up
+        assert _versions(pool.status())[3] == ("AVAILABLE", "")
+        with pool.channel() as channel:
+            request = predict_pb2.PredictRequest()
+            request.model_spec.name = "demo"
+            for name, array in demo_inputs(2, DEMO_ROWS, seed=1).items():
+                request.inputs[name].CopyFrom(tf.make_tensor_proto(array))
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            assert stub.Predict(request, timeout=30).model_spec.version.value == 3
+        os.chmod(base / "2", 0o755)
+        os.chmod(base / "3", 0o755)
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        for version in ("2", "3"):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(base / version, 0o755)
+        pool.kill()
 
 
 def test_a_zero_padded_version_folder_is_that_version_as_in_tf_serving(
