@@ -2158,6 +2158,26 @@ def test_a_group_whose_stop_failed_is_stopped_again_then_removed(
     assert not any(i["group"] == "v1" for i in pool.sd.programs.values())
 
 
+def retire_version_1_leaving_one_running(pool: Pool) -> None:
+    """Version 2's workers registered: version 1 retires (nothing in flight) and its stop
+    leaves v1:cpu-0 running (ignoring SIGTERM until supervisord's SIGKILL), which the
+    controller does not wait for beyond a moment."""
+
+    def one_ignores_its_stop(groups: list[str], timeout: float = 60.0) -> list[str]:
+        assert timeout <= 1.0, "the loop waits for a stop only briefly"
+        for group in groups:
+            FakeRPC(pool.sd).stopProcessGroup(group, False)
+        if groups == ["v1"]:
+            pool.sd.set("v1:cpu-0", sd.STOPPING, pid=101)
+            return ["v1:cpu-0"]
+        return []
+
+    pool.sd.stop_groups = one_ignores_its_stop  # type: ignore[method-assign]
+    pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
+    pool.tick(after_s=0.2)
+    assert 1 not in pool.controller.model.groups and pool.controller.still_stopping("v1")
+
+
 def test_a_version_rolled_back_to_starts_once_its_old_processes_have_stopped(
     make_pool: Callable[..., Pool],
 ):
@@ -2175,20 +2195,8 @@ def test_a_version_rolled_back_to_starts_once_its_old_processes_have_stopped(
     for name in ("cpu-0", "cpu-1"):
         pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
 
-    def one_ignores_its_stop(groups: list[str], timeout: float = 60.0) -> list[str]:
-        assert timeout <= 1.0, "the loop waits for a stop only briefly"
-        for group in groups:
-            FakeRPC(pool.sd).stopProcessGroup(group, False)
-        if groups == ["v1"]:
-            pool.sd.set("v1:cpu-0", sd.STOPPING, pid=101)
-            return ["v1:cpu-0"]
-        return []
-
-    pool.sd.stop_groups = one_ignores_its_stop  # type: ignore[method-assign]
-    pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
-    pool.tick(after_s=0.2)
+    retire_version_1_leaving_one_running(pool)
     model = pool.controller.model
-    assert 1 not in model.groups and pool.controller.still_stopping("v1")
     model.set_policy(VersionPolicy.parse("specific:1"), pool.clock.now)
     starts = len(pool.sd.rpc_calls("startProcessGroup"))
     for _ in range(3):
@@ -2250,18 +2258,7 @@ def test_a_rolled_back_versions_weights_are_published_once_its_old_processes_hav
     for name in ("cpu-0", "cpu-1"):
         pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
 
-    def one_ignores_its_stop(groups: list[str], timeout: float = 60.0) -> list[str]:
-        for group in groups:
-            FakeRPC(pool.sd).stopProcessGroup(group, False)
-        if groups == ["v1"]:
-            pool.sd.set("v1:cpu-0", sd.STOPPING, pid=101)
-            return ["v1:cpu-0"]
-        return []
-
-    pool.sd.stop_groups = one_ignores_its_stop  # type: ignore[method-assign]
-    pool.tick()  # version 2 serves: version 1 drains (nothing in flight), then ends
-    pool.tick(after_s=0.2)
-    assert 1 not in model.groups and pool.controller.still_stopping("v1")
+    retire_version_1_leaving_one_running(pool)
     published: list[int] = []
     fake = ModelVersions._start_publisher
 

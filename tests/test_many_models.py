@@ -55,6 +55,16 @@ def _config_file(path: Path, wdl: Path, ranker: Path) -> None:
     path.write_text(text_format.MessageToString(config))
 
 
+def _config_file_pool(tmp_path: Path, first: Path, config_file: Path, *extra: str) -> Pool:
+    """A pool (not started) serving the models of `config_file`, one worker each by default;
+    `first` stands in for the base path the harness names (the file's names and paths win)."""
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", first, 1, *extra)
+    at = pool.args.index("--model-base-path")
+    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]
+    return pool
+
+
 def _predict(
     channel: grpc.Channel,
     model: str,
@@ -101,10 +111,7 @@ def test_two_models_from_one_config_file_each_on_its_own_workers(tmp_path: Path)
     config_file = tmp_path / "models.config"
     _config_file(config_file, wdl, ranker)
 
-    (tmp_path / "pool").mkdir()
-    pool = Pool(tmp_path / "pool", wdl, 1, "--model-workers", "ranker=2")
-    at = pool.args.index("--model-base-path")
-    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]  # names: the file's
+    pool = _config_file_pool(tmp_path, wdl, config_file, "--model-workers", "ranker=2")
     pool.start()
     try:
         status = pool.wait_for(
@@ -224,10 +231,9 @@ def test_models_are_added_and_removed_while_another_serves_without_a_failed_requ
     one.model_config_list.config.add(name="wdl", base_path=str(wdl))
     config_file.write_text(text_format.MessageToString(one))
 
-    (tmp_path / "pool").mkdir()
-    pool = Pool(tmp_path / "pool", wdl, 1, "--model_config_file_poll_wait_seconds", "0.2")
-    at = pool.args.index("--model-base-path")
-    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]
+    pool = _config_file_pool(
+        tmp_path, wdl, config_file, "--model_config_file_poll_wait_seconds", "0.2"
+    )
     pool.start()
     answered, failed = [0], []
     stop = threading.Event()
@@ -381,11 +387,8 @@ def test_removing_a_model_whose_worker_ignores_its_stop_holds_nothing_else(
     both.model_config_list.config.add(name="wdl", base_path=str(wdl))
     both.model_config_list.config.add(name="ranker", base_path=str(ranker))
     config_file.write_text(text_format.MessageToString(both))
-    (tmp_path / "pool").mkdir()
     # No load retries: a load the old process's end failed is seen, not tried again.
-    pool = Pool(tmp_path / "pool", wdl, 1, "--max_num_load_retries", "0")
-    at = pool.args.index("--model-base-path")
-    pool.args[at : at + 4] = ["--model_config_file", str(config_file)]
+    pool = _config_file_pool(tmp_path, wdl, config_file, "--max_num_load_retries", "0")
     pool.start()
     stopped = 0
     try:
