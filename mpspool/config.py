@@ -232,6 +232,16 @@ def _large_batch_splitting(path: Path, params: Any) -> dict[str, Any]:
 VERSION_BATCHING_FILE = "batching_params.pbtxt"
 
 
+def _is_file(path: Path) -> bool:
+    """Path.is_file, with a file that cannot be looked at (EACCES, EIO: Path.is_file raises
+    them) a ConfigError saying so: a pool started on a version folder it may not enter
+    failed with a traceback (found by a review)."""
+    try:
+        return path.is_file()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
 def version_batching(version_dir: Path) -> dict[str, Any] | None:
     """--enable_per_model_batching_parameters: how a model version is batched, from the
     BatchingParameters file in its directory, as every field the front door takes (the
@@ -239,7 +249,13 @@ def version_batching(version_dir: Path) -> dict[str, Any] | None:
     version is not batched, as in TF Serving (GetPerModelBatchingParams). ConfigError when
     the file cannot be read or breaks TF Serving's rules: the version does not load."""
     path = version_dir / VERSION_BATCHING_FILE
-    if not path.is_file():
+    try:
+        if not path.is_file():
+            return None
+    except PermissionError:
+        # A directory that cannot be looked into: no such file, as TF Serving's FileExists
+        # answers; its load then fails saying why, with its retries (it ended at once,
+        # INVALID_ARGUMENT, as a file breaking the rules does; found by a review).
         return None
     fields: dict[str, Any] = {
         "max_batch_size": MAX_BATCH_SIZE,
@@ -901,7 +917,7 @@ class PoolConfig:
                 raise ConfigError(f"{flag} must be seconds >= 0, got {seconds}")
         self._validate_time_bounds()
         model_pb = Path(self.model_path) / "saved_model.pb"
-        if models_on_disk and not model_pb.is_file():
+        if models_on_disk and not _is_file(model_pb):
             raise ConfigError(f"no SavedModel at {self.model_path}: expected {model_pb}")
         # ipc:// paths are unix socket paths: at most 107 bytes on Linux. The longest is an
         # MPS daemon's (its pipe directory is in the run directory), else supervisord's.
@@ -1017,7 +1033,7 @@ class PoolConfig:
         if bad:
             raise ConfigError(f"{where}: version labels need a name and a version >= 0: {bad}")
         model_pb = Path(self.model_path) / "saved_model.pb"
-        if models_on_disk and not model_pb.is_file():
+        if models_on_disk and not _is_file(model_pb):
             raise ConfigError(f"{where}: no SavedModel at {self.model_path}: expected {model_pb}")
         self.placement()
 

@@ -129,18 +129,26 @@ def version_dir(base_path: str | Path, version: int) -> Path:
     Serving takes the last in listing order). ``<base>/<version>`` when nothing matches."""
     base = Path(base_path)
     plain = base / str(version)
-    # One that cannot be looked into is the version's still (its load says why it fails).
-    if _holds_saved_model(plain) is not False:
+    plain_holds = _holds_saved_model(plain)
+    if plain_holds:
         return plain  # the common case
     try:
-        names = sorted(
-            entry.name
+        found = [
+            (entry.name, _holds_saved_model(base / entry.name))
             for entry in os.scandir(base)
-            if _version_number(entry.name) == version and _holds_saved_model(base / entry.name)
-        )
+            if _version_number(entry.name) == version
+        ]
     except OSError:
         return plain
-    return base / names[-1] if names else plain
+    # One holding a SavedModel wins; else one that cannot be looked into is the version's
+    # still (`versions_on_disk` lists it: its load says why it fails, at its own path).
+    readable = sorted(name for name, holds in found if holds)
+    if readable:
+        return base / readable[-1]
+    if plain_holds is None:
+        return plain
+    unreadable = sorted(name for name, holds in found if holds is None)
+    return base / unreadable[-1] if unreadable else plain
 
 
 def _holds_saved_model(folder: Path) -> bool | None:

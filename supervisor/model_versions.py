@@ -895,7 +895,8 @@ class ModelVersions:
     def note_failed_load(self, version: int) -> None:
         """A load attempt of ``version`` failed to read its SavedModel (counted by its
         folder, by the pool: TensorFlow's load_attempt_count{status="fail"})."""
-        path = self._failed_load_paths.setdefault(version, self.config.version_path(version))
+        # Where it loads from now (a folder gone and back under another name: that one).
+        path = self._failed_load_paths[version] = self.config.version_path(version)
         self.pool.note_failed_load(path)
 
     def version_table(self) -> list[dict[str, Any]]:

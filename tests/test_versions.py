@@ -587,6 +587,70 @@ def test_an_unreadable_version_folder_fails_its_own_load_and_hides_nothing(
         pool.kill()
 
 
+def test_a_pool_started_on_an_unreadable_newest_version_is_refused_saying_why(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """The newest version is the one a pool starts on, as TF Serving's (which fails to start
+    when it cannot load it): refused in one line naming the file and why. It failed with a
+    Python traceback (PermissionError; found by a review)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop the capability to read any file")
+    base = tmp_path / "m"
+    shutil.copytree(demo_model_dir / "1", base / "1")
+    shutil.copytree(demo_model_dir / "1", base / "2")
+    os.chmod(base / "2", 0)
+    (tmp_path / "pool").mkdir()
+    pool = Pool(tmp_path / "pool", base, 1, prefix=WITHOUT_DAC_OVERRIDE)
+    try:
+        pool.start()
+        assert pool.proc is not None and pool.proc.wait(60) != 0
+        output = pool.output()
+        assert f"cannot read {base / '2' / 'saved_model.pb'}: Permission denied" in output
+        assert "Traceback" not in output, output
+    finally:
+        os.chmod(base / "2", 0o755)
+        pool.kill()
+
+
+def test_a_version_is_loaded_from_the_folder_that_holds_it_or_else_that_cannot_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named for the version that holds a SavedModel wins over one that cannot be
+    looked into, plain or zero-padded; one that cannot be looked into is the version's over
+    none (its load says why it fails, at its own path: a zero-padded one was loaded from the
+    plain path, which did not exist, NOT_FOUND; found by a review)."""
+    from mpspool import demo_model
+
+    holds: dict[str, bool | None] = {}
+    monkeypatch.setattr(
+        demo_model, "_holds_saved_model", lambda folder: holds.get(folder.name, False)
+    )
+    for name in ("4", "004", "0003", "7"):
+        (tmp_path / name).mkdir()
+    holds.update({"4": None, "004": True})  # the plain one unreadable: the readable alias
+    assert demo_model.version_dir(tmp_path, 4) == tmp_path / "004"
+    holds.update({"0003": None})  # no plain folder, an unreadable alias: that alias
+    assert demo_model.version_dir(tmp_path, 3) == tmp_path / "0003"
+    holds.update({"7": None})  # the plain one unreadable, no alias: the plain one
+    assert demo_model.version_dir(tmp_path, 7) == tmp_path / "7"
+    assert demo_model.version_dir(tmp_path, 9) == tmp_path / "9", "none: the plain name"
+
+
+def test_a_batching_file_in_a_folder_that_cannot_be_looked_into_is_no_file(
+    tmp_path: Path,
+) -> None:
+    """As TF Serving's FileExists answers: the version is not batched, and its load fails
+    saying why, with its retries (it ended at once as INVALID_ARGUMENT, as a file breaking
+    the rules does; found by a review)."""
+    from mpspool.config import version_batching
+
+    class Denied(type(Path())):  # type: ignore[misc]
+        def is_file(self) -> bool:
+            raise PermissionError(13, "Permission denied", str(self))
+
+    assert version_batching(Denied(tmp_path)) is None
+
+
 def test_a_zero_padded_version_folder_is_that_version_as_in_tf_serving(
     tmp_path: Path, demo_model_dir: Path, reference_model
 ) -> None:
