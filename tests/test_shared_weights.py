@@ -989,6 +989,20 @@ def test_publish_refuses_a_saved_model_pb_still_being_copied(
     assert not path.exists() and not _partial(path).exists()
 
 
+def test_publish_of_a_folder_without_a_saved_model_is_not_found(
+    tmp_path: Path, segments: Segments
+) -> None:
+    """A folder gone (or never there) is NOT_FOUND in TensorFlow's loader's words, and no
+    segment: it was published empty, once per try, before its workers failed to load it
+    (found by a review)."""
+    path = segments.new("no-model")
+    with pytest.raises(PublishError, match=r"Could not find SavedModel \.pb or \.pbtxt") as info:
+        _publish(tmp_path / "gone", path)
+    assert info.value.code == Code.NOT_FOUND
+    assert str(tmp_path / "gone") in str(info.value)
+    assert not path.exists() and not _partial(path).exists()
+
+
 def test_slices_that_do_not_tile_their_variable_go_to_tensorflows_reader(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -65,6 +65,16 @@ def publish(
     prefix = str(Path(model_dir) / "variables" / "variables")
     variables = Path(model_dir) / "variables"
     graph = _read_graph(Path(model_dir))
+    if graph is None and not (Path(model_dir) / "saved_model.pbtxt").exists():
+        # TensorFlow's loader's words (reader.cc). A folder gone (or never there) was
+        # published as an empty segment, once per try, before its workers failed to load it
+        # (found by a review).
+        raise PublishError(
+            "Could not find SavedModel .pb or .pbtxt at supplied export directory path: "
+            f"{model_dir}. Check that the directory exists and that you have the right "
+            "permissions for accessing it.",
+            Code.NOT_FOUND,
+        )
     if not Path(prefix + ".index").exists() and _declares_variables(graph):
         # Said as it is: a version copied in before its variables/ (`cp -r`, `gsutil cp -r`)
         # is incomplete, not a model whose weights cannot be shared.
