@@ -376,12 +376,35 @@ def test_a_few_bytes_asking_for_a_huge_tensor_count_what_they_would_build(
     takes counts against the request budget before it is built, and a request that would
     pass it is refused with RESOURCE_EXHAUSTED. Before, an 81-byte Predict filling
     [10000000, 13] built a 495 MiB frame (and a copy of it on its way to the worker) that
-    no budget counted: four at once took the front door to 4 GiB (found by a hunt)."""
+    no budget counted: four at once took the front door to 4 GiB (found by a hunt). What
+    a build holds stays held while it runs when its caller goes away (callers that cancel
+    took the front door past 7 GiB against this budget), and a request's own tensors are
+    not counted twice (strings the decoding counted, counted again as they were built,
+    refused half of twelve 19 MiB requests the budget had room for; found by a review)."""
     args = ("--max-message-bytes", str(64 << 20))  # the budget is its floor, 256 MiB
     pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 1, *args)
+    worker = 0
     try:
         pool.start().wait_ready(1)
         front_door = pool.status()["front_door"]["pid"]
+        [worker] = pool.worker_pids()
+        # One string request of 20 MiB held at its worker (stopped): counted once.
+        strings = _good()
+        strings.inputs["words"].CopyFrom(
+            tf.make_tensor_proto(np.array([b"w" * 200_000] * 100, object))
+        )
+        strings.inputs["dense"].CopyFrom(tf.make_tensor_proto(np.ones((100, 2), np.float32)))
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        os.kill(worker, signal.SIGSTOP)
+        with (
+            ThreadPoolExecutor(1) as client,
+            grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel,
+        ):
+            held = client.submit(channel.unary_unary(PREDICT), strings.SerializeToString(), 60)
+            _wait_for_memory(pool, 19, 25)  # counted twice: 38 MiB
+            os.kill(worker, signal.SIGCONT)
+            answer = predict_pb2.PredictResponse.FromString(held.result(timeout=60))
+            assert tf.make_ndarray(answer.outputs["out"])[0] == 200_004.0
         fill = _good()
         dense = fill.inputs["dense"]
         dense.Clear()
@@ -403,12 +426,38 @@ def test_a_few_bytes_asking_for_a_huge_tensor_count_what_they_would_build(
                 call(_good().SerializeToString(), timeout=30)
             )
         np.testing.assert_allclose(tf.make_ndarray(answer.outputs["out"]), [6.0, 7.0])
+        # Callers that give up at once, four at a time, each asking for a 229 MiB fill: one
+        # build at a time holds the budget, the others are refused.
+        dense.tensor_shape.dim[0].size = 30_000_000
+        body = fill.SerializeToString()
+
+        def impatient(_: int) -> None:
+            with grpc.insecure_channel(f"127.0.0.1:{pool.port}") as channel:
+                for _ in range(3):
+                    with contextlib.suppress(grpc.RpcError):
+                        channel.unary_unary(PREDICT)(body, timeout=0.005)
+
+        with ThreadPoolExecutor(4) as clients:
+            list(clients.map(impatient, range(4)))
+        peak = _vm_hwm_mib(front_door)
+        assert peak < 600, f"the front door peaked at {peak:.0f} MiB"
         _wait_for_memory(pool, 0, 0.001)
         assert pool.status()["front_door"]["pid"] == front_door
         assert pool.stop() == 0
         assert pool.leftovers() == []
     finally:
+        if worker and pool.proc and pool.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
         pool.kill()
+
+
+def _vm_hwm_mib(pid: int) -> float:
+    """The peak resident memory of process `pid` (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
 
 
 def _rest_request(declared: int) -> bytes:

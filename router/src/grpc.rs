@@ -165,21 +165,30 @@ impl Api {
             .collect();
         signature::check_inputs(spec, &given)?;
         let outputs = signature::check_output_filter(spec, &request.output_filter)?;
-        // What the worker frames take is held first (until they are gone with this call),
-        // and large ones are built off the runtime's threads: filling [10000000, 13] from one
-        // value held every other request on this thread for 0.4 s (found by a hunt).
-        let built = declared
+        // What the worker frames take beyond the request's own tensors (which its share of
+        // the budget counts already, and which each frame replaces as it is built: a value
+        // repeated to fill a shape) is held first, until the call ends; large ones are built
+        // off the runtime's threads: filling [10000000, 13] from one value held every other
+        // request on this thread for 0.4 s (found by a hunt).
+        let (built, beyond) = declared
             .iter()
-            .map(|(alias, dtype, shape)| codec::built_bytes(&request.inputs[*alias], *dtype, shape))
-            .fold(0u64, u64::saturating_add);
-        let _built_held =
-            decode_budget::budget().hold_built(built, decode_budget::UNCOUNTED_BYTES)?;
+            .fold((0u64, 0u64), |(all, more), (a, d, s)| {
+                let proto = &request.inputs[*a];
+                let bytes = codec::built_bytes(proto, *d, s);
+                let counted = decode_budget::tensor_memory(proto) as u64;
+                (
+                    all.saturating_add(bytes),
+                    more.saturating_add(bytes.saturating_sub(counted)),
+                )
+            });
+        let built_held =
+            decode_budget::budget().hold_built(beyond, decode_budget::UNCOUNTED_BYTES)?;
         let declared: Vec<(String, i32, Vec<i64>)> = declared
             .into_iter()
             .map(|(alias, dtype, shape)| (alias.to_string(), dtype, shape))
             .collect();
         let mut inputs = request.inputs;
-        let (tensors, frames) = crate::rest::on_a_blocking_thread_if(
+        let (tensors, frames, _built_held) = crate::rest::on_a_blocking_thread_if(
             built >= BLOCKING_BUILD_BYTES,
             "building the request's tensors",
             move || {
@@ -190,7 +199,10 @@ impl Api {
                     frames.push(codec::materialize(&proto, &alias, dtype, &shape)?);
                     tensors.push((alias, dtype, shape));
                 }
-                Ok((tensors, frames))
+                // Held by the build itself: a caller that goes away (cancelled, its deadline
+                // passed) drops this call, not a build on a blocking thread, which took what
+                // it held with it (7 GiB against a 256 MiB budget; found by a review).
+                Ok((tensors, frames, built_held))
             },
         )
         .await?;

@@ -201,9 +201,20 @@ impl RequestBudget {
                 ),
             ));
         }
-        self.try_reserve(bytes)
-            .map(Some)
-            .ok_or_else(|| self.no_room("building this one's tensors", bytes))
+        self.try_reserve(bytes).map(Some).ok_or_else(|| {
+            ServingError::new(
+                Code::ResourceExhausted,
+                format!(
+                    "requests being read or served (or a REST body waiting) hold {} MiB of \
+                     the front door's memory, and building this one's tensors ({} MiB) would \
+                     pass the {} MiB allowed for all of them at once (4 times \
+                     --max-message-bytes, at least 256); try again later",
+                    self.held_bytes() >> 20,
+                    bytes.div_ceil(1 << 20),
+                    self.bytes >> 20
+                ),
+            )
+        })
     }
 
     #[cfg(test)]
@@ -270,7 +281,9 @@ mod tests {
         let refused = budget.hold_built(41 * UNIT as u64, 16 * UNIT).unwrap_err();
         assert_eq!(refused.code, Code::ResourceExhausted);
         assert!(
-            refused.message.contains("building this one's tensors"),
+            refused
+                .message
+                .contains("building this one's tensors (1 MiB) would pass"),
             "{}",
             refused.message
         );
