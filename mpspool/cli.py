@@ -948,6 +948,15 @@ def _make_log_dir(log_dir: Path, run_dir: Path) -> None:
         raise _dir_error("--log-dir", log_dir, exc) from None
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {log_dir}: {os.strerror(errno.EACCES)}")
+    uid = log_dir.stat().st_uid
+    if uid not in (os.getuid(), 0):
+        # Its owner could put links there, which the pool's logs are opened through: another
+        # user's directory had a pool running as root truncate and write files of root's
+        # (found by a hunt). Root's stays allowed (a volume's root, an emptyDir).
+        raise ConfigError(
+            f"--log-dir {log_dir} belongs to uid {uid}, not to you ({os.getuid()}) or root: "
+            "pass a directory of your own"
+        )
     owner = log_dir / LOG_DIR_OWNER
     try:
         fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

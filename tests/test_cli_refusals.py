@@ -477,6 +477,24 @@ def test_status_says_a_pool_that_could_not_make_its_status_without_a_traceback(
     )
 
 
+def test_a_log_dir_of_another_user_is_refused(tmp_path: Path, demo_model_dir: Path) -> None:
+    """Its owner could put links there that the pool's logs are opened through: a pool
+    running as root truncated and wrote root's files through another user's directory
+    (found by a hunt)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory of another user")
+    theirs = tmp_path / "logs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    victim = tmp_path / "victim"
+    victim.write_text("root's")
+    os.symlink(victim, theirs / "supervisord.stderr")
+    code, output = run_start(tmp_path, demo_model_dir, tmp_path / "run", "--log-dir", str(theirs))
+    assert code == 2, output
+    assert f"--log-dir {theirs} belongs to uid 65534, not to you (0) or root" in output
+    assert victim.read_text() == "root's"
+
+
 def test_status_of_a_starting_pool_prints_no_python_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

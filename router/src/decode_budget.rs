@@ -358,6 +358,13 @@ pub fn take_request_share() -> Option<Held> {
         .flatten()
 }
 
+/// What the request being served holds of the budget now (its decoded form); 0 outside a
+/// request or when it holds none.
+pub fn request_share_bytes() -> usize {
+    HELD.try_with(|share| request_budget::share_bytes(share.borrow().as_ref()))
+        .unwrap_or(0)
+}
+
 fn take_gathered() -> Option<Held> {
     GATHERED
         .try_with(|gathered| gathered.borrow_mut().take())

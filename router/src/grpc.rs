@@ -170,19 +170,32 @@ impl Api {
         // repeated to fill a shape) is held first, until the call ends; large ones are built
         // off the runtime's threads: filling [10000000, 13] from one value held every other
         // request on this thread for 0.4 s (found by a hunt).
+        // Not while a frame is a slice of the received message (numbers in `tensor_content`,
+        // sent as they came): that keeps the whole message, its strings too, for as long as
+        // the call (strings were then in memory twice, counted once; found by a review).
+        let keeps_message = declared.iter().any(|(a, d, _)| {
+            *d != codec::DT_STRING && !request.inputs[*a].tensor_content.is_empty()
+        });
         let (built, beyond) = declared
             .iter()
             .fold((0u64, 0u64), |(all, more), (a, d, s)| {
                 let proto = &request.inputs[*a];
                 let bytes = codec::built_bytes(proto, *d, s);
-                let counted = decode_budget::tensor_memory(proto) as u64;
+                let counted = if keeps_message {
+                    0
+                } else {
+                    decode_budget::tensor_memory(proto) as u64
+                };
                 (
                     all.saturating_add(bytes),
                     more.saturating_add(bytes.saturating_sub(counted)),
                 )
             });
-        let built_held =
-            decode_budget::budget().hold_built(beyond, decode_budget::UNCOUNTED_BYTES)?;
+        let built_held = decode_budget::budget().hold_built(
+            beyond,
+            decode_budget::request_share_bytes(),
+            decode_budget::UNCOUNTED_BYTES,
+        )?;
         let declared: Vec<(String, i32, Vec<i64>)> = declared
             .into_iter()
             .map(|(alias, dtype, shape)| (alias.to_string(), dtype, shape))

@@ -9,30 +9,42 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-/// The uid owning the client socket at `peer`, a loopback address of this host; None when no
-/// table lists it (the client is gone, or /proc is not there).
-pub fn loopback_peer_uid(peer: SocketAddr) -> Option<u32> {
-    let port = peer.port();
-    let mut tables: Vec<(&str, String)> = Vec::new();
+/// The uid owning the client socket of the connection from `peer` to `ours` (this front
+/// door's end of it), a loopback connection of this host; None when no table lists it
+/// established (the client is gone, or /proc is not there). The whole connection is matched,
+/// and only while established: matched by the client's address alone, a TIME_WAIT entry of
+/// another connection from the same address (which the kernel lists as root's) came first,
+/// and a local user who made such entries, then connected from that address, passed for
+/// root (found by a hunt).
+pub fn loopback_peer_uid(peer: SocketAddr, ours: SocketAddr) -> Option<u32> {
+    let mut tables: Vec<(&str, String, String)> = Vec::new();
     // An IPv4 peer's socket may be an IPv6 one connected to a mapped address (gRPC's C core
     // makes dual-stack sockets): it is listed in the IPv6 table as ::ffff:a.b.c.d. A
     // dual-stack listener sees an IPv4 client as ::ffff:a.b.c.d, whose socket may be in
     // either table too.
-    let v4 = match peer.ip() {
+    let v4 = |address: SocketAddr| match address.ip() {
         IpAddr::V4(ip) => Some(ip),
         IpAddr::V6(ip) => ip.to_ipv4_mapped(),
     };
-    if let Some(v4) = v4 {
-        tables.push(("/proc/net/tcp", v4_key(v4.octets(), port)));
+    if let (Some(client), Some(server)) = (v4(peer), v4(ours)) {
+        tables.push((
+            "/proc/net/tcp",
+            v4_key(client.octets(), peer.port()),
+            v4_key(server.octets(), ours.port()),
+        ));
     }
-    let v6 = match peer.ip() {
+    let v6 = |address: SocketAddr| match address.ip() {
         IpAddr::V4(ip) => ip.to_ipv6_mapped(),
         IpAddr::V6(ip) => ip,
     };
-    tables.push(("/proc/net/tcp6", v6_key(v6.octets(), port)));
-    tables.into_iter().find_map(|(path, key)| {
+    tables.push((
+        "/proc/net/tcp6",
+        v6_key(v6(peer).octets(), peer.port()),
+        v6_key(v6(ours).octets(), ours.port()),
+    ));
+    tables.into_iter().find_map(|(path, local, remote)| {
         let table = std::fs::read_to_string(path).ok()?;
-        uid_of(&table, &key)
+        uid_of(&table, &local, &remote)
     })
 }
 
@@ -53,14 +65,19 @@ fn v6_key(octets: [u8; 16], port: u16) -> String {
     key
 }
 
-/// The uid column of the entry whose local address is `local` (`sl local rem st tx:rx
-/// tr:when retrnsmt uid ...`).
-fn uid_of(table: &str, local: &str) -> Option<u32> {
+/// The kernel's state of an established connection (`st`).
+const ESTABLISHED: &str = "01";
+
+/// The uid column of the established entry from `local` to `remote` (`sl local rem st
+/// tx:rx tr:when retrnsmt uid ...`).
+fn uid_of(table: &str, local: &str, remote: &str) -> Option<u32> {
     table.lines().skip(1).find_map(|line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
-        (fields.get(1) == Some(&local))
-            .then(|| fields.get(7).and_then(|uid| uid.parse().ok()))
-            .flatten()
+        (fields.get(1) == Some(&local)
+            && fields.get(2) == Some(&remote)
+            && fields.get(3) == Some(&ESTABLISHED))
+        .then(|| fields.get(7).and_then(|uid| uid.parse().ok()))
+        .flatten()
     })
 }
 
@@ -69,18 +86,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_kernels_table_is_read_by_the_clients_local_address() {
+    fn the_kernels_table_is_read_by_the_whole_established_connection() {
+        // Before the client's own entry: the listener's, and a TIME_WAIT one from the same
+        // client address to another port (root's, as the kernel lists them all).
         let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
    0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0000000000000000 100 0 0 10 0\n\
-   1: 0100007F:C350 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 2 1 0000000000000000 20 4 30 10 -1\n";
+   1: 0100007F:C350 0100007F:2000 06 00000000:00000000 03:00000000 00000000     0        0 0 3 0000000000000000\n\
+   2: 0100007F:C350 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 2 1 0000000000000000 20 4 30 10 -1\n";
         let client = v4_key([127, 0, 0, 1], 0xC350);
+        let server = v4_key([127, 0, 0, 1], 0x1F90);
         assert_eq!(
             client,
             format!("{:08X}:C350", u32::from_ne_bytes([127, 0, 0, 1]))
         );
-        assert_eq!(uid_of(table, &client), Some(65534));
-        assert_eq!(uid_of(table, &v4_key([127, 0, 0, 1], 0x1F90)), Some(0));
-        assert_eq!(uid_of(table, &v4_key([127, 0, 0, 1], 1)), None);
+        assert_eq!(uid_of(table, &client, &server), Some(65534));
+        // The TIME_WAIT entry is no one's connection to this front door.
+        assert_eq!(
+            uid_of(table, &client, &v4_key([127, 0, 0, 1], 0x2000)),
+            None
+        );
+        assert_eq!(uid_of(table, &v4_key([127, 0, 0, 1], 1), &server), None);
         let loopback6 = v6_key(std::net::Ipv6Addr::LOCALHOST.octets(), 0x50);
         assert_eq!(loopback6.len(), 32 + 5);
         assert!(loopback6.ends_with(&format!("{:08X}:0050", u32::from_ne_bytes([0, 0, 0, 1]))));
@@ -98,11 +123,12 @@ mod tests {
         let Ok(_client) = std::net::TcpStream::connect(mapped) else {
             return; // no IPv6 here: no dual-stack clients either
         };
-        let (_server_side, peer) = listener.accept().expect("the connection accepted");
+        let (server_side, peer) = listener.accept().expect("the connection accepted");
         assert!(peer.is_ipv4());
+        let ours = server_side.local_addr().expect("the front door's end");
         // SAFETY: getuid has no preconditions and cannot fail.
         let uid = unsafe { libc::getuid() };
-        assert_eq!(loopback_peer_uid(peer), Some(uid));
+        assert_eq!(loopback_peer_uid(peer, ours), Some(uid));
     }
 
     /// A connection this process makes over loopback is found, and is this process's user's.
@@ -114,11 +140,15 @@ mod tests {
             };
             let address = listener.local_addr().expect("a bound address");
             let client = std::net::TcpStream::connect(address).expect("a loopback connection");
-            let (_server_side, peer) = listener.accept().expect("the connection accepted");
+            let (server_side, peer) = listener.accept().expect("the connection accepted");
             assert_eq!(peer, client.local_addr().expect("the client's address"));
+            let ours = server_side.local_addr().expect("the front door's end");
             // SAFETY: getuid has no preconditions and cannot fail.
             let uid = unsafe { libc::getuid() };
-            assert_eq!(loopback_peer_uid(peer), Some(uid), "{bind}");
+            assert_eq!(loopback_peer_uid(peer, ours), Some(uid), "{bind}");
+            // Not another connection's: the same client to another end is no one's.
+            let elsewhere = SocketAddr::new(ours.ip(), ours.port().wrapping_add(1));
+            assert_eq!(loopback_peer_uid(peer, elsewhere), None, "{bind}");
         }
     }
 }

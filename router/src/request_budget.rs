@@ -183,20 +183,29 @@ impl RequestBudget {
     /// requests are not counted). Before, only the wire bytes were: an 81-byte Predict whose
     /// one value was repeated to fill [10000000, 13] built a 495 MiB frame, four at once 4 GiB,
     /// with the budget counting none of it (found by a hunt).
-    pub fn hold_built(&self, bytes: u64, uncounted: usize) -> Result<Option<Held>, ServingError> {
+    /// `already`: what the request holds besides (its decoded form): with it, more than the
+    /// whole budget can never fit, and is refused as such, not with "try again later".
+    pub fn hold_built(
+        &self,
+        bytes: u64,
+        already: usize,
+        uncounted: usize,
+    ) -> Result<Option<Held>, ServingError> {
         let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
         if bytes < uncounted {
             return Ok(None);
         }
-        if bytes > self.bytes {
+        if bytes.saturating_add(already) > self.bytes {
             return Err(ServingError::new(
                 Code::ResourceExhausted,
                 format!(
-                    "this request's tensors would take {} MiB once built (values given one \
-                     by one, or the last one repeated to fill its shape), more than the {} MiB \
-                     the front door allows for requests at once (4 times \
-                     --max-message-bytes, at least 256); send fewer rows per request",
+                    "this request's tensors would take {} MiB more once built (values given \
+                     one by one, or the last one repeated to fill its shape), beside the {} \
+                     MiB it holds: more than the {} MiB the front door allows for requests \
+                     at once (4 times --max-message-bytes, at least 256); send fewer rows per \
+                     request",
                     bytes.div_ceil(1 << 20),
+                    already >> 20,
                     self.bytes >> 20
                 ),
             ));
@@ -273,12 +282,14 @@ mod tests {
     fn what_building_a_request_takes_is_held_or_refused_saying_why() {
         let budget = RequestBudget::new(100 * UNIT);
         assert!(budget
-            .hold_built(10 * UNIT as u64, 16 * UNIT)
+            .hold_built(10 * UNIT as u64, 0, 16 * UNIT)
             .unwrap()
             .is_none());
-        let held = budget.hold_built(60 * UNIT as u64, 16 * UNIT).unwrap();
+        let held = budget.hold_built(60 * UNIT as u64, 0, 16 * UNIT).unwrap();
         assert_eq!(budget.available_bytes(), 40 * UNIT);
-        let refused = budget.hold_built(41 * UNIT as u64, 16 * UNIT).unwrap_err();
+        let refused = budget
+            .hold_built(41 * UNIT as u64, 0, 16 * UNIT)
+            .unwrap_err();
         assert_eq!(refused.code, Code::ResourceExhausted);
         assert!(
             refused
@@ -287,9 +298,23 @@ mod tests {
             "{}",
             refused.message
         );
-        let over = budget.hold_built(u64::MAX, 16 * UNIT).unwrap_err();
+        let over = budget.hold_built(u64::MAX, 0, 16 * UNIT).unwrap_err();
         assert_eq!(over.code, Code::ResourceExhausted);
         assert!(over.message.contains("once built"), "{}", over.message);
+        // With what the request holds beside, it could never fit: said so, not "later".
+        let never = budget
+            .hold_built(40 * UNIT as u64, 70 * UNIT, 16 * UNIT)
+            .unwrap_err();
+        assert!(
+            never.message.contains("beside the 0 MiB it holds"),
+            "{}",
+            never.message
+        );
+        assert!(
+            !never.message.contains("try again later"),
+            "{}",
+            never.message
+        );
         drop(held);
         assert_eq!(budget.available_bytes(), 100 * UNIT);
     }

@@ -428,8 +428,10 @@ impl Accepting {
         };
         let _ = stream.set_nodelay(true);
         let peer = stream.peer_addr().ok();
+        let local = stream.local_addr().ok();
         let who = peer.map_or_else(|| "?".to_string(), |a| a.to_string());
-        self.serve_grpc(stream, peer.map(Peer::Tcp), who, admitted);
+        let tagged = peer.map(|peer| Peer::Tcp { peer, local });
+        self.serve_grpc(stream, tagged, who, admitted);
     }
 
     /// A connection to the UNIX socket (`--grpc_socket_path`): served as a TCP one is, under
@@ -631,7 +633,12 @@ async fn recv_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
 /// (HandleReloadConfigRequest) are taken only from this host.
 #[derive(Clone, Copy, Debug)]
 pub enum Peer {
-    Tcp(std::net::SocketAddr),
+    /// A TCP client at `peer`, connected to this front door's `local` address (its end of
+    /// the connection; None when it could not be read).
+    Tcp {
+        peer: std::net::SocketAddr,
+        local: Option<std::net::SocketAddr>,
+    },
     /// A client of the UNIX socket (`--grpc_socket_path`): on this host by definition.
     Unix,
 }
@@ -643,7 +650,7 @@ impl Peer {
     /// client would pass for a local one.
     pub fn is_local(extensions: &tonic::Extensions) -> bool {
         extensions.get::<Peer>().is_some_and(|peer| match peer {
-            Peer::Tcp(address) => match address.ip() {
+            Peer::Tcp { peer: address, .. } => match address.ip() {
                 std::net::IpAddr::V4(ip) => ip == std::net::Ipv4Addr::LOCALHOST,
                 std::net::IpAddr::V6(ip) => {
                     ip == std::net::Ipv6Addr::LOCALHOST
@@ -661,8 +668,12 @@ impl Peer {
         // SAFETY: getuid has no preconditions and cannot fail.
         let ours = unsafe { libc::getuid() };
         extensions.get::<Peer>().is_some_and(|peer| match peer {
-            Peer::Tcp(address) => crate::peer_uid::loopback_peer_uid(*address)
+            Peer::Tcp {
+                peer,
+                local: Some(local),
+            } => crate::peer_uid::loopback_peer_uid(*peer, *local)
                 .is_some_and(|uid| uid == ours || uid == 0),
+            Peer::Tcp { local: None, .. } => false,
             Peer::Unix => true,
         })
     }
@@ -1046,7 +1057,10 @@ mod tests {
     fn only_a_loopback_peer_is_local() {
         let tagged = |addr: &str| {
             let mut extensions = tonic::Extensions::new();
-            extensions.insert(Peer::Tcp(addr.parse().expect("an address")));
+            extensions.insert(Peer::Tcp {
+                peer: addr.parse().expect("an address"),
+                local: None,
+            });
             Peer::is_local(&extensions)
         };
         assert!(tagged("127.0.0.1:5000"));
