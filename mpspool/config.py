@@ -698,20 +698,14 @@ class PoolConfig:
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             raise ConfigError(f"--grpc_socket_path {path}: its directory does not exist")
-        st = os.stat(parent)
-        if st.st_uid not in (os.getuid(), 0) or (
-            st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX
-        ):
-            # Whoever may rename files there could put their own socket in the pool's place,
-            # and the pool's clients would talk to it (found by a hunt).
+        owner = os.stat(parent).st_uid
+        if owner not in (os.getuid(), 0):
+            # Its owner could put their own socket in the pool's place, and the pool's clients
+            # would talk to it (found by a hunt). Root's stays allowed: an emptyDir a sidecar
+            # shares is root's (and 0777).
             raise ConfigError(
-                f"--grpc_socket_path {path}: its directory {parent} is "
-                + (
-                    f"of uid {st.st_uid}, not yours ({os.getuid()}) or root's"
-                    if st.st_uid not in (os.getuid(), 0)
-                    else "writable by everyone without the sticky bit"
-                )
-                + ": another user could replace the socket there"
+                f"--grpc_socket_path {path}: its directory {parent} is of uid {owner}, not "
+                f"yours ({os.getuid()}) or root's: its owner could replace the socket there"
             )
         try:
             mode = os.lstat(path).st_mode
