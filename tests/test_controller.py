@@ -1767,6 +1767,16 @@ def versioned_pool(
     return pool, base
 
 
+def version_2_started(pool: Pool, base: Path) -> None:
+    """Version 2 copied in and polled: its group started, both its workers registered with
+    the front door (the next tick sees them READY)."""
+    (base / "2").mkdir()
+    (base / "2" / "saved_model.pb").write_bytes(b"")
+    pool.tick(after_s=1.0)
+    for name in ("cpu-0", "cpu-1"):
+        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+
+
 def told(pool: Pool) -> dict[int, str]:
     """The version table the front door was told last."""
     return {v["version"]: v["state"] for v in pool.router.versions[-1]}
@@ -1778,11 +1788,7 @@ def test_a_retired_version_waits_for_its_running_calls_past_the_drain_timeout(
     """A call its workers hold is answered however long it runs (bounded by --call-timeout,
     which ends such a worker anyway); queued requests get --drain-timeout as before."""
     pool, base = versioned_pool(make_pool, [1], drain_timeout_s=1.0, call_timeout_s=20.0)
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
     pool.router.workers["cpu-0@1"]["inflight"] = 1  # a long call on version 1
     pool.tick()
     assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
@@ -1809,11 +1815,7 @@ def test_a_slots_restarts_count_on_when_its_version_serves_again(make_pool: Call
     pool.router.register("cpu-0@1", pool.sd.pid_of("cpu-0"))
     pool.tick()
     assert pool.controller.model.slots["cpu-0@1"].restarts == 1
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
     pool.tick()
     pool.tick(after_s=0.2)
     assert told(pool) == {1: "END", 2: "AVAILABLE"}
@@ -1865,11 +1867,7 @@ def test_a_retired_version_waits_no_longer_than_a_call_may_run(
     make_pool: Callable[..., Pool],
 ):
     pool, base = versioned_pool(make_pool, [1], drain_timeout_s=1.0, call_timeout_s=3.0)
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
     pool.router.workers["cpu-0@1"]["inflight"] = 1  # a call that never answers
     pool.tick()
     pool.tick(after_s=2.0)
@@ -1937,11 +1935,7 @@ def test_a_retired_version_whose_removal_supervisord_did_not_take_still_ends(
     unlinked: list[int] = []
     monkeypatch.setattr(VersionGroup, "unlink_segment", lambda g: unlinked.append(g.version))
     pool, base = versioned_pool(make_pool, [1])
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
     real_update = pool.sd.update
 
     def refused(text: str) -> tuple[list[str], list[str], list[str]]:
@@ -2122,11 +2116,7 @@ def test_a_group_whose_stop_failed_is_stopped_again_then_removed(
     forgotten, its workers running on untracked until the pool's shutdown; its removal,
     refused while they ran, ended each later sync before the groups it added."""
     pool, base = versioned_pool(make_pool, [1])
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
     stops: list[list[str]] = []
 
     def slow_once(groups: list[str], timeout: float = 60.0) -> list[str]:
@@ -2189,11 +2179,7 @@ def test_a_version_rolled_back_to_starts_once_its_old_processes_have_stopped(
     from mpspool.supervisor.versions import VersionPolicy
 
     pool, base = versioned_pool(make_pool, [1])
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
 
     retire_version_1_leaving_one_running(pool)
     model = pool.controller.model
@@ -2295,11 +2281,7 @@ def test_a_fatal_worker_of_a_retiring_version_is_not_tried_again(
     pool.tick()
     assert pool.slot("cpu-1@1").state is S.FATAL
     pool.router.workers["cpu-0@1"]["inflight"] = 1  # a long call: version 1 drains
-    (base / "2").mkdir()
-    (base / "2" / "saved_model.pb").write_bytes(b"")
-    pool.tick(after_s=1.0)
-    for name in ("cpu-0", "cpu-1"):
-        pool.router.register(f"{name}@2", pool.sd.pid_of(f"{name}@2"))
+    version_2_started(pool, base)
     pool.tick()
     assert told(pool) == {1: "UNLOADING", 2: "AVAILABLE"}
     assert pool.slot("cpu-1@1").state is S.STOPPED

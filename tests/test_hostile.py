@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from conftest import DEMO_ROWS
-from poolproc import Pool
+from poolproc import Pool, memory_mib
 from streamer import Streamer
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
@@ -442,7 +442,7 @@ def test_a_few_bytes_asking_for_a_huge_tensor_count_what_they_would_build(
 
         with ThreadPoolExecutor(4) as clients:
             list(clients.map(impatient, range(4)))
-        peak = _vm_hwm_mib(front_door)
+        peak = memory_mib(front_door, "VmHWM")
         assert peak < 600, f"the front door peaked at {peak:.0f} MiB"
         _wait_for_memory(pool, 0, 0.001)
         assert pool.status()["front_door"]["pid"] == front_door
@@ -453,14 +453,6 @@ def test_a_few_bytes_asking_for_a_huge_tensor_count_what_they_would_build(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
         pool.kill()
-
-
-def _vm_hwm_mib(pid: int) -> float:
-    """The peak resident memory of process `pid` (VmHWM), in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmHWM for pid {pid}")
 
 
 def _rest_request(declared: int) -> bytes:

@@ -177,14 +177,13 @@ impl RequestBudget {
         )
     }
 
-    /// Holds what building a request's worker frames allocates (`codec::built_bytes`, summed)
-    /// until they are gone, without waiting: RESOURCE_EXHAUSTED when it is over the whole
-    /// budget, or more than the budget has free now. None under `uncounted` bytes (as small
-    /// requests are not counted). Before, only the wire bytes were: an 81-byte Predict whose
-    /// one value was repeated to fill [10000000, 13] built a 495 MiB frame, four at once 4 GiB,
-    /// with the budget counting none of it (found by a hunt).
-    /// `already`: what the request holds besides (its decoded form): with it, more than the
-    /// whole budget can never fit, and is refused as such, not with "try again later".
+    /// Holds `bytes`, what building a request's worker frames adds to what it holds already
+    /// (`already`, its decoded form), without waiting: RESOURCE_EXHAUSTED when the two are over
+    /// the whole budget (it could never fit: not "try again later"), or when the budget has
+    /// not `bytes` free now. None under `uncounted` bytes (as small requests are not counted).
+    /// Before, only the wire bytes were: an 81-byte Predict whose one value was repeated to
+    /// fill [10000000, 13] built a 495 MiB frame, four at once 4 GiB, with the budget counting
+    /// none of it (found by a hunt).
     pub fn hold_built(
         &self,
         bytes: u64,
