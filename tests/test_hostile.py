@@ -369,6 +369,61 @@ def test_requests_held_at_once_share_the_front_doors_memory_budget(tmp_path: Pat
         pool.kill()
 
 
+def test_requests_their_clients_cancel_count_until_their_worker_lets_them_go(
+    tmp_path: Path,
+) -> None:
+    """A request whose client cancels it (RST_STREAM, no deadline) while its worker has it
+    still holds its frames in the front door until the worker answers: its share of the budget
+    stays held until then. Before, it went back with the cancelled call, and new requests were
+    let in beside the frames still held (cancelled requests at a slow worker held 1.15 GB
+    against a 256 MiB budget; found by a hunt). Here four cancelled 46 MiB requests still count
+    while the worker is stopped, so of two more one is held and one refused; once the worker
+    runs on, everything is given back."""
+    rows = 6_000_000
+    args = ("--worker-timeout", "120", "--max-message-bytes", str(64 << 20))
+    pool = Pool(tmp_path, build_string_model(tmp_path / "strings"), 1, *args)
+    worker = 0
+    try:
+        pool.start().wait_ready(1)
+        [worker] = pool.worker_pids()
+        os.kill(worker, signal.SIGSTOP)
+        big = _good()
+        big.inputs["words"].CopyFrom(tf.make_tensor_proto(np.array([b"ab"], object)))
+        big.inputs["dense"].CopyFrom(tf.make_tensor_proto(np.ones((rows, 2), np.float32)))
+        body = big.SerializeToString()
+        options = [
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", 64 << 20),
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            call = channel.unary_unary(PREDICT)
+            cancelled = [call.future(body) for _ in range(4)]
+            _wait_for_memory(pool, 4 * 45.5, 4 * 47)
+            for future in cancelled:
+                assert future.cancel()
+            # Still held: the frames wait for the stopped worker.
+            _wait_for_memory(pool, 4 * 45.5, 4 * 47)
+            with ThreadPoolExecutor(2) as clients:
+                calls = [clients.submit(call, body, timeout=120) for _ in range(2)]
+                first = next(concurrent.futures.as_completed(calls, timeout=120))
+                refused = first.exception()
+                assert isinstance(refused, grpc.RpcError), refused
+                assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+                os.kill(worker, signal.SIGCONT)
+                [answer] = [c.result(timeout=120) for c in calls if c is not first]
+        reply = predict_pb2.PredictResponse.FromString(answer)
+        assert tf.make_ndarray(reply.outputs["out"]).shape == (rows,)
+        _wait_for_memory(pool, 0, 0.001)
+        assert pool.worker_pids() == [worker], "no worker was replaced"
+        assert pool.stop() == 0
+        assert pool.leftovers() == []
+    finally:
+        if worker and pool.proc and pool.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        pool.kill()
+
+
 def test_a_few_bytes_asking_for_a_huge_tensor_count_what_they_would_build(
     tmp_path: Path,
 ) -> None:

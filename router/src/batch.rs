@@ -174,17 +174,45 @@ pub fn merge(members: &[&WorkRequest], padded: u64) -> Option<WorkRequest> {
         frames,
         outputs: first.outputs.clone(),
         row_wise: first.row_wise,
+        // Each member keeps its own frames, and shares, until the call is answered.
+        memory: Default::default(),
     })
 }
 
 fn repeat_row(row: &Bytes, dtype: i32, times: u64) -> Option<Bytes> {
     let times = usize::try_from(times).ok()?;
     if dtype == split::DT_STRING {
-        let values = wire::decode_strings(row).ok()?;
-        let repeated: Vec<Bytes> = (0..times).flat_map(|_| values.iter().cloned()).collect();
-        return Some(Bytes::from(wire::encode_strings(&repeated)));
+        // The row's values' bytes repeated under one header: a list of the repeated values
+        // took 32 bytes a value.
+        let values = wire::StringValues::of(row).ok()?;
+        let count = u32::try_from(values.len().checked_mul(times)?).ok()?;
+        let body = values.checked_values().ok()?;
+        return Some(Bytes::from(wire::encode_string_bodies(
+            count,
+            &[body],
+            times,
+        )));
     }
     Some(Bytes::from(row.repeat(times)))
+}
+
+/// About the bytes `merge(members, padded)` builds: the members' frames and the padding
+/// (the first member's first row, repeated); None where merge would fail.
+pub fn merged_bytes(members: &[&WorkRequest], padded: u64) -> Option<u64> {
+    let first = members.first()?;
+    let rows: u64 = members.iter().map(|m| m.rows()).sum();
+    let mut bytes: u64 = 0;
+    for (column, (_, dtype, _)) in first.tensors.iter().enumerate() {
+        for member in members {
+            bytes = bytes.saturating_add(member.frames.get(column)?.len() as u64);
+        }
+        if padded > rows {
+            let head = split::cut(&first.frames[column], *dtype, first.rows(), &[(0, 1)])?;
+            let row = head.first()?.len() as u64;
+            bytes = bytes.saturating_add(row.saturating_mul(padded - rows));
+        }
+    }
+    Some(bytes)
 }
 
 /// The merged call's answer cut into each member's rows (`rows`, in order; padding after
@@ -248,6 +276,7 @@ mod tests {
             frames,
             outputs: vec![],
             row_wise: true,
+            memory: Default::default(),
         }
     }
 
@@ -293,6 +322,25 @@ mod tests {
         let parts = unmerge(&echo(&merged), &[1, 2], 4).unwrap();
         assert_eq!(parts[0].frames, a.frames);
         assert_eq!(parts[1].frames, b.frames);
+    }
+
+    #[test]
+    fn merged_string_frames_are_written_from_their_values_bytes_and_sized_first() {
+        let a = request(1, 10, true);
+        let b = request(2, 20, true);
+        let merged = merge(&[&a, &b], 6).unwrap();
+        let mut want = wire::decode_strings(&a.frames[1]).unwrap();
+        want.extend(wire::decode_strings(&b.frames[1]).unwrap());
+        want.extend(std::iter::repeat_n(Bytes::from_static(&[10, 0]), 3));
+        assert_eq!(merged.frames[1], Bytes::from(wire::encode_strings(&want)));
+        let built: u64 = merged.frames.iter().map(|f| f.len() as u64).sum();
+        let sized = merged_bytes(&[&a, &b], 6).unwrap();
+        // Each piece's array header is counted though the merged frame has one.
+        assert!(sized >= built && sized <= built + 16, "{sized} for {built}");
+        // A value that is not whole fails the merge rather than send a frame cut short.
+        let mut torn = request(1, 10, true);
+        torn.frames[1] = torn.frames[1].slice(..torn.frames[1].len() - 1);
+        assert!(merge(&[&torn, &b], 3).is_none());
     }
 
     #[test]

@@ -341,6 +341,17 @@ pub fn holding_request_memory<F: Future>(request: F) -> impl Future<Output = F::
     )
 }
 
+/// `call` (a REST request's API call) with `held`, its parsed body's share, as the share of
+/// the request being served, so that it goes with the request's work as a gRPC request's does
+/// (`request_budget::KeptShare`); the share back when the call ends, if its work gave it back.
+pub async fn serving_with<F: Future>(held: Held, call: F) -> (F::Output, Option<Held>) {
+    let call = async {
+        let output = call.await;
+        (output, take_request_share())
+    };
+    HELD.scope(RefCell::new(Some(held)), call).await
+}
+
 /// Hands the share of a message that has just arrived whole to its decoding (`GATHERED`);
 /// outside a request's scope it is given back.
 pub fn hand_over_gathered(held: Held) {
@@ -356,6 +367,12 @@ pub fn take_request_share() -> Option<Held> {
     HELD.try_with(|share| share.borrow_mut().take())
         .ok()
         .flatten()
+}
+
+/// Puts `held` back as the share of the request being served (taken by
+/// `take_request_share` while its work was at a worker); outside a request it is given back.
+pub fn give_back_request_share(held: Option<Held>) {
+    let _ = HELD.try_with(|share| *share.borrow_mut() = held);
 }
 
 /// What the request being served holds of the budget now (its decoded form); 0 outside a

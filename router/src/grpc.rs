@@ -31,6 +31,7 @@ use crate::proto::tensorflow::serving::{
     MultiInferenceRequest, MultiInferenceResponse, RegressionRequest, RegressionResponse,
     ReloadConfigRequest, ReloadConfigResponse,
 };
+use crate::request_budget::{Held, KeptShare};
 use crate::server::Peer;
 use crate::signature::{self, ModelSignatures, SignatureSpec};
 use crate::state::RouterState;
@@ -106,15 +107,22 @@ impl Api {
     }
 
     /// A checked request on a worker; its span goes to the metrics as `api`'s (None: not in
-    /// TF Serving's runtime_latency).
+    /// TF Serving's runtime_latency). The work takes the request's shares of the budget with
+    /// it (its decoded form's and `built`, what building its frames added), held until the
+    /// last copy of its frames goes, which may be after this call is dropped (`KeptShare`).
     async fn run(
         &self,
-        work: WorkRequest,
+        mut work: WorkRequest,
         deadline: Option<Instant>,
         api: Option<TfApi>,
+        built: Option<Held>,
     ) -> Result<WorkReply, ServingError> {
         let model = work.target.model;
+        work.memory = KeptShare::new(decode_budget::take_request_share(), built);
+        let kept = work.memory.clone();
         let reply = self.dispatcher.call(work, deadline).await?;
+        // Answered: every chunk is done, and the answer takes the request's share over.
+        decode_budget::give_back_request_share(kept.take_request());
         if let Some((start, end)) = reply.span {
             let compute = u64::try_from(end - start).unwrap_or(0);
             self.metrics.record_compute(model, api, compute);
@@ -201,7 +209,7 @@ impl Api {
             .map(|(alias, dtype, shape)| (alias.to_string(), dtype, shape))
             .collect();
         let mut inputs = request.inputs;
-        let (tensors, frames, _built_held) = crate::rest::on_a_blocking_thread_if(
+        let (tensors, frames, built_held) = crate::rest::on_a_blocking_thread_if(
             built >= BLOCKING_BUILD_BYTES,
             "building the request's tensors",
             move || {
@@ -226,8 +234,11 @@ impl Api {
             frames,
             row_wise: spec.answers_row_by_row(&outputs),
             outputs,
+            memory: KeptShare::default(),
         };
-        let reply = self.run(work, deadline, Some(TfApi::Predict)).await?;
+        let reply = self
+            .run(work, deadline, Some(TfApi::Predict), built_held)
+            .await?;
         let mut response = PredictResponse {
             model_spec: Some(self.served_spec(target.model, reply.version, &spec.key)),
             ..PredictResponse::default()
@@ -285,7 +296,7 @@ impl Api {
         deadline: Option<Instant>,
     ) -> Result<WorkReply, ServingError> {
         let work = inference::work(target, signature, outputs, examples);
-        self.run(work, deadline, api).await
+        self.run(work, deadline, api, None).await
     }
 
     pub async fn classify_checked(

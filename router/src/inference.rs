@@ -247,6 +247,7 @@ pub fn work(
         frames: vec![Bytes::from(wire::encode_strings(examples))],
         row_wise: spec.answers_row_by_row(&outputs),
         outputs,
+        memory: Default::default(),
     }
 }
 

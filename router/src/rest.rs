@@ -19,7 +19,7 @@ use percent_encoding::percent_decode_str;
 use prost::Message;
 use tokio::time::Instant;
 
-use crate::decode_budget::{input_memory, tensor_memory};
+use crate::decode_budget::{self, input_memory, tensor_memory};
 use crate::grpc::Api;
 use crate::json_tensor::{self, write_string};
 use crate::metrics::{Entrypoint, Method, TfApi};
@@ -784,13 +784,15 @@ impl Rest {
         body: ReadBody,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let ((signature_name, input), _held) =
+        let ((signature_name, input), held) =
             self.parse_body(body, deadline, parse_examples).await?;
         let request = ClassificationRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
         };
-        let response = self.api.classify_checked(request, deadline).await?;
+        let (response, _held) =
+            decode_budget::serving_with(held, self.api.classify_checked(request, deadline)).await;
+        let response = response?;
         json_tensor::classification_answer(&response.result.unwrap_or_default())
     }
 
@@ -802,13 +804,15 @@ impl Rest {
         body: ReadBody,
         deadline: Option<Instant>,
     ) -> Result<String, ServingError> {
-        let ((signature_name, input), _held) =
+        let ((signature_name, input), held) =
             self.parse_body(body, deadline, parse_examples).await?;
         let request = RegressionRequest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
         };
-        let response = self.api.regress_checked(request, deadline).await?;
+        let (response, _held) =
+            decode_budget::serving_with(held, self.api.regress_checked(request, deadline)).await;
+        let response = response?;
         json_tensor::regression_answer(&response.result.unwrap_or_default())
     }
 
@@ -825,7 +829,7 @@ impl Rest {
         // building the tensors too: the document lives until they are built.
         let api = self.api.clone();
         let (model, version) = (model.to_string(), version.clone());
-        let ((spec, inputs, format), _held) = self
+        let ((spec, inputs, format), held) = self
             .parse_body(body, deadline, move |body| {
                 let parsed = json_tensor::parse_predict(body)?;
                 let spec = model_spec(&model, &version, &parsed.signature_name);
@@ -841,7 +845,12 @@ impl Rest {
             inputs: inputs.into_iter().collect(),
             output_filter: Vec::new(),
         };
-        let response = self.api.predict_checked(request, deadline, false).await?;
+        // The body's share goes with the work (to a worker, and stays there if this caller
+        // goes), and back here while the answer is written.
+        let (response, _held) =
+            decode_budget::serving_with(held, self.api.predict_checked(request, deadline, false))
+                .await;
+        let response = response?;
         let outputs: BTreeMap<_, _> = response.outputs.into_iter().collect();
         let arrays = outputs
             .values()

@@ -71,6 +71,8 @@ pub fn split(request: &WorkRequest, limit: u64) -> Option<Vec<(WorkRequest, u64)
                 frames: pieces.iter().map(|p| p[i].clone()).collect(),
                 outputs: request.outputs.clone(),
                 row_wise: request.row_wise,
+                // Each chunk's frames are slices of the request's: the shares go with the last.
+                memory: request.memory.clone(),
             };
             (chunk, end - start)
         })
@@ -224,14 +226,22 @@ pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
 
 pub(crate) fn concat(pieces: &[Bytes], dtype: i32) -> Result<Bytes, ServingError> {
     if dtype == DT_STRING {
-        let mut values = Vec::new();
+        // Their values' bytes as they are, under one header: a list of the values took 32
+        // bytes a value (an empty one takes 1 in a frame).
+        let bad = |e: wire::ProtocolError| {
+            ServingError::new(Code::Internal, format!("a chunk's string output: {e}"))
+        };
+        let mut count: u64 = 0;
+        let mut bodies = Vec::with_capacity(pieces.len());
         for piece in pieces {
-            let part = wire::decode_strings(piece).map_err(|e| {
-                ServingError::new(Code::Internal, format!("a chunk's string output: {e}"))
-            })?;
-            values.extend(part);
+            let values = wire::StringValues::of(piece).map_err(bad)?;
+            count += values.len() as u64;
+            bodies.push(values.checked_values().map_err(bad)?);
         }
-        return Ok(Bytes::from(wire::encode_strings(&values)));
+        let count = u32::try_from(count).map_err(|_| {
+            ServingError::new(Code::Internal, format!("{count} strings in one tensor"))
+        })?;
+        return Ok(Bytes::from(wire::encode_string_bodies(count, &bodies, 1)));
     }
     let mut out = BytesMut::with_capacity(pieces.iter().map(Bytes::len).sum());
     for piece in pieces {
@@ -271,6 +281,7 @@ mod tests {
             frames: vec![floats(&x), Bytes::from(wire::encode_strings(&s))],
             outputs: vec![],
             row_wise: true,
+            memory: Default::default(),
         }
     }
 
@@ -310,6 +321,26 @@ mod tests {
         assert_eq!(joined.tensors, whole.tensors);
         assert_eq!(joined.frames, whole.frames);
         assert_eq!(joined.span, Some((0, 25)));
+    }
+
+    #[test]
+    fn string_frames_are_joined_whatever_their_elements_types() {
+        // A worker's answer may hold msgpack str elements (Python's str), the front door's bin.
+        let mut of_str = Vec::new();
+        rmp::encode::write_array_len(&mut of_str, 2).unwrap();
+        rmp::encode::write_str(&mut of_str, "ab").unwrap();
+        rmp::encode::write_str(&mut of_str, "").unwrap();
+        let of_bin = Bytes::from(wire::encode_strings(&[b"cd".as_slice()]));
+        let joined = concat(&[Bytes::from(of_str), of_bin], DT_STRING).unwrap();
+        let values = wire::decode_strings(&joined).unwrap();
+        assert_eq!(values, [&b"ab"[..], b"", b"cd"]);
+        let bad = concat(&[Bytes::from_static(&[0x92, 0xc4, 5])], DT_STRING).unwrap_err();
+        assert_eq!(bad.code, Code::Internal);
+        assert!(
+            bad.message.starts_with("a chunk's string output:"),
+            "{}",
+            bad.message
+        );
     }
 
     #[test]

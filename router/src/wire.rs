@@ -186,6 +186,21 @@ pub fn encode_strings<S: AsRef<[u8]>>(values: &[S]) -> Vec<u8> {
     )
 }
 
+/// A DT_STRING frame of `count` values from their encoded bytes (`StringValues::checked_values`
+/// of other frames), each of `bodies` written `times` times.
+pub fn encode_string_bodies(count: u32, bodies: &[&[u8]], times: usize) -> Vec<u8> {
+    let bytes: usize = bodies.iter().map(|body| body.len()).sum();
+    let mut out = Vec::with_capacity(bytes.saturating_mul(times).saturating_add(5));
+    // Writes into a Vec cannot fail.
+    let _ = rmp::encode::write_array_len(&mut out, count);
+    for _ in 0..times {
+        for body in bodies {
+            out.extend_from_slice(body);
+        }
+    }
+    out
+}
+
 /// The same frame from `count` values yielded one by one into a buffer of `capacity` bytes:
 /// the codec repeats a request's last value to fill a shape without listing it n times.
 pub fn encode_strings_iter<'a>(
@@ -244,6 +259,18 @@ impl<'a> StringValues<'a> {
     /// How many values are left to read.
     pub fn len(&self) -> usize {
         self.left as usize
+    }
+
+    /// The bytes of the values left, as they are encoded, once each is checked to be whole and
+    /// nothing follows the last: what frames are joined or repeated from without a list of
+    /// their values (`split::concat`, `batch::merge`).
+    pub fn checked_values(&self) -> Result<&'a [u8], ProtocolError> {
+        let mut walk = self.clone();
+        for value in walk.by_ref() {
+            value?;
+        }
+        walk.finish()?;
+        Ok(self.rest)
     }
 
     /// An error when bytes follow the last value (all read).

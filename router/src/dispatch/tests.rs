@@ -254,6 +254,7 @@ fn rows_request(rows: usize) -> WorkRequest {
         frames: vec![Bytes::from(vec![0u8; 4 * rows])],
         outputs: vec!["x".into()],
         row_wise: true,
+        memory: Default::default(),
     }
 }
 
@@ -358,6 +359,7 @@ fn request() -> WorkRequest {
         frames: vec![Bytes::from_static(&[0, 0, 128, 63, 0, 0, 0, 64])],
         outputs: vec!["x".into()],
         row_wise: true,
+        memory: Default::default(),
     }
 }
 
@@ -1239,6 +1241,65 @@ async fn a_split_request_runs_on_several_workers_and_comes_back_whole() {
     dispatcher.shutdown();
 }
 
+/// A split request whose caller goes away while its chunks are at the workers keeps its
+/// shares of the budget until the last chunk is answered (`KeptShare`); one answered gives the
+/// request's own share back to its caller, and the rest goes with the last copy of its frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_shares_stay_held_while_any_copy_of_its_frames_is_kept() {
+    use crate::request_budget::RequestBudget;
+    let (_dir, dir) = run_dir();
+    let split = Scheduling {
+        split_rows: 2,
+        ..Scheduling::default()
+    };
+    let (dispatcher, _state) = start_scheduled(&dir, &split);
+    let _a = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(300));
+    let _b = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::SlowEcho(300));
+    ready(&dispatcher, 2).await;
+    let budget = RequestBudget::new(1 << 20);
+    let shares = |budget: &RequestBudget| {
+        KeptShare::new(budget.try_reserve(100 << 10), budget.try_reserve(50 << 10))
+    };
+
+    let mut cancelled = rows_request(4);
+    cancelled.memory = shares(&budget);
+    let call = dispatcher.call(cancelled, None);
+    let gone = tokio::time::timeout(Duration::from_millis(100), call).await;
+    assert!(gone.is_err(), "the caller went away before the answers");
+    assert_eq!(
+        budget.held_bytes(),
+        150 << 10,
+        "held while the chunks are at workers"
+    );
+    let released = tokio::time::timeout(Duration::from_secs(5), async {
+        while budget.held_bytes() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    released
+        .await
+        .expect("given back once the workers answered");
+
+    let mut answered = rows_request(4);
+    answered.memory = shares(&budget);
+    let kept = answered.memory.clone();
+    dispatcher.call(answered, None).await.unwrap();
+    let request_share = kept.take_request().expect("the request's share comes back");
+    assert_eq!(request_share.num_permits(), 100, "its own share (100 KiB)");
+    drop(kept);
+    let built_gone = tokio::time::timeout(Duration::from_secs(5), async {
+        while budget.held_bytes() > 100 << 10 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    built_gone
+        .await
+        .expect("what building took goes with the frames");
+    drop(request_share);
+    assert_eq!(budget.held_bytes(), 0);
+    dispatcher.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_chunk_fails_the_split_request_with_its_error() {
     let (_dir, dir) = run_dir();
@@ -1356,6 +1417,50 @@ async fn waiting_requests_share_one_call_up_to_max_batch_size() {
     .await;
     // The first alone; then 1+2+3+1 = 7 (4 more would make 11 > 8); then 4.
     assert_eq!(seen, [1, 7, 4]);
+}
+
+/// A call padded to an allowed batch size holds what it builds from the request budget while
+/// it is at its worker; one that could never fit is refused saying why, and nothing is built
+/// (one 8 MiB request padded to 128 rows built 1.05 GB, counted by no budget; a hunt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_padded_call_holds_what_it_builds_and_one_that_cannot_fit_is_refused() {
+    let budget = crate::decode_budget::budget();
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(128, 0, vec![128], 10));
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(300));
+    ready(&dispatcher, 1).await;
+    // One row of budget/64 bytes: 128 of them are twice the budget.
+    let row = budget.bytes() / 64;
+    let mut huge = rows_request(1);
+    huge.tensors[0].2 = vec![1, (row / 4) as i64];
+    huge.frames = vec![Bytes::from(vec![1u8; row])];
+    huge.tensors.push(("y".into(), 1, vec![1, 1]));
+    huge.frames.push(Bytes::from(vec![2u8; 4]));
+    let mut padded = rows_request(3);
+    padded.frames = vec![Bytes::from(vec![3u8; 3 * 4 * 2048])];
+    padded.tensors[0].2 = vec![3, 2048];
+    let Err(error) = dispatcher.call(huge, None).await else {
+        panic!("a call padded past the budget was sent");
+    };
+    assert_eq!(error.code, Code::ResourceExhausted);
+    let said = format!(
+        "the batch this request is in (1 rows padded to 128, an allowed batch size) would take \
+         {} MiB, more than the {} MiB",
+        (2 * budget.bytes() + 512).div_ceil(1 << 20),
+        budget.bytes() >> 20
+    );
+    assert!(error.message.contains(&said), "{}", error.message);
+    // 3 rows of 8 KiB padded to 128: 1 MiB, held while the worker has it.
+    let call = tokio::spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(padded, None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(budget.held_bytes() >= 1 << 20, "{}", budget.held_bytes());
+    let reply = call.await.unwrap().unwrap();
+    assert_eq!(reply.tensors[0].2, vec![3, 2048], "the padding is cut off");
+    assert_eq!(worker.rows_seen(), [128]);
+    dispatcher.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2355,6 +2460,7 @@ fn of_width(width: usize, version: i64) -> WorkRequest {
         frames: vec![Bytes::from(vec![0u8; 4 * width])],
         outputs: vec!["x".into()],
         row_wise: true,
+        memory: Default::default(),
     }
 }
 
