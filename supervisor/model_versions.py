@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xmlrpc.client
 from pathlib import Path
@@ -51,6 +52,9 @@ BATCHING_RETRY_S = 1.0
 # (`_try_waits_for_stop`): supervisord SIGKILLs a worker 10 s after its stop (stopwaitsecs);
 # one still there long after sits in the kernel, and the try fails.
 STOP_WAIT_BOUND_S = 60.0
+# How long a failed load's count waits for the look at its folder (the common case answers at
+# once; storage that stopped answering holds the loop this long, the count coming later).
+FAILED_LOAD_WAIT_S = 0.05
 # Errors that are the file's answer, the same at every read: its version fails at once (a
 # version directory the pool's user may not enter was read again every second, for ever;
 # found by a review). Any other OSError (EIO, ESTALE, ETIMEDOUT: storage failing) is retried.
@@ -125,6 +129,8 @@ class ModelVersions:
         # Version → the folder its failed loads were counted by (`note_failed_load`), so that
         # the version table, made at every tick, looks at no disk (a hung mount held it).
         self._failed_load_paths: dict[int, str] = {}
+        # Failed loads whose folder is being looked for (version, its read, the base path).
+        self._failed_load_reads: list[tuple[int, BackgroundRead[str], str]] = []
         # The versions that had failed (END, or waiting to be tried again) when the
         # HandleReloadConfigRequests now waiting were asked: those do not hold them up
         # (`failed_before_reload`).
@@ -176,10 +182,11 @@ class ModelVersions:
             slots[slot.key] = slot
         group = VersionGroup(version, slots, config.segment_for(version), model=self.prefix)
         if config.batching and config.per_model_batching:
-            # Read once, as TF Serving reads it when it loads the version (`_batching_known`).
-            directory = Path(config.version_path(version))
+            # Read once, as TF Serving reads it when it loads the version (`_batching_known`);
+            # its folder looked for there too (version_path reads the base path).
             group.batching_read = BackgroundRead(
-                lambda: version_batching(directory), f"batching-{self.name}@{version}"
+                lambda: version_batching(Path(config.version_path(version))),
+                f"batching-{self.name}@{version}",
             )
         return group
 
@@ -294,18 +301,24 @@ class ModelVersions:
         """A large saved_model.pb holds weights as constants (a frozen graph, tensors a
         function captured), which only variables' values are published beside: said, as
         each worker loads its own copy of them (the pool said `shared 0B` and nothing else;
-        found by a hunt)."""
-        graph = Path(self.config.version_path(group.version)) / "saved_model.pb"
-        try:
-            graph_bytes = graph.stat().st_size
-        except OSError:
-            return  # a text SavedModel (saved_model.pbtxt), or gone: the load says so
-        if graph_bytes >= GRAPH_WEIGHTS_SAID_BYTES:
-            log.warning(
-                "%s: %s is %.1f MiB: what the graph holds (constants: a frozen graph, tensors "
-                "a function captured) is not shared; each worker loads its own copy (only "
-                "variables are shared)", group.label, graph, graph_bytes / 2**20,
-            )  # fmt: skip
+        found by a hunt). Looked at on a thread of its own, as every read of the model's
+        storage: one that stopped answering held the loop here."""
+        config, label, version = self.config, group.label, group.version
+
+        def look() -> None:
+            graph = Path(config.version_path(version)) / "saved_model.pb"
+            try:
+                graph_bytes = graph.stat().st_size
+            except OSError:
+                return  # a text SavedModel (saved_model.pbtxt), or gone: the load says so
+            if graph_bytes >= GRAPH_WEIGHTS_SAID_BYTES:
+                log.warning(
+                    "%s: %s is %.1f MiB: what the graph holds (constants: a frozen graph, "
+                    "tensors a function captured) is not shared; each worker loads its own "
+                    "copy (only variables are shared)", label, graph, graph_bytes / 2**20,
+                )  # fmt: skip
+
+        threading.Thread(target=look, name=f"graph-{label}", daemon=True).start()
 
     def _start_publisher(self, group: VersionGroup) -> subprocess.Popen[bytes]:
         """The one-shot child that publishes a version's weights (it needs TensorFlow, which
@@ -428,6 +441,8 @@ class ModelVersions:
         policy wants, move each group along, and tell the front door when anything changed."""
         if not self.removed and (now >= self.next_poll or self._disk_read.running()):
             self._poll_versions(now)
+        if self._failed_load_reads:
+            self._count_failed_loads()
         # Newest first: a version that became AVAILABLE retires the one it replaces in the
         # same tick.
         for version in sorted(self.groups, reverse=True):
@@ -894,10 +909,32 @@ class ModelVersions:
 
     def note_failed_load(self, version: int) -> None:
         """A load attempt of ``version`` failed to read its SavedModel (counted by its
-        folder, by the pool: TensorFlow's load_attempt_count{status="fail"})."""
+        folder, by the pool: TensorFlow's load_attempt_count{status="fail"}). Its folder is
+        looked for on a thread (`_count_failed_loads`): version_path reads the base path,
+        and storage that stopped answering held the loop here."""
         # Where it loads from now (a folder gone and back under another name: that one).
-        path = self._failed_load_paths[version] = self.config.version_path(version)
-        self.pool.note_failed_load(path)
+        config = self.config
+        read = BackgroundRead(
+            lambda: config.version_path(version), f"failed-load-{self.name}@{version}"
+        )
+        read.start()
+        self._failed_load_reads.append((version, read, str(Path(config.model_base_path))))
+        self._count_failed_loads(FAILED_LOAD_WAIT_S)
+
+    def _count_failed_loads(self, wait_s: float = 0.0) -> None:
+        """Counts the failed loads whose folder is known (the first waited for up to
+        ``wait_s``); one whose look failed counts at ``<base>/<version>``."""
+        waiting = []
+        for version, read, base in self._failed_load_reads:
+            outcome = read.wait(wait_s)
+            wait_s = 0.0
+            if outcome is None:
+                waiting.append((version, read, base))
+                continue
+            path = outcome.value if outcome.value is not None else str(Path(base) / str(version))
+            self._failed_load_paths[version] = path
+            self.pool.note_failed_load(path)
+        self._failed_load_reads = waiting
 
     def version_table(self) -> list[dict[str, Any]]:
         """What the front door and status report: every group, the failed versions still on

@@ -2467,10 +2467,76 @@ def test_a_large_graph_is_said_not_shared_when_the_weights_are_published(
     group.publisher.wait(timeout=30)
     with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
         pool.tick()
+        join_threads("graph-")
     warned = [r.getMessage() for r in caplog.records if "is not shared" in r.getMessage()]
     assert bool(warned) is said, warned
     if said:
         assert f"{graph} is {graph_mib:.1f} MiB" in warned[0], warned
+
+
+def join_threads(prefix: str) -> None:
+    """Waits for the controller's threads named ``prefix``... to end."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(prefix):
+            thread.join(30)
+            assert not thread.is_alive(), thread.name
+
+
+def hang_folder_looks(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Looks for a version's folder (demo_model.version_dir, under config.version_path)
+    wait until the event is set: storage that stopped answering."""
+    from mpspool import demo_model
+
+    answer = threading.Event()
+    real = demo_model.version_dir
+
+    def hung(base_path: str | Path, version: int) -> Path:
+        answer.wait(30)
+        return real(base_path, version)
+
+    monkeypatch.setattr(demo_model, "version_dir", hung)
+    return answer
+
+
+def test_looks_at_a_versions_folder_after_its_load_do_not_hold_the_loop(
+    make_pool: Callable[..., Pool],
+    fake_publisher: Callable[[int], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+):
+    """What the controller looks at in a version's folder once its weights are published
+    (a graph holding constants) or once a worker failed to load it (the folder its failed
+    load is counted by) is read on a thread: on storage that stopped answering each held the
+    loop (found, not fixed, by a hunt). Both are done once the storage answers."""
+    go = fake_publisher(0)
+    pool = make_pool()
+    graph = Path(pool.controller.config.version_path(1)) / "saved_model.pb"
+    graph.parent.mkdir(parents=True, exist_ok=True)
+    with open(graph, "ab") as out:
+        out.truncate(40 * 2**20)  # sparse: no disk spent
+    group = start_first_version(pool)
+    answer = hang_folder_looks(monkeypatch)
+    go.touch()
+    assert group.publisher is not None
+    group.publisher.wait(timeout=30)
+    pool.make_ready("cpu-1")
+    with caplog.at_level(logging.WARNING, logger="mpspool.controller"):
+        began = time.monotonic()
+        pool.tick()  # published: the graph's size is looked at
+        pool.sd.exit("cpu-0@1", process.EXIT_SAVED_MODEL_FAILED)
+        pool.tick()  # a failed load: its folder is looked for
+        pool.tick()
+        assert time.monotonic() - began < 2.0, "the loop was held"
+        assert pool.slot("cpu-0").state is S.BACKOFF
+        [row] = pool.router.versions[-1]
+        assert row.get("failed_loads", 0) == 0, "not counted before its folder is known"
+        answer.set()
+        join_threads("graph-")
+        join_threads("failed-load-")
+        pool.tick()
+    [row] = pool.router.versions[-1]
+    assert (row["failed_loads"], row["path"]) == (1, str(graph.parent))
+    assert any("is not shared" in r.getMessage() for r in caplog.records)
 
 
 def test_a_publisher_that_does_not_claim_or_end_holds_neither_start_nor_stop(
