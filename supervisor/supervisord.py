@@ -294,7 +294,9 @@ class Supervisord:
             [
                 sys.executable,
                 "-c",
-                "from supervisor.supervisord import main; main()",
+                # supervisord's main, and the segments of a controller killed outright
+                # removed once its programs have ended (supervisord_run.py).
+                "from mpspool.supervisor.supervisord_run import main; main()",
                 "-c",
                 str(conf),
             ],

@@ -393,6 +393,31 @@ def test_killed_controller_takes_its_processes_along(tmp_path: Path, demo_model_
     assert leftover == []
 
 
+def test_a_controller_killed_outright_leaves_no_weights_in_shared_memory(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """kill -9 of `mpspool start`, and no start after it: once supervisord has stopped the
+    programs (they end with the controller), the pool's weights leave /dev/shm. They stayed
+    there, as much memory as the model, until some later start removed them."""
+    pool = Pool(tmp_path, demo_model_dir, 1).start()
+    try:
+        pool.wait_ready(1)
+        segments = pool.segments()
+        assert segments
+        pool.signal(signal.SIGKILL)
+        assert pool.proc is not None
+        pool.proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while [x for x in pool.leftovers() if x.startswith("process")] or any(
+            path.exists() for path in segments
+        ):
+            assert time.monotonic() < deadline, (pool.leftovers(), pool.segments())
+            time.sleep(0.1)
+        assert pool.segments() == []
+    finally:
+        pool.kill()
+
+
 def test_unreadable_weights_fail_the_start_cleanly(tmp_path: Path, demo_model_dir: Path) -> None:
     """A checkpoint that cannot be published (half its data: a copy in progress): tried
     again as any load (the pool starting meanwhile), then `start` exits 1 with the reason and

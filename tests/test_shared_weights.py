@@ -795,7 +795,9 @@ def test_a_publisher_failing_in_a_way_no_check_foresaw_says_why_with_its_code(
         raise IndexError("list index out of range")
 
     monkeypatch.setattr(publish_module, "publish", malformed)
-    monkeypatch.setattr(process, "die_with_parent", lambda: None)
+    monkeypatch.setattr(process, "die_with_parent", lambda *_: None)
+    # Not pytest's own SIGTERM handler to be replaced (the publisher's ends it).
+    monkeypatch.setattr(publish_module.signal, "signal", lambda *_: None)
     with pytest.raises(SystemExit) as ended:
         publish_module.main(["--run-dir", str(run_dir)])
     assert ended.value.code == process.EXIT_LOAD_FAILED

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -549,6 +550,10 @@ def _carried() -> frozenset[int]:
 _CARRIED = _carried()
 
 
+def _end_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpspool.worker.publish")
     parser.add_argument("--run-dir", required=True)
@@ -556,7 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="the model it is for (default: the pool's first)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s publish %(levelname)s %(message)s")
-    process.die_with_parent()
+    # Ended by SIGTERM (the controller's stop, or its death), not SIGKILL: the half-written
+    # segment is removed on the way out (SegmentWriter.abort). Killed outright with a
+    # controller killed outright, it stayed in /dev/shm until a later start (found by a hunt).
+    signal.signal(signal.SIGTERM, _end_on_sigterm)
+    process.die_with_parent(signal.SIGTERM)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     pool = PoolConfig.load(args.run_dir)
     config = pool.for_model(args.model) if args.model else pool
