@@ -29,7 +29,6 @@ use bytes::Bytes;
 use crate::dispatch::{WorkReply, WorkRequest};
 use crate::split;
 use crate::status::{Code, ServingError};
-use crate::wire;
 
 /// TF Serving's refusal of a request of more rows than `max_batch_size`.
 pub fn too_large(rows: u64, batching: &Batching) -> ServingError {
@@ -129,12 +128,7 @@ pub struct MergeKey {
 /// share a first dimension).
 pub fn merge_key(request: &WorkRequest) -> Option<(MergeKey, u64)> {
     let rows = request.rows();
-    if rows == 0
-        || !request.row_wise
-        || request.tensors.is_empty()
-        || request.tensors.len() != request.frames.len()
-        || !request.one_first_dimension()
-    {
+    if !can_merge(request) {
         return None;
     }
     let inputs = (request.tensors.iter())
@@ -148,21 +142,36 @@ pub fn merge_key(request: &WorkRequest) -> Option<(MergeKey, u64)> {
     Some((key, rows))
 }
 
+/// Whether the request may share a call or be padded: rows, one per output row, and every
+/// input's first dimension its rows.
+pub fn can_merge(request: &WorkRequest) -> bool {
+    request.rows() > 0
+        && request.row_wise
+        && !request.tensors.is_empty()
+        && request.tensors.len() == request.frames.len()
+        && request.one_first_dimension()
+}
+
 /// One request of `padded` rows from `members` (same merge key, in order), padded with
 /// copies of the first member's first row; None if a frame is not a whole number of rows.
+/// Each frame is written once, its padding in place (building the padding apart and then
+/// copying it in took twice the padding at the peak; found by a review).
 pub fn merge(members: &[&WorkRequest], padded: u64) -> Option<WorkRequest> {
     let first = members.first()?;
     let rows: u64 = members.iter().map(|m| m.rows()).sum();
+    let padding = usize::try_from(padded.saturating_sub(rows)).ok()?;
     let mut tensors = Vec::with_capacity(first.tensors.len());
     let mut frames = Vec::with_capacity(first.tensors.len());
     for (column, (name, dtype, shape)) in first.tensors.iter().enumerate() {
-        let mut pieces: Vec<Bytes> = members.iter().map(|m| m.frames[column].clone()).collect();
-        if padded > rows {
+        let mut parts: Vec<(Bytes, usize)> = members
+            .iter()
+            .map(|m| m.frames.get(column).map(|f| (f.clone(), 1)))
+            .collect::<Option<_>>()?;
+        if padding > 0 {
             let head = split::cut(&first.frames[column], *dtype, first.rows(), &[(0, 1)])?;
-            let one = head.into_iter().next()?;
-            pieces.push(repeat_row(&one, *dtype, padded - rows)?);
+            parts.push((head.into_iter().next()?, padding));
         }
-        frames.push(split::concat(&pieces, *dtype).ok()?);
+        frames.push(split::concat_repeated(&parts, *dtype).ok()?);
         let mut shape = shape.clone();
         shape[0] = padded as i64;
         tensors.push((name.clone(), *dtype, shape));
@@ -177,23 +186,6 @@ pub fn merge(members: &[&WorkRequest], padded: u64) -> Option<WorkRequest> {
         // Each member keeps its own frames, and shares, until the call is answered.
         memory: Default::default(),
     })
-}
-
-fn repeat_row(row: &Bytes, dtype: i32, times: u64) -> Option<Bytes> {
-    let times = usize::try_from(times).ok()?;
-    if dtype == split::DT_STRING {
-        // The row's values' bytes repeated under one header: a list of the repeated values
-        // took 32 bytes a value.
-        let values = wire::StringValues::of(row).ok()?;
-        let count = u32::try_from(values.len().checked_mul(times)?).ok()?;
-        let body = values.checked_values().ok()?;
-        return Some(Bytes::from(wire::encode_string_bodies(
-            count,
-            &[body],
-            times,
-        )));
-    }
-    Some(Bytes::from(row.repeat(times)))
 }
 
 /// About the bytes `merge(members, padded)` builds: the members' frames and the padding
@@ -255,6 +247,7 @@ pub fn unmerge(reply: &WorkReply, rows: &[u64], sent: u64) -> Option<Vec<WorkRep
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire;
 
     fn request(rows: usize, base: u8, strings: bool) -> WorkRequest {
         let dense: Vec<u8> = (0..rows * 2).map(|i| base + i as u8).collect();

@@ -174,6 +174,12 @@ enum Command {
     Cancel {
         id: u64,
     },
+    /// The caller went away (its call dropped: the client cancelled or left): the entry leaves
+    /// the queue, if it waits there; sent to a worker, it stays until answered (its frames and
+    /// its shares of the budget with it).
+    Withdraw {
+        id: u64,
+    },
     Shutdown,
 }
 
@@ -439,6 +445,13 @@ impl Dispatcher {
         let mut lost = 0;
         let mut last_loss = String::new();
         let mut sending = Sending::First;
+        // The send waiting for its outcome, withdrawn if this call is dropped meanwhile: a
+        // queued request stayed queued until it reached the head, its frames and shares of the
+        // budget held for nobody, new requests refused for them (found by a review).
+        let mut waiting = Withdrawn {
+            commands: &self.commands,
+            id: None,
+        };
         loop {
             // A retry after the deadline passed would only make a worker do work nobody reads.
             if deadline.is_some_and(|d| d <= Instant::now()) {
@@ -463,16 +476,19 @@ impl Dispatcher {
                     "the front door is shutting down",
                 ));
             }
+            waiting.id = Some(id);
             let outcome = match deadline {
                 None => outcome.await,
                 Some(deadline) => match tokio::time::timeout_at(deadline, outcome).await {
                     Ok(outcome) => outcome,
                     Err(_) => {
+                        waiting.id = None;
                         let _ = self.commands.send(Command::Cancel { id });
                         return Err(deadline_exceeded());
                     }
                 },
             };
+            waiting.id = None;
             match outcome {
                 Ok(Outcome::Reply(reply)) => return Ok(reply),
                 Ok(Outcome::Error(error)) => return Err(error),
@@ -820,6 +836,12 @@ impl Actor {
                     }
                 }
             }
+            Command::Withdraw { id } => {
+                if let Some(queued) = self.queue_remove(id) {
+                    self.left_unanswered(&queued);
+                    self.publish_queue();
+                }
+            }
             Command::Shutdown => return false,
         }
         true
@@ -1110,9 +1132,18 @@ impl Actor {
     ) -> Gathered {
         let rows = head.request.rows();
         let (Some(batching), Some(_)) = (head.batching.clone(), &head.merge_key) else {
+            // Running alone (a merged call it was in failed, or could not be held), it is
+            // still padded to an allowed batch size, as every batched call: a model made
+            // for those sizes only got one of a size it was not made for (found by a review).
+            let padded = match &head.batching {
+                Some(batching) if head.alone && batch::can_merge(&head.request) => {
+                    batching.padded(rows)
+                }
+                _ => rows,
+            };
             return Gathered::Send {
                 members: vec![(id, head)],
-                padded: rows,
+                padded,
             };
         };
         let (max, timeout) = (batching.max_batch_size, batching.timeout);
@@ -1199,7 +1230,8 @@ impl Actor {
             // request to an allowed batch size of 128 built 1.05 GB, counted by no budget
             // (found by a hunt).
             let bytes = batch::merged_bytes(&requests, padded).unwrap_or(0);
-            let held = match hold_merged(bytes, padded, rows) {
+            let already = (requests.iter()).map(|r| r.memory.held_bytes()).sum();
+            let held = match hold_merged(bytes, already, padded, rows) {
                 Ok(held) => held,
                 // Alone, each member's frames go as they are (no copy), unless it is padded.
                 Err(_) if members.len() > 1 => {
@@ -1697,11 +1729,28 @@ impl Actor {
 mod tests;
 
 mod queues;
+/// A send whose outcome a call waits for (`id`), withdrawn from the queue when the call is
+/// dropped before it comes (`Command::Withdraw`).
+struct Withdrawn<'a> {
+    commands: &'a mpsc::UnboundedSender<Command>,
+    id: Option<u64>,
+}
+
+impl Drop for Withdrawn<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            let _ = self.commands.send(Command::Withdraw { id });
+        }
+    }
+}
+
 /// Holds `bytes`, a merged call of `rows` rows padded to `padded`, from the request budget
 /// without waiting (None under what a request may hold uncounted); RESOURCE_EXHAUSTED when
-/// the budget has not the room.
+/// the budget has not the room, saying so without "try again" when it never could beside
+/// what its members hold already (`already`).
 fn hold_merged(
     bytes: u64,
+    already: usize,
     padded: u64,
     rows: u64,
 ) -> Result<Option<crate::request_budget::Held>, ServingError> {
@@ -1715,14 +1764,15 @@ fn hold_merged(
     } else {
         String::new()
     };
-    if bytes > budget.bytes() {
+    if bytes.saturating_add(already) > budget.bytes() {
         return Err(ServingError::new(
             Code::ResourceExhausted,
             format!(
-                "the batch this request is in{padding} would take {} MiB, more than the {} MiB \
-                 the front door allows for requests at once (4 times --max-message-bytes, at \
-                 least 256); send fewer rows per request",
+                "the batch this request is in{padding} would take {} MiB beside the {} MiB its \
+                 requests hold: more than the {} MiB the front door allows for requests at \
+                 once (4 times --max-message-bytes, at least 256); send fewer rows per request",
                 bytes.div_ceil(1 << 20),
+                already >> 20,
                 budget.bytes() >> 20
             ),
         ));

@@ -51,8 +51,8 @@ pub struct KeptShare(Option<Arc<std::sync::Mutex<Shares>>>);
 
 struct Shares {
     request: Option<Held>,
-    /// Never read: held until the last copy of the frames goes.
-    _built: Option<Held>,
+    /// Held until the last copy of the frames goes (only its size is read).
+    built: Option<Held>,
 }
 
 impl KeptShare {
@@ -63,8 +63,18 @@ impl KeptShare {
         }
         Self(Some(Arc::new(std::sync::Mutex::new(Shares {
             request,
-            _built: built,
+            built,
         }))))
+    }
+
+    /// What it holds now, in bytes.
+    pub fn held_bytes(&self) -> usize {
+        self.0.as_ref().map_or(0, |shares| {
+            let shares = shares
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            share_bytes(shares.request.as_ref()) + share_bytes(shares.built.as_ref())
+        })
     }
 
     /// The request's own share, back to its caller once the work is answered (its answer

@@ -225,6 +225,13 @@ pub fn join(parts: Vec<(WorkReply, u64)>) -> Result<WorkReply, ServingError> {
 }
 
 pub(crate) fn concat(pieces: &[Bytes], dtype: i32) -> Result<Bytes, ServingError> {
+    let parts: Vec<(Bytes, usize)> = pieces.iter().map(|p| (p.clone(), 1)).collect();
+    concat_repeated(&parts, dtype)
+}
+
+/// `concat` of each piece repeated its number of times, written once into the frame.
+pub(crate) fn concat_repeated(parts: &[(Bytes, usize)], dtype: i32) -> Result<Bytes, ServingError> {
+    let too_large = || ServingError::new(Code::Internal, "a joined tensor too large");
     if dtype == DT_STRING {
         // Their values' bytes as they are, under one header: a list of the values took 32
         // bytes a value (an empty one takes 1 in a frame).
@@ -232,20 +239,28 @@ pub(crate) fn concat(pieces: &[Bytes], dtype: i32) -> Result<Bytes, ServingError
             ServingError::new(Code::Internal, format!("a chunk's string output: {e}"))
         };
         let mut count: u64 = 0;
-        let mut bodies = Vec::with_capacity(pieces.len());
-        for piece in pieces {
+        let mut bodies = Vec::with_capacity(parts.len());
+        for (piece, times) in parts {
             let values = wire::StringValues::of(piece).map_err(bad)?;
-            count += values.len() as u64;
-            bodies.push(values.checked_values().map_err(bad)?);
+            count = (values.len() as u64)
+                .checked_mul(*times as u64)
+                .and_then(|n| n.checked_add(count))
+                .ok_or_else(too_large)?;
+            bodies.push((values.checked_values().map_err(bad)?, *times));
         }
         let count = u32::try_from(count).map_err(|_| {
             ServingError::new(Code::Internal, format!("{count} strings in one tensor"))
         })?;
-        return Ok(Bytes::from(wire::encode_string_bodies(count, &bodies, 1)));
+        return Ok(Bytes::from(wire::encode_string_bodies(count, &bodies)));
     }
-    let mut out = BytesMut::with_capacity(pieces.iter().map(Bytes::len).sum());
-    for piece in pieces {
-        out.extend_from_slice(piece);
+    let bytes = parts.iter().try_fold(0usize, |sum, (piece, times)| {
+        piece.len().checked_mul(*times)?.checked_add(sum)
+    });
+    let mut out = BytesMut::with_capacity(bytes.ok_or_else(too_large)?);
+    for (piece, times) in parts {
+        for _ in 0..*times {
+            out.extend_from_slice(piece);
+        }
     }
     Ok(out.freeze())
 }

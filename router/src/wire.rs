@@ -187,14 +187,16 @@ pub fn encode_strings<S: AsRef<[u8]>>(values: &[S]) -> Vec<u8> {
 }
 
 /// A DT_STRING frame of `count` values from their encoded bytes (`StringValues::checked_values`
-/// of other frames), each of `bodies` written `times` times.
-pub fn encode_string_bodies(count: u32, bodies: &[&[u8]], times: usize) -> Vec<u8> {
-    let bytes: usize = bodies.iter().map(|body| body.len()).sum();
-    let mut out = Vec::with_capacity(bytes.saturating_mul(times).saturating_add(5));
+/// of other frames), each of `bodies` written its number of times.
+pub fn encode_string_bodies(count: u32, bodies: &[(&[u8], usize)]) -> Vec<u8> {
+    let bytes = bodies.iter().fold(0usize, |sum, (body, times)| {
+        sum.saturating_add(body.len().saturating_mul(*times))
+    });
+    let mut out = Vec::with_capacity(bytes.saturating_add(5));
     // Writes into a Vec cannot fail.
     let _ = rmp::encode::write_array_len(&mut out, count);
-    for _ in 0..times {
-        for body in bodies {
+    for (body, times) in bodies {
+        for _ in 0..*times {
             out.extend_from_slice(body);
         }
     }

@@ -1445,7 +1445,7 @@ async fn a_padded_call_holds_what_it_builds_and_one_that_cannot_fit_is_refused()
     assert_eq!(error.code, Code::ResourceExhausted);
     let said = format!(
         "the batch this request is in (1 rows padded to 128, an allowed batch size) would take \
-         {} MiB, more than the {} MiB",
+         {} MiB beside the 0 MiB its requests hold: more than the {} MiB",
         (2 * budget.bytes() + 512).div_ceil(1 << 20),
         budget.bytes() >> 20
     );
@@ -1577,6 +1577,71 @@ async fn the_requests_of_a_merged_call_whose_worker_died_run_alone_from_then_on(
     // A query of death merged with others: sent again merged, it would take them down with
     // it on every worker it reaches.
     a_failed_merged_calls_requests_run_alone_on_the_next_worker(Behaviour::DieAbove(1)).await;
+}
+
+/// Run alone after their merged call failed, requests are still padded to an allowed batch
+/// size: every batched call is (a model made for those sizes got calls of one row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_run_alone_after_their_merged_call_failed_are_still_padded() {
+    let (_dir, dir) = run_dir();
+    let (dispatcher, _state) = start_scheduled(&dir, &batching(8, 0, vec![2, 8], 10));
+    let fails = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::DieAbove(2));
+    ready(&dispatcher, 1).await;
+    let calls = marked_calls(&dispatcher, &[1, 1, 1, 1], Some(Duration::from_secs(20))).await;
+    for _ in 0..200 {
+        if fails.rows_seen().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        fails.rows_seen(),
+        [2, 8],
+        "1 padded to 2, then 3 merged padded to 8"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await; // they wait for a worker
+    let next = FakeWorker::start(&dir, "cpu-1", 101, Behaviour::RefuseAbove(2));
+    each_gets_its_own_rows(calls).await;
+    assert_eq!(next.rows_seen(), [2, 2, 2], "alone, each padded");
+    dispatcher.shutdown();
+}
+
+/// A queued request whose caller goes away (the client cancelled: its call dropped, no
+/// deadline) leaves the queue at once, its shares of the budget with it; it waited there
+/// until it reached the head, held for nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_whose_caller_goes_away_leaves_the_queue_at_once() {
+    use crate::request_budget::RequestBudget;
+    let (_dir, dir) = run_dir();
+    let one_at_a_time = Scheduling {
+        worker_inflight: 1,
+        ..Scheduling::default()
+    };
+    let (dispatcher, state) = start_scheduled(&dir, &one_at_a_time);
+    let worker = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(500));
+    ready(&dispatcher, 1).await;
+    let busy = tokio::spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.call(rows_request(1), None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let budget = RequestBudget::new(1 << 20);
+    let mut queued = rows_request(2);
+    queued.memory = KeptShare::new(budget.try_reserve(100 << 10), None);
+    let gone = tokio::time::timeout(Duration::from_millis(50), dispatcher.call(queued, None));
+    assert!(gone.await.is_err(), "still queued behind the first");
+    let left = tokio::time::timeout(Duration::from_millis(200), async {
+        while budget.held_bytes() > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    left.await
+        .expect("withdrawn while the worker still computes the first");
+    assert_eq!(state.queued.load(Ordering::Relaxed), 0);
+    assert!(busy.await.unwrap().is_ok());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(worker.rows_seen(), [1], "the withdrawn one never ran");
+    dispatcher.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
