@@ -196,7 +196,7 @@ def test_classify_regress_and_multi_inference_records(
     "case, message",
     [
         ("extra input", "Sent extra: {nope}. Missing but required: {}."),
-        ("unknown signature", "names signature 'nope', which the model does not have"),
+        ("unknown signature", 'Serving signature key "nope" not found.'),
         ("unknown output", "output tensor alias not found in signature: nope"),
         ("session run", "Unsupported log_type for warmup: 5"),
         ("too many", "Number of warmup records exceeds the maximum (1000)"),
@@ -235,6 +235,8 @@ def test_a_bad_record_fails_the_warm_up_with_the_reason(
     with pytest.raises(WarmupError) as raised:
         replay(tf, recording, served)
     assert message in str(raised.value)
+    # The reader's words as TF Serving gives them, not what tf.data wraps them in.
+    assert "{{" not in str(raised.value) and "[Op:" not in str(raised.value)
     expected = {
         "unknown signature": Code.FAILED_PRECONDITION,
         "session run": Code.UNIMPLEMENTED,
@@ -294,6 +296,9 @@ def classify_log(signature: str) -> Any:
         ("no model name", "Found ModelSpec with an empty model name."),
         ("two models", "must access the same model name"),
         ("streamed predict", "Unsupported log_type for warmup: 7"),
+        ("empty input", "a Classify warm-up record is refused: INVALID_ARGUMENT: Input is empty."),
+        # Every task is checked before the input (found by a hunt).
+        ("same signature twice, empty input", "Duplicate evaluation of signature: regress"),
     ],
 )
 def test_example_records_tf_serving_refuses_fail_the_warm_up(
@@ -322,6 +327,12 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
         log = multi_inference_log(("", "regress", REGRESS))
     elif case == "two models":
         log = multi_inference_log(("ctr", "regress", REGRESS), ("other", "", CLASSIFY))
+    elif case == "empty input":
+        log = classify_log(SIG)
+        log.classify_log.request.input.example_list.ClearField("examples")
+    elif case == "same signature twice, empty input":
+        log = multi_inference_log(("ctr", "regress", REGRESS), ("ctr", "regress", REGRESS))
+        log.multi_inference_log.request.input.ClearField("example_list")
     else:
         log = prediction_log_pb2.PredictionLog()
         log.predict_streamed_log.request.add().model_spec.name = "ctr"
@@ -333,6 +344,102 @@ def test_example_records_tf_serving_refuses_fail_the_warm_up(
     assert recording.calls == []
     if case == "classify on no such signature":
         assert raised.value.code is Code.INVALID_ARGUMENT
+
+
+def build_odd_answers_model(base: Path) -> Path:
+    """Classification and regression signatures on serialized tf.Examples whose answers TF
+    Serving refuses (classifier.cc, regressor.cc): int64 classes, double scores, a regression
+    of two columns, and one answering one row whatever the examples. Built by hand:
+    TensorFlow's signature_def_utils refuse to build such signatures, which exports do not."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        serialized = v1.placeholder(tf.string, [None], name="tf_example")
+        features = v1.io.parse_example(serialized, {"x": v1.io.FixedLenFeature([2], tf.float32)})
+        x = features["x"]
+        rows = tf.shape(serialized)[0]
+        info = v1.saved_model.utils.build_tensor_info
+        constants = v1.saved_model.signature_constants
+
+        def signature(method: str, **outputs: Any) -> Any:
+            return v1.saved_model.signature_def_utils.build_signature_def(
+                {"inputs": info(serialized)}, {k: info(v) for k, v in outputs.items()}, method
+            )
+
+        classify, regress = constants.CLASSIFY_METHOD_NAME, constants.REGRESS_METHOD_NAME
+        labels = tf.tile(tf.constant([["a", "b"]]), [rows, 1])
+        with v1.Session() as session:
+            builder = v1.saved_model.Builder(str(base / "1"))
+            builder.add_meta_graph_and_variables(
+                session,
+                ["serve"],
+                signature_def_map={
+                    "int_classes": signature(
+                        classify,
+                        classes=tf.tile(tf.constant([[7, 8]], tf.int64), [rows, 1]),
+                        scores=x,
+                    ),
+                    "double_scores": signature(
+                        classify, classes=labels, scores=tf.cast(x, tf.float64)
+                    ),
+                    "two_columns": signature(regress, outputs=x),
+                    "one_row": signature(
+                        regress, outputs=tf.reduce_sum(x, axis=0, keepdims=True)[:, :1]
+                    ),
+                },
+            )
+            builder.save()
+    return base / "1"
+
+
+@pytest.mark.parametrize(
+    "log, message",
+    [
+        ("classify int_classes", "Expected classes Tensor of DT_STRING. Got: DT_INT64"),
+        ("classify double_scores", "Expected scores Tensor of DT_FLOAT. Got: DT_DOUBLE"),
+        (
+            "regress two_columns",
+            "Expected output Tensor shape to be either [batch_size] or [batch_size, 1] but got "
+            "[3,2]",
+        ),
+        ("regress one_row", "Input batch size did not match output batch size: 3 vs. 1"),
+        ("multi one_row", "Input batch size did not match output batch size: 3 vs. 1"),
+    ],
+)
+def test_a_warm_up_answer_tf_serving_refuses_fails_the_warm_up(
+    log: str, message: str, tmp_path: Path
+) -> None:
+    """TF Serving's warm-up checks each Classify, Regress and MultiInference answer as a
+    served one (PostProcessClassificationResult, PostProcessRegressionResult): such a
+    version went AVAILABLE here and then failed every request on that signature (found by a
+    hunt). INVALID_ARGUMENT, with TF Serving's words."""
+    served = build_odd_answers_model(tmp_path / "odd")
+    kind, signature = log.split()
+    three = [example([1.0, 2.0]), example([3.0, 4.0]), example([5.0, 6.0])]
+    if kind == "classify":
+        request = classification_pb2.ClassificationRequest()
+        request.model_spec.signature_name = signature
+        request.input.example_list.examples.extend(three)
+        entry = prediction_log_pb2.PredictionLog(
+            classify_log=prediction_log_pb2.ClassifyLog(request=request)
+        )
+    elif kind == "regress":
+        regress = regression_pb2.RegressionRequest()
+        regress.model_spec.signature_name = signature
+        regress.input.example_list.examples.extend(three)
+        entry = prediction_log_pb2.PredictionLog(
+            regress_log=prediction_log_pb2.RegressLog(request=regress)
+        )
+    else:
+        entry = multi_inference_log(("odd", signature, REGRESS))
+        request_input = entry.multi_inference_log.request.input
+        request_input.example_list.ClearField("examples")
+        request_input.example_list.examples.extend(three)
+    write_records(served, [entry])
+    recording = load(served, tmp_path / "work")
+    with pytest.raises(WarmupError) as raised:
+        replay(tf, recording, served)
+    assert message in str(raised.value)
+    assert raised.value.code is Code.INVALID_ARGUMENT
 
 
 def test_with_the_method_name_check_warm_up_checks_methods_as_served_calls_do(
