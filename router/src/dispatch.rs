@@ -413,14 +413,25 @@ impl Dispatcher {
         };
         drop(request);
         let count = chunks.len();
+        // A window of chunks at the workers at once, the next sent as one is answered: all
+        // at once, a request of 10,000 chunks passed a worker's send queue (1,000 messages)
+        // and was refused "too many requests queued" (found by a review).
+        let window = chunks_in_flight(*self.ready.borrow());
+        let mut waiting = chunks.into_iter().enumerate();
         let mut running = tokio::task::JoinSet::new();
-        for (index, (chunk, rows)) in chunks.into_iter().enumerate() {
+        let send = |running: &mut tokio::task::JoinSet<_>, (index, (chunk, rows))| {
             let dispatcher = self.clone();
             running
                 .spawn(async move { (index, rows, dispatcher.call_whole(chunk, deadline).await) });
+        };
+        for next in waiting.by_ref().take(window) {
+            send(&mut running, next);
         }
         let mut answers: Vec<Option<(WorkReply, u64)>> = (0..count).map(|_| None).collect();
         while let Some(done) = running.join_next().await {
+            if let Some(next) = waiting.next() {
+                send(&mut running, next);
+            }
             match done {
                 Ok((index, rows, Ok(reply))) => answers[index] = Some((reply, rows)),
                 Ok((_, _, Err(error))) => return Err(error),
@@ -1729,6 +1740,18 @@ impl Actor {
 mod tests;
 
 mod queues;
+/// How many chunks of one split request are at the workers at once: enough to keep every
+/// ready worker busy with two (one computing, one waiting), far under a worker's send queue.
+fn chunks_in_flight(ready_workers: usize) -> usize {
+    ready_workers
+        .saturating_mul(2)
+        .clamp(2, MOST_CHUNKS_IN_FLIGHT)
+}
+
+/// Under a worker's send queue (zmtp::SEND_HIGH_WATER, 1,000 messages) with room to spare for
+/// other requests, were every chunk sent to one worker.
+const MOST_CHUNKS_IN_FLIGHT: usize = 256;
+
 /// A send whose outcome a call waits for (`id`), withdrawn from the queue when the call is
 /// dropped before it comes (`Command::Withdraw`).
 struct Withdrawn<'a> {

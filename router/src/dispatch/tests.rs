@@ -1300,6 +1300,29 @@ async fn a_requests_shares_stay_held_while_any_copy_of_its_frames_is_kept() {
     dispatcher.shutdown();
 }
 
+/// A request cut into more chunks than a worker's send queue holds is not refused for it:
+/// its chunks go a window at a time. All at once, 10,000 chunks were refused "too many
+/// requests queued" (found by a review). Here the worker stalls on its first chunk (it reads
+/// no more), and the request waits until its deadline instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_more_chunks_than_a_send_queue_holds_is_not_refused_for_it() {
+    let (_dir, dir) = run_dir();
+    let split = Scheduling {
+        split_rows: 1,
+        ..Scheduling::default()
+    };
+    let (dispatcher, _state) = start_scheduled(&dir, &split);
+    let _stalls = FakeWorker::start(&dir, "cpu-0", 100, Behaviour::SlowEcho(30_000));
+    ready(&dispatcher, 1).await;
+    let rows = 5 * zmtp::SEND_HIGH_WATER;
+    let mut whole = rows_request(rows);
+    whole.frames = vec![Bytes::from(vec![7u8; 4 * rows])];
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    let error = dispatcher.call(whole, Some(deadline)).await.unwrap_err();
+    assert_eq!(error.code, Code::DeadlineExceeded, "{}", error.message);
+    dispatcher.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_chunk_fails_the_split_request_with_its_error() {
     let (_dir, dir) = run_dir();
