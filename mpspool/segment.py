@@ -238,7 +238,7 @@ class SegmentWriter:
                     f"cannot map weight segment {self._tmp}: {exc}", code_of_os_error(exc)
                 ) from exc
             raise
-        self._held = fd
+        self._held: int | None = fd
         raw = manifest.to_json()
         _HEADER.pack_into(self._map, 0, MAGIC, len(raw))
         self._map[_HEADER.size : _HEADER.size + len(raw)] = raw
@@ -262,16 +262,22 @@ class SegmentWriter:
             raise SegmentError(
                 f"cannot publish weight segment {self.path}: {exc}", code_of_os_error(exc)
             ) from exc
-        os.close(self._held)  # the controller holds it from now on (`hold`)
+        held, self._held = self._held, None
+        if held is not None:
+            os.close(held)  # the controller holds it from now on (`hold`)
         return self.path
 
     def abort(self) -> None:
+        """Removes the half-written segment; safe after a commit (a SIGTERM's SystemExit may
+        come at any point of one)."""
         try:
             self._map.close()
         except (BufferError, ValueError):
             pass
         self._tmp.unlink(missing_ok=True)
-        os.close(self._held)
+        held, self._held = self._held, None
+        if held is not None:
+            os.close(held)
 
 
 def hold(path: Path) -> int:

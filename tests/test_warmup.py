@@ -360,10 +360,14 @@ def build_odd_answers_model(base: Path) -> Path:
         info = v1.saved_model.utils.build_tensor_info
         constants = v1.saved_model.signature_constants
 
-        def signature(method: str, **outputs: Any) -> Any:
+        def signature(method: str, inputs: Any = None, **outputs: Any) -> Any:
             return v1.saved_model.signature_def_utils.build_signature_def(
-                {"inputs": info(serialized)}, {k: info(v) for k, v in outputs.items()}, method
+                inputs or {"inputs": info(serialized)},
+                {k: info(v) for k, v in outputs.items()},
+                method,
             )
+
+        floats = v1.placeholder(tf.float32, [None, 2], name="floats")
 
         classify, regress = constants.CLASSIFY_METHOD_NAME, constants.REGRESS_METHOD_NAME
         labels = tf.tile(tf.constant([["a", "b"]]), [rows, 1])
@@ -385,6 +389,12 @@ def build_odd_answers_model(base: Path) -> Path:
                     "one_row": signature(
                         regress, outputs=tf.reduce_sum(x, axis=0, keepdims=True)[:, :1]
                     ),
+                    "float_inputs": signature(classify, {"inputs": info(floats)}, scores=floats),
+                    "two_inputs": signature(
+                        classify,
+                        {"inputs": info(serialized), "other": info(floats)},
+                        scores=x,
+                    ),
                 },
             )
             builder.save()
@@ -403,6 +413,14 @@ def build_odd_answers_model(base: Path) -> Path:
         ),
         ("regress one_row", "Input batch size did not match output batch size: 3 vs. 1"),
         ("multi one_row", "Input batch size did not match output batch size: 3 vs. 1"),
+        # TF Serving's order: the input is read (and found empty) before the feed is refused,
+        # and every task's signature is checked before the input (found by a review).
+        ("classify float_inputs empty", "INVALID_ARGUMENT: Input is empty."),
+        (
+            "multi two_inputs empty",
+            "MultiInference warm-up record is refused: INVALID_ARGUMENT: "
+            "Expected one input Tensor.",
+        ),
     ],
 )
 def test_a_warm_up_answer_tf_serving_refuses_fails_the_warm_up(
@@ -413,8 +431,8 @@ def test_a_warm_up_answer_tf_serving_refuses_fails_the_warm_up(
     version went AVAILABLE here and then failed every request on that signature (found by a
     hunt). INVALID_ARGUMENT, with TF Serving's words."""
     served = build_odd_answers_model(tmp_path / "odd")
-    kind, signature = log.split()
-    three = [example([1.0, 2.0]), example([3.0, 4.0]), example([5.0, 6.0])]
+    kind, signature, *empty = log.split()
+    three = [] if empty else [example([1.0, 2.0]), example([3.0, 4.0]), example([5.0, 6.0])]
     if kind == "classify":
         request = classification_pb2.ClassificationRequest()
         request.model_spec.signature_name = signature
@@ -430,7 +448,10 @@ def test_a_warm_up_answer_tf_serving_refuses_fails_the_warm_up(
             regress_log=prediction_log_pb2.RegressLog(request=regress)
         )
     else:
-        entry = multi_inference_log(("odd", signature, REGRESS))
+        # Behind a task whose signature is sound, for the order's sake.
+        sound = [("odd", "one_row", REGRESS)] if signature == "two_inputs" else []
+        method = CLASSIFY if signature == "two_inputs" else REGRESS
+        entry = multi_inference_log(*sound, ("odd", signature, method))
         request_input = entry.multi_inference_log.request.input
         request_input.example_list.ClearField("examples")
         request_input.example_list.examples.extend(three)

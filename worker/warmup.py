@@ -205,11 +205,22 @@ def _multi_inference(request: Any, specs: Mapping[str, Any], check: bool = False
                 "UNIMPLEMENTED",
                 f"Unsupported signature method_name: {task.method_name}",
             )
-    # Every task checked first, then their inputs and signatures (an empty input was said
-    # before a later task's duplicate signature; found by a hunt).
-    for task in request.tasks:
-        signature = task.model_spec.signature_name or DEFAULT_SIGNATURE
-        calls.append(_examples_call(signature, task.method_name, request, specs, check))
+    # Every task's signature checked first (PreProcess of each), then the one input and the
+    # feed: an empty input was said before a later task's duplicate signature or its
+    # signature's refusal (found by a hunt and a review).
+    tasks = [
+        _examples_task(
+            task.model_spec.signature_name or DEFAULT_SIGNATURE,
+            task.method_name,
+            specs,
+            check,
+            "MultiInference",
+        )
+        for task in request.tasks
+    ]
+    examples = _examples(request, "MultiInference")
+    for (spec, outputs), task in zip(tasks, request.tasks, strict=True):
+        calls.append(_examples_feed(spec, outputs, task.method_name, examples, "MultiInference"))
     return calls
 
 
@@ -261,10 +272,19 @@ def _predict(request: Any, specs: Mapping[str, Any], check: bool = False) -> Cal
 def _examples_call(
     signature: str, method: str, request: Any, specs: Mapping[str, Any], check: bool = False
 ) -> Call:
-    """A Classify or Regress (a MultiInference task) on the record's tf.Examples, asking for
-    the outputs a served one asks for."""
-    spec = _signature(signature, specs, Code.INVALID_ARGUMENT)
+    """A Classify or Regress on the record's tf.Examples, asking for the outputs a served one
+    asks for; checked in TF Serving's order (its signature, then its input, then the feed)."""
     kind = "Classify" if method == CLASSIFY_METHOD else "Regress"
+    spec, outputs = _examples_task(signature, method, specs, check, kind)
+    return _examples_feed(spec, outputs, method, _examples(request, kind), kind)
+
+
+def _examples_task(
+    signature: str, method: str, specs: Mapping[str, Any], check: bool, kind: str
+) -> tuple[Any, list[str]]:
+    """The task's signature, checked (classifier.cc / regressor.cc: its method, then
+    PreProcess), and the outputs to run."""
+    spec = _signature(signature, specs, Code.INVALID_ARGUMENT)
     if check and spec.method_name != method:
         # classifier.cc / regressor.cc, GetClassificationSignatureDef and its twin
         noun = "classification" if method == CLASSIFY_METHOD else "regression"
@@ -273,14 +293,11 @@ def _examples_call(
             "INVALID_ARGUMENT",
             f"Expected {noun} signature method_name to be {method}. Was: {spec.method_name}",
         )
-    outputs = _preprocess(spec, method)
-    if spec.inputs[INPUTS].dtype != DT_STRING:
-        # TensorFlow's own refusal of the feed, as TF Serving passes it on.
-        _refuse(
-            kind,
-            "INVALID_ARGUMENT",
-            f"Expects arg[0] to be {dtype_name(spec.inputs[INPUTS].dtype)} but string is provided",
-        )
+    return spec, _preprocess(spec, method, kind)
+
+
+def _examples(request: Any, kind: str) -> list[bytes]:
+    """The record's serialized tf.Examples (the context's bytes in front of each)."""
     request_input = request.input
     which = request_input.WhichOneof("kind")
     if which == "example_list":
@@ -292,14 +309,27 @@ def _examples_call(
         examples = []
     if not examples:  # util.cc's words, as a served request's
         _refuse(kind, "INVALID_ARGUMENT", "Input is empty.")
+    return examples
+
+
+def _examples_feed(
+    spec: Any, outputs: list[str], method: str, examples: list[bytes], kind: str
+) -> Call:
+    if spec.inputs[INPUTS].dtype != DT_STRING:
+        # TensorFlow's own refusal of the feed, as TF Serving passes it on.
+        _refuse(
+            kind,
+            "INVALID_ARGUMENT",
+            f"Expects arg[0] to be {dtype_name(spec.inputs[INPUTS].dtype)} but string is provided",
+        )
     return spec.key, {INPUTS: np.array(examples, dtype=object)}, outputs, method
 
 
-def _preprocess(spec: Any, method: str) -> list[str]:
+def _preprocess(spec: Any, method: str, kind: str) -> list[str]:
     """TF Serving's `PreProcessClassification` / `PreProcessRegression`, as the front door
     checks a served request (router/src/inference.rs `preprocess`): the outputs to run."""
     classify = method == CLASSIFY_METHOD
-    kind, noun = ("Classify", "classification") if classify else ("Regress", "regression")
+    noun = "classification" if classify else "regression"
     if len(spec.inputs) != 1:
         _refuse(kind, "INVALID_ARGUMENT", "Expected one input Tensor.")
     if classify and len(spec.outputs) not in (1, 2):
