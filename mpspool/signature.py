@@ -60,19 +60,34 @@ def specs_from_signature_defs(signature_defs: Mapping[str, Any]) -> dict[str, Si
     return specs
 
 
+# TensorFlow's conversion of string tensors to and from numpy ends the process (SIGSEGV) past
+# this rank: a signature with such a string output never loaded (its warm-up on zeros killed
+# the worker at every try; found by a hunt). The front door refuses such requests
+# (router/src/codec.rs MAX_STRING_RANK).
+MAX_STRING_RANK = 32
+
+
 def _unservable(key: str, sig: Any) -> str:
     """Why a request cannot call signature ``key``: TF Serving feeds and fetches each tensor
     by its TensorInfo's name, and a SparseTensor's (coo_sparse: a TF1 sparse placeholder)
     or a composite tensor's has none, so its Predict fails there too. Nor a tensor of a type
     mpspool does not carry (float8, int4, a resource): its warm-up failed the whole model's
-    load (found by a hunt). The model loads and its other signatures serve, as in TF
-    Serving."""
+    load (found by a hunt). Nor a string tensor of more than MAX_STRING_RANK dimensions. The
+    model loads and its other signatures serve, as in TF Serving."""
     for side, tensors in (("input", sig.inputs), ("output", sig.outputs)):
         for alias, info in sorted(tensors.items()):
             if not dtypes.carried(info.dtype) and info.WhichOneof("encoding") == "name":
                 return (
                     f"signature {key!r} cannot be called: its {side} {alias!r} is "
                     f"{dtypes.dtype_name(info.dtype)}, a type mpspool does not carry"
+                )
+            rank = len(info.tensor_shape.dim)
+            if info.dtype == dtypes.DT_STRING and rank > MAX_STRING_RANK:
+                return (
+                    f"signature {key!r} cannot be called: its {side} {alias!r} is a string "
+                    f"tensor of rank {rank}, and TensorFlow's Python side, which the workers "
+                    f"call the model through, holds string tensors of rank {MAX_STRING_RANK} "
+                    "at most"
                 )
             encoding = info.WhichOneof("encoding")
             if encoding in ("coo_sparse", "composite_tensor"):

@@ -187,6 +187,61 @@ def test_a_model_without_variables_gets_the_session_call(tmp_path: Path) -> None
         path.unlink(missing_ok=True)
 
 
+# Run in a fresh process (the caller's thread is changed for good): a session call and
+# TensorFlow's own call of the same signature, on denormal inputs.
+DENORMALS = """
+import json, os, sys
+from pathlib import Path
+import numpy as np
+import tensorflow as tf
+from mpspool.worker.publish import publish
+from mpspool.worker.runtime import load_saved_model
+
+version, shared, work_dir, pid, started = sys.argv[1:6]
+publish(version, "tiny", 1, Path(shared), int(pid), float(started))
+rt = load_saved_model(version, "tiny", 1, intra_op_threads=1, inter_op_threads=1,
+                      weights_segment=shared, work_dir=work_dir)
+rt.warm_up()
+x = np.array([1e-40, 1e-39, 1.0], np.float32)
+session = rt.run("serving_default", {"x": x}, ["y"])["y"]
+direct = tf.saved_model.load(version).signatures["serving_default"](x=tf.constant(x))["y"]
+print(json.dumps({"path": rt.call_paths["serving_default"], "session": session.tolist(),
+                  "tensorflow": direct.numpy().tolist()}))
+"""
+
+
+def test_the_session_call_flushes_denormals_as_tensorflows_threads_do(tmp_path: Path) -> None:
+    """Run on the worker's own thread, the graph kept denormal floats where TensorFlow's
+    threads (its call of the signature, TF Serving's session runs) flush them to zero: a
+    model's answers differed from TensorFlow's, and with the batch size (found by a hunt)."""
+    import tensorflow as tf
+
+    class Tiny(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = tf.Variable(1.0)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+        def scale(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"y": x * self.w}
+
+    module = Tiny()
+    version = tmp_path / "tiny" / "1"
+    tf.saved_model.save(module, str(version), signatures={SIG: module.scale})
+    path = segment.SHM_DIR / f"mpspool-test-{os.getpid()}-{secrets.token_hex(4)}-tiny"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", DENORMALS, str(version), str(path), str(tmp_path / "w"),
+             *map(str, OWNER)],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        path.unlink(missing_ok=True)
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["path"] == "session"
+    assert found["session"] == found["tensorflow"] == [0.0, 0.0, 1.0], found
+
+
 def test_weights_not_shared_are_called_directly(three_output_dir: Path) -> None:
     # Without a segment the variables' buffers are the eager context's own: nothing for a
     # session to adopt without a copy, so the eager direct call serves.

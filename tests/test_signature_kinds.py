@@ -86,6 +86,10 @@ class _Model(tf.Module):
     def to_int4(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
         return {"q": tf.cast(tf.cast(x, tf.int8), tf.dtypes.experimental.int4)}
 
+    @tf.function(input_signature=[tf.TensorSpec([1], tf.float32, name="x")])
+    def deep_words(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"w": tf.reshape(tf.strings.as_string(x), [1] * 33)}
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -99,6 +103,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "sparse": module.sparse.get_concrete_function(),
         "from_float8": module.from_float8.get_concrete_function(),
         "to_int4": module.to_int4.get_concrete_function(),
+        "deep_words": module.deep_words.get_concrete_function(),
     }
     tf.saved_model.save(module, str(base / "1"), signatures=signatures)
     return base
@@ -200,6 +205,7 @@ def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> Non
         "sparse",
         "from_float8",
         "to_int4",
+        "deep_words",
         "__saved_model_init_op",
     }
     assert not listed.signature_def["words"].inputs
@@ -271,6 +277,47 @@ def test_a_signature_of_a_type_not_carried_is_refused_and_the_others_serve(
     assert error.details() == 'input "q": expects dtype float8_e4m3fn but float is provided'
     np.testing.assert_array_equal(
         _predict(stub, "serving_default", {"ids": np.array([2])})["rows"], TABLE[[2]]
+    )
+    assert pool.slot("cpu-0")["restarts"] == 0
+
+
+def test_string_tensors_of_more_than_32_dimensions_are_refused_not_run(stub, pool: Pool) -> None:
+    """TensorFlow's Python side ends the process (SIGSEGV) on a string tensor of rank 33 or
+    more: a request of one was sent to up to three workers, each killed by it, and a model
+    with a signature answering one never loaded, its warm-up killing the worker at every try
+    (found by a hunt). Such requests and such signatures are refused; the worker lives."""
+    from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
+
+    deep = tensor_pb2.TensorProto(  # built by hand: numpy's conversion is what fails
+        dtype=tf.string.as_datatype_enum,
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)] * 33
+        ),
+        string_val=[b"very "],
+    )
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "demo"
+    request.model_spec.signature_name = "named"
+    request.inputs["prefix"].CopyFrom(deep)
+    request.inputs["id"].CopyFrom(tf.make_tensor_proto(np.array(1, np.int64)))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Predict(request, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "a string tensor of rank 33: the workers take string tensors of rank 32 at most" in (
+        refused.value.details()
+    )
+    nested: Any = "very "
+    for _ in range(33):
+        nested = [nested]
+    body = {"signature_name": "named", "inputs": {"prefix": nested, "id": 1}}
+    answer = requests.post(f"{pool.rest_url}/v1/models/demo:predict", json=body, timeout=30)
+    assert answer.status_code == 400 and "rank 33" in answer.text, answer.text
+    error = _refused(stub, "deep_words", {"x": np.ones(1, np.float32)})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == (
+        "signature 'deep_words' cannot be called: its output 'w' is a string tensor of rank 33, "
+        "and TensorFlow's Python side, which the workers call the model through, holds string "
+        "tensors of rank 32 at most"
     )
     assert pool.slot("cpu-0")["restarts"] == 0
 

@@ -117,8 +117,24 @@ pub fn declared(proto: &TensorProto, name: &str) -> Result<(i32, Vec<i64>), Serv
         ));
     }
     let shape = shape_of(proto.tensor_shape.as_ref(), name)?;
+    if dtype == DT_STRING && shape.len() > MAX_STRING_RANK {
+        return Err(invalid(
+            name,
+            format!(
+                "a string tensor of rank {}: the workers take string tensors of rank \
+                 {MAX_STRING_RANK} at most (TensorFlow's Python side, which they call the \
+                 model through, cannot hold more)",
+                shape.len()
+            ),
+        ));
+    }
     Ok((dtype, shape))
 }
+
+/// TensorFlow's conversion of string tensors to and from numpy ends the process (SIGSEGV)
+/// past 32 dimensions (numeric ones are fine up to MAX_RANK): one request of rank 33 cost up
+/// to three workers (found by a hunt). TF Serving, all C++, takes them.
+const MAX_STRING_RANK: usize = 32;
 
 fn shape_of(shape: Option<&TensorShapeProto>, name: &str) -> Result<Vec<i64>, ServingError> {
     let Some(shape) = shape else {

@@ -167,6 +167,12 @@ def cases() -> list[dict[str, Any]]:
         _proto(dtypes.DT_FLOAT, (1,) * 65),
         ours="rank 65 exceeds the maximum of 64",
     )
+    add(
+        "string of rank 33 (TensorFlow's numpy conversion of strings ends the process past 32)",
+        _proto(s, (1,) * 33, fields={"string_val": [b"a"]}),
+        ours="a string tensor of rank 33: the workers take string tensors of rank 32 at most",
+    )
+    add("string of rank 32", _proto(s, (1,) * 32, fields={"string_val": [b"a"]}))
     no_shape = tensorflow_pb2.TensorProto(dtype=dtypes.DT_INT32, int_val=[5])
     add("no tensor_shape at all (a scalar)", no_shape.SerializeToString())
     add("empty shape ignores tensor_content", _proto(dtypes.DT_FLOAT, (0, 3), content=b"\x01\x02"))
