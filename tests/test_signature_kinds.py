@@ -90,6 +90,16 @@ class _Model(tf.Module):
     def deep_words(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
         return {"w": tf.reshape(tf.strings.as_string(x), [1] * 33)}
 
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None], tf.string, name="s"),
+            tf.TensorSpec([], tf.int32, name="rank"),
+        ]
+    )
+    def any_rank_words(self, s: tf.Tensor, rank: tf.Tensor) -> dict[str, tf.Tensor]:
+        # Its output's rank is known only when it runs.
+        return {"w": tf.reshape(s, tf.ones([rank], tf.int32))}
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -104,6 +114,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "from_float8": module.from_float8.get_concrete_function(),
         "to_int4": module.to_int4.get_concrete_function(),
         "deep_words": module.deep_words.get_concrete_function(),
+        "any_rank_words": module.any_rank_words.get_concrete_function(),
     }
     tf.saved_model.save(module, str(base / "1"), signatures=signatures)
     return base
@@ -206,6 +217,7 @@ def test_a_signature_without_inputs_is_called_with_none(stub, pool: Pool) -> Non
         "from_float8",
         "to_int4",
         "deep_words",
+        "any_rank_words",
         "__saved_model_init_op",
     }
     assert not listed.signature_def["words"].inputs
@@ -318,6 +330,17 @@ def test_string_tensors_of_more_than_32_dimensions_are_refused_not_run(stub, poo
         "signature 'deep_words' cannot be called: its output 'w' is a string tensor of rank 33, "
         "and TensorFlow's Python side, which the workers call the model through, holds string "
         "tensors of rank 32 at most"
+    )
+    # An output whose rank is known only when it runs is looked at before it is converted
+    # (such a request killed the worker at every send; found by a review).
+    words = np.array([b"a"], object)
+    got = _predict(stub, "any_rank_words", {"s": words, "rank": np.array(32, np.int32)})
+    assert got["w"].shape == (1,) * 32
+    error = _refused(stub, "any_rank_words", {"s": words, "rank": np.array(33, np.int32)})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details() == (
+        "output 'w' is a string tensor of rank 33: TensorFlow's Python side, which the workers "
+        "call the model through, holds string tensors of rank 32 at most"
     )
     assert pool.slot("cpu-0")["restarts"] == 0
 

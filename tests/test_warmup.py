@@ -202,6 +202,8 @@ def test_classify_regress_and_multi_inference_records(
         ("too many", "Number of warmup records exceeds the maximum (1000)"),
         ("wrong dtype", 'input "ids": expects dtype int64 but string is provided'),
         ("not a TFRecord", "Please verify your warmup data is in TFRecord format"),
+        # TensorFlow's conversion of it ended the worker at every load try (found by a review).
+        ("string of rank 33", "is a string tensor of rank 33: the workers take string tensors"),
     ],
 )
 def test_a_bad_record_fails_the_warm_up_with_the_reason(
@@ -226,6 +228,15 @@ def test_a_bad_record_fails_the_warm_up_with_the_reason(
         logs = [predict_log(good)] * 1001
     elif case == "wrong dtype":
         logs = [predict_log({**good, "ids": np.array([["a", "b", "c", "d"]])})]
+    elif case == "string of rank 33":
+        entry = predict_log(good)
+        deep = entry.predict_log.request.inputs["ids"]
+        deep.Clear()
+        deep.dtype = tf.string.as_datatype_enum  # built by hand: numpy's conversion fails
+        for _ in range(33):
+            deep.tensor_shape.dim.add(size=1)
+        deep.string_val.append(b"a")
+        logs = [entry]
     else:
         logs = []
     path = write_records(served, logs)

@@ -25,7 +25,7 @@ import numpy as np
 from mpspool import dtypes
 from mpspool.errors import Code, ServingError, code_of, code_of_os_error
 from mpspool.protos import serving_pb2
-from mpspool.signature import SignatureSpec, specs_from_signature_defs
+from mpspool.signature import MAX_STRING_RANK, SignatureSpec, specs_from_signature_defs
 from mpspool.worker.direct_call import DirectCall, direct_call
 from mpspool.worker.session_call import SessionCall, has_loop, session_call
 from mpspool.worker.stateful import calls_python, writes_a_variable, writes_state
@@ -381,6 +381,19 @@ class SavedModelRuntime:
             for key, spec in specs.items()
             if any(out.dtype == dtypes.DT_STRING and not out.shape for out in spec.outputs.values())
         }
+        # Signatures with a string output of unknown rank: its rank is looked at before
+        # numpy holds it (`_numpy`), as TensorFlow's conversion of a string tensor of more
+        # than MAX_STRING_RANK dimensions ends the process (one request killed a worker at
+        # each try; found by a review). They get no session call, whose fetch converts
+        # before anything can look.
+        self._unknown_rank_strings = {
+            key: frozenset(
+                alias
+                for alias, out in spec.outputs.items()
+                if out.dtype == dtypes.DT_STRING and out.shape is None
+            )
+            for key, spec in specs.items()
+        }
         self._flat_orders = {
             key: _flat_order(function, specs[key]) for key, function in self._functions.items()
         }
@@ -418,6 +431,10 @@ class SavedModelRuntime:
         for key, function in self._functions.items():
             if self.specs[key].unservable:
                 continue  # never called
+            if self._unknown_rank_strings[key]:
+                # Its fetch would convert a string output before its rank could be looked at.
+                log.debug("no session call for %s: a string output of unknown rank", key)
+                continue
             self._sessions[key] = session_call(
                 function,
                 self._flat_orders[key],
@@ -536,6 +553,20 @@ class SavedModelRuntime:
                 )
             else:
                 result = function(**inputs)
+        return self._numpy(signature, result, outputs)
+
+    def _numpy(self, signature: str, result: Any, outputs: list[str]) -> dict[str, Any]:
+        """The outputs as numpy values; INVALID_ARGUMENT for a string output of more than
+        MAX_STRING_RANK dimensions, looked at first (`_unknown_rank_strings`)."""
+        for alias in self._unknown_rank_strings.get(signature, ()):
+            rank = result[alias].shape.rank if alias in outputs else None
+            if rank is not None and rank > MAX_STRING_RANK:
+                raise ServingError(
+                    Code.INVALID_ARGUMENT,
+                    f"output {alias!r} is a string tensor of rank {rank}: TensorFlow's Python "
+                    f"side, which the workers call the model through, holds string tensors of "
+                    f"rank {MAX_STRING_RANK} at most",
+                )
         return {alias: result[alias].numpy() for alias in outputs}
 
     def _run(
@@ -552,8 +583,7 @@ class SavedModelRuntime:
                 answer = session(inputs)
                 got = {alias: answer[alias] for alias in outputs}
             elif direct is not None:
-                answer = direct(inputs, cancel)
-                got = {alias: answer[alias].numpy() for alias in outputs}
+                got = self._numpy(signature, direct(inputs, cancel), outputs)
             else:
                 got = self._call_function(signature, inputs, outputs, cancel)
             if signature in self._scalar_string_outputs:

@@ -227,7 +227,11 @@ def flush_denormals_on_this_thread(tf: Any) -> bool:
     set_state.restype = ctypes.c_bool
     # DenormalState: bool flush_to_zero_, bool denormals_are_zero_.
     state = (ctypes.c_bool * 2)(True, True)
-    return bool(set_state(ctypes.byref(state)))
+    if not set_state(ctypes.byref(state)):  # a platform without the setting
+        log.warning("denormals are not flushed on the session call's thread: TensorFlow "
+                    "cannot set that on this platform")  # fmt: skip
+        return False
+    return True
 
 
 def _library_nodes(graph_def: Any) -> Iterator[Any]:

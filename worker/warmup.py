@@ -35,7 +35,12 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from mpspool.dtypes import DT_FLOAT, DT_STRING, dt_of_array, dtype_name
 from mpspool.errors import Code, ServingError
 from mpspool.protos import prediction_log_pb2, tensorflow_pb2
-from mpspool.signature import PREDICT_METHOD, check_inputs, check_output_filter
+from mpspool.signature import (
+    MAX_STRING_RANK,
+    PREDICT_METHOD,
+    check_inputs,
+    check_output_filter,
+)
 
 log = logging.getLogger("mpspool.worker")
 
@@ -421,6 +426,14 @@ def _ndarray(tensor: tensorflow_pb2.TensorProto, alias: str) -> np.ndarray:
     from tensorflow.core.framework import tensor_pb2
     from tensorflow.python.framework import tensor_util
 
+    rank = len(tensor.tensor_shape.dim)
+    if tensor.dtype == DT_STRING and rank > MAX_STRING_RANK:
+        # As the front door refuses a request of one (TensorFlow's conversion of it ends the
+        # process: every load try of such a warm-up file did; found by a review).
+        raise WarmupError(
+            f"warm-up input {alias!r} is a string tensor of rank {rank}: the workers take "
+            f"string tensors of rank {MAX_STRING_RANK} at most"
+        )
     try:
         parsed = tensor_pb2.TensorProto.FromString(tensor.SerializeToString())
         return tensor_util.MakeNdarray(parsed)
