@@ -27,7 +27,11 @@ import numpy as np
 import pytest
 import requests
 import tensorflow as tf
-from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+from tensorflow_serving.apis import (
+    classification_pb2,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+)
 
 from conftest import DEMO_ROWS
 from poolproc import Pool, memory_mib
@@ -710,8 +714,9 @@ def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
     )
 
 
-def _h2_call_head(*extra: tuple[bytes, bytes]) -> bytes:
-    """A Predict call's header block (HPACK literals: no indexing, no Huffman), and `extra`."""
+def _h2_call_head(*extra: tuple[bytes, bytes], path: str = "") -> bytes:
+    """A Predict call's header block (another method's at `path`; HPACK literals: no indexing,
+    no Huffman), and `extra`."""
 
     def literal(name: bytes, value: bytes) -> bytes:
         return b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value
@@ -719,18 +724,19 @@ def _h2_call_head(*extra: tuple[bytes, bytes]) -> bytes:
     return b"".join(
         literal(name, value)
         for name, value in [
-            (b":method", b"POST"), (b":scheme", b"http"), (b":path", PREDICT.encode()),
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", (path or PREDICT).encode()),
             (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
             (b"te", b"trailers"), *extra,
         ]
     )  # fmt: skip
 
 
-def _h2_unread_predicts(port: int, message: bytes, count: int) -> socket.socket:
+def _h2_unread_predicts(port: int, message: bytes, count: int, path: str = "") -> socket.socket:
     """A raw HTTP/2 connection that grants no window for answers (SETTINGS_INITIAL_WINDOW_SIZE
-    0) and sends `count` Predicts of `message` on it; the caller never reads it."""
+    0) and sends `count` Predicts (or calls of `path`) of `message` on it; the caller never
+    reads it."""
 
-    head = _h2_call_head()
+    head = _h2_call_head(path=path)
     body = b"\0" + len(message).to_bytes(4, "big") + message
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     sock.sendall(
@@ -784,6 +790,66 @@ def test_answers_a_client_does_not_take_count_and_its_connection_is_closed(
         assert pool.worker_pids() == [worker], "no worker was replaced"
         assert pool.stop() == 0
         assert pool.leftovers() == []
+    finally:
+        for sock in sockets:
+            sock.close()
+        pool.kill()
+
+
+def build_big_classifier(base: Path) -> Path:
+    """A classifier of serialized tf.Examples whose answer is large from a tiny request: each
+    example's int64 feature `k` → k scores of 0.5 (no classes)."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        serialized = v1.placeholder(tf.string, [None], name="tf_example")
+        k = v1.io.parse_example(serialized, {"k": v1.io.FixedLenFeature([], tf.int64)})["k"]
+        scores = tf.fill([tf.shape(serialized)[0], tf.cast(k[0], tf.int32)], 0.5)
+        with v1.Session() as session:
+            builder = v1.saved_model.Builder(str(base / "1"))
+            signature = v1.saved_model.signature_def_utils.classification_signature_def(
+                serialized, None, scores
+            )
+            builder.add_meta_graph_and_variables(
+                session, ["serve"], signature_def_map={"serving_default": signature}
+            )
+            builder.save()
+    return base
+
+
+def test_classify_answers_a_client_does_not_take_count_as_predicts_do(tmp_path: Path) -> None:
+    """Only Predict's answers were held to the memory budget until their client took them:
+    twenty 33-byte Classify calls on a connection that granted no window held 1.1 GB, the
+    budget counting none, and the connection was never closed (found by a hunt). Now a
+    Classify answer counts (its decoded form: a Class per score), past the budget it is
+    refused, and the stalled connection is closed."""
+    stall_s = 12
+    args = ("--max-message-bytes", str(64 << 20), "--request-read-timeout", str(stall_s))
+    pool = Pool(tmp_path, build_big_classifier(tmp_path / "big"), 1, *args)
+    sockets: list[socket.socket] = []
+    try:
+        pool.start().wait_ready(1)
+        request = classification_pb2.ClassificationRequest()
+        request.model_spec.name = "demo"
+        example = request.input.example_list.examples.add()
+        example.features.feature["k"].int64_list.value.append(1_000_000)
+        big = request.SerializeToString()
+        classify = "/tensorflow.serving.PredictionService/Classify"
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{pool.port}", options=options) as channel:
+            call = channel.unary_unary(classify)
+            assert len(call(big, timeout=60)) > 5_000_000
+            _wait_for_memory(pool, 0, 0.001)
+            # Each answer held as its decoded form, about 30.5 MiB: 8 fit the 256 MiB budget.
+            sockets.append(_h2_unread_predicts(pool.port, big, 12, classify))
+            _wait_for_memory(pool, 7 * 30, 256)
+            with pytest.raises(grpc.RpcError) as refused:
+                call(big, timeout=60)
+            said = refused.value.details()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, said
+            assert "answers not yet taken" in said, said
+            _until_closed(sockets[0], timeout=30)
+            _wait_for_memory(pool, 0, 0.001)
+        assert pool.stop() == 0
     finally:
         for sock in sockets:
             sock.close()
