@@ -856,6 +856,43 @@ def test_classify_answers_a_client_does_not_take_count_as_predicts_do(tmp_path: 
         pool.kill()
 
 
+def test_rest_answers_a_client_does_not_read_count_until_written(tmp_path: Path) -> None:
+    """A REST answer holds its share of the memory budget until its last piece is written,
+    as a gRPC one does: three clients that read none of their ~40 MB answers keep them
+    counted, and once they go the memory is given back. REST answers were counted by
+    nothing: four 60-byte requests made 2.4 GB of answers at once, held for the stall limit
+    by clients that did not read them (found by a hunt)."""
+    pool = Pool(tmp_path, build_big_answer_model(tmp_path / "big"), 1)
+    sockets: list[socket.socket] = []
+    try:
+        pool.start().wait_ready(1)
+        body = json.dumps({"instances": [4_000_000.0]}).encode()
+        head = (
+            f"POST /v1/models/demo:predict HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        for _ in range(3):
+            rest_port = int(pool.rest_url.rsplit(":", 1)[1])
+            sock = socket.create_connection(("127.0.0.1", rest_port), timeout=60)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(head + body)
+            sockets.append(sock)
+        # Each answer is 4,000,000 values of 4000000.0: about 57 MiB of JSON.
+        held = _wait_for_memory(pool, 3 * 50, 3 * 65)
+        for sock in sockets:
+            sock.close()
+        _wait_for_memory(pool, 0, 0.001)
+        answer = requests.post(
+            f"{pool.rest_url}/v1/models/demo:predict", json={"instances": [3.0]}, timeout=30
+        )
+        assert answer.json() == {"predictions": [3.0, 3.0, 3.0]}, held
+        assert pool.stop() == 0
+    finally:
+        for sock in sockets:
+            sock.close()
+        pool.kill()
+
+
 def test_rest_connections_keep_their_answers_and_their_clocks_apart(tmp_path: Path) -> None:
     """REST connections, as the clients that met each case: an error answered before its
     body was read reaches Python's http.client whole (the connection was closed with the

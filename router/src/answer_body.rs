@@ -21,8 +21,9 @@
 //!
 //! Answers under UNCOUNTED_BYTES are not counted, as requests under it are not, and neither
 //! are what h2 holds of a stream beyond its window once the body has handed it over (copies,
-//! at most its send buffer per stream). REST answers are not counted (`rest.rs` calls
-//! `predict_checked` itself): HTTP/1 has one answer per connection at a time.
+//! at most its send buffer per stream). REST answers are held by `rest.rs` the same way
+//! (`hold_answer`, `HeldAnswer`), once their JSON is written; the connection's own clocks close
+//! one whose client stops reading.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -64,7 +65,7 @@ pub fn hold_answer(bytes: usize) -> Result<(), ServingError> {
 }
 
 /// `carried` made a share of `bytes`: trimmed, or topped up from `budget` without waiting.
-fn take_over(
+pub(crate) fn take_over(
     carried: Option<Held>,
     bytes: usize,
     budget: &RequestBudget,

@@ -7,6 +7,7 @@
 //! Every answer is JSON; an error is `{"error": message}` with TF Serving's HTTP status for
 //! its code. A body over the message limit is refused before it is read.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -91,6 +92,77 @@ const BLOCKING_ANSWER_BYTES: usize = BLOCKING_BODY_BYTES / 8;
 /// `tf.zeros([n, m, 0])` made a 26-byte request a 400 MB answer written on the serving
 /// thread (found by a hunt).
 const MAX_ANSWER_ARRAYS: u64 = 1 << 30;
+
+tokio::task_local! {
+    /// The share of the request budget the answer being made holds (`hold_answer`), for its
+    /// connection to keep with the answer's body until it is written (`HeldAnswer`).
+    static ANSWER_HELD: RefCell<Option<Held>>;
+}
+
+/// Holds `json` bytes of the budget for the answer being made (an API call's JSON), taking
+/// over `carried` (the request body's share); RESOURCE_EXHAUSTED when the answer is larger
+/// than the budget or the budget has not the room, as a gRPC answer's (answer_body). Outside
+/// a connection's scope (tests) nothing is held. REST answers were counted by nothing: four
+/// 60-byte requests of 20,000,000 floats each made a 420 MB answer, 2.4 GB at once, and
+/// clients that read none held them until their connections' stall limit (found by a hunt).
+fn hold_answer(
+    carried: Option<Held>,
+    json: usize,
+    budget: &RequestBudget,
+) -> Result<(), ServingError> {
+    if json < decode_budget::UNCOUNTED_BYTES || ANSWER_HELD.try_with(|_| ()).is_err() {
+        return Ok(());
+    }
+    let held = crate::answer_body::take_over(carried, json, budget)?;
+    let _ = ANSWER_HELD.try_with(|answer| *answer.borrow_mut() = Some(held));
+    Ok(())
+}
+
+/// An answer's body, handed to hyper a piece at a time with its share of the budget held
+/// until the last piece is taken: hyper takes the next only once it has written most of the
+/// last, so what a client does not read stays counted (a whole body handed over at once was
+/// dropped, and its share with it, while hyper still held every byte).
+pub struct HeldAnswer {
+    rest: Bytes,
+    held: Option<Held>,
+}
+
+impl HeldAnswer {
+    fn new(rest: Bytes, held: Option<Held>) -> Self {
+        Self { rest, held }
+    }
+}
+
+impl hyper::body::Body for HeldAnswer {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if this.rest.is_empty() {
+            this.held = None;
+            return std::task::Poll::Ready(None);
+        }
+        let piece = this
+            .rest
+            .split_to(this.rest.len().min(crate::answer_body::PIECE));
+        if this.rest.is_empty() {
+            this.held = None;
+        }
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(piece))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.rest.len() as u64)
+    }
+}
 
 /// JSON arrays a tensor is written as: [2, 3, 4] is 1 + 2 + 2·3 (its innermost arrays hold
 /// the values), a scalar none.
@@ -790,10 +862,11 @@ impl Rest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
         };
-        let (response, _held) =
+        let (response, held) =
             decode_budget::serving_with(held, self.api.classify_checked(request, deadline)).await;
-        let response = response?;
-        json_tensor::classification_answer(&response.result.unwrap_or_default())
+        let answer = json_tensor::classification_answer(&response?.result.unwrap_or_default())?;
+        hold_answer(held, answer.len(), &self.reading.budget)?;
+        Ok(answer)
     }
 
     /// TF Serving's `ProcessRegressRequest`.
@@ -810,10 +883,11 @@ impl Rest {
             model_spec: Some(model_spec(model, version, &signature_name)),
             input: Some(input),
         };
-        let (response, _held) =
+        let (response, held) =
             decode_budget::serving_with(held, self.api.regress_checked(request, deadline)).await;
-        let response = response?;
-        json_tensor::regression_answer(&response.result.unwrap_or_default())
+        let answer = json_tensor::regression_answer(&response?.result.unwrap_or_default())?;
+        hold_answer(held, answer.len(), &self.reading.budget)?;
+        Ok(answer)
     }
 
     /// TF Serving's `ProcessPredictRequest`: the body is parsed first, then the model and
@@ -847,7 +921,7 @@ impl Rest {
         };
         // The body's share goes with the work (to a worker, and stays there if this caller
         // goes), and back here while the answer is written.
-        let (response, _held) =
+        let (response, held) =
             decode_budget::serving_with(held, self.api.predict_checked(request, deadline, false))
                 .await;
         let response = response?;
@@ -867,12 +941,14 @@ impl Rest {
         let size: usize = outputs.values().map(tensor_memory).sum();
         let size =
             size.saturating_add(usize::try_from(arrays.saturating_mul(2)).unwrap_or(usize::MAX));
-        on_a_blocking_thread_if(
+        let answer = on_a_blocking_thread_if(
             size >= BLOCKING_ANSWER_BYTES,
             "writing the answer",
             move || json_tensor::predict_answer(&outputs, format),
         )
-        .await
+        .await?;
+        hold_answer(held, answer.len(), &self.reading.budget)?;
+        Ok(answer)
     }
 
     fn status(&self, model: &str, version: &Version) -> Result<String, ServingError> {
@@ -1129,7 +1205,22 @@ pub async fn serve_connection(
         let request = Request::from_parts(head, body);
         async move {
             let _handling = handling;
-            Ok::<_, std::convert::Infallible>(rest.handle(request).await)
+            let (response, held) = ANSWER_HELD
+                .scope(RefCell::new(None), async {
+                    let response = rest.handle(request).await;
+                    (response, ANSWER_HELD.with(|held| held.borrow_mut().take()))
+                })
+                .await;
+            let (head, body) = response.into_parts();
+            // Full<Bytes> is ready at once: its one frame, or none.
+            let bytes = match body.collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(never) => match never {},
+            };
+            Ok::<_, std::convert::Infallible>(Response::from_parts(
+                head,
+                HeldAnswer::new(bytes, held),
+            ))
         }
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
