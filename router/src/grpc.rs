@@ -538,11 +538,11 @@ pub fn deadline_in(headers: &http::HeaderMap, now: Instant) -> Option<Instant> {
     now.checked_add(timeout)
 }
 
-/// `response`, its share of the budget held until its client takes it (answer_body), as a
-/// Predict's answer: its encoded size, or what its decoded form takes (`decoded`) if more;
-/// RESOURCE_EXHAUSTED when there is no room. Only Predict's were: twenty 33-byte Classify
-/// streams whose client opened no window held 1.1 GB, the budget counting none and the
-/// connection never closed (found by a hunt).
+/// `response`, its share of the budget held until its client takes it (answer_body): its
+/// encoded size, or what its decoded form takes (`decoded`) if more; RESOURCE_EXHAUSTED when
+/// there is no room. Every answer a client may leave untaken goes through here: only
+/// Predict's did, and twenty 33-byte Classify streams whose client opened no window held
+/// 1.1 GB, the budget counting none and the connection never closed (found by a hunt).
 fn held_until_taken<M: prost::Message>(response: M, decoded: usize) -> Result<M, ServingError> {
     crate::answer_body::hold_answer(response.encoded_len().max(decoded))?;
     Ok(response)
@@ -597,16 +597,13 @@ impl PredictionService for Api {
             .predict_checked(request.into_inner(), deadline, self.tensor_content_outputs)
             .await
             .and_then(|response| {
-                // Held until its client takes it (answer_body); refused when there is no room.
                 // Until it is encoded its decoded tensors are what it takes, if more.
                 let decoded: usize = response
                     .outputs
                     .values()
                     .map(crate::decode_budget::tensor_memory)
                     .sum();
-                let encoded = prost::Message::encoded_len(&response);
-                crate::answer_body::hold_answer(encoded.max(decoded))?;
-                Ok(response)
+                held_until_taken(response, decoded)
             });
         finish(result, &mut guard)
     }
